@@ -1,0 +1,31 @@
+"""cupaged: a paged KV cache and paged attention for CuPy (and NumPy on machines without a GPU).
+
+Public names::
+
+    PagedCache, BlockPool, CacheSpec                        the block manager and its arithmetic
+    write_kv, copy_blocks                                   functional ops on raw cache arrays
+    reference_attention                                     the naive oracle attention
+    CupagedError, OutOfBlocksError                          errors
+"""
+
+from __future__ import annotations
+
+from .block_pool import BlockPool
+from .cache import PagedCache
+from .errors import CupagedError, OutOfBlocksError
+from .memory import CacheSpec
+from .ops import copy_blocks, write_kv
+from .reference import reference_attention
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BlockPool",
+    "CacheSpec",
+    "CupagedError",
+    "OutOfBlocksError",
+    "PagedCache",
+    "copy_blocks",
+    "reference_attention",
+    "write_kv",
+]

@@ -1,0 +1,123 @@
+"""Element types of the cache: float32, float16 and bfloat16.
+
+CuPy has no bfloat16 dtype (cupy issue 7527), so a bfloat16 cache stores the 16-bit patterns in
+``uint16`` arrays and is named by ``dtype="bfloat16"``. On NumPy, ``ml_dtypes.bfloat16`` arrays are
+accepted too, and ``int16`` arrives from PyTorch or JAX through DLPack; both are viewed as ``uint16``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from ._backend import array_module
+
+DTYPE_NAMES = ("float32", "float16", "bfloat16")
+
+_STORAGE = {
+    "float32": np.dtype(np.float32),
+    "float16": np.dtype(np.float16),
+    "bfloat16": np.dtype(np.uint16),
+}
+# Array dtypes that hold bfloat16 bit patterns.
+_BF16_CARRIERS = (np.dtype(np.uint16), np.dtype(np.int16), np.dtype(ml_dtypes.bfloat16))
+
+
+def dtype_name(dtype: Any) -> str:
+    """Canonical name of an element type given as a string or a NumPy-compatible dtype.
+
+    ``"bfloat16"``, ``ml_dtypes.bfloat16`` and ``"bf16"`` all name bfloat16; ``uint16`` does not
+    (it is how bfloat16 is *stored*, but as a request it is ambiguous).
+
+    Raises:
+        TypeError: the dtype is not one of float32, float16, bfloat16.
+    """
+    if isinstance(dtype, str) and dtype.lower() in ("bfloat16", "bf16"):
+        return "bfloat16"
+    try:
+        np_dtype = np.dtype(dtype)
+    except TypeError:
+        np_dtype = None
+    if np_dtype == np.dtype(ml_dtypes.bfloat16):
+        return "bfloat16"
+    if np_dtype is not None and np_dtype.name in ("float32", "float16"):
+        return np_dtype.name
+    raise TypeError(f"expected dtype one of {DTYPE_NAMES}, got {dtype!r}")
+
+
+def storage_dtype(name: str) -> np.dtype:
+    """The array dtype that stores elements of type ``name`` (``uint16`` for bfloat16)."""
+    return _STORAGE[dtype_name(name)]
+
+
+def itemsize(name: str) -> int:
+    """Bytes per element of type ``name``."""
+    return storage_dtype(name).itemsize
+
+
+def array_dtype_name(x: Any) -> str:
+    """Element type that the array ``x`` holds: its dtype, or bfloat16 for 16-bit integer carriers.
+
+    Raises:
+        TypeError: ``x`` holds none of float32, float16 or bfloat16 patterns.
+    """
+    if x.dtype in _BF16_CARRIERS:
+        return "bfloat16"
+    if x.dtype.name in ("float32", "float16"):
+        return x.dtype.name
+    raise TypeError(
+        f"expected an array of float32, float16 or bfloat16 (stored as uint16), got dtype {x.dtype}"
+    )
+
+
+def as_storage(x: Any) -> Any:
+    """View ``x`` in its storage dtype (bfloat16 carriers become ``uint16``); no copy."""
+    if x.dtype in _BF16_CARRIERS and x.dtype != np.uint16:
+        return x.view(np.uint16)
+    return x
+
+
+def to_float(x: Any, dtype: Any = np.float32) -> Any:
+    """Convert an array of any cache element type to float32 or float64, exactly.
+
+    bfloat16 is the upper half of a float32, so widening it is a shift of its bit pattern; that works
+    unchanged on NumPy and CuPy arrays.
+    """
+    if array_dtype_name(x) == "bfloat16":
+        bits = as_storage(x).astype(np.uint32) << np.uint32(16)
+        return bits.view(np.float32).astype(dtype, copy=False)
+    return x.astype(dtype, copy=False)
+
+
+def float32_to_bfloat16_bits(x: Any) -> Any:
+    """Round a float32 array to bfloat16 (round to nearest, ties to even); return ``uint16`` bits.
+
+    Written in array ops because CuPy has no bfloat16 type; the tests check it against
+    ``ml_dtypes.bfloat16`` on NumPy. NaNs stay NaNs (quiet), infinities stay infinities.
+    """
+    bits = x.astype(np.float32, copy=False).view(np.uint32)
+    lsb = (bits >> np.uint32(16)) & np.uint32(1)
+    rounded = (bits + np.uint32(0x7FFF) + lsb) >> np.uint32(16)
+    quiet_nan = (bits >> np.uint32(16)) | np.uint32(0x0040)
+    is_nan = (bits & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
+    return array_module(x).where(is_nan, quiet_nan, rounded).astype(np.uint16)
+
+
+def from_float(x: Any, name: str, like: Any = None) -> Any:
+    """Convert a float array to element type ``name`` in its storage dtype.
+
+    Args:
+        x: float32 or float64 array (NumPy or CuPy).
+        name: target element type.
+        like: optional array whose bfloat16 carrier dtype (``uint16``, ``int16`` or
+            ``ml_dtypes.bfloat16``) the result should be viewed as.
+    """
+    name = dtype_name(name)
+    if name != "bfloat16":
+        return x.astype(name)
+    bits = float32_to_bfloat16_bits(x.astype(np.float32))
+    if like is not None and like.dtype in _BF16_CARRIERS:
+        return bits.view(like.dtype)
+    return bits

@@ -1,0 +1,149 @@
+"""The oracle: paged attention, KV write and block copy in plain array ops.
+
+Deliberately naive, and sharing no code with the kernels: every sequence's K/V is gathered through
+its block table into a contiguous array and attended with an explicit softmax. Runs on NumPy and
+CuPy alike (``xp`` is the module of the inputs). Slow by design; use it to check, not to serve.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ._backend import array_module, to_numpy
+from ._checks import check_dtype, check_index_array, check_shape
+from .dtypes import array_dtype_name, as_storage, dtype_name, from_float, to_float
+
+
+def reference_attention(
+    q: Any,
+    k_cache: Any,
+    v_cache: Any,
+    block_tables: Any,
+    context_lens: Any,
+    scale: float | None = None,
+    *,
+    compute_dtype: str = "float32",
+    out_dtype: str | None = None,
+) -> Any:
+    """Decode attention of one query token per sequence over a paged KV cache, naively.
+
+    For sequence ``i`` and query head ``h``, with ``g = num_q_heads // num_kv_heads`` query heads per
+    KV head and ``L = context_lens[i]``::
+
+        K, V = tokens 0 .. L-1 of KV head h // g, gathered through block_tables[i]
+        out[i, h] = softmax(scale * K @ q[i, h]) @ V
+
+    A sequence with ``L == 0`` gets a zero output row.
+
+    Args:
+        q: ``[num_seqs, num_q_heads, head_dim]`` float32, float16 or bfloat16 (as ``uint16``).
+        k_cache: ``[num_blocks, num_kv_heads, block_size, head_dim]``, same element type as ``q``.
+        v_cache: same shape and element type as ``k_cache``.
+        block_tables: ``[num_seqs, max_blocks]`` int32/int64; entry ``j`` of row ``i`` is the
+            physical block holding tokens ``j * block_size ..`` of sequence ``i``.
+        context_lens: ``[num_seqs]`` int32/int64, each in ``[0, max_blocks * block_size]``.
+        scale: softmax scale; ``head_dim ** -0.5`` when ``None``.
+        compute_dtype: ``"float32"`` (the default) or ``"float64"`` for scores, softmax and sums.
+        out_dtype: element type of the result; ``q``'s when ``None``. ``"float64"`` is allowed.
+
+    Returns:
+        ``[num_seqs, num_q_heads, head_dim]`` array on the inputs' device.
+    """
+    xp = array_module(q, k_cache, v_cache, block_tables, context_lens)
+    compute = np.dtype(compute_dtype)
+    if compute not in (np.dtype(np.float32), np.dtype(np.float64)):
+        raise ValueError(f"expected compute_dtype float32 or float64, got {compute_dtype!r}")
+    num_seqs, num_q_heads, head_dim = check_shape(
+        "q", q, [("num_seqs", None), ("num_q_heads", None), ("head_dim", None)]
+    )
+    cache_dims = [("num_blocks", None), ("num_kv_heads", None), ("block_size", None)]
+    num_blocks, num_kv_heads, block_size, _ = check_shape(
+        "k_cache", k_cache, [*cache_dims, ("head_dim", head_dim)]
+    )
+    check_shape("v_cache", v_cache, [(a, s) for a, s in zip(_CACHE_AXES, k_cache.shape)])
+    elem = array_dtype_name(q)
+    check_dtype("k_cache", k_cache, elem, "q's dtype")
+    check_dtype("v_cache", v_cache, elem, "q's dtype")
+    _, max_blocks = check_shape(
+        "block_tables", block_tables, [("num_seqs", num_seqs), ("max_blocks", None)]
+    )
+    check_shape("context_lens", context_lens, [("num_seqs", num_seqs)])
+    check_index_array("block_tables", block_tables)
+    check_index_array("context_lens", context_lens)
+    if num_q_heads % num_kv_heads:
+        raise ValueError(
+            f"expected num_q_heads to be a multiple of num_kv_heads={num_kv_heads}, "
+            f"got {num_q_heads}"
+        )
+    tables, lens = to_numpy(block_tables), to_numpy(context_lens)
+    if lens.size and (lens.min() < 0 or lens.max() > max_blocks * block_size):
+        raise ValueError(
+            f"expected context_lens in [0, {max_blocks * block_size}] (max_blocks * block_size), "
+            f"got values in [{lens.min()}, {lens.max()}]"
+        )
+    scale = head_dim**-0.5 if scale is None else float(scale)
+    group = num_q_heads // num_kv_heads
+    kv_head_of = xp.arange(num_q_heads) // group
+
+    out = xp.zeros((num_seqs, num_q_heads, head_dim), compute)
+    for i in range(num_seqs):
+        length = int(lens[i])
+        if length == 0:
+            continue
+        used = tables[i, : -(-length // block_size)]
+        if used.min() < 0 or used.max() >= num_blocks:
+            raise ValueError(
+                f"expected block ids in [0, {num_blocks}) in row {i} of block_tables, "
+                f"got {used.tolist()}"
+            )
+        blocks = xp.asarray(used)
+        k = _gather_sequence(k_cache, blocks, length, compute)[kv_head_of]  # [Hq, L, D]
+        v = _gather_sequence(v_cache, blocks, length, compute)[kv_head_of]
+        qi = to_float(q[i], compute)  # [Hq, D]
+        scores = xp.einsum("hd,hld->hl", qi, k) * compute.type(scale)
+        scores -= scores.max(axis=1, keepdims=True)
+        weights = xp.exp(scores)
+        weights /= weights.sum(axis=1, keepdims=True)
+        out[i] = xp.einsum("hl,hld->hd", weights, v)
+
+    target = elem if out_dtype is None else out_dtype
+    if target == "float64":
+        return out
+    return from_float(out, dtype_name(target), like=q)
+
+
+_CACHE_AXES = ("num_blocks", "num_kv_heads", "block_size", "head_dim")
+
+
+def _gather_sequence(cache: Any, blocks: Any, length: int, dtype: np.dtype) -> Any:
+    """``[num_kv_heads, length, head_dim]``: a sequence's tokens, in order, as ``dtype``."""
+    gathered = cache[blocks]  # [n_blocks, H, block_size, D]
+    n_blocks, heads, block_size, head_dim = gathered.shape
+    tokens = gathered.transpose(1, 0, 2, 3).reshape(heads, n_blocks * block_size, head_dim)
+    return to_float(tokens[:, :length], dtype)
+
+
+def reference_write_kv(k_cache: Any, v_cache: Any, k: Any, v: Any, slot_mapping: Any) -> None:
+    """Scatter token ``t``'s K/V to slot ``slot_mapping[t]`` (skip ``-1``), in place; no checks.
+
+    ``slot = block * block_size + offset``. Shapes as in :func:`cupaged.write_kv`.
+    """
+    block_size = k_cache.shape[2]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].astype(np.int64)
+    blocks, offsets = slots // block_size, slots % block_size
+    as_storage(k_cache)[blocks, :, offsets, :] = as_storage(k)[keep]
+    as_storage(v_cache)[blocks, :, offsets, :] = as_storage(v)[keep]
+
+
+def reference_copy_blocks(k_cache: Any, v_cache: Any, src: Any, dst: Any) -> None:
+    """Copy block ``src[i]`` to block ``dst[i]`` in every layer, in place; no checks.
+
+    The block axis is the fourth from the end, so a single layer ``[num_blocks, ...]`` and the
+    whole cache ``[num_layers, num_blocks, ...]`` both work.
+    """
+    for cache in (k_cache, v_cache):
+        layers = (slice(None),) * (cache.ndim - 4)
+        cache[(*layers, dst)] = cache[(*layers, src)]
