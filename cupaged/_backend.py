@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -116,3 +117,17 @@ def array_device(x: Any) -> str:
 def to_numpy(x: Any) -> np.ndarray:
     """A NumPy copy (CuPy arrays) or view (NumPy arrays) of ``x``, in host memory."""
     return x.get() if is_cupy_array(x) else np.asarray(x)
+
+
+def kernel_dir() -> Path:
+    """Folder of the kernel sources (``*.cu``, ``common.cuh``).
+
+    An installed wheel carries them inside the package (``cupaged/cuda``); a source checkout or an
+    editable install keeps them at the top of the repository (``cuda/``).
+    """
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "cuda", here.parent / "cuda"):
+        if (candidate / "common.cuh").is_file():
+            return candidate
+    raise CupagedError(f"kernel sources not found: expected common.cuh in {here / 'cuda'}")
+

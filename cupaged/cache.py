@@ -232,7 +232,7 @@ class PagedCache:
         k, v = self._check_kv(k, v)
         if k.shape[1] == 0:
             return
-        slots = self._reserve([seq], [k.shape[1]])
+        slots = self._reserve([seq], [k.shape[1]], f"appending {k.shape[1]} token(s) to sequence {sid}")
         for layer in range(self.spec.num_layers):
             write_kv(self.k[layer], self.v[layer], k[layer], v[layer], slots)
 
@@ -267,11 +267,11 @@ class PagedCache:
                 )
         if any(n < 0 for n in counts):
             raise ValueError(f"expected num_tokens >= 0, got {counts}")
-        return self._reserve(seqs, counts)
+        return self._reserve(seqs, counts, f"reserving {sum(counts)} token(s) for {len(seqs)} sequence(s)")
 
     # ----------------------------------------------------------------------------- internals
 
-    def _reserve(self, seqs: list[_Sequence], counts: list[int]) -> Any:
+    def _reserve(self, seqs: list[_Sequence], counts: list[int], what: str) -> Any:
         """Allocate blocks and copy shared last blocks for ``counts[i]`` tokens of ``seqs[i]``.
 
         Plans first and checks the pool once, so that a failure changes nothing. Forked siblings
@@ -287,9 +287,7 @@ class PagedCache:
                 released[seq.blocks[-1]] += 1
                 needed += 1
         if needed > self._pool.num_free:
-            raise OutOfBlocksError(
-                needed, self._pool.num_free, f"reserving {sum(counts)} token(s)"
-            )
+            raise OutOfBlocksError(needed, self._pool.num_free, what)
 
         free_before = self._pool.num_free
         slots = np.empty(sum(counts), dtype=np.int32)

@@ -1,0 +1,49 @@
+"""Shared test axes, the single tolerance table, and random inputs.
+
+Imported as ``from helpers import ...`` (pytest puts ``tests/`` on ``sys.path``).
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+from cupaged.dtypes import to_float
+
+DTYPES = ("float32", "float16", "bfloat16")
+GQA_RATIOS = (1, 4, 8)
+BLOCK_SIZES = (1, 4, 16)
+
+# DESIGN.md §6: kernel or reference output vs a float64 NumPy reference.
+TOLERANCES = {
+    "float32": dict(atol=1e-5, rtol=1e-5),
+    "float16": dict(atol=1e-3, rtol=1e-3),
+    "bfloat16": dict(atol=1e-2, rtol=1.6e-2),
+}
+
+
+def lengths_for(block_size: int) -> list[int]:
+    """Ragged and boundary context lengths for a block size."""
+    return sorted({1, max(block_size - 1, 1), block_size, block_size + 1, 97})
+
+
+def assert_close(actual, expected: np.ndarray, dtype: str) -> None:
+    """Compare ``actual`` (any cache element type, NumPy or CuPy) with a float64 reference."""
+    got = to_float(actual, np.float64)
+    got = got.get() if hasattr(got, "get") else got
+    np.testing.assert_allclose(got, expected, **TOLERANCES[dtype])
+
+
+def random_array(rng: np.random.Generator, shape, dtype: str) -> np.ndarray:
+    """Standard-normal values, never all zeros, in the storage dtype (bfloat16 as ``uint16``)."""
+    values = rng.standard_normal(shape, dtype=np.float32)
+    if dtype == "bfloat16":
+        return values.astype(ml_dtypes.bfloat16).view(np.uint16)
+    return values.astype(dtype)
+
+
+def poison(shape, dtype: str) -> np.ndarray:
+    """An output buffer full of NaN, so that unwritten elements cannot pass a comparison."""
+    if dtype == "bfloat16":
+        return np.full(shape, 0x7FC0, np.uint16)
+    return np.full(shape, np.nan, dtype)

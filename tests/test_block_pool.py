@@ -1,0 +1,139 @@
+"""White-box tests of BlockPool: exact ids, exact order, every error path."""
+
+from __future__ import annotations
+
+import pytest
+
+from cupaged import BlockPool, CupagedError, OutOfBlocksError
+
+
+def test_fresh_pool_hands_out_ids_in_order():
+    pool = BlockPool(5)
+    assert pool.allocate(3) == [0, 1, 2]
+    assert (pool.num_free, pool.num_used) == (2, 3)
+    assert [pool.refcount(b) for b in range(5)] == [1, 1, 1, 0, 0]
+    pool.check_invariants({0: 1, 1: 1, 2: 1})
+
+
+def test_freed_blocks_come_back_last_in_first_out():
+    pool = BlockPool(6)
+    pool.allocate(6)
+    for block in (2, 5, 0):
+        assert pool.decref(block) is True
+    assert pool.allocate(3) == [0, 5, 2]
+    pool.check_invariants({b: 1 for b in range(6)})
+
+
+def test_refcounts_keep_shared_blocks_in_use():
+    pool = BlockPool(3)
+    (block,) = pool.allocate(1)
+    pool.incref(block)
+    pool.incref(block)
+    assert pool.refcount(block) == 3
+    assert pool.decref(block) is False
+    assert pool.decref(block) is False
+    assert pool.num_free == 2
+    assert pool.decref(block) is True
+    assert (pool.num_free, pool.refcount(block)) == (3, 0)
+    pool.check_invariants({})
+
+
+def test_out_of_blocks_changes_nothing():
+    pool = BlockPool(4)
+    pool.allocate(3)
+    with pytest.raises(OutOfBlocksError, match="needs 2 free block.*got 1") as info:
+        pool.allocate(2)
+    assert (info.value.needed, info.value.available) == (2, 1)
+    assert isinstance(info.value, MemoryError) and isinstance(info.value, CupagedError)
+    assert pool.num_free == 1
+    assert pool.allocate(1) == [3]
+    pool.check_invariants({0: 1, 1: 1, 2: 1, 3: 1})
+
+
+def test_allocate_zero_is_a_no_op():
+    pool = BlockPool(2)
+    assert pool.allocate(0) == []
+    assert pool.num_free == 2
+
+
+@pytest.mark.parametrize("op", ["incref", "decref"])
+def test_reference_to_a_free_block_is_rejected(op):
+    pool = BlockPool(2)
+    pool.allocate(1)
+    with pytest.raises(ValueError, match="expected a block in use, got a free one"):
+        getattr(pool, op)(1)
+    pool.check_invariants({0: 1})
+
+
+@pytest.mark.parametrize("block", [-1, 4, 100])
+def test_block_ids_out_of_range_are_rejected(block):
+    pool = BlockPool(4)
+    with pytest.raises(ValueError, match=r"expected a block id in \[0, 4\)"):
+        pool.refcount(block)
+
+
+@pytest.mark.parametrize("bad", [1.0, "1", None, True])
+def test_non_integer_arguments_are_rejected(bad):
+    pool = BlockPool(4)
+    with pytest.raises(TypeError, match="expected"):
+        pool.allocate(bad)
+    with pytest.raises(TypeError, match="expected"):
+        BlockPool(bad)
+
+
+def test_bad_sizes_are_rejected():
+    with pytest.raises(ValueError, match="expected num_blocks >= 1, got 0"):
+        BlockPool(0)
+    with pytest.raises(ValueError, match="expected n >= 0"):
+        BlockPool(2).allocate(-1)
+
+
+def test_check_invariants_catches_corruption():
+    pool = BlockPool(3)
+    pool.allocate(2)
+    with pytest.raises(AssertionError, match="block 1 has refcount 1 but 2 table reference"):
+        pool.check_invariants({0: 1, 1: 2})
+    pool._free.append(2)  # the same block twice on the free stack
+    with pytest.raises(AssertionError, match="twice on the free stack"):
+        pool.check_invariants()
+    pool._free.pop()
+    pool._refcount[2] = 1  # in use and on the free stack at once
+    with pytest.raises(AssertionError, match="block 2 has refcount 1 but is on the free stack"):
+        pool.check_invariants()
+    pool._refcount[2] = 0
+    with pytest.raises(AssertionError, match="outside the pool"):
+        pool.check_invariants({0: 1, 1: 1, 7: 1})
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_random_walk_keeps_invariants(seed):
+    """Random allocate/incref/decref against a plain dict model, checking after every step."""
+    import random
+
+    rnd = random.Random(seed)
+    pool = BlockPool(16)
+    model: dict[int, int] = {}  # block -> references held
+    for _ in range(400):
+        op = rnd.choice(["allocate", "incref", "decref", "decref"])
+        if op == "allocate":
+            n = rnd.randint(0, 5)
+            if n > 16 - len(model):
+                with pytest.raises(OutOfBlocksError):
+                    pool.allocate(n)
+            else:
+                blocks = pool.allocate(n)
+                assert not set(blocks) & model.keys()
+                model.update(dict.fromkeys(blocks, 1))
+        elif model:
+            block = rnd.choice(sorted(model))
+            if op == "incref":
+                pool.incref(block)
+                model[block] += 1
+            else:
+                freed = pool.decref(block)
+                model[block] -= 1
+                assert freed == (model[block] == 0)
+                if freed:
+                    del model[block]
+        pool.check_invariants(model)
+        assert pool.num_free == 16 - len(model)
