@@ -28,7 +28,9 @@ def memory_math(spec: CacheSpec, max_len: int, lengths: list[int], budget: int) 
     print(f"  KV bytes per token:            {spec.bytes_per_token:,}")
     print(f"  KV bytes per block:            {spec.bytes_per_block:,}")
     print(f"  contiguous reservation @ {max_len}: {spec.contiguous_bytes(max_len) / MiB:,.0f} MiB")
-    print(f"  {'length':>8} {'blocks':>7} {'paged MiB':>10} {'paged waste':>12} {'contig waste':>13}")
+    print(
+        f"  {'length':>8} {'blocks':>7} {'paged MiB':>10} {'paged waste':>12} {'contig waste':>13}"
+    )
     for n in lengths:
         contig_waste = 100 * (1 - n / max_len)
         print(
@@ -46,8 +48,15 @@ def memory_math(spec: CacheSpec, max_len: int, lengths: list[int], budget: int) 
 
 def trace(device: str) -> None:
     block_size = 4
-    cache = PagedCache(num_blocks=8, block_size=block_size, num_layers=1, num_kv_heads=1,
-                       head_dim=8, dtype="float32", device=device)
+    cache = PagedCache(
+        num_blocks=8,
+        block_size=block_size,
+        num_layers=1,
+        num_kv_heads=1,
+        head_dim=8,
+        dtype="float32",
+        device=device,
+    )
     xp = device_module(cache.device)
     rng = np.random.default_rng(0)
 
@@ -55,13 +64,15 @@ def trace(device: str) -> None:
         return xp.asarray(rng.standard_normal((1, n, 1, 8), dtype=np.float32))
 
     def show(what: str, sid: int) -> None:
-        print(f"  {what:<48} table {cache.block_table(sid)!s:<12} len {cache.seq_len(sid):<3} "
-              f"free {cache.num_free_blocks}")
+        print(
+            f"  {what:<48} table {cache.block_table(sid)!s:<12} len {cache.seq_len(sid):<3} "
+            f"free {cache.num_free_blocks}"
+        )
 
     print(f"\nTrace: block_size {block_size}, 8 blocks, device {cache.device}")
     # Occupy blocks 0..5, then free 2 and 5: the free stack hands out 5 first, then 2.
     filler = [cache.add_sequence() for _ in range(4)]
-    for sid, n in zip(filler, (8, 4, 8, 4)):
+    for sid, n in zip(filler, (8, 4, 8, 4), strict=True):
         cache.append(sid, tokens(n), tokens(n))
     cache.free(filler[1])
     cache.free(filler[3])
@@ -92,10 +103,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="cupaged", description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command")
     example = commands.add_parser("example", help="memory math and a block-table trace")
-    example.add_argument("--device", choices=["cuda", "cpu"], default=None,
-                         help="where the cache lives (default: cuda when usable, else cpu)")
-    example.add_argument("--max-len", type=int, default=4096,
-                         help="contiguous reservation per sequence, tokens (default 4096)")
+    example.add_argument(
+        "--device",
+        choices=["cuda", "cpu"],
+        default=None,
+        help="where the cache lives (default: cuda when usable, else cpu)",
+    )
+    example.add_argument(
+        "--max-len",
+        type=int,
+        default=4096,
+        help="contiguous reservation per sequence, tokens (default 4096)",
+    )
     args = parser.parse_args(argv)
     if args.command is None:
         args = parser.parse_args(["example", *(argv or [])])

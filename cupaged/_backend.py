@@ -130,4 +130,3 @@ def kernel_dir() -> Path:
         if (candidate / "common.cuh").is_file():
             return candidate
     raise CupagedError(f"kernel sources not found: expected common.cuh in {here / 'cuda'}")
-

@@ -38,7 +38,7 @@ def check_shape(name: str, x: Any, dims: list[tuple[str, int | None]]) -> tuple[
     """
     shape = tuple(x.shape)
     ok = len(shape) == len(dims) and all(
-        size is None or size == got for (_, size), got in zip(dims, shape)
+        size is None or size == got for (_, size), got in zip(dims, shape, strict=True)
     )
     if not ok:
         wanted = ", ".join(axis if size is None else f"{axis}={size}" for axis, size in dims)

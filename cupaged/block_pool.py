@@ -132,4 +132,3 @@ class BlockPool:
         if self._refcount[block] == 0:
             raise ValueError(f"cannot {op} block {block}: expected a block in use, got a free one")
         return block
-

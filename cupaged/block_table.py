@@ -86,9 +86,7 @@ class DeviceBlockTable:
                 host[: len(blocks)].tolist() == blocks,
                 f"table row {row} holds {host[: len(blocks)].tolist()}, expected {blocks}",
             )
-            require(
-                not host[len(blocks) :].any(), f"table row {row} has non-zero padding entries"
-            )
+            require(not host[len(blocks) :].any(), f"table row {row} has non-zero padding entries")
             if row not in self._dirty:
                 require(
                     np.array_equal(device[row], host),
@@ -113,4 +111,3 @@ class DeviceBlockTable:
         self._device = self._xp.asarray(host)
         self._dirty.clear()
         self._free_rows[:0] = range(rows - 1, old_rows - 1, -1)
-

@@ -232,7 +232,9 @@ class PagedCache:
         k, v = self._check_kv(k, v)
         if k.shape[1] == 0:
             return
-        slots = self._reserve([seq], [k.shape[1]], f"appending {k.shape[1]} token(s) to sequence {sid}")
+        slots = self._reserve(
+            [seq], [k.shape[1]], f"appending {k.shape[1]} token(s) to sequence {sid}"
+        )
         for layer in range(self.spec.num_layers):
             write_kv(self.k[layer], self.v[layer], k[layer], v[layer], slots)
 
@@ -257,7 +259,7 @@ class PagedCache:
         seqs = [self._get(sid) for sid in sid_list]
         if len(set(map(id, seqs))) != len(seqs):
             raise ValueError(f"expected distinct sequence ids, got {sid_list}")
-        if isinstance(num_tokens, (int, np.integer)):
+        if not isinstance(num_tokens, Iterable):
             counts = [as_int(num_tokens, "num_tokens")] * len(seqs)
         else:
             counts = [as_int(n, "num_tokens") for n in num_tokens]
@@ -267,7 +269,9 @@ class PagedCache:
                 )
         if any(n < 0 for n in counts):
             raise ValueError(f"expected num_tokens >= 0, got {counts}")
-        return self._reserve(seqs, counts, f"reserving {sum(counts)} token(s) for {len(seqs)} sequence(s)")
+        return self._reserve(
+            seqs, counts, f"reserving {sum(counts)} token(s) for {len(seqs)} sequence(s)"
+        )
 
     # ----------------------------------------------------------------------------- internals
 
@@ -281,7 +285,7 @@ class PagedCache:
         block_size = self.spec.block_size
         released: Counter[int] = Counter()  # copy-on-write references dropped so far by the plan
         needed = 0
-        for seq, n in zip(seqs, counts):
+        for seq, n in zip(seqs, counts, strict=True):
             needed += self.spec.blocks_for(seq.length + n) - len(seq.blocks)
             if self._needs_copy(seq, n, released):
                 released[seq.blocks[-1]] += 1
@@ -294,7 +298,7 @@ class PagedCache:
         copy_src: list[int] = []
         copy_dst: list[int] = []
         start = 0
-        for seq, n in zip(seqs, counts):
+        for seq, n in zip(seqs, counts, strict=True):
             if self._needs_copy(seq, n, Counter()):
                 old = seq.blocks[-1]
                 (new,) = self._pool.allocate(1)

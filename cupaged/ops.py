@@ -50,7 +50,7 @@ def write_kv(
     num_blocks, num_kv_heads, block_size, head_dim = check_shape(
         "k_cache", k_cache, [(axis, None) for axis in _LAYER_AXES]
     )
-    check_shape("v_cache", v_cache, list(zip(_LAYER_AXES, k_cache.shape)))
+    check_shape("v_cache", v_cache, list(zip(_LAYER_AXES, k_cache.shape, strict=True)))
     token_dims = [("num_tokens", None), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)]
     num_tokens, _, _ = check_shape("k", k, token_dims)
     check_shape("v", v, [("num_tokens", num_tokens), *token_dims[1:]])
@@ -65,9 +65,7 @@ def write_kv(
         capacity = num_blocks * block_size
         bad = slots[(slots < -1) | (slots >= capacity)]
         if bad.size:
-            raise ValueError(
-                f"expected slots in [0, {capacity}) or -1, got {bad[:8].tolist()}"
-            )
+            raise ValueError(f"expected slots in [0, {capacity}) or -1, got {bad[:8].tolist()}")
         used = slots[slots >= 0]
         if np.unique(used).size != used.size:
             raise ValueError("expected distinct slots, got a slot written twice")
@@ -101,7 +99,7 @@ def copy_blocks(k_cache: Any, v_cache: Any, src: Any, dst: Any, *, checked: bool
             f"head_dim), got {tuple(k_cache.shape)}"
         )
     axes = ("num_layers",) * (k_cache.ndim - 4) + _LAYER_AXES
-    check_shape("v_cache", v_cache, list(zip(axes, k_cache.shape)))
+    check_shape("v_cache", v_cache, list(zip(axes, k_cache.shape, strict=True)))
     check_dtype("v_cache", v_cache, array_dtype_name(k_cache), "k_cache's dtype")
     (num_copies,) = check_shape("src", src, [("num_copies", None)])
     check_shape("dst", dst, [("num_copies", num_copies)])

@@ -62,7 +62,9 @@ def reference_attention(
     num_blocks, num_kv_heads, block_size, _ = check_shape(
         "k_cache", k_cache, [*cache_dims, ("head_dim", head_dim)]
     )
-    check_shape("v_cache", v_cache, [(a, s) for a, s in zip(_CACHE_AXES, k_cache.shape)])
+    check_shape(
+        "v_cache", v_cache, [(a, s) for a, s in zip(_CACHE_AXES, k_cache.shape, strict=True)]
+    )
     elem = array_dtype_name(q)
     check_dtype("k_cache", k_cache, elem, "q's dtype")
     check_dtype("v_cache", v_cache, elem, "q's dtype")

@@ -10,10 +10,18 @@ import cupaged
 from cupaged import OutOfBlocksError, PagedCache
 
 
-def make_cache(num_blocks=16, block_size=4, num_layers=2, num_kv_heads=2, head_dim=16,
-               dtype="float32"):
-    return PagedCache(num_blocks, block_size=block_size, num_layers=num_layers,
-                      num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, device="cpu")
+def make_cache(
+    num_blocks=16, block_size=4, num_layers=2, num_kv_heads=2, head_dim=16, dtype="float32"
+):
+    return PagedCache(
+        num_blocks,
+        block_size=block_size,
+        num_layers=num_layers,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        dtype=dtype,
+        device="cpu",
+    )
 
 
 def kv(cache, rng, n, dtype=None):
@@ -62,7 +70,7 @@ def test_tutorial_trace_block_size_4(rng):
     # Occupy blocks 0..5 with four sequences, then free the ones holding block 2 and block 5:
     # the free stack then hands out 5 first and 2 second.
     fillers = [cache.add_sequence() for _ in range(4)]
-    for sid, n in zip(fillers, (8, 4, 8, 4)):
+    for sid, n in zip(fillers, (8, 4, 8, 4), strict=True):
         cache.append(sid, *kv(cache, rng, n))
     assert [cache.block_table(s) for s in fillers] == [[0, 1], [2], [3, 4], [5]]
     cache.free(fillers[1])
@@ -96,8 +104,14 @@ def test_tutorial_trace_block_size_4(rng):
 @pytest.mark.parametrize(
     "chunks",
     [(3,), (4,), (3, 1), (3, 2), (1, 1, 1, 1, 1), (9, 7, 1)],
-    ids=["within-block", "exactly-one-block", "fill-to-boundary", "cross-boundary",
-         "token-by-token", "many-blocks"],
+    ids=[
+        "within-block",
+        "exactly-one-block",
+        "fill-to-boundary",
+        "cross-boundary",
+        "token-by-token",
+        "many-blocks",
+    ],
 )
 def test_append_round_trip(rng, dtype, chunks):
     cache = make_cache(dtype=dtype)
@@ -150,7 +164,7 @@ def test_bfloat16_accepts_ml_dtypes_arrays(rng):
 def test_free_returns_every_block(rng):
     cache = make_cache(num_blocks=8)
     sids = [cache.add_sequence() for _ in range(3)]
-    for sid, n in zip(sids, (5, 8, 9)):
+    for sid, n in zip(sids, (5, 8, 9), strict=True):
         cache.append(sid, *kv(cache, rng, n))
     assert cache.num_free_blocks == 8 - (2 + 2 + 3)
     for sid in sids:
@@ -181,7 +195,7 @@ def test_interleaved_sequences_leak_nothing(rng):
     cache = make_cache(num_blocks=20, block_size=3)
     live: list[int] = []
     order = np.random.default_rng(1)
-    for step in range(200):
+    for _step in range(200):
         if live and (order.random() < 0.3 or cache.num_free_blocks < 3):
             cache.free(live.pop(order.integers(len(live))))
         else:
@@ -242,8 +256,11 @@ def test_shared_full_blocks_are_never_copied(rng, monkeypatch):
     child = cache.fork(parent)
     copies = []
     real_copy = cupaged.cache.copy_blocks
-    monkeypatch.setattr(cupaged.cache, "copy_blocks",
-                        lambda *a, **kw: (copies.append(a[2].tolist()), real_copy(*a, **kw)))
+    monkeypatch.setattr(
+        cupaged.cache,
+        "copy_blocks",
+        lambda *a, **kw: (copies.append(a[2].tolist()), real_copy(*a, **kw)),
+    )
     for sid in (child, parent, child):
         cache.append(sid, *kv(cache, rng, 2))
     assert copies == []  # new tokens go to new blocks; the shared full ones are only read

@@ -1,0 +1,76 @@
+"""bfloat16 conversions in array ops, checked against ml_dtypes."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from cupaged.dtypes import (
+    array_dtype_name,
+    dtype_name,
+    float32_to_bfloat16_bits,
+    from_float,
+    to_float,
+)
+
+
+def test_rounding_matches_ml_dtypes_on_random_and_special_values(rng):
+    specials = np.array(
+        [
+            0.0,
+            -0.0,
+            1.0,
+            -1.0,
+            np.inf,
+            -np.inf,
+            np.nan,
+            -np.nan,
+            1e-40,
+            -1e-40,
+            3.4e38,
+            -3.4e38,
+            1.00390625,
+            1.01171875,
+            1.0 + 2**-8,
+            1.0 + 3 * 2**-9,
+            65504.0,
+        ],
+        dtype=np.float32,
+    )
+    bits = rng.integers(0, 2**32, size=200_000, dtype=np.uint64).astype(np.uint32)
+    values = np.concatenate([specials, bits.view(np.float32)])
+    got = float32_to_bfloat16_bits(values)
+    with np.errstate(invalid="ignore"):  # random bit patterns include signalling NaNs
+        want = values.astype(ml_dtypes.bfloat16).view(np.uint16)
+    nan = np.isnan(values)
+    np.testing.assert_array_equal(got[~nan], want[~nan])
+    assert np.isnan(got[nan].view(ml_dtypes.bfloat16).astype(np.float32)).all()
+
+
+def test_widening_is_exact(rng):
+    bits = rng.integers(0, 2**16, size=5000, dtype=np.uint16)
+    values = bits.view(ml_dtypes.bfloat16)
+    with np.errstate(invalid="ignore"):  # random bit patterns include signalling NaNs
+        finite = np.isfinite(values.astype(np.float32))
+        np.testing.assert_array_equal(to_float(bits)[finite], values.astype(np.float32)[finite])
+        np.testing.assert_array_equal(
+            to_float(values, np.float64)[finite], values.astype(np.float64)[finite]
+        )
+
+
+def test_from_float_keeps_the_carrier_dtype(rng):
+    x = rng.standard_normal(10)
+    for carrier in (np.uint16, np.int16, ml_dtypes.bfloat16):
+        like = np.zeros(1, carrier)
+        assert from_float(x, "bfloat16", like=like).dtype == np.dtype(carrier)
+    assert from_float(x, "float16").dtype == np.float16
+
+
+def test_names():
+    assert array_dtype_name(np.zeros(1, np.int16)) == "bfloat16"
+    assert dtype_name("BF16") == "bfloat16"
+    with pytest.raises(TypeError, match="expected an array of float32, float16 or bfloat16"):
+        array_dtype_name(np.zeros(1, np.float64))
+    with pytest.raises(TypeError, match=r"expected dtype one of .*got 'float64'"):
+        dtype_name("float64")

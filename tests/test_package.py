@@ -1,0 +1,127 @@
+"""The installed package: kernel sources, typing marker, doctests, CLI, toolchain, one CuPy."""
+
+from __future__ import annotations
+
+import doctest
+import importlib.metadata
+import subprocess
+import sys
+
+import pytest
+
+import cupaged
+import cupaged._backend as backend
+import cupaged.block_pool
+import cupaged.cache
+import cupaged.memory
+
+
+def test_kernel_sources_are_found_at_run_time():
+    folder = backend.kernel_dir()
+    assert (folder / "common.cuh").is_file()
+    assert (backend.Path(cupaged.__file__).parent / "py.typed").is_file()
+
+
+@pytest.mark.parametrize("module", [cupaged.block_pool, cupaged.cache, cupaged.memory])
+def test_docstring_examples_run(module):
+    result = doctest.testmod(module, raise_on_error=False)
+    assert result.attempted > 0 and result.failed == 0
+
+
+def test_public_names():
+    for name in (
+        "PagedCache",
+        "BlockPool",
+        "CacheSpec",
+        "write_kv",
+        "copy_blocks",
+        "reference_attention",
+        "CupagedError",
+        "OutOfBlocksError",
+    ):
+        assert name in cupaged.__all__ and hasattr(cupaged, name)
+    assert issubclass(cupaged.OutOfBlocksError, cupaged.CupagedError)
+    assert issubclass(cupaged.OutOfBlocksError, MemoryError)
+
+
+def run_cli(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "cupaged", *args], capture_output=True, text=True, timeout=120
+    )
+
+
+def test_cli_example_prints_memory_math_and_trace():
+    result = run_cli("example", "--device", "cpu")
+    assert result.returncode == 0, result.stderr
+    assert "contiguous reservation @ 4096: 512 MiB" in result.stdout
+    assert "table [5, 2] " in result.stdout
+    assert "token 6 lives in physical block 2 at offset 2" in result.stdout
+    assert "table [5, 2, 6]" in result.stdout
+    assert "all freed: 8 of 8 blocks free" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["example", "--max-len", "0"], "expected a positive number of tokens, got 0"),
+        (["example", "--device", "tpu"], "invalid choice"),
+        (["frobnicate"], "invalid choice"),
+    ],
+)
+def test_cli_bad_options_exit_non_zero_with_a_message(args, message):
+    result = run_cli(*args)
+    assert result.returncode == 2
+    assert message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_exactly_one_cupy_wheel_is_installed():
+    installed = []
+    for dist in ("cupy-cuda12x", "cupy-cuda13x", "cupy"):
+        try:
+            importlib.metadata.distribution(dist)
+            installed.append(dist)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    assert len(installed) <= 1, installed
+    backend.cupy_module()  # does not raise
+
+
+def test_two_cupy_wheels_are_reported(monkeypatch):
+    monkeypatch.setattr(backend.importlib.metadata, "distribution", lambda name: name)
+    backend.cupy_module.cache_clear()
+    try:
+        with pytest.raises(
+            cupaged.CupagedError,
+            match="expected at most one CuPy package, got cupy-cuda12x, cupy-cuda13x, cupy",
+        ):
+            backend.cupy_module()
+    finally:
+        monkeypatch.undo()
+        backend.cupy_module.cache_clear()
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_common_header_compiles_with_nvrtc(arch):
+    """CuPy's NVRTC binding compiles without a GPU driver; the headers come from NVIDIA's wheel."""
+    nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
+    import nvidia.cuda_runtime
+
+    include = backend.Path(list(nvidia.cuda_runtime.__path__)[0]) / "include"
+    source = (
+        '#include "common.cuh"\n'
+        "template <typename T> __global__ void probe(T* x, long long* off) {\n"
+        "  x[0] = cupaged::from_float<T>(cupaged::to_float(x[0]) + 1.0f);\n"
+        "  off[0] = cupaged::cache_offset(65535, 7, 15, 8, 16, 256) + cupaged::ceil_div(7, 4);\n"
+        "}\n"
+    )
+    program = nvrtc.createProgram(source, "probe.cu", [], [])
+    names = ["probe<float>", "probe<__half>", "probe<__nv_bfloat16>"]
+    for name in names:
+        nvrtc.addNameExpression(program, name)
+    options = [f"-arch={arch}", "--std=c++17", f"-I{backend.kernel_dir()}", f"-I{include}"]
+    try:
+        nvrtc.compileProgram(program, options)
+    except Exception:
+        pytest.fail(nvrtc.getProgramLog(program))
+    assert all(nvrtc.getLoweredName(program, name).startswith("_Z") for name in names)
+    assert len(nvrtc.getCUBIN(program)) > 1000

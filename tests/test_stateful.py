@@ -1,0 +1,460 @@
+"""Random walks of PagedCache against a plain model: one contiguous K/V copy per sequence.
+
+A hypothesis state machine adds, appends to, reserves for, forks and frees sequences of a small
+pool (12 blocks of 4 tokens), including calls that must fail (out of blocks, freed or unknown ids,
+mismatched shapes, bad reservations). After every step it checks ``check_invariants()`` and reads
+every live sequence back bit-exactly three ways: through ``block_table`` with an independent gather
+from ``cache.k``/``cache.v``, through ``gather_kv``, and as rows of ``block_tables``. It also
+predicts how many blocks each call takes (growth plus copy-on-write copies) and checks the pool
+count exactly, and checks that full blocks never move: forked siblings keep sharing the full
+blocks they were forked with.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import ml_dtypes
+import numpy as np
+import pytest
+from helpers import random_array
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+import cupaged
+from cupaged import OutOfBlocksError, PagedCache
+from cupaged.dtypes import storage_dtype
+
+NUM_BLOCKS = 12
+BLOCK_SIZE = 4
+NUM_LAYERS = 2
+NUM_KV_HEADS = 2
+HEAD_DIM = 16
+
+SEEDS = st.integers(0, 2**32 - 1)
+# Ids that were never handed out; the next id to be handed out is added at draw time.
+NEVER_HANDED_OUT = (-1, 10**6, 2**40)
+SETTINGS = settings(max_examples=60, stateful_step_count=40, deadline=None)
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def bits(x: np.ndarray) -> np.ndarray:
+    """The bit patterns of ``x`` as unsigned ints of the same width (bit-exact comparisons)."""
+    x = np.ascontiguousarray(x)
+    return x.view(f"u{x.dtype.itemsize}")
+
+
+def assert_same_bits(actual: np.ndarray, expected: np.ndarray, what: str) -> None:
+    assert actual.dtype == expected.dtype, (
+        f"{what}: dtype {actual.dtype}, expected {expected.dtype}"
+    )
+    assert actual.shape == expected.shape, (
+        f"{what}: shape {actual.shape}, expected {expected.shape}"
+    )
+    assert np.array_equal(bits(actual), bits(expected)), f"{what}: values differ from the model"
+
+
+def paged_gather(pages: np.ndarray, table: list[int], length: int) -> np.ndarray:
+    """Tokens ``0 .. length - 1`` of a sequence, read through its block table.
+
+    Args:
+        pages: ``[num_layers, num_blocks, num_kv_heads, block_size, head_dim]``.
+        table: physical block ids in logical order.
+
+    Returns:
+        ``[num_layers, length, num_kv_heads, head_dim]``.
+    """
+    pos = np.arange(length)
+    blocks = np.asarray(table, dtype=np.intp)[pos // BLOCK_SIZE]
+    # Two index arrays split by a slice put the token axis first: [length, layers, heads, dim].
+    tokens = pages[:, blocks, :, pos % BLOCK_SIZE, :]
+    return tokens.transpose(1, 0, 2, 3)
+
+
+class CacheMachine(RuleBasedStateMachine):
+    dtype = "float32"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cache = PagedCache(
+            num_blocks=NUM_BLOCKS,
+            block_size=BLOCK_SIZE,
+            num_layers=NUM_LAYERS,
+            num_kv_heads=NUM_KV_HEADS,
+            head_dim=HEAD_DIM,
+            dtype=self.dtype,
+            device="cpu",
+        )
+        self.storage = storage_dtype(self.dtype)
+        # sid -> (K, V), each [num_layers, seq_len, num_kv_heads, head_dim] in the storage dtype.
+        self.model: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self.freed: set[int] = set()
+        self.handed_out: set[int] = set()
+        # (parent, child, full blocks the child was forked with)
+        self.forks: list[tuple[int, int, int]] = []
+        # Tables, lengths and refcounts as the previous invariant check saw them.
+        self.seen_tables: dict[int, list[int]] = {}
+        self.seen_lengths: dict[int, int] = {}
+        self.seen_refs: Counter[int] = Counter()
+
+    # ------------------------------------------------------------------------------- helpers
+
+    def length(self, sid: int) -> int:
+        return self.model[sid][0].shape[1]
+
+    def tables(self) -> dict[int, list[int]]:
+        return {sid: self.cache.block_table(sid) for sid in self.model}
+
+    def random_kv(self, seed: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+        rng = np.random.default_rng(seed)
+        shape = (NUM_LAYERS, n, NUM_KV_HEADS, HEAD_DIM)
+        return random_array(rng, shape, self.dtype), random_array(rng, shape, self.dtype)
+
+    def as_input(self, x: np.ndarray, ml_carrier: bool) -> np.ndarray:
+        """bfloat16 goes in as ``uint16`` bits or as ``ml_dtypes.bfloat16``; both are accepted."""
+        if self.dtype == "bfloat16" and ml_carrier:
+            return x.view(ml_dtypes.bfloat16)
+        return x
+
+    def draw_live(self, data: st.DataObject) -> int:
+        return data.draw(st.sampled_from(sorted(self.model)), label="sid")
+
+    def blocks_needed(self, requests: list[tuple[int, int]]) -> int:
+        """Blocks that writing ``n`` tokens to each ``(sid, n)`` of one batch takes from the pool.
+
+        New blocks for the growth, plus one copy per writer of a shared, partly filled last block;
+        when every holder of such a block writes, the last one may keep the original.
+        """
+        tables = self.tables()
+        refs = Counter(block for table in tables.values() for block in table)
+        grow = 0
+        writers: Counter[int] = Counter()
+        for sid, n in requests:
+            length = self.length(sid)
+            grow += ceil_div(length + n, BLOCK_SIZE) - ceil_div(length, BLOCK_SIZE)
+            if n and length % BLOCK_SIZE:
+                writers[tables[sid][-1]] += 1
+        copies = sum(k - (k == refs[block]) for block, k in writers.items())
+        return grow + copies
+
+    def snapshot(self) -> tuple:
+        cache = self.cache
+        return (
+            cache.num_free_blocks,
+            cache.sequence_ids,
+            {sid: (cache.block_table(sid), cache.seq_len(sid)) for sid in self.model},
+            [cache.refcount(block) for block in range(NUM_BLOCKS)],
+            cache.k.copy(),
+            cache.v.copy(),
+        )
+
+    def assert_unchanged(self, before: tuple) -> None:
+        after = self.snapshot()
+        assert after[:4] == before[:4], (
+            f"a failed call changed the cache: {before[:4]} -> {after[:4]}"
+        )
+        assert np.array_equal(bits(after[4]), bits(before[4])), "a failed call wrote K"
+        assert np.array_equal(bits(after[5]), bits(before[5])), "a failed call wrote V"
+
+    def extend_model(self, sid: int, k: np.ndarray, v: np.ndarray) -> None:
+        old_k, old_v = self.model[sid]
+        self.model[sid] = (np.concatenate([old_k, k], axis=1), np.concatenate([old_v, v], axis=1))
+
+    # ------------------------------------------------------------------------------- rules
+
+    @rule()
+    def add_sequence(self) -> None:
+        free = self.cache.num_free_blocks
+        sid = self.cache.add_sequence()
+        assert isinstance(sid, int) and sid not in self.handed_out
+        self.handed_out.add(sid)
+        empty = np.zeros((NUM_LAYERS, 0, NUM_KV_HEADS, HEAD_DIM), self.storage)
+        self.model[sid] = (empty, empty.copy())
+        assert self.cache.num_free_blocks == free, "an empty sequence took a block"
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data(), n=st.integers(0, 10), seed=SEEDS, ml_carrier=st.booleans())
+    def append(self, data: st.DataObject, n: int, seed: int, ml_carrier: bool) -> None:
+        sid = self.draw_live(data)
+        k, v = self.random_kv(seed, n)
+        needed = self.blocks_needed([(sid, n)])
+        free = self.cache.num_free_blocks
+        if needed > free:
+            before = self.snapshot()
+            with pytest.raises(OutOfBlocksError) as info:
+                self.cache.append(sid, self.as_input(k, ml_carrier), self.as_input(v, ml_carrier))
+            assert (info.value.needed, info.value.available) == (needed, free)
+            self.assert_unchanged(before)
+            return
+        self.cache.append(sid, self.as_input(k, ml_carrier), self.as_input(v, ml_carrier))
+        assert self.cache.num_free_blocks == free - needed
+        self.extend_model(sid, k, v)
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data(), seed=SEEDS, whole_batch=st.booleans(), checked=st.booleans())
+    def reserve_and_write(
+        self, data: st.DataObject, seed: int, whole_batch: bool, checked: bool
+    ) -> None:
+        """A decode or prefill step of a pipeline: reserve slots, then one write_kv per layer."""
+        live = sorted(self.model)
+        if whole_batch:  # every live sequence, forked siblings included
+            sids = list(self.model)
+        else:
+            sids = data.draw(
+                st.lists(
+                    st.sampled_from(live), min_size=1, max_size=min(4, len(live)), unique=True
+                ),
+                label="sids",
+            )
+        counts = data.draw(
+            st.lists(st.integers(0, 5), min_size=len(sids), max_size=len(sids)), label="counts"
+        )
+        # Exercise the scalar forms of both arguments where they mean the same batch.
+        sid_arg = sids[0] if len(sids) == 1 and data.draw(st.booleans()) else sids
+        uniform = len(set(counts)) == 1 and data.draw(st.booleans())
+        count_arg = counts[0] if uniform else counts
+
+        needed = self.blocks_needed(list(zip(sids, counts, strict=True)))
+        free = self.cache.num_free_blocks
+        if needed > free:
+            before = self.snapshot()
+            with pytest.raises(OutOfBlocksError) as info:
+                self.cache.reserve(sid_arg, count_arg)
+            assert (info.value.needed, info.value.available) == (needed, free)
+            self.assert_unchanged(before)
+            return
+
+        slots = self.cache.reserve(sid_arg, count_arg)
+        assert isinstance(slots, np.ndarray) and slots.dtype == np.int32
+        assert slots.shape == (sum(counts),)
+        assert self.cache.num_free_blocks == free - needed
+        expected_slots = []
+        for sid, n in zip(sids, counts, strict=True):
+            start = self.length(sid)
+            assert self.cache.seq_len(sid) == start + n, "reserve must grow the length at once"
+            table = self.cache.block_table(sid)
+            expected_slots += [
+                table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
+                for p in range(start, start + n)
+            ]
+        assert slots.tolist() == expected_slots
+
+        k, v = self.random_kv(seed, sum(counts))
+        for layer in range(NUM_LAYERS):
+            cupaged.write_kv(
+                self.cache.k[layer], self.cache.v[layer], k[layer], v[layer], slots, checked=checked
+            )
+        start = 0
+        for sid, n in zip(sids, counts, strict=True):
+            self.extend_model(sid, k[:, start : start + n], v[:, start : start + n])
+            start += n
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data())
+    def fork(self, data: st.DataObject) -> None:
+        parent = self.draw_live(data)
+        table = self.cache.block_table(parent)
+        free = self.cache.num_free_blocks
+        child = self.cache.fork(parent)
+        assert isinstance(child, int) and child not in self.handed_out
+        self.handed_out.add(child)
+        assert self.cache.block_table(child) == table, "a fork must share the parent's blocks"
+        assert self.cache.num_free_blocks == free, "a fork must not take blocks"
+        k, v = self.model[parent]
+        self.model[child] = (k.copy(), v.copy())
+        self.forks.append((parent, child, self.length(parent) // BLOCK_SIZE))
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data())
+    def free(self, data: st.DataObject) -> None:
+        sid = self.draw_live(data)
+        tables = self.tables()
+        table = tables.pop(sid)
+        still_held = {block for other in tables.values() for block in other}
+        free = self.cache.num_free_blocks
+        self.cache.free(sid)
+        released = [block for block in table if block not in still_held]
+        assert self.cache.num_free_blocks == free + len(released)
+        del self.model[sid]
+        self.freed.add(sid)
+
+    @precondition(lambda self: self.model and self.cache.num_free_blocks <= 2)
+    @rule(data=st.data())
+    def free_all(self, data: st.DataObject) -> None:
+        """Free every sequence (in a random order) once the pool is nearly full."""
+        order = data.draw(st.permutations(sorted(self.model)), label="order")
+        for sid in order:
+            self.cache.free(sid)
+            del self.model[sid]
+            self.freed.add(sid)
+            self.cache.check_invariants()
+        assert self.cache.num_free_blocks == NUM_BLOCKS
+        assert self.cache.sequence_ids == []
+
+    @rule(
+        data=st.data(),
+        op=st.sampled_from(
+            ["free", "fork", "append", "seq_len", "block_table", "gather_kv", "reserve", "tables"]
+        ),
+    )
+    def dead_id_raises_key_error(self, data: st.DataObject, op: str) -> None:
+        next_id = max(self.handed_out, default=-1) + 1
+        sid = data.draw(
+            st.sampled_from(sorted(self.freed) + [next_id, *NEVER_HANDED_OUT]), label="dead sid"
+        )
+        live = sorted(self.model)
+        k, v = self.random_kv(0, 1)
+        calls = {
+            "free": lambda: self.cache.free(sid),
+            "fork": lambda: self.cache.fork(sid),
+            "append": lambda: self.cache.append(sid, k, v),
+            "seq_len": lambda: self.cache.seq_len(sid),
+            "block_table": lambda: self.cache.block_table(sid),
+            "gather_kv": lambda: self.cache.gather_kv(sid),
+            # The live sequences come first: a rejected batch must not have reserved for them.
+            "reserve": lambda: self.cache.reserve([*live, sid], 1),
+            "tables": lambda: self.cache.block_tables([*live, sid]),
+        }
+        before = self.snapshot()
+        with pytest.raises(KeyError):
+            calls[op]()
+        self.assert_unchanged(before)
+
+    @precondition(lambda self: self.model)
+    @rule(
+        data=st.data(),
+        n=st.integers(0, 5),
+        bad=st.sampled_from(["tokens", "heads", "head_dim", "layers_of_both", "dtype"]),
+        bad_is_k=st.booleans(),
+    )
+    def append_rejected(self, data: st.DataObject, n: int, bad: str, bad_is_k: bool) -> None:
+        sid = self.draw_live(data)
+        k, v = self.random_kv(1, n)
+        axis = {"tokens": 1, "heads": 2, "head_dim": 3}.get(bad)
+        if axis is not None:  # one of k, v gets one more row along one axis
+            shape = list(k.shape)
+            shape[axis] += 1
+            wrong = np.ones(shape, k.dtype)
+            k, v = (wrong, v) if bad_is_k else (k, wrong)
+            error = ValueError
+        elif bad == "layers_of_both":
+            k, v = k[:1], v[:1]
+            error = ValueError
+        else:
+            wrong = np.ones(k.shape, np.float64)
+            k, v = (wrong, v) if bad_is_k else (k, wrong)
+            error = TypeError
+        before = self.snapshot()
+        with pytest.raises(error):
+            self.cache.append(sid, k, v)
+        self.assert_unchanged(before)
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data(), bad=st.sampled_from(["duplicate", "negative", "counts_length"]))
+    def reserve_rejected(self, data: st.DataObject, bad: str) -> None:
+        sid = self.draw_live(data)
+        others = [other for other in self.model if other != sid]
+        args = {
+            "duplicate": ([*others, sid, sid], 1),
+            "negative": ([*others, sid], [1] * len(others) + [-1]),
+            "counts_length": ([*others, sid], [1] * (len(others) + 2)),
+        }[bad]
+        before = self.snapshot()
+        with pytest.raises(ValueError):
+            self.cache.reserve(*args)
+        self.assert_unchanged(before)
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data())
+    def batch_tables(self, data: st.DataObject) -> None:
+        """block_tables of any subset of the live sequences, in any order."""
+        sids = data.draw(st.lists(st.sampled_from(sorted(self.model)), unique=True), label="batch")
+        self.check_block_tables(sids, self.tables())
+
+    # ------------------------------------------------------------------------------- checks
+
+    def check_block_tables(self, sids: list[int], tables: dict[int, list[int]]) -> None:
+        got_tables, got_lens = self.cache.block_tables(sids)
+        width = max([len(tables[sid]) for sid in sids], default=0)
+        expected = np.zeros((len(sids), max(width, 1)), np.int32)
+        for row, sid in enumerate(sids):
+            expected[row, : len(tables[sid])] = tables[sid]
+        assert isinstance(got_tables, np.ndarray) and got_tables.dtype == np.int32
+        np.testing.assert_array_equal(got_tables, expected)
+        assert isinstance(got_lens, np.ndarray) and got_lens.dtype == np.int32
+        np.testing.assert_array_equal(got_lens, [self.length(sid) for sid in sids])
+
+    @invariant()
+    def matches_model(self) -> None:
+        cache = self.cache
+        cache.check_invariants()
+        assert cache.sequence_ids == list(self.model), "sequence_ids must list oldest first"
+        tables = self.tables()
+        for sid, (k, v) in self.model.items():
+            length = k.shape[1]
+            assert cache.seq_len(sid) == length
+            assert len(tables[sid]) == ceil_div(length, BLOCK_SIZE)
+            assert_same_bits(paged_gather(cache.k, tables[sid], length), k, f"K of {sid}")
+            assert_same_bits(paged_gather(cache.v, tables[sid], length), v, f"V of {sid}")
+            gathered_k, gathered_v = cache.gather_kv(sid)
+            assert_same_bits(gathered_k, k, f"gather_kv K of {sid}")
+            assert_same_bits(gathered_v, v, f"gather_kv V of {sid}")
+
+        refs = Counter(block for table in tables.values() for block in table)
+        assert cache.num_free_blocks == NUM_BLOCKS - len(refs)
+        assert [cache.refcount(b) for b in range(NUM_BLOCKS)] == [
+            refs[b] for b in range(NUM_BLOCKS)
+        ]
+        self.check_block_tables(list(self.model), tables)
+        self.check_block_tables(list(reversed(self.model)), tables)
+        self.check_block_tables([], tables)
+
+        # A table only grows at its end, and only a shared, partly filled last block may be
+        # swapped for a copy: full blocks are never written again, so they never move.
+        for sid, old in self.seen_tables.items():
+            if sid not in tables or not old:
+                continue
+            new = tables[sid]
+            assert new[: len(old) - 1] == old[:-1], f"sequence {sid}: {old} became {new}"
+            if new[len(old) - 1] != old[-1]:
+                assert self.seen_lengths[sid] % BLOCK_SIZE, (
+                    f"{sid} moved a full block: {old}->{new}"
+                )
+                assert self.seen_refs[old[-1]] > 1, f"{sid} copied an unshared block: {old}->{new}"
+        for parent, child, shared in self.forks:
+            if parent in tables and child in tables:
+                assert tables[parent][:shared] == tables[child][:shared], (
+                    f"forked {child} from {parent} sharing {shared} full block(s), but their "
+                    f"tables are {tables[parent]} and {tables[child]}"
+                )
+        self.seen_tables = tables
+        self.seen_lengths = {sid: self.length(sid) for sid in self.model}
+        self.seen_refs = refs
+
+    def teardown(self) -> None:
+        for sid in list(self.model):
+            self.cache.free(sid)
+            del self.model[sid]
+        self.cache.check_invariants()
+        assert self.cache.num_free_blocks == NUM_BLOCKS
+        assert self.cache.sequence_ids == []
+
+
+class Float16CacheMachine(CacheMachine):
+    dtype = "float16"
+
+
+class Bfloat16CacheMachine(CacheMachine):
+    dtype = "bfloat16"
+
+
+TestCacheFloat32 = CacheMachine.TestCase
+TestCacheFloat16 = Float16CacheMachine.TestCase
+TestCacheBfloat16 = Bfloat16CacheMachine.TestCase
+TestCacheFloat32.settings = SETTINGS
+TestCacheFloat16.settings = SETTINGS
+TestCacheBfloat16.settings = SETTINGS
