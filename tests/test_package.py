@@ -125,3 +125,22 @@ def test_common_header_compiles_with_nvrtc(arch):
         pytest.fail(nvrtc.getProgramLog(program))
     assert all(nvrtc.getLoweredName(program, name).startswith("_Z") for name in names)
     assert len(nvrtc.getCUBIN(program)) > 1000
+
+
+README = backend.Path(__file__).resolve().parent.parent / "README.md"
+
+
+def readme_blocks(language):
+    text = README.read_text()
+    return [part.split("```", 1)[0] for part in text.split(f"```{language}\n")[1:]]
+
+
+def test_readme_usage_example_runs():
+    (example,) = readme_blocks("python")
+    exec(compile(example, "README.md", "exec"), {})
+
+
+def test_ci_runs_the_readme_commands_verbatim():
+    ci = (README.parent / ".ci" / "run").read_text().splitlines()
+    main, tests = (block.strip() for block in readme_blocks("bash"))
+    assert main in ci and tests in ci
