@@ -89,6 +89,8 @@ class BlockPool:
 
     def refcount(self, block: int) -> int:
         """Number of references to ``block`` (0 when it is free)."""
+        if type(block) is int and 0 <= block < self.num_blocks:  # the per-token fast path
+            return self._refcount[block]
         return self._refcount[self._check_id(block)]
 
     def check_invariants(self, references: Mapping[int, int] | None = None) -> None:

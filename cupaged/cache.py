@@ -34,6 +34,7 @@ from .memory import CacheSpec
 from .ops import copy_blocks, write_kv
 
 _INT32_MAX = 2**31 - 1
+_NOTHING_RELEASED: dict[int, int] = {}
 
 
 @dataclass(slots=True)
@@ -283,12 +284,13 @@ class PagedCache:
         writer copy it, and the last one writes in place once the others have let go.
         """
         block_size = self.spec.block_size
-        released: Counter[int] = Counter()  # copy-on-write references dropped so far by the plan
+        released: dict[int, int] = {}  # copy-on-write references dropped so far by the plan
         needed = 0
         for seq, n in zip(seqs, counts, strict=True):
-            needed += self.spec.blocks_for(seq.length + n) - len(seq.blocks)
+            needed += -(-(seq.length + n) // block_size) - len(seq.blocks)
             if self._needs_copy(seq, n, released):
-                released[seq.blocks[-1]] += 1
+                last = seq.blocks[-1]
+                released[last] = released.get(last, 0) + 1
                 needed += 1
         if needed > self._pool.num_free:
             raise OutOfBlocksError(needed, self._pool.num_free, what)
@@ -299,7 +301,7 @@ class PagedCache:
         copy_dst: list[int] = []
         start = 0
         for seq, n in zip(seqs, counts, strict=True):
-            if self._needs_copy(seq, n, Counter()):
+            if self._needs_copy(seq, n, _NOTHING_RELEASED):
                 old = seq.blocks[-1]
                 (new,) = self._pool.allocate(1)
                 self._pool.decref(old)
@@ -307,7 +309,7 @@ class PagedCache:
                 self._table.write(seq.row, len(seq.blocks) - 1, [new])
                 copy_src.append(old)
                 copy_dst.append(new)
-            grow = self.spec.blocks_for(seq.length + n) - len(seq.blocks)
+            grow = -(-(seq.length + n) // block_size) - len(seq.blocks)
             if grow:
                 new_blocks = self._pool.allocate(grow)
                 self._table.write(seq.row, len(seq.blocks), new_blocks)
@@ -331,7 +333,7 @@ class PagedCache:
             copy_blocks(self.k, self.v, src, dst)
         return self._xp.asarray(slots)
 
-    def _needs_copy(self, seq: _Sequence, n: int, released: Counter[int]) -> bool:
+    def _needs_copy(self, seq: _Sequence, n: int, released: dict[int, int]) -> bool:
         """Would writing ``n`` tokens into ``seq`` touch a block that another sequence still holds?
 
         Only a partly filled last block can be written; ``released`` counts references to it
@@ -340,7 +342,7 @@ class PagedCache:
         if n == 0 or seq.length % self.spec.block_size == 0:
             return False
         last = seq.blocks[-1]
-        return self._pool.refcount(last) - released[last] > 1
+        return self._pool.refcount(last) - released.get(last, 0) > 1
 
     def _get(self, sid: int) -> _Sequence:
         try:
