@@ -22,8 +22,15 @@ def test_decode_step_host_cost(benchmark, batch, block_size):
     lengths = np.clip(rng.lognormal(np.log(300), 0.6, batch).astype(int), 1, 2000)
     steps = 64
     need = sum(-(-(int(n) + steps + 1) // block_size) for n in lengths)
-    cache = PagedCache(need + batch, block_size=block_size, num_layers=1, num_kv_heads=1,
-                       head_dim=8, dtype="float16", device="cpu")
+    cache = PagedCache(
+        need + batch,
+        block_size=block_size,
+        num_layers=1,
+        num_kv_heads=1,
+        head_dim=8,
+        dtype="float16",
+        device="cpu",
+    )
     sids = [cache.add_sequence() for _ in range(batch)]
     cache.reserve(sids, [int(n) for n in lengths])
 
