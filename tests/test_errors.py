@@ -28,7 +28,7 @@ def test_freeing_twice_names_the_freed_sequence(cache):
 
 
 @pytest.mark.parametrize("call", ["fork", "free", "seq_len", "block_table", "gather_kv"])
-@pytest.mark.parametrize("sid", [99, -1, "0", None])
+@pytest.mark.parametrize("sid", [99, -1, "0", None, True, [0]])
 def test_unknown_sequence_ids_raise_key_error(cache, call, sid):
     before = snapshot(cache)
     with pytest.raises(KeyError, match="unknown sequence id"):
@@ -166,3 +166,11 @@ def test_dtype_spellings():
         assert PagedCache(2, head_dim=8, dtype=spelling, device="cpu").k.dtype == np.uint16
     for spelling in ("float16", np.float16, "half"):
         assert PagedCache(2, head_dim=8, dtype=spelling, device="cpu").k.dtype == np.float16
+
+
+def test_bools_are_not_sequence_ids(cache):
+    second = cache.add_sequence()
+    assert second == 1
+    with pytest.raises(KeyError, match="unknown sequence id True"):
+        cache.free(True)
+    assert cache.sequence_ids == [0, 1]

@@ -33,6 +33,7 @@ NUM_LAYERS = 2
 NUM_KV_HEADS = 2
 HEAD_DIM = 16
 
+MAX_ADDED_LIVE = 6  # add_sequence runs below this many live sequences; fork has no cap
 SEEDS = st.integers(0, 2**32 - 1)
 # Ids never handed out; the id that the next add_sequence will return is drawn as well.
 NEVER_HANDED_OUT = (-1, 10**6, 2**40)
@@ -58,6 +59,8 @@ BAD_APPENDS = (
 )
 BAD_RESERVES = ("duplicate", "negative", "counts_length")
 SETTINGS = settings(max_examples=60, stateful_step_count=40, deadline=None)
+# The bookkeeping does not depend on the dtype; the other dtypes check the data paths, for less.
+OTHER_DTYPE_SETTINGS = settings(SETTINGS, max_examples=30)
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -211,6 +214,8 @@ class CacheMachine(RuleBasedStateMachine):
 
     # ------------------------------------------------------------------------------- rules
 
+    # Capped so that forks, not empty sequences, make up most of a crowded cache.
+    @precondition(lambda self: len(self.model) < MAX_ADDED_LIVE)
     @rule()
     def add_sequence(self) -> None:
         free = self.cache.num_free_blocks
@@ -471,5 +476,5 @@ TestCacheFloat32 = CacheMachine.TestCase
 TestCacheFloat16 = Float16CacheMachine.TestCase
 TestCacheBfloat16 = Bfloat16CacheMachine.TestCase
 TestCacheFloat32.settings = SETTINGS
-TestCacheFloat16.settings = SETTINGS
-TestCacheBfloat16.settings = SETTINGS
+TestCacheFloat16.settings = OTHER_DTYPE_SETTINGS
+TestCacheBfloat16.settings = OTHER_DTYPE_SETTINGS
