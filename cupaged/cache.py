@@ -345,12 +345,10 @@ class PagedCache:
         return self._pool.refcount(last) - released.get(last, 0) > 1
 
     def _get(self, sid: int) -> _Sequence:
-        if not isinstance(sid, bool):  # True == 1 as a dict key; it is no sequence id
-            try:
-                return self._seqs[sid]
-            except (KeyError, TypeError):
-                pass
-        if isinstance(sid, (int, np.integer)) and 0 <= sid < self._next_id:
+        is_id = isinstance(sid, (int, np.integer)) and not isinstance(sid, bool)  # True == 1
+        if is_id and sid in self._seqs:
+            return self._seqs[sid]
+        if is_id and 0 <= sid < self._next_id:
             raise KeyError(f"sequence {sid} was already freed")
         raise KeyError(f"unknown sequence id {sid!r}")
 
