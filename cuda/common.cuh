@@ -7,6 +7,18 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+// Dynamic shared memory, declared inside a kernel body: `CUPAGED_DYNAMIC_SHARED(float, smem);`.
+// On the GPU it is the launch's `extern __shared__` buffer; the CPU backend hands out a per-worker
+// buffer, poisoned with NaNs before each thread block, so reading what nothing wrote shows up.
+#ifdef CUPAGED_CPU
+#define CUPAGED_DYNAMIC_SHARED(type, name) \
+  type* name = reinterpret_cast<type*>(cupaged_cpu_dynamic_shared())
+#else
+#define CUPAGED_DYNAMIC_SHARED(type, name)                    \
+  extern __shared__ __align__(16) unsigned char name##_bytes[]; \
+  type* name = reinterpret_cast<type*>(name##_bytes)
+#endif
+
 namespace cupaged {
 
 // Integer division rounding up: blocks for n tokens, thread blocks for n items.
