@@ -34,6 +34,11 @@ __host__ __device__ __forceinline__ long long cache_offset(int block, int head, 
          static_cast<long long>(head_dim);
 }
 
+// -infinity without <cmath> (NVRTC and the CPU backend take no standard headers).
+__device__ __forceinline__ float neg_inf() {
+  return __int_as_float(static_cast<int>(0xff800000u));
+}
+
 // Conversions between the storage types and float32, the accumulation type of every kernel.
 __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
