@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -69,3 +70,81 @@ def check_index_array(name: str, x: Any) -> None:
     """
     if x.dtype not in (np.dtype(np.int32), np.dtype(np.int64)):
         raise TypeError(f"expected {name} of dtype int32 or int64, got {x.dtype}")
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionDims:
+    """Sizes read off the arguments of a decode-attention call."""
+
+    num_seqs: int
+    num_q_heads: int
+    head_dim: int
+    num_blocks: int
+    num_kv_heads: int
+    block_size: int
+    max_blocks: int
+    dtype: str
+
+
+def check_attention_args(
+    q: Any, k_cache: Any, v_cache: Any, block_tables: Any, context_lens: Any
+) -> AttentionDims:
+    """Check the shapes and dtypes of a decode-attention call (metadata only: no device sync).
+
+    Raises:
+        ValueError: a shape is wrong, or ``num_q_heads`` is not a multiple of ``num_kv_heads``.
+        TypeError: a dtype is wrong.
+    """
+    axes = ("num_blocks", "num_kv_heads", "block_size", "head_dim")
+    num_seqs, num_q_heads, head_dim = check_shape(
+        "q", q, [("num_seqs", None), ("num_q_heads", None), ("head_dim", None)]
+    )
+    num_blocks, num_kv_heads, block_size, _ = check_shape(
+        "k_cache", k_cache, [(axis, None) for axis in axes[:3]] + [("head_dim", head_dim)]
+    )
+    check_shape("v_cache", v_cache, list(zip(axes, k_cache.shape, strict=True)))
+    elem = array_dtype_name(q)
+    check_dtype("k_cache", k_cache, elem, "q's dtype")
+    check_dtype("v_cache", v_cache, elem, "q's dtype")
+    _, max_blocks = check_shape(
+        "block_tables", block_tables, [("num_seqs", num_seqs), ("max_blocks", None)]
+    )
+    check_shape("context_lens", context_lens, [("num_seqs", num_seqs)])
+    check_index_array("block_tables", block_tables)
+    check_index_array("context_lens", context_lens)
+    if num_q_heads % num_kv_heads:
+        raise ValueError(
+            f"expected num_q_heads to be a multiple of num_kv_heads={num_kv_heads}, "
+            f"got {num_q_heads}"
+        )
+    return AttentionDims(
+        num_seqs, num_q_heads, head_dim, num_blocks, num_kv_heads, block_size, max_blocks, elem
+    )
+
+
+def check_context_lens(lens: np.ndarray, capacity: int) -> None:
+    """Check host-side context lengths against ``max_blocks * block_size``.
+
+    Raises:
+        ValueError: a length is negative or exceeds the table's capacity.
+    """
+    if lens.size and (lens.min() < 0 or lens.max() > capacity):
+        raise ValueError(
+            f"expected context_lens in [0, {capacity}] (max_blocks * block_size), "
+            f"got values in [{lens.min()}, {lens.max()}]"
+        )
+
+
+def check_block_ids(tables: np.ndarray, lens: np.ndarray, block_size: int, num_blocks: int) -> None:
+    """Check that every block-table entry a sequence uses names a block of the cache.
+
+    Raises:
+        ValueError: naming the first row with an out-of-range id.
+    """
+    for i, length in enumerate(lens.tolist()):
+        used = tables[i, : -(-length // block_size)]
+        if used.size and (used.min() < 0 or used.max() >= num_blocks):
+            raise ValueError(
+                f"expected block ids in [0, {num_blocks}) in row {i} of block_tables, "
+                f"got {used.tolist()}"
+            )

@@ -12,8 +12,8 @@ from typing import Any
 import numpy as np
 
 from ._backend import array_module, to_numpy
-from ._checks import check_dtype, check_index_array, check_shape
-from .dtypes import array_dtype_name, as_storage, dtype_name, from_float, to_float
+from ._checks import check_attention_args, check_block_ids, check_context_lens
+from .dtypes import as_storage, dtype_name, from_float, to_float
 
 
 def reference_attention(
@@ -55,38 +55,14 @@ def reference_attention(
     compute = np.dtype(compute_dtype)
     if compute not in (np.dtype(np.float32), np.dtype(np.float64)):
         raise ValueError(f"expected compute_dtype float32 or float64, got {compute_dtype!r}")
-    num_seqs, num_q_heads, head_dim = check_shape(
-        "q", q, [("num_seqs", None), ("num_q_heads", None), ("head_dim", None)]
-    )
-    cache_dims = [("num_blocks", None), ("num_kv_heads", None), ("block_size", None)]
-    num_blocks, num_kv_heads, block_size, _ = check_shape(
-        "k_cache", k_cache, [*cache_dims, ("head_dim", head_dim)]
-    )
-    check_shape(
-        "v_cache", v_cache, [(a, s) for a, s in zip(_CACHE_AXES, k_cache.shape, strict=True)]
-    )
-    elem = array_dtype_name(q)
-    check_dtype("k_cache", k_cache, elem, "q's dtype")
-    check_dtype("v_cache", v_cache, elem, "q's dtype")
-    _, max_blocks = check_shape(
-        "block_tables", block_tables, [("num_seqs", num_seqs), ("max_blocks", None)]
-    )
-    check_shape("context_lens", context_lens, [("num_seqs", num_seqs)])
-    check_index_array("block_tables", block_tables)
-    check_index_array("context_lens", context_lens)
-    if num_q_heads % num_kv_heads:
-        raise ValueError(
-            f"expected num_q_heads to be a multiple of num_kv_heads={num_kv_heads}, "
-            f"got {num_q_heads}"
-        )
+    dims = check_attention_args(q, k_cache, v_cache, block_tables, context_lens)
+    num_seqs, num_q_heads, head_dim = q.shape
+    block_size = dims.block_size
     tables, lens = to_numpy(block_tables), to_numpy(context_lens)
-    if lens.size and (lens.min() < 0 or lens.max() > max_blocks * block_size):
-        raise ValueError(
-            f"expected context_lens in [0, {max_blocks * block_size}] (max_blocks * block_size), "
-            f"got values in [{lens.min()}, {lens.max()}]"
-        )
+    check_context_lens(lens, dims.max_blocks * block_size)
+    check_block_ids(tables, lens, block_size, dims.num_blocks)
     scale = head_dim**-0.5 if scale is None else float(scale)
-    group = num_q_heads // num_kv_heads
+    group = num_q_heads // dims.num_kv_heads
     kv_head_of = xp.arange(num_q_heads) // group
 
     out = xp.zeros((num_seqs, num_q_heads, head_dim), compute)
@@ -94,13 +70,7 @@ def reference_attention(
         length = int(lens[i])
         if length == 0:
             continue
-        used = tables[i, : -(-length // block_size)]
-        if used.min() < 0 or used.max() >= num_blocks:
-            raise ValueError(
-                f"expected block ids in [0, {num_blocks}) in row {i} of block_tables, "
-                f"got {used.tolist()}"
-            )
-        blocks = xp.asarray(used)
+        blocks = xp.asarray(tables[i, : -(-length // block_size)])
         k = _gather_sequence(k_cache, blocks, length, compute)[kv_head_of]  # [Hq, L, D]
         v = _gather_sequence(v_cache, blocks, length, compute)[kv_head_of]
         qi = to_float(q[i], compute)  # [Hq, D]
@@ -110,13 +80,10 @@ def reference_attention(
         weights /= weights.sum(axis=1, keepdims=True)
         out[i] = xp.einsum("hl,hld->hd", weights, v)
 
-    target = elem if out_dtype is None else out_dtype
+    target = dims.dtype if out_dtype is None else out_dtype
     if target == "float64":
         return out
     return from_float(out, dtype_name(target), like=q)
-
-
-_CACHE_AXES = ("num_blocks", "num_kv_heads", "block_size", "head_dim")
 
 
 def _gather_sequence(cache: Any, blocks: Any, length: int, dtype: np.dtype) -> Any:
