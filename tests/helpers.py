@@ -47,3 +47,23 @@ def poison(shape, dtype: str) -> np.ndarray:
     if dtype == "bfloat16":
         return np.full(shape, 0x7FC0, np.uint16)
     return np.full(shape, np.nan, dtype)
+
+
+def scatter_into_pages(rng, seqs_kv, block_size, num_blocks, dtype):
+    """Write each sequence's [L, H, D] K/V into shuffled, non-monotonic blocks of fresh pages."""
+    num_kv_heads, head_dim = seqs_kv[0][0].shape[1:]
+    shape = (num_blocks, num_kv_heads, block_size, head_dim)
+    k_cache = random_array(rng, shape, dtype)  # garbage everywhere else, never zeros
+    v_cache = random_array(rng, shape, dtype)
+    free = list(rng.permutation(num_blocks))
+    tables = []
+    for k, v in seqs_kv:
+        n = -(-len(k) // block_size)
+        table = [int(free.pop()) for _ in range(n)]
+        for pos in range(len(k)):
+            k_cache[table[pos // block_size], :, pos % block_size] = k[pos]
+            v_cache[table[pos // block_size], :, pos % block_size] = v[pos]
+        tables.append(table)
+    width = max(1, max(map(len, tables)))
+    padded = np.array([t + [0] * (width - len(t)) for t in tables], dtype=np.int32)
+    return k_cache, v_cache, padded

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import BLOCK_SIZES, DTYPES, GQA_RATIOS, assert_close, lengths_for, random_array
+from helpers import (
+    BLOCK_SIZES,
+    DTYPES,
+    GQA_RATIOS,
+    assert_close,
+    lengths_for,
+    random_array,
+    scatter_into_pages,
+)
 
 import cupaged
 from cupaged.dtypes import to_float
@@ -25,25 +33,6 @@ def contiguous_attention(q, k, v, scale):
     weights = np.exp(scores - scores.max(axis=1, keepdims=True))
     weights /= weights.sum(axis=1, keepdims=True)
     return np.einsum("hl,lhd->hd", weights, v)
-
-
-def scatter_into_pages(rng, seqs_kv, block_size, num_blocks, dtype):
-    """Write each sequence's [L, H, D] K/V into shuffled, non-monotonic blocks of fresh pages."""
-    shape = (num_blocks, NUM_KV_HEADS, block_size, HEAD_DIM)
-    k_cache = random_array(rng, shape, dtype)  # garbage everywhere else, never zeros
-    v_cache = random_array(rng, shape, dtype)
-    free = list(rng.permutation(num_blocks))
-    tables = []
-    for k, v in seqs_kv:
-        n = -(-len(k) // block_size)
-        table = [int(free.pop()) for _ in range(n)]
-        for pos in range(len(k)):
-            k_cache[table[pos // block_size], :, pos % block_size] = k[pos]
-            v_cache[table[pos // block_size], :, pos % block_size] = v[pos]
-        tables.append(table)
-    width = max(1, max(map(len, tables)))
-    padded = np.array([t + [0] * (width - len(t)) for t in tables], dtype=np.int32)
-    return k_cache, v_cache, padded
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

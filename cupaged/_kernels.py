@@ -1,0 +1,74 @@
+"""Loading compiled kernels: CuPy ``RawModule`` (NVRTC) on the GPU, the CPU backend for NumPy.
+
+A kernel is named by its source file in ``cuda/`` and its instantiation, the name expression that
+RawModule and the CPU backend both take (``"cupaged::write_kv<__half, int, 8>"``). Each
+instantiation is compiled on first use and kept per device; CuPy also caches cubins on disk and the
+CPU backend caches its shared libraries.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from typing import Any
+
+from ._backend import cupy_module, kernel_dir
+
+_lock = threading.Lock()
+_cuda_functions: dict[tuple[int, str, str], Any] = {}
+
+
+def get_kernel(device: str, source: str, name: str) -> Any:
+    """A callable kernel ``kernel(grid, block, args, shared_mem=0)`` for ``device``.
+
+    Args:
+        device: ``"cuda"`` or ``"cpu"``.
+        source: file name in ``cuda/`` (``"paged_attention.cu"``).
+        name: the instantiation's name expression.
+    """
+    if device == "cpu":
+        from ._cpu import CpuModule
+
+        return CpuModule(kernel_dir() / source, (name,)).get_function(name)
+    cupy = cupy_module()
+    assert cupy is not None, "a CUDA kernel was requested without CuPy"
+    key = (cupy.cuda.Device().id, source, name)
+    with _lock:
+        if key not in _cuda_functions:
+            module = cupy.RawModule(
+                code=(kernel_dir() / source).read_text(),
+                options=nvrtc_options(),
+                name_expressions=(name,),
+            )
+            _cuda_functions[key] = module.get_function(name)
+        return _cuda_functions[key]
+
+
+def nvrtc_options() -> tuple[str, ...]:
+    """NVRTC options: C++17, the kernel folder, and a digest of every header in it.
+
+    CuPy's on-disk cache keys a module by its source text and options only; the digest makes an
+    edited ``common.cuh`` recompile the files that include it.
+    """
+    folder = kernel_dir()
+    digest = hashlib.sha256()
+    for header in sorted(folder.glob("*.cuh")):
+        digest.update(header.read_bytes())
+    options = ["--std=c++17", f"-I{folder}", f"-DCUPAGED_HEADERS={digest.hexdigest()[:16]}"]
+    include = wheel_include_dir()
+    if include:
+        options.append(f"-I{include}")
+    return tuple(options)
+
+
+def wheel_include_dir() -> str | None:
+    """Headers of NVIDIA's CUDA runtime wheel (``cuda_fp16.h``), when one is installed."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("nvidia")
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        for sub in ("cuda_runtime/include", "cu13/include"):
+            if (Path(root) / sub / "cuda_fp16.h").is_file():
+                return str(Path(root) / sub)
+    return None

@@ -1,0 +1,159 @@
+"""The launch table: every kernel's instantiation name, grid, block, shared memory and split plan.
+
+This is the only module that computes launch configurations; the functions in ``ops`` ask it and
+never compute a grid themselves. An unsupported shape raises here, before anything is compiled,
+and says what is supported.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .dtypes import itemsize
+
+C_TYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}
+SLOT_C_TYPES = {np.dtype(np.int32): "int", np.dtype(np.int64): "long long"}
+
+HEAD_DIMS = tuple(range(64, 257, 16))  # 64, 80, 96, ..., 256
+MAX_BLOCK_SIZE = 256
+
+DECODE_THREADS = 128  # kDecodeThreads in cuda/paged_attention.cu
+WRITE_THREADS = 128
+COPY_THREADS = 256
+# Split-K: a split holds at least this many tokens, so that its fixed cost (loading the queries,
+# writing a partial row and its log-sum-exp) stays small against the K/V it reads.
+MIN_SPLIT_TOKENS = 256
+# The CPU backend plans splits as an H100/H200 (132 multiprocessors) would, so that the CPU runs
+# the same split decisions that the GPU makes.
+NOMINAL_SM_COUNT = 132
+# Shared memory a kernel may use without opting in (cudaFuncAttributeMaxDynamicSharedMemorySize).
+DEFAULT_SHARED_MEMORY = 48 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeLaunch:
+    """How :func:`cupaged.paged_attention` runs for one batch shape.
+
+    Attributes:
+        name: ``paged_decode`` instantiation (a RawModule name expression).
+        merge_name: ``paged_decode_merge`` instantiation, used when ``num_splits > 1``.
+        grid: ``(num_kv_heads, num_seqs, num_splits)``.
+        block: ``(DECODE_THREADS,)``.
+        shared_mem: dynamic shared memory in bytes.
+        num_splits: thread blocks per (sequence, KV head); 1 means no split-K.
+        partition_tokens: tokens per split (a multiple of the tile).
+        merge_grid: ``(num_q_heads, num_seqs)``.
+    """
+
+    name: str
+    merge_name: str
+    grid: tuple[int, int, int]
+    block: tuple[int]
+    shared_mem: int
+    num_splits: int
+    partition_tokens: int
+    merge_grid: tuple[int, int]
+
+
+def check_decode_shape(dtype: str, head_dim: int, block_size: int) -> None:
+    """Raise ``ValueError`` listing what is supported when the kernels cannot take this shape."""
+    if dtype not in C_TYPES:
+        raise ValueError(f"expected dtype one of {tuple(C_TYPES)}, got {dtype}")
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(
+            f"expected head_dim in 64..256, a multiple of 16 ({', '.join(map(str, HEAD_DIMS))}), "
+            f"got {head_dim}"
+        )
+    if not 1 <= block_size <= MAX_BLOCK_SIZE:
+        raise ValueError(f"expected block_size in 1..{MAX_BLOCK_SIZE}, got {block_size}")
+
+
+def decode_tile(dtype: str, head_dim: int) -> int:
+    """Tokens per shared-memory tile: about 16 KiB of K or V, between 8 and 64 tokens."""
+    tile = 64
+    while tile > 8 and tile * head_dim * itemsize(dtype) > 16 * 1024:
+        tile //= 2
+    return tile
+
+
+def decode_shared_memory(dtype: str, head_dim: int, group: int, tile: int) -> int:
+    """Bytes of dynamic shared memory of ``paged_decode`` (layout: see cuda/paged_attention.cu)."""
+    floats = 2 * group * head_dim + group * tile + (3 * group + 3) // 4 * 4
+    return 4 * floats + tile * head_dim * itemsize(dtype)
+
+
+def num_splits(num_seqs: int, num_kv_heads: int, max_context: int, sm_count: int) -> int:
+    """Split-K heuristic: fill one wave of multiprocessors at small batch, never split at large.
+
+    A batch whose (sequence, KV head) pairs already cover every multiprocessor gets one split;
+    otherwise each pair is split until the GPU is full, but no split is shorter than
+    ``MIN_SPLIT_TOKENS``.
+    """
+    pairs = max(num_seqs * num_kv_heads, 1)
+    if pairs >= sm_count:
+        return 1
+    return max(1, min(-(-sm_count // pairs), -(-max_context // MIN_SPLIT_TOKENS)))
+
+
+def decode_launch(
+    dtype: str,
+    num_seqs: int,
+    num_kv_heads: int,
+    group: int,
+    head_dim: int,
+    block_size: int,
+    max_context: int,
+    sm_count: int = NOMINAL_SM_COUNT,
+    splits: int | None = None,
+) -> DecodeLaunch:
+    """The launch of ``paged_decode`` (and its merge) for one batch shape.
+
+    Args:
+        max_context: longest context in the batch (tokens); sizes the splits.
+        sm_count: multiprocessors of the device.
+        splits: force this many splits (tests); the heuristic decides when ``None``.
+    """
+    check_decode_shape(dtype, head_dim, block_size)
+    tile = decode_tile(dtype, head_dim)
+    if splits is None:
+        splits = num_splits(num_seqs, num_kv_heads, max_context, sm_count)
+    if splits < 1:
+        raise ValueError(f"expected splits >= 1, got {splits}")
+    per_split = -(-max(max_context, 1) // splits)
+    partition = -(-per_split // tile) * tile
+    splits = max(1, -(-max_context // partition))
+    c_type = C_TYPES[dtype]
+    return DecodeLaunch(
+        name=f"cupaged::paged_decode<{c_type}, {head_dim}, {block_size}, {tile}>",
+        merge_name=f"cupaged::paged_decode_merge<{c_type}, {head_dim}>",
+        grid=(num_kv_heads, num_seqs, splits),
+        block=(DECODE_THREADS,),
+        shared_mem=decode_shared_memory(dtype, head_dim, group, tile),
+        num_splits=splits,
+        partition_tokens=partition,
+        merge_grid=(num_kv_heads * group, num_seqs),
+    )
+
+
+def write_kv_launch(
+    dtype: str, slot_dtype: np.dtype, num_tokens: int, row_bytes: int, aligned: bool
+) -> tuple[str, tuple[int], tuple[int]]:
+    """``(name, grid, block)`` of ``write_kv``; 16-byte vectors when rows and pointers allow."""
+    vec = 16 // itemsize(dtype) if aligned and row_bytes % 16 == 0 else 1
+    name = f"cupaged::write_kv<{C_TYPES[dtype]}, {SLOT_C_TYPES[np.dtype(slot_dtype)]}, {vec}>"
+    return name, (num_tokens,), (WRITE_THREADS,)
+
+
+_COPY_WORDS = ((16, "uint4"), (4, "unsigned int"), (2, "unsigned short"))
+
+
+def copy_blocks_launch(
+    block_bytes: int, aligned: bool, num_pairs: int, num_layers: int
+) -> tuple[str, tuple[int, int, int], tuple[int], int]:
+    """``(name, grid, block, word_bytes)`` of ``copy_blocks``: the widest word that divides a block."""
+    for word, c_type in _COPY_WORDS:
+        if block_bytes % word == 0 and (aligned or word <= 2):
+            return f"cupaged::copy_blocks<{c_type}>", (num_pairs, num_layers, 2), (COPY_THREADS,), word
+    raise ValueError(f"expected a block of an even number of bytes, got {block_bytes}")
