@@ -108,6 +108,6 @@ class DeviceBlockTable:
         host[:old_rows, :old_width] = self._host
         self._host = host
         # A resize re-uploads everything once; doubling makes that amortised O(1) per entry.
-        self._device = self._xp.asarray(host)
+        self._device = self._xp.array(host)  # a copy: on NumPy, asarray would alias the host
         self._dirty.clear()
         self._free_rows[:0] = range(rows - 1, old_rows - 1, -1)

@@ -138,11 +138,20 @@ class CacheMachine(RuleBasedStateMachine):
                 holders.setdefault(table[-1], []).append(sid)
         return {block: sids for block, sids in holders.items() if len(sids) > 1}
 
-    def draw_live(self, data: st.DataObject) -> int:
-        """Any live sequence, or (half the time, when there is one) one that must copy-on-write."""
+    def draw_live(self, data: st.DataObject, partial: bool = False) -> int:
+        """Any live sequence, or, half the time when there is one, an interesting one.
+
+        Interesting: one whose next write must copy-on-write, or (``partial``, for forks) one
+        whose last block is partly filled, so that the fork will share it.
+        """
+        if partial:
+            interesting = [sid for sid in self.model if self.length(sid) % BLOCK_SIZE]
+        else:
+            interesting = [sid for sids in self.shared_partial_blocks().values() for sid in sids]
         live = st.sampled_from(sorted(self.model))
-        sharing = sorted(sid for sids in self.shared_partial_blocks().values() for sid in sids)
-        return data.draw(st.sampled_from(sharing) | live if sharing else live, label="sid")
+        if interesting:
+            live = st.sampled_from(sorted(interesting)) | live
+        return data.draw(live, label="sid")
 
     def random_kv(self, seed: int, n: int) -> tuple[np.ndarray, np.ndarray]:
         rng = np.random.default_rng(seed)
@@ -195,8 +204,8 @@ class CacheMachine(RuleBasedStateMachine):
         before = self.snapshot()
         with pytest.raises(OutOfBlocksError) as info:
             call()
-        assert (info.value.needed, info.value.available) == (needed, free)
         self.assert_unchanged(before)
+        assert (info.value.needed, info.value.available) == (needed, free)
 
     def extend_model(self, sid: int, k: np.ndarray, v: np.ndarray) -> None:
         old_k, old_v = self.model[sid]
@@ -261,9 +270,9 @@ class CacheMachine(RuleBasedStateMachine):
             sids = data.draw(
                 st.lists(st.sampled_from(live), min_size=1, max_size=4, unique=True), label="sids"
             )
-        counts = data.draw(
-            st.lists(st.integers(0, 5), min_size=len(sids), max_size=len(sids)), label="counts"
-        )
+        # Siblings all write, so that the last one may keep the shared block; others may skip.
+        count = st.integers(1 if batch == "siblings" else 0, 5)
+        counts = data.draw(st.lists(count, min_size=len(sids), max_size=len(sids)), label="counts")
         # The scalar forms of both arguments, where they mean the same batch.
         sid_arg = sids[0] if len(sids) == 1 and data.draw(st.booleans()) else sids
         uniform = len(set(counts)) == 1 and data.draw(st.booleans())
@@ -304,7 +313,7 @@ class CacheMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.model)
     @rule(data=st.data())
     def fork(self, data: st.DataObject) -> None:
-        parent = self.draw_live(data)
+        parent = self.draw_live(data, partial=True)
         table = self.cache.block_table(parent)
         free = self.cache.num_free_blocks
         child = self.cache.fork(parent)
@@ -456,9 +465,9 @@ class CacheMachine(RuleBasedStateMachine):
         self.seen_refs = refs
 
     def teardown(self) -> None:
-        for sid in list(self.model):
+        # The cache's own list: after a failed step the model may be a step behind.
+        for sid in self.cache.sequence_ids:
             self.cache.free(sid)
-            del self.model[sid]
         self.cache.check_invariants()
         assert self.cache.num_free_blocks == NUM_BLOCKS
         assert self.cache.sequence_ids == []
