@@ -95,8 +95,18 @@ def contiguous_baseline(q, k_cache, v_cache, tables, context, repeats):
     k, v = contiguous(k_cache), contiguous(v_cache)
     tq = torch.from_dlpack(q).unsqueeze(2)  # [batch, heads, 1, head_dim]
 
-    def run():
+    try:  # enable_gqa arrived in PyTorch 2.5; before it, repeat the KV heads (extra memory)
         F.scaled_dot_product_attention(tq, k, v, enable_gqa=True)
+    except TypeError:
+        group = NUM_Q_HEADS // NUM_KV_HEADS
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+
+        def run():
+            F.scaled_dot_product_attention(tq, k, v)
+    else:
+
+        def run():
+            F.scaled_dot_product_attention(tq, k, v, enable_gqa=True)
 
     run()
     torch.cuda.synchronize()
