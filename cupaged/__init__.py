@@ -3,7 +3,7 @@
 Public names::
 
     PagedCache, BlockPool, CacheSpec                        the block manager and its arithmetic
-    write_kv, copy_blocks                                   functional ops on raw cache arrays
+    write_kv, copy_blocks, paged_attention                  fused kernels on raw cache arrays
     reference_attention                                     the naive oracle attention
     CupagedError, OutOfBlocksError                          errors
 """
@@ -14,7 +14,7 @@ from .block_pool import BlockPool
 from .cache import PagedCache
 from .errors import CupagedError, OutOfBlocksError
 from .memory import CacheSpec
-from .ops import copy_blocks, write_kv
+from .ops import copy_blocks, paged_attention, write_kv
 from .reference import reference_attention
 
 __version__ = "0.1.0"
@@ -26,6 +26,7 @@ __all__ = [
     "OutOfBlocksError",
     "PagedCache",
     "copy_blocks",
+    "paged_attention",
     "reference_attention",
     "write_kv",
 ]

@@ -1,0 +1,193 @@
+"""The fused paged decode kernel against the float64 reference, on the CPU backend (and the GPU).
+
+The matrix: dtypes x head_dim x block size x GQA ratio, each call a ragged batch (lengths 1,
+block_size - 1, block_size, block_size + 1, 97 and one long enough for several splits) with
+scattered, non-monotonic block tables and a NaN-poisoned output. The CPU runs it under two
+scheduling orders, which expose a missing barrier.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import pytest
+from helpers import DTYPES, assert_close, poison, random_array, scatter_into_pages
+
+import cupaged
+from cupaged import _launch
+
+HEAD_DIMS = (64, 80, 128, 256)
+BLOCK_SIZES = (1, 7, 16, 32, 256)
+GQA_RATIOS = (1, 4, 8)
+NUM_KV_HEADS = 2
+LONG = 1100  # several splits: 6 sequences x 2 KV heads leave most of 132 multiprocessors idle
+SCHEDULES = ("forward", "warp_ahead")
+
+
+def ragged_lengths(block_size: int) -> list[int]:
+    return sorted({1, max(block_size - 1, 1), block_size, block_size + 1, 97, LONG})
+
+
+@contextlib.contextmanager
+def scheduled(xp, order):
+    """Run CPU-backend launches under ``order``; the GPU has its own."""
+    if xp is np:
+        from cupaged._cpu import schedule
+
+        with schedule(order):
+            yield
+    else:
+        yield
+
+
+def make_batch(rng, xp, dtype, head_dim, block_size, ratio, lengths):
+    seqs = [
+        (
+            random_array(rng, (n, NUM_KV_HEADS, head_dim), dtype),
+            random_array(rng, (n, NUM_KV_HEADS, head_dim), dtype),
+        )
+        for n in lengths
+    ]
+    num_blocks = sum(-(-n // block_size) for n in lengths) + 5
+    k_cache, v_cache, tables = scatter_into_pages(rng, seqs, block_size, num_blocks, dtype)
+    q = random_array(rng, (len(lengths), NUM_KV_HEADS * ratio, head_dim), dtype)
+    lens = np.array(lengths, dtype=np.int32)
+    expected = cupaged.reference_attention(
+        q, k_cache, v_cache, tables, lens, compute_dtype="float64", out_dtype="float64"
+    )
+    arrays = tuple(xp.asarray(x) for x in (q, k_cache, v_cache, tables, lens))
+    return arrays, expected
+
+
+@pytest.mark.parametrize("order", SCHEDULES)
+@pytest.mark.parametrize("ratio", GQA_RATIOS)
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_matches_float64_reference(rng, xp, dtype, head_dim, block_size, ratio, order):
+    lengths = ragged_lengths(block_size)
+    (q, k_cache, v_cache, tables, lens), expected = make_batch(
+        rng, xp, dtype, head_dim, block_size, ratio, lengths
+    )
+    out = xp.asarray(poison(q.shape, dtype))
+    launch = _launch.decode_launch(
+        dtype, len(lengths), NUM_KV_HEADS, ratio, head_dim, block_size, LONG
+    )
+    assert launch.num_splits > 1  # the long sequence takes the split-K path
+    with scheduled(xp, order):
+        got = cupaged.paged_attention(q, k_cache, v_cache, tables, lens, out=out, checked=True)
+    assert got is out
+    assert_close(got, expected, dtype)
+
+
+@pytest.mark.parametrize("splits", [1, 2, 7])
+def test_forced_splits_and_empty_splits_agree(rng, splits):
+    """More splits than a short sequence fills leaves empty splits; the merge must ignore them."""
+    lengths = [0, 3, 300, 513]
+    (q, k_cache, v_cache, tables, lens), expected = make_batch(
+        rng, np, "float32", 64, 16, 4, lengths
+    )
+    out = cupaged.paged_attention(q, k_cache, v_cache, tables, lens, num_splits=splits)
+    assert_close(out, expected, "float32")
+    assert not out[0].any()  # context length 0: a zero row
+
+
+def test_scale_and_int64_metadata(rng):
+    (q, k_cache, v_cache, tables, lens), _ = make_batch(rng, np, "float16", 128, 16, 2, [5, 40])
+    expected = cupaged.reference_attention(
+        q, k_cache, v_cache, tables, lens, scale=0.05, compute_dtype="float64", out_dtype="float64"
+    )
+    out = cupaged.paged_attention(
+        q, k_cache, v_cache, tables.astype(np.int64), lens.astype(np.int64), scale=0.05
+    )
+    assert_close(out, expected, "float16")
+
+
+def test_through_a_paged_cache(rng):
+    """The serving loop: reserve, write every layer, build the tables once, attend per layer."""
+    cache = cupaged.PagedCache(
+        64, block_size=16, num_layers=2, num_kv_heads=2, head_dim=64, dtype="bfloat16", device="cpu"
+    )
+    sids = [cache.add_sequence() for _ in range(3)]
+    for sid, n in zip(sids, (5, 40, 17), strict=True):
+        k = random_array(rng, (2, n, 2, 64), "bfloat16")
+        cache.append(sid, k, random_array(rng, (2, n, 2, 64), "bfloat16"))
+    beam = cache.fork(sids[1])
+    sids.append(beam)
+    slots = cache.reserve(sids, 1)
+    tables, lens = cache.block_tables(sids)
+    for layer in range(2):
+        new = random_array(rng, (4, 2, 64), "bfloat16")
+        cupaged.write_kv(cache.k[layer], cache.v[layer], new, new[::-1].copy(), slots)
+        q = random_array(rng, (4, 8, 64), "bfloat16")
+        out = cupaged.paged_attention(q, cache.k[layer], cache.v[layer], tables, lens)
+        expected = cupaged.reference_attention(
+            q, cache.k[layer], cache.v[layer], tables, lens, compute_dtype="float64",
+            out_dtype="float64",
+        )  # fmt: skip
+        assert_close(out, expected, "bfloat16")
+    cache.check_invariants()
+
+
+def test_empty_batch(rng):
+    (q, k_cache, v_cache, tables, lens), _ = make_batch(rng, np, "float32", 64, 16, 1, [3])
+    out = cupaged.paged_attention(q[:0], k_cache, v_cache, tables[:0], lens[:0])
+    assert out.shape == (0, 2, 64)
+
+
+@pytest.mark.parametrize(
+    "change, error, message",
+    [
+        (dict(head_dim=72), ValueError, r"expected head_dim in 64..256, a multiple of 16"),
+        (dict(head_dim=32), ValueError, r"expected head_dim in 64..256, a multiple of 16 \(64, 80"),
+        (dict(block_size=512), ValueError, r"expected block_size in 1..256, got 512"),
+    ],
+)
+def test_unsupported_shapes_are_rejected_before_compiling(rng, change, error, message):
+    head_dim, block_size = change.get("head_dim", 64), change.get("block_size", 16)
+    k_cache = random_array(rng, (4, 1, block_size, head_dim), "float32")
+    q = random_array(rng, (1, 1, head_dim), "float32")
+    with pytest.raises(error, match=message):
+        cupaged.paged_attention(
+            q, k_cache, k_cache, np.zeros((1, 1), np.int32), np.ones(1, np.int32)
+        )
+
+
+def test_checked_mode_rejects_bad_block_ids_and_lengths(rng):
+    (q, k_cache, v_cache, tables, lens), _ = make_batch(rng, np, "float32", 64, 16, 1, [20, 3])
+    bad_tables = tables.copy()
+    bad_tables[0, 1] = k_cache.shape[0]
+    with pytest.raises(ValueError, match=r"expected block ids in \[0, \d+\) in row 0"):
+        cupaged.paged_attention(q, k_cache, v_cache, bad_tables, lens, checked=True)
+    with pytest.raises(ValueError, match=r"expected context_lens in \[0, 32\]"):
+        cupaged.paged_attention(q, k_cache, v_cache, tables, np.array([33, 3], np.int32),
+                                checked=True)  # fmt: skip
+
+
+def test_layout_errors(rng):
+    (q, k_cache, v_cache, tables, lens), _ = make_batch(rng, np, "float32", 64, 16, 1, [5])
+    strided = np.repeat(k_cache, 2, axis=0)[::2]
+    with pytest.raises(ValueError, match="expected k_cache C-contiguous"):
+        cupaged.paged_attention(q, strided, v_cache, tables, lens)
+    with pytest.raises(TypeError, match=r"expected out of dtype float32 \(q's dtype\)"):
+        cupaged.paged_attention(
+            q, k_cache, v_cache, tables, lens, out=np.empty(q.shape, np.float16)
+        )
+    with pytest.raises(ValueError, match=r"expected out of shape"):
+        cupaged.paged_attention(
+            q, k_cache, v_cache, tables, lens, out=np.empty((2, 2, 64), np.float32)
+        )
+
+
+def test_split_heuristic():
+    # Small batches are split to fill the GPU, never below MIN_SPLIT_TOKENS per split.
+    assert _launch.num_splits(1, 8, 32768, 132) == 17
+    assert _launch.num_splits(1, 8, 1000, 132) == 4
+    assert _launch.num_splits(4, 8, 100, 132) == 1
+    # Large batches already fill every multiprocessor: no split.
+    assert _launch.num_splits(64, 8, 32768, 132) == 1
+    launch = _launch.decode_launch("float16", 1, 8, 4, 128, 16, 4096)
+    assert launch.num_splits * launch.partition_tokens >= 4096
+    assert launch.partition_tokens % _launch.decode_tile("float16", 128) == 0
+    assert launch.grid == (8, 1, launch.num_splits) and launch.merge_grid == (32, 1)
