@@ -233,6 +233,12 @@ def paged_attention(
         dims.dtype, dims.num_seqs, dims.num_kv_heads, group, dims.head_dim, dims.block_size,
         int(max_context_len), _sm_count(device), num_splits,
     )  # fmt: skip
+    if device == "cuda" and launch.shared_mem > _device_shared_memory_limit():
+        raise ValueError(
+            f"expected at most {_device_shared_memory_limit()} bytes of shared memory per block, "
+            f"got {launch.shared_mem} for {group} query heads per KV head at head_dim "
+            f"{dims.head_dim}; split the query heads into several calls"
+        )
     kernel = get_kernel(device, "paged_attention.cu", launch.name)
     if device == "cuda" and launch.shared_mem > _launch.DEFAULT_SHARED_MEMORY:
         kernel.max_dynamic_shared_size_bytes = launch.shared_mem
@@ -265,16 +271,20 @@ def _device(xp: Any) -> str:
     return "cpu" if xp is np else "cuda"
 
 
-@functools.cache
-def _device_sm_count(device_id: int) -> int:
+def _device_shared_memory_limit() -> int:
     cupy = device_module("cuda")
-    return int(cupy.cuda.Device(device_id).attributes["MultiProcessorCount"])
+    return _device_attribute(cupy.cuda.Device().id, "MaxSharedMemoryPerBlockOptin")
+
+
+@functools.cache
+def _device_attribute(device_id: int, name: str) -> int:
+    return int(device_module("cuda").cuda.Device(device_id).attributes[name])
 
 
 def _sm_count(device: str) -> int:
     if device == "cpu":
         return _launch.NOMINAL_SM_COUNT
-    return _device_sm_count(device_module("cuda").cuda.Device().id)
+    return _device_attribute(device_module("cuda").cuda.Device().id, "MultiProcessorCount")
 
 
 def _address(x: Any) -> int:
