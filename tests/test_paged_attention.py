@@ -66,6 +66,8 @@ def make_batch(rng, xp, dtype, head_dim, block_size, ratio, lengths):
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_decode_matches_float64_reference(rng, xp, dtype, head_dim, block_size, ratio, order):
+    if xp is not np and order != SCHEDULES[0]:
+        pytest.skip("scheduling orders belong to the CPU backend; the GPU runs once")
     lengths = ragged_lengths(block_size)
     (q, k_cache, v_cache, tables, lens), expected = make_batch(
         rng, xp, dtype, head_dim, block_size, ratio, lengths
