@@ -13,25 +13,37 @@ Its 8th token (position 7) fills block 2; the 9th takes a new block from the poo
 Blocks are shared by reference: :meth:`PagedCache.fork` gives a child the parent's table and bumps
 every block's refcount. The first write into a shared, partly filled last block copies it first
 (copy-on-write); full shared blocks are never written again, so they are never copied.
+
+With prefix caching, every full block is registered under a key that chains the keys of the blocks
+before it (:mod:`cupaged.prefix_cache`); a new sequence whose prompt starts with cached blocks
+shares them instead of recomputing them, and freed cached blocks stay findable until evicted.
+Swapping moves a sequence's K/V to host memory and back, for preemption.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
-from ._backend import array_module, device_module, resolve_device
+from ._backend import array_module, device_module, resolve_device, to_numpy
 from ._checks import as_int, check_dtype, check_shape, require
 from .block_pool import BlockPool
 from .block_table import DeviceBlockTable
 from .dtypes import as_storage, storage_dtype
-from .errors import OutOfBlocksError
+from .errors import CupagedError, OutOfBlocksError
 from .memory import CacheSpec
 from .ops import copy_blocks, write_kv
+from .prefix_cache import (
+    BlockHasher,
+    PrefixCacheStats,
+    blake2b_block_hash,
+    block_content,
+    salt_root,
+)
 
 _INT32_MAX = 2**31 - 1
 _NOTHING_RELEASED: dict[int, int] = {}
@@ -41,7 +53,14 @@ _NOTHING_RELEASED: dict[int, int] = {}
 class _Sequence:
     blocks: list[int]  # physical block ids in logical order
     length: int  # tokens stored (or reserved)
-    row: int  # row of the device block table
+    row: int  # row of the device block table; -1 while swapped out
+    # Prefix caching only: token ids, the key of each full block, the chain's root and salt.
+    tokens: list[int] | None = None
+    keys: list[bytes] = field(default_factory=list)
+    root: bytes = b""
+    salt: bytes | None = None
+    cached_tokens: int = 0  # prompt tokens served from the cache when the sequence was added
+    swapped: tuple[Any, Any] | None = None  # host (k, v) [num_layers, n_blocks, ...] when out
 
 
 class PagedCache:
@@ -56,6 +75,10 @@ class PagedCache:
         dtype: ``"float16"``, ``"float32"`` or ``"bfloat16"`` (stored as ``uint16``).
         device: ``"cuda"`` (CuPy arrays), ``"cpu"`` (NumPy arrays) or ``None`` for CUDA when CuPy
             sees a GPU and the CPU otherwise.
+        enable_prefix_caching: register full blocks by content so that sequences sharing a prompt
+            prefix share its blocks; ``add_sequence``, ``append`` and ``reserve`` then take token ids.
+        block_hasher: the :data:`~cupaged.prefix_cache.BlockHasher` of prefix caching (BLAKE2b by
+            default); tests inject colliding ones.
 
     Attributes:
         k: ``[num_layers, num_blocks, num_kv_heads, block_size, head_dim]`` keys; ``k[layer]`` is
@@ -90,6 +113,9 @@ class PagedCache:
         head_dim: int = 128,
         dtype: Any = "float16",
         device: str | None = None,
+        *,
+        enable_prefix_caching: bool = False,
+        block_hasher: BlockHasher | None = None,
     ) -> None:
         self.spec = CacheSpec(num_layers, num_kv_heads, head_dim, dtype, block_size)
         num_blocks = as_int(num_blocks, "num_blocks")
@@ -109,6 +135,11 @@ class PagedCache:
         self._table = DeviceBlockTable(self._xp)
         self._seqs: dict[int, _Sequence] = {}
         self._next_id = 0
+        self.prefix_caching = bool(enable_prefix_caching)
+        if block_hasher is not None and not self.prefix_caching:
+            raise ValueError("block_hasher= needs enable_prefix_caching=True")
+        self._hasher = block_hasher or blake2b_block_hash
+        self._stats = PrefixCacheStats()
 
     # ----------------------------------------------------------------------------- introspection
 
@@ -124,8 +155,24 @@ class PagedCache:
 
     @property
     def num_free_blocks(self) -> int:
-        """Blocks not referenced by any sequence."""
+        """Blocks not referenced by any sequence (cached but evictable ones included)."""
         return self._pool.num_free
+
+    @property
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        """Hits, misses, evictions and served tokens of prefix caching (a snapshot)."""
+        return replace(self._stats, evictions=self._pool.evictions)
+
+    def num_cached_tokens(self, sid: int) -> int:
+        """Prompt tokens of ``sid`` found in the cache by ``add_sequence(tokens=...)``.
+
+        The caller computes K/V for the rest of the prompt only: ``prompt[num_cached_tokens:]``.
+        """
+        return self._get(sid).cached_tokens
+
+    def is_swapped(self, sid: int) -> bool:
+        """Whether sequence ``sid`` is swapped out to host memory."""
+        return self._get(sid).swapped is not None
 
     @property
     def sequence_ids(self) -> list[int]:
@@ -138,7 +185,7 @@ class PagedCache:
 
     def block_table(self, sid: int) -> list[int]:
         """Physical block ids of sequence ``sid`` in logical order (a copy)."""
-        return list(self._get(sid).blocks)
+        return list(self._resident(sid).blocks)
 
     def refcount(self, block: int) -> int:
         """Number of sequences whose table references physical block ``block``."""
@@ -157,7 +204,7 @@ class PagedCache:
             past each sequence's last block (``max_blocks`` is the batch's longest table, at
             least 1), and ``[len(sids)]`` int32.
         """
-        seqs = [self._get(sid) for sid in sids]
+        seqs = [self._resident(sid) for sid in sids]
         width = max((len(seq.blocks) for seq in seqs), default=0)
         tables = self._table.gather([seq.row for seq in seqs], max(width, 1))
         lens = np.fromiter((seq.length for seq in seqs), dtype=np.int32, count=len(seqs))
@@ -170,7 +217,7 @@ class PagedCache:
             ``(k, v)``, each ``[num_layers, seq_len, num_kv_heads, head_dim]`` in the cache's
             storage dtype.
         """
-        seq = self._get(sid)
+        seq = self._resident(sid)
         blocks = self._xp.asarray(np.asarray(seq.blocks, dtype=np.intp))
         out = []
         for pages in (self.k, self.v):
@@ -182,10 +229,62 @@ class PagedCache:
 
     # ----------------------------------------------------------------------------- lifecycle
 
-    def add_sequence(self) -> int:
-        """Start an empty sequence; no block is taken until tokens arrive. Returns its id."""
+    def add_sequence(
+        self, tokens: Sequence[int] | None = None, cache_salt: str | bytes | None = None
+    ) -> int:
+        """Start a sequence. Returns its id.
+
+        Without prefix caching the sequence starts empty and takes no block until tokens arrive.
+        With it, pass the prompt's token ids: every leading full block of the prompt already in
+        the cache is attached (shared, refcount up), and :meth:`num_cached_tokens` says how many
+        prompt tokens that covers; append K/V for the rest. The block holding the prompt's last
+        token is never attached, so at least one token is left to compute (its logits are needed).
+
+        Args:
+            tokens: the prompt's token ids (prefix caching only).
+            cache_salt: a per-request salt (prefix caching only); sequences share cached blocks
+                only with sequences of the same salt.
+        """
+        if not self.prefix_caching:
+            if tokens is not None or cache_salt is not None:
+                raise ValueError(
+                    "tokens= and cache_salt= need PagedCache(enable_prefix_caching=True)"
+                )
+            sid = self._next_id
+            self._seqs[sid] = _Sequence(blocks=[], length=0, row=self._table.acquire_row([]))
+            self._next_id += 1
+            return sid
+        prompt = _token_list(tokens if tokens is not None else [], "tokens")
+        salt = cache_salt.encode() if isinstance(cache_salt, str) else cache_salt
+        if salt is not None and not isinstance(salt, bytes):
+            raise TypeError(
+                f"expected cache_salt to be str or bytes, got {type(cache_salt).__name__}"
+            )
+        bs = self.spec.block_size
+        root = salt_root(salt)
+        hits: list[tuple[int, bytes]] = []
+        parent = root
+        for j in range(max(len(prompt) - 1, 0) // bs):
+            chunk = prompt[j * bs : (j + 1) * bs]
+            key = self._hasher(parent, chunk)
+            found = self._pool.lookup(key)
+            if found is None or found[1] != block_content(parent, chunk, salt):
+                break  # a miss, or a hash collision caught by the token check
+            hits.append((found[0], key))
+            parent = key
+        for block, _ in hits:
+            self._pool.acquire(block)
+        cached = len(hits) * bs
+        self._stats.hits += len(hits)
+        self._stats.misses += len(prompt) // bs - len(hits)
+        self._stats.cached_tokens += cached
+        blocks = [block for block, _ in hits]
         sid = self._next_id
-        self._seqs[sid] = _Sequence(blocks=[], length=0, row=self._table.acquire_row([]))
+        self._seqs[sid] = _Sequence(
+            blocks=blocks, length=cached, row=self._table.acquire_row(blocks),
+            tokens=prompt[:cached], keys=[key for _, key in hits], root=root, salt=salt,
+            cached_tokens=cached,
+        )  # fmt: skip
         self._next_id += 1
         return sid
 
@@ -198,26 +297,35 @@ class PagedCache:
         Returns:
             The child's id.
         """
-        parent = self._get(sid)
+        parent = self._resident(sid)
         for block in parent.blocks:
             self._pool.incref(block)
         child = self._next_id
         row = self._table.acquire_row(parent.blocks)
-        self._seqs[child] = _Sequence(list(parent.blocks), parent.length, row)
+        self._seqs[child] = replace(
+            parent,
+            blocks=list(parent.blocks),
+            row=row,
+            tokens=None if parent.tokens is None else list(parent.tokens),
+            keys=list(parent.keys),
+            cached_tokens=0,
+        )
         self._next_id += 1
         return child
 
     def free(self, sid: int) -> None:
-        """End sequence ``sid``: drop its references; unshared blocks return to the pool."""
+        """End sequence ``sid``: drop its references; unshared blocks return to the pool.
+
+        Cached full blocks are not wiped: they become evictable, last block first, so that a
+        prompt's head survives eviction longest.
+        """
         seq = self._get(sid)
         del self._seqs[sid]
-        for block in reversed(seq.blocks):
-            self._pool.decref(block)
-        self._table.release_row(seq.row, len(seq.blocks))
+        self._release(seq)
 
     # ----------------------------------------------------------------------------- writing
 
-    def append(self, sid: int, k: Any, v: Any) -> None:
+    def append(self, sid: int, k: Any, v: Any, tokens: Sequence[int] | None = None) -> None:
         """Append tokens' keys and values to sequence ``sid``, in every layer.
 
         All or nothing: when the pool cannot hold every new token, :class:`OutOfBlocksError` is
@@ -228,9 +336,14 @@ class PagedCache:
             k: ``[num_layers, n_tokens, num_kv_heads, head_dim]`` in the cache's dtype (bfloat16 as
                 ``uint16``, or ``ml_dtypes.bfloat16`` on the CPU), on the cache's device.
             v: same shape and dtype as ``k``.
+            tokens: the appended tokens' ids, ``n_tokens`` of them; required with prefix caching
+                (full blocks are registered under keys of their token ids), refused without.
         """
-        seq = self._get(sid)
+        seq = self._resident(sid)
         k, v = self._check_kv(k, v)
+        (new_tokens,) = self._check_tokens(
+            [seq], [k.shape[1]], None if tokens is None else [tokens]
+        )
         if k.shape[1] == 0:
             return
         slots = self._reserve(
@@ -238,8 +351,14 @@ class PagedCache:
         )
         for layer in range(self.spec.num_layers):
             write_kv(self.k[layer], self.v[layer], k[layer], v[layer], slots)
+        self._register_full_blocks(seq, new_tokens)
 
-    def reserve(self, sids: int | Iterable[int], num_tokens: int | Sequence[int] = 1) -> Any:
+    def reserve(
+        self,
+        sids: int | Iterable[int],
+        num_tokens: int | Sequence[int] = 1,
+        tokens: Sequence[Sequence[int]] | None = None,
+    ) -> Any:
         """Make room for the next tokens of a batch and return where to write them.
 
         For pipelines that compute K/V layer by layer and write them with :func:`cupaged.write_kv`
@@ -251,13 +370,15 @@ class PagedCache:
         Args:
             sids: one sequence id or several distinct ones.
             num_tokens: tokens per sequence: one int for all, or one per sequence.
+            tokens: with prefix caching, the new tokens' ids, one sequence of ids per sequence
+                (full blocks are registered at once: write their K/V before anyone attends).
 
         Returns:
             ``[sum(num_tokens)]`` int32 slot mapping on the cache's device, sequence after sequence
             in the order of ``sids``: ``slot = block * block_size + offset``.
         """
         sid_list = [sids] if isinstance(sids, (int, np.integer)) else list(sids)
-        seqs = [self._get(sid) for sid in sid_list]
+        seqs = [self._resident(sid) for sid in sid_list]
         if len(set(map(id, seqs))) != len(seqs):
             raise ValueError(f"expected distinct sequence ids, got {sid_list}")
         if not isinstance(num_tokens, Iterable):
@@ -270,9 +391,56 @@ class PagedCache:
                 )
         if any(n < 0 for n in counts):
             raise ValueError(f"expected num_tokens >= 0, got {counts}")
-        return self._reserve(
+        new_tokens = self._check_tokens(seqs, counts, tokens)
+        slots = self._reserve(
             seqs, counts, f"reserving {sum(counts)} token(s) for {len(seqs)} sequence(s)"
         )
+        for seq, ids in zip(seqs, new_tokens, strict=True):
+            self._register_full_blocks(seq, ids)
+        return slots
+
+    # ----------------------------------------------------------------------------- swapping
+
+    def swap_out(self, sid: int) -> None:
+        """Move sequence ``sid``'s K/V (every layer) to host memory and free its device blocks.
+
+        The host copy is pinned on the GPU and taken in one gather and one transfer per K and V.
+        Shared blocks are copied too: the swapped sequence owns a private host copy, and the
+        other sequences keep their references. Until :meth:`swap_in`, the sequence cannot be
+        appended to, reserved for, forked or attended to (``CupagedError``); ``seq_len``, ``free``
+        and ``swap_in`` work.
+        """
+        seq = self._resident(sid)
+        index = self._xp.asarray(np.asarray(seq.blocks, dtype=np.intp))
+        host = []
+        for pages in (self.k, self.v):
+            gathered = pages[:, index]  # [num_layers, n_blocks, heads, block_size, head_dim]
+            buffer = _host_empty(self._xp, gathered.shape, gathered.dtype)
+            if self._xp is np:
+                buffer[...] = gathered
+            else:
+                gathered.get(out=buffer)
+            host.append(buffer)
+        self._release(seq)
+        seq.blocks, seq.row, seq.swapped = [], -1, (host[0], host[1])
+
+    def swap_in(self, sid: int) -> None:
+        """Bring a swapped-out sequence back: allocate blocks and copy its K/V in.
+
+        The blocks are fresh (sharing is not restored); full ones are registered in the prefix
+        cache again unless their key is taken. All or nothing: :class:`OutOfBlocksError` changes
+        nothing and the sequence stays swapped out.
+        """
+        seq = self._get(sid)
+        if seq.swapped is None:
+            raise CupagedError(f"sequence {sid} is not swapped out")
+        k_host, v_host = seq.swapped
+        blocks = self._pool.allocate(k_host.shape[1])  # raises before any change
+        index = self._xp.asarray(np.asarray(blocks, dtype=np.intp))
+        self.k[:, index] = self._xp.asarray(k_host)
+        self.v[:, index] = self._xp.asarray(v_host)
+        seq.blocks, seq.row, seq.swapped = blocks, self._table.acquire_row(blocks), None
+        self._register_keys(seq, 0)
 
     # ----------------------------------------------------------------------------- internals
 
@@ -344,6 +512,59 @@ class PagedCache:
         last = seq.blocks[-1]
         return self._pool.refcount(last) - released.get(last, 0) > 1
 
+    def _release(self, seq: _Sequence) -> None:
+        """Drop a resident sequence's references (last block first) and its table row."""
+        if seq.swapped is not None:
+            return
+        for block in reversed(seq.blocks):
+            self._pool.decref(block)
+        self._table.release_row(seq.row, len(seq.blocks))
+
+    def _check_tokens(
+        self, seqs: list[_Sequence], counts: list[int], tokens: Sequence[Sequence[int]] | None
+    ) -> list[list[int]]:
+        """Validate the token ids given with new tokens: required with prefix caching only."""
+        if not self.prefix_caching:
+            if tokens is not None:
+                raise ValueError("tokens= needs PagedCache(enable_prefix_caching=True)")
+            return [[] for _ in seqs]
+        if tokens is None:
+            raise ValueError(
+                "expected tokens= (the new tokens' ids): prefix caching keys full blocks by them"
+            )
+        if isinstance(tokens, (str, bytes)) or len(tokens) != len(seqs):
+            raise ValueError(f"expected one list of token ids per sequence ({len(seqs)})")
+        lists = [_token_list(ids, "tokens") for ids in tokens]
+        for n, ids in zip(counts, lists, strict=True):
+            if len(ids) != n:
+                raise ValueError(f"expected {n} token ids (one per new token), got {len(ids)}")
+        return lists
+
+    def _register_full_blocks(self, seq: _Sequence, new_tokens: list[int]) -> None:
+        """Record new token ids and register every block they completed."""
+        if seq.tokens is None:
+            return
+        seq.tokens.extend(new_tokens)
+        self._register_keys(seq, len(seq.keys))
+
+    def _register_keys(self, seq: _Sequence, start: int) -> None:
+        """Register full blocks ``start ..`` of ``seq`` under their chained keys."""
+        if seq.tokens is None:
+            return
+        bs = self.spec.block_size
+        for j in range(start, seq.length // bs):
+            parent = seq.keys[j - 1] if j else seq.root
+            chunk = seq.tokens[j * bs : (j + 1) * bs]
+            if j == len(seq.keys):
+                seq.keys.append(self._hasher(parent, chunk))
+            self._pool.register(seq.blocks[j], seq.keys[j], block_content(parent, chunk, seq.salt))
+
+    def _resident(self, sid: int) -> _Sequence:
+        seq = self._get(sid)
+        if seq.swapped is not None:
+            raise CupagedError(f"sequence {sid} is swapped out; call swap_in({sid}) first")
+        return seq
+
     def _get(self, sid: int) -> _Sequence:
         is_id = isinstance(sid, (int, np.integer)) and not isinstance(sid, bool)  # True == 1
         if is_id and sid in self._seqs:
@@ -391,6 +612,15 @@ class PagedCache:
         rows: dict[int, list[int]] = {}
         for sid, seq in self._seqs.items():
             require(0 <= sid < self._next_id, f"sequence id {sid} was never handed out")
+            self._check_prefix_invariants(sid, seq)
+            if seq.swapped is not None:
+                require(not seq.blocks and seq.row == -1, f"swapped sequence {sid} holds blocks")
+                n_blocks = seq.swapped[0].shape[1]
+                require(
+                    n_blocks == self.spec.blocks_for(seq.length),
+                    f"swapped sequence {sid} has {seq.length} tokens in {n_blocks} host blocks",
+                )
+                continue
             expected = self.spec.blocks_for(seq.length)
             require(
                 len(seq.blocks) == expected,
@@ -406,3 +636,46 @@ class PagedCache:
             references.update(seq.blocks)
         self._pool.check_invariants(references)
         self._table.check_invariants(rows)
+
+    def _check_prefix_invariants(self, sid: int, seq: _Sequence) -> None:
+        if seq.tokens is None:
+            require(not seq.keys, f"sequence {sid} has block keys without prefix caching")
+            return
+        require(
+            len(seq.tokens) == seq.length,
+            f"sequence {sid} has {seq.length} tokens but {len(seq.tokens)} token ids",
+        )
+        full = seq.length // self.spec.block_size
+        require(
+            len(seq.keys) == full, f"sequence {sid} has {full} full blocks, {len(seq.keys)} keys"
+        )
+        for j, block in enumerate(seq.blocks[:full]):
+            key = self._pool.cached_key(block)
+            require(
+                key is None or key == seq.keys[j],
+                f"block {block} of sequence {sid} is registered under another key",
+            )
+
+
+def _token_list(tokens: Any, what: str) -> list[int]:
+    """Token ids as a list of Python ints, from a sequence of ints or a 1-D integer array."""
+    if isinstance(tokens, (str, bytes)):
+        raise TypeError(
+            f"expected {what} to be a sequence of int token ids, got {type(tokens).__name__}"
+        )
+    array = to_numpy(tokens) if hasattr(tokens, "dtype") else np.asarray(list(tokens))
+    if array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
+        raise TypeError(
+            f"expected {what} to be a 1-D sequence of int token ids, got {array.dtype} "
+            f"of shape {array.shape}"
+        )
+    return array.astype(np.int64).tolist()
+
+
+def _host_empty(xp: Any, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    """Host memory for a swapped-out sequence: pinned when the cache is on the GPU."""
+    if xp is np:
+        return np.empty(shape, dtype)
+    import cupyx
+
+    return cupyx.empty_pinned(shape, dtype)
