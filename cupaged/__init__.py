@@ -4,7 +4,9 @@ Public names::
 
     PagedCache, BlockPool, CacheSpec                        the block manager and its arithmetic
     write_kv, copy_blocks, paged_attention                  fused kernels on raw cache arrays
+    to_csr, from_csr                                        dense <-> CSR page tables
     reference_attention                                     the naive oracle attention
+    PrefixCacheStats                                        prefix-caching counters
     CupagedError, OutOfBlocksError                          errors
 """
 
@@ -15,6 +17,8 @@ from .cache import PagedCache
 from .errors import CupagedError, OutOfBlocksError
 from .memory import CacheSpec
 from .ops import copy_blocks, paged_attention, write_kv
+from .page_table import from_csr, to_csr
+from .prefix_cache import PrefixCacheStats
 from .reference import reference_attention
 
 __version__ = "0.1.0"
@@ -25,8 +29,11 @@ __all__ = [
     "CupagedError",
     "OutOfBlocksError",
     "PagedCache",
+    "PrefixCacheStats",
     "copy_blocks",
+    "from_csr",
     "paged_attention",
     "reference_attention",
+    "to_csr",
     "write_kv",
 ]

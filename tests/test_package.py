@@ -14,6 +14,7 @@ import cupaged._backend as backend
 import cupaged.block_pool
 import cupaged.cache
 import cupaged.memory
+import cupaged.page_table
 
 
 def test_kernel_sources_are_found_at_run_time():
@@ -22,7 +23,9 @@ def test_kernel_sources_are_found_at_run_time():
     assert (backend.Path(cupaged.__file__).parent / "py.typed").is_file()
 
 
-@pytest.mark.parametrize("module", [cupaged.block_pool, cupaged.cache, cupaged.memory])
+@pytest.mark.parametrize(
+    "module", [cupaged.block_pool, cupaged.cache, cupaged.memory, cupaged.page_table]
+)
 def test_docstring_examples_run(module):
     result = doctest.testmod(module, raise_on_error=False)
     assert result.attempted > 0 and result.failed == 0
