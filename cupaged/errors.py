@@ -29,3 +29,12 @@ class OutOfBlocksError(CupagedError, MemoryError):
             f"out of KV-cache blocks: {what} needs {needed} free block(s), got {available} "
             f"(free sequences, or create the cache with more blocks)"
         )
+
+
+class KernelError(CupagedError):
+    """A kernel failed while running on the CPU backend.
+
+    Raised for a deadlock (threads wait at a barrier or warp collective that can never complete), a
+    failed device ``assert``, a divergent ``__syncthreads`` or a malformed warp collective. The
+    message names the kernel (its name expression), the block and thread, and the source line.
+    """

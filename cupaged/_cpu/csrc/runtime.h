@@ -1,0 +1,947 @@
+// runtime.h: runs a CUDA kernel's thread blocks on the CPU (the other half of shim.h).
+//
+// Included once, by the translation unit the Python loader generates for a kernel file:
+//
+//     [shim.h, force-included]  [runtime.h]  [the kernel .cu]  [launch table + C entry points]
+//
+// Execution model (DESIGN.md §5):
+//
+//   launch ── workers (OS threads: the caller + pthreads) take blocks from a shared counter
+//               └─ worker ── runs one block at a time: one fiber per CUDA thread, all on this OS
+//                            thread, switched by hand (switch_context below, a few ns), never
+//                            preemptively: a fiber runs until it blocks (barrier, warp collective)
+//                            or returns.
+//
+// A scheduler loop on the worker's own stack sweeps the block's fibers in the launch's order
+// (forward, reverse, warp_ahead) and resumes each runnable one. When a sweep finds nothing to run
+// while fibers are still alive, the block is deadlocked: the launch fails with a description of
+// who waits where. A failed assert, a divergent barrier or a malformed collective fails the launch
+// the same way. The failing fiber's stack and every blocked fiber's stack are simply abandoned
+// (reinitialised for the next block), so a failure is never a hang or a crash.
+//
+// Nothing inside a block needs locks or atomics: its fibers share one OS thread. Only the block
+// counter, the first-error slot and the stack pool are shared between workers.
+#pragma once
+
+namespace cupaged_cpu {
+
+// ---- Context switch -------------------------------------------------------------------------
+// switch_context(&from_sp, to_sp) saves the callee-saved registers of the System V x86-64 ABI
+// (rbx, rbp, r12-r15), the SSE control/status register and the x87 control word on the current
+// stack, stores the stack pointer in *from_sp, loads to_sp and restores the same registers from
+// there. Everything else is caller-saved, so the C++ caller has already spilled what it needs.
+//
+// A new fiber's stack is laid out as if it had called switch_context itself: "returning" lands
+// in fiber_entry with r12 = the function to run and r13 = its argument.
+extern "C" void cupaged_cpu_switch_context(void** from_sp, void* to_sp);
+extern "C" void cupaged_cpu_fiber_entry();
+asm(R"(
+    .text
+    .p2align 4
+    .globl cupaged_cpu_switch_context
+    .hidden cupaged_cpu_switch_context
+    .type cupaged_cpu_switch_context, @function
+cupaged_cpu_switch_context:
+    pushq %rbp
+    pushq %rbx
+    pushq %r12
+    pushq %r13
+    pushq %r14
+    pushq %r15
+    subq $8, %rsp
+    stmxcsr (%rsp)
+    fnstcw 4(%rsp)
+    movq %rsp, (%rdi)
+    movq %rsi, %rsp
+    ldmxcsr (%rsp)
+    fldcw 4(%rsp)
+    addq $8, %rsp
+    popq %r15
+    popq %r14
+    popq %r13
+    popq %r12
+    popq %rbx
+    popq %rbp
+    ret
+    .size cupaged_cpu_switch_context, .-cupaged_cpu_switch_context
+
+    .p2align 4
+    .globl cupaged_cpu_fiber_entry
+    .hidden cupaged_cpu_fiber_entry
+    .type cupaged_cpu_fiber_entry, @function
+cupaged_cpu_fiber_entry:
+    movq %r13, %rdi
+    callq *%r12
+    ud2
+    .size cupaged_cpu_fiber_entry, .-cupaged_cpu_fiber_entry
+)");
+
+// Size of one fiber stack and of the inaccessible guard page below it. A guard-page hit (deep
+// recursion, a huge local array) is a SIGSEGV: kernels should keep per-thread arrays small.
+#if defined(__SANITIZE_ADDRESS__)
+constexpr size_t kStackBytes = 512 * 1024;  // ASan's redzones make frames several times larger
+#else
+constexpr size_t kStackBytes = 128 * 1024;
+#endif
+constexpr size_t kGuardBytes = 4096;
+constexpr unsigned kMaxThreadsPerBlock = 1024;
+
+// ---- Launch table (filled by the generated code) ----------------------------------------------
+// One entry per name expression: the kernel, type-erased, and a thunk that knows its parameter
+// types. Parameter kinds, for the Python-side argument check: 'p' pointer, 'f' floating point,
+// 'i' signed integer, 'u' unsigned integer, 'b' bool, 'o' anything else (struct, __half).
+struct KernelEntry {
+  const char* name;
+  void (*function)();
+  void (*thunk)(void (*function)(), void** args);
+  int num_params;
+  const size_t* param_sizes;
+  const char* param_kinds;
+};
+
+template <typename T>
+constexpr char param_kind() {
+  return std::is_pointer<T>::value                                   ? 'p'
+         : std::is_same<T, bool>::value                              ? 'b'
+         : std::is_floating_point<T>::value                          ? 'f'
+         : std::is_integral<T>::value && std::is_signed<T>::value    ? 'i'
+         : std::is_integral<T>::value                                ? 'u'
+                                                                     : 'o';
+}
+
+// args[i] points at the value of parameter i (a pointer value for array arguments).
+template <typename... P, size_t... I>
+void invoke(void (*kernel)(P...), void** args, std::index_sequence<I...>) {
+  (void)args;
+  kernel(*static_cast<P*>(args[I])...);
+}
+
+template <typename... P>
+void thunk(void (*function)(), void** args) {
+  invoke(reinterpret_cast<void (*)(P...)>(function), args, std::index_sequence_for<P...>{});
+}
+
+template <typename... P>
+KernelEntry make_entry(const char* name, void (*kernel)(P...)) {
+  static const size_t sizes[] = {sizeof(P)..., 0};
+  static const char kinds[] = {param_kind<P>()..., '\0'};
+  return KernelEntry{name, reinterpret_cast<void (*)()>(kernel), &thunk<P...>,
+                     static_cast<int>(sizeof...(P)), sizes, kinds};
+}
+
+// ---- Launch and worker state ------------------------------------------------------------------
+enum Schedule : int { kForward = 0, kReverse = 1, kWarpAhead = 2 };
+enum FiberState : unsigned char { kRunnable, kBlocked, kExited };
+
+struct Launch {
+  const KernelEntry* kernel;
+  void** args;
+  dim3 grid, block;
+  size_t shared_bytes;
+  unsigned long long num_blocks;
+  unsigned threads_per_block;
+  Schedule schedule;
+  bool strict;
+  unsigned long long next_block;  // shared between workers (atomic)
+  int failed;                     // shared between workers (atomic): 0, then 1 once
+  char* error;
+  size_t error_len;
+};
+
+struct Fiber {
+  void* sp;  // saved stack pointer while suspended
+  char* stack_top;
+  uint3 tid;
+  unsigned linear, lane, warp;
+  FiberState state;
+  // What the fiber is blocked in (kOpNone when running or runnable) and its arguments.
+  Op op;
+  int size;  // bytes of a shuffled value (a shuffle of float and one of double do not match)
+  const char* file;
+  int line;
+  unsigned mask;
+  int arg, width;
+  unsigned long long value, result;
+#if defined(__SANITIZE_ADDRESS__)
+  void* asan_fake_stack;  // ASan's bookkeeping for the fiber while it is switched out
+#endif
+};
+
+struct WarpState {
+  unsigned present;  // lanes that exist (the last warp of a block may be partial)
+  unsigned exited;   // lanes that have returned
+  unsigned waiting;  // lanes blocked in a warp collective
+};
+
+// A set of fiber stacks in one mapping, each with a guard page below it; pooled across launches.
+struct StackSet {
+  char* base;
+  size_t count;
+  StackSet* next;
+};
+
+struct Worker {
+  void* scheduler_sp;  // where a fiber switches to when it blocks or ends
+  Launch* launch;
+  Fiber* current;
+  Fiber* fibers;
+  WarpState* warps;
+  unsigned* order;  // sweep order: indices into fibers
+  unsigned num_threads, num_warps;
+  StackSet* stacks;
+  unsigned char* dynamic_shared;
+  size_t dynamic_shared_bytes;
+  unsigned char* static_shared;  // this OS thread's copy of the module's thread-local storage
+  size_t static_shared_bytes;
+  // Block-wide barrier (__syncthreads and friends).
+  unsigned live;        // fibers that have not returned
+  unsigned at_barrier;  // fibers blocked in the barrier
+  unsigned barrier_count;
+  const char* barrier_file;
+  int barrier_line;
+  bool restart;  // set when a barrier opens: the next sweep starts again at order[0]
+  bool aborted;  // the launch failed in this block; stop running its fibers
+#if defined(__SANITIZE_ADDRESS__)
+  const void* asan_scheduler_bottom;  // the worker's own stack, as ASan reports it
+  size_t asan_scheduler_size;
+#endif
+};
+
+static __thread Worker* tls_worker;
+
+// ---- Stacks -------------------------------------------------------------------------------------
+static pthread_mutex_t stack_pool_mutex = PTHREAD_MUTEX_INITIALIZER;
+static StackSet* stack_pool;
+
+static StackSet* acquire_stacks(size_t count) {
+  pthread_mutex_lock(&stack_pool_mutex);
+  StackSet** link = &stack_pool;
+  while (*link != nullptr && (*link)->count < count) link = &(*link)->next;
+  StackSet* set = *link;
+  if (set != nullptr) *link = set->next;
+  pthread_mutex_unlock(&stack_pool_mutex);
+  if (set != nullptr) return set;
+
+  const size_t stride = kGuardBytes + kStackBytes;
+  void* base = mmap(nullptr, stride * count, PROT_READ | PROT_WRITE,
+                    MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (base == MAP_FAILED) return nullptr;
+  for (size_t i = 0; i < count; ++i) {
+    mprotect(static_cast<char*>(base) + i * stride, kGuardBytes, PROT_NONE);
+  }
+  set = static_cast<StackSet*>(malloc(sizeof(StackSet)));
+  if (set == nullptr) {
+    munmap(base, stride * count);
+    return nullptr;
+  }
+  set->base = static_cast<char*>(base);
+  set->count = count;
+  set->next = nullptr;
+  return set;
+}
+
+static void release_stacks(StackSet* set) {
+  if (set == nullptr) return;
+  pthread_mutex_lock(&stack_pool_mutex);
+  set->next = stack_pool;
+  stack_pool = set;
+  pthread_mutex_unlock(&stack_pool_mutex);
+}
+
+// ---- Errors ---------------------------------------------------------------------------------
+// A small bounded string builder for error messages (no iostreams: they slow every build).
+struct Text {
+  char* buf;
+  size_t cap, len;
+  void add(const char* fmt, ...) __attribute__((format(printf, 2, 3))) {
+    if (len + 1 >= cap) return;
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(buf + len, cap - len, fmt, ap);
+    va_end(ap);
+    if (n > 0) len = (len + static_cast<size_t>(n) < cap) ? len + n : cap - 1;
+  }
+};
+
+static const char* base_name(const char* path) {
+  const char* slash = strrchr(path, '/');
+  return slash != nullptr ? slash + 1 : path;
+}
+
+static const char* op_name(Op op) {
+  switch (op) {
+    case kOpSyncthreads: return "__syncthreads";
+    case kOpSyncwarp: return "__syncwarp";
+    case kOpShfl: return "__shfl_sync";
+    case kOpShflUp: return "__shfl_up_sync";
+    case kOpShflDown: return "__shfl_down_sync";
+    case kOpShflXor: return "__shfl_xor_sync";
+    case kOpBallot: return "__ballot_sync";
+    case kOpAny: return "__any_sync";
+    case kOpAll: return "__all_sync";
+    default: return "(nothing)";
+  }
+}
+
+// Claims the launch's single error slot; false when another worker failed first.
+static bool claim_error(Launch* launch) {
+  int expected = 0;
+  return __atomic_compare_exchange_n(&launch->failed, &expected, 1, false, __ATOMIC_ACQ_REL,
+                                     __ATOMIC_ACQUIRE);
+}
+
+static Text error_text(Launch* launch) { return Text{launch->error, launch->error_len, 0}; }
+
+// "block (1,0,0), thread (5,0,0)"
+static void add_where(Text& t, const Fiber* f) {
+  t.add("block (%u,%u,%u), thread (%u,%u,%u)", blockIdx.x, blockIdx.y, blockIdx.z, f->tid.x,
+        f->tid.y, f->tid.z);
+}
+
+// ---- Switching between the scheduler and a fiber ----------------------------------------------
+// Three kinds of switch. Under AddressSanitizer each one tells ASan which stack is about to run
+// (otherwise it takes the new stack for an overflow of the old one).
+
+// Scheduler -> fiber, until the fiber blocks, returns or fails.
+static void resume_fiber(Worker* w, Fiber* f) {
+#if defined(__SANITIZE_ADDRESS__)
+  void* fake_stack = nullptr;
+  __sanitizer_start_switch_fiber(&fake_stack, f->stack_top - kStackBytes, kStackBytes);
+  cupaged_cpu_switch_context(&w->scheduler_sp, f->sp);
+  __sanitizer_finish_switch_fiber(fake_stack, nullptr, nullptr);
+#else
+  cupaged_cpu_switch_context(&w->scheduler_sp, f->sp);
+#endif
+}
+
+// Fiber -> scheduler, to be resumed later at this point.
+static void yield_to_scheduler(Worker* w, Fiber* f) {
+#if defined(__SANITIZE_ADDRESS__)
+  __sanitizer_start_switch_fiber(&f->asan_fake_stack, w->asan_scheduler_bottom,
+                                 w->asan_scheduler_size);
+  cupaged_cpu_switch_context(&f->sp, w->scheduler_sp);
+  __sanitizer_finish_switch_fiber(f->asan_fake_stack, &w->asan_scheduler_bottom,
+                                  &w->asan_scheduler_size);
+#else
+  cupaged_cpu_switch_context(&f->sp, w->scheduler_sp);
+#endif
+}
+
+// Fiber -> scheduler, for good (the fiber returned, or the launch failed in it). Its stack is
+// reinitialised for the next block.
+[[noreturn]] static void leave_fiber(Worker* w) {
+#if defined(__SANITIZE_ADDRESS__)
+  __sanitizer_start_switch_fiber(nullptr, w->asan_scheduler_bottom, w->asan_scheduler_size);
+#endif
+  void* dead_sp;
+  cupaged_cpu_switch_context(&dead_sp, w->scheduler_sp);
+  __builtin_unreachable();
+}
+
+// Ends the current fiber because the launch failed: the scheduler sees `aborted` and abandons
+// the block (the other fibers' stacks too).
+[[noreturn]] static void abandon_fiber(Worker* w) {
+  w->aborted = true;
+  leave_fiber(w);
+}
+
+[[noreturn]] static void fail_fiber(Worker* w, const char* what_fmt, const char* a, const char* b) {
+  if (claim_error(w->launch)) {
+    Text t = error_text(w->launch);
+    t.add(what_fmt, a, b);
+    t.add(" in %s, ", w->launch->kernel->name);
+    add_where(t, w->current);
+  }
+  abandon_fiber(w);
+}
+
+// ---- Fibers -------------------------------------------------------------------------------------
+static void release_barrier(Worker* w) {
+  const unsigned long long result =
+      w->barrier_count | (static_cast<unsigned long long>(w->at_barrier) << 32);
+  for (unsigned i = 0; i < w->num_threads; ++i) {
+    Fiber& f = w->fibers[i];
+    if (f.op == kOpSyncthreads) {
+      f.op = kOpNone;
+      f.state = kRunnable;
+      f.result = result;
+    }
+  }
+  w->at_barrier = 0;
+  w->restart = true;
+}
+
+// Where every fiber starts: run the kernel for this CUDA thread, then retire.
+static void fiber_main(Worker* w) {
+#if defined(__SANITIZE_ADDRESS__)
+  __sanitizer_finish_switch_fiber(nullptr, &w->asan_scheduler_bottom, &w->asan_scheduler_size);
+#endif
+  const KernelEntry* k = w->launch->kernel;
+  k->thunk(k->function, w->launch->args);
+  Fiber* f = w->current;
+  f->state = kExited;
+  w->warps[f->warp].exited |= 1u << f->lane;
+  --w->live;
+  // A barrier counts only live threads (Volta semantics): this exit may be what opens it.
+  if (w->at_barrier != 0 && w->at_barrier == w->live) release_barrier(w);
+  leave_fiber(w);
+}
+
+static void init_fiber_stack(Worker* w, Fiber* f) {
+#if defined(__SANITIZE_ADDRESS__)
+  // Frames left on this stack by the previous block (a fiber's last frame never returns, and a
+  // failed launch abandons whole call chains) keep their redzones poisoned: clear the shadow of
+  // the whole stack (64 KiB of shadow per fiber and block; sanitizer builds only).
+  __asan_unpoison_memory_region(f->stack_top - kStackBytes, kStackBytes);
+#endif
+  // Frame read by switch_context, from the saved stack pointer up: control words, r15, r14,
+  // r13 (argument), r12 (function), rbx, rbp, return address (fiber_entry). The return address
+  // sits 8 bytes below a 16-byte boundary so that fiber_entry's call meets the ABI's alignment.
+  unsigned long long* frame = reinterpret_cast<unsigned long long*>(f->stack_top - 64);
+  unsigned mxcsr;
+  unsigned short fpucw;
+  asm volatile("stmxcsr %0" : "=m"(mxcsr));
+  asm volatile("fnstcw %0" : "=m"(fpucw));
+  frame[0] = mxcsr | (static_cast<unsigned long long>(fpucw) << 32);
+  frame[1] = 0;                                                  // r15
+  frame[2] = 0;                                                  // r14
+  frame[3] = reinterpret_cast<unsigned long long>(w);            // r13
+  frame[4] = reinterpret_cast<unsigned long long>(&fiber_main);  // r12
+  frame[5] = 0;                                                  // rbx
+  frame[6] = 0;                                                  // rbp (ends backtraces)
+  frame[7] = reinterpret_cast<unsigned long long>(&cupaged_cpu_fiber_entry);
+  f->sp = frame;
+}
+
+// ---- Barrier and warp collectives (called from kernel code) -----------------------------------
+int block_barrier(BarrierKind kind, int predicate, const char* file, int line) {
+  Worker* w = tls_worker;
+  Fiber* f = w->current;
+  if (w->at_barrier == 0) {
+    w->barrier_file = file;
+    w->barrier_line = line;
+    w->barrier_count = 0;
+  } else if (w->launch->strict &&
+             (line != w->barrier_line ||
+              (file != w->barrier_file && strcmp(file, w->barrier_file) != 0))) {
+    // Two call sites meet: legal on Volta+ hardware, but almost always a bug (a __syncthreads
+    // inside a branch that not every thread takes).
+    if (claim_error(w->launch)) {
+      Text t = error_text(w->launch);
+      t.add("divergent __syncthreads in %s: ", w->launch->kernel->name);
+      add_where(t, f);
+      t.add(" reached the barrier at %s:%d while ", base_name(file), line);
+      t.add("%u thread(s) wait at %s:%d", w->at_barrier, base_name(w->barrier_file),
+            w->barrier_line);
+    }
+    abandon_fiber(w);
+  }
+  f->op = kOpSyncthreads;
+  f->file = file;
+  f->line = line;
+  f->state = kBlocked;
+  w->barrier_count += predicate != 0;
+  ++w->at_barrier;
+  if (w->at_barrier == w->live) release_barrier(w);  // the last one in: everyone may go on
+  // Even the last one in yields, so that the next phase starts with order[0] again.
+  yield_to_scheduler(w, f);
+  const unsigned count = static_cast<unsigned>(f->result);
+  const unsigned participants = static_cast<unsigned>(f->result >> 32);
+  switch (kind) {
+    case kBarCount: return static_cast<int>(count);
+    case kBarAnd: return count == participants;
+    case kBarOr: return count != 0;
+    default: return 0;
+  }
+}
+
+// Source lane of a shuffle, following PTX's shfl.sync (c = clamp / segment mask as CUDA sets it);
+// -1 when the lane keeps its own value.
+static int shuffle_source(Op op, int lane, int arg, int width) {
+  const int seg_mask = (32 - width) & 31;
+  const int min_lane = lane & seg_mask;
+  const int max_lane = min_lane | (31 & ~seg_mask);
+  int j;
+  bool valid;
+  switch (op) {
+    case kOpShflUp:
+      j = lane - arg;
+      valid = j >= min_lane;
+      break;
+    case kOpShflDown:
+      j = lane + arg;
+      valid = j <= max_lane;
+      break;
+    case kOpShflXor:
+      j = lane ^ arg;
+      valid = j <= max_lane;
+      break;
+    default:  // kOpShfl
+      j = min_lane | (arg & ~seg_mask & 31);
+      valid = j <= max_lane;
+      break;
+  }
+  return valid ? j : -1;
+}
+
+// Runs once every lane of `caller->mask` waits in a collective with that same mask: checks that
+// they all called the same collective, computes every lane's result and wakes them. Returns false
+// (nothing done) while some lane of the mask waits in a collective with a different mask.
+static bool complete_collective(Worker* w, Fiber* caller) {
+  const unsigned mask = caller->mask;
+  Fiber* lanes = w->fibers + caller->warp * 32;
+  for (unsigned m = mask; m != 0; m &= m - 1) {
+    const Fiber& g = lanes[__builtin_ctz(m)];
+    if (g.mask != mask) return false;
+  }
+  for (unsigned m = mask; m != 0; m &= m - 1) {
+    const Fiber& g = lanes[__builtin_ctz(m)];
+    if (g.op != caller->op || g.size != caller->size) {
+      if (claim_error(w->launch)) {
+        Text t = error_text(w->launch);
+        t.add("mismatched warp collectives in %s, block (%u,%u,%u), warp %u: lane %u calls %s "
+              "(%s:%d) while lane %u calls %s (%s:%d) with the same mask 0x%08x",
+              w->launch->kernel->name, blockIdx.x, blockIdx.y, blockIdx.z, caller->warp, g.lane,
+              op_name(g.op), base_name(g.file), g.line, caller->lane, op_name(caller->op),
+              base_name(caller->file), caller->line, mask);
+      }
+      abandon_fiber(w);
+    }
+  }
+  const Op op = caller->op;
+  if (op == kOpBallot || op == kOpAny || op == kOpAll) {
+    unsigned ballot = 0;
+    for (unsigned m = mask; m != 0; m &= m - 1) {
+      const unsigned l = __builtin_ctz(m);
+      if (lanes[l].value != 0) ballot |= 1u << l;
+    }
+    const unsigned long long r =
+        op == kOpBallot ? ballot : op == kOpAny ? ballot != 0 : ballot == mask;
+    for (unsigned m = mask; m != 0; m &= m - 1) lanes[__builtin_ctz(m)].result = r;
+  } else if (op != kOpSyncwarp) {
+    for (unsigned m = mask; m != 0; m &= m - 1) {
+      Fiber& g = lanes[__builtin_ctz(m)];
+      const int src = shuffle_source(op, static_cast<int>(g.lane), g.arg, g.width);
+      if (src < 0) {
+        g.result = g.value;
+      } else if (mask >> src & 1) {
+        g.result = lanes[src].value;
+      } else {
+        // Reading a lane outside the mask is undefined on the GPU: all-ones bits (NaN as a
+        // float, -1 as an integer) make a kernel that uses the value visibly wrong.
+        g.result = ~0ull;
+      }
+    }
+  }
+  w->warps[caller->warp].waiting &= ~mask;
+  for (unsigned m = mask; m != 0; m &= m - 1) {
+    Fiber& g = lanes[__builtin_ctz(m)];
+    g.op = kOpNone;
+    g.state = kRunnable;
+  }
+  return true;
+}
+
+unsigned long long warp_collective(Op op, unsigned mask, unsigned long long value, int arg,
+                                   int width, int size, const char* file, int line) {
+  Worker* w = tls_worker;
+  Fiber* f = w->current;
+  const unsigned bit = 1u << f->lane;
+  if ((mask & bit) == 0) {
+    char m[16];
+    snprintf(m, sizeof m, "0x%08x", mask);
+    fail_fiber(w, "%s called with mask %s, which does not include the calling lane", op_name(op),
+               m);
+  }
+  const bool shuffle = op >= kOpShfl && op <= kOpShflXor;
+  if (shuffle && (width < 1 || width > 32 || (width & (width - 1)) != 0)) {
+    fail_fiber(w, "%s called with width %s, expected a power of two from 1 to 32", op_name(op),
+               width < 1 ? "< 1" : "> 32 or not a power of two");
+  }
+  f->op = op;
+  f->mask = mask;
+  f->value = value;
+  f->arg = arg;
+  f->width = width;
+  f->size = size;
+  f->file = file;
+  f->line = line;
+  WarpState& ws = w->warps[f->warp];
+  ws.waiting |= bit;
+  // The last lane in completes the collective and runs on without a switch.
+  if ((ws.waiting & mask) == mask && complete_collective(w, f)) return f->result;
+  f->state = kBlocked;
+  yield_to_scheduler(w, f);
+  return f->result;
+}
+
+unsigned active_mask() {
+  Worker* w = tls_worker;
+  const WarpState& ws = w->warps[w->current->warp];
+  return ws.present & ~ws.exited;
+}
+
+void assert_fail(const char* expr, const char* file, int line, const char* function) {
+  Worker* w = tls_worker;
+  if (claim_error(w->launch)) {
+    Text t = error_text(w->launch);
+    t.add("device assertion `%s` failed in %s at %s:%d (%s), ", expr, w->launch->kernel->name,
+          base_name(file), line, function);
+    add_where(t, w->current);
+  }
+  abandon_fiber(w);
+}
+
+}  // namespace cupaged_cpu
+
+void* cupaged_cpu_dynamic_shared() { return cupaged_cpu::tls_worker->dynamic_shared; }
+
+namespace cupaged_cpu {
+
+// ---- Deadlock report ----------------------------------------------------------------------------
+// "thread(s) 0-30" from a list of linear thread ids, in ranges, shortened after a few.
+static void add_thread_list(Text& t, const unsigned* ids, unsigned n) {
+  t.add(n == 1 ? "thread " : "threads ");
+  unsigned shown = 0;
+  for (unsigned i = 0; i < n;) {
+    unsigned j = i;
+    while (j + 1 < n && ids[j + 1] == ids[j] + 1) ++j;
+    if (shown == 6) {
+      t.add(", ...");
+      break;
+    }
+    t.add(shown ? ", %u" : "%u", ids[i]);
+    if (j > i) t.add("-%u", ids[j]);
+    ++shown;
+    i = j + 1;
+  }
+}
+
+static void report_deadlock(Worker* w) {
+  if (!claim_error(w->launch)) return;
+  Text t = error_text(w->launch);
+  t.add("deadlock in %s, block (%u,%u,%u) of %u threads, no thread can go on: ",
+        w->launch->kernel->name, blockIdx.x, blockIdx.y, blockIdx.z, w->num_threads);
+  // Group the blocked threads by (collective, call site, mask), in thread order.
+  unsigned* ids = static_cast<unsigned*>(malloc(sizeof(unsigned) * w->num_threads));
+  bool* done = static_cast<bool*>(calloc(w->num_threads, 1));
+  bool first = true;
+  for (unsigned i = 0; ids != nullptr && done != nullptr && i < w->num_threads; ++i) {
+    const Fiber& a = w->fibers[i];
+    if (done[i] || a.state != kBlocked) continue;
+    const bool warp_level = a.op != kOpSyncthreads;
+    unsigned n = 0;
+    for (unsigned j = i; j < w->num_threads; ++j) {
+      const Fiber& b = w->fibers[j];
+      if (!done[j] && b.state == kBlocked && b.op == a.op && b.line == a.line &&
+          strcmp(b.file, a.file) == 0 && (!warp_level || (b.warp == a.warp && b.mask == a.mask))) {
+        done[j] = true;
+        ids[n++] = b.linear;
+      }
+    }
+    t.add("%s%u thread%s wait%s at %s (%s:%d)", first ? "" : "; ", n, n == 1 ? "" : "s",
+          n == 1 ? "s" : "", op_name(a.op), base_name(a.file), a.line);
+    first = false;
+    if (warp_level) t.add(" with mask 0x%08x", a.mask);
+    t.add(" [");
+    add_thread_list(t, ids, n);
+    t.add("]");
+    if (!warp_level) continue;
+    // The usual culprit: a lane named in the mask that returned, or that does not exist.
+    const WarpState& ws = w->warps[a.warp];
+    n = 0;
+    for (unsigned m = a.mask & ws.exited; m != 0; m &= m - 1) {
+      ids[n++] = a.warp * 32 + __builtin_ctz(m);
+    }
+    if (n != 0) {
+      t.add(", but ");
+      add_thread_list(t, ids, n);
+      t.add(n == 1 ? " in that mask has exited" : " in that mask have exited");
+    }
+    const unsigned missing = a.mask & ~ws.present;
+    if (missing != 0) {
+      t.add(", but lanes 0x%08x of that mask do not exist (the block has %u threads)", missing,
+            w->num_threads);
+    }
+  }
+  free(ids);
+  free(done);
+}
+
+// ---- Shared memory poison -------------------------------------------------------------------
+// Static __shared__ arrays are thread-local variables of this library, so this OS thread's copy
+// of the library's TLS segment holds every one of them (for every kernel of the module). Filling
+// it with 0xFF bytes before each block makes a read of shared memory that nothing wrote in this
+// block NaN (or -1), as for dynamic shared memory, instead of the previous block's plausible
+// values. The runtime's own thread-locals live in the same segment and are saved around the fill.
+static int find_tls_segment(dl_phdr_info* info, size_t, void* out) {
+  const uintptr_t probe = reinterpret_cast<uintptr_t>(&find_tls_segment);
+  const ElfW(Phdr)* tls = nullptr;
+  bool here = false;
+  for (int i = 0; i < info->dlpi_phnum; ++i) {
+    const ElfW(Phdr)& ph = info->dlpi_phdr[i];
+    const uintptr_t start = info->dlpi_addr + ph.p_vaddr;
+    if (ph.p_type == PT_LOAD && probe >= start && probe < start + ph.p_memsz) here = true;
+    if (ph.p_type == PT_TLS) tls = &ph;
+  }
+  if (!here) return 0;
+  Worker* w = static_cast<Worker*>(out);
+  if (tls != nullptr && info->dlpi_tls_data != nullptr) {
+    w->static_shared = static_cast<unsigned char*>(info->dlpi_tls_data);
+    w->static_shared_bytes = tls->p_memsz;
+  }
+  return 1;
+}
+
+// The compiler cannot know that the fill writes the runtime's thread-locals (it goes through a
+// pointer from dl_iterate_phdr): without this fence it would move the saves below the fill and
+// drop the restores as redundant.
+static inline void thread_locals_may_change() {
+  asm volatile("" : : "r"(&threadIdx), "r"(&blockIdx), "r"(&blockDim), "r"(&gridDim),
+               "r"(&tls_worker) : "memory");
+}
+
+static void poison_static_shared(Worker* w) {
+  if (w->static_shared == nullptr) return;
+  const uint3 saved_block_idx = blockIdx;
+  const dim3 saved_block_dim = blockDim, saved_grid_dim = gridDim;
+  thread_locals_may_change();
+  memset(w->static_shared, 0xff, w->static_shared_bytes);
+  thread_locals_may_change();
+  threadIdx = uint3{0, 0, 0};
+  blockIdx = saved_block_idx;
+  blockDim = saved_block_dim;
+  gridDim = saved_grid_dim;
+  tls_worker = w;
+}
+
+// ---- Scheduler ----------------------------------------------------------------------------------
+static void build_order(Worker* w, Schedule schedule) {
+  const unsigned n = w->num_threads;
+  for (unsigned i = 0; i < n; ++i) {
+    switch (schedule) {
+      case kReverse:
+        w->order[i] = n - 1 - i;
+        break;
+      case kWarpAhead: {
+        // The last warp first, then the others in order: one warp runs a phase ahead.
+        const unsigned last = (n - 1) / 32 * 32, tail = n - last;
+        w->order[i] = i < tail ? last + i : i - tail;
+        break;
+      }
+      default:
+        w->order[i] = i;
+    }
+  }
+}
+
+// Runs one block to completion; false when the launch failed (here or in another worker).
+static bool run_block(Worker* w, unsigned long long block) {
+  Launch* L = w->launch;
+  blockIdx.x = static_cast<unsigned>(block % L->grid.x);
+  blockIdx.y = static_cast<unsigned>(block / L->grid.x % L->grid.y);
+  blockIdx.z = static_cast<unsigned>(block / (1ull * L->grid.x * L->grid.y));
+  if (w->dynamic_shared_bytes != 0) memset(w->dynamic_shared, 0xff, w->dynamic_shared_bytes);
+  poison_static_shared(w);
+  for (unsigned i = 0; i < w->num_threads; ++i) {
+    Fiber* f = &w->fibers[i];
+    f->state = kRunnable;
+    f->op = kOpNone;
+    init_fiber_stack(w, f);
+  }
+  for (unsigned i = 0; i < w->num_warps; ++i) {
+    w->warps[i].exited = 0;
+    w->warps[i].waiting = 0;
+  }
+  w->live = w->num_threads;
+  w->at_barrier = 0;
+  w->restart = false;
+  w->aborted = false;
+
+  const unsigned n = w->num_threads;
+  for (;;) {
+    bool ran = false;
+    for (unsigned k = 0; k < n; ++k) {
+      Fiber* f = &w->fibers[w->order[k]];
+      if (f->state != kRunnable) continue;
+      ran = true;
+      w->current = f;
+      threadIdx = f->tid;
+      resume_fiber(w, f);
+      if (w->aborted) return false;
+      if (w->restart) {
+        w->restart = false;
+        k = ~0u;  // next iteration: order[0]
+      }
+    }
+    if (w->live == 0) return true;
+    if (!ran) {
+      report_deadlock(w);
+      return false;
+    }
+    if (__atomic_load_n(&L->failed, __ATOMIC_RELAXED)) return false;
+  }
+}
+
+static bool setup_worker(Worker* w, Launch* L) {
+  memset(w, 0, sizeof *w);
+  w->launch = L;
+  const unsigned n = L->threads_per_block;
+  w->num_threads = n;
+  w->num_warps = (n + 31) / 32;
+  w->fibers = static_cast<Fiber*>(calloc(n, sizeof(Fiber)));
+  w->warps = static_cast<WarpState*>(calloc(w->num_warps, sizeof(WarpState)));
+  w->order = static_cast<unsigned*>(calloc(n, sizeof(unsigned)));
+  w->stacks = acquire_stacks(n);
+  // Exactly the requested bytes (rounded up to 16), so that ASan catches reads past the end.
+  w->dynamic_shared_bytes = (L->shared_bytes + 15) / 16 * 16;
+  void* shared = nullptr;
+  if (posix_memalign(&shared, 128, w->dynamic_shared_bytes ? w->dynamic_shared_bytes : 16) != 0)
+    shared = nullptr;
+  w->dynamic_shared = static_cast<unsigned char*>(shared);
+  if (!w->fibers || !w->warps || !w->order || !w->stacks || !w->dynamic_shared) return false;
+  for (unsigned i = 0; i < n; ++i) {
+    Fiber* f = &w->fibers[i];
+    f->linear = i;
+    f->lane = i % 32;
+    f->warp = i / 32;
+    f->tid.x = i % L->block.x;
+    f->tid.y = i / L->block.x % L->block.y;
+    f->tid.z = i / (L->block.x * L->block.y);
+    f->stack_top = w->stacks->base + i * (kGuardBytes + kStackBytes) + kGuardBytes + kStackBytes;
+    w->warps[f->warp].present |= 1u << f->lane;
+  }
+  build_order(w, L->schedule);
+  return true;
+}
+
+static void teardown_worker(Worker* w) {
+  release_stacks(w->stacks);
+  free(w->fibers);
+  free(w->warps);
+  free(w->order);
+  free(w->dynamic_shared);
+}
+
+static void* worker_main(void* arg) {
+  Worker* w = static_cast<Worker*>(arg);
+  Launch* L = w->launch;
+  tls_worker = w;  // also makes sure this thread's copy of the TLS segment exists
+  blockDim = L->block;
+  gridDim = L->grid;
+  dl_iterate_phdr(find_tls_segment, w);
+  for (;;) {
+    if (__atomic_load_n(&L->failed, __ATOMIC_RELAXED)) break;
+    const unsigned long long b = __atomic_fetch_add(&L->next_block, 1, __ATOMIC_RELAXED);
+    if (b >= L->num_blocks || !run_block(w, b)) break;
+  }
+  tls_worker = nullptr;
+  return nullptr;
+}
+
+// 0: success; 1: the kernel failed (error says how); 2: the launch could not start.
+static int launch(Launch* L, int num_workers) {
+  if (num_workers < 1) num_workers = 1;
+  if (static_cast<unsigned long long>(num_workers) > L->num_blocks)
+    num_workers = static_cast<int>(L->num_blocks);
+  Worker* workers = static_cast<Worker*>(calloc(num_workers, sizeof(Worker)));
+  pthread_t* threads = static_cast<pthread_t*>(calloc(num_workers, sizeof(pthread_t)));
+  bool* started = static_cast<bool*>(calloc(num_workers, sizeof(bool)));
+  int status = 0;
+  if (workers == nullptr || threads == nullptr || started == nullptr) {
+    snprintf(L->error, L->error_len, "out of memory starting %s", L->kernel->name);
+    status = 2;
+  }
+  for (int i = 0; status == 0 && i < num_workers; ++i) {
+    if (!setup_worker(&workers[i], L)) {
+      snprintf(L->error, L->error_len,
+               "out of memory for %u fiber stacks of %zu KiB or %zu bytes of shared memory (%s)",
+               L->threads_per_block, kStackBytes / 1024, L->shared_bytes, L->kernel->name);
+      status = 2;
+    }
+  }
+  if (status == 0) {
+    // Worker 0 is the calling thread; the others are new OS threads.
+    for (int i = 1; i < num_workers; ++i)
+      started[i] = pthread_create(&threads[i], nullptr, worker_main, &workers[i]) == 0;
+    Worker* saved = tls_worker;  // a launch from inside a kernel is not supported, but be safe
+    worker_main(&workers[0]);
+    tls_worker = saved;
+    for (int i = 1; i < num_workers; ++i) {
+      if (started[i]) pthread_join(threads[i], nullptr);
+    }
+    // A worker that could not start leaves its blocks to the others (the counter is shared).
+    if (__atomic_load_n(&L->failed, __ATOMIC_ACQUIRE)) status = 1;
+  }
+  for (int i = 0; workers != nullptr && i < num_workers; ++i) teardown_worker(&workers[i]);
+  free(workers);
+  free(threads);
+  free(started);
+  return status;
+}
+
+}  // namespace cupaged_cpu
+
+// ---- C entry points (called from Python through ctypes) -----------------------------------------
+// The generated code defines the table, one entry per name expression, in the order given.
+namespace cupaged_cpu {
+extern const KernelEntry kernel_table[];
+extern const int kernel_count;
+}  // namespace cupaged_cpu
+
+#define CUPAGED_CPU_EXPORT extern "C" __attribute__((visibility("default")))
+
+// Bumped whenever these signatures change; the loader checks it.
+CUPAGED_CPU_EXPORT int cupaged_cpu_abi_version() { return 1; }
+CUPAGED_CPU_EXPORT int cupaged_cpu_kernel_count() { return cupaged_cpu::kernel_count; }
+CUPAGED_CPU_EXPORT const char* cupaged_cpu_kernel_name(int i) {
+  return cupaged_cpu::kernel_table[i].name;
+}
+CUPAGED_CPU_EXPORT int cupaged_cpu_param_count(int i) {
+  return cupaged_cpu::kernel_table[i].num_params;
+}
+CUPAGED_CPU_EXPORT const size_t* cupaged_cpu_param_sizes(int i) {
+  return cupaged_cpu::kernel_table[i].param_sizes;
+}
+CUPAGED_CPU_EXPORT const char* cupaged_cpu_param_kinds(int i) {
+  return cupaged_cpu::kernel_table[i].param_kinds;
+}
+
+// Runs kernel `kernel_index` over the grid and waits for it. args[i] points at the value of
+// parameter i. Returns 0 on success, 1 when the kernel failed (deadlock, assert, divergent barrier,
+// malformed collective) and 2 when the launch could not run (bad configuration, out of memory);
+// for 1 and 2, `error` holds the message.
+CUPAGED_CPU_EXPORT int cupaged_cpu_launch(int kernel_index, unsigned gx, unsigned gy, unsigned gz,
+                                          unsigned bx, unsigned by, unsigned bz, size_t shared_mem,
+                                          void** args, int schedule, int workers, int strict,
+                                          char* error, size_t error_len) {
+  using namespace cupaged_cpu;
+  if (error_len != 0) error[0] = '\0';
+  const unsigned long long threads = 1ull * bx * by * bz;
+  if (kernel_index < 0 || kernel_index >= kernel_count) {
+    snprintf(error, error_len, "kernel index %d out of range [0, %d)", kernel_index, kernel_count);
+    return 2;
+  }
+  if (gx == 0 || gy == 0 || gz == 0 || threads == 0 || threads > kMaxThreadsPerBlock ||
+      schedule < kForward || schedule > kWarpAhead) {
+    snprintf(error, error_len,
+             "invalid launch of %s: grid (%u,%u,%u), block (%u,%u,%u), schedule %d (expected "
+             "non-empty dimensions and at most %u threads per block)",
+             kernel_table[kernel_index].name, gx, gy, gz, bx, by, bz, schedule,
+             kMaxThreadsPerBlock);
+    return 2;
+  }
+  Launch L{};
+  L.kernel = &kernel_table[kernel_index];
+  L.args = args;
+  L.grid = dim3(gx, gy, gz);
+  L.block = dim3(bx, by, bz);
+  L.shared_bytes = shared_mem;
+  L.num_blocks = 1ull * gx * gy * gz;
+  L.threads_per_block = static_cast<unsigned>(threads);
+  L.schedule = static_cast<Schedule>(schedule);
+  L.strict = strict != 0;
+  L.error = error;
+  L.error_len = error_len;
+  return launch(&L, workers);
+}

@@ -1,0 +1,436 @@
+// shim.h: the CUDA device API as host C++, so that g++ builds a cuda/*.cu file for the CPU backend.
+//
+// Force-included (`g++ -include shim.h`) before the kernel source. It provides what a kernel sees
+// on a GPU, emulated on the CPU (DESIGN.md §5):
+//
+//   - the CUDA headers cuda_fp16.h / cuda_bf16.h / vector_types.h compiled as host code, plus
+//     float-round-trip fallbacks for the half/bfloat16 functions those headers keep device-only;
+//   - the CUDA keywords (__global__, __device__, __shared__, ...) as plain C++;
+//   - threadIdx / blockIdx / blockDim / gridDim, which the runtime (runtime.h) rewrites on every
+//     switch between CUDA threads (fibers);
+//   - __syncthreads, the warp collectives (__shfl*_sync, __ballot_sync, __any_sync, __all_sync,
+//     __syncwarp), device assert, atomics and the device math functions.
+//
+// Every synchronising call takes its call site through default arguments (__builtin_FILE() and
+// __builtin_LINE() are evaluated where the call is written), so that a divergent barrier or a
+// deadlock names the line of the kernel source.
+#pragma once
+
+#ifndef CUPAGED_CPU
+#define CUPAGED_CPU 1
+#endif
+
+// ---- 1. Standard and system headers, before any CUDA header or keyword macro ------------------
+// The keyword macros below (__noinline__, __shared__, ...) would break these headers if they came
+// later, so everything the shim and the runtime need is included here. Kept to C-level headers
+// plus <cmath>/<utility>/<type_traits> so that a build stays quick.
+#include <link.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstring>
+#include <type_traits>
+#include <utility>
+
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/asan_interface.h>
+#endif
+
+// ---- 2. CUDA headers as host code -------------------------------------------------------------
+// vector_functions.h includes cuda_runtime_api.h, which kernels never need; its include guard is
+// set so that the 15,000 lines of it are skipped.
+#define __CUDA_RUNTIME_API_H__
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+#include <vector_types.h>
+#include <vector_functions.h>
+
+// ---- 3. CUDA keywords ---------------------------------------------------------------------------
+#undef __global__
+#undef __device__
+#undef __host__
+#undef __constant__
+#undef __managed__
+#undef __shared__
+#undef __forceinline__
+#undef __noinline__
+#undef __align__
+#undef __launch_bounds__
+#undef __grid_constant__
+#define __global__
+#define __device__
+#define __host__
+#define __constant__
+#define __managed__
+// One block runs at a time on each worker OS thread and all its CUDA threads run on that OS thread,
+// so thread-local storage is exactly "shared by the block". The runtime fills it with 0xFF bytes
+// before every block (runtime.h, poison_static_shared), like dynamic shared memory. A `__shared__`
+// variable must not have an initializer or a constructor that does work (as in CUDA).
+#define __shared__ static thread_local
+#define __forceinline__ inline __attribute__((always_inline))
+#define __noinline__ __attribute__((noinline))
+#define __align__(n) __attribute__((aligned(n)))
+#define __launch_bounds__(...)
+#define __grid_constant__
+// __restrict__ is a GNU C++ keyword already.
+
+// ---- 4. Built-in variables ----------------------------------------------------------------------
+// Written by the runtime before it resumes a CUDA thread; read-only for kernels.
+static __thread uint3 threadIdx;
+static __thread uint3 blockIdx;
+static __thread dim3 blockDim;
+static __thread dim3 gridDim;
+static constexpr int warpSize = 32;
+
+// ---- 5. Runtime entry points (defined in runtime.h) --------------------------------------------
+namespace cupaged_cpu {
+
+// What a CUDA thread is blocked in; also the name used in error messages.
+enum Op : unsigned char {
+  kOpNone,
+  kOpSyncthreads,
+  kOpSyncwarp,
+  kOpShfl,
+  kOpShflUp,
+  kOpShflDown,
+  kOpShflXor,
+  kOpBallot,
+  kOpAny,
+  kOpAll
+};
+
+// Barrier flavours: the result a thread gets back from block_barrier().
+enum BarrierKind : unsigned char { kBarPlain, kBarCount, kBarAnd, kBarOr };
+
+// Block-wide barrier over the live threads. Returns what the flavour asks for (count, and, or).
+int block_barrier(BarrierKind kind, int predicate, const char* file, int line);
+
+// A warp collective: the calling lane contributes `value` (up to 8 bytes) and waits until every
+// lane of `mask` has arrived at a collective of the same kind with the same mask. Returns the
+// lane's result: the shuffled value, or the ballot.
+unsigned long long warp_collective(Op op, unsigned mask, unsigned long long value, int arg,
+                                   int width, int size, const char* file, int line);
+
+// Lanes of the calling thread's warp that have not exited.
+unsigned active_mask();
+
+[[noreturn]] void assert_fail(const char* expr, const char* file, int line, const char* function);
+
+// Shuffle any value of up to 8 bytes (int, float, double, __half, __half2, ...), copied bitwise
+// like the hardware does (__half2 has a user-written move constructor, so it is not formally
+// "trivially copyable", but its bytes are all there is to it).
+template <typename T>
+inline T shuffle(Op op, unsigned mask, T var, int arg, int width, const char* file, int line) {
+  static_assert(sizeof(T) <= 8, "the CPU backend shuffles values of at most 8 bytes");
+  unsigned long long bits = 0;
+  memcpy(&bits, &var, sizeof(T));
+  bits = warp_collective(op, mask, bits, arg, width, static_cast<int>(sizeof(T)), file, line);
+  T out;
+  memcpy(&out, &bits, sizeof(T));
+  return out;
+}
+
+// A vote is a collective whose value is the predicate and whose result is the ballot.
+inline unsigned long long vote(Op op, unsigned mask, int predicate, const char* file, int line) {
+  return warp_collective(op, mask, predicate != 0, 0, 32, 0, file, line);
+}
+
+}  // namespace cupaged_cpu
+
+// The per-block dynamic shared memory (the launch's shared_mem bytes, 128-byte aligned), filled
+// with 0xFF bytes (NaN as float, half, bfloat16 and double) before each block. Kernels reach it
+// through CUPAGED_DYNAMIC_SHARED (cuda/common.cuh).
+void* cupaged_cpu_dynamic_shared();
+
+// ---- 6. Synchronisation and warp collectives ---------------------------------------------------
+inline void __syncthreads(const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
+  cupaged_cpu::block_barrier(cupaged_cpu::kBarPlain, 0, file, line);
+}
+inline int __syncthreads_count(int predicate, const char* file = __builtin_FILE(),
+                               int line = __builtin_LINE()) {
+  return cupaged_cpu::block_barrier(cupaged_cpu::kBarCount, predicate, file, line);
+}
+inline int __syncthreads_and(int predicate, const char* file = __builtin_FILE(),
+                             int line = __builtin_LINE()) {
+  return cupaged_cpu::block_barrier(cupaged_cpu::kBarAnd, predicate, file, line);
+}
+inline int __syncthreads_or(int predicate, const char* file = __builtin_FILE(),
+                            int line = __builtin_LINE()) {
+  return cupaged_cpu::block_barrier(cupaged_cpu::kBarOr, predicate, file, line);
+}
+
+inline void __syncwarp(unsigned mask = 0xffffffffu, const char* file = __builtin_FILE(),
+                       int line = __builtin_LINE()) {
+  cupaged_cpu::warp_collective(cupaged_cpu::kOpSyncwarp, mask, 0, 0, 32, 0, file, line);
+}
+
+template <typename T>
+inline T __shfl_sync(unsigned mask, T var, int src_lane, int width = warpSize,
+                     const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
+  return cupaged_cpu::shuffle(cupaged_cpu::kOpShfl, mask, var, src_lane, width, file, line);
+}
+template <typename T>
+inline T __shfl_up_sync(unsigned mask, T var, unsigned delta, int width = warpSize,
+                        const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
+  return cupaged_cpu::shuffle(cupaged_cpu::kOpShflUp, mask, var, static_cast<int>(delta), width,
+                              file, line);
+}
+template <typename T>
+inline T __shfl_down_sync(unsigned mask, T var, unsigned delta, int width = warpSize,
+                          const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
+  return cupaged_cpu::shuffle(cupaged_cpu::kOpShflDown, mask, var, static_cast<int>(delta), width,
+                              file, line);
+}
+template <typename T>
+inline T __shfl_xor_sync(unsigned mask, T var, int lane_mask, int width = warpSize,
+                         const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
+  return cupaged_cpu::shuffle(cupaged_cpu::kOpShflXor, mask, var, lane_mask, width, file, line);
+}
+
+inline unsigned __ballot_sync(unsigned mask, int predicate, const char* file = __builtin_FILE(),
+                              int line = __builtin_LINE()) {
+  const auto ballot = cupaged_cpu::vote(cupaged_cpu::kOpBallot, mask, predicate, file, line);
+  return static_cast<unsigned>(ballot);
+}
+inline int __any_sync(unsigned mask, int predicate, const char* file = __builtin_FILE(),
+                      int line = __builtin_LINE()) {
+  return static_cast<int>(cupaged_cpu::vote(cupaged_cpu::kOpAny, mask, predicate, file, line));
+}
+inline int __all_sync(unsigned mask, int predicate, const char* file = __builtin_FILE(),
+                      int line = __builtin_LINE()) {
+  return static_cast<int>(cupaged_cpu::vote(cupaged_cpu::kOpAll, mask, predicate, file, line));
+}
+// The lanes of the warp that have not exited (the CPU backend never runs a warp in lock step, so
+// "converged" has no other meaning here).
+inline unsigned __activemask() { return cupaged_cpu::active_mask(); }
+
+// ---- 7. Device assert, trap, memory fences ---------------------------------------------------
+// A failing assert ends the launch; Python raises KernelError with the expression, file and line.
+#undef assert
+#ifdef NDEBUG
+#define assert(e) ((void)0)
+#else
+#define assert(e) \
+  ((e) ? (void)0 : ::cupaged_cpu::assert_fail(#e, __FILE__, __LINE__, __PRETTY_FUNCTION__))
+#endif
+inline void __trap(const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
+  cupaged_cpu::assert_fail("__trap()", file, line, "__trap");
+}
+inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+inline void __threadfence_block() { __atomic_signal_fence(__ATOMIC_SEQ_CST); }
+// Loads and stores with cache hints: plain memory accesses on the CPU.
+template <typename T>
+inline T __ldg(const T* p) { return *p; }
+template <typename T>
+inline T __ldca(const T* p) { return *p; }
+template <typename T>
+inline T __ldcg(const T* p) { return *p; }
+template <typename T>
+inline T __ldcs(const T* p) { return *p; }
+template <typename T>
+inline T __ldlu(const T* p) { return *p; }
+template <typename T>
+inline T __ldcv(const T* p) { return *p; }
+template <typename T>
+inline void __stwb(T* p, T v) { *p = v; }
+template <typename T>
+inline void __stcg(T* p, T v) { *p = v; }
+template <typename T>
+inline void __stcs(T* p, T v) { *p = v; }
+template <typename T>
+inline void __stwt(T* p, T v) { *p = v; }
+inline void __nanosleep(unsigned) {}
+
+// ---- 8. Atomics ---------------------------------------------------------------------------------
+// Blocks run concurrently on several OS threads, so these are real atomics; threads of one block
+// never interleave inside one (they switch only at synchronising calls).
+#define CUPAGED_CPU_ATOMIC_INT(T)                                                                 \
+  inline T atomicAdd(T* p, T v) { return __atomic_fetch_add(p, v, __ATOMIC_RELAXED); }           \
+  inline T atomicSub(T* p, T v) { return __atomic_fetch_sub(p, v, __ATOMIC_RELAXED); }           \
+  inline T atomicExch(T* p, T v) { return __atomic_exchange_n(p, v, __ATOMIC_RELAXED); }         \
+  inline T atomicAnd(T* p, T v) { return __atomic_fetch_and(p, v, __ATOMIC_RELAXED); }           \
+  inline T atomicOr(T* p, T v) { return __atomic_fetch_or(p, v, __ATOMIC_RELAXED); }             \
+  inline T atomicXor(T* p, T v) { return __atomic_fetch_xor(p, v, __ATOMIC_RELAXED); }           \
+  inline T atomicCAS(T* p, T expected, T desired) {                                               \
+    __atomic_compare_exchange_n(p, &expected, desired, false, __ATOMIC_RELAXED, __ATOMIC_RELAXED); \
+    return expected;                                                                              \
+  }                                                                                               \
+  inline T atomicMax(T* p, T v) {                                                                 \
+    T old = __atomic_load_n(p, __ATOMIC_RELAXED);                                                 \
+    while (old < v && !__atomic_compare_exchange_n(p, &old, v, true, __ATOMIC_RELAXED,            \
+                                                   __ATOMIC_RELAXED)) {                           \
+    }                                                                                             \
+    return old;                                                                                   \
+  }                                                                                               \
+  inline T atomicMin(T* p, T v) {                                                                 \
+    T old = __atomic_load_n(p, __ATOMIC_RELAXED);                                                 \
+    while (v < old && !__atomic_compare_exchange_n(p, &old, v, true, __ATOMIC_RELAXED,            \
+                                                   __ATOMIC_RELAXED)) {                           \
+    }                                                                                             \
+    return old;                                                                                   \
+  }
+CUPAGED_CPU_ATOMIC_INT(int)
+CUPAGED_CPU_ATOMIC_INT(unsigned int)
+CUPAGED_CPU_ATOMIC_INT(long long)
+CUPAGED_CPU_ATOMIC_INT(unsigned long long)
+#undef CUPAGED_CPU_ATOMIC_INT
+
+// Floating-point atomics through a compare-and-swap loop on the bit pattern.
+#define CUPAGED_CPU_ATOMIC_FLOAT(T, U)                                                          \
+  inline T atomicAdd(T* p, T v) {                                                             \
+    U* bits = reinterpret_cast<U*>(p);                                                        \
+    U old = __atomic_load_n(bits, __ATOMIC_RELAXED), desired;                                 \
+    T now;                                                                                    \
+    do {                                                                                      \
+      memcpy(&now, &old, sizeof(T));                                                          \
+      now += v;                                                                               \
+      memcpy(&desired, &now, sizeof(T));                                                      \
+    } while (!__atomic_compare_exchange_n(bits, &old, desired, true, __ATOMIC_RELAXED,        \
+                                          __ATOMIC_RELAXED));                                 \
+    memcpy(&now, &old, sizeof(T));                                                            \
+    return now;                                                                               \
+  }                                                                                           \
+  inline T atomicExch(T* p, T v) {                                                            \
+    U in, out;                                                                                \
+    memcpy(&in, &v, sizeof(T));                                                               \
+    out = __atomic_exchange_n(reinterpret_cast<U*>(p), in, __ATOMIC_RELAXED);                 \
+    T old;                                                                                    \
+    memcpy(&old, &out, sizeof(T));                                                            \
+    return old;                                                                               \
+  }
+CUPAGED_CPU_ATOMIC_FLOAT(float, unsigned int)
+CUPAGED_CPU_ATOMIC_FLOAT(double, unsigned long long)
+#undef CUPAGED_CPU_ATOMIC_FLOAT
+
+// ---- 9. Device math -----------------------------------------------------------------------------
+// expf, exp2f, logf, log2f, sqrtf, fabsf, fmaxf, fminf, fmaf, floorf, ... come from <math.h>.
+// The intrinsics below are exact on the CPU (the GPU's __expf is an approximation), so results
+// are close to, not bit-equal with, the GPU's.
+inline float __expf(float x) { return expf(x); }
+inline float __exp10f(float x) { return exp10f(x); }
+inline float __logf(float x) { return logf(x); }
+inline float __log2f(float x) { return log2f(x); }
+inline float __powf(float x, float y) { return powf(x, y); }
+inline float __sinf(float x) { return sinf(x); }
+inline float __cosf(float x) { return cosf(x); }
+inline float __tanhf(float x) { return tanhf(x); }
+inline float __fdividef(float x, float y) { return x / y; }
+inline float __frcp_rn(float x) { return 1.0f / x; }
+inline float __fsqrt_rn(float x) { return sqrtf(x); }
+inline float __fmaf_rn(float x, float y, float z) { return fmaf(x, y, z); }
+inline float __fadd_rn(float x, float y) { return x + y; }
+inline float __fmul_rn(float x, float y) { return x * y; }
+inline float __saturatef(float x) { return x < 0.0f ? 0.0f : (x > 1.0f ? 1.0f : x); }
+inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
+inline double rsqrt(double x) { return 1.0 / sqrt(x); }
+inline int __float2int_rn(float x) { return static_cast<int>(nearbyintf(x)); }
+inline int __float2int_rz(float x) { return static_cast<int>(x); }
+
+inline float __int_as_float(int x) { float f; memcpy(&f, &x, 4); return f; }
+inline int __float_as_int(float x) { int i; memcpy(&i, &x, 4); return i; }
+inline float __uint_as_float(unsigned x) { float f; memcpy(&f, &x, 4); return f; }
+inline unsigned __float_as_uint(float x) { unsigned i; memcpy(&i, &x, 4); return i; }
+inline double __longlong_as_double(long long x) { double d; memcpy(&d, &x, 8); return d; }
+inline long long __double_as_longlong(double x) { long long i; memcpy(&i, &x, 8); return i; }
+
+inline int __popc(unsigned x) { return __builtin_popcount(x); }
+inline int __popcll(unsigned long long x) { return __builtin_popcountll(x); }
+inline int __clz(int x) { return x == 0 ? 32 : __builtin_clz(static_cast<unsigned>(x)); }
+inline int __clzll(long long x) {
+  return x == 0 ? 64 : __builtin_clzll(static_cast<unsigned long long>(x));
+}
+inline int __ffs(int x) { return __builtin_ffs(x); }
+inline int __ffsll(long long x) { return __builtin_ffsll(x); }
+inline unsigned __brev(unsigned x) {
+  x = ((x >> 1) & 0x55555555u) | ((x & 0x55555555u) << 1);
+  x = ((x >> 2) & 0x33333333u) | ((x & 0x33333333u) << 2);
+  x = ((x >> 4) & 0x0f0f0f0fu) | ((x & 0x0f0f0f0fu) << 4);
+  return __builtin_bswap32(x);
+}
+
+// CUDA's overloaded min/max (global namespace, like the CUDA math headers).
+#define CUPAGED_CPU_MINMAX(T)                     \
+  inline T max(T a, T b) { return a < b ? b : a; } \
+  inline T min(T a, T b) { return b < a ? b : a; }
+CUPAGED_CPU_MINMAX(int)
+CUPAGED_CPU_MINMAX(unsigned int)
+CUPAGED_CPU_MINMAX(long)
+CUPAGED_CPU_MINMAX(unsigned long)
+CUPAGED_CPU_MINMAX(long long)
+CUPAGED_CPU_MINMAX(unsigned long long)
+#undef CUPAGED_CPU_MINMAX
+inline unsigned max(int a, unsigned b) { return max(static_cast<unsigned>(a), b); }
+inline unsigned max(unsigned a, int b) { return max(a, static_cast<unsigned>(b)); }
+inline unsigned min(int a, unsigned b) { return min(static_cast<unsigned>(a), b); }
+inline unsigned min(unsigned a, int b) { return min(a, static_cast<unsigned>(b)); }
+inline float max(float a, float b) { return fmaxf(a, b); }
+inline float min(float a, float b) { return fminf(a, b); }
+inline double max(double a, double b) { return fmax(a, b); }
+inline double min(double a, double b) { return fmin(a, b); }
+
+// ---- 10. half / bfloat16 functions the CUDA headers keep device-only ---------------------------
+// Conversions, comparisons and +-*/ compile as host code from the headers themselves. The
+// functions below are device-only there (as of CUDA 12.9 and 13.x); they are computed in float and
+// rounded once. Each is a template so that a header that does provide a host version wins
+// overload resolution (a non-template beats a template with the same signature) instead of
+// clashing with it.
+#define CUPAGED_CPU_HALF_UNARY(name, T, to_f, from_f, expr) \
+  template <int = 0>                                        \
+  inline T name(const T h) {                                \
+    const float x = to_f(h);                                \
+    return from_f(expr);                                    \
+  }
+#define CUPAGED_CPU_HALF_MATH(T, to_f, from_f)                            \
+  CUPAGED_CPU_HALF_UNARY(hexp, T, to_f, from_f, expf(x))                  \
+  CUPAGED_CPU_HALF_UNARY(hexp2, T, to_f, from_f, exp2f(x))                \
+  CUPAGED_CPU_HALF_UNARY(hexp10, T, to_f, from_f, exp10f(x))              \
+  CUPAGED_CPU_HALF_UNARY(hlog, T, to_f, from_f, logf(x))                  \
+  CUPAGED_CPU_HALF_UNARY(hlog2, T, to_f, from_f, log2f(x))                \
+  CUPAGED_CPU_HALF_UNARY(hlog10, T, to_f, from_f, log10f(x))              \
+  CUPAGED_CPU_HALF_UNARY(hsqrt, T, to_f, from_f, sqrtf(x))                \
+  CUPAGED_CPU_HALF_UNARY(hrsqrt, T, to_f, from_f, 1.0f / sqrtf(x))        \
+  CUPAGED_CPU_HALF_UNARY(hrcp, T, to_f, from_f, 1.0f / x)                 \
+  CUPAGED_CPU_HALF_UNARY(hsin, T, to_f, from_f, sinf(x))                  \
+  CUPAGED_CPU_HALF_UNARY(hcos, T, to_f, from_f, cosf(x))                  \
+  CUPAGED_CPU_HALF_UNARY(htanh, T, to_f, from_f, tanhf(x))                \
+  CUPAGED_CPU_HALF_UNARY(hfloor, T, to_f, from_f, floorf(x))              \
+  CUPAGED_CPU_HALF_UNARY(hceil, T, to_f, from_f, ceilf(x))                \
+  CUPAGED_CPU_HALF_UNARY(htrunc, T, to_f, from_f, truncf(x))              \
+  CUPAGED_CPU_HALF_UNARY(hrint, T, to_f, from_f, nearbyintf(x))           \
+  template <int = 0>                                                      \
+  inline T __hfma(const T a, const T b, const T c) {                      \
+    return from_f(fmaf(to_f(a), to_f(b), to_f(c)));                       \
+  }                                                                       \
+  template <int = 0>                                                      \
+  inline T __hfma_relu(const T a, const T b, const T c) {                 \
+    return from_f(fmaxf(fmaf(to_f(a), to_f(b), to_f(c)), 0.0f));          \
+  }
+CUPAGED_CPU_HALF_MATH(__half, __half2float, __float2half_rn)
+CUPAGED_CPU_HALF_MATH(__nv_bfloat16, __bfloat162float, __float2bfloat16_rn)
+#undef CUPAGED_CPU_HALF_MATH
+#undef CUPAGED_CPU_HALF_UNARY
+
+// Paired versions: each half of the pair on its own.
+#define CUPAGED_CPU_PAIR_MATH(T2, T, to_f, make2)                                               \
+  template <int = 0>                                                                           \
+  inline T2 __hfma2(const T2 a, const T2 b, const T2 c) {                                      \
+    return make2(__hfma(a.x, b.x, c.x), __hfma(a.y, b.y, c.y));                                \
+  }                                                                                            \
+  template <int = 0>                                                                           \
+  inline T2 h2exp(const T2 a) { return make2(hexp(a.x), hexp(a.y)); }                          \
+  template <int = 0>                                                                           \
+  inline T2 h2sqrt(const T2 a) { return make2(hsqrt(a.x), hsqrt(a.y)); }                       \
+  template <int = 0>                                                                           \
+  inline T2 h2rsqrt(const T2 a) { return make2(hrsqrt(a.x), hrsqrt(a.y)); }
+CUPAGED_CPU_PAIR_MATH(__half2, __half, __half2float, __halves2half2)
+CUPAGED_CPU_PAIR_MATH(__nv_bfloat162, __nv_bfloat16, __bfloat162float, __halves2bfloat162)
+#undef CUPAGED_CPU_PAIR_MATH

@@ -1,0 +1,339 @@
+"""Building a kernel file into a shared library for the CPU backend, and caching the result.
+
+One build per (kernel source, name expressions, flags): the generated translation unit is
+
+    [shim.h, force-included]  runtime.h  the kernel .cu  launch table (one entry per name)
+
+compiled by g++ into ``<cache>/<key>.so``, where ``key`` hashes everything that can change the
+binary: the kernel source and the project headers it includes, the shim and runtime sources, the
+name expressions, the flags, the CUDA headers and the compiler version. A build writes to a
+temporary name and renames it into place, so parallel processes never see half a file.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.util
+import logging
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+from .._backend import kernel_dir
+from ..errors import CupagedError
+
+logger = logging.getLogger("cupaged.cpu")
+
+CSRC = Path(__file__).resolve().parent / "csrc"
+# Sources that go into every build (their text is part of the cache key).
+_RUNTIME_SOURCES = (
+    "shim.h",
+    "runtime.h",
+    "include/crt/host_defines.h",
+    "include/nv/target",
+)
+ABI_VERSION = 1
+# Where CUDA toolkits install by default (a symlink to the versioned folder).
+DEFAULT_TOOLKIT = Path("/usr/local/cuda")
+
+BASE_FLAGS = (
+    "-std=c++17",
+    "-O1",
+    "-fno-strict-aliasing",
+    "-ffp-contract=off",  # no FMA contraction: results independent of the host CPU's features
+    "-fPIC",
+    "-shared",
+    "-pthread",
+    "-fvisibility=hidden",
+)
+SANITIZE_FLAGS = ("-fsanitize=address", "-fno-omit-frame-pointer", "-g")
+
+# Characters a name expression must not contain: it is pasted into the generated C++ as code.
+_UNSAFE_NAME = re.compile(r'[;{}"\\\n\r]|//|/\*')
+_QUOTED_INCLUDE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.MULTILINE)
+
+
+def check_platform() -> None:
+    """Raise unless this is x86-64 Linux (the fiber context switch is x86-64 assembly)."""
+    machine = platform.machine().lower()
+    if not sys.platform.startswith("linux") or machine not in ("x86_64", "amd64"):
+        raise CupagedError(
+            f"the CPU backend needs x86-64 Linux, got {sys.platform} on {platform.machine()}; "
+            f"use CuPy arrays on a GPU instead"
+        )
+
+
+def _wheel_include_dirs() -> list[Path]:
+    """Header folders of the CUDA runtime wheels, if installed (no import of the packages)."""
+    spec = importlib.util.find_spec("nvidia")
+    if spec is None or spec.submodule_search_locations is None:
+        return []
+    found = []
+    for root in spec.submodule_search_locations:
+        # nvidia-cuda-runtime-cu12: nvidia/cuda_runtime/include; CUDA 13 wheels: nvidia/cu13/include
+        for sub in ("cuda_runtime/include", "cu13/include", "cu12/include"):
+            found.append(Path(root) / sub)
+    return found
+
+
+def cuda_include_dir() -> Path:
+    """The folder with ``cuda_fp16.h`` and ``cuda_bf16.h`` that CPU builds compile against.
+
+    Searched in order: ``$CUDA_PATH/include``; the toolkit of the ``nvcc`` on ``PATH`` (symlinks
+    resolved); ``/usr/local/cuda/include``; the ``nvidia-cuda-runtime-cu12`` wheel
+    (``nvidia/cuda_runtime/include``); the CUDA 13 runtime wheel (``nvidia/cu13/include``).
+    The wheels lack the compiler-internal ``crt/`` and ``nv/`` headers; the shim brings host-only
+    stand-ins for those.
+
+    Raises:
+        CupagedError: none of them has the headers.
+    """
+    candidates: list[Path] = []
+    cuda_path = os.environ.get("CUDA_PATH")
+    if cuda_path:
+        candidates.append(Path(cuda_path) / "include")
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        candidates.append(Path(nvcc).resolve().parent.parent / "include")
+    candidates.append(DEFAULT_TOOLKIT / "include")
+    candidates.extend(_wheel_include_dirs())
+    for folder in candidates:
+        if (folder / "cuda_fp16.h").is_file() and (folder / "cuda_bf16.h").is_file():
+            return folder.resolve()
+    searched = ", ".join(str(c) for c in candidates)
+    raise CupagedError(
+        f"the CPU backend needs the CUDA headers cuda_fp16.h and cuda_bf16.h, found in none of: "
+        f"{searched}. Install them with `pip install nvidia-cuda-runtime-cu12` (or "
+        f"`pip install 'cupaged[cuda12]'`), or point CUDA_PATH at a CUDA toolkit"
+    )
+
+
+def compiler() -> str:
+    """Path of g++, the host compiler of the CPU backend."""
+    path = shutil.which("g++")
+    if path is None:
+        raise CupagedError(
+            "the CPU backend needs g++ (the GNU C++ compiler) on PATH, found none; install it "
+            "with your system's package manager (e.g. `apt-get install g++`)"
+        )
+    return path
+
+
+def libasan() -> str | None:
+    """Path of g++'s AddressSanitizer runtime (``libasan.so``), or None when it has none."""
+    result = subprocess.run(
+        [compiler(), "-print-file-name=libasan.so"], capture_output=True, text=True, check=False
+    )
+    path = result.stdout.strip()
+    return path if os.path.isabs(path) and os.path.exists(path) else None
+
+
+def asan_loaded() -> bool:
+    """True when this process runs with the ASan runtime (preloaded; it cannot come later)."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
+            return any("libasan" in line for line in maps)
+    except OSError:
+        return False
+
+
+@functools.cache
+def _compiler_version(path: str) -> str:
+    result = subprocess.run([path, "--version"], capture_output=True, text=True, check=False)
+    return result.stdout.splitlines()[0] if result.stdout else path
+
+
+@functools.cache
+def _file_digest(path: Path, mtime_ns: int, size: int) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _digest(path: Path) -> str:
+    stat = path.stat()
+    return _file_digest(path, stat.st_mtime_ns, stat.st_size)
+
+
+def cache_dir() -> Path:
+    """``$CUPAGED_CACHE_DIR/cpu``, else ``$XDG_CACHE_HOME/cupaged/cpu`` or ``~/.cache/cupaged/cpu``."""
+    root = os.environ.get("CUPAGED_CACHE_DIR")
+    if root:
+        return Path(root) / "cpu"
+    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(xdg) / "cupaged" / "cpu"
+
+
+def _local_headers(source: Path, search: Sequence[Path]) -> list[Path]:
+    """Project headers that ``source`` includes with quotes, recursively (for the cache key)."""
+    seen: dict[Path, None] = {}
+    pending = [source]
+    while pending:
+        current = pending.pop()
+        text = current.read_text(encoding="utf-8", errors="replace")
+        for name in _QUOTED_INCLUDE.findall(text):
+            for folder in (current.parent, *search):
+                candidate = (folder / name).resolve()
+                if candidate.is_file():
+                    if candidate not in seen and candidate != source:
+                        seen[candidate] = None
+                        pending.append(candidate)
+                    break
+    return sorted(seen)
+
+
+def check_name_expressions(name_expressions: Sequence[str]) -> tuple[str, ...]:
+    """Validate name expressions; they are pasted into C++ code.
+
+    Raises:
+        TypeError: not a list/tuple of strings.
+        ValueError: empty, duplicated, or containing ``; { } " \\`` or a comment.
+    """
+    if isinstance(name_expressions, str) or not isinstance(name_expressions, (list, tuple)):
+        raise TypeError(
+            f"expected name_expressions a list or tuple of str, got {type(name_expressions).__name__}"
+        )
+    names = tuple(name_expressions)
+    if not names:
+        raise ValueError("expected at least one name expression, got none")
+    for name in names:
+        if not isinstance(name, str):
+            raise TypeError(f"expected name expressions of type str, got {type(name).__name__}")
+        if not name.strip() or _UNSAFE_NAME.search(name):
+            raise ValueError(
+                f"expected a C++ name expression such as 'cupaged::kernel<float, 128>', got {name!r}"
+            )
+    if len(set(names)) != len(names):
+        raise ValueError(f"expected distinct name expressions, got {list(names)}")
+    return names
+
+
+def _c_string(text: str) -> str:
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def generated_source(source: Path, name_expressions: Sequence[str]) -> str:
+    """The translation unit of one build: runtime, kernel source, launch table."""
+    entries = "\n".join(
+        f"    cupaged_cpu::make_entry({_c_string(name)}, &{name})," for name in name_expressions
+    )
+    return (
+        f"// Generated by cupaged._cpu for {source.name}: the CPU runtime, the kernel source, and\n"
+        f"// one launch-table entry per name expression (the thunk knows the parameter types).\n"
+        f"#include {_c_string(str(CSRC / 'runtime.h'))}\n"
+        f"#include {_c_string(str(source))}\n"
+        f"\n"
+        f"extern const cupaged_cpu::KernelEntry cupaged_cpu::kernel_table[] = {{\n"
+        f"{entries}\n"
+        f"}};\n"
+        f"extern const int cupaged_cpu::kernel_count = {len(name_expressions)};\n"
+    )
+
+
+def build_flags(
+    source: Path, include_dir: Path, options: Sequence[str], sanitize: bool
+) -> list[str]:
+    flags = [*BASE_FLAGS, *(SANITIZE_FLAGS if sanitize else ())]
+    flags += ["-DCUPAGED_CPU=1", "-include", str(CSRC / "shim.h")]
+    # The kernel's own folder, the project's kernel folder (common.cuh), the CUDA headers, and
+    # last the stand-ins for what the CUDA wheels leave out (crt/host_defines.h, nv/target).
+    flags += ["-I", str(source.parent), "-I", str(kernel_dir()), "-I", str(include_dir)]
+    flags += ["-idirafter", str(CSRC / "include")]
+    flags += list(options)
+    return flags
+
+
+def build_key(
+    source: Path,
+    headers: Sequence[Path],
+    name_expressions: Sequence[str],
+    flags: Sequence[str],
+    include_dir: Path,
+    cxx: str,
+) -> str:
+    h = hashlib.sha256()
+
+    def add(label: str, value: str) -> None:
+        h.update(f"{label}\0{value}\0".encode())
+
+    add("abi", str(ABI_VERSION))
+    add("compiler", f"{cxx}\0{_compiler_version(cxx)}")
+    add("flags", "\0".join(flags))
+    for name in _RUNTIME_SOURCES:
+        add(name, _digest(CSRC / name))
+    add("source", f"{source}\0{_digest(source)}")
+    for header in headers:
+        add("header", f"{header}\0{_digest(header)}")
+    for header in ("cuda_fp16.h", "cuda_fp16.hpp", "cuda_bf16.h", "cuda_bf16.hpp"):
+        path = include_dir / header
+        add(header, _digest(path) if path.is_file() else "-")
+    add("names", "\0".join(name_expressions))
+    return h.hexdigest()[:40]
+
+
+def build(
+    source: Path,
+    name_expressions: Sequence[str],
+    options: Sequence[str] = (),
+    sanitize: bool = False,
+) -> tuple[Path, list[Path]]:
+    """The cached shared library for ``source`` and ``name_expressions``, compiled if missing.
+
+    Returns:
+        The library's path, and the files whose edits make it stale: the source and the project
+        headers it includes.
+
+    Raises:
+        CupagedError: not x86-64 Linux, no g++ or CUDA headers, or the compiler failed (the
+            message carries its output).
+    """
+    check_platform()
+    cxx = compiler()
+    include_dir = cuda_include_dir()
+    flags = build_flags(source, include_dir, options, sanitize)
+    headers = _local_headers(source, (kernel_dir(),))
+    key = build_key(source, headers, name_expressions, flags, include_dir, cxx)
+    folder = cache_dir()
+    library = folder / f"{source.stem}-{key}.so"
+    if library.is_file():
+        logger.debug("cupaged cpu: cached %s for %s", library.name, source.name)
+        return library, [source, *headers]
+
+    folder.mkdir(parents=True, exist_ok=True)
+    text = generated_source(source, name_expressions)
+    # The generated file stays next to the library: compiler messages point into it.
+    generated = folder / f"{source.stem}-{key}.cpp"
+    _write_atomically(generated, text.encode())
+    fd, temporary = tempfile.mkstemp(prefix=f".{source.stem}-", suffix=".so.tmp", dir=folder)
+    os.close(fd)
+    command = [cxx, *flags, str(generated), "-o", temporary]
+    logger.info("cupaged cpu: compiling %s (%d kernels)", source.name, len(name_expressions))
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, check=False)
+        if result.returncode != 0:
+            raise CupagedError(
+                f"g++ failed to build {source} for the CPU backend (exit {result.returncode}).\n"
+                f"command: {' '.join(command)}\n{result.stderr.strip()}"
+            )
+        os.replace(temporary, library)
+    finally:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
+    return library, [source, *headers]
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    fd, temporary = tempfile.mkstemp(prefix=f".{path.name}-", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(temporary, path)
+    except BaseException:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
+        raise
