@@ -7,14 +7,14 @@ Public names::
     to_csr, from_csr                                        dense <-> CSR page tables
     reference_attention                                     the naive oracle attention
     PrefixCacheStats                                        prefix-caching counters
-    CupagedError, OutOfBlocksError                          errors
+    CupagedError, OutOfBlocksError, KernelError             errors
 """
 
 from __future__ import annotations
 
 from .block_pool import BlockPool
 from .cache import PagedCache
-from .errors import CupagedError, OutOfBlocksError
+from .errors import CupagedError, KernelError, OutOfBlocksError
 from .memory import CacheSpec
 from .ops import copy_blocks, paged_attention, write_kv
 from .page_table import from_csr, to_csr
@@ -27,6 +27,7 @@ __all__ = [
     "BlockPool",
     "CacheSpec",
     "CupagedError",
+    "KernelError",
     "OutOfBlocksError",
     "PagedCache",
     "PrefixCacheStats",

@@ -67,9 +67,8 @@ def test_cpu_backend_builds_every_requested_instantiation(source):
     from cupaged._cpu import CpuModule
 
     names = requested_names()[source]
-    if (
-        source == "paged_attention.cu"
-    ):  # one dtype covers the g++ templates; the kernel tests run the rest
+    # One dtype covers the g++ templates of the decode kernels; the kernel tests run the rest.
+    if source == "paged_attention.cu":
         names = [n for n in names if "<__half" in n]
     module = CpuModule(kernel_dir() / source, tuple(names))
     for name in names:
