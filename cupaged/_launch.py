@@ -155,5 +155,10 @@ def copy_blocks_launch(
     """``(name, grid, block, word_bytes)`` of ``copy_blocks``: the widest word that divides a block."""
     for word, c_type in _COPY_WORDS:
         if block_bytes % word == 0 and (aligned or word <= 2):
-            return f"cupaged::copy_blocks<{c_type}>", (num_pairs, num_layers, 2), (COPY_THREADS,), word
+            return (
+                f"cupaged::copy_blocks<{c_type}>",
+                (num_pairs, num_layers, 2),
+                (COPY_THREADS,),
+                word,
+            )
     raise ValueError(f"expected a block of an even number of bytes, got {block_bytes}")
