@@ -1,7 +1,9 @@
-"""Command line: ``cupaged example`` (or ``python -m cupaged example``).
+"""Command line: ``cupaged demo`` and ``cupaged example`` (or ``python -m cupaged ...``).
 
-Prints the memory arithmetic of paging for a 32-layer GQA model, then traces a sequence through a
-small cache: block allocation on demand, a fork, copy-on-write, and freeing.
+``demo`` serves a stream of requests through a tiny transformer with continuous batching and
+prints what paging saved. ``example`` prints the memory arithmetic of paging for a 32-layer GQA
+model, then traces a sequence through a small cache: allocation on demand, a fork,
+copy-on-write, and freeing.
 """
 
 from __future__ import annotations
@@ -99,9 +101,134 @@ def trace(device: str) -> None:
     print(f"  all freed: {cache.num_free_blocks} of {cache.num_blocks} blocks free")
 
 
+def demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from .demo import DemoConfig, make_requests, run_demo, write_json, write_plot
+    from .demo.model import ModelConfig
+
+    options = {name: getattr(args, name) for name in DemoConfig.__dataclass_fields__}
+    config = DemoConfig(**options)
+    try:
+        config.validate()
+        resolve_device(config.device)
+    except (ValueError, CupagedError) as error:
+        parser.error(str(error))
+    console = Console()
+    total = sum(
+        r.max_new_tokens * r.num_samples for r in make_requests(config, ModelConfig().vocab_size)
+    )
+    columns = (TextColumn("decoding"), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"),
+               TimeElapsedColumn())  # fmt: skip
+    try:
+        with Progress(*columns, console=console, transient=True) as progress:
+            task = progress.add_task("decode", total=total)
+            summary = run_demo(config, on_step=lambda done: progress.update(task, completed=done))
+    except (ValueError, CupagedError) as error:
+        parser.error(str(error))
+    print_summary(console, summary)
+    if args.json:
+        write_json(args.json, {k: v for k, v in summary.items() if not k.startswith("_")},
+                   summary["_report"], summary["_steps"])  # fmt: skip
+        console.print(f"numbers written to {args.json}")
+    if args.plot:
+        try:
+            write_plot(args.plot, summary["_spec"], config.max_len, summary["_steps"])
+        except RuntimeError as error:
+            console.print(f"[red]{error}[/red]")
+            return 1
+        console.print(f"plot written to {args.plot}")
+    return 0 if summary["checks"]["passed"] else 1
+
+
+def print_summary(console: object, summary: dict) -> None:
+    from rich.table import Table
+
+    memory, spec = summary["memory"], summary["_spec"]
+    run = Table(title="cupaged demo", show_header=False)
+    run.add_row("backend", summary["backend"])
+    run.add_row("requests / sequences", f"{summary['requests']} / {summary['sequences']}")
+    run.add_row("tokens generated", f"{summary['tokens_generated']:,}")
+    run.add_row("steps", f"{summary['steps']:,}")
+    run.add_row("tokens/s", f"{summary['tokens_per_second']:,.1f} ({summary['seconds']:.1f} s)")
+    run.add_row("preemptions (swapped out)", str(summary["preemptions"]))
+    prefix = summary["prefix_cache"]
+    run.add_row("prefix cache", f"{prefix['hits']} hits, {prefix['misses']} misses "
+                f"({100 * prefix['hit_rate']:.0f} %), {prefix['evictions']} evictions")  # fmt: skip
+    checks = summary["checks"]
+    verdict = "equal" if checks["passed"] else "[red]DIFFERENT[/red]"
+    run.add_row("paged vs recomputed logits",
+                f"{verdict} for {checks['sequences']} sequences (max |diff| {checks['max_abs_error']:.2e})")  # fmt: skip
+    console.print(run)
+
+    cfg = summary["config"]
+    mem = Table(title=f"KV memory: block_size {cfg['block_size']}, {cfg['num_blocks']} blocks, "
+                f"contiguous reserves {cfg['max_len']} tokens per sequence")  # fmt: skip
+    for header in ("", "paged", "contiguous"):
+        mem.add_column(header, justify="right")
+    mib = 2**20
+    mem.add_row("peak bytes", f"{memory['peak_paged_bytes'] / mib:.2f} MiB ({memory['peak_blocks']} blocks)",
+                f"{memory['peak_contiguous_bytes'] / mib:.2f} MiB")  # fmt: skip
+    mem.add_row(
+        "waste", f"{memory['paged_waste_pct']:.1f} %", f"{memory['contiguous_waste_pct']:.1f} %"
+    )
+    mem.add_row(
+        "sequences the pool holds",
+        str(memory["paged_capacity"]),
+        str(memory["contiguous_capacity"]),
+    )
+    mem.add_row("blocks saved by prefix sharing", str(memory["prefix_blocks_saved"]), "-")
+    mem.add_row("blocks shared by forks", str(memory["fork_blocks_saved"]), "-")
+    console.print(mem)
+    console.print(
+        f"KV bytes per token: {spec.bytes_per_token:,}; per block: {spec.bytes_per_block:,}"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="cupaged", description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command")
+    run = commands.add_parser("demo", help="serve requests through a tiny model; report the memory")
+    defaults = DemoDefaults()
+    run.add_argument("--requests", type=int, default=defaults.requests, help="number of requests")
+    run.add_argument(
+        "--prompt-len",
+        type=int,
+        default=defaults.prompt_len,
+        help="median prompt length (lognormal)",
+    )
+    run.add_argument(
+        "--new-tokens",
+        type=int,
+        default=defaults.new_tokens,
+        help="median tokens generated per sample",
+    )
+    run.add_argument(
+        "--max-len",
+        type=int,
+        default=defaults.max_len,
+        help="model context; what contiguous reserves",
+    )
+    run.add_argument(
+        "--system-prompt", type=int, default=defaults.system_prompt, help="shared prompt tokens"
+    )
+    run.add_argument("--block-size", type=int, default=defaults.block_size)
+    run.add_argument("--num-blocks", type=int, default=defaults.num_blocks)
+    run.add_argument(
+        "--max-batch", type=int, default=defaults.max_batch, help="most sequences decoding at once"
+    )
+    run.add_argument("--seed", type=int, default=defaults.seed)
+    run.add_argument("--temperature", type=float, default=defaults.temperature, help="0: greedy")
+    run.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=defaults.dtype)
+    run.add_argument(
+        "--device", choices=["cuda", "cpu"], default=None, help="default: cuda when usable"
+    )
+    run.add_argument("--weights", default=None, help=".npz written by TinyDecoder.save")
+    run.add_argument(
+        "--plot", default=None, metavar="FILE", help="PNG of memory over time (matplotlib)"
+    )
+    run.add_argument("--json", default=None, metavar="FILE", help="write every number as JSON")
     example = commands.add_parser("example", help="memory math and a block-table trace")
     example.add_argument(
         "--device",
@@ -117,18 +244,27 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     if args.command is None:
-        args = parser.parse_args(["example", *(argv or [])])
+        parser.print_help()
+        return 2
+    if args.command == "demo":
+        return demo(args, run)
     if args.max_len < 1:
-        parser.error(f"--max-len: expected a positive number of tokens, got {args.max_len}")
+        example.error(f"--max-len: expected a positive number of tokens, got {args.max_len}")
     try:
         device = resolve_device(args.device)
     except CupagedError as error:
-        parser.error(str(error))
+        example.error(str(error))
     spec = CacheSpec(num_layers=32, num_kv_heads=8, head_dim=128, dtype="float16", block_size=16)
     lengths = sorted({1, 17, 200, 1000, args.max_len // 2, args.max_len})
     memory_math(spec, args.max_len, lengths, budget=40 * GiB)
     trace(device)
     return 0
+
+
+def DemoDefaults():  # noqa: N802  (the dataclass's defaults, without importing the demo eagerly)
+    from .demo import DemoConfig
+
+    return DemoConfig()
 
 
 if __name__ == "__main__":
