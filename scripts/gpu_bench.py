@@ -16,10 +16,14 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
 import cupaged
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benches"))
+from bandwidth import decode_attention_bytes  # noqa: E402
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, DTYPE = 32, 8, 128, "float16"
 
@@ -52,9 +56,8 @@ def copy_bandwidth(xp, nbytes):
 
 
 def attention_bytes(batch, context):
-    """Bytes decode attention must move: K and V once, Q in, output out."""
-    kv = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * 2
-    return kv + 2 * batch * NUM_Q_HEADS * HEAD_DIM * 2
+    """Bytes decode attention must move (the benchmarks' one definition, in benches/bandwidth.py)."""
+    return decode_attention_bytes(batch, context, NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, DTYPE)
 
 
 def normal(xp, rng, shape):

@@ -1,0 +1,47 @@
+"""The one place that says which bytes a benchmark counts, and turns them into decimal GB/s.
+
+Decode attention must read every K and V element of the batch's contexts once, read Q once and
+write the output once; nothing else is counted (block tables and the split-K partials are small
+and stay in cache). A KV write moves the new tokens' K and V in and the same bytes out. A copy
+moves its size twice (a read and a write).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from cupaged.dtypes import itemsize
+
+
+def decode_attention_bytes(batch: int, context: int, num_q_heads: int, num_kv_heads: int,
+                           head_dim: int, dtype: str) -> int:  # fmt: skip
+    """K and V read once, Q read once, output written once."""
+    kv = 2 * batch * context * num_kv_heads * head_dim
+    q_and_out = 2 * batch * num_q_heads * head_dim
+    return (kv + q_and_out) * itemsize(dtype)
+
+
+def kv_write_bytes(num_tokens: int, num_kv_heads: int, head_dim: int, dtype: str) -> int:
+    """New K and V read from the input and written into the cache."""
+    return 2 * 2 * num_tokens * num_kv_heads * head_dim * itemsize(dtype)
+
+
+def gb_per_s(nbytes: int, seconds: float) -> float:
+    """Decimal gigabytes (1e9 bytes) per second."""
+    return nbytes / seconds / 1e9
+
+
+def synchronized(xp: Any, fn: Callable[[], Any]) -> Callable[[], Any]:
+    """``fn`` followed by a device synchronisation on the GPU, so that timers see the kernel."""
+    if xp is np:
+        return fn
+
+    def run() -> Any:
+        out = fn()
+        xp.cuda.Device().synchronize()
+        return out
+
+    return run
