@@ -26,8 +26,8 @@ Invariants of the CSR form, for sequence ``i`` with ``n = indptr[i + 1] - indptr
 
 Both conversions run on NumPy and CuPy arrays alike, with whole-array operations only (no Python
 loop over sequences or blocks), and return int32 arrays on the inputs' device. Sizing the output
-reads one scalar back from the device (``indptr[-1]`` in :func:`to_csr`, the longest run in
-:func:`from_csr`), so each call synchronises once; ``checked=True`` adds a copy of the lengths.
+reads one scalar back from the device (``indptr[-1]`` in :func:`~cupaged.to_csr`, the longest run in
+:func:`~cupaged.from_csr`), so each call synchronises once; ``checked=True`` adds a copy of the lengths.
 """
 
 from __future__ import annotations
