@@ -9,6 +9,7 @@ CPU backend caches its shared libraries.
 from __future__ import annotations
 
 import hashlib
+import os
 import threading
 from typing import Any
 
@@ -29,7 +30,10 @@ def get_kernel(device: str, source: str, name: str) -> Any:
     if device == "cpu":
         from ._cpu import CpuModule
 
-        return CpuModule(kernel_dir() / source, (name,)).get_function(name)
+        # CUPAGED_CPU_SANITIZE=1 builds every kernel with AddressSanitizer (the process must
+        # start with libasan preloaded): an out-of-range read then stops with a report.
+        sanitize = os.environ.get("CUPAGED_CPU_SANITIZE", "") == "1"
+        return CpuModule(kernel_dir() / source, (name,), sanitize=sanitize).get_function(name)
     cupy = cupy_module()
     assert cupy is not None, "a CUDA kernel was requested without CuPy"
     key = (cupy.cuda.Device().id, source, name)

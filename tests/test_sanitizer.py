@@ -1,0 +1,54 @@
+"""The library's own kernels under AddressSanitizer (CUPAGED_CPU_SANITIZE=1), in a child process.
+
+The CPU counterpart of compute-sanitizer: an out-of-range block id, which unchecked mode does not
+catch, becomes an ASan report instead of a silent garbage read.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cupaged._cpu import toolchain
+
+CHILD = """
+import numpy as np, cupaged
+rng = np.random.default_rng(0)
+k = rng.standard_normal((4, 2, 16, 64)).astype(np.float32)
+q = rng.standard_normal((1, 4, 64)).astype(np.float32)
+lens = np.array([20], np.int32)
+good = np.array([[2, 0]], np.int32)
+out = cupaged.paged_attention(q, k, k, good, lens)
+ref = cupaged.reference_attention(q, k, k, good, lens)
+assert np.allclose(out, ref, atol=1e-5), abs(out - ref).max()
+print("clean run ok", flush=True)
+bad = np.array([[2, 4000]], np.int32)  # far past the cache: unchecked mode lets it through
+cupaged.paged_attention(q, k, k, bad, lens)
+print("not reached", flush=True)
+"""
+
+
+def test_out_of_range_block_id_is_reported_by_asan(tmp_path):
+    try:
+        libasan = toolchain.libasan()
+    except Exception as error:  # noqa: BLE001
+        pytest.skip(f"no AddressSanitizer runtime: {error}")
+    if not libasan:
+        pytest.skip("no AddressSanitizer runtime (libasan) next to g++")
+    env = dict(os.environ, LD_PRELOAD=libasan, ASAN_OPTIONS="detect_leaks=0",
+               CUPAGED_CPU_SANITIZE="1")  # fmt: skip
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1]), env.get("PYTHONPATH", "")])
+    script = tmp_path / "child.py"
+    script.write_text(CHILD)
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env,
+                            timeout=600)  # fmt: skip
+    assert "clean run ok" in result.stdout, result.stderr[-3000:]
+    assert "not reached" not in result.stdout
+    assert result.returncode != 0
+    assert "AddressSanitizer" in result.stderr and "paged_decode" in result.stderr, result.stderr[
+        -3000:
+    ]
