@@ -67,3 +67,20 @@ def scatter_into_pages(rng, seqs_kv, block_size, num_blocks, dtype):
     width = max(1, max(map(len, tables)))
     padded = np.array([t + [0] * (width - len(t)) for t in tables], dtype=np.int32)
     return k_cache, v_cache, padded
+
+
+def random_paged_batch(rng, lengths, num_kv_heads, head_dim, ratio, block_size, dtype):
+    """Fresh K/V for ragged sequences, scattered into shuffled blocks, and a query per sequence.
+
+    Returns ``(q, k_cache, v_cache, block_tables, context_lens, seqs)`` as NumPy arrays, ``seqs``
+    being each sequence's contiguous ``(k, v)``, ``[L, num_kv_heads, head_dim]``.
+    """
+    seqs = [
+        (random_array(rng, (n, num_kv_heads, head_dim), dtype),
+         random_array(rng, (n, num_kv_heads, head_dim), dtype))
+        for n in lengths
+    ]  # fmt: skip
+    num_blocks = sum(-(-n // block_size) for n in lengths) + 5
+    k_cache, v_cache, tables = scatter_into_pages(rng, seqs, block_size, num_blocks, dtype)
+    q = random_array(rng, (len(lengths), num_kv_heads * ratio, head_dim), dtype)
+    return q, k_cache, v_cache, tables, np.array(lengths, dtype=np.int32), seqs

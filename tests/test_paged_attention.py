@@ -12,7 +12,7 @@ import contextlib
 
 import numpy as np
 import pytest
-from helpers import DTYPES, assert_close, poison, random_array, scatter_into_pages
+from helpers import DTYPES, assert_close, poison, random_array, random_paged_batch
 
 import cupaged
 from cupaged import _launch
@@ -42,17 +42,9 @@ def scheduled(xp, order):
 
 
 def make_batch(rng, xp, dtype, head_dim, block_size, ratio, lengths):
-    seqs = [
-        (
-            random_array(rng, (n, NUM_KV_HEADS, head_dim), dtype),
-            random_array(rng, (n, NUM_KV_HEADS, head_dim), dtype),
-        )
-        for n in lengths
-    ]
-    num_blocks = sum(-(-n // block_size) for n in lengths) + 5
-    k_cache, v_cache, tables = scatter_into_pages(rng, seqs, block_size, num_blocks, dtype)
-    q = random_array(rng, (len(lengths), NUM_KV_HEADS * ratio, head_dim), dtype)
-    lens = np.array(lengths, dtype=np.int32)
+    q, k_cache, v_cache, tables, lens, _ = random_paged_batch(
+        rng, lengths, NUM_KV_HEADS, head_dim, ratio, block_size, dtype
+    )
     expected = cupaged.reference_attention(
         q, k_cache, v_cache, tables, lens, compute_dtype="float64", out_dtype="float64"
     )

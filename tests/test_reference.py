@@ -11,7 +11,7 @@ from helpers import (
     assert_close,
     lengths_for,
     random_array,
-    scatter_into_pages,
+    random_paged_batch,
 )
 
 import cupaged
@@ -40,18 +40,9 @@ def contiguous_attention(q, k, v, scale):
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
 def test_paged_reference_equals_contiguous_float64(rng, xp, dtype, ratio, block_size):
     lengths = lengths_for(block_size)
-    num_q_heads = NUM_KV_HEADS * ratio
-    seqs = [
-        (
-            random_array(rng, (n, NUM_KV_HEADS, HEAD_DIM), dtype),
-            random_array(rng, (n, NUM_KV_HEADS, HEAD_DIM), dtype),
-        )
-        for n in lengths
-    ]
-    num_blocks = sum(-(-n // block_size) for n in lengths) + 3
-    k_cache, v_cache, tables = scatter_into_pages(rng, seqs, block_size, num_blocks, dtype)
-    q = random_array(rng, (len(lengths), num_q_heads, HEAD_DIM), dtype)
-    lens = np.array(lengths, dtype=np.int32)
+    q, k_cache, v_cache, tables, lens, seqs = random_paged_batch(
+        rng, lengths, NUM_KV_HEADS, HEAD_DIM, ratio, block_size, dtype
+    )
 
     out = cupaged.reference_attention(*map(xp.asarray, (q, k_cache, v_cache, tables, lens)))
 

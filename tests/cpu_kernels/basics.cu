@@ -7,17 +7,7 @@
 // NaN poison.
 #include "common.cuh"
 
-// cuda/common.cuh defines this; kept here too so the tests run against an older common.cuh.
-#ifndef CUPAGED_DYNAMIC_SHARED
-#ifdef CUPAGED_CPU
-#define CUPAGED_DYNAMIC_SHARED(type, name) \
-  type* name = reinterpret_cast<type*>(cupaged_cpu_dynamic_shared())
-#else
-#define CUPAGED_DYNAMIC_SHARED(type, name)                  \
-  extern __shared__ __align__(16) unsigned char name##_bytes[]; \
-  type* name = reinterpret_cast<type*>(name##_bytes)
-#endif
-#endif
+// CUPAGED_DYNAMIC_SHARED comes from cuda/common.cuh.
 
 namespace cpu_test {
 
