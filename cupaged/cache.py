@@ -268,7 +268,8 @@ class PagedCache:
             chunk = prompt[j * bs : (j + 1) * bs]
             key = self._hasher(parent, chunk)
             found = self._pool.lookup(key)
-            if found is None or found[1] != block_content(parent, chunk, salt):
+            parent_block = hits[-1][0] if hits else None
+            if found is None or found[1] != block_content(parent, parent_block, chunk, salt):
                 break  # a miss, or a hash collision caught by the token check
             hits.append((found[0], key))
             parent = key
@@ -557,7 +558,9 @@ class PagedCache:
             chunk = seq.tokens[j * bs : (j + 1) * bs]
             if j == len(seq.keys):
                 seq.keys.append(self._hasher(parent, chunk))
-            self._pool.register(seq.blocks[j], seq.keys[j], block_content(parent, chunk, seq.salt))
+            parent_block = seq.blocks[j - 1] if j else None
+            content = block_content(parent, parent_block, chunk, seq.salt)
+            self._pool.register(seq.blocks[j], seq.keys[j], content)
 
     def _resident(self, sid: int) -> _Sequence:
         seq = self._get(sid)

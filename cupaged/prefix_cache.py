@@ -9,7 +9,8 @@ token ids, so equal keys mean an equal prefix up to and including the block::
 
 The default hasher is BLAKE2b (128-bit digest), never Python's ``hash()``: a collision would hand
 one request another's K/V. As a second line of defence every hit is verified against the parent
-key, token ids and salt stored with the block. A per-request ``cache_salt`` starts a separate chain,
+key, the parent's physical block, the token ids and the salt stored with the block, so a hit
+chain is a chain of verified blocks. A per-request ``cache_salt`` starts a separate chain,
 so tenants who must not share K/V never do.
 """
 
@@ -39,9 +40,16 @@ def salt_root(salt: bytes | None) -> bytes:
     return hashlib.blake2b(b"cupaged-salt" + salt, digest_size=16).digest()
 
 
-def block_content(parent: bytes, tokens: Sequence[int], salt: bytes | None) -> tuple:
-    """What a hit is verified against: parent key, token ids, salt."""
-    return (parent, tuple(tokens), salt)
+def block_content(
+    parent: bytes, parent_block: int | None, tokens: Sequence[int], salt: bytes | None
+) -> tuple:
+    """What a hit is verified against: the parent's key *and* physical block, token ids, salt.
+
+    The parent's block matters: under a hash collision one block up, a block computed after a
+    different prefix can sit under the same key with the same tokens; only the physical parent
+    (verified itself, one step earlier in the lookup) tells them apart.
+    """
+    return (parent, parent_block, tuple(tokens), salt)
 
 
 @dataclass(slots=True)
