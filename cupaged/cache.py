@@ -57,6 +57,7 @@ class _Sequence:
     # Prefix caching only: token ids, the key of each full block, the chain's root and salt.
     tokens: list[int] | None = None
     keys: list[bytes] = field(default_factory=list)
+    digests: list[bytes] = field(default_factory=list)  # BLAKE2b chain of the token prefix
     root: bytes = b""
     salt: bytes | None = None
     cached_tokens: int = 0  # prompt tokens served from the cache when the sequence was added
@@ -262,28 +263,28 @@ class PagedCache:
             )
         bs = self.spec.block_size
         root = salt_root(salt)
-        hits: list[tuple[int, bytes]] = []
-        parent = root
+        hits: list[tuple[int, bytes, bytes]] = []  # (block, key, digest)
+        parent, parent_digest = root, root
         for j in range(max(len(prompt) - 1, 0) // bs):
             chunk = prompt[j * bs : (j + 1) * bs]
-            key = self._hasher(parent, chunk)
+            key, digest = self._chain(parent, parent_digest, chunk)
             found = self._pool.lookup(key)
-            parent_block = hits[-1][0] if hits else None
-            if found is None or found[1] != block_content(parent, parent_block, chunk, salt):
-                break  # a miss, or a hash collision caught by the token check
-            hits.append((found[0], key))
-            parent = key
-        for block, _ in hits:
+            if found is None or found[1] != block_content(parent_digest, chunk, salt):
+                break  # a miss, or a hash collision caught by the content check
+            hits.append((found[0], key, digest))
+            parent, parent_digest = key, digest
+        for block, _, _ in hits:
             self._pool.acquire(block)
         cached = len(hits) * bs
         self._stats.hits += len(hits)
         self._stats.misses += len(prompt) // bs - len(hits)
         self._stats.cached_tokens += cached
-        blocks = [block for block, _ in hits]
+        blocks = [block for block, _, _ in hits]
         sid = self._next_id
         self._seqs[sid] = _Sequence(
             blocks=blocks, length=cached, row=self._table.acquire_row(blocks),
-            tokens=prompt[:cached], keys=[key for _, key in hits], root=root, salt=salt,
+            tokens=prompt[:cached], keys=[key for _, key, _ in hits],
+            digests=[digest for _, _, digest in hits], root=root, salt=salt,
             cached_tokens=cached,
         )  # fmt: skip
         self._next_id += 1
@@ -309,6 +310,7 @@ class PagedCache:
             row=row,
             tokens=None if parent.tokens is None else list(parent.tokens),
             keys=list(parent.keys),
+            digests=list(parent.digests),
             cached_tokens=0,
         )
         self._next_id += 1
@@ -555,12 +557,25 @@ class PagedCache:
         bs = self.spec.block_size
         for j in range(start, seq.length // bs):
             parent = seq.keys[j - 1] if j else seq.root
+            parent_digest = seq.digests[j - 1] if j else seq.root
             chunk = seq.tokens[j * bs : (j + 1) * bs]
             if j == len(seq.keys):
-                seq.keys.append(self._hasher(parent, chunk))
-            parent_block = seq.blocks[j - 1] if j else None
-            content = block_content(parent, parent_block, chunk, seq.salt)
+                key, digest = self._chain(parent, parent_digest, chunk)
+                seq.keys.append(key)
+                seq.digests.append(digest)
+            content = block_content(parent_digest, chunk, seq.salt)
             self._pool.register(seq.blocks[j], seq.keys[j], content)
+
+    def _chain(self, parent: bytes, parent_digest: bytes, chunk: list[int]) -> tuple[bytes, bytes]:
+        """The next block's lookup key (``block_hasher``) and verification digest (BLAKE2b).
+
+        The digest chain always uses BLAKE2b, whatever ``block_hasher`` is, so that a hit is
+        verified against the whole token prefix even when the lookup keys collide.
+        """
+        key = self._hasher(parent, chunk)
+        if self._hasher is blake2b_block_hash:
+            return key, key  # the same function: one hash serves both
+        return key, blake2b_block_hash(parent_digest, chunk)
 
     def _resident(self, sid: int) -> _Sequence:
         seq = self._get(sid)
@@ -650,7 +665,8 @@ class PagedCache:
         )
         full = seq.length // self.spec.block_size
         require(
-            len(seq.keys) == full, f"sequence {sid} has {full} full blocks, {len(seq.keys)} keys"
+            len(seq.keys) == len(seq.digests) == full,
+            f"sequence {sid} has {full} full blocks, {len(seq.keys)} keys, {len(seq.digests)} digests",
         )
         for j, block in enumerate(seq.blocks[:full]):
             key = self._pool.cached_key(block)

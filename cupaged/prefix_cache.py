@@ -8,9 +8,9 @@ token ids, so equal keys mean an equal prefix up to and including the block::
     key_1 = hasher(key_0, tokens[bs : 2 bs])  ...
 
 The default hasher is BLAKE2b (128-bit digest), never Python's ``hash()``: a collision would hand
-one request another's K/V. As a second line of defence every hit is verified against the parent
-key, the parent's physical block, the token ids and the salt stored with the block, so a hit
-chain is a chain of verified blocks. A per-request ``cache_salt`` starts a separate chain,
+one request another's K/V. As a second line of defence every hit is verified against the content
+stored with the block: the BLAKE2b digest of the whole token prefix before it (a chain that does
+not depend on the injectable ``block_hasher``), its own token ids, and the salt. A per-request ``cache_salt`` starts a separate chain,
 so tenants who must not share K/V never do.
 """
 
@@ -40,16 +40,15 @@ def salt_root(salt: bytes | None) -> bytes:
     return hashlib.blake2b(b"cupaged-salt" + salt, digest_size=16).digest()
 
 
-def block_content(
-    parent: bytes, parent_block: int | None, tokens: Sequence[int], salt: bytes | None
-) -> tuple:
-    """What a hit is verified against: the parent's key *and* physical block, token ids, salt.
+def block_content(parent_digest: bytes, tokens: Sequence[int], salt: bytes | None) -> tuple:
+    """What a hit is verified against: the BLAKE2b digest of the whole token prefix before the
+    block (a chain like the keys, but always BLAKE2b), the block's token ids, and the salt.
 
-    The parent's block matters: under a hash collision one block up, a block computed after a
-    different prefix can sit under the same key with the same tokens; only the physical parent
-    (verified itself, one step earlier in the lookup) tells them apart.
+    Verifying against the prefix's digest rather than the parent's key or physical block means a
+    collision of ``block_hasher`` anywhere up the chain is caught, and a block id reused for other
+    content cannot pass for the old one.
     """
-    return (parent, parent_block, tuple(tokens), salt)
+    return (parent_digest, tuple(tokens), salt)
 
 
 @dataclass(slots=True)

@@ -740,7 +740,7 @@ def order_blind_hasher(parent: bytes, tokens: Sequence[int]) -> bytes:
     return blake2b_block_hash(parent, sorted(tokens))
 
 
-def colliding_cache() -> PagedCache:
+def prefix_cache(block_hasher: Callable[[bytes, Sequence[int]], bytes] | None = None) -> PagedCache:
     return PagedCache(
         num_blocks=NUM_BLOCKS,
         block_size=BLOCK_SIZE,
@@ -750,8 +750,12 @@ def colliding_cache() -> PagedCache:
         dtype="float32",
         device="cpu",
         enable_prefix_caching=True,
-        block_hasher=order_blind_hasher,
+        block_hasher=block_hasher,
     )
+
+
+def colliding_cache() -> PagedCache:
+    return prefix_cache(order_blind_hasher)
 
 
 def add_and_fill(cache: PagedCache, prompt: list[int]) -> int:
@@ -788,13 +792,67 @@ def test_collision_in_the_parent_block_is_not_a_hit() -> None:
     """Under a colliding hasher, every hit must still be a block of the same token prefix.
 
     X and Y collide. Y's block is cached first, so X's (same key) is left unregistered, but the
-    block after X, (X, C), is registered under ``hasher(key(Y) == key(X), C)`` with the content
-    ``(key(X), C, salt)``. A prompt ``Y + C + ...`` then hits Y's block (verified) and, as its
-    second block, the block of ``X + C``, whose stored content matches too.
+    block after X, (X, C), is registered under ``hasher(key(Y) == key(X), C)``. A prompt
+    ``Y + C + ...`` hits Y's block, then finds the block of ``X + C`` under its second key: only
+    the parent's block (X's, not Y's) tells the two apart.
     """
     cache = colliding_cache()
     add_and_fill(cache, Y + [2])
     add_and_fill(cache, X + C + [1])
+    sid = cache.add_sequence(tokens=Y + C + [1])
+    n = cache.num_cached_tokens(sid)
+    k, v = cache.gather_kv(sid)
+    want_k, want_v = prefix_kv(None, (Y + C)[:n])
+    assert_same_bits(k, want_k, f"K of the {n} cached tokens")  # was n == 8 with K of X + C
+    assert_same_bits(v, want_v, f"V of the {n} cached tokens")
+
+
+def test_swapped_in_block_after_a_kept_head_is_still_a_hit() -> None:
+    """No collision here: a prompt whose two full blocks are both cached must hit both.
+
+    A holds P's two full blocks, registered. Swapped out, they become evictable tail first; the
+    swap-in takes two free blocks and evicts the tail, so P's head block stays cached under its
+    key while A's fresh copy of it stays unregistered, and A's fresh second block is registered
+    under the second key with that unregistered copy as its parent. A prompt ``P[:8] + ...``
+    then finds the head and, under the second key, a block whose parent is not the head.
+    """
+    cache = prefix_cache()
+    p = [0, 1, 2, 0, 1, 2, 0, 1, 2]
+    a = add_and_fill(cache, p)
+    add_and_fill(cache, [2] * 24)  # 6 full blocks: 1 block left free
+    head, tail, _ = cache.block_table(a)
+    cache.swap_out(a)
+    assert cache._pool.evictable_blocks() == [tail, head]
+    cache.swap_in(a)  # the partial block, the free one, then the tail, evicted
+    assert cache._pool.evictable_blocks() == [head]
+    cache.check_invariants()
+    sid = cache.add_sequence(tokens=p[:8] + [0])
+    assert cache.num_cached_tokens(sid) == 8  # was 4: only the head was found
+    assert cache.block_table(sid) == [head, cache.block_table(a)[1]]
+    k, v = cache.gather_kv(sid)
+    want_k, want_v = prefix_kv(None, p[:8])
+    assert_same_bits(k, want_k, "K")
+    assert_same_bits(v, want_v, "V")
+
+
+def test_reused_parent_block_id_is_not_a_hit() -> None:
+    """Under a colliding hasher: the parent block id of a registered block may be reused.
+
+    s's copy W of X's block is unregistered (s0 registered X first), and s's block (X, C) is
+    registered with W as its parent. Once both are freed, W is the top of the free stack: the next
+    sequence, Y + ..., takes W for Y's block and, evicting X's block, registers W under X's (and
+    Y's) key. ``Y + C + ...`` then hits W, and under the second key the block (X, C), whose parent
+    is W again.
+    """
+    cache = colliding_cache()
+    s0 = cache.add_sequence(tokens=X[:2])
+    cache.append(s0, *prefix_kv(None, X[:2]), tokens=X[:2])
+    s = cache.fork(s0)
+    cache.append(s0, *prefix_kv(None, X + [1], 2), tokens=X[2:] + [1])  # copies, registers X
+    cache.append(s, *prefix_kv(None, X + C + [1], 2), tokens=X[2:] + C + [1])
+    cache.free(s0)
+    cache.free(s)
+    add_and_fill(cache, Y + [0] * 29)  # 9 blocks: W first, X's block evicted last
     sid = cache.add_sequence(tokens=Y + C + [1])
     n = cache.num_cached_tokens(sid)
     k, v = cache.gather_kv(sid)
