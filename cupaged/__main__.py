@@ -15,6 +15,7 @@ import numpy as np
 
 from . import PagedCache
 from ._backend import device_module, resolve_device
+from .demo import DemoConfig
 from .errors import CupagedError
 from .memory import CacheSpec
 
@@ -105,7 +106,7 @@ def demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from .demo import DemoConfig, make_requests, run_demo, write_json, write_plot
+    from .demo import make_requests, run_demo, write_json, write_plot
     from .demo.model import ModelConfig
 
     options = {name: getattr(args, name) for name in DemoConfig.__dataclass_fields__}
@@ -190,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="cupaged", description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command")
     run = commands.add_parser("demo", help="serve requests through a tiny model; report the memory")
-    defaults = DemoDefaults()
+    defaults = DemoConfig()
     run.add_argument("--requests", type=int, default=defaults.requests, help="number of requests")
     run.add_argument(
         "--prompt-len",
@@ -259,12 +260,6 @@ def main(argv: list[str] | None = None) -> int:
     memory_math(spec, args.max_len, lengths, budget=40 * GiB)
     trace(device)
     return 0
-
-
-def DemoDefaults():  # noqa: N802  (the dataclass's defaults, without importing the demo eagerly)
-    from .demo import DemoConfig
-
-    return DemoConfig()
 
 
 if __name__ == "__main__":

@@ -156,17 +156,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.cache = PagedCache(
-            num_blocks=NUM_BLOCKS,
-            block_size=BLOCK_SIZE,
-            num_layers=NUM_LAYERS,
-            num_kv_heads=NUM_KV_HEADS,
-            head_dim=HEAD_DIM,
-            dtype="float32",
-            device="cpu",
-            enable_prefix_caching=True,
-            block_hasher=type(self).block_hasher,
-        )
+        self.cache = prefix_cache(type(self).block_hasher)
         self.seqs: dict[int, Seq] = {}  # live sequences, oldest first
         self.tables: dict[int, list[int]] = {}  # resident sequences' block tables
         self.freed: set[int] = set()
