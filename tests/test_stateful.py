@@ -465,12 +465,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.seen_refs = refs
 
     def teardown(self) -> None:
-        # The cache's own list: after a failed step the model may be a step behind.
-        for sid in self.cache.sequence_ids:
-            self.cache.free(sid)
-        self.cache.check_invariants()
-        assert self.cache.num_free_blocks == NUM_BLOCKS
-        assert self.cache.sequence_ids == []
+        free_everything(self.cache, NUM_BLOCKS)
 
 
 class Float16CacheMachine(CacheMachine):
@@ -487,3 +482,13 @@ TestCacheBfloat16 = Bfloat16CacheMachine.TestCase
 TestCacheFloat32.settings = SETTINGS
 TestCacheFloat16.settings = OTHER_DTYPE_SETTINGS
 TestCacheBfloat16.settings = OTHER_DTYPE_SETTINGS
+
+
+def free_everything(cache: PagedCache, num_blocks: int) -> None:
+    """Free every sequence the cache knows (after a failed step the model may be a step behind);
+    every block must come back."""
+    for sid in cache.sequence_ids:
+        cache.free(sid)
+    cache.check_invariants()
+    assert cache.num_free_blocks == num_blocks
+    assert cache.sequence_ids == []

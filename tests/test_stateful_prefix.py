@@ -40,7 +40,7 @@ from hypothesis.stateful import (
     precondition,
     rule,
 )
-from test_stateful import assert_same_bits, bits, ceil_div
+from test_stateful import assert_same_bits, bits, ceil_div, free_everything
 
 import cupaged
 from cupaged import CupagedError, OutOfBlocksError, PagedCache
@@ -702,12 +702,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         assert cache.prefix_cache_stats == self.stats, f"{cache.prefix_cache_stats} vs {self.stats}"
 
     def teardown(self) -> None:
-        # The cache's own list: after a failed step the model may be a step behind.
-        for sid in self.cache.sequence_ids:
-            self.cache.free(sid)
-        self.cache.check_invariants()
-        assert self.cache.num_free_blocks == NUM_BLOCKS
-        assert self.cache.sequence_ids == []
+        free_everything(self.cache, NUM_BLOCKS)
 
 
 class SaltBlindPrefixCacheMachine(PrefixCacheMachine):
@@ -748,6 +743,16 @@ def colliding_cache() -> PagedCache:
     return prefix_cache(order_blind_hasher)
 
 
+def assert_hit_holds_its_own_prefix(cache: PagedCache, prompt: list[int]) -> None:
+    """Add ``prompt``; whatever it finds cached must be the K/V of its own token prefix."""
+    sid = cache.add_sequence(tokens=prompt)
+    n = cache.num_cached_tokens(sid)
+    k, v = cache.gather_kv(sid)
+    want_k, want_v = prefix_kv(None, prompt[:n])
+    assert_same_bits(k, want_k, f"K of the {n} cached tokens")
+    assert_same_bits(v, want_v, f"V of the {n} cached tokens")
+
+
 def add_and_fill(cache: PagedCache, prompt: list[int]) -> int:
     """Add a prompt and append its uncached rest; returns the sequence id."""
     sid = cache.add_sequence(tokens=prompt)
@@ -784,17 +789,12 @@ def test_collision_in_the_parent_block_is_not_a_hit() -> None:
     X and Y collide. Y's block is cached first, so X's (same key) is left unregistered, but the
     block after X, (X, C), is registered under ``hasher(key(Y) == key(X), C)``. A prompt
     ``Y + C + ...`` hits Y's block, then finds the block of ``X + C`` under its second key: only
-    the parent's block (X's, not Y's) tells the two apart.
+    the digest of the whole token prefix tells the two apart.
     """
     cache = colliding_cache()
     add_and_fill(cache, Y + [2])
     add_and_fill(cache, X + C + [1])
-    sid = cache.add_sequence(tokens=Y + C + [1])
-    n = cache.num_cached_tokens(sid)
-    k, v = cache.gather_kv(sid)
-    want_k, want_v = prefix_kv(None, (Y + C)[:n])
-    assert_same_bits(k, want_k, f"K of the {n} cached tokens")  # was n == 8 with K of X + C
-    assert_same_bits(v, want_v, f"V of the {n} cached tokens")
+    assert_hit_holds_its_own_prefix(cache, Y + C + [1])  # was 8 tokens with the K/V of X + C
 
 
 def test_swapped_in_block_after_a_kept_head_is_still_a_hit() -> None:
@@ -843,9 +843,4 @@ def test_reused_parent_block_id_is_not_a_hit() -> None:
     cache.free(s0)
     cache.free(s)
     add_and_fill(cache, Y + [0] * 29)  # 9 blocks: W first, X's block evicted last
-    sid = cache.add_sequence(tokens=Y + C + [1])
-    n = cache.num_cached_tokens(sid)
-    k, v = cache.gather_kv(sid)
-    want_k, want_v = prefix_kv(None, (Y + C)[:n])
-    assert_same_bits(k, want_k, f"K of the {n} cached tokens")  # was n == 8 with K of X + C
-    assert_same_bits(v, want_v, f"V of the {n} cached tokens")
+    assert_hit_holds_its_own_prefix(cache, Y + C + [1])  # was 8 tokens with the K/V of X + C
