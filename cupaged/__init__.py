@@ -6,14 +6,18 @@ Public names::
     write_kv, copy_blocks, paged_attention                  fused kernels on raw cache arrays
     to_csr, from_csr                                        dense <-> CSR page tables
     reference_attention                                     the naive oracle attention
+    to_float, from_float                                    bfloat16 bits (uint16) <-> float arrays
+    resolve_device, device_module, to_numpy                 which device, its array module, to host
     PrefixCacheStats                                        prefix-caching counters
     CupagedError, OutOfBlocksError, KernelError             errors
 """
 
 from __future__ import annotations
 
+from ._backend import device_module, resolve_device, to_numpy
 from .block_pool import BlockPool
 from .cache import PagedCache
+from .dtypes import from_float, to_float
 from .errors import CupagedError, KernelError, OutOfBlocksError
 from .memory import CacheSpec
 from .ops import copy_blocks, paged_attention, write_kv
@@ -32,9 +36,14 @@ __all__ = [
     "PagedCache",
     "PrefixCacheStats",
     "copy_blocks",
+    "device_module",
     "from_csr",
+    "from_float",
     "paged_attention",
     "reference_attention",
+    "resolve_device",
     "to_csr",
+    "to_float",
+    "to_numpy",
     "write_kv",
 ]

@@ -77,11 +77,22 @@ def resolve_device(device: str | None) -> str:
 
 
 def device_module(device: str) -> ModuleType:
-    """Array module of a resolved device: ``cupy`` for ``"cuda"``, ``numpy`` for ``"cpu"``."""
+    """Array module of a device: ``cupy`` for ``"cuda"``, ``numpy`` for ``"cpu"``.
+
+    ``xp = cupaged.device_module(cupaged.resolve_device(None))`` is the module to make arrays for a
+    cache built with ``device=None``.
+
+    Raises:
+        ValueError: ``device`` is neither ``"cuda"`` nor ``"cpu"``.
+        CupagedError: ``"cuda"`` without CuPy installed.
+    """
     if device == "cuda":
         cupy = cupy_module()
-        assert cupy is not None, "device 'cuda' was resolved without CuPy"
+        if cupy is None:
+            raise CupagedError("device 'cuda' needs CuPy, which is not installed")
         return cupy
+    if device != "cpu":
+        raise ValueError(f"expected device 'cuda' or 'cpu', got {device!r}")
     return np
 
 
@@ -115,7 +126,10 @@ def array_device(x: Any) -> str:
 
 
 def to_numpy(x: Any) -> np.ndarray:
-    """A NumPy copy (CuPy arrays) or view (NumPy arrays) of ``x``, in host memory."""
+    """A NumPy copy (CuPy arrays) or view (NumPy arrays) of ``x``, in host memory.
+
+    Works on both devices, where ``cupy.asnumpy`` needs CuPy installed.
+    """
     return x.get() if is_cupy_array(x) else np.asarray(x)
 
 

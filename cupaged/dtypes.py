@@ -80,10 +80,28 @@ def as_storage(x: Any) -> Any:
 
 
 def to_float(x: Any, dtype: Any = np.float32) -> Any:
-    """Convert an array of any cache element type to float32 or float64, exactly.
+    """Widen an array of any cache element type to float32 (or float64), exactly.
 
-    bfloat16 is the upper half of a float32, so widening it is a shift of its bit pattern; that works
-    unchanged on NumPy and CuPy arrays.
+    The way back from a bfloat16 cache or kernel output: ``uint16`` (or ``int16``) bit patterns and
+    ``ml_dtypes.bfloat16`` arrays become the float32 values they hold. bfloat16 is the upper half
+    of a float32, so widening it is a shift of its bit pattern; that works unchanged on NumPy and
+    CuPy arrays (CuPy has no bfloat16 dtype).
+
+    >>> import numpy as np, cupaged
+    >>> bits = cupaged.from_float(np.array([1.0, -2.5, 3.14159], np.float32), "bfloat16")
+    >>> bits.dtype, cupaged.to_float(bits).tolist()
+    (dtype('uint16'), [1.0, -2.5, 3.140625])
+
+    Args:
+        x: float32, float16, or bfloat16 (``uint16``/``int16`` bits or ``ml_dtypes.bfloat16``)
+            array of any shape, NumPy or CuPy.
+        dtype: ``numpy.float32`` (the default) or ``numpy.float64``.
+
+    Returns:
+        An array of ``x``'s shape in ``dtype``, on ``x``'s device (``x`` itself when nothing changes).
+
+    Raises:
+        TypeError: ``x`` holds none of float32, float16 or bfloat16 patterns.
     """
     if array_dtype_name(x) == "bfloat16":
         bits = as_storage(x).astype(np.uint32) << np.uint32(16)
@@ -105,14 +123,27 @@ def float32_to_bfloat16_bits(x: Any) -> Any:
     return array_module(x).where(is_nan, quiet_nan, rounded).astype(np.uint16)
 
 
-def from_float(x: Any, name: str, like: Any = None) -> Any:
-    """Convert a float array to element type ``name`` in its storage dtype.
+def from_float(x: Any, name: Any, like: Any = None) -> Any:
+    """Round a float array to a cache element type, in the dtype that stores it.
+
+    The way into a bfloat16 cache from float32 activations: ``name="bfloat16"`` rounds to nearest
+    (ties to even, as ``ml_dtypes`` and CUDA's ``__float2bfloat16`` do) and returns the ``uint16``
+    bit patterns that a bfloat16 cache holds, on NumPy and CuPy alike; see :func:`to_float` for an
+    example of the round trip.
 
     Args:
-        x: float32 or float64 array (NumPy or CuPy).
-        name: target element type.
+        x: float32 or float64 array of any shape (NumPy or CuPy).
+        name: target element type: ``"float32"``, ``"float16"`` or ``"bfloat16"`` (or a dtype
+            naming one of them, ``ml_dtypes.bfloat16`` included).
         like: optional array whose bfloat16 carrier dtype (``uint16``, ``int16`` or
-            ``ml_dtypes.bfloat16``) the result should be viewed as.
+            ``ml_dtypes.bfloat16``) the result is viewed as.
+
+    Returns:
+        An array of ``x``'s shape: float32, float16, or for bfloat16 ``uint16`` bits (``like``'s
+        carrier dtype when given), on ``x``'s device.
+
+    Raises:
+        TypeError: ``name`` is not one of float32, float16, bfloat16.
     """
     name = dtype_name(name)
     if name != "bfloat16":

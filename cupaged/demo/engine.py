@@ -23,8 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import OutOfBlocksError, PagedCache
-from .._backend import to_numpy
+from .. import OutOfBlocksError, PagedCache, to_numpy
 from .model import TinyDecoder
 from .report import StepRecord
 
@@ -59,7 +58,8 @@ class EngineResult:
     outputs: dict[tuple[int, int], list[int]]  # (request id, sample) -> generated tokens
     steps: list[StepRecord]
     wall_seconds: float
-    preemptions: int = 0
+    preemptions: int = 0  # sequences swapped out to host memory
+    swap_ins: int = 0  # sequences swapped back in
     fork_shared_blocks: int = 0
     checks: list[tuple[int, float, bool]] = field(default_factory=list)  # (sid, max error, ok)
 
@@ -106,7 +106,7 @@ class Engine:
         while pending or waiting or running or swapped:
             while pending and pending[0].arrival_step <= step:
                 waiting.append(pending.popleft())
-            self._swap_in(swapped, running)
+            result.swap_ins += self._swap_in(swapped, running)
             if not swapped:
                 self._admit(waiting, running, step, result)
             if running:
@@ -122,17 +122,21 @@ class Engine:
 
     # ------------------------------------------------------------------------------ phases
 
-    def _swap_in(self, swapped: deque[_Running], running: list[_Running]) -> None:
+    def _swap_in(self, swapped: deque[_Running], running: list[_Running]) -> int:
+        """Bring swapped-out sequences back while they fit; returns how many came back."""
         cache = self.cache
+        count = 0
         while swapped and len(running) < self.max_batch:
             seq = swapped[0]
             if (
                 cache.spec.blocks_for(cache.seq_len(seq.sid)) + len(running) + 1
                 > cache.num_free_blocks
             ):
-                return
+                break
             cache.swap_in(seq.sid)
             running.append(swapped.popleft())
+            count += 1
+        return count
 
     def _admit(
         self, waiting: deque[Request], running: list[_Running], step: int, result: EngineResult

@@ -24,9 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import PagedCache, paged_attention, write_kv
-from .._backend import to_numpy
-from ..dtypes import from_float, to_float
+from .. import PagedCache, from_float, paged_attention, to_float, to_numpy, write_kv
 
 
 @dataclass(frozen=True, slots=True)
