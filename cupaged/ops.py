@@ -208,7 +208,7 @@ def paged_attention(
         if _address(x) % 16:
             raise ValueError(f"expected {name} 16-byte aligned, got address {_address(x):#x}")
     if out is None:
-        out = xp.empty(q.shape, as_storage(q).dtype)
+        out = xp.empty(q.shape, q.dtype)  # q's dtype object: bfloat16 in, bfloat16 out
     else:
         array_module(q, out)
         check_shape(
