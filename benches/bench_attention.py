@@ -13,16 +13,12 @@ import pytest
 from bandwidth import decode_attention_bytes, gb_per_s, kv_write_bytes, synchronized
 
 import cupaged
-from cupaged.dtypes import from_float, to_float
+from cupaged import from_float, to_float
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 8, 2, 128
-
-
-def shapes(on_gpu: bool) -> list[tuple[int, int]]:
-    """(batch, context) pairs."""
-    if on_gpu:
-        return [(1, 4096), (16, 4096), (64, 4096), (1, 32768)]
-    return [(1, 512), (8, 256)]
+ON_GPU = cupaged.resolve_device(None) == "cuda"
+# (batch, context) pairs: small on the CPU backend, past the L2 cache on a GPU.
+SHAPES = [(1, 4096), (16, 4096), (64, 4096), (1, 32768)] if ON_GPU else [(1, 512), (8, 256)]
 
 
 def make_problem(xp, batch, context, block_size, dtype, seed=0):
@@ -62,13 +58,9 @@ def record(benchmark, xp, nbytes, **info):
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("block_size", [1, 16, 128])
+@pytest.mark.parametrize("batch, context", SHAPES)
 @pytest.mark.parametrize("impl", ["fused", "reference", "contiguous"])
-@pytest.mark.parametrize("case", range(4))
-def test_decode(benchmark, xp, on_gpu, case, impl, block_size, dtype):
-    cases = shapes(on_gpu)
-    if case >= len(cases):
-        pytest.skip("fewer shapes on this device")
-    batch, context = cases[case]
+def test_decode(benchmark, xp, on_gpu, impl, batch, context, block_size, dtype):
     if impl == "reference" and on_gpu and batch * context > 16 * 4096:
         pytest.skip("the reference loops over sequences in Python: too slow at this size")
     q, k_cache, v_cache, tables, lens = make_problem(xp, batch, context, block_size, dtype)

@@ -1,0 +1,52 @@
+"""`pytest --benchmark-only` from the root runs benches/, a bare `pytest` runs tests/ only, and the
+benchmark table names every axis and keeps to a readable set of columns."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def pytest_at_root(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)  # fmt: skip
+
+
+def collected(result: subprocess.CompletedProcess) -> list[str]:
+    return [line for line in result.stdout.splitlines() if "::" in line]
+
+
+def test_benchmark_only_from_the_root_collects_the_benchmarks_and_nothing_else():
+    result = pytest_at_root("--benchmark-only", "--collect-only", "-q")
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    ids = collected(result)
+    assert ids, result.stdout[-2000:]
+    outside = [i for i in ids if not i.startswith("benches/")]
+    assert not outside, f"expected only benches/, got {outside[:5]}"
+    assert any(i.startswith("benches/bench_attention.py::test_decode[") for i in ids)
+    for node in ids:
+        params = re.search(r"\[(.*)\]$", node)
+        if params:  # every axis named: impl=fused-batch=1-..., not fused-1-...
+            for part in re.split(r"-(?=[A-Za-z_]+=)", params.group(1)):
+                assert re.fullmatch(r"[A-Za-z_]\w*=.+", part), f"unnamed axis in {node}"
+
+
+def test_a_bare_pytest_collects_the_tests_only():
+    result = pytest_at_root("--collect-only", "-q")
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    ids = collected(result)
+    assert any(i.startswith("tests/") for i in ids)
+    assert not [i for i in ids if i.startswith("benches/")]
+
+
+def test_the_default_table_shows_a_readable_set_of_columns():
+    result = pytest_at_root("benches/bench_memory.py", "--benchmark-only", "-q")
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    header = next(line for line in result.stdout.splitlines() if line.startswith("Name (time"))
+    assert header.split(")", 1)[1].split() == ["Median", "IQR", "Rounds"], header
+    widest = max(map(len, result.stdout.splitlines()))
+    assert widest <= 120, f"expected a table at most 120 characters wide, got {widest}"
