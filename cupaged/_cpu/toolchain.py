@@ -87,7 +87,8 @@ def cuda_include_dir() -> Path:
     """The folder with ``cuda_fp16.h`` and ``cuda_bf16.h`` that CPU builds compile against.
 
     Searched in order: ``$CUDA_PATH/include``; the toolkit of the ``nvcc`` on ``PATH`` (symlinks
-    resolved); ``/usr/local/cuda/include``; the ``nvidia-cuda-runtime-cu12`` wheel
+    resolved); ``$CUPAGED_CUDA_TOOLKIT/include``, by default ``/usr/local/cuda/include`` (an
+    empty ``CUPAGED_CUDA_TOOLKIT`` folder hides the system toolkit); the ``nvidia-cuda-runtime-cu12`` wheel
     (``nvidia/cuda_runtime/include``); the CUDA 13 runtime wheel (``nvidia/cu13/include``).
     The wheels lack the compiler-internal ``crt/`` and ``nv/`` headers; the shim brings host-only
     stand-ins for those.
@@ -102,7 +103,7 @@ def cuda_include_dir() -> Path:
     nvcc = shutil.which("nvcc")
     if nvcc:
         candidates.append(Path(nvcc).resolve().parent.parent / "include")
-    candidates.append(DEFAULT_TOOLKIT / "include")
+    candidates.append(Path(os.environ.get("CUPAGED_CUDA_TOOLKIT") or DEFAULT_TOOLKIT) / "include")
     candidates.extend(_wheel_include_dirs())
     for folder in candidates:
         if (folder / "cuda_fp16.h").is_file() and (folder / "cuda_bf16.h").is_file():
