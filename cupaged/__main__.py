@@ -1,23 +1,26 @@
-"""Command line: ``cupaged demo`` and ``cupaged example`` (or ``python -m cupaged ...``).
+"""Command line: ``cupaged demo``, ``cupaged example``, ``cupaged --version`` (or ``python -m cupaged``).
 
 ``demo`` serves a stream of requests through a tiny transformer with continuous batching and
 prints what paging saved. ``example`` prints the memory arithmetic of paging for a 32-layer GQA
 model, then traces a sequence through a small cache: allocation on demand, a fork,
 copy-on-write, and freeing.
+
+Errors: a bad option value exits with status 2, a setup problem (no GPU for ``--device cuda``,
+no compiler or CUDA headers for the CPU backend) with status 1; either prints one line.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any, NoReturn
 
 import numpy as np
+from rich.progress import ProgressColumn, Task
+from rich.text import Text
 
-from . import PagedCache
-from ._backend import device_module, resolve_device
+from . import CacheSpec, CupagedError, PagedCache, __version__, device_module, resolve_device
 from .demo import DemoConfig
-from .errors import CupagedError
-from .memory import CacheSpec
 
 MiB = 2**20
 GiB = 2**30
@@ -102,66 +105,103 @@ def trace(device: str) -> None:
     print(f"  all freed: {cache.num_free_blocks} of {cache.num_blocks} blocks free")
 
 
+class Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line (no usage block) and whose help shows every
+    option's default."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Appends ``(default: X)`` to an option's help unless the help already says its default."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "(default" in text or not action.option_strings or action.default is argparse.SUPPRESS:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+def setup_error(prog: str, error: Exception) -> int:
+    """A setup problem: one line on stderr, status 1."""
+    print(f"{prog}: error: {error}", file=sys.stderr)
+    return 1
+
+
+class TokensPerSecond(ProgressColumn):
+    """A rich progress column: tokens generated per second so far."""
+
+    def render(self, task: Task) -> Text:
+        elapsed = task.elapsed or 0.0
+        rate = task.completed / elapsed if elapsed > 0 else 0.0
+        return Text(f"{rate:,.0f} tokens/s", style="progress.data.speed")
+
+
 def demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from .demo import make_requests, run_demo, write_json, write_plot
-    from .demo.model import ModelConfig
+    from .demo import Demo, write_json, write_plot
 
     options = {name: getattr(args, name) for name in DemoConfig.__dataclass_fields__}
-    config = DemoConfig(**options)
     try:
-        config.validate()
-        resolve_device(config.device)
-    except (ValueError, CupagedError) as error:
+        config = DemoConfig(**options)
+        session = Demo(config)
+    except ValueError as error:
         parser.error(str(error))
+    except CupagedError as error:
+        return setup_error(parser.prog, error)
     console = Console()
-    total = sum(
-        r.max_new_tokens * r.num_samples for r in make_requests(config, ModelConfig().vocab_size)
-    )
     columns = (TextColumn("decoding"), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"),
-               TimeElapsedColumn())  # fmt: skip
+               TokensPerSecond(), TimeElapsedColumn())  # fmt: skip
     try:
         with Progress(*columns, console=console, transient=True) as progress:
-            task = progress.add_task("decode", total=total)
-            summary = run_demo(config, on_step=lambda done: progress.update(task, completed=done))
-    except (ValueError, CupagedError) as error:
+            task = progress.add_task("decode", total=session.total_tokens)
+            run = session.run(on_step=lambda done: progress.update(task, completed=done))
+    except ValueError as error:
         parser.error(str(error))
-    print_summary(console, summary)
+    except CupagedError as error:
+        return setup_error(parser.prog, error)
+    print_summary(console, run)
     if args.json:
-        write_json(args.json, {k: v for k, v in summary.items() if not k.startswith("_")},
-                   summary["_report"], summary["_steps"])  # fmt: skip
+        write_json(args.json, run.summary, run.report, run.steps)
         console.print(f"numbers written to {args.json}")
     if args.plot:
         try:
-            write_plot(args.plot, summary["_spec"], config.max_len, summary["_steps"])
+            write_plot(args.plot, run.spec, config.max_len, run.steps, config.num_blocks)
         except RuntimeError as error:
-            console.print(f"[red]{error}[/red]")
-            return 1
+            return setup_error(parser.prog, error)
         console.print(f"plot written to {args.plot}")
-    return 0 if summary["checks"]["passed"] else 1
+    return 0 if run.summary["checks"]["passed"] else 1
 
 
-def print_summary(console: object, summary: dict) -> None:
+def print_summary(console: Any, run: Any) -> None:
     from rich.table import Table
 
-    memory, spec = summary["memory"], summary["_spec"]
-    run = Table(title="cupaged demo", show_header=False)
-    run.add_row("backend", summary["backend"])
-    run.add_row("requests / sequences", f"{summary['requests']} / {summary['sequences']}")
-    run.add_row("tokens generated", f"{summary['tokens_generated']:,}")
-    run.add_row("steps", f"{summary['steps']:,}")
-    run.add_row("tokens/s", f"{summary['tokens_per_second']:,.1f} ({summary['seconds']:.1f} s)")
-    run.add_row("preemptions (swapped out)", str(summary["preemptions"]))
+    summary, spec = run.summary, run.spec
+    memory = summary["memory"]
+    table = Table(title="cupaged demo", show_header=False)
+    table.add_row("backend", summary["backend"])
+    table.add_row("requests / sequences", f"{summary['requests']} / {summary['sequences']}")
+    table.add_row("tokens generated", f"{summary['tokens_generated']:,}")
+    table.add_row("steps", f"{summary['steps']:,}")
+    table.add_row("tokens/s", f"{summary['tokens_per_second']:,.1f} ({summary['seconds']:.1f} s)")
+    if summary["preemptions"]:
+        swapping = (
+            f"{summary['preemptions']} swap-outs to host memory, {summary['swap_ins']} swap-ins"
+        )
+    else:
+        swapping = "none (the pool never ran short)"
+    table.add_row("preemptions", swapping)
     prefix = summary["prefix_cache"]
-    run.add_row("prefix cache", f"{prefix['hits']} hits, {prefix['misses']} misses "
-                f"({100 * prefix['hit_rate']:.0f} %), {prefix['evictions']} evictions")  # fmt: skip
+    table.add_row("prefix cache", f"{prefix['hits']} hits, {prefix['misses']} misses "
+                  f"({100 * prefix['hit_rate']:.0f} %), {prefix['evictions']} evictions")  # fmt: skip
     checks = summary["checks"]
     verdict = "equal" if checks["passed"] else "[red]DIFFERENT[/red]"
-    run.add_row("paged vs recomputed logits",
-                f"{verdict} for {checks['sequences']} sequences (max |diff| {checks['max_abs_error']:.2e})")  # fmt: skip
-    console.print(run)
+    table.add_row("paged vs recomputed logits",
+                  f"{verdict} for {checks['sequences']} sequences (max |diff| {checks['max_abs_error']:.2e})")  # fmt: skip
+    console.print(table)
 
     cfg = summary["config"]
     mem = Table(title=f"KV memory: block_size {cfg['block_size']}, {cfg['num_blocks']} blocks, "
@@ -187,62 +227,98 @@ def print_summary(console: object, summary: dict) -> None:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="cupaged", description=__doc__.split("\n")[0])
-    commands = parser.add_subparsers(dest="command")
-    run = commands.add_parser("demo", help="serve requests through a tiny model; report the memory")
-    defaults = DemoConfig()
-    run.add_argument("--requests", type=int, default=defaults.requests, help="number of requests")
-    run.add_argument(
+def build_parser() -> tuple[
+    argparse.ArgumentParser, argparse.ArgumentParser, argparse.ArgumentParser
+]:
+    """The parser of ``cupaged`` and those of its ``demo`` and ``example`` commands."""
+    parser = Parser(prog="cupaged", formatter_class=HelpFormatter,
+                    description="A paged KV cache and paged attention for CuPy: the serving demo "
+                    "and a worked example of the block arithmetic.")  # fmt: skip
+    parser.add_argument("--version", action="version", version=f"cupaged {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="{demo,example}", parser_class=Parser)
+    d = DemoConfig()
+    run = commands.add_parser(
+        "demo", help="serve requests through a tiny model; report the memory",
+        description="Serve a seeded stream of requests through a tiny transformer with the paged "
+        "cache (continuous batching, prefix caching, forks, swapping), then report the memory "
+        "paging saved and check the paged logits against a recomputation.",
+        formatter_class=HelpFormatter,
+    )  # fmt: skip
+    add = run.add_argument
+    add("--requests", type=int, default=d.requests, help="number of requests")
+    add(
         "--prompt-len",
         type=int,
-        default=defaults.prompt_len,
-        help="median prompt length (lognormal)",
+        default=d.prompt_len,
+        help="median prompt length, tokens (lognormal)",
     )
-    run.add_argument(
-        "--new-tokens",
-        type=int,
-        default=defaults.new_tokens,
-        help="median tokens generated per sample",
-    )
-    run.add_argument(
+    add("--new-tokens", type=int, default=d.new_tokens, help="median tokens generated per sample")
+    add(
         "--max-len",
         type=int,
-        default=defaults.max_len,
-        help="model context; what contiguous reserves",
+        default=d.max_len,
+        help="model context, tokens: what a contiguous cache reserves per sequence",
     )
-    run.add_argument(
-        "--system-prompt", type=int, default=defaults.system_prompt, help="shared prompt tokens"
+    add(
+        "--system-prompt",
+        type=int,
+        default=d.system_prompt,
+        help="tokens of the system prompt that half the requests share",
     )
-    run.add_argument("--block-size", type=int, default=defaults.block_size)
-    run.add_argument("--num-blocks", type=int, default=defaults.num_blocks)
-    run.add_argument(
-        "--max-batch", type=int, default=defaults.max_batch, help="most sequences decoding at once"
+    add("--block-size", type=int, default=d.block_size, help="tokens per cache block")
+    add(
+        "--num-blocks",
+        type=int,
+        default=d.num_blocks,
+        help="blocks in the pool (the default is small enough to force swapping)",
     )
-    run.add_argument("--seed", type=int, default=defaults.seed)
-    run.add_argument("--temperature", type=float, default=defaults.temperature, help="0: greedy")
-    run.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=defaults.dtype)
-    run.add_argument(
-        "--device", choices=["cuda", "cpu"], default=None, help="default: cuda when usable"
+    add("--max-batch", type=int, default=d.max_batch, help="most sequences decoding at once")
+    add(
+        "--seed",
+        type=int,
+        default=d.seed,
+        help="seed of the weights, the workload and the sampling",
     )
-    run.add_argument("--weights", default=None, help=".npz written by TinyDecoder.save")
-    run.add_argument(
-        "--plot", default=None, metavar="FILE", help="PNG of memory over time (matplotlib)"
+    add("--temperature", type=float, default=d.temperature, help="sampling temperature; 0: greedy")
+    add(
+        "--dtype",
+        choices=["float32", "float16", "bfloat16"],
+        default=d.dtype,
+        help="element type of the KV cache",
     )
-    run.add_argument("--json", default=None, metavar="FILE", help="write every number as JSON")
-    example = commands.add_parser("example", help="memory math and a block-table trace")
-    example.add_argument(
+    add(
         "--device",
         choices=["cuda", "cpu"],
         default=None,
-        help="where the cache lives (default: cuda when usable, else cpu)",
+        help="where the model and cache live (default: cuda when usable, else cpu)",
     )
-    example.add_argument(
-        "--max-len",
-        type=int,
-        default=4096,
-        help="contiguous reservation per sequence, tokens (default 4096)",
+    add(
+        "--weights",
+        default=None,
+        metavar="FILE",
+        help=".npz written by TinyDecoder.save (default: seeded random weights)",
     )
+    add(
+        "--plot",
+        default=None,
+        metavar="FILE",
+        help="write a PNG of memory over time; needs matplotlib (default: no plot)",
+    )
+    add("--json", default=None, metavar="FILE", help="write every number as JSON (default: none written)")  # fmt: skip
+    example = commands.add_parser(
+        "example", help="memory math and a block-table trace", formatter_class=HelpFormatter,
+        description="The memory arithmetic of paging for a 32-layer GQA model, then a sequence "
+        "traced through a small cache: allocation on demand, a fork, copy-on-write, freeing.",
+    )  # fmt: skip
+    example.add_argument("--device", choices=["cuda", "cpu"], default=None,
+                         help="where the cache lives (default: cuda when usable, else cpu)")  # fmt: skip
+    example.add_argument("--max-len", type=int, default=4096,
+                         help="contiguous reservation per sequence, tokens")  # fmt: skip
+    return parser, run, example
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser, run, example = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
@@ -253,12 +329,13 @@ def main(argv: list[str] | None = None) -> int:
         example.error(f"--max-len: expected a positive number of tokens, got {args.max_len}")
     try:
         device = resolve_device(args.device)
+        spec = CacheSpec(num_layers=32, num_kv_heads=8, head_dim=128, dtype="float16",
+                         block_size=16)  # fmt: skip
+        lengths = sorted({1, 17, 200, 1000, args.max_len // 2, args.max_len})
+        memory_math(spec, args.max_len, lengths, budget=40 * GiB)
+        trace(device)
     except CupagedError as error:
-        example.error(str(error))
-    spec = CacheSpec(num_layers=32, num_kv_heads=8, head_dim=128, dtype="float16", block_size=16)
-    lengths = sorted({1, 17, 200, 1000, args.max_len // 2, args.max_len})
-    memory_math(spec, args.max_len, lengths, budget=40 * GiB)
-    trace(device)
+        return setup_error(example.prog, error)
     return 0
 
 

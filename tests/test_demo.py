@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
+from cupaged import CacheSpec, resolve_device
 from cupaged.demo import (
     DemoConfig,
     Engine,
@@ -17,9 +19,11 @@ from cupaged.demo import (
     Request,
     StepRecord,
     TinyDecoder,
+    memory_figure,
+    run_demo,
 )
 from cupaged.demo.engine import CHECK_AT
-from cupaged.memory import CacheSpec
+from cupaged.demo.report import plot_series
 
 
 @pytest.fixture(scope="module")
@@ -124,9 +128,17 @@ def test_weights_round_trip_through_npz(model, tmp_path):
         TinyDecoder.load(tmp_path / "broken.npz", np)
 
 
-def run_cli(*args):
+def run_cli(*args, env=None):
     return subprocess.run([sys.executable, "-m", "cupaged", "demo", *args], capture_output=True,
-                          text=True, timeout=300)  # fmt: skip
+                          text=True, timeout=300, env=env)  # fmt: skip
+
+
+def assert_one_line_error(result, status, message):
+    """The CLI's error contract: a status, one line on stderr, no usage block, no traceback."""
+    assert result.returncode == status, (result.returncode, result.stderr[-2000:])
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("cupaged demo: error: "), result.stderr
+    assert message in lines[0]
 
 
 @pytest.mark.parametrize(
@@ -134,17 +146,38 @@ def run_cli(*args):
     [
         (["--requests", "0"], "--requests: expected a positive number, got 0"),
         (["--prompt-len", "300"], "--prompt-len + --new-tokens: expected at most --max-len=256"),
-        (["--block-size", "300"], "--block-size: expected 1..256"),
         (["--num-blocks", "3"], "--num-blocks: expected room for one sequence"),
         (["--temperature", "-1"], "--temperature: expected >= 0"),
         (["--dtype", "int8"], "invalid choice: 'int8'"),
         (["--requests", "many"], "invalid int value: 'many'"),
     ],
 )
-def test_cli_bad_options_exit_non_zero_with_a_message(args, message):
-    result = run_cli(*args)
-    assert result.returncode == 2
-    assert message in result.stderr and "Traceback" not in result.stderr
+def test_cli_bad_options_exit_2_with_one_line(args, message):
+    assert_one_line_error(run_cli(*args), 2, message)
+
+
+def test_cli_a_block_size_no_kernel_takes_is_refused_by_the_library(tmp_path):
+    """No hand-written copy of the kernels' limits in the demo: the library says what it takes."""
+    result = run_cli("--block-size", "300", "--device", "cpu", "--requests", "2")
+    assert_one_line_error(result, 2, "block_size")
+    assert "256" in result.stderr  # the supported range, from the library's message
+
+
+@pytest.mark.skipif(resolve_device(None) == "cuda", reason="needs a machine without a GPU")
+def test_cli_a_missing_gpu_is_a_setup_error_exit_1():
+    result = run_cli("--device", "cuda")
+    assert_one_line_error(result, 1, "device='cuda' was requested but")
+
+
+def test_cli_help_gives_every_option_a_help_text_and_its_default():
+    result = run_cli("--help")
+    assert result.returncode == 0
+    options = result.stdout.split("options:", 1)[1]
+    entries = [e for e in options.split("\n  -") if e.strip()][1:]  # [0] is -h/--help
+    assert len(entries) == len(DemoConfig.__dataclass_fields__) + 2  # + --plot, --json
+    for entry in entries:
+        text = " ".join(entry.split())
+        assert "(default: " in text, f"expected a default in the help of -{text}"
 
 
 def test_cli_small_run_writes_json_and_plot(tmp_path):
@@ -153,11 +186,67 @@ def test_cli_small_run_writes_json_and_plot(tmp_path):
                      "--device", "cpu", "--json", str(report), "--plot", str(plot))  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
     assert "paged vs recomputed logits" in result.stdout and "equal for" in result.stdout
+    assert "none (the pool never ran short)" in result.stdout
     numbers = json.loads(report.read_text())
     assert numbers["summary"]["requests"] == 4 and numbers["summary"]["checks"]["passed"]
     assert numbers["memory"]["peak_blocks"] == max(s["blocks_in_use"] for s in numbers["steps"])
+    assert not [k for k in numbers["summary"] if k.startswith("_")]
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_default_config_is_valid():
-    DemoConfig().validate()
+def test_the_default_run_swaps_out_and_in_and_generates_what_an_unpreempted_run_does():
+    default = run_demo(DemoConfig(device="cpu"))
+    assert default.summary["preemptions"] >= 1 and default.summary["swap_ins"] >= 1
+    assert default.summary["swap_ins"] == default.summary["preemptions"]  # all came back
+    assert default.summary["checks"]["passed"]
+    roomy = run_demo(DemoConfig(device="cpu", num_blocks=200))
+    assert roomy.summary["preemptions"] == 0
+    assert default.outputs == roomy.outputs
+    assert sum(map(len, default.outputs.values())) == default.summary["tokens_generated"] > 0
+
+
+def test_cli_default_run_says_it_swapped():
+    result = run_cli("--device", "cpu")
+    assert result.returncode == 0, result.stderr[-2000:]
+    text = " ".join(result.stdout.split())
+    assert re.search(r"preemptions │ [1-9]\d* swap-outs to host memory, [1-9]\d* swap-ins", text)
+
+
+def test_options_are_checked_once_when_the_config_is_made():
+    DemoConfig()  # the defaults are valid
+    with pytest.raises(ValueError, match="--max-batch: expected a positive number, got 0"):
+        DemoConfig(max_batch=0)
+    assert not hasattr(DemoConfig, "validate")
+
+
+def steps_with_an_idle_end():
+    return [
+        StepRecord(0, running=0, swapped=0, tokens=0, blocks_in_use=0, filled_slots=0),
+        StepRecord(1, running=2, swapped=0, tokens=8, blocks_in_use=3, filled_slots=8),
+        StepRecord(2, running=1, swapped=1, tokens=5, blocks_in_use=2, filled_slots=5),
+        StepRecord(3, running=0, swapped=0, tokens=0, blocks_in_use=0, filled_slots=0),
+    ]
+
+
+def test_plot_leaves_waste_undefined_where_nothing_runs_and_draws_the_pool():
+    spec = CacheSpec(num_layers=1, num_kv_heads=1, head_dim=64, dtype="float16", block_size=4)
+    series = plot_series(spec, 20, steps_with_an_idle_end(), num_blocks=16)
+    for name in ("paged_waste", "contiguous_waste"):
+        assert np.isnan(series[name][0]) and np.isnan(series[name][3]), name
+    assert series["paged_waste"][1:3] == [100 * (1 - 8 / 12), 100 * (1 - 5 / 8)]
+    assert series["contiguous_waste"][1:3] == [100 * (1 - 8 / 40), 100 * (1 - 5 / 20)]
+    assert series["pool"] == 16 * spec.bytes_per_block / 2**20
+
+
+def test_plot_legends_stay_clear_of_the_curves_and_the_pool_is_a_horizontal_line():
+    pytest.importorskip("matplotlib")
+    spec = CacheSpec(num_layers=1, num_kv_heads=1, head_dim=64, dtype="float16", block_size=4)
+    fig = memory_figure(spec, 20, steps_with_an_idle_end(), num_blocks=16)
+    fig.canvas.draw()
+    for axes in fig.axes:
+        legend = axes.get_legend()
+        assert legend is not None
+        assert not legend.get_window_extent().overlaps(axes.get_window_extent())
+    top = fig.axes[0]
+    (pool,) = [line for line in top.get_lines() if line.get_label().startswith("pool")]
+    assert set(pool.get_ydata()) == {16 * spec.bytes_per_block / 2**20}

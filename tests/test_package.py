@@ -47,10 +47,33 @@ def test_public_names():
     assert issubclass(cupaged.OutOfBlocksError, MemoryError)
 
 
-def run_cli(*args):
+def run_cli(*args, env=None):
     return subprocess.run(
-        [sys.executable, "-m", "cupaged", *args], capture_output=True, text=True, timeout=120
-    )
+        [sys.executable, "-m", "cupaged", *args], capture_output=True, text=True, timeout=120,
+        env=env,
+    )  # fmt: skip
+
+
+def test_cli_version():
+    result = run_cli("--version")
+    assert result.returncode == 0 and result.stdout.strip() == f"cupaged {cupaged.__version__}"
+
+
+def test_cli_top_level_help_is_plain_text():
+    result = run_cli("--help")
+    assert result.returncode == 0
+    assert "``" not in result.stdout and "demo" in result.stdout and "--version" in result.stdout
+
+
+def test_cli_example_without_a_compiler_is_one_line_and_exit_1(tmp_path):
+    """A setup problem (here: no g++ on PATH, nothing built yet) is one line, no traceback."""
+    env = {"PATH": str(tmp_path), "HOME": str(tmp_path), "CUPAGED_CACHE_DIR": str(tmp_path)}
+    result = run_cli("example", "--device", "cpu", env=env)
+    assert result.returncode == 1, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("cupaged example: error: "), result.stderr
+    assert "g++" in lines[0]
+    assert "contiguous reservation @ 4096" in result.stdout  # what ran before the error
 
 
 def test_cli_example_prints_memory_math_and_trace():
@@ -75,6 +98,7 @@ def test_cli_bad_options_exit_non_zero_with_a_message(args, message):
     result = run_cli(*args)
     assert result.returncode == 2
     assert message in result.stderr and "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr  # no usage block
 
 
 def test_exactly_one_cupy_wheel_is_installed():

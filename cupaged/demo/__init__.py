@@ -6,19 +6,21 @@ model, :mod:`.engine` for the batching loop and :mod:`.report` for the numbers i
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
 
-from .._backend import device_module, resolve_device
-from ..memory import CacheSpec
+from .. import CacheSpec, PagedCache, device_module, resolve_device
 from .engine import Engine, EngineResult, Request
 from .model import ModelConfig, TinyDecoder
-from .report import MemoryReport, StepRecord, write_json, write_plot
+from .report import MemoryReport, StepRecord, memory_figure, write_json, write_plot
 
 __all__ = [
+    "Demo",
     "DemoConfig",
+    "DemoRun",
     "Engine",
     "MemoryReport",
     "ModelConfig",
@@ -26,6 +28,7 @@ __all__ = [
     "StepRecord",
     "TinyDecoder",
     "make_requests",
+    "memory_figure",
     "run_demo",
 ]
 
@@ -35,7 +38,16 @@ TOLERANCES = {"float32": (1e-5, 1e-5), "float16": (1e-3, 1e-3), "bfloat16": (1e-
 
 @dataclass(frozen=True, slots=True)
 class DemoConfig:
-    """Every knob of a demo run (the CLI's options)."""
+    """Every knob of a demo run (the CLI's options), checked once, when it is made.
+
+    The defaults give the pool (20 blocks of 16 tokens) too little room for the batch at its
+    busiest, so the run swaps sequences out to host memory and back in.
+
+    Raises:
+        ValueError: the first bad option, named as its CLI flag. Shapes the kernels do not take
+            (block size, dtype) are :class:`~cupaged.PagedCache`'s to refuse, when the demo
+            builds its cache.
+    """
 
     requests: int = 32
     prompt_len: int = 48  # median prompt length (lognormal), tokens
@@ -43,7 +55,7 @@ class DemoConfig:
     max_len: int = 256  # the model's context: what a contiguous server reserves per sequence
     system_prompt: int = 32  # tokens of the system prompt that half the requests share
     block_size: int = 16
-    num_blocks: int = 40
+    num_blocks: int = 20
     max_batch: int = 12
     seed: int = 0
     temperature: float = 0.8
@@ -51,8 +63,7 @@ class DemoConfig:
     device: str | None = None
     weights: str | None = None
 
-    def validate(self) -> None:
-        """Raise ``ValueError`` naming the first bad option."""
+    def __post_init__(self) -> None:
         positive = (
             "requests",
             "prompt_len",
@@ -76,16 +87,13 @@ class DemoConfig:
             )
         if self.temperature < 0:
             raise ValueError(f"--temperature: expected >= 0, got {self.temperature}")
-        if self.dtype not in TOLERANCES:
+        if self.dtype not in TOLERANCES:  # the logits check needs a tolerance for it
             raise ValueError(f"--dtype: expected one of {tuple(TOLERANCES)}, got {self.dtype}")
-        if not 1 <= self.block_size <= 256:
-            raise ValueError(
-                f"--block-size: expected 1..256 (what the kernels take), got {self.block_size}"
-            )
-        if self.num_blocks * self.block_size < self.max_len + 2 * self.block_size:
+        spec = CacheSpec(1, 1, 64, self.dtype, self.block_size)
+        if self.num_blocks < spec.blocks_for(self.max_len) + 2:
             raise ValueError(
                 f"--num-blocks: expected room for one sequence of --max-len={self.max_len} tokens "
-                f"plus two blocks, at least {-(-self.max_len // self.block_size) + 2}, got {self.num_blocks}"
+                f"plus two blocks, at least {spec.blocks_for(self.max_len) + 2}, got {self.num_blocks}"
             )
 
 
@@ -113,35 +121,86 @@ def make_requests(config: DemoConfig, vocab_size: int) -> list[Request]:
     return requests
 
 
-def run_demo(config: DemoConfig, on_step: Any = None) -> dict[str, Any]:
-    """Serve the workload; returns every number of the run (what the CLI prints and saves)."""
-    config.validate()
-    device = resolve_device(config.device)
-    xp = device_module(device)
-    if config.weights:
-        model = TinyDecoder.load(config.weights, xp, dtype=config.dtype)
-    else:
-        model = TinyDecoder(ModelConfig(), xp, seed=config.seed, dtype=config.dtype)
-    cache = model.make_cache(config.num_blocks, config.block_size, device, prefix_caching=True)
-    requests = make_requests(config, model.config.vocab_size)
-    engine = Engine(model, cache, max_batch=config.max_batch, temperature=config.temperature,
-                    seed=config.seed, check_every=3, tolerance=TOLERANCES[config.dtype])  # fmt: skip
-    result = engine.run(requests, on_step=on_step)
-    cache.check_invariants()
-    if cache.num_blocks - cache.num_free_blocks != 0:
-        raise AssertionError("blocks leaked: every sequence finished but blocks are still in use")
-    return summarize(config, cache.spec, device, requests, result, cache.prefix_cache_stats)
+@dataclass(frozen=True, slots=True)
+class DemoRun:
+    """What a demo run produced.
+
+    Attributes:
+        summary: every number of the run, JSON-ready (what the CLI prints and ``--json`` saves).
+        report: the memory report (also in ``summary["memory"]``).
+        steps: the cache's state after each engine step.
+        spec: the cache's shape and byte arithmetic.
+        outputs: the generated tokens of every sample, by ``(request id, sample)``.
+    """
+
+    summary: dict[str, Any]
+    report: MemoryReport
+    steps: list[StepRecord]
+    spec: CacheSpec
+    outputs: dict[tuple[int, int], list[int]]
+
+
+class Demo:
+    """A demo run, set up: device, model, cache and workload. Setting up raises what would stop
+    the run (a bad option, a device that is not there) before anything is served.
+
+    Args:
+        config: the run's options.
+
+    Raises:
+        ValueError: a shape the cache refuses.
+        CupagedError: ``device="cuda"`` without a usable GPU.
+    """
+
+    def __init__(self, config: DemoConfig) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        xp = device_module(self.device)
+        if config.weights:
+            self.model = TinyDecoder.load(config.weights, xp, dtype=config.dtype)
+        else:
+            self.model = TinyDecoder(ModelConfig(), xp, seed=config.seed, dtype=config.dtype)
+        self.cache: PagedCache = self.model.make_cache(
+            config.num_blocks, config.block_size, self.device, prefix_caching=True
+        )
+        self.requests = make_requests(config, self.model.config.vocab_size)
+
+    @property
+    def total_tokens(self) -> int:
+        """Tokens the run generates (every sample of every request)."""
+        return sum(r.max_new_tokens * r.num_samples for r in self.requests)
+
+    def run(self, on_step: Callable[[int], None] | None = None) -> DemoRun:
+        """Serve the workload. ``on_step(tokens_generated_so_far)`` after each engine step."""
+        config, cache = self.config, self.cache
+        engine = Engine(self.model, cache, max_batch=config.max_batch,
+                        temperature=config.temperature, seed=config.seed, check_every=3,
+                        tolerance=TOLERANCES[config.dtype])  # fmt: skip
+        result = engine.run(self.requests, on_step=on_step)
+        cache.check_invariants()
+        if cache.num_blocks - cache.num_free_blocks != 0:
+            raise AssertionError(
+                "blocks leaked: every sequence finished but blocks are still in use"
+            )
+        summary, report = summarize(config, cache.spec, self.device, self.requests, result,
+                                    cache.prefix_cache_stats)  # fmt: skip
+        return DemoRun(summary, report, result.steps, cache.spec, result.outputs)
+
+
+def run_demo(config: DemoConfig, on_step: Callable[[int], None] | None = None) -> DemoRun:
+    """Set up and serve the workload of ``config`` (see :class:`Demo`)."""
+    return Demo(config).run(on_step)
 
 
 def summarize(config: DemoConfig, spec: CacheSpec, device: str, requests: list[Request],
-              result: EngineResult, stats: Any) -> dict[str, Any]:  # fmt: skip
-    """The run's numbers as one dict (JSON-ready), the memory report included."""
+              result: EngineResult, stats: Any) -> tuple[dict[str, Any], MemoryReport]:  # fmt: skip
+    """The run's numbers as one dict (JSON-ready, the memory report included), and the report."""
     generated = sum(len(tokens) for tokens in result.outputs.values())
     report = MemoryReport.compute(spec, config.num_blocks, config.max_len, result.steps,
                                   prefix_blocks_saved=stats.hits,
                                   fork_blocks_saved=result.fork_shared_blocks)  # fmt: skip
     checks_ok = all(ok for _, _, ok in result.checks)
-    return {
+    summary = {
         "config": asdict(config),
         "backend": backend_name(device),
         "requests": len(requests),
@@ -153,6 +212,7 @@ def summarize(config: DemoConfig, spec: CacheSpec, device: str, requests: list[R
         if result.wall_seconds
         else 0.0,
         "preemptions": result.preemptions,
+        "swap_ins": result.swap_ins,
         "prefix_cache": {
             "hits": stats.hits,
             "misses": stats.misses,
@@ -166,10 +226,8 @@ def summarize(config: DemoConfig, spec: CacheSpec, device: str, requests: list[R
             "max_abs_error": max((e for _, e, _ in result.checks), default=0.0),
         },  # fmt: skip
         "memory": asdict(report),
-        "_report": report,
-        "_steps": result.steps,
-        "_spec": spec,
     }
+    return summary, report
 
 
 def backend_name(device: str) -> str:

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ..memory import CacheSpec
+from .. import CacheSpec
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,8 +92,41 @@ def write_json(
     Path(path).write_text(json.dumps(document, indent=2) + "\n")
 
 
-def write_plot(path: str | Path, spec: CacheSpec, max_len: int, steps: list[StepRecord]) -> None:
-    """A PNG of bytes held over time, paged vs contiguous, and the waste of each."""
+def plot_series(
+    spec: CacheSpec, max_len: int, steps: list[StepRecord], num_blocks: int
+) -> dict[str, Any]:
+    """The curves of the memory plot, one value per step (MiB, or waste in %).
+
+    Waste is undefined at a step where nothing runs (no slot is held): it is NaN there, which
+    matplotlib leaves out of the curve, rather than a 0 % that was never measured.
+    """
+    mib = 2**20
+    nan = float("nan")
+    return {
+        "step": [s.step for s in steps],
+        "paged": [s.blocks_in_use * spec.bytes_per_block / mib for s in steps],
+        "contiguous": [s.running * max_len * spec.bytes_per_token / mib for s in steps],
+        "stored": [s.tokens * spec.bytes_per_token / mib for s in steps],
+        "pool": num_blocks * spec.bytes_per_block / mib,
+        "paged_waste": [
+            100 * (1 - s.filled_slots / (s.blocks_in_use * spec.block_size))
+            if s.running and s.blocks_in_use
+            else nan
+            for s in steps
+        ],
+        "contiguous_waste": [
+            100 * (1 - s.tokens / (s.running * max_len)) if s.running else nan for s in steps
+        ],
+    }
+
+
+def memory_figure(spec: CacheSpec, max_len: int, steps: list[StepRecord], num_blocks: int) -> Any:
+    """A matplotlib figure of bytes held over time, paged vs contiguous, the pool's size, and the
+    waste of each; the legends sit right of the plots, clear of the curves.
+
+    Raises:
+        RuntimeError: matplotlib is not installed.
+    """
     try:
         import matplotlib
 
@@ -101,33 +134,36 @@ def write_plot(path: str | Path, spec: CacheSpec, max_len: int, steps: list[Step
         import matplotlib.pyplot as plt
     except ImportError as error:
         raise RuntimeError("--plot needs matplotlib: pip install matplotlib") from error
-    x = [s.step for s in steps]
-    mib = 2**20
-    paged = [s.blocks_in_use * spec.bytes_per_block / mib for s in steps]
-    contiguous = [s.running * max_len * spec.bytes_per_token / mib for s in steps]
-    stored = [s.tokens * spec.bytes_per_token / mib for s in steps]
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
-    top.plot(x, contiguous, label="contiguous reservation")
-    top.plot(x, paged, label="paged (blocks in use)")
-    top.plot(
-        x,
-        stored,
-        label="K/V of every sequence (shared prefixes counted per sequence)",
-        linestyle="--",
-    )
+    series = plot_series(spec, max_len, steps, num_blocks)
+    x = series["step"]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 6), sharex=True)
+    top.plot(x, series["contiguous"], label="contiguous reservation")
+    top.plot(x, series["paged"], label="paged (blocks in use)")
+    top.plot(x, series["stored"], label="K/V of every sequence\n(shared prefixes per sequence)",
+             linestyle="--")  # fmt: skip
+    top.axhline(series["pool"], color="black", linestyle=":", label=f"pool ({num_blocks} blocks)")
     top.set_ylabel("MiB")
-    top.legend()
     top.set_title("KV-cache memory per step")
-    waste_paged = [
-        100 * (1 - s.filled_slots / (s.blocks_in_use * spec.block_size)) if s.blocks_in_use else 0
-        for s in steps
-    ]
-    waste_contig = [100 * (1 - s.tokens / (s.running * max_len)) if s.running else 0 for s in steps]
-    bottom.plot(x, waste_contig, label="contiguous waste")
-    bottom.plot(x, waste_paged, label="paged waste")
+    bottom.plot(x, series["contiguous_waste"], label="contiguous waste")
+    bottom.plot(x, series["paged_waste"], label="paged waste")
     bottom.set_ylabel("waste %")
-    bottom.set_xlabel("engine step")
-    bottom.legend()
+    bottom.set_xlabel("engine step (waste undefined where nothing runs)")
+    for axes in (top, bottom):
+        axes.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     fig.tight_layout()
+    return fig
+
+
+def write_plot(
+    path: str | Path, spec: CacheSpec, max_len: int, steps: list[StepRecord], num_blocks: int
+) -> None:
+    """Save :func:`memory_figure` as a PNG.
+
+    Raises:
+        RuntimeError: matplotlib is not installed.
+    """
+    fig = memory_figure(spec, max_len, steps, num_blocks)
+    import matplotlib.pyplot as plt
+
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -1,0 +1,98 @@
+"""The demo is an example a user can copy: every module of ``cupaged/demo`` (and the CLI that runs
+it) imports and uses only public names of cupaged, those in ``cupaged.__all__``."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+import pkgutil
+from pathlib import Path
+
+import pytest
+
+import cupaged
+import cupaged.demo
+
+PUBLIC = set(cupaged.__all__) | {"__version__"}
+MODULES = [
+    "cupaged.demo",
+    *(f"cupaged.demo.{m.name}" for m in pkgutil.iter_modules(cupaged.demo.__path__)),
+    "cupaged.__main__",
+]
+
+
+def private_uses(source: str, module: str, package: str) -> list[str]:
+    """What ``source`` (the text of ``module`` in ``package``) takes from cupaged that a user
+    could not: a name outside ``cupaged.__all__``, a private module, a private attribute."""
+    found = []
+    aliases = set()  # local names bound to the cupaged package itself
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if not (target == "cupaged" or target.startswith("cupaged.")):
+                continue
+            demo_own = target == "cupaged.demo" or target.startswith("cupaged.demo.")
+            for alias in node.names:
+                if target == "cupaged" and alias.name not in PUBLIC:
+                    found.append(f"{module}: from {target} import {alias.name} (not in __all__)")
+                if target != "cupaged" and not demo_own:
+                    found.append(f"{module}: from {target} import {alias.name} (use cupaged.*)")
+            if any(part.startswith("_") for part in target.split(".")):
+                found.append(f"{module}: imports the private module {target}")
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "cupaged":
+                    if any(p.startswith("_") for p in alias.name.split(".")):
+                        found.append(f"{module}: import {alias.name}")
+                    aliases.add(alias.asname or "cupaged")
+    for node in ast.walk(ast.parse(source)):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in aliases
+            and node.attr not in PUBLIC
+        ):
+            found.append(f"{module}: {node.value.id}.{node.attr} (not in __all__)")
+    return found
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_demo_modules_use_only_public_names(name):
+    module = importlib.import_module(name)
+    package = module.__name__ if hasattr(module, "__path__") else module.__name__.rsplit(".", 1)[0]
+    uses = private_uses(inspect.getsource(module), name, package)
+    assert not uses, "\n".join(uses)
+
+
+def test_every_demo_file_is_checked():
+    files = {p.stem for p in Path(cupaged.demo.__file__).parent.glob("*.py")}
+    assert {m.rsplit(".", 1)[-1] for m in MODULES} >= files - {"__init__"}
+    assert len(MODULES) >= 5
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "from .._backend import to_numpy",
+        "from ..dtypes import to_float",
+        "from .. import _launch",
+        "import cupaged._backend",
+        "import cupaged\ncupaged._kernels.get_kernel",
+        "import cupaged as cp\ncp.dtypes",
+    ],
+)
+def test_the_check_catches_private_uses(line):
+    assert private_uses(line, "cupaged.demo.engine", "cupaged.demo")
+
+
+def test_the_check_lets_public_and_own_imports_through():
+    source = (
+        "from .. import PagedCache, to_numpy\nfrom .engine import Engine\nimport cupaged\n"
+        "cupaged.paged_attention\nfrom cupaged import __version__"
+    )
+    assert private_uses(source, "cupaged.demo.model", "cupaged.demo") == []
