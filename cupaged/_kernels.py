@@ -8,6 +8,7 @@ CPU backend caches its shared libraries.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import threading
@@ -17,10 +18,15 @@ from ._backend import cupy_module, kernel_dir
 
 _lock = threading.Lock()
 _cuda_functions: dict[tuple[int, str, str], Any] = {}
+_cpu_functions: dict[tuple[str, str], Any] = {}
 
 
 def get_kernel(device: str, source: str, name: str) -> Any:
     """A callable kernel ``kernel(grid, block, args, shared_mem=0)`` for ``device``.
+
+    Kept per device after the first call, on both backends: a later call is one dictionary
+    lookup (a CPU launch of a small kernel costs a few microseconds, so rebuilding a module per
+    call would dominate it).
 
     Args:
         device: ``"cuda"`` or ``"cpu"``.
@@ -28,12 +34,10 @@ def get_kernel(device: str, source: str, name: str) -> Any:
         name: the instantiation's name expression.
     """
     if device == "cpu":
-        from ._cpu import CpuModule
-
-        # CUPAGED_CPU_SANITIZE=1 builds every kernel with AddressSanitizer (the process must
-        # start with libasan preloaded): an out-of-range read then stops with a report.
-        sanitize = os.environ.get("CUPAGED_CPU_SANITIZE", "") == "1"
-        return CpuModule(kernel_dir() / source, (name,), sanitize=sanitize).get_function(name)
+        kernel = _cpu_functions.get((source, name))
+        if kernel is None:
+            kernel = _cpu_kernel(source, name)
+        return kernel
     cupy = cupy_module()
     assert cupy is not None, "a CUDA kernel was requested without CuPy"
     key = (cupy.cuda.Device().id, source, name)
@@ -46,6 +50,27 @@ def get_kernel(device: str, source: str, name: str) -> Any:
             )
             _cuda_functions[key] = module.get_function(name)
         return _cuda_functions[key]
+
+
+@functools.cache
+def cpu_sanitize() -> bool:
+    """``CUPAGED_CPU_SANITIZE=1``: build every kernel with AddressSanitizer (read once).
+
+    The process must start with libasan preloaded; an out-of-range access then stops it with a
+    report (tests/test_sanitizer.py).
+    """
+    return os.environ.get("CUPAGED_CPU_SANITIZE", "") == "1"
+
+
+def _cpu_kernel(source: str, name: str) -> Any:
+    from ._cpu import CpuModule
+
+    with _lock:
+        kernel = _cpu_functions.get((source, name))
+        if kernel is None:
+            module = CpuModule(kernel_dir() / source, (name,), sanitize=cpu_sanitize())
+            kernel = _cpu_functions[(source, name)] = module.get_function(name)
+        return kernel
 
 
 def nvrtc_options() -> tuple[str, ...]:

@@ -138,12 +138,27 @@ def decode_launch(
 
 
 def write_kv_launch(
-    dtype: str, slot_dtype: np.dtype, num_tokens: int, row_bytes: int, aligned: bool
+    dtype: str,
+    slot_dtype: np.dtype,
+    num_tokens: int,
+    row_bytes: int,
+    aligned: bool,
+    num_kv_heads: int = 1,
 ) -> tuple[str, tuple[int], tuple[int]]:
-    """``(name, grid, block)`` of ``write_kv``; 16-byte vectors when rows and pointers allow."""
+    """``(name, grid, block)`` of ``write_kv``; 16-byte vectors when rows and pointers allow.
+
+    A token's block has one thread per vector of its ``num_kv_heads`` rows (whole warps, at most
+    ``WRITE_THREADS``): more would only start and stop (on the CPU backend each costs a fiber).
+    """
     vec = 16 // itemsize(dtype) if aligned and row_bytes % 16 == 0 else 1
     name = f"cupaged::write_kv<{C_TYPES[dtype]}, {SLOT_C_TYPES[np.dtype(slot_dtype)]}, {vec}>"
-    return name, (num_tokens,), (WRITE_THREADS,)
+    vectors = num_kv_heads * row_bytes // (vec * itemsize(dtype))
+    return name, (num_tokens,), (_whole_warps(vectors, WRITE_THREADS),)
+
+
+def _whole_warps(items: int, most: int) -> int:
+    """Threads for ``items`` parallel items: whole warps of 32, at least one, at most ``most``."""
+    return min(most, max(32, -(-items // 32) * 32))
 
 
 _COPY_WORDS = ((16, "uint4"), (4, "unsigned int"), (2, "unsigned short"))
@@ -152,13 +167,16 @@ _COPY_WORDS = ((16, "uint4"), (4, "unsigned int"), (2, "unsigned short"))
 def copy_blocks_launch(
     block_bytes: int, aligned: bool, num_pairs: int, num_layers: int
 ) -> tuple[str, tuple[int, int, int], tuple[int], int]:
-    """``(name, grid, block, word_bytes)`` of ``copy_blocks``: the widest word that divides a block."""
+    """``(name, grid, block, word_bytes)`` of ``copy_blocks``: the widest word that divides a block.
+
+    One thread per word of a block (whole warps, at most ``COPY_THREADS``, each striding).
+    """
     for word, c_type in _COPY_WORDS:
         if block_bytes % word == 0 and (aligned or word <= 2):
             return (
                 f"cupaged::copy_blocks<{c_type}>",
                 (num_pairs, num_layers, 2),
-                (COPY_THREADS,),
+                (_whole_warps(block_bytes // word, COPY_THREADS),),
                 word,
             )
     raise ValueError(f"expected a block of an even number of bytes, got {block_bytes}")

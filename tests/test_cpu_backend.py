@@ -26,9 +26,7 @@ from cupaged._backend import kernel_dir
 from cupaged._cpu import (
     SCHEDULES,
     CpuModule,
-    LaunchOptions,
     cuda_include_dir,
-    current_options,
     launch_options,
     schedule,
     toolchain,
@@ -312,6 +310,75 @@ def test_several_workers_give_the_same_result_as_one(basics, rng):
     np.testing.assert_array_equal(results[0], results[2])
 
 
+def _os_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def test_the_worker_pool_is_reused_across_launches(basics, rng):
+    """Helper threads are started once and kept: launches do not create threads."""
+    x = rng.standard_normal((64, 128)).astype(np.float32)
+    kernel = basics.get_function("cpu_test::two_level_sum<128>")
+    out = np.full_like(x, np.nan)
+    with launch_options(workers=3):
+        kernel(64, 128, (out, x))
+        threads = _os_threads()
+        for _ in range(50):
+            out = np.full_like(x, np.nan)
+            kernel(64, 128, (out, x))
+            assert _os_threads() <= threads
+    expected = x.astype(np.float64).sum(axis=1, keepdims=True)
+    np.testing.assert_allclose(out[:, :1], expected, rtol=1e-4, atol=1e-4)
+
+
+def test_launches_from_several_python_threads_at_once(basics, rng):
+    """ctypes releases the GIL: a launch while another holds the pool runs on its own thread."""
+    import threading
+
+    x = rng.standard_normal((200, 128)).astype(np.float32)
+    kernel = basics.get_function("cpu_test::two_level_sum<128>")
+    reference = np.empty_like(x)
+    with launch_options(workers=1):
+        kernel(200, 128, (reference, x))
+    results, errors = [], []
+
+    def work():
+        try:
+            with launch_options(workers=2):
+                for _ in range(10):
+                    out = np.full_like(x, np.nan)
+                    kernel(200, 128, (out, x))
+                    results.append(out)
+        except Exception as error:  # noqa: BLE001  (reported below)
+            errors.append(error)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(results) == 40
+    for out in results:
+        np.testing.assert_array_equal(out, reference)
+
+
+def test_a_forked_child_starts_its_own_pool(basics, rng):
+    x = rng.standard_normal((64, 128)).astype(np.float32)
+    kernel = basics.get_function("cpu_test::two_level_sum<128>")
+    with launch_options(workers=2):
+        kernel(64, 128, (np.empty_like(x), x))  # the parent's pool has a helper now
+        pid = os.fork()
+        if pid == 0:  # the child: the helper is gone; a launch must neither hang nor fail
+            code = 1
+            try:
+                out = np.full_like(x, np.nan)
+                kernel(64, 128, (out, x))
+                code = 0 if np.isfinite(out).all() else 2
+            finally:
+                os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+
+
 def test_a_thousand_blocks_of_128_threads_run_well_under_a_second(basics, rng):
     x = rng.standard_normal((1000, 128)).astype(np.float32)
     out = np.empty_like(x)
@@ -478,22 +545,59 @@ def test_an_unknown_name_expression_is_a_key_error(failures):
 # ---- Options ---------------------------------------------------------------------------------------
 
 
-def test_options_nest_and_come_from_the_environment(monkeypatch):
-    monkeypatch.setenv("CUPAGED_CPU_SCHEDULE", "reverse")
-    monkeypatch.setenv("CUPAGED_CPU_WORKERS", "3")
-    monkeypatch.setenv("CUPAGED_CPU_STRICT", "0")
-    assert (current_options().schedule, current_options().workers) == ("reverse", 3)
-    assert current_options().strict is False
-    with schedule("warp_ahead"):
-        assert current_options().schedule == "warp_ahead"
-        with launch_options(workers=1, strict=True):
-            assert current_options() == LaunchOptions("warp_ahead", 1, True)
-        assert current_options().workers == 3
-    assert current_options().schedule == "reverse"
-    monkeypatch.setenv("CUPAGED_CPU_SCHEDULE", "sideways")
-    with pytest.raises(ValueError, match="CUPAGED_CPU_SCHEDULE"):
+# The environment is read once per process (at the first launch), so these run in a child.
+_OPTIONS_CHILD = """
+import os
+from cupaged._cpu import LaunchOptions, current_options, launch_options, schedule
+assert (current_options().schedule, current_options().workers) == ("reverse", 3)
+assert current_options().strict is False
+with schedule("warp_ahead"):
+    assert current_options().schedule == "warp_ahead"
+    with launch_options(workers=1, strict=True):
+        assert current_options() == LaunchOptions("warp_ahead", 1, True)
+    assert current_options().workers == 3
+assert current_options().schedule == "reverse"
+os.environ["CUPAGED_CPU_SCHEDULE"] = "sideways"  # read once: a later change is not seen
+assert current_options().schedule == "reverse"
+print("ok")
+"""
+
+
+def _run_child(code: str, **env: str) -> subprocess.CompletedProcess:
+    environment = dict(os.environ, **env)
+    environment["PYTHONPATH"] = os.pathsep.join(
+        [str(Path(__file__).parents[1]), environment.get("PYTHONPATH", "")]
+    )
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=environment, timeout=120
+    )
+
+
+def test_options_nest_and_come_from_the_environment_read_once():
+    result = _run_child(
+        _OPTIONS_CHILD, CUPAGED_CPU_SCHEDULE="reverse", CUPAGED_CPU_WORKERS="3",
+        CUPAGED_CPU_STRICT="0",
+    )  # fmt: skip
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
+
+
+def test_a_bad_environment_value_is_an_error_at_each_launch():
+    code = """
+from cupaged._cpu import current_options
+for _ in range(2):
+    try:
         current_options()
-    monkeypatch.delenv("CUPAGED_CPU_SCHEDULE")
+    except ValueError as error:
+        assert "CUPAGED_CPU_SCHEDULE" in str(error), error
+    else:
+        raise AssertionError("accepted")
+print("ok")
+"""
+    result = _run_child(code, CUPAGED_CPU_SCHEDULE="sideways")
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
+
+
+def test_bad_launch_options_are_refused():
     with pytest.raises(ValueError, match="expected schedule one of"):
         with launch_options(schedule="random", workers=1):
             pass

@@ -15,6 +15,7 @@ the launch, and a Python ``int``/``float`` is refused: its C type would be a gue
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import struct
 import threading
@@ -56,12 +57,28 @@ _LOCK = threading.Lock()
 _ENVIRONMENT = ("CUDA_PATH", "PATH", "CUPAGED_CACHE_DIR", "XDG_CACHE_HOME")
 
 
+@functools.cache
 def _cpu_count() -> int:
-    """CPUs this process may run on (its affinity mask, which containers and taskset narrow)."""
+    """CPUs this process may run on (its affinity mask, which containers and taskset narrow).
+
+    Read once per process, at the first launch.
+    """
     try:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return os.cpu_count() or 1
+
+
+# A launch with fewer CUDA threads than this, in all its blocks, runs on the calling thread alone:
+# waking a helper thread of the pool costs about as much as a few thousand fiber switches.
+_POOL_MIN_THREADS = 4096
+
+
+def _default_workers(num_blocks: int, block: tuple[int, int, int]) -> int:
+    """Worker threads of a launch when the options leave it open: one per CPU, except small ones."""
+    if num_blocks < 2 or num_blocks * block[0] * block[1] * block[2] < _POOL_MIN_THREADS:
+        return 1
+    return min(_cpu_count(), num_blocks)
 
 
 def _stamps(paths: Sequence[Path]) -> tuple:
@@ -103,14 +120,9 @@ class _Library:
         lib.cupaged_cpu_param_kinds.argtypes = [ctypes.c_int]
         lib.cupaged_cpu_launch.restype = ctypes.c_int
         lib.cupaged_cpu_launch.argtypes = [
-            ctypes.c_int,
-            *([ctypes.c_uint] * 6),
+            ctypes.c_char_p,  # the request: header and argument values (see runtime.h)
             ctypes.c_size_t,
-            ctypes.POINTER(ctypes.c_void_p),
-            ctypes.c_int,
-            ctypes.c_int,
-            ctypes.c_int,
-            ctypes.c_char_p,
+            ctypes.c_char_p,  # error message buffer
             ctypes.c_size_t,
         ]
         self.lib = lib
@@ -255,6 +267,53 @@ def _dims(what: str, value: Any, limits: tuple[int, int, int]) -> tuple[int, int
     return dims[0], dims[1], dims[2]
 
 
+# The request header of cupaged_cpu_launch (runtime.h, LaunchRequest): kernel index, grid, block,
+# schedule, workers, strict, dynamic shared bytes, argument bytes; 64 bytes.
+_HEADER = "=i6I3iQQ8x"
+_SCHEDULE_INDEX = {name: i for i, name in enumerate(SCHEDULES)}
+_address_of = ctypes.addressof
+_char_view = ctypes.c_char.from_buffer
+_errors = threading.local()
+
+
+def _error_buffer() -> Any:
+    """This thread's buffer for a launch's error message (launches release the GIL)."""
+    buffer = getattr(_errors, "buffer", None)
+    if buffer is None:
+        buffer = _errors.buffer = ctypes.create_string_buffer(_ERROR_BYTES)
+    return buffer
+
+
+def _data_address(arg: np.ndarray) -> int:
+    try:  # a writable array exports its buffer: the cheapest way to its address
+        return _address_of(_char_view(arg))
+    except (TypeError, ValueError, BufferError):  # read-only, empty or strided
+        return int(arg.__array_interface__["data"][0])
+
+
+_STRUCT_CODES = {
+    ("i", 1): "b", ("i", 2): "h", ("i", 4): "i", ("i", 8): "q",
+    ("u", 1): "B", ("u", 2): "H", ("u", 4): "I", ("u", 8): "Q",
+    ("f", 2): "e", ("f", 4): "f", ("f", 8): "d", ("b", 1): "?",
+}  # fmt: skip
+
+
+def _scalar_packers(kind: str, size: int) -> dict[type, Any]:
+    """``{NumPy scalar type: pack}`` for the scalars that a parameter takes as they are: its kind
+    (either signedness for an integer, as a C call would convert it) and its exact byte size.
+
+    Empty for structs and ``__half`` (kind ``o``): those pass their bytes, checked one by one.
+    """
+    kinds = "iu" if kind in "iu" else kind
+    packers: dict[type, Any] = {}
+    for code in np.typecodes["All"]:
+        dtype = np.dtype(code)
+        fmt = _STRUCT_CODES.get((dtype.kind, dtype.itemsize))
+        if fmt is not None and dtype.kind in kinds and dtype.itemsize == size:
+            packers[dtype.type] = struct.Struct("=" + fmt).pack
+    return packers
+
+
 class CpuKernel:
     """One kernel of a :class:`CpuModule`; call it like ``cupy.RawKernel``.
 
@@ -269,14 +328,22 @@ class CpuKernel:
         self, library: _Library, name: str, index: int, sizes: tuple[int, ...], kinds: str
     ) -> None:
         self._library = library
+        self._launch = library.lib.cupaged_cpu_launch
         self._index = index
         self.name = name
         self.param_sizes = sizes
         self.param_kinds = kinds
-        self._offsets = tuple(
-            sum((size + 15) // 16 * 16 for size in sizes[:i]) for i in range(len(sizes))
-        )
-        self._value_bytes = sum((size + 15) // 16 * 16 for size in sizes)
+        # Each value at a 16-byte aligned offset: a pointer as 8 bytes, a scalar as its own bytes.
+        fields = [
+            "Q8x" if kind == "p" else f"{size}s{-size % 16}x"
+            for size, kind in zip(sizes, kinds, strict=True)
+        ]
+        self._request = struct.Struct(_HEADER + "".join(fields))
+        self._value_bytes = self._request.size - 64
+        self._packers = [
+            _scalar_packers(kind, size) for size, kind in zip(sizes, kinds, strict=True)
+        ]
+        self._last_dims: tuple = ()
 
     def __repr__(self) -> str:
         return f"CpuKernel({self.name!r})"
@@ -304,75 +371,70 @@ class CpuKernel:
             KernelError: the kernel deadlocked, failed a device assert, or reached a divergent
                 barrier (the message says which thread, where).
         """
-        grid3 = _dims("grid", grid, _MAX_GRID)
-        block3 = _dims("block", block, _MAX_BLOCK)
-        threads = block3[0] * block3[1] * block3[2]
-        if threads > _MAX_THREADS_PER_BLOCK:
-            raise ValueError(
-                f"expected at most {_MAX_THREADS_PER_BLOCK} threads per block, got {threads} "
-                f"(block {block3})"
-            )
-        if isinstance(shared_mem, bool) or not isinstance(shared_mem, (int, np.integer)):
-            raise TypeError(f"expected shared_mem an int, got {type(shared_mem).__name__}")
+        last = self._last_dims
+        if last and last[0] == grid and last[1] == block:  # the same launch shape as before
+            grid3, block3 = last[2], last[3]
+        else:
+            grid3 = _dims("grid", grid, _MAX_GRID)
+            block3 = _dims("block", block, _MAX_BLOCK)
+            threads = block3[0] * block3[1] * block3[2]
+            if threads > _MAX_THREADS_PER_BLOCK:
+                raise ValueError(
+                    f"expected at most {_MAX_THREADS_PER_BLOCK} threads per block, got {threads} "
+                    f"(block {block3})"
+                )
+            if isinstance(grid, tuple) and isinstance(block, tuple):
+                self._last_dims = (grid, block, grid3, block3)
+        if type(shared_mem) is not int:
+            if isinstance(shared_mem, bool) or not isinstance(shared_mem, (int, np.integer)):
+                raise TypeError(f"expected shared_mem an int, got {type(shared_mem).__name__}")
+            shared_mem = int(shared_mem)
         if not 0 <= shared_mem <= _MAX_SHARED_MEM:
             raise ValueError(
                 f"expected shared_mem from 0 to {_MAX_SHARED_MEM} bytes, got {shared_mem}"
             )
-        pointers, keep_alive = self._pack(args)
-
         options = current_options()
-        num_blocks = grid3[0] * grid3[1] * grid3[2]
-        workers = options.workers if options.workers is not None else _cpu_count()
-        workers = min(workers, num_blocks)
-        error = ctypes.create_string_buffer(_ERROR_BYTES)
-        status = self._library.lib.cupaged_cpu_launch(
-            self._index,
-            *grid3,
-            *block3,
-            int(shared_mem),
-            pointers,
-            SCHEDULES.index(options.schedule),
-            workers,
-            int(options.strict),
-            error,
-            _ERROR_BYTES,
-        )
-        del keep_alive
+        workers = options.workers
+        if workers is None:
+            workers = _default_workers(grid3[0] * grid3[1] * grid3[2], block3)
+        request = self._request.pack(
+            self._index, *grid3, *block3, _SCHEDULE_INDEX[options.schedule], workers,
+            int(options.strict), shared_mem, self._value_bytes, *self._values(args),
+        )  # fmt: skip
+        error = _error_buffer()
+        # The arrays stay referenced by ``args`` (the caller's) for the whole call.
+        status = self._launch(request, len(request), error, _ERROR_BYTES)
         if status == 1:
             raise KernelError(error.value.decode(errors="replace"))
         if status != 0:
             raise CupagedError(error.value.decode(errors="replace"))
 
-    def _pack(self, args: tuple) -> tuple[Any, Any]:
-        """A ``void*[]`` with one pointer per argument to its value, after checking each one.
-
-        The values (array data pointers, scalar bytes) sit in one buffer, each at a 16-byte
-        aligned offset, so that the kernel's thunk can read any parameter type in place.
-        """
+    def _values(self, args: tuple) -> list:
+        """One packable value per argument (an array's data address, a scalar's bytes)."""
         if not isinstance(args, (tuple, list)):
             raise TypeError(f"{self.name}: expected args a tuple, got {type(args).__name__}")
         if len(args) != len(self.param_sizes):
             raise TypeError(
                 f"{self.name}: expected {len(self.param_sizes)} arguments, got {len(args)}"
             )
-        values = ctypes.create_string_buffer(self._value_bytes + 16)
-        shift = -ctypes.addressof(values) % 16
-        base = ctypes.addressof(values) + shift
-        pointers = (ctypes.c_void_p * max(len(args), 1))()
+        values = []
         for i, arg in enumerate(args):
-            kind, size, offset = self.param_kinds[i], self.param_sizes[i], self._offsets[i]
+            kind = self.param_kinds[i]
             if kind == "p":
                 if not isinstance(arg, np.ndarray):
                     raise TypeError(
                         f"{self.name}: parameter {i} is a pointer, expected a NumPy array, got "
                         f"{_describe(arg)}"
                     )
-                struct.pack_into("=Q", values, shift + offset, arg.__array_interface__["data"][0])
+                values.append(_data_address(arg))
+                continue
+            pack = self._packers[i].get(type(arg))
+            if pack is None:  # not a scalar of the exact kind and size, or a struct's bytes
+                self._check_scalar(i, arg, self.param_sizes[i], kind)
+                values.append(arg.tobytes())
             else:
-                self._check_scalar(i, arg, size, kind)
-                values[shift + offset : shift + offset + size] = arg.tobytes()
-            pointers[i] = base + offset
-        return pointers, values
+                values.append(pack(arg))
+        return values
 
     def _check_scalar(self, i: int, arg: Any, size: int, kind: str) -> None:
         expected = f"a {size}-byte {_KIND_NAMES[kind]}"

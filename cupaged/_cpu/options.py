@@ -1,7 +1,8 @@
 """How CPU launches run: scheduling order, worker threads, strict barriers.
 
 Set per thread (and per asyncio task) with context managers; the defaults come from environment
-variables, so a whole test run can switch order without touching code::
+variables, read once per process (at the first launch), so a whole test run can switch order
+without touching code::
 
     CUPAGED_CPU_SCHEDULE=reverse pytest tests/      # forward (default) | reverse | warp_ahead
     CUPAGED_CPU_WORKERS=1                           # worker OS threads (default: one per CPU)
@@ -65,11 +66,15 @@ _CURRENT: contextvars.ContextVar[LaunchOptions | None] = contextvars.ContextVar(
 _VARIABLES = ("CUPAGED_CPU_SCHEDULE", "CUPAGED_CPU_WORKERS", "CUPAGED_CPU_STRICT")
 
 
+@functools.cache
 def _from_environment() -> LaunchOptions:
+    """The defaults, read from the environment once per process (a launch costs no lookups).
+
+    An invalid value raises at every launch rather than being remembered as a default.
+    """
     return _parse_environment(*(os.environ.get(v) for v in _VARIABLES))
 
 
-@functools.lru_cache(maxsize=16)
 def _parse_environment(
     schedule_text: str | None, workers_text: str | None, strict_text: str | None
 ) -> LaunchOptions:

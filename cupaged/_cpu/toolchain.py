@@ -39,7 +39,7 @@ _RUNTIME_SOURCES = (
     "include/crt/host_defines.h",
     "include/nv/target",
 )
-ABI_VERSION = 1
+ABI_VERSION = 2
 # Where CUDA toolkits install by default (a symlink to the versioned folder).
 DEFAULT_TOOLKIT = Path("/usr/local/cuda")
 

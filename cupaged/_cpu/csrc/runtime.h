@@ -783,23 +783,106 @@ static bool run_block(Worker* w, unsigned long long block) {
   }
 }
 
-static bool setup_worker(Worker* w, Launch* L) {
+// ---- Per-thread worker buffers ------------------------------------------------------------------
+// Fibers, warp states, the sweep order, the fiber stacks, the dynamic shared memory and the
+// address of this OS thread's TLS segment are kept per OS thread and reused by every launch:
+// allocating them and finding the TLS segment (dl_iterate_phdr walks every loaded object) cost
+// more than a small launch itself. They hang off a pthread key, not a thread_local: the module's
+// TLS segment is overwritten with poison before each block.
+struct ThreadCache {
+  Fiber* fibers;
+  WarpState* warps;
+  unsigned* order;
+  unsigned capacity;  // threads the three arrays above hold
+  StackSet* stacks;
+  unsigned char* dynamic_shared;
+  size_t dynamic_capacity;
+  unsigned char* static_shared;
+  size_t static_shared_bytes;
+  bool tls_found;
+};
+
+static pthread_key_t thread_cache_key;
+static pthread_once_t thread_cache_once = PTHREAD_ONCE_INIT;
+
+static void free_thread_cache(void* p) {
+  ThreadCache* c = static_cast<ThreadCache*>(p);
+  if (c == nullptr) return;
+  release_stacks(c->stacks);
+  free(c->fibers);
+  free(c->warps);
+  free(c->order);
+  free(c->dynamic_shared);
+  free(c);
+}
+
+static void make_thread_cache_key() { pthread_key_create(&thread_cache_key, free_thread_cache); }
+
+static ThreadCache* thread_cache() {
+  pthread_once(&thread_cache_once, make_thread_cache_key);
+  ThreadCache* c = static_cast<ThreadCache*>(pthread_getspecific(thread_cache_key));
+  if (c == nullptr) {
+    c = static_cast<ThreadCache*>(calloc(1, sizeof(ThreadCache)));
+    if (c != nullptr && pthread_setspecific(thread_cache_key, c) != 0) {
+      free(c);
+      c = nullptr;
+    }
+  }
+  return c;
+}
+
+// Grows the cache to `n` threads and `shared` bytes of dynamic shared memory; false when out of
+// memory (the cache stays valid, with its old sizes).
+static bool reserve_thread_cache(ThreadCache* c, unsigned n, size_t shared) {
+  if (c->capacity < n) {
+    Fiber* fibers = static_cast<Fiber*>(realloc(c->fibers, n * sizeof(Fiber)));
+    if (fibers != nullptr) c->fibers = fibers;
+    const unsigned warps = (n + 31) / 32;
+    WarpState* ws = static_cast<WarpState*>(realloc(c->warps, warps * sizeof(WarpState)));
+    if (ws != nullptr) c->warps = ws;
+    unsigned* order = static_cast<unsigned*>(realloc(c->order, n * sizeof(unsigned)));
+    if (order != nullptr) c->order = order;
+    if (fibers == nullptr || ws == nullptr || order == nullptr) return false;
+    c->capacity = n;
+  }
+  if (c->stacks == nullptr || c->stacks->count < n) {
+    StackSet* stacks = acquire_stacks(n);
+    if (stacks == nullptr) return false;
+    release_stacks(c->stacks);
+    c->stacks = stacks;
+  }
+#if defined(__SANITIZE_ADDRESS__)
+  // Exactly the requested bytes (rounded up to 16), so that ASan catches reads past the end.
+  const bool regrow = c->dynamic_shared == nullptr || c->dynamic_capacity != shared;
+#else
+  const bool regrow = c->dynamic_shared == nullptr || c->dynamic_capacity < shared;
+#endif
+  if (regrow) {
+    void* buffer = nullptr;
+    if (posix_memalign(&buffer, 128, shared ? shared : 16) != 0) return false;
+    free(c->dynamic_shared);
+    c->dynamic_shared = static_cast<unsigned char*>(buffer);
+    c->dynamic_capacity = shared;
+  }
+  return true;
+}
+
+static bool setup_worker(Worker* w, Launch* L, ThreadCache* c) {
   memset(w, 0, sizeof *w);
   w->launch = L;
   const unsigned n = L->threads_per_block;
+  const size_t shared = (L->shared_bytes + 15) / 16 * 16;
+  if (c == nullptr || !reserve_thread_cache(c, n, shared)) return false;
   w->num_threads = n;
   w->num_warps = (n + 31) / 32;
-  w->fibers = static_cast<Fiber*>(calloc(n, sizeof(Fiber)));
-  w->warps = static_cast<WarpState*>(calloc(w->num_warps, sizeof(WarpState)));
-  w->order = static_cast<unsigned*>(calloc(n, sizeof(unsigned)));
-  w->stacks = acquire_stacks(n);
-  // Exactly the requested bytes (rounded up to 16), so that ASan catches reads past the end.
-  w->dynamic_shared_bytes = (L->shared_bytes + 15) / 16 * 16;
-  void* shared = nullptr;
-  if (posix_memalign(&shared, 128, w->dynamic_shared_bytes ? w->dynamic_shared_bytes : 16) != 0)
-    shared = nullptr;
-  w->dynamic_shared = static_cast<unsigned char*>(shared);
-  if (!w->fibers || !w->warps || !w->order || !w->stacks || !w->dynamic_shared) return false;
+  w->fibers = c->fibers;
+  w->warps = c->warps;
+  w->order = c->order;
+  w->stacks = c->stacks;
+  w->dynamic_shared = c->dynamic_shared;
+  w->dynamic_shared_bytes = shared;
+  memset(w->fibers, 0, n * sizeof(Fiber));
+  memset(w->warps, 0, w->num_warps * sizeof(WarpState));
   for (unsigned i = 0; i < n; ++i) {
     Fiber* f = &w->fibers[i];
     f->linear = i;
@@ -815,28 +898,130 @@ static bool setup_worker(Worker* w, Launch* L) {
   return true;
 }
 
-static void teardown_worker(Worker* w) {
-  release_stacks(w->stacks);
-  free(w->fibers);
-  free(w->warps);
-  free(w->order);
-  free(w->dynamic_shared);
-}
-
-static void* worker_main(void* arg) {
-  Worker* w = static_cast<Worker*>(arg);
-  Launch* L = w->launch;
-  tls_worker = w;  // also makes sure this thread's copy of the TLS segment exists
+// Runs blocks of the launch on this OS thread until none is left or the launch failed; false when
+// this thread's buffers could not be set up (its blocks are left to the other workers, or, for
+// the calling thread, reported).
+static bool run_worker(Launch* L) {
+  ThreadCache* c = thread_cache();
+  Worker w;
+  if (!setup_worker(&w, L, c)) return false;
+  Worker* saved = tls_worker;  // a launch from inside a kernel is not supported, but be safe
+  tls_worker = &w;             // also makes sure this thread's copy of the TLS segment exists
   blockDim = L->block;
   gridDim = L->grid;
-  dl_iterate_phdr(find_tls_segment, w);
+  if (!c->tls_found) {
+    dl_iterate_phdr(find_tls_segment, &w);
+    c->static_shared = w.static_shared;
+    c->static_shared_bytes = w.static_shared_bytes;
+    c->tls_found = true;
+  }
+  w.static_shared = c->static_shared;
+  w.static_shared_bytes = c->static_shared_bytes;
   for (;;) {
     if (__atomic_load_n(&L->failed, __ATOMIC_RELAXED)) break;
     const unsigned long long b = __atomic_fetch_add(&L->next_block, 1, __ATOMIC_RELAXED);
-    if (b >= L->num_blocks || !run_block(w, b)) break;
+    if (b >= L->num_blocks || !run_block(&w, b)) break;
   }
-  tls_worker = nullptr;
-  return nullptr;
+  tls_worker = saved;
+  return true;
+}
+
+// ---- Worker pool --------------------------------------------------------------------------------
+// OS threads that help the calling thread with a launch's blocks, started on first need and kept
+// (an idle one ends after kIdleSeconds). One launch at a time uses the pool; a launch made while
+// another one holds it (from a second Python thread) runs on its calling thread alone. The caller
+// posts the launch, runs blocks itself, then closes the launch and waits only for the helpers that
+// joined it: a helper that wakes after the close never sees the launch, whose state lives on the
+// caller's stack.
+constexpr int kIdleSeconds = 5;
+
+struct Pool {
+  pthread_mutex_t mutex;
+  pthread_cond_t wake;  // a launch was posted
+  pthread_cond_t done;  // the last helper left the launch
+  Launch* job;          // the open launch, or null
+  unsigned long long generation;
+  int seats;   // helpers that may still join the open launch
+  int active;  // helpers inside the open launch
+  int threads;
+  int idle;
+};
+
+static Pool pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER,
+                    nullptr, 0, 0, 0, 0, 0};
+static pthread_once_t pool_fork_once = PTHREAD_ONCE_INIT;
+
+// A forked child has none of the parent's helper threads: start from an empty pool.
+static void reset_pool_in_child() {
+  pthread_mutex_init(&pool.mutex, nullptr);
+  pthread_cond_init(&pool.wake, nullptr);
+  pthread_cond_init(&pool.done, nullptr);
+  pool.job = nullptr;
+  pool.seats = pool.active = pool.threads = pool.idle = 0;
+}
+
+static void register_fork_handler() { pthread_atfork(nullptr, nullptr, reset_pool_in_child); }
+
+static void* helper_main(void*) {
+  pthread_mutex_lock(&pool.mutex);
+  unsigned long long seen = pool.generation;
+  for (;;) {
+    while (pool.job == nullptr || pool.generation == seen || pool.seats == 0) {
+      timespec deadline;
+      clock_gettime(CLOCK_REALTIME, &deadline);
+      deadline.tv_sec += kIdleSeconds;
+      ++pool.idle;
+      const int waited = pthread_cond_timedwait(&pool.wake, &pool.mutex, &deadline);
+      --pool.idle;
+      if (waited != 0 && (pool.job == nullptr || pool.generation == seen || pool.seats == 0)) {
+        --pool.threads;
+        pthread_mutex_unlock(&pool.mutex);
+        return nullptr;
+      }
+    }
+    seen = pool.generation;
+    --pool.seats;
+    ++pool.active;
+    Launch* L = pool.job;
+    pthread_mutex_unlock(&pool.mutex);
+    run_worker(L);
+    pthread_mutex_lock(&pool.mutex);
+    if (--pool.active == 0) pthread_cond_signal(&pool.done);
+  }
+}
+
+// Opens `L` to `helpers` pool threads (starting threads as needed); false when the pool is busy.
+static bool post_to_pool(Launch* L, int helpers) {
+  pthread_once(&pool_fork_once, register_fork_handler);
+  pthread_mutex_lock(&pool.mutex);
+  if (pool.job != nullptr) {
+    pthread_mutex_unlock(&pool.mutex);
+    return false;
+  }
+  while (pool.threads < helpers) {
+    pthread_t thread;
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    const bool started = pthread_create(&thread, &attr, helper_main, nullptr) == 0;
+    pthread_attr_destroy(&attr);
+    if (!started) break;  // fewer helpers: the blocks counter is shared, nothing is lost
+    ++pool.threads;
+  }
+  pool.job = L;
+  ++pool.generation;
+  pool.seats = helpers;
+  if (pool.idle != 0) pthread_cond_broadcast(&pool.wake);
+  pthread_mutex_unlock(&pool.mutex);
+  return true;
+}
+
+static void close_pool_launch() {
+  pthread_mutex_lock(&pool.mutex);
+  pool.job = nullptr;
+  pool.seats = 0;
+  while (pool.active != 0) pthread_cond_wait(&pool.done, &pool.mutex);
+  pthread_mutex_unlock(&pool.mutex);
 }
 
 // 0: success; 1: the kernel failed (error says how); 2: the launch could not start.
@@ -844,40 +1029,16 @@ static int launch(Launch* L, int num_workers) {
   if (num_workers < 1) num_workers = 1;
   if (static_cast<unsigned long long>(num_workers) > L->num_blocks)
     num_workers = static_cast<int>(L->num_blocks);
-  Worker* workers = static_cast<Worker*>(calloc(num_workers, sizeof(Worker)));
-  pthread_t* threads = static_cast<pthread_t*>(calloc(num_workers, sizeof(pthread_t)));
-  bool* started = static_cast<bool*>(calloc(num_workers, sizeof(bool)));
-  int status = 0;
-  if (workers == nullptr || threads == nullptr || started == nullptr) {
-    snprintf(L->error, L->error_len, "out of memory starting %s", L->kernel->name);
-    status = 2;
+  const bool pooled = num_workers > 1 && post_to_pool(L, num_workers - 1);
+  const bool ran = run_worker(L);
+  if (pooled) close_pool_launch();
+  if (!ran && L->next_block < L->num_blocks && !L->failed) {
+    snprintf(L->error, L->error_len,
+             "out of memory for %u fiber stacks of %zu KiB or %zu bytes of shared memory (%s)",
+             L->threads_per_block, kStackBytes / 1024, L->shared_bytes, L->kernel->name);
+    return 2;
   }
-  for (int i = 0; status == 0 && i < num_workers; ++i) {
-    if (!setup_worker(&workers[i], L)) {
-      snprintf(L->error, L->error_len,
-               "out of memory for %u fiber stacks of %zu KiB or %zu bytes of shared memory (%s)",
-               L->threads_per_block, kStackBytes / 1024, L->shared_bytes, L->kernel->name);
-      status = 2;
-    }
-  }
-  if (status == 0) {
-    // Worker 0 is the calling thread; the others are new OS threads.
-    for (int i = 1; i < num_workers; ++i)
-      started[i] = pthread_create(&threads[i], nullptr, worker_main, &workers[i]) == 0;
-    Worker* saved = tls_worker;  // a launch from inside a kernel is not supported, but be safe
-    worker_main(&workers[0]);
-    tls_worker = saved;
-    for (int i = 1; i < num_workers; ++i) {
-      if (started[i]) pthread_join(threads[i], nullptr);
-    }
-    // A worker that could not start leaves its blocks to the others (the counter is shared).
-    if (__atomic_load_n(&L->failed, __ATOMIC_ACQUIRE)) status = 1;
-  }
-  for (int i = 0; workers != nullptr && i < num_workers; ++i) teardown_worker(&workers[i]);
-  free(workers);
-  free(threads);
-  free(started);
-  return status;
+  return __atomic_load_n(&L->failed, __ATOMIC_ACQUIRE) ? 1 : 0;
 }
 
 }  // namespace cupaged_cpu
@@ -892,7 +1053,7 @@ extern const int kernel_count;
 #define CUPAGED_CPU_EXPORT extern "C" __attribute__((visibility("default")))
 
 // Bumped whenever these signatures change; the loader checks it.
-CUPAGED_CPU_EXPORT int cupaged_cpu_abi_version() { return 1; }
+CUPAGED_CPU_EXPORT int cupaged_cpu_abi_version() { return 2; }
 CUPAGED_CPU_EXPORT int cupaged_cpu_kernel_count() { return cupaged_cpu::kernel_count; }
 CUPAGED_CPU_EXPORT const char* cupaged_cpu_kernel_name(int i) {
   return cupaged_cpu::kernel_table[i].name;
@@ -907,41 +1068,94 @@ CUPAGED_CPU_EXPORT const char* cupaged_cpu_param_kinds(int i) {
   return cupaged_cpu::kernel_table[i].param_kinds;
 }
 
-// Runs kernel `kernel_index` over the grid and waits for it. args[i] points at the value of
-// parameter i. Returns 0 on success, 1 when the kernel failed (deadlock, assert, divergent barrier,
-// malformed collective) and 2 when the launch could not run (bad configuration, out of memory);
-// for 1 and 2, `error` holds the message.
-CUPAGED_CPU_EXPORT int cupaged_cpu_launch(int kernel_index, unsigned gx, unsigned gy, unsigned gz,
-                                          unsigned bx, unsigned by, unsigned bz, size_t shared_mem,
-                                          void** args, int schedule, int workers, int strict,
-                                          char* error, size_t error_len) {
+// One launch request, packed by the Python side in a single buffer (one foreign call, no
+// per-argument conversions): this 64-byte header, then parameter i's value at offset 64 +
+// sum over j < i of round_up(size_j, 16) (a pointer value for array arguments).
+struct LaunchRequest {
+  int32_t kernel;
+  uint32_t grid[3];
+  uint32_t block[3];
+  int32_t schedule, workers, strict;
+  uint64_t shared_mem;
+  uint64_t values_bytes;
+  char reserved[8];
+};
+static_assert(sizeof(LaunchRequest) == 64, "the Python side packs a 64-byte header");
+
+// Runs the requested kernel over its grid and waits for it. Returns 0 on success, 1 when the
+// kernel failed (deadlock, assert, divergent barrier, malformed collective) and 2 when the launch
+// could not run (bad request, out of memory); for 1 and 2, `error` holds the message.
+CUPAGED_CPU_EXPORT int cupaged_cpu_launch(const char* request, size_t request_bytes, char* error,
+                                          size_t error_len) {
   using namespace cupaged_cpu;
   if (error_len != 0) error[0] = '\0';
+  LaunchRequest r;
+  if (request_bytes < sizeof r) {
+    snprintf(error, error_len, "launch request of %zu bytes, expected at least %zu", request_bytes,
+             sizeof r);
+    return 2;
+  }
+  memcpy(&r, request, sizeof r);
+  const unsigned gx = r.grid[0], gy = r.grid[1], gz = r.grid[2];
+  const unsigned bx = r.block[0], by = r.block[1], bz = r.block[2];
   const unsigned long long threads = 1ull * bx * by * bz;
-  if (kernel_index < 0 || kernel_index >= kernel_count) {
-    snprintf(error, error_len, "kernel index %d out of range [0, %d)", kernel_index, kernel_count);
+  if (r.kernel < 0 || r.kernel >= kernel_count) {
+    snprintf(error, error_len, "kernel index %d out of range [0, %d)", r.kernel, kernel_count);
     return 2;
   }
+  const KernelEntry* kernel = &kernel_table[r.kernel];
+  size_t needed = 0;
+  for (int i = 0; i < kernel->num_params; ++i) needed += (kernel->param_sizes[i] + 15) / 16 * 16;
   if (gx == 0 || gy == 0 || gz == 0 || threads == 0 || threads > kMaxThreadsPerBlock ||
-      schedule < kForward || schedule > kWarpAhead) {
+      r.schedule < kForward || r.schedule > kWarpAhead || r.values_bytes != needed ||
+      request_bytes != sizeof r + needed) {
     snprintf(error, error_len,
-             "invalid launch of %s: grid (%u,%u,%u), block (%u,%u,%u), schedule %d (expected "
-             "non-empty dimensions and at most %u threads per block)",
-             kernel_table[kernel_index].name, gx, gy, gz, bx, by, bz, schedule,
-             kMaxThreadsPerBlock);
+             "invalid launch of %s: grid (%u,%u,%u), block (%u,%u,%u), schedule %d, %zu bytes of "
+             "arguments (expected non-empty dimensions, at most %u threads per block and %zu "
+             "bytes of arguments)",
+             kernel->name, gx, gy, gz, bx, by, bz, r.schedule, request_bytes - sizeof r,
+             kMaxThreadsPerBlock, needed);
     return 2;
   }
-  Launch L{};
-  L.kernel = &kernel_table[kernel_index];
-  L.args = args;
-  L.grid = dim3(gx, gy, gz);
-  L.block = dim3(bx, by, bz);
-  L.shared_bytes = shared_mem;
-  L.num_blocks = 1ull * gx * gy * gz;
-  L.threads_per_block = static_cast<unsigned>(threads);
-  L.schedule = static_cast<Schedule>(schedule);
-  L.strict = strict != 0;
-  L.error = error;
-  L.error_len = error_len;
-  return launch(&L, workers);
+  // The values, copied to a 16-byte aligned buffer so that the thunk reads any type in place.
+  alignas(16) char local[512];
+  char* values = local;
+  if (needed > sizeof local) {
+    void* heap = nullptr;
+    if (posix_memalign(&heap, 16, needed) != 0) {
+      snprintf(error, error_len, "out of memory for the arguments of %s", kernel->name);
+      return 2;
+    }
+    values = static_cast<char*>(heap);
+  }
+  memcpy(values, request + sizeof r, needed);
+  void* local_args[32];
+  void** args = local_args;
+  if (kernel->num_params > 32) args = static_cast<void**>(malloc(kernel->num_params * sizeof(void*)));
+  int status = 2;
+  if (args == nullptr) {
+    snprintf(error, error_len, "out of memory for the arguments of %s", kernel->name);
+  } else {
+    size_t offset = 0;
+    for (int i = 0; i < kernel->num_params; ++i) {
+      args[i] = values + offset;
+      offset += (kernel->param_sizes[i] + 15) / 16 * 16;
+    }
+    Launch L{};
+    L.kernel = kernel;
+    L.args = args;
+    L.grid = dim3(gx, gy, gz);
+    L.block = dim3(bx, by, bz);
+    L.shared_bytes = r.shared_mem;
+    L.num_blocks = 1ull * gx * gy * gz;
+    L.threads_per_block = static_cast<unsigned>(threads);
+    L.schedule = static_cast<Schedule>(r.schedule);
+    L.strict = r.strict != 0;
+    L.error = error;
+    L.error_len = error_len;
+    status = launch(&L, r.workers);
+  }
+  if (args != local_args) free(args);
+  if (values != local) free(values);
+  return status;
 }
