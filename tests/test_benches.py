@@ -50,3 +50,18 @@ def test_the_default_table_shows_a_readable_set_of_columns():
     assert header.split(")", 1)[1].split() == ["Median", "IQR", "Rounds"], header
     widest = max(map(len, result.stdout.splitlines()))
     assert widest <= 120, f"expected a table at most 120 characters wide, got {widest}"
+
+
+def test_the_readme_gives_the_command_and_a_sample_table_in_the_default_layout():
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Benchmarks", 1)[1].split("\n## ", 1)[0]
+    assert ".venv/bin/pytest --benchmark-only\n" in section
+    assert "CPU backend" in section and "without a GPU" in section  # labelled as measured here
+    header = next(line for line in section.splitlines() if line.startswith("Name (time"))
+    assert header.split(")", 1)[1].split() == ["Median", "IQR", "Rounds"]
+    rows = [line for line in section.splitlines() if line.startswith("test_decode[")]
+    assert {re.search(r"impl=(\w+)", r).group(1) for r in rows} == {
+        "fused",
+        "reference",
+        "contiguous",
+    }

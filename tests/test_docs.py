@@ -110,3 +110,18 @@ def test_api_reference_names_every_public_name(built_site):
     api = (built_site / "api.html").read_text(encoding="utf-8")
     for name in cupaged.__all__:
         assert f'id="cupaged.{name}"' in api, name
+
+
+# furo in a 1,280-pixel window: the content column is 46em wide with 3em of padding each side
+# (640 px at 16 px/em), a code block pads 0.625rem each side and sets 14 px monospace, about
+# 8.4 px per character: 620 / 8.4 = 73 characters before the right edge cuts the text off.
+FITS_1280_PX = 72
+
+
+def test_index_page_code_blocks_fit_a_1280_pixel_window():
+    text = (DOCS / "index.md").read_text(encoding="utf-8")
+    blocks = re.findall(r"^```[^\n{]*\n(.*?)^```", text, re.MULTILINE | re.DOTALL)
+    assert blocks, "expected the index page's diagram"
+    for block in blocks:
+        for line in block.splitlines():
+            assert len(line) <= FITS_1280_PX, f"expected <= {FITS_1280_PX} characters, got {line!r}"
