@@ -1,15 +1,27 @@
 """Host cost of the block manager: pure bookkeeping, no attention and no K/V writes.
 
-Run: ``.venv/bin/pytest benches --benchmark-only``. The workloads:
+Run: ``.venv/bin/pytest benches/bench_block_manager.py --benchmark-only``. The workloads are the
+ones of the host-speed issue (block size 16, 65,536 blocks), so that the numbers compare with vLLM
+v1's and nano-vllm's block managers measured the same way:
 
-- decode steps: 256 running sequences (lognormal lengths, median about 300 tokens) each reserve
-  one slot, the batch's block tables are built once, a few sequences finish and new ones arrive
-  (steady arrivals), as a serving loop does before running every layer;
-- prefix sharing: 1,000 requests share a 512-token system prompt and add 64 unique tokens each;
-  each admission looks the prompt up, attaches the cached blocks and reserves the rest;
-- beam search: one 1,024-token sequence forked into 8 beams that append 64 tokens each.
+- **W1** decode steps: 256 live sequences; each step appends one token to every one (one batched
+  ``step``); a sequence that reaches its length (lognormal, median 300, sigma 0.75, clipped to
+  2..8192) is freed and replaced by a new one-token request (``admit``); 20,000 steps a round.
+  **W1a** allocates only; **W1b** also hashes every block that fills (prefix caching, the step's
+  token ids given as one ``[256]`` array).
+- **W2seq** admission: 1,000 requests, each a 512-token system prompt shared by all plus 64 unique
+  tokens (best hit rate 88.8 %), admitted one at a time (``admit``: match the cached prefix,
+  reserve the rest) and freed; at 65,536 and 262,144 blocks (the cost must not grow with the pool).
+- **W3b** beam search: fork a 1,032-token sequence into 8 beams (the shared last block holds 8
+  tokens, so each beam's first append copies it); each beam appends 64 tokens; free all. The copy
+  is done the engine's way: the step returns the (src, dst) pairs and one ``copy_blocks`` call
+  runs them (CPU backend, one layer). ``per_step`` appends one token per beam per step (64
+  steps), ``bulk`` the 64 tokens in one step.
+- the per-token ``step`` of W1a (one call per sequence), against which the batched step is judged.
 
-Times are per step or per operation; ``extra_info`` carries the shapes and the derived numbers.
+Times are per step, request or scenario (``extra_info``: ``us_per_step`` etc.), medians of the
+rounds. The harness (finding finished sequences, drawing lengths) is included, as it was for the
+other block managers.
 """
 
 from __future__ import annotations
@@ -17,92 +29,159 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cupaged import PagedCache
+from cupaged import BlockManager, PagedCache
+
+BLOCK_SIZE = 16
+NUM_BLOCKS = 65_536
+BATCH = 256
+W1_STEPS = 20_000
 
 
-def make_cache(num_blocks: int, block_size: int, prefix_caching: bool = False) -> PagedCache:
-    # head_dim 8, one layer: the arrays are tiny, the bookkeeping is what is measured.
-    return PagedCache(num_blocks, block_size=block_size, num_layers=1, num_kv_heads=1, head_dim=8,
-                      dtype="float16", device="cpu", enable_prefix_caching=prefix_caching)  # fmt: skip
+def _lengths(rng: np.random.Generator, n: int) -> np.ndarray:
+    return np.clip(rng.lognormal(np.log(300), 0.75, n).astype(np.int64), 2, 8192)
 
 
-@pytest.mark.parametrize("batch", (16, 256))
-@pytest.mark.parametrize("block_size", (1, 16))
-def test_decode_step_host_cost(benchmark, batch, block_size):
-    rng = np.random.default_rng(0)
-    steps = 64
-    lengths = np.clip(rng.lognormal(np.log(300), 0.6, batch + steps + 2).astype(int), 1, 2000)
-    need = sum(-(-(int(n) + steps + 1) // block_size) for n in lengths)
-    cache = make_cache(need + batch, block_size)
-    waiting = iter(lengths[batch:].tolist())
-    sids = [cache.add_sequence() for _ in range(batch)]
-    cache.reserve(sids, [int(n) for n in lengths[:batch]])
+class DecodeWorkload:
+    """W1's state: the manager, the batch handle, each slot's current and target length."""
 
-    def step():
-        slots = cache.reserve(sids, 1)
-        tables, lens = cache.block_tables(sids)
-        # Steady arrivals: one sequence finishes and a new one is admitted every step.
-        cache.free(sids.pop(0))
-        sid = cache.add_sequence()
-        cache.reserve(sid, next(waiting))
-        sids.append(sid)
-        return slots, tables, lens
+    def __init__(self, prefix_caching: bool, steps: int = W1_STEPS, seed: int = 0) -> None:
+        self.rng = np.random.default_rng(seed)
+        self.manager = BlockManager(
+            NUM_BLOCKS, BLOCK_SIZE, device="cpu", enable_prefix_caching=prefix_caching
+        )
+        self.targets = iter(_lengths(self.rng, 4 * steps).tolist())
+        first = self.rng.integers(0, 50_000, BATCH).tolist()
+        sids = [self.manager.admit([token]).sid for token in first]
+        self.batch = self.manager.batch(sids)
+        self.lens = np.ones(BATCH, np.int64)
+        self.target = np.array([next(self.targets) for _ in range(BATCH)], np.int64)
+        # Token ids of every step, drawn up front: [steps, BATCH] int64.
+        self.tokens = self.rng.integers(0, 50_000, (steps, BATCH)) if prefix_caching else None
+        self.steps = steps
 
-    benchmark.pedantic(step, rounds=steps, iterations=1, warmup_rounds=1)
+    def run(self) -> None:
+        manager, batch, lens, target = self.manager, self.batch, self.lens, self.target
+        tokens = self.tokens
+        for step in range(self.steps):
+            manager.step(batch, 1, None if tokens is None else tokens[step])
+            lens += 1
+            done = (lens >= target).nonzero()[0]
+            for i in done.tolist():
+                manager.free(int(batch.sids[i]))
+                batch.replace(i, manager.admit([step % 50_000]).sid)
+                lens[i] = 1
+                target[i] = next(self.targets)
+
+
+@pytest.mark.parametrize("workload", ["W1a", "W1b"])
+def test_decode_step(benchmark, workload):
+    rounds = 7
+    states = []
+
+    def setup():
+        state = DecodeWorkload(prefix_caching=workload == "W1b", seed=len(states))
+        states.append(state)
+        return (state,), {}
+
+    benchmark.pedantic(lambda state: state.run(), setup=setup, rounds=rounds, iterations=1)
     median = benchmark.stats.stats.median
     benchmark.extra_info.update(
-        batch=batch, block_size=block_size, median_context=int(np.median(lengths)),
-        us_per_step=round(median * 1e6, 1), us_per_sequence=round(median * 1e6 / batch, 2),
+        workload=workload, batch=BATCH, block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS,
+        steps=W1_STEPS, us_per_step=round(median * 1e6 / W1_STEPS, 2),
+        us_per_sequence=round(median * 1e6 / W1_STEPS / BATCH, 3),
     )  # fmt: skip
-    cache.check_invariants()
+    for state in states:
+        state.manager.check_invariants()
 
 
-def test_prefix_sharing_admission(benchmark):
-    block_size, requests = 16, 1000
-    system_prompt = list(range(512))
-    cache = make_cache(requests * 6 + 64, block_size, prefix_caching=True)
-    rng = np.random.default_rng(0)
-    first = cache.add_sequence(tokens=system_prompt)
-    cache.reserve(first, len(system_prompt), tokens=[system_prompt])
-    prompts = iter(
-        system_prompt + rng.integers(1000, 50_000, 64).tolist() for _ in range(requests + 1)
-    )
-
-    def admit():
-        prompt = next(prompts)
-        sid = cache.add_sequence(tokens=prompt)
-        cached = cache.num_cached_tokens(sid)
-        cache.reserve(sid, len(prompt) - cached, tokens=[prompt[cached:]])
-
-    benchmark.pedantic(admit, rounds=requests, iterations=1, warmup_rounds=1)
-    stats = cache.prefix_cache_stats
-    benchmark.extra_info.update(
-        requests=requests, shared_tokens=512, unique_tokens=64, block_size=block_size,
-        us_per_admission=round(benchmark.stats.stats.median * 1e6, 1),
-        hit_rate=round(stats.hit_rate, 4), cached_tokens=stats.cached_tokens,
-    )  # fmt: skip
-    assert stats.hits == 32 * (requests + 1)  # every request after the first finds all 32 blocks
-    cache.check_invariants()
-
-
-def test_beam_search_fork_and_append(benchmark):
-    block_size, beams, steps = 16, 8, 64
+def test_decode_step_per_token(benchmark):
+    """W1a with one ``step`` call per sequence: what the batched step is judged against."""
+    steps = 200
+    state = DecodeWorkload(prefix_caching=False, steps=steps)
+    sids = state.batch.sids.tolist()
 
     def run():
-        cache = make_cache(64 + beams * 8, block_size)
-        root = cache.add_sequence()
-        cache.reserve(root, 1024)
-        children = [cache.fork(root) for _ in range(beams)]
         for _ in range(steps):
-            cache.reserve(children, 1)
-        return cache
+            for sid in sids:
+                state.manager.step(sid)
 
-    cache = benchmark.pedantic(run, rounds=20, iterations=1, warmup_rounds=1)
+    benchmark.pedantic(run, rounds=5, iterations=1)
     median = benchmark.stats.stats.median
     benchmark.extra_info.update(
-        context=1024, beams=beams, steps=steps, block_size=block_size,
+        workload="W1a per token", batch=BATCH, steps=steps,
         us_per_step=round(median * 1e6 / steps, 1),
-        blocks_used=cache.num_blocks - cache.num_free_blocks,
+        us_per_sequence=round(median * 1e6 / steps / BATCH, 3),
     )  # fmt: skip
-    assert cache.num_blocks - cache.num_free_blocks == 64 + beams * 4  # shared prompt, own tails
+    state.manager.check_invariants()
+
+
+@pytest.mark.parametrize("num_blocks", [NUM_BLOCKS, 4 * NUM_BLOCKS])
+def test_admission(benchmark, num_blocks):
+    """W2seq: admit (match + reserve) and free 1,000 requests sharing a 512-token prompt."""
+    requests, rounds = 1000, 7
+    rng = np.random.default_rng(0)
+    system = rng.integers(0, 50_000, 512).tolist()
+    prompts = [system + rng.integers(50_000, 100_000, 64).tolist() for _ in range(requests)]
+    managers = []
+
+    def setup():
+        managers.append(
+            BlockManager(num_blocks, BLOCK_SIZE, device="cpu", enable_prefix_caching=True)
+        )
+        return (managers[-1],), {}
+
+    def run(manager):
+        for prompt in prompts:
+            manager.free(manager.admit(prompt).sid)
+
+    benchmark.pedantic(run, setup=setup, rounds=rounds, iterations=1)
+    stats = managers[-1].prefix_cache_stats
+    benchmark.extra_info.update(
+        workload="W2seq", requests=requests, shared_tokens=512, unique_tokens=64,
+        num_blocks=num_blocks, us_per_request=round(benchmark.stats.stats.median * 1e6 / requests, 2),
+        hit_rate=round(stats.hit_rate, 4),
+    )  # fmt: skip
+    assert stats.hits == 32 * (requests - 1)  # every request after the first finds all 32
+    assert round(stats.hit_rate, 3) == 0.888
+    managers[-1].check_invariants()
+
+
+@pytest.mark.parametrize("mode", ["per_step", "bulk"])
+def test_beam_search(benchmark, mode):
+    """W3b: fork 8 beams from 1,032 tokens, append 64 tokens each (copy-on-write), free all."""
+    beams, new_tokens = 8, 64
+    cache = PagedCache(256, block_size=BLOCK_SIZE, num_layers=1, num_kv_heads=1, head_dim=64,
+                       dtype="float16", device="cpu")  # fmt: skip
+    roots = []
+
+    def setup():
+        roots.append(cache.add_sequence())
+        cache.reserve(roots[-1], 1032)
+        return (roots[-1],), {}
+
+    def scenario(root):
+        children = cache.fork_many(root, beams)
+        batch = cache.batch(children)
+        copied = 0
+        if mode == "bulk":
+            plan = cache.step(batch, new_tokens, apply_copies=False)
+            cache.apply_copies(plan.copy_src, plan.copy_dst)
+            copied += plan.copy_src.size
+        else:
+            for _ in range(new_tokens):
+                plan = cache.step(batch, 1, apply_copies=False)
+                if plan.copy_src.size:
+                    cache.apply_copies(plan.copy_src, plan.copy_dst)
+                    copied += plan.copy_src.size
+        cache.free_many([*children, root])
+        return copied
+
+    copied = benchmark.pedantic(scenario, setup=setup, rounds=200, iterations=1, warmup_rounds=2)
+    assert copied == beams  # the root still holds the shared block: every beam copies it
+    assert cache.num_free_blocks == cache.num_blocks
     cache.check_invariants()
+    median = benchmark.stats.stats.median
+    benchmark.extra_info.update(
+        workload=f"W3b {mode}", context=1032, beams=beams, new_tokens=new_tokens,
+        block_size=BLOCK_SIZE, us_per_scenario=round(median * 1e6, 1),
+    )  # fmt: skip

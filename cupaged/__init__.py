@@ -2,7 +2,9 @@
 
 Public names::
 
-    PagedCache, BlockPool, CacheSpec                        the block manager and its arithmetic
+    PagedCache, BlockManager, BlockPool, CacheSpec          the block manager and its arithmetic
+    SequenceBatch, StepPlan, Admission                      the step API's handle and results
+    PrefixCache, PrefixChain                                prefix caching over a BlockPool
     write_kv, copy_blocks, paged_attention                  fused kernels on raw cache arrays
     to_csr, from_csr                                        dense <-> CSR page tables
     reference_attention                                     the naive oracle attention
@@ -15,19 +17,27 @@ Public names::
 from __future__ import annotations
 
 from ._backend import device_module, resolve_device, to_numpy
+from .block_manager import Admission, BlockManager, StepPlan
 from .block_pool import BlockPool
+from .block_table import SequenceBatch
 from .cache import PagedCache
 from .dtypes import from_float, to_float
 from .errors import CupagedError, KernelError, OutOfBlocksError
 from .memory import CacheSpec
 from .ops import copy_blocks, paged_attention, write_kv
 from .page_table import from_csr, to_csr
-from .prefix_cache import PrefixCacheStats
+from .prefix_cache import PrefixCache, PrefixCacheStats, PrefixChain
 from .reference import reference_attention
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Admission",
+    "BlockManager",
+    "PrefixCache",
+    "PrefixChain",
+    "SequenceBatch",
+    "StepPlan",
     "BlockPool",
     "CacheSpec",
     "CupagedError",

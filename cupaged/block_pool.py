@@ -1,7 +1,7 @@
 """The pool of physical KV-cache blocks: free stack, refcounts, prefix-hash map, LRU of cached blocks.
 
 A block id is an index into the block axis of the cache arrays. The pool knows nothing about arrays,
-devices or sequences; :class:`~cupaged.PagedCache` maps sequences onto the ids it hands out.
+devices or sequences; :class:`~cupaged.BlockManager` maps sequences onto the ids it hands out.
 
 Every block is in exactly one of three states::
 
@@ -10,19 +10,31 @@ Every block is in exactly one of three states::
     evictable  refcount 0 but its content is registered under a prefix hash: still findable,
                reused (evicted) in least-recently-freed order, only once the free stack is empty
 
-Every operation is O(1) in the size of the pool (allocating ``n`` blocks is O(n)). The free stack
-is a Python list used at its end. The evictable blocks form an intrusive doubly linked list kept
-in two lists indexed by block id (``_prev``/``_next``, with a sentinel at index ``num_blocks``), so
-that reviving a block on a prefix-cache hit unlinks it from the middle in O(1) without allocating
-a Python object; a ``deque.remove`` there would be O(n).
+The state lives in NumPy arrays indexed by block id, so that the block manager moves a whole decode
+step's worth of blocks in a handful of vectorised operations rather than one Python call per block:
+the free stack is an array used at its top, refcounts an ``int32`` array. Every operation is O(1)
+in the size of the pool (O(n) for ``n`` blocks).
+
+The evictable blocks form a queue in least-recently-freed order with *lazy deletion*: a block that
+becomes evictable is appended with a fresh stamp; reviving it on a prefix-cache hit only clears its
+stamp, which turns its queue entry stale; eviction skips stale entries. Reviving many blocks is
+one vectorised store, where the intrusive linked list that this replaces needed a Python call per
+block (a ``deque.remove`` there would even be O(n)). Stale entries are dropped when the queue
+reaches its capacity of ``2 * num_blocks + 64`` entries; at most ``num_blocks`` of them are live,
+so compaction is amortised O(1) per block.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping
+from collections.abc import Hashable, Iterable, Mapping
+from typing import Any
+
+import numpy as np
 
 from ._checks import as_int, require
 from .errors import OutOfBlocksError
+
+_NO_STAMP = -1  # the stamp of a block that is not evictable
 
 
 class BlockPool:
@@ -31,7 +43,8 @@ class BlockPool:
     Freed blocks are handed out again first (LIFO), so a steady workload keeps touching the same,
     warm, blocks. A fresh pool hands out ids 0, 1, 2, ... in order. Blocks registered with
     :meth:`register` survive their last reference as *evictable* and are only reused, oldest first,
-    when no free block is left.
+    when no free block is left. ``incref``, ``decref`` and ``acquire`` take one id or an array of
+    ids; ids are checked once per call, at this boundary.
 
     Example:
         >>> pool = BlockPool(4)
@@ -46,6 +59,8 @@ class BlockPool:
         0
         >>> pool.decref(0), pool.num_evictable, pool.lookup(b"prefix")
         (True, 1, (0, 'tokens 0-15'))
+        >>> pool.incref([1, 1]); pool.refcount(1)   # bulk: one id twice is two references
+        3
     """
 
     def __init__(self, num_blocks: int) -> None:
@@ -53,24 +68,30 @@ class BlockPool:
         if num_blocks < 1:
             raise ValueError(f"expected num_blocks >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
-        # Top of the stack is the end of the list; reversed so that a fresh pool hands out 0 first.
-        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
-        self._refcount: list[int] = [0] * num_blocks
-        # Prefix cache: block -> its hash and content while registered, and hash -> block.
-        self._hash_of: list[Hashable | None] = [None] * num_blocks
+        # The free stack: entries [0, _top) of _free, top at _top - 1; reversed so that a fresh
+        # pool hands out 0 first.
+        self._free = np.arange(num_blocks - 1, -1, -1, dtype=np.int32)
+        self._top = num_blocks
+        self._refcount = np.zeros(num_blocks, np.int32)
+        # Prefix cache: block -> its key and content while registered, and key -> block.
+        self._key_of: list[Hashable | None] = [None] * num_blocks
         self._content_of: list[object] = [None] * num_blocks
         self._block_of: dict[Hashable, int] = {}
-        # Evictable blocks, least recently freed first: a circular list through the sentinel.
-        self._sentinel = num_blocks
-        self._prev: list[int] = [num_blocks] * (num_blocks + 1)
-        self._next: list[int] = [num_blocks] * (num_blocks + 1)
+        self._registered = np.zeros(num_blocks, bool)
+        # Evictable blocks, least recently freed first: entries [_head, _tail) of the queue, each
+        # live while its stamp equals _stamp[block].
+        capacity = 2 * num_blocks + 64
+        self._queue = np.empty(capacity, np.int32)
+        self._queue_stamp = np.empty(capacity, np.int64)
+        self._stamp = np.full(num_blocks, _NO_STAMP, np.int64)
+        self._head = self._tail = self._clock = 0
         self._num_evictable = 0
         self.evictions = 0
 
     @property
     def num_free(self) -> int:
         """Blocks that :meth:`allocate` can hand out: free ones plus evictable ones."""
-        return len(self._free) + self._num_evictable
+        return self._top + self._num_evictable
 
     @property
     def num_evictable(self) -> int:
@@ -94,46 +115,40 @@ class BlockPool:
             raise ValueError(f"expected n >= 0 blocks to allocate, got {n}")
         if n > self.num_free:
             raise OutOfBlocksError(n, self.num_free, f"allocating {n} block(s)")
-        blocks = []
-        for _ in range(n):
-            if self._free:
-                block = self._free.pop()
-            else:
-                block = self._next[self._sentinel]
-                self._unlink(block)
-                self._forget(block)
-                self.evictions += 1
-            self._refcount[block] = 1
-            blocks.append(block)
-        return blocks
+        return self.take(n).tolist()
 
-    def incref(self, block: int) -> None:
-        """Add a reference to a block in use (a fork shares it)."""
-        block = self._check_in_use(block, "incref")
-        self._refcount[block] += 1
+    def incref(self, blocks: int | Iterable[int] | np.ndarray) -> None:
+        """Add a reference to each block (in use); an id given twice gets two (a fork shares them)."""
+        ids = self._check_in_use(blocks, "incref")
+        np.add.at(self._refcount, ids, 1)  # an id given twice counts twice
 
-    def decref(self, block: int) -> bool:
-        """Drop a reference. A block left with none becomes evictable when its content is
-        registered (newest at the tail of the LRU list), else free.
+    def decref(self, blocks: int | Iterable[int] | np.ndarray) -> Any:
+        """Drop a reference per id. A block left with none becomes evictable when its content is
+        registered (newest at the tail of the LRU queue), else free; ids left in order.
 
         Returns:
-            True when the block has no reference left.
+            For one id, whether the block has no reference left; for several, the ``int32``
+            array of blocks left without a reference, in the order they were released.
         """
-        block = self._check_in_use(block, "decref")
-        self._refcount[block] -= 1
-        if self._refcount[block]:
-            return False
-        if self._hash_of[block] is None:
-            self._free.append(block)
-        else:
-            self._link_tail(block)
-        return True
+        ids = self._check_in_use(blocks, "decref")
+        distinct = True
+        if ids.size > 1:
+            unique, counts = np.unique(ids, return_counts=True)
+            over = unique[counts > self._refcount[unique]]
+            if over.size:
+                raise ValueError(
+                    f"cannot decref block {over[0]} {counts[unique == over[0]][0]} times: "
+                    f"expected at most its {self._refcount[over[0]]} reference(s)"
+                )
+            distinct = unique.size == ids.size
+        released = self.release(ids, distinct)
+        if isinstance(blocks, (int, np.integer)):
+            return bool(released.size)
+        return released
 
     def refcount(self, block: int) -> int:
         """Number of references to ``block`` (0 when it is free or evictable)."""
-        if type(block) is int and 0 <= block < self.num_blocks:  # the per-token fast path
-            return self._refcount[block]
-        return self._refcount[self._check_id(block)]
+        return int(self._refcount[self._check_ids(block)[0]])
 
     # ------------------------------------------------------------------------------ prefix cache
 
@@ -146,42 +161,95 @@ class BlockPool:
         Returns:
             The block registered under ``key``.
         """
-        block = self._check_in_use(block, "register")
-        existing = self._block_of.get(key)
-        if existing is not None:
-            return existing
-        require(self._hash_of[block] is None, f"block {block} is already registered")
-        self._block_of[key] = block
-        self._hash_of[block] = key
-        self._content_of[block] = content
-        return block
+        (block,) = self._check_in_use(block, "register").tolist()
+        return self.register_unchecked(block, key, content)
 
     def lookup(self, key: Hashable) -> tuple[int, object] | None:
         """The block registered under ``key`` and its content, or ``None``; changes nothing."""
         block = self._block_of.get(key)
         return None if block is None else (block, self._content_of[block])
 
-    def acquire(self, block: int) -> None:
-        """Take a reference to a registered block found by :meth:`lookup` (a prefix-cache hit);
-        an evictable block is revived: unlinked from the LRU list in O(1)."""
-        block = self._check_id(block)
-        if self._hash_of[block] is None:
-            raise ValueError(f"cannot acquire block {block}: expected a registered block")
-        if self._refcount[block] == 0:
-            self._unlink(block)
-        self._refcount[block] += 1
+    def acquire(self, blocks: int | Iterable[int] | np.ndarray) -> None:
+        """Take a reference to each registered block found by :meth:`lookup` (prefix-cache hits);
+        evictable ones are revived: taken off the LRU queue in one vectorised store."""
+        ids = self._check_ids(blocks)
+        unregistered = ids[~self._registered[ids]]
+        if unregistered.size:
+            raise ValueError(
+                f"cannot acquire block {int(unregistered[0])}: expected a registered block"
+            )
+        self.acquire_unchecked(ids, distinct=np.unique(ids).size == ids.size)
 
     def cached_key(self, block: int) -> Hashable | None:
         """The key ``block`` is registered under, or ``None``."""
-        return self._hash_of[self._check_id(block)]
+        return self._key_of[int(self._check_ids(block)[0])]
 
     def evictable_blocks(self) -> list[int]:
         """Evictable blocks in eviction order (next to go first); O(n), for tests and debugging."""
-        order, block = [], self._next[self._sentinel]
-        while block != self._sentinel:
-            order.append(block)
-            block = self._next[block]
-        return order
+        return self._queue[self._head : self._tail][self._live_entries()].tolist()
+
+    # ------------------------------------------------------------------------------ unchecked core
+    # The block manager calls these with ids it knows to be valid (its own tables); the public
+    # methods above check their arguments once and then call them too.
+
+    def take(self, n: int) -> np.ndarray:
+        """``n`` blocks as an ``int32`` array, refcount 1 each (``n <= num_free``, unchecked)."""
+        top = self._top
+        if n <= top:  # the common case: no eviction
+            blocks = self._free[top - n : top][::-1].copy()
+            self._top = top - n
+        else:
+            blocks = np.concatenate([self._free[:top][::-1], self._evict(n - top)])
+            self._top = 0
+        self._refcount[blocks] = 1
+        return blocks
+
+    def release(self, blocks: np.ndarray, distinct: bool = True) -> np.ndarray:
+        """Drop one reference per entry of ``blocks`` (held references, unchecked).
+
+        Returns:
+            The blocks left without a reference, in release order (an id given twice is released
+            at its last entry).
+        """
+        if distinct:
+            self._refcount[blocks] -= 1
+            gone = blocks[self._refcount[blocks] == 0]
+        else:
+            np.subtract.at(self._refcount, blocks, 1)
+            last = blocks.size - 1 - np.unique(blocks[::-1], return_index=True)[1]
+            last = np.sort(last[self._refcount[blocks[last]] == 0])
+            gone = blocks[last]
+        if not self._block_of:  # nothing registered: every released block is plainly free
+            self._push_free(gone)
+        elif gone.size:
+            cached = self._registered[gone]
+            self._push_free(gone[~cached])
+            self._push_evictable(gone[cached])
+        return gone
+
+    def acquire_unchecked(self, blocks: np.ndarray, distinct: bool = True) -> None:
+        """Take a reference per entry of ``blocks`` (registered or in use, unchecked)."""
+        revived = blocks[self._refcount[blocks] == 0]
+        if revived.size:
+            revived = revived if distinct else np.unique(revived)
+            self._stamp[revived] = _NO_STAMP
+            self._num_evictable -= revived.size
+        if distinct:
+            self._refcount[blocks] += 1
+        else:
+            np.add.at(self._refcount, blocks, 1)
+
+    def register_unchecked(self, block: int, key: Hashable, content: object = None) -> int:
+        """:meth:`register` for a block known to be in use."""
+        existing = self._block_of.get(key)
+        if existing is not None:
+            return existing
+        require(self._key_of[block] is None, f"block {block} is already registered")
+        self._block_of[key] = block
+        self._key_of[block] = key
+        self._content_of[block] = content
+        self._registered[block] = True
+        return block
 
     # ------------------------------------------------------------------------------ checking
 
@@ -195,20 +263,20 @@ class BlockPool:
         Raises:
             AssertionError: naming the first broken invariant.
         """
-        free = set(self._free)
-        require(len(free) == len(self._free), "a block appears twice on the free stack")
+        stack = self._free[: self._top].tolist()
+        free = set(stack)
+        require(len(free) == len(stack), "a block appears twice on the free stack")
         evictable = self.evictable_blocks()
         require(
             len(evictable) == self._num_evictable,
-            f"the LRU list holds {len(evictable)} blocks but counts {self._num_evictable}",
+            f"the LRU queue holds {len(evictable)} blocks but counts {self._num_evictable}",
         )
         evictable_set = set(evictable)
-        require(len(evictable_set) == len(evictable), "a block appears twice in the LRU list")
-        for block in evictable:
-            nxt = self._next[block]
-            require(self._prev[nxt] == block, f"LRU links around block {block} disagree")
+        require(len(evictable_set) == len(evictable), "a block appears twice in the LRU queue")
+        stamped = set(np.flatnonzero(self._stamp != _NO_STAMP).tolist())
+        require(stamped == evictable_set, "stamped blocks and the LRU queue's live entries differ")
         for block in range(self.num_blocks):
-            count = self._refcount[block]
+            count = int(self._refcount[block])
             state = "free" if block in free else "evictable" if block in evictable_set else "used"
             require(count >= 0, f"block {block} has a negative refcount {count}")
             require(
@@ -219,10 +287,14 @@ class BlockPool:
                 not (block in free and block in evictable_set),
                 f"block {block} is both free and evictable",
             )
+            require(
+                bool(self._registered[block]) == (self._key_of[block] is not None),
+                f"block {block}'s registered flag disagrees with its key",
+            )
             if state == "free":
-                require(self._hash_of[block] is None, f"free block {block} is still registered")
+                require(self._key_of[block] is None, f"free block {block} is still registered")
             if state == "evictable":
-                require(self._hash_of[block] is not None, f"evictable block {block} has no hash")
+                require(self._key_of[block] is not None, f"evictable block {block} has no hash")
             if references is not None:
                 expected = references.get(block, 0)
                 require(
@@ -231,10 +303,10 @@ class BlockPool:
                 )
         for key, block in self._block_of.items():
             require(
-                self._hash_of[block] == key,
-                f"the prefix map sends {key!r} to block {block}, registered as {self._hash_of[block]!r}",
+                self._key_of[block] == key,
+                f"the prefix map sends {key!r} to block {block}, registered as {self._key_of[block]!r}",
             )
-        registered = sum(key is not None for key in self._hash_of)
+        registered = sum(key is not None for key in self._key_of)
         require(
             registered == len(self._block_of),
             f"{registered} blocks are registered but the prefix map has {len(self._block_of)}",
@@ -245,33 +317,82 @@ class BlockPool:
 
     # ------------------------------------------------------------------------------ internals
 
-    def _link_tail(self, block: int) -> None:
-        last = self._prev[self._sentinel]
-        self._next[last] = block
-        self._prev[block] = last
-        self._next[block] = self._sentinel
-        self._prev[self._sentinel] = block
-        self._num_evictable += 1
+    def _push_free(self, blocks: np.ndarray) -> None:
+        self._free[self._top : self._top + blocks.size] = blocks
+        self._top += blocks.size
 
-    def _unlink(self, block: int) -> None:
-        before, after = self._prev[block], self._next[block]
-        self._next[before] = after
-        self._prev[after] = before
-        self._num_evictable -= 1
+    def _push_evictable(self, blocks: np.ndarray) -> None:
+        if not blocks.size:
+            return
+        if self._tail + blocks.size > self._queue.size:
+            self._compact()
+        stamps = np.arange(self._clock, self._clock + blocks.size, dtype=np.int64)
+        end = self._tail + blocks.size
+        self._queue[self._tail : end] = blocks
+        self._queue_stamp[self._tail : end] = stamps
+        self._stamp[blocks] = stamps
+        self._tail, self._clock = end, self._clock + blocks.size
+        self._num_evictable += blocks.size
 
-    def _forget(self, block: int) -> None:
-        del self._block_of[self._hash_of[block]]
-        self._hash_of[block] = None
-        self._content_of[block] = None
+    def _evict(self, n: int) -> np.ndarray:
+        """Take the ``n`` least recently freed evictable blocks and drop their cache entries."""
+        taken: list[np.ndarray] = []
+        window = max(64, 4 * n)
+        while n:
+            end = min(self._tail, self._head + window)
+            live = np.flatnonzero(self._live_entries(end))[:n]
+            taken.append(self._queue[self._head + live])
+            self._head = self._head + int(live[-1]) + 1 if live.size == n else end
+            n -= live.size
+            window *= 2
+        blocks = np.concatenate(taken)
+        self._stamp[blocks] = _NO_STAMP
+        self._num_evictable -= blocks.size
+        self._registered[blocks] = False
+        for block in blocks.tolist():
+            del self._block_of[self._key_of[block]]
+            self._key_of[block] = None
+            self._content_of[block] = None
+        self.evictions += blocks.size
+        return blocks
 
-    def _check_id(self, block: int) -> int:
-        block = as_int(block, "block id")
-        if not 0 <= block < self.num_blocks:
-            raise ValueError(f"expected a block id in [0, {self.num_blocks}), got {block}")
-        return block
+    def _live_entries(self, end: int | None = None) -> np.ndarray:
+        end = self._tail if end is None else end
+        blocks = self._queue[self._head : end]
+        return self._stamp[blocks] == self._queue_stamp[self._head : end]
 
-    def _check_in_use(self, block: int, op: str) -> int:
-        block = self._check_id(block)
-        if self._refcount[block] == 0:
-            raise ValueError(f"cannot {op} block {block}: expected a block in use, got a free one")
-        return block
+    def _compact(self) -> None:
+        live = self._live_entries()
+        count = int(live.sum())
+        self._queue[:count] = self._queue[self._head : self._tail][live]
+        self._queue_stamp[:count] = self._queue_stamp[self._head : self._tail][live]
+        self._head, self._tail = 0, count
+
+    def _check_ids(self, blocks: Any) -> np.ndarray:
+        """Block ids as an int64 array, each in ``[0, num_blocks)``; checked before any cast."""
+        if isinstance(blocks, (bool, np.bool_)):
+            ids = None
+        elif isinstance(blocks, (int, np.integer)):
+            ids = np.array([blocks]) if -(2**63) <= blocks < 2**63 else None
+        elif not isinstance(blocks, Iterable) or isinstance(blocks, (str, bytes)):
+            ids = None
+        else:
+            ids = np.asarray(blocks if hasattr(blocks, "dtype") else list(blocks))
+            if ids.ndim == 1 and not ids.size:
+                return ids.astype(np.int64)
+        if ids is None or ids.ndim != 1 or ids.dtype.kind not in "iu":
+            what = repr(blocks) if isinstance(blocks, (int, np.integer)) else type(blocks).__name__
+            raise TypeError(f"expected a block id (an int) or a 1-D array of them, got {what}")
+        bad = ids[(ids < 0) | (ids >= self.num_blocks)]
+        if bad.size:
+            raise ValueError(f"expected a block id in [0, {self.num_blocks}), got {bad[0]}")
+        return ids.astype(np.int64)
+
+    def _check_in_use(self, blocks: Any, op: str) -> np.ndarray:
+        ids = self._check_ids(blocks)
+        idle = ids[self._refcount[ids] == 0]
+        if idle.size:
+            raise ValueError(
+                f"cannot {op} block {idle[0]}: expected a block in use, got a free one"
+            )
+        return ids

@@ -1,113 +1,221 @@
-"""Padded int32 block tables of the live sequences, kept on the cache's device incrementally.
+"""Per-sequence state in NumPy arrays, and persistent batch handles with device block tables.
 
-Each live sequence owns one row of a ``[rows, width]`` int32 array; entry ``j`` of its row is the
-physical block that holds its tokens ``j * block_size .. (j + 1) * block_size - 1``. Entries past the
-sequence's last block are 0 (padding, never read: ``context_lens`` says how many entries count).
+Every live sequence owns one row of a few arrays (:class:`SequenceTable`), so that a decode step
+for a whole batch is a handful of vectorised operations on those arrays::
 
-The authoritative copy lives in host memory, where single-entry updates are cheap; the device copy
-is refreshed lazily, uploading only the rows that changed since the last :meth:`gather` in one
-scatter. A decode step thus moves a few rows, not the whole table. Both copies grow by doubling.
-On the CPU the "device" copy is a second NumPy array, so the same code path runs in every test.
+    tables[row, j]   physical block of the sequence's tokens j * block_size .. (j + 1) * block_size - 1
+    lens[row]        tokens stored or reserved; the row holds cdiv(lens[row], block_size) blocks
+    sids[row]        the sequence's id (-1: a free row)
+    live[row]        the id again while the sequence is resident, -1 while it is swapped out
+                     (its table row is then all 0) or the row is free: one comparison checks
+                     that a batch's sequences are all alive and resident
+    shared[row]      the partly filled last block may be shared with another sequence (set by a
+                     fork; cleared once the row has a private last block)
+    version[row]     when the row's table last changed (a logical clock)
+    tail[row]        token ids of the unfilled last block (prefix caching only)
+
+Entries past a row's last block are 0 (padding, never read: the lengths say how many count).
+
+A :class:`SequenceBatch` is an ordered batch of sequences resolved to rows once, so that each step
+skips the id lookups. It keeps the batch's block table on the device and refreshes only the rows
+whose ``version`` moved since its last refresh: a decode step uploads the few rows that took a
+block, not the whole table. On the CPU the "device" table is a second NumPy array, so the same
+path runs in every test.
 """
 
 from __future__ import annotations
 
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ._backend import to_numpy
 from ._checks import require
 
+if TYPE_CHECKING:
+    from .block_manager import BlockManager
 
-class DeviceBlockTable:
-    """Rows of block ids, one per live sequence, mirrored to a device array."""
 
-    def __init__(self, xp: ModuleType, rows: int = 16, width: int = 16) -> None:
-        self._xp = xp
-        self._host = np.zeros((rows, width), np.int32)
-        self._device = xp.zeros((rows, width), np.int32)
+class SequenceTable:
+    """The rows of the live sequences; grows by doubling (rows and width apart)."""
+
+    def __init__(self, tail_width: int = 0, rows: int = 16, width: int = 16) -> None:
+        self.tables = np.zeros((rows, width), np.int32)
+        self.lens = np.zeros(rows, np.int32)
+        self.sids = np.full(rows, -1, np.int64)
+        self.live = np.full(rows, -1, np.int64)
+        self.shared = np.zeros(rows, bool)
+        self.version = np.zeros(rows, np.int64)
+        self.tail = np.zeros((rows, tail_width), np.int64)
+        self.clock = 1
         self._free_rows: list[int] = list(range(rows - 1, -1, -1))
-        self._dirty: set[int] = set()
 
-    def acquire_row(self, blocks: list[int]) -> int:
-        """Take a free row and fill it with ``blocks``; returns the row index."""
+    @property
+    def width(self) -> int:
+        return self.tables.shape[1]
+
+    def acquire(self, sid: int) -> int:
+        """A free row for sequence ``sid``: resident, empty, length 0."""
         if not self._free_rows:
-            self._grow(rows=2 * self._host.shape[0])
+            self._grow_rows(2 * self.tables.shape[0])
         row = self._free_rows.pop()
-        self.write(row, 0, blocks)
+        self.sids[row] = self.live[row] = sid
+        self.version[row] = self.clock
         return row
 
-    def release_row(self, row: int, num_used: int) -> None:
-        """Give a row back, resetting its ``num_used`` leading entries to the padding value."""
-        self._host[row, :num_used] = 0
-        self._dirty.add(row)
+    def acquire_many(self, sids: list[int]) -> np.ndarray:
+        """Rows for several new sequences at once (as :meth:`acquire`, in order)."""
+        while len(self._free_rows) < len(sids):
+            self._grow_rows(2 * self.tables.shape[0])
+        rows = np.array(self._free_rows[: -len(sids) - 1 : -1], dtype=np.intp)
+        del self._free_rows[-len(sids) :]
+        self.sids[rows] = self.live[rows] = sids
+        self.version[rows] = self.clock
+        return rows
+
+    def release(self, rows: np.ndarray) -> None:
+        """Give rows back, zeroed."""
+        self.tables[rows] = 0
+        self.lens[rows] = 0
+        self.sids[rows] = self.live[rows] = -1
+        self.shared[rows] = False
+        self.version[rows] = self.clock
+        self._free_rows.extend(rows.tolist()[::-1])
+
+    def release_one(self, row: int) -> None:
+        """:meth:`release` for one row."""
+        self.tables[row] = 0
+        self.lens[row] = 0
+        self.sids[row] = self.live[row] = -1
+        self.shared[row] = False
+        self.version[row] = self.clock
         self._free_rows.append(row)
 
-    def write(self, row: int, start: int, blocks: list[int]) -> None:
-        """Set entries ``start .. start + len(blocks) - 1`` of ``row``."""
-        if not blocks:
-            return
-        end = start + len(blocks)
-        if end > self._host.shape[1]:
-            self._grow(width=max(end, 2 * self._host.shape[1]))
-        if len(blocks) == 1:
-            self._host[row, start] = blocks[0]
-        else:
-            self._host[row, start:end] = blocks
-        self._dirty.add(row)
+    def touch(self, rows: Any) -> None:
+        """Record that the tables of ``rows`` changed (batches refresh them)."""
+        self.version[rows] = self.clock
 
-    def gather(self, rows: list[int], width: int) -> Any:
-        """Device array ``[len(rows), width]`` int32 of the given rows' first ``width`` entries."""
-        self._sync()
-        width = min(width, self._device.shape[1])
-        index = self._xp.asarray(np.asarray(rows, dtype=np.intp))
-        return self._device[index, :width]
+    def ensure_width(self, width: int) -> None:
+        """At least ``width`` columns (the block manager keeps one spare past every table)."""
+        if width > self.tables.shape[1]:
+            tables = np.zeros(
+                (self.tables.shape[0], max(width, 2 * self.tables.shape[1])), np.int32
+            )
+            tables[:, : self.tables.shape[1]] = self.tables
+            self.tables = tables
 
-    def check_invariants(self, rows: dict[int, list[int]]) -> None:
-        """Check rows against their owners' block lists (``{row: blocks}``); for tests.
-
-        Raises:
-            AssertionError: naming the first broken invariant.
-        """
+    def check_invariants(self, rows: dict[int, int], block_size: int) -> None:
+        """Check the rows against ``{sid: row}``; raises ``AssertionError`` naming the first break."""
         free = set(self._free_rows)
         require(len(free) == len(self._free_rows), "a table row is on the free list twice")
-        require(not free & rows.keys(), f"rows both free and in use: {sorted(free & rows.keys())}")
+        used = set(rows.values())
+        require(len(used) == len(rows), "two sequences share a table row")
+        require(not free & used, f"rows both free and in use: {sorted(free & used)}")
         require(
-            len(free) + len(rows) == self._host.shape[0],
-            f"{self._host.shape[0]} table rows but {len(free)} free and {len(rows)} in use",
+            len(free) + len(used) == self.tables.shape[0],
+            f"{self.tables.shape[0]} table rows but {len(free)} free and {len(used)} in use",
         )
-        device = to_numpy(self._device)
-        for row in range(self._host.shape[0]):
-            blocks = rows.get(row, [])
-            host = self._host[row]
+        for sid, row in rows.items():
             require(
-                host[: len(blocks)].tolist() == blocks,
-                f"table row {row} holds {host[: len(blocks)].tolist()}, expected {blocks}",
+                self.sids[row] == sid,
+                f"row {row} of sequence {sid} names sequence {self.sids[row]}",
             )
-            require(not host[len(blocks) :].any(), f"table row {row} has non-zero padding entries")
-            if row not in self._dirty:
-                require(
-                    np.array_equal(device[row], host),
-                    f"device copy of table row {row} is stale but the row is not marked dirty",
-                )
+            resident = self.live[row] == sid
+            require(
+                resident or self.live[row] == -1, f"row {row} of sequence {sid} is live as another"
+            )
+            held = -(-int(self.lens[row]) // block_size) if resident else 0
+            require(
+                not self.tables[row, held:].any(),
+                f"table row {row} (sequence {sid}) has non-zero entries past its {held} block(s)",
+            )
+        for row in free:
+            require(
+                self.sids[row] == -1 and self.lens[row] == 0 and self.live[row] == -1,
+                f"free table row {row} is not empty",
+            )
+            require(not self.tables[row].any(), f"free table row {row} holds block ids")
 
-    def _sync(self) -> None:
-        if not self._dirty:
-            return
-        rows = np.fromiter(self._dirty, dtype=np.intp, count=len(self._dirty))
-        self._device[self._xp.asarray(rows)] = self._xp.asarray(self._host[rows])
-        self._dirty.clear()
+    def _grow_rows(self, rows: int) -> None:
+        old = self.tables.shape[0]
 
-    def _grow(self, rows: int | None = None, width: int | None = None) -> None:
-        old_rows, old_width = self._host.shape
-        rows = rows or old_rows
-        width = width or old_width
-        host = np.zeros((rows, width), np.int32)
-        host[:old_rows, :old_width] = self._host
-        self._host = host
-        # A resize re-uploads everything once; doubling makes that amortised O(1) per entry.
-        self._device = self._xp.array(host)  # a copy: on NumPy, asarray would alias the host
-        self._dirty.clear()
-        self._free_rows[:0] = range(rows - 1, old_rows - 1, -1)
+        def grown(array: np.ndarray, fill: int) -> np.ndarray:
+            out = np.full((rows, *array.shape[1:]), fill, array.dtype)
+            out[:old] = array
+            return out
+
+        self.tables, self.lens = grown(self.tables, 0), grown(self.lens, 0)
+        self.sids, self.live = grown(self.sids, -1), grown(self.live, -1)
+        self.shared = grown(self.shared, False)
+        self.version, self.tail = grown(self.version, 0), grown(self.tail, 0)
+        self._free_rows[:0] = range(rows - 1, old - 1, -1)
+
+
+class SequenceBatch:
+    """An ordered batch of live sequences, resolved once, for the step API.
+
+    Made by :meth:`cupaged.BlockManager.batch`; pass it wherever a list of sequence ids goes
+    (``step``, ``reserve``, ``block_tables``). Each use checks, in one vectorised comparison, that
+    its sequences are still alive and resident. Replace a finished sequence in place with
+    :meth:`replace`; build a new batch when the batch changes more.
+
+    Attributes:
+        sids: ``[len(batch)]`` int64 sequence ids, in the order of the query rows (read-only).
+    """
+
+    def __init__(self, manager: BlockManager, sids: np.ndarray, rows: np.ndarray, xp: ModuleType):
+        self._manager = manager
+        self._sids = sids
+        self._rows = rows
+        self._xp = xp
+        self._device: Any = None  # [len, width] int32 block tables on the device
+        self._synced = 0  # the table clock when the device copy was last refreshed
+        self._replaced: list[int] = []  # positions to refresh whatever their version
+
+    @property
+    def sids(self) -> np.ndarray:
+        view = self._sids.view()
+        view.flags.writeable = False
+        return view
+
+    def __len__(self) -> int:
+        return self._sids.size
+
+    def __repr__(self) -> str:
+        return f"SequenceBatch({self._sids.tolist()})"
+
+    def replace(self, position: int, sid: int) -> None:
+        """Put sequence ``sid`` at ``position`` in place of the one there (O(1) + one scan)."""
+        position = int(position)
+        if not 0 <= position < len(self):
+            raise IndexError(f"expected a position in [0, {len(self)}), got {position}")
+        row = self._manager._resident_row(sid)
+        if self._sids[position] != sid and np.count_nonzero(self._sids == sid):
+            raise ValueError(f"expected distinct sequence ids, got {sid} twice in the batch")
+        self._sids[position] = sid
+        self._rows[position] = row
+        self._replaced.append(position)
+
+    def device_tables(self, table: SequenceTable) -> Any:
+        """The batch's ``[len, width]`` int32 block tables on the device, refreshed where stale."""
+        xp = self._xp
+        if self._device is None or self._device.shape[1] != table.width:
+            self._device = xp.asarray(table.tables[self._rows])
+            if xp is np:
+                self._device = self._device.copy()  # never alias the host table
+            self._replaced.clear()
+        else:
+            stale = table.version[self._rows] > self._synced
+            if self._replaced:
+                stale[self._replaced] = True
+                self._replaced.clear()
+            positions = np.flatnonzero(stale)
+            if positions.size:
+                rows = table.tables[self._rows[positions]]
+                if xp is np:
+                    self._device[positions] = rows
+                else:
+                    self._device[xp.asarray(positions)] = xp.asarray(rows)
+        self._synced = table.clock
+        table.clock += 1
+        return self._device

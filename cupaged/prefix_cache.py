@@ -1,4 +1,4 @@
-"""Prefix caching: content keys of full blocks, and the hit/miss counters.
+"""Prefix caching: content keys of full blocks, the chain that links them, and the hit counters.
 
 A full block is identified by a chain of hashes: its key hashes its parent block's key and its own
 token ids, so equal keys mean an equal prefix up to and including the block::
@@ -9,28 +9,45 @@ token ids, so equal keys mean an equal prefix up to and including the block::
 
 The default hasher is BLAKE2b (128-bit digest), never Python's ``hash()``: a collision would hand
 one request another's K/V. As a second line of defence every hit is verified against the content
-stored with the block: the BLAKE2b digest of the whole token prefix before it (a chain that does
-not depend on the injectable ``block_hasher``), its own token ids, and the salt. A per-request ``cache_salt`` starts a separate chain,
-so tenants who must not share K/V never do.
+stored with the block: the BLAKE2b digest of the whole token prefix up to and including the block,
+salt included (a chain like the keys, but always BLAKE2b, whatever ``block_hasher`` is). With the
+default hasher the two chains are one and each block costs one hash. A per-request ``cache_salt``
+starts a separate chain, so tenants who must not share K/V never do.
+
+:class:`PrefixCache` walks and extends chains over a :class:`~cupaged.BlockPool`; the block manager
+uses it, and an engine that owns its own tensors and uses ``BlockPool`` alone can too::
+
+    pool = BlockPool(1024)
+    prefix = PrefixCache(pool, block_size=16)
+    hits, chain = prefix.match(prompt)          # leading cached blocks, and the chain after them
+    pool.acquire(hits)
+    own = pool.allocate(n_more)                 # ... write K/V of prompt[len(hits) * 16:] ...
+    prefix.extend(chain, prompt[len(hits) * 16 : n_full * 16], own[: n_full - len(hits)])
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from .block_pool import BlockPool
 
 BlockHasher = Callable[[bytes, Sequence[int]], bytes]
 """``hasher(parent_key, token_ids) -> key``: the content key of a full block."""
 
+TOKEN_DTYPE = np.dtype("<i8")  # token ids are hashed as little-endian int64
+_MAX_TOKEN = 2**63 - 1
+_NO_TOKENS = np.zeros(0, TOKEN_DTYPE)
+
 
 def blake2b_block_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
     """The default :data:`BlockHasher`: BLAKE2b-128 of the parent key and the int64 token ids."""
-    digest = hashlib.blake2b(parent, digest_size=16)
-    digest.update(np.asarray(tokens, dtype="<i8").tobytes())
-    return digest.digest()
+    return _blake2b(parent, np.asarray(tokens, dtype=TOKEN_DTYPE).tobytes())
 
 
 def salt_root(salt: bytes | None) -> bytes:
@@ -40,15 +57,69 @@ def salt_root(salt: bytes | None) -> bytes:
     return hashlib.blake2b(b"cupaged-salt" + salt, digest_size=16).digest()
 
 
-def block_content(parent_digest: bytes, tokens: Sequence[int], salt: bytes | None) -> tuple:
-    """What a hit is verified against: the BLAKE2b digest of the whole token prefix before the
-    block (a chain like the keys, but always BLAKE2b), the block's token ids, and the salt.
+def as_salt(cache_salt: str | bytes | None) -> bytes | None:
+    """A ``cache_salt`` argument as bytes (``str`` is UTF-8 encoded)."""
+    salt = cache_salt.encode() if isinstance(cache_salt, str) else cache_salt
+    if salt is not None and not isinstance(salt, bytes):
+        raise TypeError(f"expected cache_salt to be str or bytes, got {type(cache_salt).__name__}")
+    return salt
 
-    Verifying against the prefix's digest rather than the parent's key or physical block means a
-    collision of ``block_hasher`` anywhere up the chain is caught, and a block id reused for other
-    content cannot pass for the old one.
+
+def token_array(tokens: Any, what: str = "tokens") -> np.ndarray:
+    """Token ids as a 1-D little-endian int64 array, from a sequence of ints or an integer array.
+
+    Raises:
+        TypeError: not a 1-D sequence of integers.
+        ValueError: an id outside ``0 .. 2**63 - 1`` (a ``uint64`` id would otherwise wrap).
     """
-    return (parent_digest, tuple(tokens), salt)
+    if type(tokens) is list:  # the common case first: a list of Python ints
+        array = np.array(tokens) if tokens else _NO_TOKENS
+    elif isinstance(tokens, (str, bytes)) or not hasattr(tokens, "__len__"):
+        raise TypeError(
+            f"expected {what} to be a sequence of int token ids, got {type(tokens).__name__}"
+        )
+    elif hasattr(tokens, "dtype"):
+        array = tokens.get() if hasattr(tokens, "get") else np.asarray(tokens)
+    else:
+        try:
+            array = np.array(tokens)
+        except OverflowError:
+            raise ValueError(f"expected {what} in 0 .. 2**63 - 1, got an id out of range") from None
+    if array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
+        raise TypeError(
+            f"expected {what} to be a 1-D sequence of int token ids, got {array.dtype} "
+            f"of shape {array.shape}"
+        )
+    if array.dtype.kind == "i" and array.dtype.itemsize == 8:
+        if array.size and array.min() < 0:
+            raise ValueError(f"expected {what} in 0 .. 2**63 - 1, got the id {array.min()}")
+    elif array.size:
+        low, high = int(array.min()), int(array.max())
+        if low < 0 or high > _MAX_TOKEN:
+            got = low if low < 0 else high
+            raise ValueError(f"expected {what} in 0 .. 2**63 - 1, got the id {got}")
+    return array.astype(TOKEN_DTYPE, copy=False)
+
+
+@dataclass(slots=True)
+class PrefixChain:
+    """The keys of a sequence's full blocks, in order, and where its chain starts.
+
+    Attributes:
+        root: the parent key of block 0 (:func:`salt_root` of ``salt``).
+        salt: the per-request salt, or ``None``.
+        keys: ``keys[j]`` is block ``j``'s lookup key (``block_hasher``).
+        digests: ``digests[j]``: BLAKE2b of the whole token prefix through block ``j``, what a
+            hit on ``keys[j]`` is verified against.
+    """
+
+    root: bytes
+    salt: bytes | None
+    keys: list[bytes] = field(default_factory=list)
+    digests: list[bytes] = field(default_factory=list)
+
+    def copy(self) -> PrefixChain:
+        return PrefixChain(self.root, self.salt, list(self.keys), list(self.digests))
 
 
 @dataclass(slots=True)
@@ -72,3 +143,141 @@ class PrefixCacheStats:
         """``hits / (hits + misses)``; 0 before the first lookup."""
         total = self.hits + self.misses
         return self.hits / total if total else 0.0
+
+
+class PrefixCache:
+    """Finds and registers full blocks by content over a :class:`~cupaged.BlockPool`.
+
+    The chain walk is written once (:meth:`walk`); :meth:`match` follows it through the pool's
+    prefix map until the first miss, :meth:`extend` registers the blocks it reaches.
+
+    Args:
+        pool: the pool whose prefix map holds the keys.
+        block_size: tokens per block.
+        hasher: the :data:`BlockHasher` (BLAKE2b by default); tests inject colliding ones.
+
+    Example:
+        >>> from cupaged import BlockPool
+        >>> pool = BlockPool(8)
+        >>> prefix = PrefixCache(pool, block_size=2)
+        >>> blocks = pool.allocate(2)
+        >>> chain = prefix.chain()
+        >>> prefix.extend(chain, [5, 6, 7, 8], blocks)       # two full blocks, now findable
+        >>> prefix.match([5, 6, 7, 8, 9])[0]                  # a prompt sharing both
+        [0, 1]
+        >>> prefix.match([5, 6, 7, 8])[0]     # the block of the last token is left to compute
+        [0]
+    """
+
+    def __init__(self, pool: BlockPool, block_size: int, hasher: BlockHasher | None = None) -> None:
+        self.pool = pool
+        self.block_size = block_size
+        self.hasher = hasher or blake2b_block_hash
+        self._default = self.hasher is blake2b_block_hash
+        self.stats = PrefixCacheStats()
+
+    def chain(self, cache_salt: str | bytes | None = None) -> PrefixChain:
+        """An empty chain: the one of a sequence with no full block yet."""
+        salt = as_salt(cache_salt)
+        return PrefixChain(salt_root(salt), salt)
+
+    def walk(self, chain: PrefixChain, tokens: np.ndarray) -> Iterator[tuple[bytes, bytes]]:
+        """``(key, digest)`` of each full block of ``tokens`` (int64), the blocks that follow
+        ``chain``'s last one; ``chain`` itself is not changed."""
+        data = tokens.tobytes()
+        bs, width = self.block_size, self.block_size * TOKEN_DTYPE.itemsize
+        key = chain.keys[-1] if chain.keys else chain.root
+        digest = chain.digests[-1] if chain.digests else chain.root
+        for j in range(len(tokens) // bs):
+            key, digest = self._hash(key, digest, data[j * width : (j + 1) * width], tokens, j)
+            yield key, digest
+
+    def next_keys(self, chains: list[PrefixChain], chunks: np.ndarray) -> list[tuple[bytes, bytes]]:
+        """``(key, digest)`` of one full block after each chain: ``chunks`` is ``[len(chains),
+        block_size]`` int64 (a decode step's blocks that filled, one per sequence)."""
+        data = chunks.tobytes()
+        width = self.block_size * TOKEN_DTYPE.itemsize
+        out = []
+        for j, chain in enumerate(chains):
+            key = chain.keys[-1] if chain.keys else chain.root
+            digest = chain.digests[-1] if chain.digests else chain.root
+            out.append(self._hash(key, digest, data[j * width : (j + 1) * width], chunks, j))
+        return out
+
+    def _hash(
+        self, key: bytes, digest: bytes, data: bytes, tokens: np.ndarray, j: int
+    ) -> tuple[bytes, bytes]:
+        """The next block's key and digest from its parent's; ``data`` are the block's token
+        bytes, which are also ``tokens`` block ``j`` (row ``j`` when 2-D) for a user hasher."""
+        digest = _blake2b(digest, data)
+        if self._default:
+            return digest, digest  # the key chain and the digest chain are one
+        chunk = (
+            tokens[j]
+            if tokens.ndim == 2
+            else tokens[j * self.block_size : (j + 1) * self.block_size]
+        )
+        return self.hasher(key, chunk.tolist()), digest
+
+    def match(
+        self, tokens: Any, cache_salt: str | bytes | None = None
+    ) -> tuple[list[int], PrefixChain]:
+        """The cached leading full blocks of a prompt, and the chain through them.
+
+        The block holding the prompt's last token is never matched: at least one token is left to
+        compute, its logits are needed. Counts hits and misses; takes no reference (call
+        :meth:`BlockPool.acquire` on the blocks).
+
+        Returns:
+            ``(blocks, chain)``: the hit blocks in order, and the chain of the prompt's first
+            ``len(blocks)`` blocks.
+        """
+        tokens = token_array(tokens)
+        chain = self.chain(cache_salt)
+        lookable = max(len(tokens) - 1, 0) // self.block_size
+        blocks: list[int] = []
+        for key, digest in self.walk(chain, tokens[: lookable * self.block_size]):
+            found = self.pool.lookup(key)
+            if found is None or found[1] != digest:
+                break  # a miss, or a hash collision caught by the content check
+            blocks.append(found[0])
+            chain.keys.append(key)
+            chain.digests.append(digest)
+        stats = self.stats
+        stats.hits += len(blocks)
+        stats.misses += len(tokens) // self.block_size - len(blocks)
+        stats.cached_tokens += len(blocks) * self.block_size
+        return blocks, chain
+
+    def extend(self, chain: PrefixChain, tokens: Any, blocks: Sequence[int] | np.ndarray) -> None:
+        """Register ``blocks`` (in use) as the full blocks that follow ``chain``, holding
+        ``tokens`` (``len(blocks) * block_size`` ids), and append their keys to ``chain``.
+
+        A key that another block already holds keeps that block (the first writer wins).
+        """
+        tokens = token_array(tokens)
+        if len(tokens) != len(blocks) * self.block_size:
+            raise ValueError(
+                f"expected {len(blocks) * self.block_size} token ids for {len(blocks)} full "
+                f"block(s), got {len(tokens)}"
+            )
+        self.extend_unchecked(chain, tokens, np.asarray(blocks).tolist())
+
+    def extend_unchecked(self, chain: PrefixChain, tokens: np.ndarray, blocks: list[int]) -> None:
+        """:meth:`extend` with ``tokens`` an int64 array and ``blocks`` in use (unchecked)."""
+        keys = list(self.walk(chain, tokens))
+        for block, (key, digest) in zip(blocks, keys, strict=True):
+            self.pool.register_unchecked(block, key, digest)
+        chain.keys.extend(key for key, _ in keys)
+        chain.digests.extend(digest for _, digest in keys)
+
+    def register_chain(self, chain: PrefixChain, blocks: Sequence[int]) -> None:
+        """Register ``blocks[j]`` under ``chain.keys[j]`` again (fresh blocks after a swap-in)."""
+        for block, key, digest in zip(blocks, chain.keys, chain.digests, strict=False):
+            self.pool.register_unchecked(block, key, digest)
+
+
+def _blake2b(parent: bytes, data: bytes) -> bytes:
+    digest = hashlib.blake2b(parent, digest_size=16)
+    digest.update(data)
+    return digest.digest()

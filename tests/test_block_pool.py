@@ -93,10 +93,11 @@ def test_check_invariants_catches_corruption():
     pool.allocate(2)
     with pytest.raises(AssertionError, match="block 1 has refcount 1 but 2 table reference"):
         pool.check_invariants({0: 1, 1: 2})
-    pool._free.append(2)  # the same block twice on the free stack
+    pool._free[pool._top] = 2  # the same block twice on the free stack
+    pool._top += 1
     with pytest.raises(AssertionError, match="twice on the free stack"):
         pool.check_invariants()
-    pool._free.pop()
+    pool._top -= 1
     pool._refcount[2] = 1  # in use and on the free stack at once
     with pytest.raises(AssertionError, match="block 2 has refcount 1 but is free"):
         pool.check_invariants()
@@ -207,10 +208,15 @@ def test_check_invariants_catches_a_broken_lru():
     for block in range(3):
         pool.register(block, block)
         pool.decref(block)
-    pool._prev[1] = 2
-    with pytest.raises(AssertionError, match="LRU links around block 0 disagree"):
+    pool._stamp[1] = -1  # block 1 evictable, but its queue entry stale
+    with pytest.raises(AssertionError, match="the LRU queue holds 2 blocks but counts 3"):
         pool.check_invariants()
-    pool._prev[1] = 0
+    pool._num_evictable -= 1
+    with pytest.raises(AssertionError, match="block 1 has refcount 0 but is used"):
+        pool.check_invariants()
+    pool._stamp[1] = pool._queue_stamp[1]
+    pool._num_evictable += 1
+    pool.check_invariants()
     pool._block_of[7] = 1
     with pytest.raises(AssertionError, match="the prefix map sends 7 to block 1"):
         pool.check_invariants()

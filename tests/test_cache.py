@@ -362,24 +362,15 @@ def test_block_tables_grow_past_their_initial_capacity(rng):
     cache.check_invariants()
 
 
-def test_check_invariants_catches_a_stale_device_table(rng):
+def test_check_invariants_catches_a_corrupted_table_row(rng):
     cache = make_cache()
     sid = cache.add_sequence()
     cache.append(sid, *kv(cache, rng, 5))
-    cache.block_tables([sid])  # synchronises the device copy
-    cache._table._device[0, 1] = 7
-    with pytest.raises(AssertionError, match="device copy of table row 0 is stale"):
+    row = cache._rows[sid]
+    cache._seqs.tables[row, 1] = 7
+    with pytest.raises(AssertionError, match="block 1 has refcount 1 but 0 table reference"):
         cache.check_invariants()
-
-
-def test_cpu_device_table_stays_a_separate_copy_after_growing(rng):
-    """On NumPy the "device" copy must not alias the host copy, or the sync path goes untested."""
-    cache = make_cache(num_blocks=40)
-    sids = [cache.add_sequence() for _ in range(20)]  # more rows than the initial 16
-    for sid in sids:
-        cache.append(sid, *kv(cache, rng, 1))
-    assert cache._table._device is not cache._table._host
-    cache.block_tables(sids)
-    cache._table._device[3, 0] = 39
-    with pytest.raises(AssertionError, match="device copy of table row 3 is stale"):
+    cache._seqs.tables[row, 1] = 1
+    cache._seqs.tables[row, 3] = 7  # past the sequence's 2 blocks
+    with pytest.raises(AssertionError, match="non-zero entries past its 2 block"):
         cache.check_invariants()

@@ -148,7 +148,7 @@ def test_attention_over_cached_blocks_equals_attention_from_scratch(rng):
         np.testing.assert_array_equal(outs[0], outs[1])
 
 
-def test_tokens_are_required_with_prefix_caching_and_refused_without(rng):
+def test_tokens_are_required_with_prefix_caching_and_checked_without(rng):
     cache = make_cache()
     sid = cache.add_sequence(tokens=[1, 2])
     k, v = prefix_kv([1, 2, 3], 2)
@@ -162,13 +162,16 @@ def test_tokens_are_required_with_prefix_caching_and_refused_without(rng):
         cache.reserve([sid], 1)
     assert cache.seq_len(sid) == 0
     cache.check_invariants()
+    # Without prefix caching tokens= is accepted (so callers need no branch), checked, unused.
     plain = PagedCache(4, block_size=BS, num_layers=LAYERS, num_kv_heads=HEADS, head_dim=DIM,
                        dtype="float32", device="cpu")  # fmt: skip
-    with pytest.raises(ValueError, match="need PagedCache\\(enable_prefix_caching=True\\)"):
-        plain.add_sequence(tokens=[1])
-    other = plain.add_sequence()
-    with pytest.raises(ValueError, match="tokens= needs PagedCache"):
-        plain.append(other, k, v, tokens=[3])
+    other = plain.add_sequence(tokens=[1], cache_salt="tenant")
+    assert plain.num_cached_tokens(other) == 0 and plain.seq_len(other) == 0
+    plain.append(other, k[:, :1], v[:, :1], tokens=[3])
+    with pytest.raises(ValueError, match=r"expected 1 token ids \(one per new token\), got 2"):
+        plain.append(other, k[:, :1], v[:, :1], tokens=[3, 4])
+    assert plain.seq_len(other) == 1
+    plain.check_invariants()
     with pytest.raises(ValueError, match="block_hasher= needs enable_prefix_caching=True"):
         PagedCache(4, head_dim=DIM, device="cpu", block_hasher=lambda p, t: b"")
 

@@ -1,0 +1,891 @@
+"""BlockManager: the bookkeeping of a paged KV cache, with no K/V arrays.
+
+Token ``pos`` of a sequence lives in physical block ``table[pos // block_size]`` at offset
+``pos % block_size``. With ``block_size = 4``, a sequence of 7 tokens whose table is ``[5, 2]``::
+
+    logical block    0                 1
+    tokens           0  1  2  3        4  5  6  .
+                     |  |  |  |        |  |  |
+    physical block   5 [0  1  2  3]    2 [4  5  6  .]     <- one free slot left in block 2
+
+Its 8th token (position 7) fills block 2; the 9th takes a new block from the pool.
+
+Blocks are shared by reference: :meth:`BlockManager.fork` gives a child the parent's table and bumps
+every block's refcount. The first write into a shared, partly filled last block gets a fresh block
+and a *copy* ``(src, dst)`` in the step's plan (copy-on-write); full shared blocks are never written
+again, so they are never copied. :class:`~cupaged.PagedCache` builds on this class, owns the K/V
+arrays and applies the copies itself; an engine that owns its own tensors uses ``BlockManager``
+directly and applies them (one ``copy_blocks`` per step, for all layers).
+
+The sequences' state lives in NumPy arrays (:mod:`cupaged.block_table`): a decode step for a batch
+of ``B`` sequences is a fixed number of vectorised operations, whatever ``B`` is; Python loops run
+only over blocks that fill (prefix-cache hashing) and blocks that must be copied.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+
+from ._backend import device_module, resolve_device
+from ._checks import as_int, require
+from ._util import cdiv
+from .block_pool import BlockPool
+from .block_table import SequenceBatch, SequenceTable
+from .errors import CupagedError, OutOfBlocksError
+from .prefix_cache import (
+    BlockHasher,
+    PrefixCache,
+    PrefixCacheStats,
+    PrefixChain,
+    as_salt,
+    token_array,
+)
+
+_INT32_MAX = 2**31 - 1
+_NO_COPIES = np.zeros(0, np.int32)
+_NO_COPIES.flags.writeable = False
+
+SequenceIds = "int | Iterable[int] | SequenceBatch"
+
+
+class StepPlan:
+    """What a step of the block manager planned: where to write, and which blocks to copy first.
+
+    Attributes:
+        slots: ``[sum(num_tokens)]`` int32 slot mapping on the manager's device, sequence after
+            sequence in batch order: ``slot = block * block_size + offset``.
+        copy_src: ``[num_copies]`` int32 host array: blocks to copy (copy-on-write) ...
+        copy_dst: ``[num_copies]`` int32 host array: ... onto these fresh blocks, in every layer,
+            before any K/V of this step is written. Empty when nothing is shared.
+        copies_applied: whether :class:`~cupaged.PagedCache` already copied them.
+    """
+
+    __slots__ = ("_counts", "_size", "copies_applied", "copy_dst", "copy_src", "slots")
+
+    def __init__(
+        self,
+        slots: Any,
+        copy_src: np.ndarray,
+        copy_dst: np.ndarray,
+        counts: int | np.ndarray,
+        size: int,
+        copies_applied: bool = False,
+    ) -> None:
+        self.slots, self.copy_src, self.copy_dst = slots, copy_src, copy_dst
+        self._counts, self._size, self.copies_applied = counts, size, copies_applied
+
+    @property
+    def num_tokens(self) -> np.ndarray:
+        """``[len(batch)]`` int32 host array: new tokens per sequence."""
+        return np.broadcast_to(np.asarray(self._counts, np.int32), (self._size,)).copy()
+
+    @property
+    def query_start_loc(self) -> np.ndarray:
+        """``[len(batch) + 1]`` int32 host array: sequence ``i``'s new tokens are rows
+        ``query_start_loc[i] : query_start_loc[i + 1]`` of the step's packed queries."""
+        out = np.zeros(self._size + 1, np.int32)
+        np.cumsum(self.num_tokens, out=out[1:])
+        return out
+
+    def __repr__(self) -> str:
+        return (
+            f"StepPlan(slots={self.slots!r}, copy_src={self.copy_src.tolist()}, "
+            f"copy_dst={self.copy_dst.tolist()}, num_tokens={self.num_tokens.tolist()})"
+        )
+
+
+@dataclass(slots=True)
+class Admission:
+    """A request admitted in one call: its sequence, the cached prefix, the slots for the rest.
+
+    Attributes:
+        sid: the new sequence.
+        num_cached_tokens: prompt tokens served from the prefix cache: compute K/V (and write them
+            to ``slots``) for ``prompt[num_cached_tokens:]`` only.
+        slots: ``[len(prompt) - num_cached_tokens]`` int32 slot mapping on the manager's device.
+    """
+
+    sid: int
+    num_cached_tokens: int
+    slots: Any
+
+
+class BlockManager:
+    """Block pool, per-sequence block tables, refcounts, copy-on-write plans and prefix caching.
+
+    No K/V arrays: this is what :class:`~cupaged.PagedCache` builds on, and what an engine that
+    owns its tensors uses. The step API works on whole batches::
+
+        batch = manager.batch(sids)                  # resolve the ids once
+        plan = manager.step(batch)                   # one token each: slots and copies
+        copy_blocks(k_all_layers, v_all_layers, plan.copy_src, plan.copy_dst)   # if any
+        tables, lens = manager.block_tables(batch)   # once per step, for every layer
+
+    Args:
+        num_blocks: physical blocks in the pool.
+        block_size: tokens per block.
+        device: where slot mappings and block tables go: ``"cuda"`` (CuPy arrays), ``"cpu"``
+            (NumPy arrays) or ``None`` for CUDA when CuPy sees a GPU and the CPU otherwise.
+        enable_prefix_caching: register full blocks by content so that sequences sharing a prompt
+            prefix share its blocks; ``tokens=`` then carries the new tokens' ids (it is accepted,
+            and checked, in every mode, so callers need no branch).
+        block_hasher: the :data:`~cupaged.prefix_cache.BlockHasher` of prefix caching (BLAKE2b by
+            default); tests inject colliding ones.
+
+    Example:
+        >>> manager = BlockManager(num_blocks=8, block_size=4, device="cpu")
+        >>> a = manager.admit([7, 8, 9, 10, 11, 12]).sid    # 6 tokens: blocks 0 and 1
+        >>> b = manager.fork(a)                             # shares both blocks
+        >>> plan = manager.step([a, b])     # both write into shared block 1: a copies it first,
+        >>> plan.copy_src.tolist(), plan.copy_dst.tolist()  # b, its last holder, writes in place
+        ([1], [2])
+        >>> manager.block_table(a), manager.block_table(b), plan.slots.tolist()
+        ([0, 2], [0, 1], [10, 6])
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int = 16,
+        *,
+        device: str | None = None,
+        enable_prefix_caching: bool = False,
+        block_hasher: BlockHasher | None = None,
+    ) -> None:
+        num_blocks = as_int(num_blocks, "num_blocks")
+        block_size = as_int(block_size, "block_size")
+        if num_blocks < 1:
+            raise ValueError(f"expected num_blocks >= 1, got {num_blocks}")
+        if block_size < 1:
+            raise ValueError(f"expected block_size >= 1, got {block_size}")
+        if num_blocks * block_size > _INT32_MAX:
+            raise ValueError(
+                f"expected num_blocks * block_size <= {_INT32_MAX} (slots are int32), "
+                f"got {num_blocks} * {block_size}"
+            )
+        if block_hasher is not None and not enable_prefix_caching:
+            raise ValueError("block_hasher= needs enable_prefix_caching=True")
+        self.device = resolve_device(device)
+        self._xp = device_module(self.device)
+        self._block_size = block_size
+        self._pool = BlockPool(num_blocks)
+        self.prefix_caching = bool(enable_prefix_caching)
+        self._prefix = PrefixCache(self._pool, block_size, block_hasher)
+        self._seqs = SequenceTable(tail_width=block_size if self.prefix_caching else 0)
+        self._rows: dict[int, int] = {}  # live sequence id -> row
+        self._chains: dict[int, PrefixChain] = {}  # row -> prefix chain (prefix caching only)
+        self._cached: dict[int, int] = {}  # live sequence id -> prompt tokens found cached
+        self._next_id = 0
+
+    # ----------------------------------------------------------------------------- introspection
+
+    @property
+    def num_blocks(self) -> int:
+        """Physical blocks in the pool."""
+        return self._pool.num_blocks
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per block."""
+        return self._block_size
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks not referenced by any sequence (cached but evictable ones included)."""
+        return self._pool.num_free
+
+    @property
+    def pool(self) -> BlockPool:
+        """The :class:`~cupaged.BlockPool` (read it; changing it by hand breaks the tables)."""
+        return self._pool
+
+    @property
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        """Hits, misses, evictions and served tokens of prefix caching (a snapshot)."""
+        return replace(self._prefix.stats, evictions=self._pool.evictions)
+
+    @property
+    def sequence_ids(self) -> list[int]:
+        """Ids of the live sequences, oldest first."""
+        return list(self._rows)
+
+    def num_cached_tokens(self, sid: int) -> int:
+        """Prompt tokens of ``sid`` found in the prefix cache when it was added or admitted.
+
+        The caller computes K/V for the rest of the prompt only: ``prompt[num_cached_tokens:]``.
+        """
+        self._row(sid)
+        return self._cached.get(sid, 0)
+
+    def is_swapped(self, sid: int) -> bool:
+        """Whether sequence ``sid`` is swapped out to host memory."""
+        return self._seqs.live[self._row(sid)] < 0
+
+    def seq_len(self, sid: int) -> int:
+        """Number of tokens stored (or reserved) for sequence ``sid``."""
+        return int(self._seqs.lens[self._row(sid)])
+
+    def block_table(self, sid: int) -> list[int]:
+        """Physical block ids of sequence ``sid`` in logical order (a copy)."""
+        row = self._resident_row(sid)
+        return self._seqs.tables[row, : self._held(row)].tolist()
+
+    def refcount(self, block: int) -> int:
+        """Number of sequences whose table references physical block ``block``."""
+        return self._pool.refcount(block)
+
+    # ----------------------------------------------------------------------------- lifecycle
+
+    def add_sequence(
+        self, tokens: Sequence[int] | None = None, cache_salt: str | bytes | None = None
+    ) -> int:
+        """Start a sequence and return its id; with prefix caching, attach its cached prefix.
+
+        The sequence takes no new block until tokens arrive. With prefix caching, every leading
+        full block of ``tokens`` (the prompt) already in the cache is attached (shared, refcount
+        up) and :meth:`num_cached_tokens` says how many prompt tokens that covers; the block
+        holding the prompt's last token is never attached, so at least one token is left to
+        compute (its logits are needed). :meth:`admit` does this and reserves the rest at once.
+
+        Args:
+            tokens: the prompt's token ids (used with prefix caching, checked in every mode).
+            cache_salt: a per-request salt: sequences share cached blocks only with sequences of
+                the same salt.
+        """
+        prompt = token_array(tokens if tokens is not None else ())
+        sid, _ = self._add(prompt, as_salt(cache_salt))
+        return sid
+
+    def admit(self, prompt: Sequence[int], cache_salt: str | bytes | None = None) -> Admission:
+        """Admit a request in one call: attach its cached prefix and reserve the rest of the prompt.
+
+        All or nothing: :class:`OutOfBlocksError` changes nothing (counters included).
+
+        Args:
+            prompt: the prompt's token ids (matched against the prefix cache when it is enabled).
+            cache_salt: a per-request salt, as in :meth:`add_sequence`.
+
+        Returns:
+            The :class:`Admission`: write K/V of ``prompt[num_cached_tokens:]`` to its slots.
+        """
+        prompt = token_array(prompt, "prompt")
+        salt = as_salt(cache_salt)
+        stats = replace(self._prefix.stats) if self.prefix_caching else None
+        hits, chain = self._match(prompt, salt)
+        rest = len(prompt) - len(hits) * self._block_size
+        revived = int(np.count_nonzero(self._pool._refcount[hits] == 0)) if hits else 0
+        needed = cdiv(len(prompt), self._block_size) - len(hits)
+        if needed > self._pool.num_free - revived:
+            self._prefix.stats = stats
+            raise OutOfBlocksError(
+                needed, self._pool.num_free - revived, f"admitting a {len(prompt)}-token prompt"
+            )
+        sid, row = self._attach(hits, chain)
+        rows = np.array([row], np.intp)
+        counts = np.array([rest], np.int64)
+        slots, _, _ = self._plan(rows, counts, [prompt[len(prompt) - rest :]], None)
+        return Admission(sid, len(hits) * self._block_size, self._xp.asarray(slots))
+
+    def fork(self, sid: int) -> int:
+        """Start a sequence that shares every block of ``sid`` (parallel sampling, beam search).
+
+        No K/V is copied: each shared block's refcount goes up by one. Whichever of the two
+        sequences first writes into a shared, partly filled block gets a private copy of it.
+
+        Returns:
+            The child's id.
+        """
+        return self.fork_many(sid, 1)[0]
+
+    def fork_many(self, sid: int, n: int) -> list[int]:
+        """``n`` forks of ``sid`` at once (beam search); as :meth:`fork`, vectorised."""
+        n = as_int(n, "n")
+        if n < 0:
+            raise ValueError(f"expected n >= 0 forks, got {n}")
+        parent = self._resident_row(sid)
+        if not n:
+            return []
+        table = self._seqs
+        children = list(range(self._next_id, self._next_id + n))
+        rows = table.acquire_many(children)
+        self._next_id += n
+        held = self._held(parent)
+        blocks = table.tables[parent, :held]
+        table.tables[rows] = table.tables[parent]
+        table.lens[rows] = table.lens[parent]
+        self._pool._refcount[blocks] += n
+        if table.lens[parent] % self._block_size:  # a partly filled last block is now shared
+            table.shared[parent] = True
+            table.shared[rows] = True
+        if self.prefix_caching:
+            table.tail[rows] = table.tail[parent]
+            for row in rows.tolist():
+                self._chains[row] = self._chains[parent].copy()
+        self._rows.update(zip(children, rows.tolist(), strict=True))
+        return children
+
+    def free(self, sid: int) -> None:
+        """End sequence ``sid``: drop its references; unshared blocks return to the pool.
+
+        Cached full blocks are not wiped: they become evictable, last block first, so that a
+        prompt's head survives eviction longest.
+        """
+        self._release([sid], [self._row(sid)])
+
+    def free_many(self, sids: Iterable[int]) -> None:
+        """End several sequences at once (as :meth:`free` one after the other, vectorised)."""
+        sid_list = list(sids)
+        rows = [self._row(sid) for sid in sid_list]
+        if len(set(rows)) != len(rows):
+            raise ValueError(f"expected distinct sequence ids, got {sid_list}")
+        self._release(sid_list, rows)
+
+    # ----------------------------------------------------------------------------- steps
+
+    def batch(self, sids: Iterable[int]) -> SequenceBatch:
+        """A persistent handle on a batch of resident sequences (ids resolved once)."""
+        sid_list = list(sids)
+        rows = np.array([self._resident_row(sid) for sid in sid_list], dtype=np.intp)
+        if np.unique(rows).size != rows.size:
+            raise ValueError(f"expected distinct sequence ids, got {sid_list}")
+        return SequenceBatch(self, np.array(sid_list, dtype=np.int64), rows, self._xp)
+
+    def step(
+        self,
+        sids: int | Iterable[int] | SequenceBatch,
+        num_tokens: int | Sequence[int] | np.ndarray = 1,
+        tokens: Any = None,
+    ) -> StepPlan:
+        """Make room for the next tokens of a batch: the slots to write and the blocks to copy.
+
+        The lengths grow at once. All or nothing: if the pool cannot hold every token of every
+        sequence, :class:`OutOfBlocksError` is raised and nothing changes. Apply the plan's copies
+        (``copy_blocks(k, v, plan.copy_src, plan.copy_dst)`` over every layer) before writing K/V
+        into its slots.
+
+        Args:
+            sids: a :class:`SequenceBatch`, one sequence id, or several distinct ones.
+            num_tokens: tokens per sequence: one int for all, or one per sequence.
+            tokens: the new tokens' ids: a ``[B]`` array (one token each), a ``[B, n]`` array, or
+                one sequence of ids per sequence (one sequence of ids for a single id). Required
+                with prefix caching (full blocks are registered under keys of their token ids),
+                checked and otherwise unused without it.
+
+        Returns:
+            The :class:`StepPlan`.
+        """
+        rows = self._batch_rows(sids)
+        counts = self._counts(num_tokens, rows.size)
+        single = isinstance(sids, (int, np.integer))
+        new_tokens = self._check_tokens(single, rows.size, counts, tokens)
+        slots, src, dst = self._plan(rows, counts, new_tokens, None)
+        return StepPlan(self._xp.asarray(slots), src, dst, counts, rows.size)
+
+    def block_tables(self, sids: Iterable[int] | SequenceBatch) -> tuple[Any, Any]:
+        """Dense block tables and lengths of a batch, on the manager's device, for attention.
+
+        Build them once per decode step and pass them to every layer's attention call.
+
+        Args:
+            sids: a :class:`SequenceBatch`, or the batch's sequence ids in the order of the query
+                rows.
+
+        Returns:
+            ``(block_tables, context_lens)``: ``[len(sids), width]`` int32, padded with 0 past
+            each sequence's last block, and ``[len(sids)]`` int32. For a list of ids ``width``
+            is the batch's longest table (at least 1); for a :class:`SequenceBatch` it is at
+            least that, and the array is the batch's own, refreshed in place by the next call.
+        """
+        rows = self._batch_rows(sids)
+        table = self._seqs
+        lens = table.lens[rows]
+        if isinstance(sids, SequenceBatch):
+            return sids.device_tables(table), self._xp.asarray(lens)
+        width = max(int(cdiv(lens.max(), self._block_size)) if lens.size else 0, 1)
+        width = min(width, table.width)
+        tables = table.tables[rows, :width]
+        return self._xp.asarray(tables), self._xp.asarray(lens)
+
+    # ----------------------------------------------------------------------------- checking
+
+    def check_invariants(self) -> None:
+        """Check every invariant of the bookkeeping; O(pool + tables), for tests and debugging.
+
+        - every block is free or referenced, and its refcount equals its number of table entries;
+        - a resident sequence of ``n`` tokens holds ``ceil(n / block_size)`` distinct blocks;
+        - rows, ids and padding agree; prefix chains have one key per full block.
+
+        Raises:
+            AssertionError: naming the first broken invariant.
+        """
+        references: Counter[int] = Counter()
+        table = self._seqs
+        for sid, row in self._rows.items():
+            require(0 <= sid < self._next_id, f"sequence id {sid} was never handed out")
+            length = int(table.lens[row])
+            if self.prefix_caching:
+                self._check_chain(sid, row, length)
+            else:
+                require(
+                    row not in self._chains, f"sequence {sid} has a chain without prefix caching"
+                )
+            if table.live[row] < 0:
+                continue
+            blocks = table.tables[row, : self._held(row)].tolist()
+            require(
+                len(set(blocks)) == len(blocks),
+                f"sequence {sid} references a block twice: {blocks}",
+            )
+            if length % self._block_size and self._pool._refcount[blocks[-1]] > 1:
+                require(
+                    table.shared[row],
+                    f"sequence {sid} shares its partly filled last block {blocks[-1]} unflagged",
+                )
+            references.update(blocks)
+        table.check_invariants(self._rows, self._block_size)
+        self._pool.check_invariants(references)
+
+    def _check_chain(self, sid: int, row: int, length: int) -> None:
+        chain = self._chains.get(row)
+        require(chain is not None, f"sequence {sid} has no prefix chain")
+        full = length // self._block_size
+        require(
+            len(chain.keys) == len(chain.digests) == full,
+            f"sequence {sid} has {full} full blocks, {len(chain.keys)} keys, "
+            f"{len(chain.digests)} digests",
+        )
+        if self._seqs.live[row] < 0:
+            return
+        for j, block in enumerate(self._seqs.tables[row, :full].tolist()):
+            key = self._pool.cached_key(block)
+            require(
+                key is None or key == chain.keys[j],
+                f"block {block} of sequence {sid} is registered under another key",
+            )
+
+    # ----------------------------------------------------------------------------- internals
+
+    def _add(self, prompt: np.ndarray, salt: bytes | None) -> tuple[int, int]:
+        hits, chain = self._match(prompt, salt)
+        return self._attach(hits, chain)
+
+    def _match(
+        self, prompt: np.ndarray, salt: bytes | None
+    ) -> tuple[list[int], PrefixChain | None]:
+        if not self.prefix_caching:
+            return [], None
+        return self._prefix.match(prompt, salt)
+
+    def _attach(self, hits: list[int], chain: PrefixChain | None) -> tuple[int, int]:
+        """A new sequence holding the cached blocks ``hits`` (full) and nothing else."""
+        sid = self._next_id
+        table = self._seqs
+        row = table.acquire(sid)
+        if hits:
+            blocks = np.array(hits, np.int32)
+            self._pool.acquire_unchecked(blocks)
+            table.ensure_width(len(hits) + 1)
+            table.tables[row, : len(hits)] = blocks
+            table.lens[row] = len(hits) * self._block_size
+        if self.prefix_caching:
+            self._chains[row] = chain
+        self._rows[sid] = row
+        if hits:
+            self._cached[sid] = len(hits) * self._block_size
+        self._next_id += 1
+        return sid, row
+
+    def _release(self, sids: list[int], rows: list[int]) -> None:
+        """Drop the sequences' references (each one's last block first) and their rows."""
+        table = self._seqs
+        if len(rows) == 1:
+            row = rows[0]
+            if table.live[row] >= 0:
+                self._pool.release(table.tables[row, : self._held(row)][::-1])
+            table.release_one(row)
+            del self._rows[sids[0]]
+            if self._cached:
+                self._cached.pop(sids[0], None)
+            if self._chains:
+                del self._chains[row]
+            return
+        row_array = np.array(rows, np.intp)
+        resident = row_array[table.live[row_array] >= 0]
+        if resident.size:
+            held = cdiv(table.lens[resident], self._block_size)
+            blocks = [
+                table.tables[r, :h][::-1] for r, h in zip(resident, held.tolist(), strict=True)
+            ]
+            self._pool.release(np.concatenate(blocks), distinct=False)
+        table.release(row_array)
+        for sid, row in zip(sids, rows, strict=True):
+            del self._rows[sid]
+            self._cached.pop(sid, None)
+            self._chains.pop(row, None)
+
+    def _plan(
+        self,
+        rows: np.ndarray,
+        counts: int | np.ndarray,
+        tokens: np.ndarray | list[np.ndarray] | None,
+        what: str | None,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Allocate, copy-on-write and slot-map ``counts`` new tokens for each of ``rows``.
+
+        Everything that can fail (the pool's capacity, a user ``block_hasher``) runs before the
+        first change. Returns ``(slots, copy_src, copy_dst)`` on the host. Three paths compute
+        the same thing: one sequence in scalar arithmetic, a decode step (one token each) in the
+        fewest array operations, and any batch in general.
+        """
+        if rows.size == 1:
+            n = counts if isinstance(counts, int) else int(counts[0])
+            if n == 1 and isinstance(tokens, list):
+                tokens = tokens[0]
+            return self._plan_one(int(rows[0]), n, tokens, what)
+        if isinstance(counts, int) and counts == 1:
+            return self._plan_decode(rows, tokens, what)
+        return self._plan_batch(rows, counts, tokens, what)
+
+    def _plan_one(
+        self, row: int, n: int, tokens: Any, what: str | None
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """:meth:`_plan` for one sequence (admission, append, a per-token reserve)."""
+        table, bs, pool = self._seqs, self._block_size, self._pool
+        length = int(table.lens[row])
+        held, after = -(-length // bs), -(-(length + n) // bs)
+        copy = int(bool(n and length % bs and pool._refcount[table.tables[row, held - 1]] > 1))
+        need = after - held + copy
+        if need > pool.num_free:
+            what = what or f"reserving {n} token(s) for 1 sequence(s)"
+            raise OutOfBlocksError(need, pool.num_free, what)
+        rows = lens = None
+        if self.prefix_caching and tokens is not None:
+            rows, lens = np.array([row], np.intp), np.array([length], np.int32)
+            keys = self._keys(rows, lens, n, tokens)
+
+        # -- from here on nothing fails: change the tables
+        src = dst = _NO_COPIES
+        if need:
+            table.ensure_width(after + 1)
+            new = pool.take(need)
+            if copy:
+                src, dst = table.tables[row, held - 1 : held].copy(), new[:1]
+                table.tables[row, held - 1] = dst[0]
+                pool.release(src)  # another sequence still holds it: never the last reference
+            table.tables[row, held:after] = new[copy:]
+            table.version[row] = table.clock
+        if n == 1:
+            slots = np.array([table.tables[row, length // bs] * bs + length % bs], np.int32)
+        else:
+            pos = np.arange(length, length + n)
+            slots = (table.tables[row, pos // bs] * bs + pos % bs).astype(np.int32)
+        table.lens[row] = length + n
+        if n:
+            table.shared[row] = False  # copied, or the last holder: the last block is its own
+        if rows is not None:
+            self._register(rows, lens, n, tokens, keys)
+        return slots, src, dst
+
+    def _plan_decode(
+        self, rows: np.ndarray, tokens: Any, what: str | None
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """:meth:`_plan` for one token per sequence: a decode step in about 25 array operations."""
+        table, bs, pool = self._seqs, self._block_size, self._pool
+        lens = table.lens[rows]
+        column = lens // bs  # the block the token goes to (a new one where offset is 0)
+        offset = lens - column * bs
+        if np.count_nonzero(table.shared[rows]):
+            return self._plan_batch(rows, 1, tokens, what)  # maybe a shared tail: copy-on-write
+        blocks = table.tables[rows, column]  # 0 (padding) where a new block is needed
+        crossing = (offset == 0).nonzero()[0]
+        if crossing.size > pool.num_free:
+            what = what or f"reserving {rows.size} token(s) for {rows.size} sequence(s)"
+            raise OutOfBlocksError(crossing.size, pool.num_free, what)
+        registering = self.prefix_caching and tokens is not None
+        keys = self._keys(rows, lens, 1, tokens) if registering else None
+
+        # -- from here on nothing fails: change the tables
+        if crossing.size:
+            new = pool.take(crossing.size)
+            grown, at = rows[crossing], column[crossing]
+            table.tables[grown, at] = new
+            table.version[grown] = table.clock
+            table.ensure_width(int(at.max()) + 2)
+            blocks[crossing] = new
+        table.lens[rows] = lens + 1
+        if registering:
+            self._register(rows, lens, 1, tokens, keys)
+        return blocks * bs + offset, _NO_COPIES, _NO_COPIES
+
+    def _plan_batch(
+        self,
+        rows: np.ndarray,
+        counts: int | np.ndarray,
+        tokens: np.ndarray | list[np.ndarray] | None,
+        what: str | None,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """:meth:`_plan` for any batch: fully vectorised, copy-on-write included."""
+        table, bs = self._seqs, self._block_size
+        lens = table.lens[rows]
+        if isinstance(counts, int):
+            ends = lens + counts
+            writing = np.ones(rows.size, bool) if counts else np.zeros(rows.size, bool)
+        else:
+            ends = lens + counts
+            writing = counts > 0
+        held = cdiv(lens, bs)
+        grow = cdiv(ends, bs) - held
+        copy = self._copies(rows, lens, held, writing)
+        need = grow + copy if copy is not None else grow
+        total = int(need.sum())
+        if total > self._pool.num_free:
+            if what is None:
+                tokens_in = int(np.sum(np.broadcast_to(counts, rows.shape)))
+                what = f"reserving {tokens_in} token(s) for {rows.size} sequence(s)"
+            raise OutOfBlocksError(total, self._pool.num_free, what)
+        registering = self.prefix_caching and tokens is not None
+        keys = self._keys(rows, lens, counts, tokens) if registering else None
+
+        # -- from here on nothing fails: change the tables
+        if total:
+            table.ensure_width(int((held + grow).max()) + 1)  # one spare column: see _plan_decode
+            new = self._pool.take(total)
+            changed = np.flatnonzero(need)
+            table.touch(rows[changed])
+            if copy is None and grow.max() == 1:  # a decode step: at most one block each
+                table.tables[rows[changed], held[changed]] = new
+                src = dst = _NO_COPIES
+            else:
+                src, dst = self._apply_growth(rows, held, grow, copy, need, new)
+        else:
+            src = dst = _NO_COPIES
+        if isinstance(counts, int) and counts == 1:
+            slots = table.tables[rows, lens // bs] * bs + lens % bs
+        else:
+            per_row = np.broadcast_to(counts, rows.shape)
+            starts = np.repeat(lens - np.cumsum(per_row) + per_row, per_row)
+            pos = starts + np.arange(starts.size)
+            slots = table.tables[np.repeat(rows, per_row), pos // bs] * bs + pos % bs
+        table.lens[rows] = ends
+        table.shared[rows[writing]] = False  # each writer's last block is its own now
+        if registering:
+            self._register(rows, lens, counts, tokens, keys)
+        return slots.astype(np.int32, copy=False), src, dst
+
+    def _copies(
+        self, rows: np.ndarray, lens: np.ndarray, held: np.ndarray, writing: np.ndarray
+    ) -> np.ndarray | None:
+        """Per row, 1 where the write lands in a partly filled last block that another sequence
+        still holds (copy it first), else 0; ``None`` when no row needs a copy.
+
+        Forked siblings of one batch that share a block are counted exactly: with ``r``
+        references, the first ``r - 1`` writers (in batch order) copy, and a last writer from the
+        batch writes in place once the others have let go.
+        """
+        partial = np.flatnonzero(writing & (lens % self._block_size != 0))
+        if not partial.size:
+            return None
+        last = self._seqs.tables[rows[partial], held[partial] - 1]
+        refs = self._pool._refcount[last]
+        shared = refs > 1
+        if not shared.any():
+            return None
+        partial, last, refs = partial[shared], last[shared], refs[shared]
+        order = np.argsort(last, kind="stable")
+        ranked = last[order]
+        first = np.r_[0, np.flatnonzero(ranked[1:] != ranked[:-1]) + 1]
+        rank = np.empty_like(order)
+        rank[order] = np.arange(order.size) - np.repeat(first, np.diff(np.r_[first, order.size]))
+        copy = np.zeros(rows.size, np.int64)
+        copy[partial[rank < refs - 1]] = 1
+        return copy if copy.any() else None
+
+    def _apply_growth(
+        self,
+        rows: np.ndarray,
+        held: np.ndarray,
+        grow: np.ndarray,
+        copy: np.ndarray | None,
+        need: np.ndarray,
+        new: np.ndarray,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Write the new blocks into the tables: each row's copy (if any) first, then its growth."""
+        table = self._seqs
+        offsets = np.cumsum(need) - need
+        is_copy = np.zeros(new.size, bool)
+        src = dst = _NO_COPIES
+        if copy is not None:
+            copied = np.flatnonzero(copy)
+            is_copy[offsets[copied]] = True
+            dst = new[offsets[copied]]
+            src = table.tables[rows[copied], held[copied] - 1].copy()
+            table.tables[rows[copied], held[copied] - 1] = dst
+            self._pool.release(src, distinct=False)  # never the last reference: see _copies
+        grown = np.repeat(np.arange(rows.size), grow)
+        column = held[grown] + np.arange(grown.size) - np.repeat(np.cumsum(grow) - grow, grow)
+        table.tables[rows[grown], column] = new[~is_copy]
+        return src, dst
+
+    def _keys(
+        self,
+        rows: np.ndarray,
+        lens: np.ndarray,
+        counts: int | np.ndarray,
+        tokens: np.ndarray | list[np.ndarray],
+    ) -> list[tuple[int, int, np.ndarray, list[tuple[bytes, bytes]]]]:
+        """The keys of every block the new tokens fill, hashed before anything changes.
+
+        Returns ``(row, first full block, tail tokens left, [(key, digest), ...])`` per row that
+        fills a block or keeps tail tokens.
+        """
+        bs, tail = self._block_size, self._seqs.tail
+        if isinstance(counts, int) and counts == 1:  # a decode step: only rows that fill a block
+            filling = (lens % bs == bs - 1).nonzero()[0]
+            if not filling.size:
+                return []
+            filled = rows[filling]
+            chunks = tail[filled]
+            chunks[:, bs - 1] = tokens[filling]
+            chains = [self._chains[row] for row in filled.tolist()]
+            keys = self._prefix.next_keys(chains, chunks)
+            first = (lens[filling] // bs).tolist()
+            return [
+                (row, column, None, [key])
+                for row, column, key in zip(filled.tolist(), first, keys, strict=True)
+            ]
+        out = []
+        per_row = np.broadcast_to(counts, rows.shape)
+        for i, n in enumerate(per_row.tolist()):
+            if not n:
+                continue
+            row = int(rows[i])
+            offset = int(lens[i]) % bs
+            joined = np.concatenate([tail[row, :offset], tokens[i]])
+            full = len(joined) // bs * bs
+            keys = list(self._prefix.walk(self._chains[row], joined[:full]))
+            out.append((row, int(lens[i]) // bs, joined[full:], keys))
+        return out
+
+    def _register(self, rows, lens, counts, tokens, keys) -> None:
+        """Store the new tail tokens and register the blocks that filled (after the tables moved)."""
+        table, pool = self._seqs, self._pool
+        decode = isinstance(counts, int) and counts == 1
+        if decode:
+            table.tail[rows, lens % self._block_size] = tokens
+        for row, first, rest, row_keys in keys:
+            if not decode:
+                table.tail[row, : rest.size] = rest
+            chain = self._chains[row]
+            blocks = table.tables[row, first : first + len(row_keys)].tolist()
+            for block, (key, digest) in zip(blocks, row_keys, strict=True):
+                pool.register_unchecked(block, key, digest)
+                chain.keys.append(key)
+                chain.digests.append(digest)
+
+    def _batch_rows(self, sids: Any) -> np.ndarray:
+        """Rows of a batch of resident, distinct sequences."""
+        if isinstance(sids, SequenceBatch):
+            rows = sids._rows
+            table = self._seqs
+            if np.count_nonzero(table.live[rows] != sids._sids):
+                for sid in sids._sids.tolist():
+                    self._resident_row(sid)  # raises for the first gone or swapped one
+            return rows
+        if isinstance(sids, (int, np.integer)):
+            return np.array([self._resident_row(sids)], np.intp)
+        sid_list = list(sids)
+        rows = np.array([self._resident_row(sid) for sid in sid_list], dtype=np.intp)
+        if rows.size > 1 and np.unique(rows).size != rows.size:
+            raise ValueError(f"expected distinct sequence ids, got {sid_list}")
+        return rows
+
+    def _counts(self, num_tokens: Any, batch: int) -> int | np.ndarray:
+        if isinstance(num_tokens, (int, np.integer)) and not isinstance(num_tokens, bool):
+            n = int(num_tokens)
+            if n < 0:
+                raise ValueError(f"expected num_tokens >= 0, got {n}")
+            return n
+        if hasattr(num_tokens, "dtype") and num_tokens.dtype.kind in "iu":
+            counts = num_tokens.get() if hasattr(num_tokens, "get") else np.asarray(num_tokens)
+            if counts.shape != (batch,):
+                raise ValueError(
+                    f"expected one token count per sequence ({batch}), got shape {counts.shape}"
+                )
+            if counts.size and counts.min() < 0:
+                raise ValueError(f"expected num_tokens >= 0, got {counts.tolist()}")
+            return counts.astype(np.int64)
+        if not isinstance(num_tokens, Iterable):
+            as_int(num_tokens, "num_tokens")  # raises the TypeError
+        counts = [as_int(n, "num_tokens") for n in num_tokens]
+        if len(counts) != batch:
+            raise ValueError(f"expected one token count per sequence ({batch}), got {len(counts)}")
+        if any(n < 0 for n in counts):
+            raise ValueError(f"expected num_tokens >= 0, got {counts}")
+        return np.array(counts, np.int64)
+
+    def _check_tokens(
+        self, single: bool, batch: int, counts: int | np.ndarray, tokens: Any
+    ) -> np.ndarray | list[np.ndarray] | None:
+        """The new tokens' ids, checked: a ``[B]`` array for one token each, else one array per
+        sequence; ``None`` when none were given without prefix caching."""
+        if tokens is None:
+            if self.prefix_caching and np.any(counts):
+                raise ValueError(
+                    "expected tokens= (the new tokens' ids): prefix caching keys full blocks by them"
+                )
+            return None
+        if single:
+            rows = [token_array(tokens)]
+        elif hasattr(tokens, "ndim") and tokens.ndim == 2:
+            rows = list(_host_tokens(tokens))
+        elif (
+            hasattr(tokens, "ndim") and tokens.ndim == 1 and isinstance(counts, int) and counts == 1
+        ):
+            flat = token_array(tokens)
+            if flat.size != batch:
+                raise ValueError(f"expected one token id per sequence ({batch}), got {flat.size}")
+            return flat
+        else:
+            if isinstance(tokens, (str, bytes)) or len(tokens) != batch:
+                raise ValueError(f"expected one list of token ids per sequence ({batch})")
+            rows = [token_array(ids) for ids in tokens]
+        if len(rows) != batch:
+            raise ValueError(f"expected one list of token ids per sequence ({batch})")
+        for n, ids in zip(np.broadcast_to(counts, (batch,)).tolist(), rows, strict=True):
+            if len(ids) != n:
+                raise ValueError(f"expected {n} token ids (one per new token), got {len(ids)}")
+        if isinstance(counts, int) and counts == 1:
+            return np.concatenate(rows) if rows else np.zeros(0, np.int64)
+        return rows
+
+    def _held(self, row: int) -> int:
+        """Blocks held by a resident row."""
+        return -(-int(self._seqs.lens[row]) // self._block_size)
+
+    def _resident_row(self, sid: int) -> int:
+        row = self._row(sid)
+        if self._seqs.live[row] < 0:
+            raise CupagedError(f"sequence {sid} is swapped out; call swap_in({sid}) first")
+        return row
+
+    def _row(self, sid: int) -> int:
+        is_id = isinstance(sid, (int, np.integer)) and not isinstance(sid, (bool, np.bool_))
+        if is_id:
+            row = self._rows.get(int(sid))
+            if row is not None:
+                return row
+            if 0 <= sid < self._next_id:
+                raise KeyError(f"sequence {sid} was already freed")
+        raise KeyError(f"unknown sequence id {sid!r}")
+
+
+def _host_tokens(tokens: Any) -> np.ndarray:
+    """A ``[B, n]`` token array on the host, checked like :func:`token_array` row by row."""
+    host = tokens.get() if hasattr(tokens, "get") else np.asarray(tokens)
+    flat = token_array(host.reshape(-1), "tokens")
+    return flat.reshape(host.shape)
