@@ -74,3 +74,39 @@ def test_names():
         array_dtype_name(np.zeros(1, np.float64))
     with pytest.raises(TypeError, match=r"expected dtype one of .*got 'float64'"):
         dtype_name("float64")
+
+
+def test_public_bfloat16_helpers_round_trip_on_numpy_and_cupy(xp, rng):
+    """cupaged.from_float / cupaged.to_float: float32 <-> uint16 bits, in array ops on either
+    module (CuPy has no bfloat16 dtype), rounding as ml_dtypes does."""
+    import cupaged
+
+    values = rng.standard_normal(4096).astype(np.float32)
+    bits = cupaged.from_float(xp.asarray(values), "bfloat16")
+    assert type(bits) is type(xp.asarray(values)) and bits.dtype == np.uint16
+    want = values.astype(ml_dtypes.bfloat16)
+    np.testing.assert_array_equal(cupaged.to_numpy(bits), want.view(np.uint16))
+    back = cupaged.to_float(bits)
+    assert back.dtype == np.float32
+    np.testing.assert_array_equal(cupaged.to_numpy(back), want.astype(np.float32))
+    np.testing.assert_array_equal(cupaged.to_numpy(cupaged.from_float(back, "bfloat16")),
+                                  cupaged.to_numpy(bits))  # fmt: skip
+    assert cupaged.from_float(xp.asarray(values), "float16").dtype == np.float16
+    with pytest.raises(TypeError, match=r"expected dtype one of .*got 'int8'"):
+        cupaged.from_float(xp.asarray(values), "int8")
+    with pytest.raises(TypeError, match="expected an array of float32, float16 or bfloat16"):
+        cupaged.to_float(xp.zeros(3, np.int32))
+
+
+def test_device_helpers():
+    import cupaged
+
+    assert cupaged.device_module("cpu") is np
+    assert cupaged.resolve_device("cpu") == "cpu"
+    assert cupaged.resolve_device(None) in ("cpu", "cuda")
+    with pytest.raises(ValueError, match="expected device 'cuda' or 'cpu', got 'tpu'"):
+        cupaged.device_module("tpu")
+    with pytest.raises(ValueError, match="expected device 'cuda', 'cpu' or None, got 'tpu'"):
+        cupaged.resolve_device("tpu")
+    x = np.arange(3)
+    assert cupaged.to_numpy(x) is x or np.shares_memory(cupaged.to_numpy(x), x)

@@ -171,3 +171,12 @@ def test_ci_runs_the_readme_commands_verbatim():
     ci = (README.parent / ".ci" / "run").read_text().splitlines()
     main, tests = (block.strip() for block in readme_blocks("bash"))
     assert main in ci and tests in ci
+
+
+def test_cli_example_help_gives_every_option_its_default():
+    result = run_cli("example", "--help")
+    assert result.returncode == 0
+    options = result.stdout.split("options:", 1)[1]
+    entries = [" ".join(e.split()) for e in options.split("\n  -") if e.strip()][1:]
+    assert len(entries) == 2  # --device, --max-len
+    assert all("(default: " in e for e in entries), entries
