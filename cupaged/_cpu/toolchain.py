@@ -7,7 +7,14 @@ One build per (kernel source, name expressions, flags): the generated translatio
 compiled by g++ into ``<cache>/<key>.so``, where ``key`` hashes everything that can change the
 binary: the kernel source and the project headers it includes, the shim and runtime sources, the
 name expressions, the flags, the CUDA headers and the compiler version. A build writes to a
-temporary name and renames it into place, so parallel processes never see half a file.
+temporary name, syncs it to disk and renames it into place, so parallel processes never see half
+a file, and records the library's SHA-256 beside it (``<key>.so.sha256``).
+
+The cache is code that this process will run, so it is guarded (:func:`build_dir`): the folder
+must belong to the current user and be writable by no one else (a new one is made 0700), and a
+library is loaded only when its bytes match the recorded digest; a damaged or mismatched one is
+rebuilt. A folder that cannot be used at all (read-only, HOME unusable, a file in the way) gives
+way to a private temporary folder for the process, with a warning.
 """
 
 from __future__ import annotations
@@ -20,9 +27,13 @@ import os
 import platform
 import re
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
+import threading
+import time
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -162,12 +173,125 @@ def _digest(path: Path) -> str:
 
 
 def cache_dir() -> Path:
-    """``$CUPAGED_CACHE_DIR/cpu``, else ``$XDG_CACHE_HOME/cupaged/cpu`` or ``~/.cache/cupaged/cpu``."""
+    """``$CUPAGED_CACHE_DIR/cpu``, else ``$XDG_CACHE_HOME/cupaged/cpu`` or ``~/.cache/cupaged/cpu``.
+
+    The configured place; :func:`build_dir` is where builds actually go (this folder once it has
+    been checked, or a private temporary one when it cannot be used).
+
+    Raises:
+        RuntimeError: no cache variable is set and the home folder cannot be determined.
+    """
     root = os.environ.get("CUPAGED_CACHE_DIR")
     if root:
         return Path(root) / "cpu"
     xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(xdg) / "cupaged" / "cpu"
+
+
+# A temporary file older than this is left over from a build that died (SIGKILL, power loss).
+STALE_SECONDS = 600
+_fallbacks: dict[str, Path] = {}
+_fallback_lock = threading.Lock()
+
+
+def build_dir() -> Path:
+    """The folder that builds go to: :func:`cache_dir`, created 0700 and checked.
+
+    Raises:
+        CupagedError: the folder belongs to another user, or group or others may write it:
+            anyone who can write it can plant a library that runs inside this process. The
+            message says how to fix it.
+    """
+    try:
+        folder = cache_dir()
+    except (RuntimeError, KeyError, OSError) as error:  # no usable HOME
+        return _fallback_dir("the home folder", error)
+    try:
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        info = folder.stat()
+    except OSError as error:  # read-only, a file in the way, no permission
+        return _fallback_dir(str(folder), error)
+    if not stat.S_ISDIR(info.st_mode):
+        return _fallback_dir(str(folder), NotADirectoryError(f"{folder} is not a folder"))
+    if info.st_uid != os.geteuid():
+        raise CupagedError(
+            f"refusing the CPU backend's build cache {folder}: it belongs to user id "
+            f"{info.st_uid}, not to this user ({os.geteuid()}), so a library in it could run "
+            f"someone else's code in this process. Point CUPAGED_CACHE_DIR at a folder of your "
+            f"own (it is created with mode 0700)"
+        )
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise CupagedError(
+            f"refusing the CPU backend's build cache {folder}: its mode is "
+            f"{stat.S_IMODE(info.st_mode):04o}, writable by group or others, so another user "
+            f"could plant a library that runs in this process. Run `chmod 700 {folder}` (and "
+            f"delete what you did not build) or point CUPAGED_CACHE_DIR at a private folder"
+        )
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return _fallback_dir(str(folder), PermissionError(f"{folder} is not writable"))
+    return folder
+
+
+def _fallback_dir(what: str, error: BaseException) -> Path:
+    """A private temporary build folder for this process (one per unusable place), with a warning."""
+    with _fallback_lock:
+        folder = _fallbacks.get(what)
+        if folder is None:
+            try:
+                folder = Path(tempfile.mkdtemp(prefix="cupaged-cpu-"))  # mode 0700
+            except OSError as temp_error:
+                raise CupagedError(
+                    f"the CPU backend cannot use its build cache ({what}: {error}) nor a "
+                    f"temporary folder ({temp_error}); set CUPAGED_CACHE_DIR to a writable folder"
+                ) from temp_error
+            _fallbacks[what] = folder
+            warnings.warn(
+                f"cupaged: cannot use the CPU backend's build cache ({what}: {error}); building "
+                f"into the private temporary folder {folder} for this process instead (set "
+                f"CUPAGED_CACHE_DIR to a writable folder of your own to keep builds)",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+        return folder
+
+
+def _sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _digest_path(library: Path) -> Path:
+    return library.with_name(library.name + ".sha256")
+
+
+def verified(library: Path) -> bool:
+    """True when ``library`` exists and its bytes match the SHA-256 recorded beside it.
+
+    A missing or unreadable digest, a truncated or replaced library: False (it is rebuilt).
+    """
+    try:
+        recorded = _digest_path(library).read_text(encoding="ascii").strip()
+        return len(recorded) == 64 and _sha256_file(library) == recorded
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
+def _remove_stale_temporaries(folder: Path) -> None:
+    """Delete temporary files that a build killed mid-way left behind (not a live build's)."""
+    now = time.time()
+    try:
+        entries = list(folder.glob(".*.tmp"))
+    except OSError:
+        return
+    for entry in entries:
+        try:
+            if now - entry.lstat().st_mtime > STALE_SECONDS:
+                entry.unlink()
+        except OSError:
+            pass
 
 
 def _local_headers(source: Path, search: Sequence[Path]) -> list[Path]:
@@ -299,16 +423,40 @@ def build(
     flags = build_flags(source, include_dir, options, sanitize)
     headers = _local_headers(source, (kernel_dir(),))
     key = build_key(source, headers, name_expressions, flags, include_dir, cxx)
-    folder = cache_dir()
+    folder = build_dir()
     library = folder / f"{source.stem}-{key}.so"
-    if library.is_file():
+    if verified(library):
         logger.debug("cupaged cpu: cached %s for %s", library.name, source.name)
         return library, [source, *headers]
+    if library.exists():
+        logger.warning(
+            "cupaged cpu: %s does not match its recorded SHA-256 (damaged, truncated or "
+            "replaced); rebuilding it",
+            library,
+        )
+    try:
+        _compile(source, name_expressions, cxx, flags, folder, library)
+    except OSError as error:
+        raise CupagedError(
+            f"the CPU backend could not write its build of {source.name} into {folder}: {error}; "
+            f"free some space or set CUPAGED_CACHE_DIR to a writable folder"
+        ) from error
+    return library, [source, *headers]
 
-    folder.mkdir(parents=True, exist_ok=True)
+
+def _compile(
+    source: Path,
+    name_expressions: Sequence[str],
+    cxx: str,
+    flags: Sequence[str],
+    folder: Path,
+    library: Path,
+) -> None:
+    """g++ into a temporary file, synced to disk, renamed into place; then its digest beside it."""
+    _remove_stale_temporaries(folder)
     text = generated_source(source, name_expressions)
     # The generated file stays next to the library: compiler messages point into it.
-    generated = folder / f"{source.stem}-{key}.cpp"
+    generated = library.with_suffix(".cpp")
     _write_atomically(generated, text.encode())
     fd, temporary = tempfile.mkstemp(prefix=f".{source.stem}-", suffix=".so.tmp", dir=folder)
     os.close(fd)
@@ -321,11 +469,30 @@ def build(
                 f"g++ failed to build {source} for the CPU backend (exit {result.returncode}).\n"
                 f"command: {' '.join(command)}\n{result.stderr.strip()}"
             )
+        _sync(temporary)
+        digest = _sha256_file(Path(temporary))
         os.replace(temporary, library)
+        _write_atomically(_digest_path(library), f"{digest}\n".encode())
+        _sync_dir(folder)
     finally:
         if os.path.exists(temporary):
             os.unlink(temporary)
-    return library, [source, *headers]
+
+
+def _sync(path: str | Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sync_dir(folder: Path) -> None:
+    """Make the renames durable too (best effort: some filesystems cannot sync a folder)."""
+    try:
+        _sync(folder)
+    except OSError:
+        pass
 
 
 def _write_atomically(path: Path, data: bytes) -> None:
@@ -333,6 +500,8 @@ def _write_atomically(path: Path, data: bytes) -> None:
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(temporary, path)
     except BaseException:
         if os.path.exists(temporary):
