@@ -63,6 +63,8 @@ def record(benchmark, xp, nbytes, **info):
 def test_decode(benchmark, xp, on_gpu, impl, batch, context, block_size, dtype):
     if impl == "reference" and on_gpu and batch * context > 16 * 4096:
         pytest.skip("the reference loops over sequences in Python: too slow at this size")
+    # One table per shape: fused, reference and contiguous side by side.
+    benchmark.group = f"decode: batch={batch} context={context} block_size={block_size} {dtype}"
     q, k_cache, v_cache, tables, lens = make_problem(xp, batch, context, block_size, dtype)
     if impl == "fused":
         out = xp.empty_like(q)
