@@ -3,7 +3,9 @@
 // For sequence s and query head h, with G = num_q_heads / num_kv_heads query heads per KV head:
 //   out[s, h] = softmax(scale * K q[s, h]) V,  K and V: tokens 0 .. context_lens[s] - 1 of KV head
 //   h / G, token pos in block block_tables[s, pos / BLOCK_SIZE] at offset pos % BLOCK_SIZE.
-// A sequence with context length 0 gets a zero row.
+// A sequence with context length 0 gets a zero row. NaN and Inf propagate as in the reference: a
+// NaN score (NaN in q or K, scale NaN) or a +Inf one makes the row NaN, a -Inf score weighs 0, a
+// row whose scores are all -Inf is NaN (0 / 0), Inf in V gives Inf (or NaN where it meets 0).
 // Reference: cupaged/reference.py, reference_attention (gather, then an explicit softmax).
 //
 // paged_decode: one thread block per (KV head, sequence, split). It serves all G query heads of
@@ -15,12 +17,16 @@
 //     2. scores: 8 lanes per (query head, token) pair, shuffles reduce the partial dot products;
 //     3. online softmax per query head (one warp each): running max m, running sum l, and the
 //        factor alpha = exp(m_old - m_new) by which earlier accumulators shrink; meanwhile the
-//        tile's V vectors are loaded into the same buffer (K is no longer needed);
+//        tile's V vectors are loaded into the same buffer (K is no longer needed). While every
+//        score so far is -inf, exponents are taken against 0 instead of m (-inf - -inf is NaN);
+//        fmaxf skips NaN scores, whose exp is NaN and reaches l and acc;
 //     4. acc = alpha * acc + p V, one thread per output element.
 //   The block-table entries of CHUNK tokens at a time are staged in shared memory first. Nothing
 //   in shared memory grows with the context length. All sums are float32.
 //   With one split the result is written directly; with several, each split writes its partial
-//   output acc / l and its log-sum-exp m + log(l) (-inf for an empty split).
+//   output acc / l and its log-sum-exp m + log(l) (-inf for an empty split). Splits cover
+//   partition_tokens tokens each, except the last, which runs to the end of the context:
+//   partition_tokens comes from the caller's max_context_len, which the kernel does not trust.
 // paged_decode_merge: one thread block per (query head, sequence) combines the splits:
 //   out = sum_i exp(lse_i - max) * partial_i / sum_i exp(lse_i - max).
 #include "common.cuh"
@@ -112,7 +118,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
 
   const int context = context_lens[seq];
   const int begin = split * partition_tokens;
-  const int end = min(context, begin + partition_tokens);
+  const int end = split == num_splits - 1 ? context : min(context, begin + partition_tokens);
   const long long q_row = static_cast<long long>(seq) * num_q_heads + kv_head * G;
 
   for (int i = tid; i < G * HEAD_DIM; i += kDecodeThreads) {
@@ -176,9 +182,10 @@ __global__ void __launch_bounds__(kDecodeThreads)
         }
         const float m_old = m_s[g];
         const float m_new = fmaxf(m_old, tile_max);
+        const float base = m_new == neg_inf() ? 0.0f : m_new;  // see step 3
         float sum = 0.0f;
         for (int t = lane; t < count; t += 32) {
-          const float p = expf(p_s[g * TILE + t] - m_new);
+          const float p = expf(p_s[g * TILE + t] - base);
           p_s[g * TILE + t] = p;
           sum += p;
         }
@@ -186,7 +193,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
           sum += __shfl_xor_sync(0xffffffffu, sum, width);
         }
         if (lane == 0) {
-          const float alpha = expf(m_old - m_new);  // 0 on the first tile (m_old = -inf)
+          const float alpha = expf(m_old - base);  // 0 while m_old = -inf
           alpha_s[g] = alpha;
           l_s[g] = l_s[g] * alpha + sum;
           m_s[g] = m_new;
@@ -206,39 +213,50 @@ __global__ void __launch_bounds__(kDecodeThreads)
     }
   }
 
+  // An empty context or split gives 0; otherwise acc / l, NaN when a NaN reached l (or l = 0).
+  const bool empty = end <= begin;
   for (int i = tid; i < G * HEAD_DIM; i += kDecodeThreads) {
     const int g = i / HEAD_DIM;
     const float l = l_s[g];
-    const float value = l > 0.0f ? acc_s[i] / l : 0.0f;  // an empty context or split gives 0
+    const float value = empty ? 0.0f : acc_s[i] / l;
     if (num_splits == 1) {
       out[q_row * HEAD_DIM + i] = from_float<T>(value);
     } else {
+      // A split whose scores are all -inf has log-sum-exp -inf: the merge weighs it 0, and
+      // 0 * (0 / 0) would be NaN, so its partial row is 0.
       const long long row = (q_row + g) * num_splits + split;
-      partial_out[row * HEAD_DIM + i % HEAD_DIM] = value;
+      partial_out[row * HEAD_DIM + i % HEAD_DIM] = l == 0.0f ? 0.0f : value;
     }
   }
   if (num_splits > 1) {
     for (int g = tid; g < G; g += kDecodeThreads) {
-      const float l = l_s[g];
-      partial_lse[(q_row + g) * num_splits + split] = l > 0.0f ? m_s[g] + logf(l) : neg_inf();
+      const float m = m_s[g];
+      const float base = m == neg_inf() ? 0.0f : m;  // the exponents' reference in step 3
+      partial_lse[(q_row + g) * num_splits + split] = empty ? neg_inf() : base + logf(l_s[g]);
     }
   }
 }
 
 // Grid: (num_q_heads, num_seqs). Block: kDecodeThreads.
+// A split's log-sum-exp is -inf when it is empty (weight 0), or when all its scores are -inf;
+// NaN when a NaN reached it (fmaxf skips it, its weight exp(NaN) makes the row NaN). Only an
+// empty context gives a zero row: every split -inf in a non-empty one is 0 / 0, NaN, as in the
+// reference.
 template <typename T, int HEAD_DIM>
 __global__ void __launch_bounds__(kDecodeThreads)
     paged_decode_merge(T* __restrict__ out,                // [num_seqs, num_q_heads, HEAD_DIM]
                        const float* __restrict__ partial_out,  // [num_seqs, num_q_heads, num_splits, HEAD_DIM]
                        const float* __restrict__ partial_lse,  // [num_seqs, num_q_heads, num_splits]
+                       const int* __restrict__ context_lens,   // [num_seqs]
                        int num_splits) {
   const long long row = static_cast<long long>(blockIdx.y) * gridDim.x + blockIdx.x;
   const float* lse = partial_lse + row * num_splits;
   float lse_max = neg_inf();
   for (int s = 0; s < num_splits; ++s) lse_max = fmaxf(lse_max, lse[s]);
+  const bool empty = context_lens[blockIdx.y] <= 0;
   for (int d = threadIdx.x; d < HEAD_DIM; d += kDecodeThreads) {
-    float value = 0.0f;  // every split empty: a zero row, as for an empty context
-    if (lse_max != neg_inf()) {
+    float value = 0.0f;  // an empty context: a zero row
+    if (!empty) {
       float numerator = 0.0f;
       float denominator = 0.0f;
       for (int s = 0; s < num_splits; ++s) {

@@ -6,6 +6,7 @@ import operator
 from dataclasses import dataclass
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 from .dtypes import array_dtype_name
@@ -148,3 +149,195 @@ def check_block_ids(tables: np.ndarray, lens: np.ndarray, block_size: int, num_b
                 f"expected block ids in [0, {num_blocks}) in row {i} of block_tables, "
                 f"got {used.tolist()}"
             )
+
+
+# The kernels index blocks, slots' blocks and token positions with 32-bit ints (offsets into the
+# cache are 64-bit). Longer contexts than this are refused, so that no position arithmetic in a
+# kernel (a split's end, a tile's end) can overflow.
+INT32_MAX = 2**31 - 1
+MAX_CONTEXT_LEN = 2**30
+# Index arrays up to this size are checked as Python lists when they live on the host: for a
+# handful of ids that is several times cheaper than NumPy's per-call overhead.
+_SMALL = 16
+
+# Element types by array dtype (bfloat16 carriers included): one dictionary lookup per array,
+# where ``array_dtype_name`` spends microseconds comparing dtypes on every launch.
+_ELEMENT_TYPES = {
+    np.dtype(np.float32): "float32",
+    np.dtype(np.float16): "float16",
+    np.dtype(np.uint16): "bfloat16",
+    np.dtype(np.int16): "bfloat16",
+    np.dtype(ml_dtypes.bfloat16): "bfloat16",
+}
+ITEMSIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def element_type(x: Any) -> str:
+    """``array_dtype_name(x)`` without its cost: ``"float32"``, ``"float16"`` or ``"bfloat16"``.
+
+    Raises:
+        TypeError: ``x`` holds none of float32, float16 or bfloat16 patterns.
+    """
+    name = _ELEMENT_TYPES.get(x.dtype)
+    return name if name is not None else array_dtype_name(x)
+
+
+def check_writable(name: str, x: Any) -> None:
+    """Refuse an output that must not be written (a read-only NumPy array, or one over ``bytes``).
+
+    Raises:
+        ValueError: "expected k_cache writable, got a read-only array".
+    """
+    flags = x.flags
+    if not getattr(flags, "writeable", True):
+        raise ValueError(
+            f"expected {name} writable (a kernel writes into it), got a read-only array; pass "
+            f"a writable copy, e.g. numpy.array({name})"
+        )
+
+
+def check_num_blocks(num_blocks: int) -> None:
+    """Refuse a cache whose block ids do not fit the kernels' 32-bit ints."""
+    if num_blocks > INT32_MAX:
+        raise ValueError(f"expected at most {INT32_MAX} blocks in the cache, got {num_blocks}")
+
+
+def _host(flags: Any) -> np.ndarray:
+    """One device-to-host transfer of a small summary array (a no-op view on NumPy)."""
+    return flags.get() if hasattr(flags, "get") else np.asarray(flags)
+
+
+def check_slots(slots: Any, capacity: int) -> None:
+    """Check a slot mapping before a write: every slot ``-1`` or in ``[0, capacity)``, none twice.
+
+    Runs on the array's device, on its own dtype (no narrowing first); one transfer of two flags.
+
+    Raises:
+        ValueError: a slot out of range (the message shows the first ones), or one used twice
+            (two writes to one slot race).
+    """
+    if slots.size <= _SMALL and isinstance(slots, np.ndarray):
+        values = slots.tolist()
+        bad = [s for s in values if s < -1 or s >= capacity]
+        used = [s for s in values if s >= 0]
+        repeated = len(set(used)) != len(used)
+    else:
+        xp = _array_module(slots)
+        out_of_range = (slots < -1) | (slots >= capacity)
+        ordered = xp.sort(slots)
+        twice = (ordered[1:] == ordered[:-1]) & (ordered[1:] >= 0)
+        summary = _host(xp.stack([out_of_range.any(), twice.any()]))
+        bad = _host(slots[out_of_range][:8]).tolist() if summary[0] else []
+        repeated = bool(summary[1])
+    if bad:
+        raise ValueError(
+            f"expected slot_mapping values in [0, {capacity}) (num_blocks * block_size) or -1, "
+            f"got {bad[:8]}"
+        )
+    if repeated:
+        raise ValueError("expected distinct slots in slot_mapping, got a slot written twice")
+
+
+def check_copy_pairs(src: Any, dst: Any, num_blocks: int) -> None:
+    """Check copy pairs: ids in ``[0, num_blocks)``, distinct destinations, no id both a source
+    and a destination (the pairs are copied in parallel).
+
+    Runs on the arrays' device, on their own dtypes (no narrowing first).
+
+    Raises:
+        ValueError: naming the offending ids.
+    """
+    if src.size <= _SMALL and isinstance(src, np.ndarray) and isinstance(dst, np.ndarray):
+        sources, targets = src.tolist(), dst.tolist()
+        ids = sources + targets
+        out_of_range = min(ids) < 0 or max(ids) >= num_blocks
+        repeated = len(set(targets)) != len(targets)
+        both = bool(set(sources) & set(targets))
+    else:
+        xp = _array_module(src)
+        ids = xp.concatenate([src.astype(np.int64), dst.astype(np.int64)])
+        ordered_dst = xp.sort(dst)
+        n = src.size
+        ordered_ids = xp.sort(xp.concatenate([xp.unique(src).astype(np.int64),
+                                              xp.unique(dst).astype(np.int64)]))  # fmt: skip
+        summary = _host(xp.stack([
+            ((ids < 0) | (ids >= num_blocks)).any(),
+            (ordered_dst[1:] == ordered_dst[:-1]).any() if n > 1 else xp.asarray(False),
+            (ordered_ids[1:] == ordered_ids[:-1]).any() if ordered_ids.size > 1
+            else xp.asarray(False),
+        ]))  # fmt: skip
+        out_of_range, repeated, both = (bool(f) for f in summary)
+    if out_of_range:
+        raise ValueError(
+            f"expected block ids in [0, {num_blocks}) in src and dst, got src "
+            f"{_shown(src)} and dst {_shown(dst)}"
+        )
+    if repeated:
+        raise ValueError(f"expected distinct destination blocks, got dst {_shown(dst)}")
+    if both:
+        raise ValueError(
+            f"expected no block both a source and a destination, got src {_shown(src)} and "
+            f"dst {_shown(dst)}"
+        )
+
+
+def _shown(x: Any) -> str:
+    values = _host(x[:8]).tolist()
+    return f"{values}{' ...' if x.size > 8 else ''}"
+
+
+def check_decode_tables(
+    block_tables: Any, context_lens: Any, block_size: int, num_blocks: int
+) -> int:
+    """Check a decode batch's lengths and the block ids they reach; return the longest context.
+
+    Sequence ``i`` reads entries ``0 .. ceil(context_lens[i] / block_size) - 1`` of row ``i``;
+    those must name blocks of the cache, whatever the entries beyond hold (padding). Runs on the
+    arrays' device with vectorised reductions, on their own dtypes (an int64 ``2**32 + 1`` is out
+    of range, not block 1), and reads back one small summary (one synchronisation on a GPU).
+
+    Args:
+        block_tables: ``[num_seqs, max_blocks]`` int32 or int64.
+        context_lens: ``[num_seqs]`` int32 or int64.
+
+    Returns:
+        ``max(context_lens)`` (0 for an empty batch), as a Python int.
+
+    Raises:
+        ValueError: a length negative, past the table (``max_blocks * block_size``) or past
+            ``MAX_CONTEXT_LEN``; or a block id out of range (the message names the row).
+    """
+    num_seqs, max_blocks = block_tables.shape
+    if num_seqs == 0:
+        return 0
+    xp = _array_module(block_tables)
+    limit = min(max_blocks * block_size, MAX_CONTEXT_LEN)
+    lens = context_lens.astype(np.int64, copy=False)
+    bad_len = (lens < 0) | (lens > limit)
+    needed = (xp.clip(lens, 0, limit) + (block_size - 1)) // block_size  # entries each row reads
+    used = xp.arange(max_blocks)[None, :] < needed[:, None]
+    bad_id = used & ((block_tables < 0) | (block_tables >= num_blocks))
+    summary = _host(
+        xp.stack([bad_len.any().astype(np.int64), bad_id.any().astype(np.int64), lens.max()])
+    )
+    if summary[0]:
+        row = int(_host(xp.argmax(bad_len)))
+        raise ValueError(
+            f"expected context_lens in [0, {limit}] (max_blocks * block_size = "
+            f"{max_blocks * block_size}, at most {MAX_CONTEXT_LEN}), got {int(_host(lens[row]))} "
+            f"in row {row}"
+        )
+    if summary[1]:
+        row = int(_host(xp.argmax(bad_id.any(axis=1))))
+        reached = _host(block_tables[row, : int(_host(needed[row]))])
+        raise ValueError(
+            f"expected block ids in [0, {num_blocks}) in row {row} of block_tables (the "
+            f"entries its {int(_host(lens[row]))} tokens reach), got {_shown(reached)}"
+        )
+    return int(summary[2])
+
+
+def _array_module(x: Any) -> Any:
+    from ._backend import array_module
+
+    return array_module(x)

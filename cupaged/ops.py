@@ -8,6 +8,7 @@ so a rejected call changes nothing. Launch configurations come from ``cupaged._l
 
 from __future__ import annotations
 
+import ctypes
 import functools
 from typing import Any
 
@@ -16,21 +17,28 @@ import numpy as np
 from . import _launch
 from ._backend import array_module, device_module, to_numpy
 from ._checks import (
+    ITEMSIZES,
+    MAX_CONTEXT_LEN,
+    as_int,
     check_attention_args,
-    check_block_ids,
-    check_context_lens,
+    check_copy_pairs,
+    check_decode_tables,
     check_dtype,
     check_index_array,
+    check_num_blocks,
     check_shape,
+    check_slots,
+    check_writable,
+    element_type,
 )
 from ._kernels import get_kernel
-from .dtypes import array_dtype_name, as_storage, itemsize
+from .dtypes import as_storage
 
 _LAYER_AXES = ("num_blocks", "num_kv_heads", "block_size", "head_dim")
 
 
 def write_kv(
-    k_cache: Any, v_cache: Any, k: Any, v: Any, slot_mapping: Any, *, checked: bool = False
+    k_cache: Any, v_cache: Any, k: Any, v: Any, slot_mapping: Any, *, checked: bool = True
 ) -> None:
     """Write new tokens' keys and values into one layer of a paged cache, in place.
 
@@ -46,13 +54,16 @@ def write_kv(
         k: ``[num_tokens, num_kv_heads, head_dim]``, same element type as the cache.
         v: same shape and element type as ``k``.
         slot_mapping: ``[num_tokens]`` int32 or int64.
-        checked: also check, at the cost of a device synchronisation, that every slot is ``-1`` or
-            inside the cache and that no slot appears twice (two writes to one slot race).
+        checked: check, before the launch and on the arrays' device (one synchronisation on a
+            GPU), that every slot is ``-1`` or inside the cache and that no slot appears twice.
+            ``checked=False`` skips that and *trusts* the caller: a slot out of range writes
+            outside the cache (memory corruption or a crash), a repeated slot races. Pass it only
+            for slot mappings built by cupaged itself (``PagedCache.reserve``).
 
     Raises:
         TypeError: arrays on different devices, or wrong dtypes.
-        ValueError: wrong shapes, a cache that is not C-contiguous, or (checked) a slot out of
-            range or repeated.
+        ValueError: wrong shapes, a cache that is not C-contiguous or is read-only, or (checked)
+            a slot out of range or repeated.
     """
     xp = array_module(k_cache, v_cache, k, v, slot_mapping)
     num_blocks, num_kv_heads, block_size, head_dim = check_shape(
@@ -64,20 +75,17 @@ def write_kv(
     check_shape("v", v, [("num_tokens", num_tokens), *token_dims[1:]])
     check_shape("slot_mapping", slot_mapping, [("num_tokens", num_tokens)])
     check_index_array("slot_mapping", slot_mapping)
-    elem = array_dtype_name(k_cache)
-    check_dtype("v_cache", v_cache, elem, "k_cache's dtype")
-    check_dtype("k", k, elem, "the cache's dtype")
-    check_dtype("v", v, elem, "the cache's dtype")
+    elem = element_type(k_cache)
+    for name, x, why in (("v_cache", v_cache, "k_cache's dtype"), ("k", k, "the cache's dtype"),
+                         ("v", v, "the cache's dtype")):  # fmt: skip
+        if element_type(x) != elem:
+            check_dtype(name, x, elem, why)
     _check_contiguous(k_cache=k_cache, v_cache=v_cache)
+    check_writable("k_cache", k_cache)
+    check_writable("v_cache", v_cache)
+    check_num_blocks(num_blocks)
     if checked and num_tokens:
-        slots = to_numpy(slot_mapping)
-        capacity = num_blocks * block_size
-        bad = slots[(slots < -1) | (slots >= capacity)]
-        if bad.size:
-            raise ValueError(f"expected slots in [0, {capacity}) or -1, got {bad[:8].tolist()}")
-        used = slots[slots >= 0]
-        if np.unique(used).size != used.size:
-            raise ValueError("expected distinct slots, got a slot written twice")
+        check_slots(slot_mapping, num_blocks * block_size)
     if num_tokens == 0:
         return
     k_cache, v_cache = as_storage(k_cache), as_storage(v_cache)
@@ -85,19 +93,19 @@ def write_kv(
     slots = xp.ascontiguousarray(slot_mapping)
     aligned = all(_address(x) % 16 == 0 for x in (k_cache, v_cache, k, v))
     name, grid, block = _launch.write_kv_launch(
-        elem, slots.dtype, num_tokens, head_dim * itemsize(elem), aligned
+        elem, slots.dtype, num_tokens, head_dim * ITEMSIZES[elem], aligned, num_kv_heads
     )
     kernel = get_kernel(_device(xp), "write_kv.cu", name)
     scalars = (np.int32(num_kv_heads), np.int32(block_size), np.int32(head_dim))
     kernel(grid, block, (k, v, k_cache, v_cache, slots, *scalars))
 
 
-def copy_blocks(k_cache: Any, v_cache: Any, src: Any, dst: Any, *, checked: bool = False) -> None:
+def copy_blocks(k_cache: Any, v_cache: Any, src: Any, dst: Any, *, checked: bool = True) -> None:
     """Copy block ``src[i]`` onto block ``dst[i]`` in every layer of K and V, in place, in one launch.
 
     Copy-on-write uses it to give a sequence its own copy of a shared block. The pairs are copied
-    in parallel, so an id that is both a source and a destination, or a repeated destination, gives
-    an undefined result; ``checked`` rejects both.
+    in parallel, so an id that is both a source and a destination, or a repeated destination, would
+    give an undefined result; the checks reject both.
 
     Args:
         k_cache: ``[num_layers, num_blocks, num_kv_heads, block_size, head_dim]`` (the whole cache)
@@ -105,52 +113,67 @@ def copy_blocks(k_cache: Any, v_cache: Any, src: Any, dst: Any, *, checked: bool
         v_cache: same shape and dtype as ``k_cache``.
         src: ``[num_copies]`` int32 or int64 block ids.
         dst: ``[num_copies]`` int32 or int64 block ids.
-        checked: also check, at the cost of a device synchronisation, that ids are in range,
-            destinations distinct, and no id both a source and a destination.
+        checked: check, before the launch and on the arrays' device (one synchronisation on a
+            GPU), that ids are in ``[0, num_blocks)``, destinations distinct, and no id both a
+            source and a destination. ``checked=False`` skips that and *trusts* the caller: an id
+            out of range reads or writes outside the cache (memory corruption or a crash). Pass
+            it only for pairs that cupaged planned itself (copy-on-write in ``PagedCache``).
 
     Raises:
         TypeError: arrays on different devices, or wrong dtypes.
-        ValueError: wrong shapes, caches that are not C-contiguous, or (checked) bad block ids.
+        ValueError: wrong shapes, caches that are not C-contiguous or are read-only, or
+            (checked) bad block ids.
     """
-    xp = array_module(k_cache, v_cache, src, dst)
+    xp = _array_module(k_cache, v_cache, src, dst)
     if k_cache.ndim not in (4, 5):
         raise ValueError(
             "expected k_cache of shape ([num_layers,] num_blocks, num_kv_heads, block_size, "
             f"head_dim), got {tuple(k_cache.shape)}"
         )
-    axes = ("num_layers",) * (k_cache.ndim - 4) + _LAYER_AXES
-    check_shape("v_cache", v_cache, list(zip(axes, k_cache.shape, strict=True)))
-    elem = array_dtype_name(k_cache)
-    check_dtype("v_cache", v_cache, elem, "k_cache's dtype")
-    (num_copies,) = check_shape("src", src, [("num_copies", None)])
-    check_shape("dst", dst, [("num_copies", num_copies)])
+    if v_cache.shape != k_cache.shape:
+        axes = ("num_layers",) * (k_cache.ndim - 4) + _LAYER_AXES
+        check_shape("v_cache", v_cache, list(zip(axes, k_cache.shape, strict=True)))
+    elem = element_type(k_cache)
+    if element_type(v_cache) != elem:
+        check_dtype("v_cache", v_cache, elem, "k_cache's dtype")
+    if src.ndim != 1 or dst.shape != src.shape:
+        (num_copies,) = check_shape("src", src, [("num_copies", None)])
+        check_shape("dst", dst, [("num_copies", num_copies)])
+    num_copies = src.shape[0]
     check_index_array("src", src)
     check_index_array("dst", dst)
     _check_contiguous(k_cache=k_cache, v_cache=v_cache)
+    check_writable("k_cache", k_cache)
+    check_writable("v_cache", v_cache)
     num_blocks = k_cache.shape[-4]
+    check_num_blocks(num_blocks)
     if checked and num_copies:
-        ids = np.concatenate([to_numpy(src), to_numpy(dst)])
-        if ids.min() < 0 or ids.max() >= num_blocks:
-            raise ValueError(f"expected block ids in [0, {num_blocks}), got {ids.tolist()}")
-        dst_ids = to_numpy(dst)
-        if np.unique(dst_ids).size != num_copies:
-            raise ValueError(f"expected distinct destination blocks, got {dst_ids.tolist()}")
-        both = np.intersect1d(to_numpy(src), dst_ids)
-        if both.size:
-            raise ValueError(f"expected no block both source and destination, got {both.tolist()}")
+        check_copy_pairs(src, dst, num_blocks)
     if num_copies == 0:
         return
-    num_layers = k_cache.shape[0] if k_cache.ndim == 5 else 1
-    block_bytes = int(np.prod(k_cache.shape[-3:])) * itemsize(elem)
     aligned = _address(k_cache) % 16 == 0 and _address(v_cache) % 16 == 0
+    kernel, grid, block, scalars = _copy_plan(
+        _device(xp), _device_id(xp), k_cache.shape, elem, aligned, num_copies
+    )
+    src = xp.ascontiguousarray(src, dtype=np.int32)
+    dst = xp.ascontiguousarray(dst, dtype=np.int32)
+    kernel(grid, block, (k_cache, v_cache, src, dst, *scalars))
+
+
+@functools.lru_cache(maxsize=256)
+def _copy_plan(
+    device: str, device_id: int, shape: tuple[int, ...], elem: str, aligned: bool, num_copies: int
+) -> tuple[Any, tuple, tuple, tuple]:
+    """Kernel, grid, block and scalar arguments of one ``copy_blocks`` shape (kept: a copy-on-write
+    step repeats the same shape, and each lookup would cost as much as a small copy)."""
+    num_layers = shape[0] if len(shape) == 5 else 1
+    num_blocks, heads, tokens, dim = shape[-4:]
+    block_bytes = heads * tokens * dim * ITEMSIZES[elem]
     name, grid, block, word = _launch.copy_blocks_launch(
         block_bytes, aligned, num_copies, num_layers
     )
-    kernel = get_kernel(_device(xp), "copy_blocks.cu", name)
-    src = xp.ascontiguousarray(src, dtype=np.int32)
-    dst = xp.ascontiguousarray(dst, dtype=np.int32)
-    args = (k_cache, v_cache, src, dst, np.int32(num_blocks), np.int64(block_bytes // word))
-    kernel(grid, block, args)
+    kernel = get_kernel(device, "copy_blocks.cu", name)
+    return kernel, grid, block, (np.int32(num_blocks), np.int64(block_bytes // word))
 
 
 def paged_attention(
@@ -164,7 +187,7 @@ def paged_attention(
     max_context_len: int | None = None,
     out: Any = None,
     num_splits: int | None = None,
-    checked: bool = False,
+    checked: bool = True,
 ) -> Any:
     """Decode attention over a paged KV cache with the fused kernel (split-K when it pays).
 
@@ -185,11 +208,18 @@ def paged_attention(
         context_lens: ``[num_seqs]`` int32 (int64 is converted).
         scale: softmax scale; ``head_dim ** -0.5`` when ``None``.
         max_context_len: the longest context in the batch, to size the splits without reading
-            ``context_lens`` back from the device; computed (one synchronisation) when ``None``.
+            ``context_lens`` back from the device (with ``checked=False``); computed when
+            ``None`` or checked. A hint only: a wrong value changes how the work is split, never
+            the result (the last split runs to the end of each context).
         out: optional ``[num_seqs, num_q_heads, head_dim]`` C-contiguous output, ``q``'s dtype.
         num_splits: force this many splits (the heuristic in ``cupaged._launch`` decides when
             ``None``).
-        checked: also check context lengths and the block ids they use (one synchronisation).
+        checked: check, before the launch and on the arrays' device (one synchronisation on a
+            GPU), that every context length is in ``[0, max_blocks * block_size]`` and that every
+            block id a length reaches is in ``[0, num_blocks)`` (entries past a sequence's
+            length are padding and may hold anything). ``checked=False`` skips that and *trusts*
+            the caller: a bad id or length reads outside the cache (garbage output or a crash).
+            Pass it only for tables and lengths built by cupaged (``PagedCache.block_tables``).
 
     Returns:
         ``[num_seqs, num_q_heads, head_dim]`` in ``q``'s dtype, on the inputs' device.
@@ -197,8 +227,8 @@ def paged_attention(
     Raises:
         TypeError: arrays on different devices, or wrong dtypes.
         ValueError: wrong shapes, an unsupported head_dim or block_size (the message lists the
-            supported ones), caches not C-contiguous or not 16-byte aligned, or (checked) bad
-            context lengths or block ids.
+            supported ones), caches not C-contiguous or not 16-byte aligned, a read-only ``out``,
+            or (checked) bad context lengths or block ids.
     """
     xp = array_module(q, k_cache, v_cache, block_tables, context_lens)
     dims = check_attention_args(q, k_cache, v_cache, block_tables, context_lens)
@@ -216,17 +246,22 @@ def paged_attention(
         )
         check_dtype("out", out, dims.dtype, "q's dtype")
         _check_contiguous(out=out)
+        check_writable("out", out)
+    check_num_blocks(dims.num_blocks)
     if dims.num_seqs == 0:
         return out
+    capacity = dims.max_blocks * dims.block_size
+    if checked:  # on the caller's arrays, before they are narrowed to int32
+        max_context_len = check_decode_tables(
+            block_tables, context_lens, dims.block_size, dims.num_blocks
+        )
+    elif max_context_len is None:
+        max_context_len = int(to_numpy(context_lens).max())
+    else:
+        max_context_len = as_int(max_context_len, "max_context_len")
+    max_context_len = min(max(max_context_len, 0), capacity, MAX_CONTEXT_LEN)
     tables = xp.ascontiguousarray(block_tables, dtype=np.int32)
     lens = xp.ascontiguousarray(context_lens, dtype=np.int32)
-    if checked or max_context_len is None:
-        host_lens = to_numpy(lens)
-        if checked:
-            check_context_lens(host_lens, dims.max_blocks * dims.block_size)
-            check_block_ids(to_numpy(tables), host_lens, dims.block_size, dims.num_blocks)
-        if max_context_len is None:
-            max_context_len = int(host_lens.max())
     group = dims.num_q_heads // dims.num_kv_heads
     device = _device(xp)
     launch = _launch.decode_launch(
@@ -262,13 +297,26 @@ def paged_attention(
         merge(
             launch.merge_grid,
             launch.block,
-            (out_storage, partial_out, partial_lse, np.int32(launch.num_splits)),
+            (out_storage, partial_out, partial_lse, lens, np.int32(launch.num_splits)),
         )
     return out
 
 
+def _array_module(*arrays: Any) -> Any:
+    """``array_module`` with a shortcut for plain NumPy arrays (the CPU backend's launch path)."""
+    for x in arrays:
+        if type(x) is not np.ndarray:
+            return array_module(*arrays)
+    return np
+
+
 def _device(xp: Any) -> str:
     return "cpu" if xp is np else "cuda"
+
+
+def _device_id(xp: Any) -> int:
+    """The current device's id on CUDA (kernels are kept per device), 0 on the CPU."""
+    return 0 if xp is np else int(xp.cuda.Device().id)
 
 
 def _device_shared_memory_limit() -> int:
@@ -289,7 +337,12 @@ def _sm_count(device: str) -> int:
 
 def _address(x: Any) -> int:
     """Address of an array's first element (NumPy or CuPy)."""
-    return int(x.data.ptr) if hasattr(x.data, "ptr") else int(x.ctypes.data)
+    if isinstance(x, np.ndarray):
+        try:  # a writable array exports its buffer: the cheapest way to its address
+            return ctypes.addressof(ctypes.c_char.from_buffer(x))
+        except (TypeError, ValueError, BufferError):  # read-only, empty or strided
+            return int(x.ctypes.data)
+    return int(x.data.ptr)
 
 
 def _check_contiguous(**arrays: Any) -> None:

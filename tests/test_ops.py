@@ -113,17 +113,17 @@ def write_args(rng, **change):
         (
             dict(slot_mapping=np.array([0, 24, 1], np.int32)),
             ValueError,
-            r"expected slots in \[0, 24\) or -1, got \[24\]",
+            r"expected slot_mapping values in \[0, 24\) \(num_blocks \* block_size\) or -1, got \[24\]",
         ),
         (
             dict(slot_mapping=np.array([0, -2, 1], np.int32)),
             ValueError,
-            r"expected slots in \[0, 24\) or -1, got \[-2\]",
+            r"expected slot_mapping values in \[0, 24\) .* or -1, got \[-2\]",
         ),
         (
             dict(slot_mapping=np.array([3, 1, 3], np.int32)),
             ValueError,
-            "expected distinct slots, got a slot written twice",
+            "expected distinct slots in slot_mapping, got a slot written twice",
         ),
         (dict(k=[0.0]), TypeError, "expected a NumPy or CuPy array, got list"),
     ],
@@ -132,7 +132,7 @@ def test_write_kv_rejects_bad_arguments_before_writing(rng, change, error, messa
     args = write_args(rng, **change)
     before = args["k_cache"].copy(), args["v_cache"].copy()
     with pytest.raises(error, match=message):
-        cupaged.write_kv(**args, checked=True)
+        cupaged.write_kv(**args)  # checked by default
     np.testing.assert_array_equal(args["k_cache"], before[0])
     np.testing.assert_array_equal(args["v_cache"], before[1])
 
@@ -142,16 +142,16 @@ def test_write_kv_rejects_bad_arguments_before_writing(rng, change, error, messa
     [
         ([0, 6], [1, 2], r"expected block ids in \[0, 6\)"),
         ([0, 1], [-1, 2], r"expected block ids in \[0, 6\)"),
-        ([0, 1], [2, 2], "expected distinct destination blocks, got \\[2, 2\\]"),
-        ([0, 1], [1, 2], "expected no block both source and destination, got \\[1\\]"),
+        ([0, 1], [2, 2], "expected distinct destination blocks, got dst \\[2, 2\\]"),
+        ([0, 1], [1, 2], "expected no block both a source and a destination, got src \\[0, 1\\]"),
     ],
 )
-def test_copy_blocks_checked_mode_rejects_bad_ids(rng, src, dst, message):
+def test_copy_blocks_rejects_bad_ids_by_default(rng, src, dst, message):
     k_cache = random_array(rng, SHAPE, "float16")
     before = k_cache.copy()
     with pytest.raises(ValueError, match=message):
         cupaged.copy_blocks(
-            k_cache, k_cache.copy(), np.array(src, np.int32), np.array(dst, np.int32), checked=True
+            k_cache, k_cache.copy(), np.array(src, np.int32), np.array(dst, np.int32)
         )
     np.testing.assert_array_equal(k_cache, before)
 
@@ -167,3 +167,89 @@ def test_copy_blocks_shape_and_dtype_errors(rng):
         cupaged.copy_blocks(k_cache, k_cache.copy(), ids, np.array([1, 2], np.int32))
     with pytest.raises(TypeError, match="expected src of dtype int32 or int64, got float64"):
         cupaged.copy_blocks(k_cache, k_cache.copy(), ids.astype(float), ids)
+
+
+# ---- Checked by default, before any narrowing; read-only outputs (issue 10) -------------------------
+
+
+@pytest.mark.parametrize("bad", [2**32 + 1, 2**33, -(2**32)])
+def test_int64_slots_are_checked_before_they_are_narrowed(rng, bad):
+    args = write_args(rng, slot_mapping=np.array([0, bad, 9], np.int64))
+    before = args["k_cache"].copy()
+    with pytest.raises(ValueError, match="expected slot_mapping values in"):
+        cupaged.write_kv(**args)
+    np.testing.assert_array_equal(args["k_cache"], before)
+
+
+@pytest.mark.parametrize("n", [3, 40])  # the Python path for a few ids, the array path for many
+def test_int64_copy_pairs_are_checked_before_they_are_narrowed(rng, n):
+    k_cache = random_array(rng, (128, 2, 4, 16), "float16")
+    before = k_cache.copy()
+    src = np.arange(n, dtype=np.int64)
+    dst = np.arange(n, 2 * n, dtype=np.int64)
+    src[1] = 2**32 + 1  # would be block 1 after a cast to int32
+    with pytest.raises(ValueError, match=r"expected block ids in \[0, 128\)"):
+        cupaged.copy_blocks(k_cache, k_cache.copy(), src, dst)
+    src[1], dst[-1] = 1, 2  # 2 is also a source
+    with pytest.raises(ValueError, match="expected no block both a source and a destination"):
+        cupaged.copy_blocks(k_cache, k_cache.copy(), src, dst)
+    dst[-1] = dst[0]
+    with pytest.raises(ValueError, match="expected distinct destination blocks"):
+        cupaged.copy_blocks(k_cache, k_cache.copy(), src, dst)
+    np.testing.assert_array_equal(k_cache, before)
+
+
+def test_many_slots_are_checked_on_the_array_path(rng):
+    k_cache = random_array(rng, (64, 2, 4, 16), "float32")
+    tokens = random_array(rng, (40, 2, 16), "float32")
+    slots = np.arange(40, dtype=np.int64) * 3
+    slots[7] = 256  # one past the end
+    with pytest.raises(ValueError, match=r"got \[256\]"):
+        cupaged.write_kv(k_cache, k_cache.copy(), tokens, tokens, slots)
+    slots[7] = slots[8]
+    with pytest.raises(ValueError, match="expected distinct slots"):
+        cupaged.write_kv(k_cache, k_cache.copy(), tokens, tokens, slots)
+    slots[7] = -1
+    cupaged.write_kv(k_cache, k_cache.copy(), tokens, tokens, slots)
+
+
+def test_unchecked_calls_still_work_for_valid_arguments(rng):
+    args = write_args(rng)
+    cupaged.write_kv(**args, checked=False)
+    np.testing.assert_array_equal(args["k_cache"][2, :, 1], args["k"][2])  # slot 9
+    k_cache = random_array(rng, SHAPE, "float16")
+    v_cache = k_cache.copy()
+    cupaged.copy_blocks(k_cache, v_cache, np.array([0]), np.array([3]), checked=False)
+    np.testing.assert_array_equal(k_cache[3], k_cache[0])
+
+
+def _read_only(x: np.ndarray) -> np.ndarray:
+    x = x.copy()
+    x.flags.writeable = False
+    return x
+
+
+def _over_bytes(x: np.ndarray) -> np.ndarray:
+    return np.frombuffer(x.tobytes(), x.dtype).reshape(x.shape)
+
+
+@pytest.mark.parametrize("make", [_read_only, _over_bytes], ids=["writeable-false", "bytes"])
+@pytest.mark.parametrize("which", ["k_cache", "v_cache"])
+def test_read_only_caches_are_refused(rng, make, which):
+    args = write_args(rng)
+    args[which] = make(args[which])
+    data = bytes(args[which].data)
+    with pytest.raises(ValueError, match=f"expected {which} writable"):
+        cupaged.write_kv(**args)
+    caches = dict(k_cache=args["k_cache"], v_cache=args["v_cache"])
+    with pytest.raises(ValueError, match=f"expected {which} writable"):
+        cupaged.copy_blocks(**caches, src=np.array([0]), dst=np.array([1]))
+    assert bytes(args[which].data) == data
+
+
+def test_read_only_inputs_are_fine(rng):
+    args = write_args(rng)
+    for name in ("k", "v", "slot_mapping"):
+        args[name] = _read_only(args[name])
+    cupaged.write_kv(**args)
+    np.testing.assert_array_equal(args["k_cache"][1, :, 1], args["k"][1])  # slot 5

@@ -12,10 +12,11 @@ import contextlib
 
 import numpy as np
 import pytest
-from helpers import DTYPES, assert_close, poison, random_array, random_paged_batch
+from helpers import DTYPES, TOLERANCES, assert_close, poison, random_array, random_paged_batch
 
 import cupaged
 from cupaged import _launch
+from cupaged.dtypes import from_float, to_float
 
 HEAD_DIMS = (64, 80, 128, 256)
 BLOCK_SIZES = (1, 7, 16, 32, 256)
@@ -185,3 +186,120 @@ def test_split_heuristic():
     assert launch.num_splits * launch.partition_tokens >= 4096
     assert launch.partition_tokens % _launch.decode_tile("float16", 128) == 0
     assert launch.grid == (8, 1, launch.num_splits) and launch.merge_grid == (32, 1)
+
+
+# ---- NaN and Inf, untrusted max_context_len, read-only outputs (issue 10) ---------------------------
+
+NAN_CASES = ("nan_q", "nan_k", "pos_inf_k", "neg_inf_k", "inf_v", "nan_scale")
+
+
+def _as_storage(value, dtype: str):
+    return from_float(np.asarray(value, np.float32).reshape(-1), dtype)
+
+
+def _assert_same_specials(out, expected: np.ndarray, dtype: str) -> None:
+    """NaN exactly where the reference has NaN, Inf where it has Inf; the rest within tolerance."""
+    got = to_float(out, np.float64)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(expected))
+    np.testing.assert_array_equal(np.isinf(got), np.isinf(expected))
+    np.testing.assert_array_equal(got[np.isinf(got)], expected[np.isinf(expected)])
+    finite = np.isfinite(expected)
+    np.testing.assert_allclose(got[finite], expected[finite], **TOLERANCES[dtype])
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("case", NAN_CASES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_nan_and_inf_propagate_like_the_reference(rng, dtype, case, splits):
+    """A NaN that a row reads makes the row NaN; +Inf scores NaN, -Inf scores weigh 0, Inf in V
+    gives Inf: exactly where ``reference_attention`` (float64) does, with and without split-K."""
+    lengths = [700, 40, 5]
+    q, k_cache, v_cache, tables, lens, _ = random_paged_batch(
+        rng, lengths, NUM_KV_HEADS, 64, 4, 16, dtype
+    )
+    scale = None
+    token = 300  # sequence 0's token 300 (in its second split when split)
+    block, offset = tables[0, token // 16], token % 16
+    if case == "nan_q":
+        q[1, 3, 7] = _as_storage(np.nan, dtype)[0]  # one query head of sequence 1
+    elif case == "nan_k":
+        k_cache[block, 1, offset, 5] = _as_storage(np.nan, dtype)[0]
+    elif case in ("pos_inf_k", "neg_inf_k"):
+        # Infinities signed so that query head 4's score is +Inf (its row NaN) or -Inf (the
+        # token weighs 0, the row stays finite); the other heads of the group get NaN scores.
+        sign = np.sign(to_float(q[0, 4], np.float64)) * (1 if case == "pos_inf_k" else -1)
+        k_cache[block, 1, offset, :] = _as_storage(sign * np.inf, dtype)
+    elif case == "inf_v":
+        v_cache[block, 0, offset, 9] = _as_storage(np.inf, dtype)[0]
+    else:
+        scale = float("nan")
+    expected = cupaged.reference_attention(
+        q, k_cache, v_cache, tables, lens, scale, compute_dtype="float64", out_dtype="float64"
+    )
+    assert not np.isfinite(expected).all(), "the case must reach the reference's output"
+    out = poison(q.shape, dtype)
+    cupaged.paged_attention(q, k_cache, v_cache, tables, lens, scale, out=out, num_splits=splits)
+    _assert_same_specials(out, expected, dtype)
+
+
+@pytest.mark.parametrize("checked", [True, False])
+@pytest.mark.parametrize("hint", [0, 1, 32, 300])
+def test_an_understated_max_context_len_changes_nothing(rng, hint, checked):
+    """The kernel never trusts max_context_len: the last split runs to the end of each context."""
+    (q, k_cache, v_cache, tables, lens), expected = make_batch(
+        rng, np, "float32", 64, 16, 4, [LONG, 37, 3]
+    )
+    for splits in (None, 1, 4):
+        out = poison(q.shape, "float32")
+        cupaged.paged_attention(q, k_cache, v_cache, tables, lens, max_context_len=hint,
+                                num_splits=splits, out=out, checked=checked)  # fmt: skip
+        assert_close(out, expected, "float32")
+
+
+def test_padding_past_a_sequence_may_hold_anything(rng):
+    """Only the entries a length reaches are checked and read; the rest is padding."""
+    (q, k_cache, v_cache, tables, lens), expected = make_batch(
+        rng, np, "float32", 64, 16, 1, [40, 3]
+    )
+    padded = np.concatenate([tables.astype(np.int64), np.full((2, 3), 2**40)], axis=1)
+    padded[1, 1:] = -(10**9)
+    out = cupaged.paged_attention(q, k_cache, v_cache, padded, lens)
+    assert_close(out, expected, "float32")
+
+
+@pytest.mark.parametrize(
+    "what, value, message",
+    [
+        ("table", 2**32 + 1, r"expected block ids in \[0, \d+\) in row 0"),
+        ("table", -(2**32) + 1, r"expected block ids in \[0, \d+\) in row 0"),
+        ("lens", 2**32 + 20, r"expected context_lens in \[0, 32\]"),
+        ("lens", -1, r"expected context_lens in \[0, 32\]"),
+    ],
+)
+def test_int64_values_are_checked_before_they_are_narrowed(rng, what, value, message):
+    """``2**32 + 1`` must not become block 1 (nor ``2**32 + 20`` a length of 20)."""
+    (q, k_cache, v_cache, tables, lens), _ = make_batch(rng, np, "float32", 64, 16, 1, [20, 3])
+    tables, lens = tables.astype(np.int64), lens.astype(np.int64)
+    if what == "table":
+        tables[0, 1] = value
+    else:
+        lens[0] = value
+    with pytest.raises(ValueError, match=message):
+        cupaged.paged_attention(q, k_cache, v_cache, tables, lens)
+
+
+def test_a_read_only_output_is_refused(rng):
+    (q, k_cache, v_cache, tables, lens), _ = make_batch(rng, np, "float32", 64, 16, 1, [5])
+    out = np.zeros(q.shape, np.float32)
+    out.flags.writeable = False
+    with pytest.raises(ValueError, match="expected out writable"):
+        cupaged.paged_attention(q, k_cache, v_cache, tables, lens, out=out)
+    frozen = np.frombuffer(bytes(out.nbytes), np.float32).reshape(q.shape)
+    with pytest.raises(ValueError, match="expected out writable"):
+        cupaged.paged_attention(q, k_cache, v_cache, tables, lens, out=frozen)
+    assert not frozen.any()
+    read_only_inputs = [x.copy() for x in (q, k_cache, v_cache)]
+    for x in read_only_inputs:
+        x.flags.writeable = False
+    result = cupaged.paged_attention(*read_only_inputs, tables, lens)  # inputs may be read-only
+    assert np.isfinite(result).all()

@@ -428,12 +428,14 @@ def build(
     if verified(library):
         logger.debug("cupaged cpu: cached %s for %s", library.name, source.name)
         return library, [source, *headers]
-    if library.exists():
+    if library.exists() and _digest_path(library).exists():
         logger.warning(
             "cupaged cpu: %s does not match its recorded SHA-256 (damaged, truncated or "
             "replaced); rebuilding it",
             library,
         )
+    elif library.exists():
+        logger.info("cupaged cpu: %s has no recorded SHA-256; rebuilding it", library.name)
     try:
         _compile(source, name_expressions, cxx, flags, folder, library)
     except OSError as error:
