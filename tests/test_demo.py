@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import re
 import subprocess
@@ -194,21 +195,30 @@ def test_cli_small_run_writes_json_and_plot(tmp_path):
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_the_default_run_swaps_out_and_in_and_generates_what_an_unpreempted_run_does():
-    default = run_demo(DemoConfig(device="cpu"))
-    assert default.summary["preemptions"] >= 1 and default.summary["swap_ins"] >= 1
-    assert default.summary["swap_ins"] == default.summary["preemptions"]  # all came back
-    assert default.summary["checks"]["passed"]
+@pytest.fixture(scope="module")
+def default_run():
+    return run_demo(DemoConfig(device="cpu"))
+
+
+def test_the_default_run_swaps_out_and_in_and_generates_what_an_unpreempted_run_does(default_run):
+    summary = default_run.summary
+    assert summary["preemptions"] >= 1 and summary["swap_ins"] >= 1
+    assert summary["swap_ins"] == summary["preemptions"]  # every swapped sequence came back
+    assert summary["checks"]["passed"]
     roomy = run_demo(DemoConfig(device="cpu", num_blocks=200))
     assert roomy.summary["preemptions"] == 0
-    assert default.outputs == roomy.outputs
-    assert sum(map(len, default.outputs.values())) == default.summary["tokens_generated"] > 0
+    assert default_run.outputs == roomy.outputs
+    assert sum(map(len, default_run.outputs.values())) == summary["tokens_generated"] > 0
 
 
-def test_cli_default_run_says_it_swapped():
-    result = run_cli("--device", "cpu")
-    assert result.returncode == 0, result.stderr[-2000:]
-    text = " ".join(result.stdout.split())
+def test_the_summary_says_the_default_run_swapped(default_run):
+    from rich.console import Console
+
+    from cupaged.__main__ import print_summary
+
+    console = Console(file=io.StringIO(), width=100)
+    print_summary(console, default_run)
+    text = " ".join(console.file.getvalue().split())
     assert re.search(r"preemptions │ [1-9]\d* swap-outs to host memory, [1-9]\d* swap-ins", text)
 
 
