@@ -106,8 +106,8 @@ def trace(device: str) -> None:
 
 
 class Parser(argparse.ArgumentParser):
-    """An argument parser whose errors are one line (no usage block) and whose help shows every
-    option's default."""
+    """An argument parser whose errors are one line, status 2, no usage block (the demo's usage
+    runs to seven lines; ``--help`` shows it)."""
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
