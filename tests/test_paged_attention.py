@@ -200,6 +200,7 @@ def _as_storage(value, dtype: str):
 def _assert_same_specials(out, expected: np.ndarray, dtype: str) -> None:
     """NaN exactly where the reference has NaN, Inf where it has Inf; the rest within tolerance."""
     got = to_float(out, np.float64)
+    got = got.get() if hasattr(got, "get") else got
     np.testing.assert_array_equal(np.isnan(got), np.isnan(expected))
     np.testing.assert_array_equal(np.isinf(got), np.isinf(expected))
     np.testing.assert_array_equal(got[np.isinf(got)], expected[np.isinf(expected)])
@@ -210,7 +211,7 @@ def _assert_same_specials(out, expected: np.ndarray, dtype: str) -> None:
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("case", NAN_CASES)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_nan_and_inf_propagate_like_the_reference(rng, dtype, case, splits):
+def test_nan_and_inf_propagate_like_the_reference(rng, xp, dtype, case, splits):
     """A NaN that a row reads makes the row NaN; +Inf scores NaN, -Inf scores weigh 0, Inf in V
     gives Inf: exactly where ``reference_attention`` (float64) does, with and without split-K."""
     lengths = [700, 40, 5]
@@ -237,8 +238,9 @@ def test_nan_and_inf_propagate_like_the_reference(rng, dtype, case, splits):
         q, k_cache, v_cache, tables, lens, scale, compute_dtype="float64", out_dtype="float64"
     )
     assert not np.isfinite(expected).all(), "the case must reach the reference's output"
-    out = poison(q.shape, dtype)
-    cupaged.paged_attention(q, k_cache, v_cache, tables, lens, scale, out=out, num_splits=splits)
+    out = xp.asarray(poison(q.shape, dtype))
+    arrays = (xp.asarray(x) for x in (q, k_cache, v_cache, tables, lens))
+    cupaged.paged_attention(*arrays, scale, out=out, num_splits=splits)
     _assert_same_specials(out, expected, dtype)
 
 

@@ -951,8 +951,10 @@ static Pool pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD
                     nullptr, 0, 0, 0, 0, 0};
 static pthread_once_t pool_fork_once = PTHREAD_ONCE_INIT;
 
-// A forked child has none of the parent's helper threads: start from an empty pool.
+// A forked child has none of the parent's helper threads: start from an empty pool (and with
+// unlocked mutexes: a thread that held one at the fork does not exist in the child).
 static void reset_pool_in_child() {
+  pthread_mutex_init(&stack_pool_mutex, nullptr);
   pthread_mutex_init(&pool.mutex, nullptr);
   pthread_cond_init(&pool.wake, nullptr);
   pthread_cond_init(&pool.done, nullptr);
