@@ -275,13 +275,14 @@ class BlockManager:
         """
         prompt = token_array(prompt, "prompt")
         salt = as_salt(cache_salt)
-        stats = replace(self._prefix.stats) if self.prefix_caching else None
+        stats = self._prefix.stats
+        counters = (stats.hits, stats.misses, stats.cached_tokens)
         hits, chain = self._match(prompt, salt)
         rest = len(prompt) - len(hits) * self._block_size
         revived = int(np.count_nonzero(self._pool._refcount[hits] == 0)) if hits else 0
         needed = cdiv(len(prompt), self._block_size) - len(hits)
         if needed > self._pool.num_free - revived:
-            self._prefix.stats = stats
+            stats.hits, stats.misses, stats.cached_tokens = counters
             raise OutOfBlocksError(
                 needed, self._pool.num_free - revived, f"admitting a {len(prompt)}-token prompt"
             )
@@ -479,7 +480,7 @@ class BlockManager:
     ) -> tuple[list[int], PrefixChain | None]:
         if not self.prefix_caching:
             return [], None
-        return self._prefix.match(prompt, salt)
+        return self._prefix.match_unchecked(prompt, salt)
 
     def _attach(self, hits: list[int], chain: PrefixChain | None) -> tuple[int, int]:
         """A new sequence holding the cached blocks ``hits`` (full) and nothing else."""
@@ -544,8 +545,8 @@ class BlockManager:
         """
         if rows.size == 1:
             n = counts if isinstance(counts, int) else int(counts[0])
-            if n == 1 and isinstance(tokens, list):
-                tokens = tokens[0]
+            if isinstance(tokens, list):
+                (tokens,) = tokens
             return self._plan_one(int(rows[0]), n, tokens, what)
         if isinstance(counts, int) and counts == 1:
             return self._plan_decode(rows, tokens, what)
@@ -563,10 +564,15 @@ class BlockManager:
         if need > pool.num_free:
             what = what or f"reserving {n} token(s) for 1 sequence(s)"
             raise OutOfBlocksError(need, pool.num_free, what)
-        rows = lens = None
-        if self.prefix_caching and tokens is not None:
-            rows, lens = np.array([row], np.intp), np.array([length], np.int32)
-            keys = self._keys(rows, lens, n, tokens)
+        keys = None
+        if self.prefix_caching and tokens is not None and n:
+            joined = (
+                tokens
+                if not length % bs
+                else np.concatenate([table.tail[row, : length % bs], tokens])
+            )
+            full = joined.size // bs * bs
+            keys = self._prefix.extend_keys(self._chains[row], joined[:full])
 
         # -- from here on nothing fails: change the tables
         src = dst = _NO_COPIES
@@ -582,13 +588,19 @@ class BlockManager:
         if n == 1:
             slots = np.array([table.tables[row, length // bs] * bs + length % bs], np.int32)
         else:
-            pos = np.arange(length, length + n)
-            slots = (table.tables[row, pos // bs] * bs + pos % bs).astype(np.int32)
+            pos = np.arange(length, length + n, dtype=np.int32)
+            slots = table.tables[row, pos // bs] * bs + pos % bs
         table.lens[row] = length + n
         if n:
             table.shared[row] = False  # copied, or the last holder: the last block is its own
-        if rows is not None:
-            self._register(rows, lens, n, tokens, keys)
+        if keys is not None:
+            table.tail[row, : joined.size - full] = joined[full:]
+            chain = self._chains[row]
+            self._pool.register_many(
+                table.tables[row, length // bs : length // bs + len(keys)].tolist(), keys
+            )
+            chain.keys.extend(key for key, _ in keys)
+            chain.digests.extend(digest for _, digest in keys)
         return slots, src, dst
 
     def _plan_decode(
@@ -759,15 +771,15 @@ class BlockManager:
                 for row, column, key in zip(filled.tolist(), first, keys, strict=True)
             ]
         out = []
-        per_row = np.broadcast_to(counts, rows.shape)
-        for i, n in enumerate(per_row.tolist()):
+        per_row = [counts] * rows.size if isinstance(counts, int) else counts.tolist()
+        for i, n in enumerate(per_row):
             if not n:
                 continue
             row = int(rows[i])
             offset = int(lens[i]) % bs
             joined = np.concatenate([tail[row, :offset], tokens[i]])
             full = len(joined) // bs * bs
-            keys = list(self._prefix.walk(self._chains[row], joined[:full]))
+            keys = self._prefix.extend_keys(self._chains[row], joined[:full])
             out.append((row, int(lens[i]) // bs, joined[full:], keys))
         return out
 
@@ -781,11 +793,9 @@ class BlockManager:
             if not decode:
                 table.tail[row, : rest.size] = rest
             chain = self._chains[row]
-            blocks = table.tables[row, first : first + len(row_keys)].tolist()
-            for block, (key, digest) in zip(blocks, row_keys, strict=True):
-                pool.register_unchecked(block, key, digest)
-                chain.keys.append(key)
-                chain.digests.append(digest)
+            pool.register_many(table.tables[row, first : first + len(row_keys)].tolist(), row_keys)
+            chain.keys.extend(key for key, _ in row_keys)
+            chain.digests.extend(digest for _, digest in row_keys)
 
     def _batch_rows(self, sids: Any) -> np.ndarray:
         """Rows of a batch of resident, distinct sequences."""

@@ -212,8 +212,9 @@ class BlockPool:
             at its last entry).
         """
         if distinct:
-            self._refcount[blocks] -= 1
-            gone = blocks[self._refcount[blocks] == 0]
+            left = self._refcount[blocks] - 1
+            self._refcount[blocks] = left
+            gone = blocks[left == 0]
         else:
             np.subtract.at(self._refcount, blocks, 1)
             last = blocks.size - 1 - np.unique(blocks[::-1], return_index=True)[1]
@@ -223,19 +224,26 @@ class BlockPool:
             self._push_free(gone)
         elif gone.size:
             cached = self._registered[gone]
-            self._push_free(gone[~cached])
-            self._push_evictable(gone[cached])
+            registered = np.count_nonzero(cached)
+            if registered == gone.size:  # a prompt's full blocks: all stay findable
+                self._push_evictable(gone)
+            elif not registered:
+                self._push_free(gone)
+            else:
+                self._push_free(gone[~cached])
+                self._push_evictable(gone[cached])
         return gone
 
     def acquire_unchecked(self, blocks: np.ndarray, distinct: bool = True) -> None:
         """Take a reference per entry of ``blocks`` (registered or in use, unchecked)."""
-        revived = blocks[self._refcount[blocks] == 0]
+        held = self._refcount[blocks]
+        revived = blocks[held == 0]
         if revived.size:
             revived = revived if distinct else np.unique(revived)
             self._stamp[revived] = _NO_STAMP
             self._num_evictable -= revived.size
         if distinct:
-            self._refcount[blocks] += 1
+            self._refcount[blocks] = held + 1
         else:
             np.add.at(self._refcount, blocks, 1)
 
@@ -250,6 +258,18 @@ class BlockPool:
         self._content_of[block] = content
         self._registered[block] = True
         return block
+
+    def register_many(self, blocks: list[int], keys: list[tuple[Hashable, object]]) -> None:
+        """:meth:`register_unchecked` of ``blocks[i]`` under ``(key, content) = keys[i]``."""
+        block_of, key_of, content_of = self._block_of, self._key_of, self._content_of
+        for block, (key, content) in zip(blocks, keys, strict=True):
+            if key in block_of:
+                continue  # the first writer wins
+            require(key_of[block] is None, f"block {block} is already registered")
+            block_of[key] = block
+            key_of[block] = key
+            content_of[block] = content
+            self._registered[block] = True
 
     # ------------------------------------------------------------------------------ checking
 

@@ -1,0 +1,439 @@
+"""The step API: BlockManager, SequenceBatch, StepPlan, admit, fork_many/free_many, bulk pool ops.
+
+The vectorised paths (a decode step of many sequences, a mixed batch) are checked against the
+scalar path (one ``step`` per sequence, in batch order) on a twin manager: same block ids, same
+slots, same copy-on-write pairs, same free stack, after every operation of seeded random walks.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+from helpers import random_array
+
+from cupaged import (
+    BlockManager,
+    BlockPool,
+    CupagedError,
+    OutOfBlocksError,
+    PagedCache,
+    PrefixCache,
+)
+
+BS = 4
+
+
+def manager(num_blocks=64, block_size=BS, prefix=False, **kwargs) -> BlockManager:
+    return BlockManager(
+        num_blocks, block_size, device="cpu", enable_prefix_caching=prefix, **kwargs
+    )
+
+
+def state(m: BlockManager):
+    """Everything observable: tables, lengths, refcounts, free count, the next ids handed out."""
+    seqs = {sid: (m.seq_len(sid), m.block_table(sid)) for sid in m.sequence_ids}
+    refs = [m.refcount(b) for b in range(m.num_blocks)]
+    return seqs, refs, m.num_free_blocks, m.pool._free[: m.pool._top].tolist()
+
+
+# ------------------------------------------------------------------------------- one step, exactly
+
+
+def test_a_decode_step_takes_blocks_only_at_block_boundaries():
+    m = manager(num_blocks=16)
+    sids = [m.admit(list(range(n))).sid for n in (3, 4, 5)]  # tables [0], [1], [2, 3]
+    plan = m.step(m.batch(sids))
+    # Sequence 1 is full (4 tokens): its 5th token takes block 4 at offset 0.
+    assert plan.slots.tolist() == [0 * BS + 3, 4 * BS + 0, 3 * BS + 1]
+    assert [m.block_table(s) for s in sids] == [[0], [1, 4], [2, 3]]
+    assert [m.seq_len(s) for s in sids] == [4, 5, 6]
+    assert plan.copy_src.size == plan.copy_dst.size == 0
+    assert plan.num_tokens.tolist() == [1, 1, 1]
+    assert plan.query_start_loc.tolist() == [0, 1, 2, 3]
+    m.check_invariants()
+
+
+def test_forked_siblings_copy_all_but_the_last_writer():
+    m = manager(num_blocks=16)
+    root = m.admit(list(range(6))).sid  # blocks 0, 1; block 1 holds 2 tokens
+    kids = m.fork_many(root, 3)
+    assert m.refcount(1) == 4
+    # root is not in the batch: all three children copy; then root owns block 1 alone.
+    plan = m.step(kids)
+    assert plan.copy_src.tolist() == [1, 1, 1] and plan.copy_dst.tolist() == [2, 3, 4]
+    assert [m.block_table(k) for k in kids] == [[0, 2], [0, 3], [0, 4]]
+    assert m.refcount(1) == 1 and m.refcount(0) == 4
+    m.check_invariants()
+    # Now with the root in the batch, last: two siblings copy, the root writes in place.
+    m2 = manager(num_blocks=16)
+    root = m2.admit(list(range(6))).sid
+    kids = m2.fork_many(root, 2)
+    plan = m2.step([*kids, root])
+    assert plan.copy_src.tolist() == [1, 1] and plan.copy_dst.tolist() == [2, 3]
+    assert m2.block_table(root) == [0, 1] and plan.slots.tolist()[-1] == 1 * BS + 2
+    m2.check_invariants()
+
+
+def test_mixed_counts_in_one_step():
+    m = manager(num_blocks=32)
+    a, b, c = (m.admit(list(range(n))).sid for n in (2, 4, 0))
+    plan = m.step([a, b, c], num_tokens=[7, 0, 3])
+    assert plan.query_start_loc.tolist() == [0, 7, 7, 10]
+    assert [m.seq_len(s) for s in (a, b, c)] == [9, 4, 3]
+    tables = {s: m.block_table(s) for s in (a, b, c)}
+    expected = [tables[a][p // BS] * BS + p % BS for p in range(2, 9)]
+    expected += [tables[c][p // BS] * BS + p % BS for p in range(3)]
+    assert plan.slots.tolist() == expected
+    m.check_invariants()
+
+
+def test_a_step_that_cannot_finish_changes_nothing():
+    m = manager(num_blocks=6)
+    sids = [m.admit(list(range(4))).sid for _ in range(5)]  # 5 full blocks, 1 free
+    batch = m.batch(sids)
+    before = state(m)
+    with pytest.raises(OutOfBlocksError, match="reserving 5 token.* needs 5 free block.*got 1"):
+        m.step(batch)
+    assert state(m) == before
+    m.check_invariants()
+    m.step(sids[:1])  # one still fits
+    assert m.num_free_blocks == 0
+
+
+# ------------------------------------------------------------------------------- random walks
+
+
+def _random_walk(seed: int, prefix: bool):
+    """Batched steps on one manager, the same steps one sequence at a time on its twin."""
+    rnd = random.Random(seed)
+    batched, scalar = manager(48, prefix=prefix), manager(48, prefix=prefix)
+    live: list[int] = []
+    for _ in range(250):
+        op = rnd.choice(["admit", "fork", "step", "step", "step", "mixed", "free", "free_many"])
+        if op == "admit" or not live:
+            prompt = [rnd.randrange(3) for _ in range(rnd.randrange(0, 9))]
+            try:
+                results = [mm.admit(prompt) for mm in (batched, scalar)]
+            except OutOfBlocksError:
+                continue
+            assert results[0].slots.tolist() == results[1].slots.tolist()
+            assert results[0].num_cached_tokens == results[1].num_cached_tokens
+            live.append(results[0].sid)
+        elif op == "fork":
+            parent, n = rnd.choice(live), rnd.randrange(1, 3)
+            kids = batched.fork_many(parent, n)
+            assert kids == [scalar.fork(parent) for _ in range(n)]
+            live.extend(kids)
+        elif op in ("step", "mixed"):
+            sids = rnd.sample(live, rnd.randrange(1, len(live) + 1))
+            counts = 1 if op == "step" else [rnd.randrange(0, 6) for _ in sids]
+            per = [counts] * len(sids) if op == "step" else counts
+            tokens = [[rnd.randrange(3) for _ in range(n)] for n in per]
+            try:
+                plan = batched.step(batched.batch(sids), counts, tokens if prefix else None)
+            except OutOfBlocksError:
+                assert state(batched) == state(scalar)
+                continue
+            slots, src, dst = [], [], []
+            for sid, n, ids in zip(sids, per, tokens, strict=True):
+                one = scalar.step(sid, n, ids if prefix else None)
+                slots += one.slots.tolist()
+                src += one.copy_src.tolist()
+                dst += one.copy_dst.tolist()
+            assert plan.slots.tolist() == slots
+            assert (plan.copy_src.tolist(), plan.copy_dst.tolist()) == (src, dst)
+        elif op == "free":
+            sid = live.pop(rnd.randrange(len(live)))
+            batched.free(sid)
+            scalar.free(sid)
+        else:
+            gone = rnd.sample(live, rnd.randrange(1, len(live) + 1))
+            live = [s for s in live if s not in gone]
+            batched.free_many(gone)
+            for sid in gone:
+                scalar.free(sid)
+        assert state(batched) == state(scalar)
+        if prefix:
+            assert batched.pool.evictable_blocks() == scalar.pool.evictable_blocks()
+        batched.check_invariants()
+        scalar.check_invariants()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_batched_steps_equal_one_sequence_at_a_time(seed):
+    _random_walk(seed, prefix=False)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_batched_steps_equal_one_sequence_at_a_time_with_prefix_caching(seed):
+    _random_walk(seed, prefix=True)
+
+
+# ------------------------------------------------------------------------------- batch handles
+
+
+def test_batch_tables_follow_every_change_and_never_alias_the_host():
+    m = manager(num_blocks=64)
+    sids = [m.admit(list(range(n))).sid for n in (1, 5, 9)]
+    batch = m.batch(sids)
+    for _ in range(3):
+        m.step(batch)
+    tables, lens = m.block_tables(batch)
+    assert not np.shares_memory(tables, m._seqs.tables)
+    assert lens.tolist() == [4, 8, 12]
+    for i, sid in enumerate(sids):
+        table = m.block_table(sid)
+        assert tables[i, : len(table)].tolist() == table and not tables[i, len(table) :].any()
+    m.step(sids[1], 40)  # outside the batch, and past the table's initial width
+    child = m.fork(sids[0])
+    m.step(child)
+    m.step(sids[0])  # copy-on-write, since the child shares block 0? no: full blocks are shared
+    batch.replace(2, child)
+    tables, lens = m.block_tables(batch)
+    assert batch.sids.tolist() == [sids[0], sids[1], child]
+    assert lens.tolist() == [m.seq_len(s) for s in batch.sids.tolist()]
+    for i, sid in enumerate(batch.sids.tolist()):
+        table = m.block_table(sid)
+        assert tables[i, : len(table)].tolist() == table and not tables[i, len(table) :].any()
+
+
+def test_batch_handles_refuse_freed_swapped_and_duplicate_sequences():
+    cache = PagedCache(16, block_size=BS, num_layers=1, num_kv_heads=1, head_dim=64,
+                       dtype="float32", device="cpu")  # fmt: skip
+    a, b, c = (cache.admit([1, 2, 3]).sid for _ in range(3))
+    batch = cache.batch([a, b])
+    with pytest.raises(ValueError, match="expected distinct sequence ids"):
+        cache.batch([a, a])
+    with pytest.raises(ValueError, match=f"got {a} twice"):
+        batch.replace(1, a)
+    with pytest.raises(IndexError, match=r"expected a position in \[0, 2\), got 2"):
+        batch.replace(2, c)
+    assert batch.sids.tolist() == [a, b]
+    with pytest.raises(ValueError):
+        batch.sids[0] = 7  # read-only
+    cache.swap_out(b)
+    with pytest.raises(CupagedError, match=f"sequence {b} is swapped out"):
+        cache.step(batch)
+    cache.swap_in(b)
+    cache.free(a)
+    before = (cache.seq_len(b), cache.num_free_blocks)
+    with pytest.raises(KeyError, match=f"sequence {a} was already freed"):
+        cache.step(batch)
+    with pytest.raises(KeyError, match=f"sequence {a} was already freed"):
+        cache.block_tables(batch)
+    assert (cache.seq_len(b), cache.num_free_blocks) == before
+    batch.replace(0, c)
+    cache.step(batch)
+    cache.check_invariants()
+
+
+# ------------------------------------------------------------------------------- admission
+
+
+def test_admit_attaches_the_cached_prefix_and_reserves_the_rest_in_one_call():
+    m = manager(num_blocks=16, prefix=True)
+    first = m.admit(list(range(10)))
+    assert (first.num_cached_tokens, len(first.slots)) == (0, 10)
+    m.step(first.sid, 1, [10])  # the prompt's K/V were written: the next step of the sequence
+    second = m.admit([*range(10), 99])
+    assert second.num_cached_tokens == 8  # two full blocks; the third holds the last token
+    assert m.block_table(second.sid)[:2] == m.block_table(first.sid)[:2]
+    table = m.block_table(second.sid)
+    assert second.slots.tolist() == [table[p // BS] * BS + p % BS for p in range(8, 11)]
+    assert m.num_cached_tokens(second.sid) == 8 and m.seq_len(second.sid) == 11
+    m.check_invariants()
+
+
+def test_admission_that_cannot_finish_changes_nothing_counters_included():
+    m = manager(num_blocks=4, prefix=True)
+    m.free(m.admit(list(range(8))).sid)  # two cached, evictable blocks
+    stats, before = m.prefix_cache_stats, state(m)
+    with pytest.raises(OutOfBlocksError, match="admitting a 21-token prompt needs 4 .* got 2"):
+        m.admit([*range(8), *range(100, 113)])  # 2 hits revive 2 blocks, 4 more needed
+    assert (m.prefix_cache_stats, state(m)) == (stats, before)
+    m.check_invariants()
+
+
+def test_admit_works_without_prefix_caching():
+    m = manager(num_blocks=8)
+    one = m.admit([5, 6, 7, 8, 9])
+    assert (one.num_cached_tokens, one.slots.tolist()) == (0, [0, 1, 2, 3, 4])
+    assert m.block_table(one.sid) == [0, 1]
+
+
+# ------------------------------------------------------------------------------- tokens
+
+
+def test_token_ids_in_every_form_register_the_same_keys():
+    forms = {
+        "array": lambda ids: np.array(ids),
+        "column": lambda ids: np.array(ids)[:, None],
+        "lists": lambda ids: [[t] for t in ids],
+    }
+    keys = {}
+    for name, form in forms.items():
+        m = manager(num_blocks=32, prefix=True)
+        sids = [m.admit([s, s, s]).sid for s in range(3)]
+        batch = m.batch(sids)
+        for step in range(6):
+            m.step(batch, 1, form([10 * s + step for s in range(3)]))
+        keys[name] = [m.pool.cached_key(b) for b in range(m.num_blocks)]
+        m.check_invariants()
+    assert keys["array"] == keys["column"] == keys["lists"]
+    assert sum(k is not None for k in keys["array"]) == 6  # 9 tokens each: two full blocks
+
+
+@pytest.mark.parametrize(
+    "tokens, error, message",
+    [
+        (
+            np.array([2**63], np.uint64),
+            ValueError,
+            r"0 \.\. 2\*\*63 - 1, got the id 9223372036854775808",
+        ),
+        ([2**64 - 1], ValueError, r"0 \.\. 2\*\*63 - 1"),
+        ([-1], ValueError, "got the id -1"),
+        ([1.5], TypeError, "1-D sequence of int token ids"),
+        ("ab", TypeError, "sequence of int token ids, got str"),
+    ],
+)
+def test_token_ids_outside_int64_or_not_ints_are_refused_and_change_nothing(tokens, error, message):
+    m = manager(num_blocks=8, prefix=True)
+    sid = m.admit([1, 2, 3]).sid
+    before, stats = state(m), m.prefix_cache_stats
+    with pytest.raises(error, match=message):
+        m.step(sid, 1, tokens)
+    with pytest.raises(error, match=message):
+        m.admit(tokens)
+    assert (state(m), m.prefix_cache_stats) == (before, stats)
+
+
+def test_token_counts_that_disagree_are_refused():
+    m = manager(num_blocks=8, prefix=True)
+    sids = [m.admit([1]).sid for _ in range(2)]
+    with pytest.raises(ValueError, match=r"expected one token id per sequence \(2\), got 3"):
+        m.step(sids, 1, np.array([1, 2, 3]))
+    with pytest.raises(ValueError, match=r"expected 2 token ids \(one per new token\), got 1"):
+        m.step(sids, 2, [[1], [2]])
+    with pytest.raises(ValueError, match="expected tokens="):
+        m.step(sids)
+    with pytest.raises(ValueError, match=r"one token count per sequence \(2\), got shape \(3,\)"):
+        m.step(sids, np.array([1, 1, 1]))
+
+
+# ------------------------------------------------------------------------------- copy-on-write as data
+
+
+def test_deferred_copies_give_the_same_cache_as_applied_ones(rng):
+    caches = []
+    for apply in (True, False):
+        cache = PagedCache(16, block_size=BS, num_layers=2, num_kv_heads=1, head_dim=64,
+                           dtype="float16", device="cpu")  # fmt: skip
+        k = random_array(np.random.default_rng(0), (2, 6, 1, 64), "float16")
+        root = cache.add_sequence()
+        cache.append(root, k, k)
+        kids = cache.fork_many(root, 2)
+        before = cache.k.copy()
+        plan = cache.step(kids, apply_copies=apply)
+        assert plan.copies_applied == apply and plan.copy_src.tolist() == [1, 1]
+        if not apply:
+            np.testing.assert_array_equal(cache.k, before)  # nothing copied yet
+            cache.apply_copies(plan.copy_src, plan.copy_dst)
+        caches.append(cache)
+    np.testing.assert_array_equal(caches[0].k, caches[1].k)
+    np.testing.assert_array_equal(caches[0].v, caches[1].v)
+    for dst in caches[0]._seqs.tables[caches[0]._rows[kids[0]], 1:2].tolist():
+        np.testing.assert_array_equal(caches[0].k[:, dst, :, :2], caches[0].k[:, 1, :, :2])
+
+
+# ------------------------------------------------------------------------------- bulk forks and frees
+
+
+def test_fork_many_and_free_many_equal_their_one_at_a_time_versions():
+    twins = [manager(num_blocks=32, prefix=True) for _ in range(2)]
+    for m in twins:
+        root = m.admit(list(range(10))).sid
+        m.step(root, 1, [10])
+    kids = twins[0].fork_many(root, 4)
+    assert kids == [twins[1].fork(root) for _ in range(4)]
+    for m in twins:
+        m.step(kids, 1, [[1]] * 4)
+    twins[0].free_many([root, *kids])
+    for sid in (root, *kids):
+        twins[1].free(sid)
+    assert state(twins[0]) == state(twins[1])
+    assert twins[0].pool.evictable_blocks() == twins[1].pool.evictable_blocks()
+    alive = twins[0].admit([1]).sid
+    with pytest.raises(ValueError, match="expected distinct sequence ids"):
+        twins[0].free_many([alive, alive])
+    with pytest.raises(ValueError, match="expected n >= 0 forks"):
+        twins[0].fork_many(twins[0].admit([1]).sid, -1)
+
+
+# ------------------------------------------------------------------------------- the pool in bulk
+
+
+def test_bulk_incref_decref_acquire_count_duplicates_and_check_once():
+    pool = BlockPool(8)
+    blocks = pool.allocate(3)
+    pool.incref(np.array([0, 0, 2]))
+    assert [pool.refcount(b) for b in blocks] == [3, 1, 2]
+    before = [pool.refcount(b) for b in range(8)], pool.num_free
+    for bad, error, message in [
+        ([0, 9], ValueError, r"expected a block id in \[0, 8\), got 9"),
+        ([0, 5], ValueError, "cannot incref block 5: expected a block in use"),
+        ([0.5], TypeError, "expected a block id"),
+        (True, TypeError, "expected a block id"),
+    ]:
+        with pytest.raises(error, match=message):
+            pool.incref(bad)
+    with pytest.raises(ValueError, match="cannot decref block 1 2 times: expected at most its 1"):
+        pool.decref([1, 1])
+    assert ([pool.refcount(b) for b in range(8)], pool.num_free) == before
+    released = pool.decref(np.array([0, 0, 0, 1, 2]))
+    assert released.tolist() == [0, 1]  # block 0 at its last entry; 2 keeps a reference
+    assert pool.allocate(2) == [1, 0]
+    pool.check_invariants({0: 1, 1: 1, 2: 1})
+
+
+def test_the_lazily_deleted_lru_queue_keeps_exact_order_through_compactions():
+    """Thousands of free/revive cycles overflow the queue's capacity many times over."""
+    rnd = random.Random(0)
+    pool = BlockPool(6)
+    blocks = pool.allocate(6)
+    for b in blocks:
+        pool.register(b, f"k{b}")
+    order: list[int] = []  # the model: evictable blocks, oldest first
+    held = set(blocks)
+    for _ in range(3000):
+        b = rnd.choice(range(6))
+        if b in held:
+            pool.decref(b)
+            held.discard(b)
+            order.append(b)
+        else:
+            pool.acquire(b)
+            held.add(b)
+            order.remove(b)
+        assert pool.evictable_blocks() == order
+    pool.check_invariants({b: 1 for b in held})
+    taken = pool.allocate(len(order))
+    assert taken == order and pool.evictions == len(order)
+    for b in taken:
+        assert pool.cached_key(b) is None
+
+
+def test_prefix_cache_over_a_bare_pool():
+    pool = BlockPool(8)
+    prefix = PrefixCache(pool, block_size=2)
+    own = pool.allocate(3)
+    chain = prefix.chain("tenant")
+    prefix.extend(chain, [5, 6, 7, 8, 9, 10], own)
+    assert prefix.match([5, 6, 7, 8, 9, 10, 11], "tenant")[0] == own
+    assert prefix.match([5, 6, 7, 8, 9, 10, 11])[0] == []  # another salt, another chain
+    hits, chain = prefix.match([5, 6, 7, 0], "tenant")
+    assert hits == own[:1] and len(chain.keys) == 1
+    with pytest.raises(ValueError, match="expected 4 token ids for 2 full block"):
+        prefix.extend(chain, [1, 2, 3], own[1:])
