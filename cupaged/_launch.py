@@ -22,6 +22,9 @@ MAX_BLOCK_SIZE = 256
 DECODE_THREADS = 128  # kDecodeThreads in cuda/paged_attention.cu
 WRITE_THREADS = 128
 COPY_THREADS = 256
+# The CPU backend runs a block's threads one after another as fibers, so a copy gains nothing from
+# more than one warp there and pays a fiber start per thread (about 50 ns): it copies with one.
+CPU_COPY_THREADS = 32
 # Split-K: a split holds at least this many tokens, so that its fixed cost (loading the queries,
 # writing a partial row and its log-sum-exp) stays small against the K/V it reads.
 MIN_SPLIT_TOKENS = 256
@@ -165,18 +168,20 @@ _COPY_WORDS = ((16, "uint4"), (4, "unsigned int"), (2, "unsigned short"))
 
 
 def copy_blocks_launch(
-    block_bytes: int, aligned: bool, num_pairs: int, num_layers: int
+    block_bytes: int, aligned: bool, num_pairs: int, num_layers: int, device: str = "cuda"
 ) -> tuple[str, tuple[int, int, int], tuple[int], int]:
     """``(name, grid, block, word_bytes)`` of ``copy_blocks``: the widest word that divides a block.
 
-    One thread per word of a block (whole warps, at most ``COPY_THREADS``, each striding).
+    One thread per word of a block (whole warps, at most ``COPY_THREADS``, each striding; at most
+    ``CPU_COPY_THREADS`` on the CPU backend).
     """
+    most = CPU_COPY_THREADS if device == "cpu" else COPY_THREADS
     for word, c_type in _COPY_WORDS:
         if block_bytes % word == 0 and (aligned or word <= 2):
             return (
                 f"cupaged::copy_blocks<{c_type}>",
                 (num_pairs, num_layers, 2),
-                (_whole_warps(block_bytes // word, COPY_THREADS),),
+                (_whole_warps(block_bytes // word, most),),
                 word,
             )
     raise ValueError(f"expected a block of an even number of bytes, got {block_bytes}")

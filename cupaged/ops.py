@@ -170,7 +170,7 @@ def _copy_plan(
     num_blocks, heads, tokens, dim = shape[-4:]
     block_bytes = heads * tokens * dim * ITEMSIZES[elem]
     name, grid, block, word = _launch.copy_blocks_launch(
-        block_bytes, aligned, num_copies, num_layers
+        block_bytes, aligned, num_copies, num_layers, device
     )
     kernel = get_kernel(device, "copy_blocks.cu", name)
     return kernel, grid, block, (np.int32(num_blocks), np.int64(block_bytes // word))
