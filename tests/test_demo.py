@@ -79,9 +79,9 @@ def test_paged_logits_check_catches_a_wrong_cache(model, monkeypatch):
     engine = Engine(model, cache, max_batch=4, check_every=1)
     real_decode = model.decode
 
-    def corrupting_decode(cache, sids, tokens):
-        cache.k[0, cache.block_table(sids[0])[0], 0, 0, :] += 1.0
-        return real_decode(cache, sids, tokens)
+    def corrupting_decode(cache, batch, tokens):
+        cache.k[0, cache.block_table(int(batch.sids[0]))[0], 0, 0, :] += 1.0
+        return real_decode(cache, batch, tokens)
 
     monkeypatch.setattr(model, "decode", corrupting_decode)
     result = engine.run([Request(0, list(range(12)), CHECK_AT + 1)])

@@ -6,7 +6,7 @@ Every step:
 2. arrived requests are admitted while the batch has room and the pool has blocks: the prompt is
    looked up in the prefix cache, only the uncached rest is prefilled, and a request for ``n``
    samples forks its sequence ``n - 1`` times (copy-on-write shares the prompt);
-3. every running sequence decodes one token (``reserve`` + ``block_tables`` once, then
+3. every running sequence decodes one token (``step`` + ``block_tables`` once, then
    ``write_kv`` + ``paged_attention`` per layer). When the pool cannot hold the step, the most
    recently admitted sequence is swapped out to host memory and the step is retried, so the pool
    never overflows;
@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import OutOfBlocksError, PagedCache, to_numpy
+from .. import OutOfBlocksError, PagedCache, SequenceBatch, to_numpy
 from .model import TinyDecoder
 from .report import StepRecord
 
@@ -91,6 +91,7 @@ class Engine:
         self.model, self.cache = model, cache
         self.max_batch, self.temperature, self.seed = max_batch, temperature, seed
         self.check_every, self.tolerance = check_every, tolerance
+        self._batch: SequenceBatch | None = None  # the decode batch, kept while it stays the same
 
     def run(
         self, requests: list[Request], on_step: Callable[[int], None] | None = None
@@ -150,12 +151,10 @@ class Engine:
             if needed > cache.num_free_blocks:
                 return
             waiting.popleft()
-            if cache.prefix_caching:
-                sid = cache.add_sequence(tokens=request.prompt)
-            else:
-                sid = cache.add_sequence()
-            logits = model.prefill(cache, sid, request.prompt[cache.seq_len(sid) :])
-            sids = [sid] + [cache.fork(sid) for _ in range(request.num_samples - 1)]
+            # One call: the cached prefix attached, slots reserved for the rest of the prompt.
+            admission = cache.admit(request.prompt)
+            logits = model.prefill(cache, admission, request.prompt)
+            sids = [admission.sid, *cache.fork_many(admission.sid, request.num_samples - 1)]
             result.fork_shared_blocks += (request.num_samples - 1) * (
                 len(request.prompt) // cache.block_size
             )
@@ -170,10 +169,11 @@ class Engine:
     ) -> None:
         cache, model = self.cache, self.model
         while True:
+            sids = [r.sid for r in running]
+            if self._batch is None or self._batch.sids.tolist() != sids:
+                self._batch = cache.batch(sids)  # the running set changed: resolve it once
             try:
-                logits = model.decode(
-                    cache, [r.sid for r in running], [r.generated[-1] for r in running]
-                )
+                logits = model.decode(cache, self._batch, [r.generated[-1] for r in running])
                 break
             except OutOfBlocksError:
                 victim = max(running, key=lambda r: (r.admitted_step, r.sid))

@@ -6,10 +6,12 @@ seeded random (or loaded from a ``.npz``); the point is the memory traffic, not 
 
 Three ways to run it, which must agree:
 
-- :meth:`TinyDecoder.prefill`: a prompt chunk of one sequence; K/V written with ``write_kv``,
-  causal attention over the sequence's cached prefix and the chunk (array ops);
-- :meth:`TinyDecoder.decode`: one token for each of a batch of sequences; ``reserve`` and
-  ``block_tables`` once per step, ``write_kv`` and the fused ``paged_attention`` per layer;
+- :meth:`TinyDecoder.prefill`: the uncached rest of an admitted prompt (``cache.admit``); K/V
+  written with ``write_kv`` to the admission's slots, causal attention over the sequence's cached
+  prefix and the chunk (array ops);
+- :meth:`TinyDecoder.decode`: one token for each sequence of a batch (a ``SequenceBatch``);
+  ``cache.step`` and ``block_tables`` once per step, ``write_kv`` and the fused
+  ``paged_attention`` per layer;
 - :meth:`TinyDecoder.forward_full`: the whole sequence at once, no cache at all (the check).
 
 Activations are float32. Q, K and V are rounded to the cache's dtype on every path (the cache
@@ -24,7 +26,16 @@ from typing import Any
 
 import numpy as np
 
-from .. import PagedCache, from_float, paged_attention, to_float, to_numpy, write_kv
+from .. import (
+    Admission,
+    PagedCache,
+    SequenceBatch,
+    from_float,
+    paged_attention,
+    to_float,
+    to_numpy,
+    write_kv,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,15 +126,16 @@ class TinyDecoder:
 
     # ------------------------------------------------------------------------------ forward paths
 
-    def prefill(self, cache: PagedCache, sid: int, tokens: list[int]) -> Any:
-        """Append a chunk of tokens to sequence ``sid``; returns the logits after its last token.
+    def prefill(self, cache: PagedCache, admission: Admission, prompt: list[int]) -> Any:
+        """Compute the uncached rest of an admitted prompt; returns the logits after its last token.
 
-        Positions continue from the sequence's current length (tokens already cached).
+        ``cache.admit(prompt)`` attached the cached prefix and reserved slots for the rest: its
+        positions continue from ``admission.num_cached_tokens``.
         """
         xp, c = self.xp, self.config
-        start = cache.seq_len(sid)
+        sid, start, slots = admission.sid, admission.num_cached_tokens, admission.slots
+        tokens = prompt[start:]
         n = len(tokens)
-        slots = cache.reserve(sid, n, tokens=[tokens] if cache.prefix_caching else None)
         positions = xp.arange(start, start + n)
         h = self.weights["embed"][xp.asarray(tokens)]
         for i in range(c.num_layers):
@@ -134,17 +146,19 @@ class TinyDecoder:
             h = h + self._mlp(i, h)
         return self._logits(h[-1:])[0]
 
-    def decode(self, cache: PagedCache, sids: list[int], tokens: list[int]) -> Any:
-        """One decode step: append ``tokens[b]`` to ``sids[b]``; returns ``[batch, vocab]`` logits.
+    def decode(self, cache: PagedCache, batch: SequenceBatch, tokens: list[int]) -> Any:
+        """One decode step: append ``tokens[b]`` to sequence ``b`` of ``batch``; returns
+        ``[batch, vocab]`` logits.
 
         Raises:
             OutOfBlocksError: the step does not fit; nothing was reserved (preempt and retry).
         """
         xp, c = self.xp, self.config
-        positions = [cache.seq_len(sid) for sid in sids]
-        ids = [[t] for t in tokens] if cache.prefix_caching else None
-        slots = cache.reserve(sids, 1, tokens=ids)  # once per step
-        tables, lens = cache.block_tables(sids)  # once per step, shared by every layer
+        positions = [cache.seq_len(sid) for sid in batch.sids.tolist()]
+        # Once per step: the slots (and copy-on-write copies, applied by the cache), the block
+        # tables, the longest context. tokens= keys the blocks that fill (prefix caching).
+        slots = cache.step(batch, tokens=np.asarray(tokens)).slots
+        tables, lens = cache.block_tables(batch)
         max_context = max(positions) + 1
         h = self.weights["embed"][xp.asarray(tokens)]
         pos = xp.asarray(positions)
@@ -153,7 +167,7 @@ class TinyDecoder:
             write_kv(cache.k[i], cache.v[i], self._store(k), self._store(v), slots)
             out = paged_attention(self._store(q), cache.k[i], cache.v[i], tables, lens,
                                   max_context_len=max_context)  # fmt: skip
-            h = h + to_float(out).reshape(len(sids), -1) @ self.weights[f"l{i}.wo"]
+            h = h + to_float(out).reshape(len(batch), -1) @ self.weights[f"l{i}.wo"]
             h = h + self._mlp(i, h)
         return self._logits(h)
 
