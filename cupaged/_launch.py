@@ -22,8 +22,9 @@ MAX_BLOCK_SIZE = 256
 DECODE_THREADS = 128  # kDecodeThreads in cuda/paged_attention.cu
 WRITE_THREADS = 128
 COPY_THREADS = 256
-# The CPU backend runs a block's threads one after another as fibers, so a copy gains nothing from
-# more than one warp there and pays a fiber start per thread (about 50 ns): it copies with one.
+# The CPU backend runs a block's threads one after another as fibers, so a copy or a KV write
+# gains nothing from more than one warp there and pays a fiber start per thread (about 50 ns): it
+# runs them with one.
 CPU_COPY_THREADS = 32
 # Split-K: a split holds at least this many tokens, so that its fixed cost (loading the queries,
 # writing a partial row and its log-sum-exp) stays small against the K/V it reads.
@@ -147,16 +148,18 @@ def write_kv_launch(
     row_bytes: int,
     aligned: bool,
     num_kv_heads: int = 1,
+    device: str = "cuda",
 ) -> tuple[str, tuple[int], tuple[int]]:
     """``(name, grid, block)`` of ``write_kv``; 16-byte vectors when rows and pointers allow.
 
     A token's block has one thread per vector of its ``num_kv_heads`` rows (whole warps, at most
-    ``WRITE_THREADS``): more would only start and stop (on the CPU backend each costs a fiber).
+    ``WRITE_THREADS``, or ``CPU_COPY_THREADS`` on the CPU backend): more would only start and stop.
     """
     vec = 16 // itemsize(dtype) if aligned and row_bytes % 16 == 0 else 1
     name = f"cupaged::write_kv<{C_TYPES[dtype]}, {SLOT_C_TYPES[np.dtype(slot_dtype)]}, {vec}>"
     vectors = num_kv_heads * row_bytes // (vec * itemsize(dtype))
-    return name, (num_tokens,), (_whole_warps(vectors, WRITE_THREADS),)
+    most = CPU_COPY_THREADS if device == "cpu" else WRITE_THREADS
+    return name, (num_tokens,), (_whole_warps(vectors, most),)
 
 
 def _whole_warps(items: int, most: int) -> int:

@@ -93,7 +93,13 @@ def write_kv(
     slots = xp.ascontiguousarray(slot_mapping)
     aligned = all(_address(x) % 16 == 0 for x in (k_cache, v_cache, k, v))
     name, grid, block = _launch.write_kv_launch(
-        elem, slots.dtype, num_tokens, head_dim * ITEMSIZES[elem], aligned, num_kv_heads
+        elem,
+        slots.dtype,
+        num_tokens,
+        head_dim * ITEMSIZES[elem],
+        aligned,
+        num_kv_heads,
+        _device(xp),
     )
     kernel = get_kernel(_device(xp), "write_kv.cu", name)
     scalars = (np.int32(num_kv_heads), np.int32(block_size), np.int32(head_dim))
