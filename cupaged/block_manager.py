@@ -49,6 +49,10 @@ from .prefix_cache import (
 _INT32_MAX = 2**31 - 1
 _NO_COPIES = np.zeros(0, np.int32)
 _NO_COPIES.flags.writeable = False
+# Below these batch sizes a step plans row by row in scalar arithmetic: a few dozen array
+# operations cost more than a short Python loop (measured on the W1/W3b benchmarks).
+_SMALL_BATCH = 16
+_SMALL_DECODE = 4
 
 SequenceIds = "int | Iterable[int] | SequenceBatch"
 
@@ -177,6 +181,7 @@ class BlockManager:
         self.prefix_caching = bool(enable_prefix_caching)
         self._prefix = PrefixCache(self._pool, block_size, block_hasher)
         self._seqs = SequenceTable(tail_width=block_size if self.prefix_caching else 0)
+        self._offsets = np.arange(block_size, dtype=np.int32)  # slot offsets within a block
         self._rows: dict[int, int] = {}  # live sequence id -> row
         self._chains: dict[int, PrefixChain] = {}  # row -> prefix chain (prefix caching only)
         self._cached: dict[int, int] = {}  # live sequence id -> prompt tokens found cached
@@ -344,17 +349,23 @@ class BlockManager:
         rows = [self._row(sid) for sid in sid_list]
         if len(set(rows)) != len(rows):
             raise ValueError(f"expected distinct sequence ids, got {sid_list}")
-        self._release(sid_list, rows)
+        if len(rows) <= _SMALL_BATCH:  # one at a time is cheaper than the vectorised release
+            for sid, row in zip(sid_list, rows, strict=True):
+                self._release([sid], [row])
+        else:
+            self._release(sid_list, rows)
 
     # ----------------------------------------------------------------------------- steps
 
     def batch(self, sids: Iterable[int]) -> SequenceBatch:
         """A persistent handle on a batch of resident sequences (ids resolved once)."""
         sid_list = list(sids)
-        rows = np.array([self._resident_row(sid) for sid in sid_list], dtype=np.intp)
-        if np.unique(rows).size != rows.size:
+        rows = [self._resident_row(sid) for sid in sid_list]
+        if len(set(rows)) != len(rows):
             raise ValueError(f"expected distinct sequence ids, got {sid_list}")
-        return SequenceBatch(self, np.array(sid_list, dtype=np.int64), rows, self._xp)
+        return SequenceBatch(
+            self, np.array(sid_list, dtype=np.int64), np.array(rows, dtype=np.intp), self._xp
+        )
 
     def step(
         self,
@@ -540,68 +551,92 @@ class BlockManager:
 
         Everything that can fail (the pool's capacity, a user ``block_hasher``) runs before the
         first change. Returns ``(slots, copy_src, copy_dst)`` on the host. Three paths compute
-        the same thing: one sequence in scalar arithmetic, a decode step (one token each) in the
-        fewest array operations, and any batch in general.
+        the same thing: a few sequences row by row in scalar arithmetic, a decode step (one token
+        each) in the fewest array operations, and any batch in general.
         """
-        if rows.size == 1:
-            n = counts if isinstance(counts, int) else int(counts[0])
-            if isinstance(tokens, list):
-                (tokens,) = tokens
-            return self._plan_one(int(rows[0]), n, tokens, what)
-        if isinstance(counts, int) and counts == 1:
-            return self._plan_decode(rows, tokens, what)
-        return self._plan_batch(rows, counts, tokens, what)
+        decode = isinstance(counts, int) and counts == 1
+        if rows.size > _SMALL_BATCH or (decode and rows.size > _SMALL_DECODE):
+            if decode:
+                return self._plan_decode(rows, tokens, what)
+            return self._plan_batch(rows, counts, tokens, what)
+        per_row = [counts] * rows.size if isinstance(counts, int) else counts.tolist()
+        return self._plan_rows(rows.tolist(), per_row, tokens, what)
 
-    def _plan_one(
-        self, row: int, n: int, tokens: Any, what: str | None
+    def _plan_rows(
+        self, rows: list[int], counts: list[int], tokens: Any, what: str | None
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """:meth:`_plan` for one sequence (admission, append, a per-token reserve)."""
+        """:meth:`_plan` row by row in scalar arithmetic: one sequence (admission, append, a
+        per-token step) or a small batch, where array operations cost more than they save."""
         table, bs, pool = self._seqs, self._block_size, self._pool
-        length = int(table.lens[row])
-        held, after = -(-length // bs), -(-(length + n) // bs)
-        copy = int(bool(n and length % bs and pool._refcount[table.tables[row, held - 1]] > 1))
-        need = after - held + copy
-        if need > pool.num_free:
-            what = what or f"reserving {n} token(s) for 1 sequence(s)"
-            raise OutOfBlocksError(need, pool.num_free, what)
-        keys = None
-        if self.prefix_caching and tokens is not None and n:
-            joined = (
-                tokens
-                if not length % bs
-                else np.concatenate([table.tail[row, : length % bs], tokens])
-            )
-            full = joined.size // bs * bs
-            keys = self._prefix.extend_keys(self._chains[row], joined[:full])
+        refcount = pool._refcount
+        plans = []
+        released: dict[int, int] = {}  # copy-on-write references that earlier rows drop
+        total = 0
+        for row, n in zip(rows, counts, strict=True):
+            length = int(table.lens[row])
+            held, after = -(-length // bs), -(-(length + n) // bs)
+            copy = 0
+            if n and length % bs:
+                last = int(table.tables[row, held - 1])
+                if refcount[last] - released.get(last, 0) > 1:  # another holder stays: copy
+                    copy, released[last] = 1, released.get(last, 0) + 1
+            plans.append((row, n, length, held, after, copy))
+            total += after - held + copy
+        if total > pool.num_free:
+            if what is None:
+                what = f"reserving {sum(counts)} token(s) for {len(rows)} sequence(s)"
+            raise OutOfBlocksError(total, pool.num_free, what)
+        keys: list[Any] = [None] * len(rows)
+        if self.prefix_caching and tokens is not None:
+            for i, (row, n, length, _, _, _) in enumerate(plans):
+                ids = tokens[i : i + 1] if isinstance(tokens, np.ndarray) else tokens[i]
+                if n:
+                    offset = length % bs
+                    joined = np.concatenate([table.tail[row, :offset], ids]) if offset else ids
+                    full = joined.size // bs * bs
+                    keys[i] = (
+                        joined,
+                        full,
+                        self._prefix.extend_keys(self._chains[row], joined[:full]),
+                    )
 
         # -- from here on nothing fails: change the tables
+        new = pool.take(total) if total else _NO_COPIES
+        taken, sources, copies, slots = 0, [], [], []
+        for (row, n, length, held, after, copy), row_keys in zip(plans, keys, strict=True):
+            if after - held + copy:
+                table.ensure_width(after + 1)
+                if copy:
+                    sources.append(int(table.tables[row, held - 1]))
+                    copies.append(int(new[taken]))
+                    table.tables[row, held - 1] = new[taken]
+                table.tables[row, held:after] = new[taken + copy : taken + copy + after - held]
+                taken += after - held + copy
+                table.version[row] = table.clock
+            if n:  # the row's slots: every slot of the blocks it writes, cut to its n tokens
+                first = length // bs
+                blocks = table.tables[row, first:after]
+                start = length - first * bs
+                slots.append((blocks[:, None] * bs + self._offsets).reshape(-1)[start : start + n])
+            table.lens[row] = length + n
+            if n:
+                table.shared[row] = False  # copied, or the last holder: the last block is its own
+            if row_keys is not None:
+                joined, full, row_keys = row_keys
+                table.tail[row, : joined.size - full] = joined[full:]
+                first = length // bs
+                pool.register_many(
+                    table.tables[row, first : first + len(row_keys)].tolist(), row_keys
+                )
+                chain = self._chains[row]
+                chain.keys.extend(key for key, _ in row_keys)
+                chain.digests.extend(digest for _, digest in row_keys)
         src = dst = _NO_COPIES
-        if need:
-            table.ensure_width(after + 1)
-            new = pool.take(need)
-            if copy:
-                src, dst = table.tables[row, held - 1 : held].copy(), new[:1]
-                table.tables[row, held - 1] = dst[0]
-                pool.release(src)  # another sequence still holds it: never the last reference
-            table.tables[row, held:after] = new[copy:]
-            table.version[row] = table.clock
-        if n == 1:
-            slots = np.array([table.tables[row, length // bs] * bs + length % bs], np.int32)
-        else:
-            pos = np.arange(length, length + n, dtype=np.int32)
-            slots = table.tables[row, pos // bs] * bs + pos % bs
-        table.lens[row] = length + n
-        if n:
-            table.shared[row] = False  # copied, or the last holder: the last block is its own
-        if keys is not None:
-            table.tail[row, : joined.size - full] = joined[full:]
-            chain = self._chains[row]
-            self._pool.register_many(
-                table.tables[row, length // bs : length // bs + len(keys)].tolist(), keys
-            )
-            chain.keys.extend(key for key, _ in keys)
-            chain.digests.extend(digest for _, digest in keys)
-        return slots, src, dst
+        if sources:
+            src, dst = np.array(sources, np.int32), np.array(copies, np.int32)
+            pool.release(src, distinct=False)  # never a last reference: see `released` above
+        out = slots[0] if len(slots) == 1 else np.concatenate(slots) if slots else _NO_COPIES
+        return out.astype(np.int32, copy=False), src, dst
 
     def _plan_decode(
         self, rows: np.ndarray, tokens: Any, what: str | None
@@ -611,8 +646,10 @@ class BlockManager:
         lens = table.lens[rows]
         column = lens // bs  # the block the token goes to (a new one where offset is 0)
         offset = lens - column * bs
-        if np.count_nonzero(table.shared[rows]):
-            return self._plan_batch(rows, 1, tokens, what)  # maybe a shared tail: copy-on-write
+        if np.count_nonzero(table.shared[rows]):  # maybe a shared last block: copy-on-write
+            if rows.size > _SMALL_BATCH:
+                return self._plan_batch(rows, 1, tokens, what)
+            return self._plan_rows(rows.tolist(), [1] * rows.size, tokens, what)
         blocks = table.tables[rows, column]  # 0 (padding) where a new block is needed
         crossing = (offset == 0).nonzero()[0]
         if crossing.size > pool.num_free:

@@ -20,6 +20,7 @@ from cupaged import (
     OutOfBlocksError,
     PagedCache,
     PrefixCache,
+    block_manager,
 )
 
 BS = 4
@@ -105,8 +106,12 @@ def test_a_step_that_cannot_finish_changes_nothing():
 # ------------------------------------------------------------------------------- random walks
 
 
-def _random_walk(seed: int, prefix: bool):
-    """Batched steps on one manager, the same steps one sequence at a time on its twin."""
+def _random_walk(seed: int, prefix: bool, monkeypatch, small: int):
+    """Batched steps on one manager, the same steps one sequence at a time on its twin.
+
+    ``small`` is the batch size below which the batched manager plans row by row: 0 forces its
+    vectorised paths (decode and general) for every batch, the twin always plans one row.
+    """
     rnd = random.Random(seed)
     batched, scalar = manager(48, prefix=prefix), manager(48, prefix=prefix)
     live: list[int] = []
@@ -132,7 +137,10 @@ def _random_walk(seed: int, prefix: bool):
             per = [counts] * len(sids) if op == "step" else counts
             tokens = [[rnd.randrange(3) for _ in range(n)] for n in per]
             try:
-                plan = batched.step(batched.batch(sids), counts, tokens if prefix else None)
+                with monkeypatch.context() as patch:
+                    patch.setattr(block_manager, "_SMALL_BATCH", small)
+                    patch.setattr(block_manager, "_SMALL_DECODE", small)
+                    plan = batched.step(batched.batch(sids), counts, tokens if prefix else None)
             except OutOfBlocksError:
                 assert state(batched) == state(scalar)
                 continue
@@ -151,7 +159,9 @@ def _random_walk(seed: int, prefix: bool):
         else:
             gone = rnd.sample(live, rnd.randrange(1, len(live) + 1))
             live = [s for s in live if s not in gone]
-            batched.free_many(gone)
+            with monkeypatch.context() as patch:
+                patch.setattr(block_manager, "_SMALL_BATCH", small)
+                batched.free_many(gone)
             for sid in gone:
                 scalar.free(sid)
         assert state(batched) == state(scalar)
@@ -161,14 +171,16 @@ def _random_walk(seed: int, prefix: bool):
         scalar.check_invariants()
 
 
+@pytest.mark.parametrize("small", [0, 3], ids=["vectorised", "rows-below-3"])
 @pytest.mark.parametrize("seed", range(6))
-def test_batched_steps_equal_one_sequence_at_a_time(seed):
-    _random_walk(seed, prefix=False)
+def test_batched_steps_equal_one_sequence_at_a_time(seed, small, monkeypatch):
+    _random_walk(seed, False, monkeypatch, small)
 
 
+@pytest.mark.parametrize("small", [0, 3], ids=["vectorised", "rows-below-3"])
 @pytest.mark.parametrize("seed", range(4))
-def test_batched_steps_equal_one_sequence_at_a_time_with_prefix_caching(seed):
-    _random_walk(seed, prefix=True)
+def test_batched_steps_equal_one_sequence_at_a_time_with_prefix_caching(seed, small, monkeypatch):
+    _random_walk(seed, True, monkeypatch, small)
 
 
 # ------------------------------------------------------------------------------- batch handles
