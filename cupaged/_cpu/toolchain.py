@@ -421,8 +421,13 @@ def build(
     cxx = compiler()
     include_dir = cuda_include_dir()
     flags = build_flags(source, include_dir, options, sanitize)
-    headers = _local_headers(source, (kernel_dir(),))
-    key = build_key(source, headers, name_expressions, flags, include_dir, cxx)
+    try:
+        headers = _local_headers(source, (kernel_dir(),))
+        key = build_key(source, headers, name_expressions, flags, include_dir, cxx)
+    except OSError as error:
+        raise CupagedError(
+            f"the CPU backend could not read the sources of {source.name} ({error})"
+        ) from error
     folder = build_dir()
     library = folder / f"{source.stem}-{key}.so"
     if verified(library):
