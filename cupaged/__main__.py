@@ -59,7 +59,7 @@ def trace(device: str) -> None:
         block_size=block_size,
         num_layers=1,
         num_kv_heads=1,
-        head_dim=8,
+        head_dim=64,
         dtype="float32",
         device=device,
     )
@@ -67,7 +67,7 @@ def trace(device: str) -> None:
     rng = np.random.default_rng(0)
 
     def tokens(n: int):
-        return xp.asarray(rng.standard_normal((1, n, 1, 8), dtype=np.float32))
+        return xp.asarray(rng.standard_normal((1, n, 1, 64), dtype=np.float32))
 
     def show(what: str, sid: int) -> None:
         print(

@@ -15,6 +15,7 @@ import numpy as np
 
 from ._backend import array_module
 from ._checks import check_dtype, check_shape, require
+from ._launch import check_decode_shape
 from .block_manager import Admission, BlockManager, StepPlan
 from .block_table import SequenceBatch
 from .dtypes import as_storage, storage_dtype
@@ -41,6 +42,10 @@ class PagedCache(BlockManager):
             ``reserve`` then take token ids.
         block_hasher: the :data:`~cupaged.prefix_cache.BlockHasher` of prefix caching (BLAKE2b by
             default); tests inject colliding ones.
+        attention_kernels: refuse, here and now, a shape that the fused attention kernels cannot
+            take (dtype, ``head_dim`` in 64..256 in multiples of 16, ``block_size`` in 1..256),
+            rather than at the first ``paged_attention`` hours into a job. ``False`` for a cache
+            attended only by :func:`~cupaged.reference_attention` or your own kernels.
 
     Attributes:
         k: ``[num_layers, num_blocks, num_kv_heads, block_size, head_dim]`` keys; ``k[layer]`` is
@@ -52,9 +57,9 @@ class PagedCache(BlockManager):
     Example:
         >>> import numpy as np
         >>> cache = PagedCache(num_blocks=8, block_size=4, num_layers=2, num_kv_heads=1,
-        ...                    head_dim=8, dtype="float32", device="cpu")
+        ...                    head_dim=64, dtype="float32", device="cpu")
         >>> sid = cache.add_sequence()
-        >>> kv = np.ones((2, 6, 1, 8), np.float32)     # [num_layers, n_tokens, heads, head_dim]
+        >>> kv = np.ones((2, 6, 1, 64), np.float32)    # [num_layers, n_tokens, heads, head_dim]
         >>> cache.append(sid, kv, kv)
         >>> cache.block_table(sid), cache.seq_len(sid), cache.num_free_blocks
         ([0, 1], 6, 6)
@@ -78,8 +83,11 @@ class PagedCache(BlockManager):
         *,
         enable_prefix_caching: bool = False,
         block_hasher: BlockHasher | None = None,
+        attention_kernels: bool = True,
     ) -> None:
         self.spec = CacheSpec(num_layers, num_kv_heads, head_dim, dtype, block_size)
+        if attention_kernels:
+            check_decode_shape(self.spec.dtype, self.spec.head_dim, self.spec.block_size)
         super().__init__(
             num_blocks,
             self.spec.block_size,

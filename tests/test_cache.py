@@ -11,7 +11,7 @@ from cupaged import OutOfBlocksError, PagedCache
 
 
 def make_cache(
-    num_blocks=16, block_size=4, num_layers=2, num_kv_heads=2, head_dim=16, dtype="float32"
+    num_blocks=16, block_size=4, num_layers=2, num_kv_heads=2, head_dim=64, dtype="float32"
 ):
     return PagedCache(
         num_blocks,
@@ -66,7 +66,7 @@ def assert_unchanged(cache, before):
 
 def test_tutorial_trace_block_size_4(rng):
     """A 7-token sequence with table [5, 2]; token 6 at block 2 offset 2; 7 fits; 8 allocates."""
-    cache = make_cache(num_blocks=8, block_size=4, num_layers=1, num_kv_heads=1, head_dim=8)
+    cache = make_cache(num_blocks=8, block_size=4, num_layers=1, num_kv_heads=1, head_dim=64)
     # Occupy blocks 0..5 with four sequences, then free the ones holding block 2 and block 5:
     # the free stack then hands out 5 first and 2 second.
     fillers = [cache.add_sequence() for _ in range(4)]
@@ -347,7 +347,7 @@ def test_block_tables_are_padded_int32_and_follow_updates(rng):
 
 
 def test_block_tables_grow_past_their_initial_capacity(rng):
-    cache = make_cache(num_blocks=200, block_size=1, num_layers=1, num_kv_heads=1, head_dim=4)
+    cache = make_cache(num_blocks=200, block_size=1, num_layers=1, num_kv_heads=1, head_dim=64)
     sids = [cache.add_sequence() for _ in range(40)]  # more rows than the initial 16
     for i, sid in enumerate(sids):
         cache.append(sid, *kv(cache, rng, 1 + i % 3))

@@ -53,8 +53,8 @@ def test_k_and_v_of_different_shapes(cache, rng):
     _, v = kv(cache, rng, 2)
     with pytest.raises(
         ValueError,
-        match=r"expected k and v of the same shape, got k \(2, 3, 2, 16\) "
-        r"and v \(2, 2, 2, 16\)",
+        match=r"expected k and v of the same shape, got k \(2, 3, 2, 64\) "
+        r"and v \(2, 2, 2, 64\)",
     ):
         cache.append(0, k, v)
     assert_unchanged(cache, before)
@@ -64,13 +64,13 @@ def test_k_and_v_of_different_shapes(cache, rng):
     "shape, message",
     [
         (
-            (1, 3, 2, 16),
+            (1, 3, 2, 64),
             r"expected k of shape \(num_layers=2, n_tokens, num_kv_heads=2, "
-            r"head_dim=16\), got \(1, 3, 2, 16\)",
+            r"head_dim=64\), got \(1, 3, 2, 64\)",
         ),
-        ((2, 3, 4, 16), r"got \(2, 3, 4, 16\)"),
+        ((2, 3, 4, 64), r"got \(2, 3, 4, 64\)"),
         ((2, 3, 2, 8), r"got \(2, 3, 2, 8\)"),
-        ((3, 2, 16), r"got \(3, 2, 16\)"),
+        ((3, 2, 64), r"got \(3, 2, 64\)"),
     ],
 )
 def test_wrong_shapes_name_expected_and_got(cache, rng, shape, message):
@@ -133,6 +133,13 @@ def test_batch_reserve_that_cannot_finish_reserves_for_none(cache):
         (dict(num_blocks=0), ValueError, "expected num_blocks >= 1, got 0"),
         (dict(head_dim=2.5), TypeError, "expected head_dim to be an int"),
         (dict(num_blocks=2**27, block_size=32), ValueError, r"num_blocks \* block_size <= "),
+        (
+            dict(head_dim=100),
+            ValueError,
+            r"expected head_dim in 64..256, a multiple of 16 \(64, 80",
+        ),
+        (dict(head_dim=8), ValueError, "expected head_dim in 64..256"),
+        (dict(block_size=512), ValueError, r"expected block_size in 1..256, got 512"),
     ],
 )
 def test_constructor_errors(kwargs, error, message):
@@ -142,7 +149,7 @@ def test_constructor_errors(kwargs, error, message):
             block_size=4,
             num_layers=1,
             num_kv_heads=1,
-            head_dim=8,
+            head_dim=64,
             dtype="float32",
             device="cpu",
         )
@@ -155,17 +162,31 @@ def test_constructor_errors(kwargs, error, message):
 def test_cuda_without_a_gpu_says_so(monkeypatch):
     monkeypatch.setattr(cupaged._backend, "cuda_available", lambda: False)
     with pytest.raises(CupagedError, match="device='cuda' was requested but"):
-        PagedCache(4, head_dim=8, device="cuda")
-    assert PagedCache(4, head_dim=8, device=None).device == "cpu"
+        PagedCache(4, head_dim=64, device="cuda")
+    assert PagedCache(4, head_dim=64, device=None).device == "cpu"
 
 
 def test_dtype_spellings():
     import ml_dtypes
 
     for spelling in ("bfloat16", "bf16", ml_dtypes.bfloat16):
-        assert PagedCache(2, head_dim=8, dtype=spelling, device="cpu").k.dtype == np.uint16
+        assert PagedCache(2, head_dim=64, dtype=spelling, device="cpu").k.dtype == np.uint16
     for spelling in ("float16", np.float16, "half"):
-        assert PagedCache(2, head_dim=8, dtype=spelling, device="cpu").k.dtype == np.float16
+        assert PagedCache(2, head_dim=64, dtype=spelling, device="cpu").k.dtype == np.float16
+
+
+def test_the_attention_shape_check_has_an_explicit_opt_out():
+    cache = PagedCache(4, block_size=512, head_dim=100, dtype="float32", device="cpu",
+                       attention_kernels=False)  # fmt: skip
+    sid = cache.add_sequence()
+    k = np.ones((1, 3, 1, 100), np.float32)
+    cache.append(sid, k, k)  # the bookkeeping and the K/V write work at any shape
+    assert cache.gather_kv(sid)[0].shape == (1, 3, 1, 100)
+    tables, lens = cache.block_tables([sid])
+    with pytest.raises(ValueError, match="expected head_dim in 64..256"):
+        cupaged.paged_attention(
+            np.ones((1, 1, 100), np.float32), cache.k[0], cache.v[0], tables, lens
+        )
 
 
 def test_bools_are_not_sequence_ids(cache):

@@ -44,19 +44,19 @@ def test_itemsizes(dtype, itemsize):
 
 
 def test_num_blocks_for_memory_and_the_cache_agree():
-    spec = CacheSpec(num_layers=2, num_kv_heads=2, head_dim=16, dtype="float16", block_size=4)
-    num_blocks = spec.num_blocks_for_memory(100_000)
-    assert num_blocks == 100_000 // (2 * 2 * 2 * 16 * 2 * 4) == 97
+    spec = CacheSpec(num_layers=2, num_kv_heads=2, head_dim=64, dtype="float16", block_size=4)
+    num_blocks = spec.num_blocks_for_memory(400_000)
+    assert num_blocks == 400_000 // (2 * 2 * 2 * 64 * 2 * 4) == 97
     cache = PagedCache(
         num_blocks,
         block_size=4,
         num_layers=2,
         num_kv_heads=2,
-        head_dim=16,
+        head_dim=64,
         dtype="float16",
         device="cpu",
     )
-    assert cache.k.nbytes + cache.v.nbytes == num_blocks * spec.bytes_per_block <= 100_000
+    assert cache.k.nbytes + cache.v.nbytes == num_blocks * spec.bytes_per_block <= 400_000
     assert cache.spec == spec
 
 

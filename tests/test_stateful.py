@@ -31,7 +31,7 @@ NUM_BLOCKS = 12
 BLOCK_SIZE = 4
 NUM_LAYERS = 2
 NUM_KV_HEADS = 2
-HEAD_DIM = 16
+HEAD_DIM = 64  # the smallest head_dim the attention kernels take
 
 MAX_ADDED_LIVE = 6  # add_sequence runs below this many live sequences; fork has no cap
 SEEDS = st.integers(0, 2**32 - 1)
