@@ -282,20 +282,26 @@ class BlockManager:
         salt = as_salt(cache_salt)
         stats = self._prefix.stats
         counters = (stats.hits, stats.misses, stats.cached_tokens)
-        hits, chain = self._match(prompt, salt)
-        rest = len(prompt) - len(hits) * self._block_size
+        bs = self._block_size
+        hits, chain, keys = self._match(prompt, salt)
+        cached = len(hits) * bs
         revived = int(np.count_nonzero(self._pool._refcount[hits] == 0)) if hits else 0
-        needed = cdiv(len(prompt), self._block_size) - len(hits)
+        needed = cdiv(len(prompt), bs) - len(hits)
         if needed > self._pool.num_free - revived:
             stats.hits, stats.misses, stats.cached_tokens = counters
             raise OutOfBlocksError(
                 needed, self._pool.num_free - revived, f"admitting a {len(prompt)}-token prompt"
             )
         sid, row = self._attach(hits, chain)
-        rows = np.array([row], np.intp)
-        counts = np.array([rest], np.int64)
-        slots, _, _ = self._plan(rows, counts, [prompt[len(prompt) - rest :]], None)
-        return Admission(sid, len(hits) * self._block_size, self._xp.asarray(slots))
+        slots, _, _ = self._plan_rows([row], [len(prompt) - cached], None, None)
+        if self.prefix_caching:  # the keys of the full blocks after the hits: hashed by _match
+            table = self._seqs
+            full = len(hits) + len(keys)
+            self._pool.register_many(table.tables[row, len(hits) : full].tolist(), keys)
+            chain.keys.extend(key for key, _ in keys)
+            chain.digests.extend(digest for _, digest in keys)
+            table.tail[row, : len(prompt) - full * bs] = prompt[full * bs :]
+        return Admission(sid, cached, self._xp.asarray(slots))
 
     def fork(self, sid: int) -> int:
         """Start a sequence that shares every block of ``sid`` (parallel sampling, beam search).
@@ -483,14 +489,14 @@ class BlockManager:
     # ----------------------------------------------------------------------------- internals
 
     def _add(self, prompt: np.ndarray, salt: bytes | None) -> tuple[int, int]:
-        hits, chain = self._match(prompt, salt)
+        hits, chain, _ = self._match(prompt, salt)
         return self._attach(hits, chain)
 
     def _match(
         self, prompt: np.ndarray, salt: bytes | None
-    ) -> tuple[list[int], PrefixChain | None]:
+    ) -> tuple[list[int], PrefixChain | None, list[tuple[bytes, bytes]]]:
         if not self.prefix_caching:
-            return [], None
+            return [], None, []
         return self._prefix.match_unchecked(prompt, salt)
 
     def _attach(self, hits: list[int], chain: PrefixChain | None) -> tuple[int, int]:
@@ -597,7 +603,7 @@ class BlockManager:
                     keys[i] = (
                         joined,
                         full,
-                        self._prefix.extend_keys(self._chains[row], joined[:full]),
+                        self._prefix.keys(self._chains[row], joined[:full]),
                     )
 
         # -- from here on nothing fails: change the tables
@@ -816,7 +822,7 @@ class BlockManager:
             offset = int(lens[i]) % bs
             joined = np.concatenate([tail[row, :offset], tokens[i]])
             full = len(joined) // bs * bs
-            keys = self._prefix.extend_keys(self._chains[row], joined[:full])
+            keys = self._prefix.keys(self._chains[row], joined[:full])
             out.append((row, int(lens[i]) // bs, joined[full:], keys))
         return out
 

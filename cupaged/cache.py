@@ -126,10 +126,11 @@ class PagedCache(BlockManager):
         slots, src, dst = self._plan(
             rows, n, new_tokens, f"appending {n} token(s) to sequence {sid}"
         )
-        self.apply_copies(src, dst)
+        self._copy(src, dst, checked=False)  # the cache's own plan: valid by construction
         slots = self._xp.asarray(slots)
         for layer in range(self.spec.num_layers):
-            write_kv(self.k[layer], self.v[layer], k[layer], v[layer], slots)
+            # The slots come from this cache's own plan: distinct and in range, so unchecked.
+            write_kv(self.k[layer], self.v[layer], k[layer], v[layer], slots, checked=False)
 
     def step(
         self,
@@ -148,7 +149,7 @@ class PagedCache(BlockManager):
         """
         plan = super().step(sids, num_tokens, tokens)
         if apply_copies and plan.copy_src.size:
-            self.apply_copies(plan.copy_src, plan.copy_dst)
+            self._copy(plan.copy_src, plan.copy_dst, checked=False)  # its own plan: valid
             plan.copies_applied = True
         return plan
 
@@ -268,9 +269,14 @@ class PagedCache(BlockManager):
 
     def apply_copies(self, src: Any, dst: Any) -> None:
         """Copy block ``src[i]`` onto block ``dst[i]`` in every layer of ``k`` and ``v``, in one
-        launch: a :class:`StepPlan`'s copy-on-write pairs (host or device int32 arrays)."""
+        launch: a :class:`StepPlan`'s copy-on-write pairs (host or device int32 arrays), checked
+        like any ``copy_blocks`` call."""
+        self._copy(src, dst, checked=True)
+
+    def _copy(self, src: Any, dst: Any, checked: bool) -> None:
         if len(src):
-            copy_blocks(self.k, self.v, self._xp.asarray(src), self._xp.asarray(dst))
+            src, dst = self._xp.asarray(src), self._xp.asarray(dst)
+            copy_blocks(self.k, self.v, src, dst, checked=checked)
 
     def _check_kv(self, k: Any, v: Any) -> tuple[Any, Any]:
         xp = array_module(k, v)

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -48,7 +48,9 @@ _NO_TOKENS = np.zeros(0, TOKEN_DTYPE)
 
 def blake2b_block_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
     """The default :data:`BlockHasher`: BLAKE2b-128 of the parent key and the int64 token ids."""
-    return _blake2b(parent, np.asarray(tokens, dtype=TOKEN_DTYPE).tobytes())
+    digest = _BLAKE2B_16.copy()
+    digest.update(parent + np.asarray(tokens, dtype=TOKEN_DTYPE).tobytes())
+    return digest.digest()
 
 
 def salt_root(salt: bytes | None) -> bytes:
@@ -161,7 +163,7 @@ class PrefixCacheStats:
 class PrefixCache:
     """Finds and registers full blocks by content over a :class:`~cupaged.BlockPool`.
 
-    The chain walk is written once (:meth:`walk`); :meth:`match` follows it through the pool's
+    The chain walk is written once (:meth:`keys`); :meth:`match` looks its keys up in the pool's
     prefix map until the first miss, :meth:`extend` registers the blocks it reaches.
 
     Args:
@@ -194,57 +196,27 @@ class PrefixCache:
         salt = as_salt(cache_salt)
         return PrefixChain(salt_root(salt), salt)
 
-    def walk(self, chain: PrefixChain, tokens: np.ndarray) -> Iterator[tuple[bytes, bytes]]:
-        """``(key, digest)`` of each full block of ``tokens`` (int64), the blocks that follow
-        ``chain``'s last one; ``chain`` itself is not changed."""
-        data = tokens.tobytes()
-        bs, width = self.block_size, self.block_size * TOKEN_DTYPE.itemsize
+    def keys(self, chain: PrefixChain, tokens: np.ndarray) -> list[tuple[bytes, bytes]]:
+        """The chain walk, written once: ``(key, digest)`` of each full block of ``tokens``
+        (int64), the blocks that follow ``chain``'s last one; ``chain`` itself is not changed."""
+        data, bs = tokens.tobytes(), self.block_size
+        width = bs * TOKEN_DTYPE.itemsize
         key = chain.keys[-1] if chain.keys else chain.root
         digest = chain.digests[-1] if chain.digests else chain.root
+        out, fresh, hasher = [], _BLAKE2B_16.copy, None if self._default else self.hasher
         for j in range(len(tokens) // bs):
-            key, digest = self._hash(key, digest, data[j * width : (j + 1) * width], tokens, j)
-            yield key, digest
-
-    def extend_keys(self, chain: PrefixChain, tokens: np.ndarray) -> list[tuple[bytes, bytes]]:
-        """``list(walk(chain, tokens))``, with the default hasher's loop inlined (admission)."""
-        if not self._default:
-            return list(self.walk(chain, tokens))
-        data, width = tokens.tobytes(), self.block_size * TOKEN_DTYPE.itemsize
-        digest = chain.digests[-1] if chain.digests else chain.root
-        out, fresh = [], _BLAKE2B_16.copy
-        for j in range(len(tokens) // self.block_size):
             h = fresh()
             h.update(digest + data[j * width : (j + 1) * width])
             digest = h.digest()
-            out.append((digest, digest))
+            # The default hasher's key chain and the digest chain are one.
+            key = digest if hasher is None else hasher(key, tokens[j * bs : (j + 1) * bs].tolist())
+            out.append((key, digest))
         return out
 
     def next_keys(self, chains: list[PrefixChain], chunks: np.ndarray) -> list[tuple[bytes, bytes]]:
         """``(key, digest)`` of one full block after each chain: ``chunks`` is ``[len(chains),
         block_size]`` int64 (a decode step's blocks that filled, one per sequence)."""
-        data = chunks.tobytes()
-        width = self.block_size * TOKEN_DTYPE.itemsize
-        out = []
-        for j, chain in enumerate(chains):
-            key = chain.keys[-1] if chain.keys else chain.root
-            digest = chain.digests[-1] if chain.digests else chain.root
-            out.append(self._hash(key, digest, data[j * width : (j + 1) * width], chunks, j))
-        return out
-
-    def _hash(
-        self, key: bytes, digest: bytes, data: bytes, tokens: np.ndarray, j: int
-    ) -> tuple[bytes, bytes]:
-        """The next block's key and digest from its parent's; ``data`` are the block's token
-        bytes, which are also ``tokens`` block ``j`` (row ``j`` when 2-D) for a user hasher."""
-        digest = _blake2b(digest, data)
-        if self._default:
-            return digest, digest  # the key chain and the digest chain are one
-        chunk = (
-            tokens[j]
-            if tokens.ndim == 2
-            else tokens[j * self.block_size : (j + 1) * self.block_size]
-        )
-        return self.hasher(key, chunk.tolist()), digest
+        return [self.keys(chain, chunk)[0] for chain, chunk in zip(chains, chunks, strict=True)]
 
     def match(
         self, tokens: Any, cache_salt: str | bytes | None = None
@@ -259,41 +231,33 @@ class PrefixCache:
             ``(blocks, chain)``: the hit blocks in order, and the chain of the prompt's first
             ``len(blocks)`` blocks.
         """
-        return self.match_unchecked(token_array(tokens), as_salt(cache_salt))
+        blocks, chain, _ = self.match_unchecked(token_array(tokens), as_salt(cache_salt))
+        return blocks, chain
 
     def match_unchecked(
         self, tokens: np.ndarray, salt: bytes | None
-    ) -> tuple[list[int], PrefixChain]:
-        """:meth:`match` for checked int64 ``tokens`` and a ``bytes`` salt."""
+    ) -> tuple[list[int], PrefixChain, list[tuple[bytes, bytes]]]:
+        """:meth:`match` for checked int64 ``tokens`` and a ``bytes`` salt; also returns the
+        keys of the prompt's full blocks after the hits, which admission registers."""
         chain = PrefixChain(salt_root(salt), salt)
+        full = len(tokens) // self.block_size
+        keys = self.keys(chain, tokens[: full * self.block_size])
         lookable = max(len(tokens) - 1, 0) // self.block_size
+        block_of, content_of = self.pool._block_of, self.pool._content_of
         blocks: list[int] = []
-        if self._default:  # the hot path of admission, inlined: one hash and one lookup a block
-            data, width = tokens.tobytes(), self.block_size * TOKEN_DTYPE.itemsize
-            block_of, digest, fresh = self.pool._block_of, chain.root, _BLAKE2B_16.copy
-            for j in range(lookable):
-                h = fresh()
-                h.update(digest + data[j * width : (j + 1) * width])
-                digest = h.digest()
-                block = block_of.get(digest)
-                if block is None:
-                    break  # with the default hasher key == digest: the content check is implied
-                blocks.append(block)
-                chain.keys.append(digest)
-            chain.digests = list(chain.keys)
-        else:
-            for key, digest in self.walk(chain, tokens[: lookable * self.block_size]):
-                found = self.pool.lookup(key)
-                if found is None or found[1] != digest:
-                    break  # a miss, or a hash collision caught by the content check
-                blocks.append(found[0])
-                chain.keys.append(key)
-                chain.digests.append(digest)
+        for key, digest in keys[:lookable]:
+            block = block_of.get(key)
+            if block is None or content_of[block] != digest:
+                break  # a miss, or a hash collision caught by the content check
+            blocks.append(block)
+        hits = len(blocks)
+        chain.keys = [key for key, _ in keys[:hits]]
+        chain.digests = [digest for _, digest in keys[:hits]]
         stats = self.stats
-        stats.hits += len(blocks)
-        stats.misses += len(tokens) // self.block_size - len(blocks)
-        stats.cached_tokens += len(blocks) * self.block_size
-        return blocks, chain
+        stats.hits += hits
+        stats.misses += full - hits
+        stats.cached_tokens += hits * self.block_size
+        return blocks, chain, keys[hits:]
 
     def extend(self, chain: PrefixChain, tokens: Any, blocks: Sequence[int] | np.ndarray) -> None:
         """Register ``blocks`` (in use) as the full blocks that follow ``chain``, holding
@@ -311,7 +275,7 @@ class PrefixCache:
 
     def extend_unchecked(self, chain: PrefixChain, tokens: np.ndarray, blocks: list[int]) -> None:
         """:meth:`extend` with ``tokens`` an int64 array and ``blocks`` in use (unchecked)."""
-        keys = self.extend_keys(chain, tokens)
+        keys = self.keys(chain, tokens)
         self.pool.register_many(blocks, keys)
         chain.keys.extend(key for key, _ in keys)
         chain.digests.extend(digest for _, digest in keys)
@@ -322,12 +286,6 @@ class PrefixCache:
             self.pool.register_unchecked(block, key, digest)
 
 
-# BLAKE2b-128 of ``parent + data``; copying a prepared state is faster than parsing the keyword
-# arguments of a new one, and the hot loops above inline this.
+# BLAKE2b-128 of ``parent + data``: copying a prepared state is faster than parsing the keyword
+# arguments of a new one.
 _BLAKE2B_16 = hashlib.blake2b(digest_size=16)
-
-
-def _blake2b(parent: bytes, data: bytes) -> bytes:
-    digest = _BLAKE2B_16.copy()
-    digest.update(parent + data)
-    return digest.digest()
