@@ -11,7 +11,8 @@ v1's and nano-vllm's block managers measured the same way:
   token ids given as one ``[256]`` array).
 - **W2seq** admission: 1,000 requests, each a 512-token system prompt shared by all plus 64 unique
   tokens (best hit rate 88.8 %), admitted one at a time (``admit``: match the cached prefix,
-  reserve the rest) and freed; at 65,536 and 262,144 blocks (the cost must not grow with the pool).
+  reserve the rest), committed (its K/V written) and freed; at 65,536 and 262,144 blocks (the cost
+  must not grow with the pool).
 - **W3b** beam search: fork a 1,032-token sequence into 8 beams (the shared last block holds 8
   tokens, so each beam's first append copies it); each beam appends 64 tokens; free all. The copy
   is done the engine's way: the step returns the (src, dst) pairs and one ``copy_blocks`` call
@@ -132,7 +133,9 @@ def test_admission(benchmark, num_blocks):
 
     def run(manager):
         for prompt in prompts:
-            manager.free(manager.admit(prompt).sid)
+            sid = manager.admit(prompt).sid
+            manager.commit(sid)  # the engine wrote the prompt's K/V: its blocks may serve others
+            manager.free(sid)
 
     benchmark.pedantic(run, setup=setup, rounds=rounds, iterations=1)
     stats = managers[-1].prefix_cache_stats

@@ -297,9 +297,7 @@ class BlockManager:
         if self.prefix_caching:  # the keys of the full blocks after the hits: hashed by _match
             table = self._seqs
             full = len(hits) + len(keys)
-            self._pool.register_many(table.tables[row, len(hits) : full].tolist(), keys)
-            chain.keys.extend(key for key, _ in keys)
-            chain.digests.extend(digest for _, digest in keys)
+            self._extend_chain(row, keys)
             table.tail[row, : len(prompt) - full * bs] = prompt[full * bs :]
         return Admission(sid, cached, self._xp.asarray(slots))
 
@@ -336,6 +334,7 @@ class BlockManager:
             table.shared[rows] = True
         if self.prefix_caching:
             table.tail[rows] = table.tail[parent]
+            table.pending[rows] = table.pending[parent]
             for row in rows.tolist():
                 self._chains[row] = self._chains[parent].copy()
         self._rows.update(zip(children, rows.tolist(), strict=True))
@@ -360,6 +359,22 @@ class BlockManager:
                 self._release([sid], [row])
         else:
             self._release(sid_list, rows)
+
+    def commit(self, sids: int | Iterable[int] | SequenceBatch) -> None:
+        """Declare the K/V of every token reserved so far for these sequences written.
+
+        With prefix caching a block becomes findable by other sequences only once its K/V are
+        known to be written, never at the ``step`` that reserves it: a sequence's full blocks are
+        registered at its next ``step`` (which means the previous one was computed), by
+        ``append`` (which writes them itself), or here. Call it after a prefill or a last step
+        whose blocks should serve later requests; a sequence freed before either keeps its
+        reserved blocks out of the cache, so unwritten K/V are never served. Without prefix
+        caching it does nothing.
+        """
+        if isinstance(sids, (int, np.integer)):
+            self._commit_rows([self._resident_row(sids)])
+        else:
+            self._commit_rows(self._batch_rows(sids))
 
     # ----------------------------------------------------------------------------- steps
 
@@ -476,6 +491,12 @@ class BlockManager:
             len(chain.keys) == len(chain.digests) == full,
             f"sequence {sid} has {full} full blocks, {len(chain.keys)} keys, "
             f"{len(chain.digests)} digests",
+        )
+        require(
+            0 <= chain.committed <= full
+            and bool(self._seqs.pending[row]) == (chain.committed < full),
+            f"sequence {sid} has {chain.committed} of {full} keys committed, "
+            f"pending flag {bool(self._seqs.pending[row])}",
         )
         if self._seqs.live[row] < 0:
             return
@@ -607,6 +628,7 @@ class BlockManager:
                     )
 
         # -- from here on nothing fails: change the tables
+        self._commit_rows(rows)  # this step of theirs: the last step's K/V were written
         new = pool.take(total) if total else _NO_COPIES
         taken, sources, copies, slots = 0, [], [], []
         for (row, n, length, held, after, copy), row_keys in zip(plans, keys, strict=True):
@@ -630,13 +652,7 @@ class BlockManager:
             if row_keys is not None:
                 joined, full, row_keys = row_keys
                 table.tail[row, : joined.size - full] = joined[full:]
-                first = length // bs
-                pool.register_many(
-                    table.tables[row, first : first + len(row_keys)].tolist(), row_keys
-                )
-                chain = self._chains[row]
-                chain.keys.extend(key for key, _ in row_keys)
-                chain.digests.extend(digest for _, digest in row_keys)
+                self._extend_chain(row, row_keys)
         src = dst = _NO_COPIES
         if sources:
             src, dst = np.array(sources, np.int32), np.array(copies, np.int32)
@@ -665,6 +681,7 @@ class BlockManager:
         keys = self._keys(rows, lens, 1, tokens) if registering else None
 
         # -- from here on nothing fails: change the tables
+        self._commit_rows(rows)  # this step of theirs: the last step's K/V were written
         if crossing.size:
             new = pool.take(crossing.size)
             grown, at = rows[crossing], column[crossing]
@@ -707,6 +724,7 @@ class BlockManager:
         keys = self._keys(rows, lens, counts, tokens) if registering else None
 
         # -- from here on nothing fails: change the tables
+        self._commit_rows(rows)  # this step of theirs: the last step's K/V were written
         if total:
             table.ensure_width(int((held + grow).max()) + 1)  # one spare column: see _plan_decode
             new = self._pool.take(total)
@@ -827,18 +845,43 @@ class BlockManager:
         return out
 
     def _register(self, rows, lens, counts, tokens, keys) -> None:
-        """Store the new tail tokens and register the blocks that filled (after the tables moved)."""
-        table, pool = self._seqs, self._pool
+        """Store the new tail tokens and extend the chains by the blocks that filled."""
+        table = self._seqs
         decode = isinstance(counts, int) and counts == 1
         if decode:
             table.tail[rows, lens % self._block_size] = tokens
-        for row, first, rest, row_keys in keys:
+        for row, _, rest, row_keys in keys:
             if not decode:
                 table.tail[row, : rest.size] = rest
+            self._extend_chain(row, row_keys)
+
+    def _extend_chain(self, row: int, keys: list[tuple[bytes, bytes]]) -> None:
+        """Append the keys of blocks that just filled; they are registered (findable) only once
+        their K/V are known written: see :meth:`commit`."""
+        if keys:
             chain = self._chains[row]
-            pool.register_many(table.tables[row, first : first + len(row_keys)].tolist(), row_keys)
-            chain.keys.extend(key for key, _ in row_keys)
-            chain.digests.extend(digest for _, digest in row_keys)
+            chain.keys.extend(key for key, _ in keys)
+            chain.digests.extend(digest for _, digest in keys)
+            self._seqs.pending[row] = True
+
+    def _commit_rows(self, rows: Any) -> None:
+        """Register the pending full blocks of ``rows`` (an int array or a list of ints)."""
+        if not self.prefix_caching:
+            return
+        table = self._seqs
+        if isinstance(rows, np.ndarray):
+            rows = rows[table.pending[rows]].tolist()
+        for row in rows:
+            if not table.pending[row]:
+                continue
+            chain = self._chains[row]
+            start, end = chain.committed, len(chain.keys)
+            blocks = table.tables[row, start:end].tolist()
+            self._pool.register_many(
+                blocks, list(zip(chain.keys[start:end], chain.digests[start:end], strict=True))
+            )
+            chain.committed = end
+            table.pending[row] = False
 
     def _batch_rows(self, sids: Any) -> np.ndarray:
         """Rows of a batch of resident, distinct sequences."""

@@ -13,6 +13,7 @@ for a whole batch is a handful of vectorised operations on those arrays::
                      fork; cleared once the row has a private last block)
     version[row]     when the row's table last changed (a logical clock)
     tail[row]        token ids of the unfilled last block (prefix caching only)
+    pending[row]     full blocks wait to be registered until their K/V are known written
 
 Entries past a row's last block are 0 (padding, never read: the lengths say how many count).
 
@@ -47,6 +48,7 @@ class SequenceTable:
         self.shared = np.zeros(rows, bool)
         self.version = np.zeros(rows, np.int64)
         self.tail = np.zeros((rows, tail_width), np.int64)
+        self.pending = np.zeros(rows, bool)
         self.clock = 1
         self._free_rows: list[int] = list(range(rows - 1, -1, -1))
 
@@ -78,7 +80,7 @@ class SequenceTable:
         self.tables[rows] = 0
         self.lens[rows] = 0
         self.sids[rows] = self.live[rows] = -1
-        self.shared[rows] = False
+        self.shared[rows] = self.pending[rows] = False
         self.version[rows] = self.clock
         self._free_rows.extend(rows.tolist()[::-1])
 
@@ -87,7 +89,7 @@ class SequenceTable:
         self.tables[row] = 0
         self.lens[row] = 0
         self.sids[row] = self.live[row] = -1
-        self.shared[row] = False
+        self.shared[row] = self.pending[row] = False
         self.version[row] = self.clock
         self._free_rows.append(row)
 
@@ -146,7 +148,7 @@ class SequenceTable:
 
         self.tables, self.lens = grown(self.tables, 0), grown(self.lens, 0)
         self.sids, self.live = grown(self.sids, -1), grown(self.live, -1)
-        self.shared = grown(self.shared, False)
+        self.shared, self.pending = grown(self.shared, False), grown(self.pending, False)
         self.version, self.tail = grown(self.version, 0), grown(self.tail, 0)
         self._free_rows[:0] = range(rows - 1, old - 1, -1)
 

@@ -131,6 +131,7 @@ class PagedCache(BlockManager):
         for layer in range(self.spec.num_layers):
             # The slots come from this cache's own plan: distinct and in range, so unchecked.
             write_kv(self.k[layer], self.v[layer], k[layer], v[layer], slots, checked=False)
+        self._commit_rows([row])  # written: its full blocks may serve other sequences now
 
     def step(
         self,

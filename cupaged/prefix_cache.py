@@ -126,15 +126,19 @@ class PrefixChain:
         keys: ``keys[j]`` is block ``j``'s lookup key (``block_hasher``).
         digests: ``digests[j]``: BLAKE2b of the whole token prefix through block ``j``, what a
             hit on ``keys[j]`` is verified against.
+        committed: the leading blocks whose K/V are known written: only they are registered.
     """
 
     root: bytes
     salt: bytes | None
     keys: list[bytes] = field(default_factory=list)
     digests: list[bytes] = field(default_factory=list)
+    committed: int = 0
 
     def copy(self) -> PrefixChain:
-        return PrefixChain(self.root, self.salt, list(self.keys), list(self.digests))
+        return PrefixChain(
+            self.root, self.salt, list(self.keys), list(self.digests), self.committed
+        )
 
 
 @dataclass(slots=True)
@@ -253,6 +257,7 @@ class PrefixCache:
         hits = len(blocks)
         chain.keys = [key for key, _ in keys[:hits]]
         chain.digests = [digest for _, digest in keys[:hits]]
+        chain.committed = hits  # cached blocks: written by whoever registered them
         stats = self.stats
         stats.hits += hits
         stats.misses += full - hits
@@ -279,11 +284,15 @@ class PrefixCache:
         self.pool.register_many(blocks, keys)
         chain.keys.extend(key for key, _ in keys)
         chain.digests.extend(digest for _, digest in keys)
+        chain.committed = len(chain.keys)
 
     def register_chain(self, chain: PrefixChain, blocks: Sequence[int]) -> None:
-        """Register ``blocks[j]`` under ``chain.keys[j]`` again (fresh blocks after a swap-in)."""
-        for block, key, digest in zip(blocks, chain.keys, chain.digests, strict=False):
-            self.pool.register_unchecked(block, key, digest)
+        """Register ``blocks[j]`` under ``chain.keys[j]`` again for its committed blocks (fresh
+        blocks after a swap-in)."""
+        done = chain.committed
+        self.pool.register_many(
+            list(blocks[:done]), list(zip(chain.keys[:done], chain.digests[:done], strict=True))
+        )
 
 
 # BLAKE2b-128 of ``parent + data``: copying a prepared state is faster than parsing the keyword

@@ -403,6 +403,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
             v = np.concatenate([v for _, v in new_kv], axis=1)
             for layer in range(NUM_LAYERS):
                 cupaged.write_kv(cache.k[layer], cache.v[layer], k[layer], v[layer], slots)
+            cache.commit(sids)  # written: the filled blocks may serve other sequences now
         assert cache.num_free_blocks == free - needed
 
         order: list[int] = []

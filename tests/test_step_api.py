@@ -260,7 +260,9 @@ def test_admit_attaches_the_cached_prefix_and_reserves_the_rest_in_one_call():
 
 def test_admission_that_cannot_finish_changes_nothing_counters_included():
     m = manager(num_blocks=4, prefix=True)
-    m.free(m.admit(list(range(8))).sid)  # two cached, evictable blocks
+    sid = m.admit(list(range(8))).sid
+    m.commit(sid)  # its K/V written: the two full blocks become findable
+    m.free(sid)  # two cached, evictable blocks
     stats, before = m.prefix_cache_stats, state(m)
     with pytest.raises(OutOfBlocksError, match="admitting a 21-token prompt needs 4 .* got 2"):
         m.admit([*range(8), *range(100, 113)])  # 2 hits revive 2 blocks, 4 more needed

@@ -144,6 +144,7 @@ class TinyDecoder:
             keys, values = self._sequence_kv(cache, i, sid)  # [L, Hkv, D], the chunk included
             h = h + self._attend_causal(q, keys, values, start) @ self.weights[f"l{i}.wo"]
             h = h + self._mlp(i, h)
+        cache.commit(sid)  # the prompt's K/V are written: its full blocks may serve others now
         return self._logits(h[-1:])[0]
 
     def decode(self, cache: PagedCache, batch: SequenceBatch, tokens: list[int]) -> Any:
