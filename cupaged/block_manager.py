@@ -24,8 +24,9 @@ only over blocks that fill (prefix-cache hashing) and blocks that must be copied
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -119,6 +120,64 @@ class Admission:
     slots: Any
 
 
+class _Atomic:
+    """The scope of one public call that changes the bookkeeping: exclusive and all or nothing.
+
+    Entered by every public method that changes state (nested calls join the outermost one).
+    A second thread entering while one is inside raises :class:`CupagedError` instead of
+    corrupting the tables. Any exception inside, ``KeyboardInterrupt`` included, runs the undo
+    actions the call recorded (newest first) and rolls the pool back, so that the failed call
+    changes nothing.
+    """
+
+    __slots__ = ("_depth", "_lock", "_manager", "_mark", "_owner", "_saved", "kv_written", "undo")
+
+    def __init__(self, manager: BlockManager) -> None:
+        self._manager = manager
+        self._lock = threading.Lock()
+        self._owner: int | None = None
+        self._depth = 0
+        self.undo: list[Callable[[], None]] = []
+        self.kv_written = False  # K/V were written into taken blocks: evictions stay evicted
+
+    def __enter__(self) -> _Atomic:
+        me = threading.get_ident()
+        if self._owner == me:
+            self._depth += 1
+            return self
+        if not self._lock.acquire(blocking=False):
+            raise CupagedError(
+                "expected one thread at a time in a PagedCache/BlockManager, got a call while "
+                "another thread is inside one (guard the cache with your own lock)"
+            )
+        self._owner, self._depth = me, 1
+        manager = self._manager
+        stats = manager._prefix.stats
+        self._saved = (manager._next_id, stats.hits, stats.misses, stats.cached_tokens)
+        self._mark = manager._pool.begin()
+        self.undo, self.kv_written = [], False
+        return self
+
+    def __exit__(self, kind: Any, error: Any, trace: Any) -> None:
+        self._depth -= 1
+        if self._depth:
+            return
+        manager = self._manager
+        try:
+            if kind is None:
+                manager._pool.end()
+            else:
+                for action in reversed(self.undo):
+                    action()
+                manager._pool.rollback(self._mark, keep_evicted=not self.kv_written)
+                stats = manager._prefix.stats
+                manager._next_id, stats.hits, stats.misses, stats.cached_tokens = self._saved
+        finally:
+            self.undo = []
+            self._owner = None
+            self._lock.release()
+
+
 class BlockManager:
     """Block pool, per-sequence block tables, refcounts, copy-on-write plans and prefix caching.
 
@@ -180,12 +239,15 @@ class BlockManager:
         self._pool = BlockPool(num_blocks)
         self.prefix_caching = bool(enable_prefix_caching)
         self._prefix = PrefixCache(self._pool, block_size, block_hasher)
-        self._seqs = SequenceTable(tail_width=block_size if self.prefix_caching else 0)
+        self._seqs = SequenceTable(
+            tail_width=block_size if self.prefix_caching else 0, block_size=block_size
+        )
         self._offsets = np.arange(block_size, dtype=np.int32)  # slot offsets within a block
         self._rows: dict[int, int] = {}  # live sequence id -> row
         self._chains: dict[int, PrefixChain] = {}  # row -> prefix chain (prefix caching only)
         self._cached: dict[int, int] = {}  # live sequence id -> prompt tokens found cached
         self._next_id = 0
+        self._atomic = _Atomic(self)
 
     # ----------------------------------------------------------------------------- introspection
 
@@ -263,7 +325,8 @@ class BlockManager:
                 the same salt.
         """
         prompt = token_array(tokens if tokens is not None else ())
-        sid, _ = self._add(prompt, as_salt(cache_salt))
+        with self._atomic:
+            sid, _ = self._add(prompt, as_salt(cache_salt))
         return sid
 
     def admit(self, prompt: Sequence[int], cache_salt: str | bytes | None = None) -> Admission:
@@ -280,6 +343,10 @@ class BlockManager:
         """
         prompt = token_array(prompt, "prompt")
         salt = as_salt(cache_salt)
+        with self._atomic:
+            return self._admit(prompt, salt)
+
+    def _admit(self, prompt: np.ndarray, salt: bytes | None) -> Admission:
         stats = self._prefix.stats
         counters = (stats.hits, stats.misses, stats.cached_tokens)
         bs = self._block_size
@@ -320,16 +387,23 @@ class BlockManager:
         parent = self._resident_row(sid)
         if not n:
             return []
+        with self._atomic as atomic:
+            return self._fork(parent, n, atomic)
+
+    def _fork(self, parent: int, n: int, atomic: _Atomic) -> list[int]:
         table = self._seqs
         children = list(range(self._next_id, self._next_id + n))
         rows = table.acquire_many(children)
+        atomic.undo.append(lambda: self._unattach(children, rows.tolist()))
         self._next_id += n
         held = self._held(parent)
         blocks = table.tables[parent, :held]
         table.tables[rows] = table.tables[parent]
         table.lens[rows] = table.lens[parent]
-        self._pool._refcount[blocks] += n
+        self._pool.share(blocks, n)
         if table.lens[parent] % self._block_size:  # a partly filled last block is now shared
+            was_shared = bool(table.shared[parent])
+            atomic.undo.append(lambda: table.shared.__setitem__(parent, was_shared))
             table.shared[parent] = True
             table.shared[rows] = True
         if self.prefix_caching:
@@ -346,7 +420,9 @@ class BlockManager:
         Cached full blocks are not wiped: they become evictable, last block first, so that a
         prompt's head survives eviction longest.
         """
-        self._release([sid], [self._row(sid)])
+        row = self._row(sid)
+        with self._atomic:
+            self._release([sid], [row])
 
     def free_many(self, sids: Iterable[int]) -> None:
         """End several sequences at once (as :meth:`free` one after the other, vectorised)."""
@@ -354,11 +430,12 @@ class BlockManager:
         rows = [self._row(sid) for sid in sid_list]
         if len(set(rows)) != len(rows):
             raise ValueError(f"expected distinct sequence ids, got {sid_list}")
-        if len(rows) <= _SMALL_BATCH:  # one at a time is cheaper than the vectorised release
-            for sid, row in zip(sid_list, rows, strict=True):
-                self._release([sid], [row])
-        else:
-            self._release(sid_list, rows)
+        with self._atomic:
+            if len(rows) <= _SMALL_BATCH:  # one at a time is cheaper than the vectorised release
+                for sid, row in zip(sid_list, rows, strict=True):
+                    self._release([sid], [row])
+            else:
+                self._release(sid_list, rows)
 
     def commit(self, sids: int | Iterable[int] | SequenceBatch) -> None:
         """Declare the K/V of every token reserved so far for these sequences written.
@@ -372,9 +449,12 @@ class BlockManager:
         caching it does nothing.
         """
         if isinstance(sids, (int, np.integer)):
-            self._commit_rows([self._resident_row(sids)])
+            rows = [self._resident_row(sids)]
         else:
-            self._commit_rows(self._batch_rows(sids))
+            rows = self._batch_rows(sids).tolist()
+        with self._atomic as atomic:
+            atomic.undo.append(self._chains_restorer(rows))
+            self._commit_rows(rows)
 
     # ----------------------------------------------------------------------------- steps
 
@@ -416,7 +496,8 @@ class BlockManager:
         counts = self._counts(num_tokens, rows.size)
         single = isinstance(sids, (int, np.integer))
         new_tokens = self._check_tokens(single, rows.size, counts, tokens)
-        slots, src, dst = self._plan(rows, counts, new_tokens, None)
+        with self._atomic:
+            slots, src, dst = self._plan(rows, counts, new_tokens, None)
         return StepPlan(self._xp.asarray(slots), src, dst, counts, rows.size)
 
     def block_tables(self, sids: Iterable[int] | SequenceBatch) -> tuple[Any, Any]:
@@ -525,6 +606,7 @@ class BlockManager:
         sid = self._next_id
         table = self._seqs
         row = table.acquire(sid)
+        self._atomic.undo.append(lambda: self._unattach([sid], [row]))
         if hits:
             blocks = np.array(hits, np.int32)
             self._pool.acquire_unchecked(blocks)
@@ -539,10 +621,41 @@ class BlockManager:
         self._next_id += 1
         return sid, row
 
+    def _unattach(self, sids: list[int], rows: list[int]) -> None:
+        """Undo of :meth:`_attach` / :meth:`_fork`: forget new sequences, give their rows back."""
+        for sid, row in zip(sids, rows, strict=True):
+            self._rows.pop(sid, None)
+            self._chains.pop(row, None)
+            self._cached.pop(sid, None)
+        self._seqs.release(np.array(rows, np.intp))
+
     def _release(self, sids: list[int], rows: list[int]) -> None:
         """Drop the sequences' references (each one's last block first) and their rows."""
         table = self._seqs
-        if len(rows) == 1:
+        one = len(rows) == 1
+        # What an interrupt must put back: the rows (for one row, the cheap part of it only)
+        # and the dictionary entries.
+        saved = (table.row_state(rows[0]) if one else table.snapshot(rows)), table.free_rows_mark()
+        entries = [
+            (sid, row, self._cached.get(sid), self._chains.get(row))
+            for sid, row in zip(sids, rows, strict=True)
+        ]
+
+        def undo() -> None:
+            table.unrelease(saved[1])
+            if one:
+                table.set_row_state(rows[0], saved[0])
+            else:
+                table.restore(rows, saved[0])
+            for sid, row, cached, chain in entries:
+                self._rows[sid] = row
+                if cached is not None:
+                    self._cached[sid] = cached
+                if chain is not None:
+                    self._chains[row] = chain
+
+        self._atomic.undo.append(undo)
+        if one:
             row = rows[0]
             if table.live[row] >= 0:
                 self._pool.release(table.tables[row, : self._held(row)][::-1])
@@ -602,12 +715,12 @@ class BlockManager:
         for row, n in zip(rows, counts, strict=True):
             length = int(table.lens[row])
             held, after = -(-length // bs), -(-(length + n) // bs)
-            copy = 0
+            copy = last = 0
             if n and length % bs:
                 last = int(table.tables[row, held - 1])
                 if refcount[last] - released.get(last, 0) > 1:  # another holder stays: copy
                     copy, released[last] = 1, released.get(last, 0) + 1
-            plans.append((row, n, length, held, after, copy))
+            plans.append((row, n, length, held, after, copy, last))
             total += after - held + copy
         if total > pool.num_free:
             if what is None:
@@ -615,7 +728,7 @@ class BlockManager:
             raise OutOfBlocksError(total, pool.num_free, what)
         keys: list[Any] = [None] * len(rows)
         if self.prefix_caching and tokens is not None:
-            for i, (row, n, length, _, _, _) in enumerate(plans):
+            for i, (row, n, length, *_) in enumerate(plans):
                 ids = tokens[i : i + 1] if isinstance(tokens, np.ndarray) else tokens[i]
                 if n:
                     offset = length % bs
@@ -627,11 +740,16 @@ class BlockManager:
                         self._prefix.keys(self._chains[row], joined[:full]),
                     )
 
-        # -- from here on nothing fails: change the tables
+        # -- from here on nothing fails: change the tables (undone on an interrupt)
+        shared = [bool(table.shared[row]) for row in rows]
+        tails = [table.tail[row].copy() for row in rows] if self.prefix_caching else None
+        self._atomic.undo.extend(
+            (lambda: self._undo_rows(plans, shared, tails), self._chains_restorer(rows))
+        )
         self._commit_rows(rows)  # this step of theirs: the last step's K/V were written
         new = pool.take(total) if total else _NO_COPIES
         taken, sources, copies, slots = 0, [], [], []
-        for (row, n, length, held, after, copy), row_keys in zip(plans, keys, strict=True):
+        for (row, n, length, held, after, copy, _), row_keys in zip(plans, keys, strict=True):
             if after - held + copy:
                 table.ensure_width(after + 1)
                 if copy:
@@ -660,6 +778,18 @@ class BlockManager:
         out = slots[0] if len(slots) == 1 else np.concatenate(slots) if slots else _NO_COPIES
         return out.astype(np.int32, copy=False), src, dst
 
+    def _undo_rows(self, plans: list[tuple], shared: list[bool], tails: list | None) -> None:
+        """Undo of :meth:`_plan_rows`: the entries it filled were padding, or the copied block."""
+        table = self._seqs
+        for i, (row, _, length, held, after, copy, last) in enumerate(plans):
+            table.tables[row, held:after] = 0
+            if copy:
+                table.tables[row, held - 1] = last
+            table.lens[row] = length
+            table.shared[row] = shared[i]
+            if tails is not None:
+                table.tail[row] = tails[i]
+
     def _plan_decode(
         self, rows: np.ndarray, tokens: Any, what: str | None
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -680,11 +810,15 @@ class BlockManager:
         registering = self.prefix_caching and tokens is not None
         keys = self._keys(rows, lens, 1, tokens) if registering else None
 
-        # -- from here on nothing fails: change the tables
+        # -- from here on nothing fails: change the tables (undone on an interrupt)
+        grown, at = rows[crossing], column[crossing]
+        self._atomic.undo.append(lambda: self._undo_decode(rows, lens, grown, at))
+        if registering:  # the chains that commit or fill a block: few rows of the batch
+            touched = table.pending[rows] | (offset == bs - 1)
+            self._atomic.undo.append(self._chains_restorer(rows[touched].tolist()))
         self._commit_rows(rows)  # this step of theirs: the last step's K/V were written
         if crossing.size:
             new = pool.take(crossing.size)
-            grown, at = rows[crossing], column[crossing]
             table.tables[grown, at] = new
             table.version[grown] = table.clock
             table.ensure_width(int(at.max()) + 2)
@@ -693,6 +827,36 @@ class BlockManager:
         if registering:
             self._register(rows, lens, 1, tokens, keys)
         return blocks * bs + offset, _NO_COPIES, _NO_COPIES
+
+    def _undo_decode(self, rows, lens, grown, at) -> None:
+        table = self._seqs
+        table.tables[grown, at] = 0  # the entries a decode step fills were padding
+        table.lens[rows] = lens
+
+    def _chains_restorer(self, rows: list[int]) -> Callable[[], None]:
+        """An undo action that puts back the chains (keys, committed count, pending flag)."""
+        if not self.prefix_caching:
+            return lambda: None
+        table = self._seqs
+        saved = [
+            (
+                row,
+                len(self._chains[row].keys),
+                self._chains[row].committed,
+                bool(table.pending[row]),
+            )
+            for row in rows
+            if row in self._chains
+        ]
+
+        def restore() -> None:
+            for row, keys, committed, pending in saved:
+                chain = self._chains[row]
+                del chain.keys[keys:], chain.digests[keys:]
+                chain.committed = committed
+                table.pending[row] = pending
+
+        return restore
 
     def _plan_batch(
         self,
@@ -723,7 +887,11 @@ class BlockManager:
         registering = self.prefix_caching and tokens is not None
         keys = self._keys(rows, lens, counts, tokens) if registering else None
 
-        # -- from here on nothing fails: change the tables
+        # -- from here on nothing fails: change the tables (undone on an interrupt)
+        saved = table.snapshot(rows)
+        self._atomic.undo.extend(
+            (lambda: table.restore(rows, saved), self._chains_restorer(rows.tolist()))
+        )
         self._commit_rows(rows)  # this step of theirs: the last step's K/V were written
         if total:
             table.ensure_width(int((held + grow).max()) + 1)  # one spare column: see _plan_decode
@@ -935,7 +1103,7 @@ class BlockManager:
                     "expected tokens= (the new tokens' ids): prefix caching keys full blocks by them"
                 )
             return None
-        if single:
+        if single and not _nested(tokens):
             rows = [token_array(tokens)]
         elif hasattr(tokens, "ndim") and tokens.ndim == 2:
             rows = list(_host_tokens(tokens))
@@ -978,6 +1146,13 @@ class BlockManager:
             if 0 <= sid < self._next_id:
                 raise KeyError(f"sequence {sid} was already freed")
         raise KeyError(f"unknown sequence id {sid!r}")
+
+
+def _nested(tokens: Any) -> bool:
+    """Whether ``tokens`` holds one sequence of ids per sequence (``[[...]]``, a 2-D array)."""
+    if hasattr(tokens, "ndim"):
+        return tokens.ndim == 2
+    return isinstance(tokens, (list, tuple)) and bool(tokens) and hasattr(tokens[0], "__len__")
 
 
 def _host_tokens(tokens: Any) -> np.ndarray:

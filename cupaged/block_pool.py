@@ -87,6 +87,7 @@ class BlockPool:
         self._head = self._tail = self._clock = 0
         self._num_evictable = 0
         self.evictions = 0
+        self._journal: list[tuple] | None = None  # undo records while a transaction is open
 
     @property
     def num_free(self) -> int:
@@ -201,6 +202,8 @@ class BlockPool:
         else:
             blocks = np.concatenate([self._free[:top][::-1], self._evict(n - top)])
             self._top = 0
+        if self._journal is not None:
+            self._journal.append(("take", top, blocks[: min(n, top)]))
         self._refcount[blocks] = 1
         return blocks
 
@@ -211,6 +214,8 @@ class BlockPool:
             The blocks left without a reference, in release order (an id given twice is released
             at its last entry).
         """
+        if self._journal is not None:
+            self._journal.append(("release", blocks.copy()))
         if distinct:
             left = self._refcount[blocks] - 1
             self._refcount[blocks] = left
@@ -238,8 +243,12 @@ class BlockPool:
         """Take a reference per entry of ``blocks`` (registered or in use, unchecked)."""
         held = self._refcount[blocks]
         revived = blocks[held == 0]
+        if self._journal is not None:
+            self._journal.append(("acquire", blocks.copy(), held))
         if revived.size:
             revived = revived if distinct else np.unique(revived)
+            if self._journal is not None:
+                self._journal.append(("revive", revived, self._stamp[revived]))
             self._stamp[revived] = _NO_STAMP
             self._num_evictable -= revived.size
         if distinct:
@@ -253,6 +262,8 @@ class BlockPool:
         if existing is not None:
             return existing
         require(self._key_of[block] is None, f"block {block} is already registered")
+        if self._journal is not None:
+            self._journal.append(("register", [block]))
         self._block_of[key] = block
         self._key_of[block] = key
         self._content_of[block] = content
@@ -262,14 +273,80 @@ class BlockPool:
     def register_many(self, blocks: list[int], keys: list[tuple[Hashable, object]]) -> None:
         """:meth:`register_unchecked` of ``blocks[i]`` under ``(key, content) = keys[i]``."""
         block_of, key_of, content_of = self._block_of, self._key_of, self._content_of
+        registered: list[int] = []  # filled as blocks register, for a rollback
+        if self._journal is not None:
+            self._journal.append(("register", registered))
         for block, (key, content) in zip(blocks, keys, strict=True):
             if key in block_of:
                 continue  # the first writer wins
             require(key_of[block] is None, f"block {block} is already registered")
+            registered.append(block)
             block_of[key] = block
             key_of[block] = key
             content_of[block] = content
             self._registered[block] = True
+
+    def share(self, blocks: np.ndarray, n: int) -> None:
+        """Add ``n`` references to each of ``blocks`` (distinct, in use, unchecked): a fork."""
+        if self._journal is not None:
+            self._journal.append(("acquire", blocks.copy(), self._refcount[blocks]))
+        self._refcount[blocks] += n
+
+    # ------------------------------------------------------------------------------ transactions
+
+    def begin(self) -> tuple[int, ...]:
+        """Start recording what changes, so that :meth:`rollback` can undo it."""
+        self._journal = []
+        return (self._top, self._head, self._tail, self._clock, self._num_evictable, self.evictions)
+
+    def end(self) -> None:
+        """Stop recording: the changes since :meth:`begin` stay."""
+        self._journal = None
+
+    def rollback(self, mark: tuple[int, ...], keep_evicted: bool = True) -> None:
+        """Undo everything since :meth:`begin` (``mark`` is what it returned).
+
+        Blocks evicted since then are made findable again when ``keep_evicted``; otherwise (K/V
+        may have been written into them) they stay out of the cache, as free blocks.
+        """
+        journal, self._journal = self._journal or [], None
+        lost: list[np.ndarray] = []
+        for record in reversed(journal):
+            kind = record[0]
+            if kind == "take":
+                _, top, from_stack = record
+                self._refcount[from_stack] = 0
+                self._free[top - from_stack.size : top] = from_stack[::-1]
+            elif kind == "evict":
+                _, blocks, keys, contents, stamps = record
+                self._refcount[blocks] = 0
+                if keep_evicted:
+                    for block, key, content in zip(blocks.tolist(), keys, contents, strict=True):
+                        self._block_of[key] = block
+                        self._key_of[block], self._content_of[block] = key, content
+                    self._registered[blocks] = True
+                    self._stamp[blocks] = stamps
+                else:
+                    lost.append(blocks)
+            elif kind == "release":
+                np.add.at(self._refcount, record[1], 1)
+                self._stamp[record[1][self._refcount[record[1]] > 0]] = _NO_STAMP
+            elif kind == "acquire":
+                self._refcount[record[1]] = record[2]
+            elif kind == "revive":
+                self._stamp[record[1]] = record[2]
+            elif kind == "register":
+                for block in record[1]:
+                    del self._block_of[self._key_of[block]]
+                    self._key_of[block] = self._content_of[block] = None
+                    self._registered[block] = False
+            elif kind == "queue":
+                self._queue[: record[1].size] = record[1]
+                self._queue_stamp[: record[2].size] = record[2]
+        (self._top, self._head, self._tail, self._clock, self._num_evictable, self.evictions) = mark
+        for blocks in lost:  # evicted, and maybe overwritten since: free, not findable
+            self._push_free(blocks)
+            self._num_evictable -= blocks.size
 
     # ------------------------------------------------------------------------------ checking
 
@@ -345,6 +422,8 @@ class BlockPool:
         if not blocks.size:
             return
         if self._tail + blocks.size > self._queue.size:
+            if self._journal is not None:
+                self._journal.append(("queue", self._queue.copy(), self._queue_stamp.copy()))
             self._compact()
         stamps = np.arange(self._clock, self._clock + blocks.size, dtype=np.int64)
         end = self._tail + blocks.size
@@ -366,6 +445,10 @@ class BlockPool:
             n -= live.size
             window *= 2
         blocks = np.concatenate(taken)
+        if self._journal is not None:
+            keys = [self._key_of[block] for block in blocks.tolist()]
+            contents = [self._content_of[block] for block in blocks.tolist()]
+            self._journal.append(("evict", blocks, keys, contents, self._stamp[blocks]))
         self._stamp[blocks] = _NO_STAMP
         self._num_evictable -= blocks.size
         self._registered[blocks] = False

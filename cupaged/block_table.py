@@ -40,7 +40,10 @@ if TYPE_CHECKING:
 class SequenceTable:
     """The rows of the live sequences; grows by doubling (rows and width apart)."""
 
-    def __init__(self, tail_width: int = 0, rows: int = 16, width: int = 16) -> None:
+    def __init__(
+        self, tail_width: int = 0, rows: int = 16, width: int = 16, block_size: int = 0
+    ) -> None:
+        self._block_size_hint = block_size  # tokens per block, for row_state (0: unknown)
         self.tables = np.zeros((rows, width), np.int32)
         self.lens = np.zeros(rows, np.int32)
         self.sids = np.full(rows, -1, np.int64)
@@ -92,6 +95,48 @@ class SequenceTable:
         self.shared[row] = self.pending[row] = False
         self.version[row] = self.clock
         self._free_rows.append(row)
+
+    def snapshot(self, rows: Any) -> tuple:
+        """Everything stored for ``rows`` (an index or an index array), for :meth:`restore`."""
+        return tuple(array[rows].copy() for array in self._row_arrays())
+
+    def restore(self, rows: Any, snapshot: tuple) -> None:
+        """Put back what :meth:`snapshot` saved (a rollback)."""
+        for array, saved in zip(self._row_arrays(), snapshot, strict=True):
+            if array.ndim == 2 and saved.shape[-1] != array.shape[1]:  # the table grew since
+                array[rows, saved.shape[-1] :] = 0
+                array[rows, : saved.shape[-1]] = saved
+            else:
+                array[rows] = saved
+
+    def row_state(self, row: int) -> tuple:
+        """:meth:`snapshot` of one row, its table cut to the blocks in use (the cheap undo)."""
+        length = int(self.lens[row])
+        held = (
+            -(-length // self._block_size_hint) if self._block_size_hint else self.tables.shape[1]
+        )
+        tail = self.tail[row].copy() if self.tail.shape[1] else None
+        return (self.tables[row, :held].copy(), length, int(self.sids[row]), int(self.live[row]),
+                bool(self.shared[row]), bool(self.pending[row]), tail, int(self.version[row]))  # fmt: skip
+
+    def set_row_state(self, row: int, state: tuple) -> None:
+        blocks, self.lens[row], self.sids[row], self.live[row], *rest = state
+        self.shared[row], self.pending[row], tail, self.version[row] = rest
+        self.tables[row] = 0
+        self.tables[row, : blocks.size] = blocks
+        if tail is not None:
+            self.tail[row] = tail
+
+    def free_rows_mark(self) -> int:
+        return len(self._free_rows)
+
+    def unrelease(self, mark: int) -> None:
+        """Take back the rows released since ``free_rows_mark()`` returned ``mark``."""
+        del self._free_rows[mark:]
+
+    def _row_arrays(self) -> tuple[np.ndarray, ...]:
+        return (self.tables, self.lens, self.sids, self.live, self.shared, self.pending,
+                self.tail, self.version)  # fmt: skip
 
     def touch(self, rows: Any) -> None:
         """Record that the tables of ``rows`` changed (batches refresh them)."""

@@ -123,15 +123,18 @@ class PagedCache(BlockManager):
         if n == 0:
             return
         rows = np.array([row], np.intp)
-        slots, src, dst = self._plan(
-            rows, n, new_tokens, f"appending {n} token(s) to sequence {sid}"
-        )
-        self._copy(src, dst, checked=False)  # the cache's own plan: valid by construction
-        slots = self._xp.asarray(slots)
-        for layer in range(self.spec.num_layers):
-            # The slots come from this cache's own plan: distinct and in range, so unchecked.
-            write_kv(self.k[layer], self.v[layer], k[layer], v[layer], slots, checked=False)
-        self._commit_rows([row])  # written: its full blocks may serve other sequences now
+        with self._atomic as atomic:  # a failed copy or write undoes the plan too
+            slots, src, dst = self._plan(
+                rows, n, new_tokens, f"appending {n} token(s) to sequence {sid}"
+            )
+            atomic.kv_written = True
+            self._copy(src, dst, checked=False)  # the cache's own plan: valid by construction
+            slots = self._xp.asarray(slots)
+            for layer in range(self.spec.num_layers):
+                # The slots come from this cache's own plan: distinct and in range, so unchecked.
+                write_kv(self.k[layer], self.v[layer], k[layer], v[layer], slots, checked=False)
+            atomic.undo.append(self._chains_restorer([row]))
+            self._commit_rows([row])  # written: its full blocks may serve other sequences now
 
     def step(
         self,
@@ -148,10 +151,12 @@ class PagedCache(BlockManager):
                 ``False``): call :meth:`apply_copies` with ``plan.copy_src, plan.copy_dst`` (or
                 batch them with your own launch) before writing this step's K/V.
         """
-        plan = super().step(sids, num_tokens, tokens)
-        if apply_copies and plan.copy_src.size:
-            self._copy(plan.copy_src, plan.copy_dst, checked=False)  # its own plan: valid
-            plan.copies_applied = True
+        with self._atomic as atomic:  # a failed copy undoes the plan too
+            plan = super().step(sids, num_tokens, tokens)
+            if apply_copies and plan.copy_src.size:
+                atomic.kv_written = True
+                self._copy(plan.copy_src, plan.copy_dst, checked=False)  # its own plan: valid
+                plan.copies_applied = True
         return plan
 
     def reserve(
@@ -228,13 +233,16 @@ class PagedCache(BlockManager):
             else:
                 gathered.get(out=buffer)
             host.append(buffer)
-        self._pool.release(blocks[::-1].copy())
         table = self._seqs
-        table.tables[row] = 0
-        table.live[row] = -1
-        table.shared[row] = False
-        table.touch(row)
-        self._swapped[sid] = (host[0], host[1])
+        with self._atomic as atomic:
+            saved = table.snapshot(row)
+            atomic.undo.append(lambda: (table.restore(row, saved), self._swapped.pop(sid, None)))
+            self._pool.release(blocks[::-1].copy())
+            table.tables[row] = 0
+            table.live[row] = -1
+            table.shared[row] = False
+            table.touch(row)
+            self._swapped[sid] = (host[0], host[1])
 
     def swap_in(self, sid: int) -> None:
         """Bring a swapped-out sequence back: allocate blocks and copy its K/V in.
@@ -248,31 +256,42 @@ class PagedCache(BlockManager):
             raise CupagedError(f"sequence {sid} is not swapped out")
         k_host, v_host = self._swapped[sid]
         n_blocks = k_host.shape[1]
-        blocks = self._pool.allocate(n_blocks)  # raises before any change
-        index = self._xp.asarray(np.asarray(blocks, dtype=np.intp))
-        self.k[:, index] = self._xp.asarray(k_host)
-        self.v[:, index] = self._xp.asarray(v_host)
         table = self._seqs
-        table.ensure_width(n_blocks)
-        table.tables[row, :n_blocks] = blocks
-        table.live[row] = sid
-        table.touch(row)
-        del self._swapped[sid]
-        if self.prefix_caching:
-            self._prefix.register_chain(self._chains[row], blocks)
+        with self._atomic as atomic:
+            blocks = self._pool.allocate(n_blocks)  # raises before any change
+            saved = table.snapshot(row)
+            atomic.undo.append(
+                lambda: (
+                    table.restore(row, saved),
+                    self._swapped.__setitem__(sid, (k_host, v_host)),
+                )
+            )
+            index = self._xp.asarray(np.asarray(blocks, dtype=np.intp))
+            atomic.kv_written = True
+            self.k[:, index] = self._xp.asarray(k_host)
+            self.v[:, index] = self._xp.asarray(v_host)
+            table.ensure_width(n_blocks + 1)
+            table.tables[row, :n_blocks] = blocks
+            table.live[row] = sid
+            table.touch(row)
+            del self._swapped[sid]
+            if self.prefix_caching:
+                self._prefix.register_chain(self._chains[row], blocks)
 
     # ----------------------------------------------------------------------------- internals
 
     def _release(self, sids: list[int], rows: list[int]) -> None:
         super()._release(sids, rows)
-        for sid in sids:
-            self._swapped.pop(sid, None)
+        dropped = {sid: self._swapped.pop(sid) for sid in sids if sid in self._swapped}
+        if dropped:
+            self._atomic.undo.append(lambda: self._swapped.update(dropped))
 
     def apply_copies(self, src: Any, dst: Any) -> None:
         """Copy block ``src[i]`` onto block ``dst[i]`` in every layer of ``k`` and ``v``, in one
         launch: a :class:`StepPlan`'s copy-on-write pairs (host or device int32 arrays), checked
         like any ``copy_blocks`` call."""
-        self._copy(src, dst, checked=True)
+        with self._atomic:
+            self._copy(src, dst, checked=True)
 
     def _copy(self, src: Any, dst: Any, checked: bool) -> None:
         if len(src):

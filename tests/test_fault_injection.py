@@ -1,0 +1,237 @@
+"""Every failing call changes nothing: an exception at any inner call of a mutating method.
+
+Each scenario builds the same cache (prefix caching, forks sharing a partly filled block, cached
+evictable blocks, a swapped-out sequence), counts the inner calls one operation makes (pool,
+tables, prefix cache, the copy and write kernels, the manager's own steps), then, for every one
+of them, rebuilds the cache, makes that call raise a ``BaseException`` (as ``KeyboardInterrupt``
+would) and checks that the bookkeeping, the free stack, the prefix cache and the K/V bytes of
+every sequence and cached block are exactly as before, and that the same operation then succeeds
+and gives the result it gives on an untouched cache.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from cupaged import CupagedError, PagedCache, block_manager, block_pool, block_table, prefix_cache
+from cupaged import cache as cache_module
+
+BS, HEAD_DIM, LAYERS = 4, 64, 2
+
+INNER = [
+    *[(block_pool.BlockPool, name) for name in (
+        "take", "release", "acquire_unchecked", "register_many", "register_unchecked", "share",
+        "allocate", "_push_free", "_push_evictable", "_evict",
+    )],
+    *[(block_table.SequenceTable, name) for name in (
+        "acquire", "acquire_many", "release", "release_one", "touch", "ensure_width",
+    )],
+    *[(prefix_cache.PrefixCache, name) for name in ("keys", "match_unchecked")],
+    *[(block_manager.BlockManager, name) for name in (
+        "_attach", "_plan", "_plan_rows", "_plan_decode", "_plan_batch", "_apply_growth",
+        "_commit_rows", "_extend_chain", "_register", "_release",
+    )],
+    (cache_module, "copy_blocks"),
+    (cache_module, "write_kv"),
+]  # fmt: skip
+
+
+class Boom(BaseException):
+    """Raised by an inner call, like a KeyboardInterrupt arriving there."""
+
+
+class Faults:
+    """Counts inner calls; raises :class:`Boom` at call number ``fail_at`` (1-based)."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.calls, self.fail_at, self.names = 0, None, []
+        for owner, name in INNER:
+            monkeypatch.setattr(owner, name, self._wrap(getattr(owner, name), name))
+
+    def _wrap(self, function, name):
+        def wrapper(*args, **kwargs):
+            if self.fail_at is not None:
+                self.calls += 1
+                self.names.append(name)
+                if self.calls == self.fail_at:
+                    raise Boom(name)
+            return function(*args, **kwargs)
+
+        return wrapper
+
+    def arm(self, fail_at):
+        self.calls, self.fail_at, self.names = 0, fail_at, []
+
+
+def kv(rng, n):
+    shape = (LAYERS, n, 1, HEAD_DIM)
+    return rng.standard_normal(shape, dtype=np.float32), rng.standard_normal(
+        shape, dtype=np.float32
+    )
+
+
+def scenario():
+    """The same cache every time: returns it and the ids of its sequences."""
+    rng = np.random.default_rng(0)
+    cache = PagedCache(24, block_size=BS, num_layers=LAYERS, num_kv_heads=1, head_dim=HEAD_DIM,
+                       dtype="float32", device="cpu", enable_prefix_caching=True)  # fmt: skip
+    ids = {}
+    prompt = list(range(10))
+    ids["a"] = cache.add_sequence(tokens=prompt)
+    cache.append(ids["a"], *kv(rng, 10), tokens=prompt)  # 3 blocks, the last holds 2 tokens
+    ids["b"] = cache.fork(ids["a"])  # shares all 3, the partly filled one included
+    gone = cache.admit([50, 51, 52, 53, 54, 55, 56, 57, 58])
+    cache.commit(gone.sid)
+    cache.free(gone.sid)  # two cached, evictable blocks
+    ids["c"] = cache.admit([*range(8), 90, 91]).sid  # two cached blocks of a, then its own
+    ids["d"] = cache.add_sequence()
+    cache.append(ids["d"], *kv(rng, 6), tokens=[7] * 6)
+    ids["s"] = cache.add_sequence()
+    cache.append(ids["s"], *kv(rng, 5), tokens=[8] * 5)
+    cache.swap_out(ids["s"])
+    ids["p"] = cache.admit(list(range(20, 33))).sid  # 3 full blocks pending: not yet written
+    cache.check_invariants()
+    return cache, ids
+
+
+def observe(cache):
+    """Everything a failed call must leave as it was."""
+    pool, table = cache.pool, cache._seqs
+    seqs = {}
+    for sid in cache.sequence_ids:
+        row = cache._rows[sid]
+        chain = cache._chains[row]
+        length = cache.seq_len(sid)
+        entry = [length, cache.is_swapped(sid), cache.num_cached_tokens(sid), list(chain.keys),
+                 chain.committed, bool(table.pending[row]), bool(table.shared[row]),
+                 table.tail[row, : length % BS].tolist()]  # fmt: skip
+        if not cache.is_swapped(sid):
+            k, v = cache.gather_kv(sid)
+            entry += [cache.block_table(sid), k.tobytes(), v.tobytes()]
+        else:
+            entry += [h.tobytes() for h in cache._swapped[sid]]
+        seqs[sid] = entry
+    evictable = pool.evictable_blocks()
+    return {
+        "seqs": seqs,
+        "next_id": cache._next_id,
+        "free": cache.num_free_blocks,
+        "stack": pool._free[: pool._top].tolist(),
+        "refs": pool._refcount.tolist(),
+        "evictable": evictable,
+        "keys": [pool.cached_key(b) for b in range(cache.num_blocks)],
+        "stats": cache.prefix_cache_stats,
+        "cached_kv": [cache.k[:, b].tobytes() + cache.v[:, b].tobytes() for b in evictable],
+    }
+
+
+def _tokens(n):
+    return np.arange(100, 100 + n)
+
+
+OPERATIONS = {
+    "decode step": lambda c, i: c.step(c.batch([i["a"], i["b"], i["c"], i["d"]]), 1, _tokens(4)),
+    "mixed step": lambda c, i: c.step([i["a"], i["b"], i["d"]], [3, 5, 0], [[1] * 3, [2] * 5, []]),
+    "deferred copies": lambda c, i: c.step([i["b"]], 2, [[3, 3]], apply_copies=False),
+    "step that evicts": lambda c, i: c.step(i["d"], 54, [list(range(54))]),
+    "append": lambda c, i: c.append(i["b"], *kv(np.random.default_rng(1), 6), tokens=[4] * 6),
+    "admit": lambda c, i: c.admit([*range(8), 7, 7, 7, 7, 7]),
+    "add_sequence": lambda c, i: c.add_sequence(tokens=[*range(8), 1]),
+    "fork_many": lambda c, i: c.fork_many(i["a"], 2),
+    "free": lambda c, i: c.free(i["a"]),
+    "free_many": lambda c, i: c.free_many([i["b"], i["c"], i["s"]]),
+    "swap_out": lambda c, i: c.swap_out(i["b"]),
+    "swap_in": lambda c, i: c.swap_in(i["s"]),
+    "commit": lambda c, i: c.commit([i["c"], i["p"]]),
+    "step that commits": lambda c, i: c.step(c.batch([i["p"], i["d"]]), 1, _tokens(2)),
+}
+
+
+def result_of(value):
+    """A comparable form of what an operation returned."""
+    if hasattr(value, "sid"):
+        return (value.sid, value.num_cached_tokens, value.slots.tolist())
+    if hasattr(value, "slots"):
+        return (value.slots.tolist(), value.copy_src.tolist(), value.copy_dst.tolist())
+    return value
+
+
+@pytest.mark.parametrize("vectorised", [False, True], ids=["rows", "vectorised"])
+@pytest.mark.parametrize("name", list(OPERATIONS))
+def test_an_exception_at_any_inner_call_changes_nothing(name, vectorised, monkeypatch):
+    if vectorised:  # the batch paths, whatever the batch size
+        monkeypatch.setattr(block_manager, "_SMALL_BATCH", 0)
+        monkeypatch.setattr(block_manager, "_SMALL_DECODE", 0)
+    operation = OPERATIONS[name]
+    faults = Faults(monkeypatch)
+    cache, ids = scenario()
+    faults.arm(10**9)  # count only
+    expected = result_of(operation(cache, ids))
+    after = observe(cache)
+    count = faults.calls
+    assert count >= 2, faults.names
+    for fail_at in range(1, count + 1):
+        faults.arm(None)
+        cache, ids = scenario()
+        before = observe(cache)
+        faults.arm(fail_at)
+        with pytest.raises(Boom):
+            operation(cache, ids)
+        where = f"{name}: raised at call {fail_at} ({faults.names[-1]})"
+        assert observe(cache) == before, where
+        cache.check_invariants()
+        faults.arm(None)
+        assert result_of(operation(cache, ids)) == expected, where
+        assert observe(cache) == after, where
+
+
+def test_a_second_thread_inside_the_cache_is_refused_not_corrupting():
+    cache, ids = scenario()
+    inside, leave = threading.Event(), threading.Event()
+    real_take = cache.pool.take
+
+    def slow_take(n):  # holds the first thread inside a step
+        inside.set()
+        leave.wait(5)
+        return real_take(n)
+
+    cache.pool.take = slow_take
+    worker = threading.Thread(target=lambda: cache.step(ids["d"], 4, [[1, 2, 3, 4]]))
+    worker.start()
+    assert inside.wait(5)
+    del cache.pool.take
+    before = observe(cache)
+    with pytest.raises(CupagedError, match="expected one thread at a time"):
+        cache.step(ids["c"], 1, [5])
+    with pytest.raises(CupagedError, match="expected one thread at a time"):
+        cache.free(ids["a"])
+    assert observe(cache)["seqs"][ids["c"]] == before["seqs"][ids["c"]]
+    leave.set()
+    worker.join(5)
+    assert cache.seq_len(ids["d"]) == 10
+    cache.step(ids["c"], 1, [5])  # the cache is free again
+    cache.check_invariants()
+
+
+def test_a_freed_sequence_never_serves_its_unwritten_blocks():
+    """Tenant A's prompt is cached and freed; B gets A's old block, never writes it, frees it:
+    a later request with B's tokens must not hit A's K/V."""
+    cache = PagedCache(2, block_size=BS, num_layers=1, num_kv_heads=1, head_dim=HEAD_DIM,
+                       dtype="float32", device="cpu", enable_prefix_caching=True)  # fmt: skip
+    a = cache.add_sequence()
+    k = np.ones((1, 4, 1, HEAD_DIM), np.float32)
+    cache.append(a, k, k, tokens=[9, 9, 9, 9])
+    cache.free(a)  # block 0: cached, evictable, holding A's K/V
+    c = cache.admit([5]).sid  # takes the free block
+    b = cache.add_sequence()
+    cache.reserve([b], 4, tokens=[[1, 2, 3, 4]])  # evicts A's block 0, writes nothing
+    assert cache.block_table(b) == [0]
+    cache.free(b)
+    cache.free(c)
+    later = cache.admit([1, 2, 3, 4, 5])
+    assert later.num_cached_tokens == 0  # B's block was never registered
+    assert cache.prefix_cache_stats.hits == 0
+    cache.check_invariants()
