@@ -125,14 +125,14 @@ def test_an_out_array_keeps_its_own_carrier(rng):
     assert got is out and got.dtype == np.dtype(ml_dtypes.bfloat16)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="ops._address reads x.data, which NumPy cannot build for an ml_dtypes array",
-)
 def test_ml_dtypes_caches_are_accepted_by_the_fused_kernel(rng):
     arrays = batch(rng, np, np.dtype(ml_dtypes.bfloat16), "bfloat16", cache_carrier=True)
     fused = call(cupaged.paged_attention, arrays)
-    assert fused.dtype == np.dtype(ml_dtypes.bfloat16)
+    ref = call(cupaged.reference_attention, arrays)
+    assert fused.dtype == ref.dtype == np.dtype(ml_dtypes.bfloat16)
+    np.testing.assert_allclose(
+        fused.astype(np.float32), ref.astype(np.float32), **TOLERANCES["bfloat16"]
+    )
 
 
 @pytest.mark.parametrize("storage", [c for c, e in CARRIERS if e == "bfloat16"], ids=str)
