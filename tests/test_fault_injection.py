@@ -235,3 +235,26 @@ def test_a_freed_sequence_never_serves_its_unwritten_blocks():
     assert later.num_cached_tokens == 0  # B's block was never registered
     assert cache.prefix_cache_stats.hits == 0
     cache.check_invariants()
+
+
+def test_a_block_hasher_that_raises_changes_nothing():
+    calls = []
+
+    def hasher(parent, tokens):
+        calls.append(tokens)
+        if len(calls) == 2:
+            raise RuntimeError("hasher failed")
+        return prefix_cache.blake2b_block_hash(parent, tokens)
+
+    cache = PagedCache(8, block_size=BS, num_layers=LAYERS, num_kv_heads=1, head_dim=HEAD_DIM,
+                       dtype="float32", device="cpu", enable_prefix_caching=True,
+                       block_hasher=hasher)  # fmt: skip
+    sid = cache.add_sequence()
+    before = observe(cache)
+    with pytest.raises(RuntimeError, match="hasher failed"):
+        cache.append(sid, *kv(np.random.default_rng(2), 9), tokens=list(range(9)))  # 2 full blocks
+    assert observe(cache) == before
+    cache.check_invariants()
+    cache.append(sid, *kv(np.random.default_rng(2), 9), tokens=list(range(9)))
+    assert cache.seq_len(sid) == 9
+    cache.check_invariants()
