@@ -9,6 +9,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from ._util import cdiv
 from .dtypes import array_dtype_name
 
 
@@ -143,7 +144,7 @@ def check_block_ids(tables: np.ndarray, lens: np.ndarray, block_size: int, num_b
         ValueError: naming the first row with an out-of-range id.
     """
     for i, length in enumerate(lens.tolist()):
-        used = tables[i, : -(-length // block_size)]
+        used = tables[i, : cdiv(length, block_size)]
         if used.size and (used.min() < 0 or used.max() >= num_blocks):
             raise ValueError(
                 f"expected block ids in [0, {num_blocks}) in row {i} of block_tables, "
@@ -341,3 +342,80 @@ def _array_module(x: Any) -> Any:
     from ._backend import array_module
 
     return array_module(x)
+
+
+def check_prefill_args(
+    q: Any, k_cache: Any, v_cache: Any, block_tables: Any, context_lens: Any, query_start_loc: Any
+) -> AttentionDims:
+    """Check the shapes and dtypes of a prefill call (metadata only: no device sync).
+
+    ``q`` is ``[total_query_tokens, num_q_heads, head_dim]``; the returned ``num_seqs`` is the
+    number of block-table rows.
+
+    Raises:
+        ValueError: a shape is wrong, or ``num_q_heads`` is not a multiple of ``num_kv_heads``.
+        TypeError: a dtype is wrong.
+    """
+    axes = ("num_blocks", "num_kv_heads", "block_size", "head_dim")
+    _, num_q_heads, head_dim = check_shape(
+        "q", q, [("total_query_tokens", None), ("num_q_heads", None), ("head_dim", None)]
+    )
+    num_blocks, num_kv_heads, block_size, _ = check_shape(
+        "k_cache", k_cache, [(axis, None) for axis in axes[:3]] + [("head_dim", head_dim)]
+    )
+    check_shape("v_cache", v_cache, list(zip(axes, k_cache.shape, strict=True)))
+    elem = array_dtype_name(q)
+    check_dtype("k_cache", k_cache, elem, "q's dtype")
+    check_dtype("v_cache", v_cache, elem, "q's dtype")
+    num_seqs, max_blocks = check_shape(
+        "block_tables", block_tables, [("num_seqs", None), ("max_blocks", None)]
+    )
+    check_shape("context_lens", context_lens, [("num_seqs", num_seqs)])
+    check_shape("query_start_loc", query_start_loc, [("num_seqs + 1", num_seqs + 1)])
+    check_index_array("block_tables", block_tables)
+    check_index_array("context_lens", context_lens)
+    check_index_array("query_start_loc", query_start_loc)
+    if num_kv_heads == 0 or num_q_heads % num_kv_heads:
+        raise ValueError(
+            f"expected num_q_heads to be a multiple of num_kv_heads={num_kv_heads}, "
+            f"got {num_q_heads}"
+        )
+    return AttentionDims(
+        num_seqs, num_q_heads, head_dim, num_blocks, num_kv_heads, block_size, max_blocks, elem
+    )
+
+
+def check_query_start_loc(starts: np.ndarray, lens: np.ndarray, total: int) -> int:
+    """Check host copies of ``query_start_loc`` and ``context_lens``; return the longest query run.
+
+    On the arrays' own dtypes (before any narrowing): ``starts`` begins at 0, never decreases and
+    ends at ``total`` (the rows of ``q``); each sequence's query count ``n_i`` is at most its
+    ``context_lens[i]`` (its queries are the last ``n_i`` tokens of its context).
+
+    Raises:
+        ValueError: naming the first offending sequence.
+    """
+    starts = starts.astype(np.int64, copy=False)
+    lens = lens.astype(np.int64, copy=False)
+    if starts[0] != 0 or starts[-1] != total:
+        raise ValueError(
+            f"expected query_start_loc to start at 0 and end at total_query_tokens={total}, "
+            f"got {int(starts[0])} .. {int(starts[-1])}"
+        )
+    counts = np.diff(starts)
+    if counts.size and counts.min() < 0:
+        i = int(np.argmax(counts < 0))
+        raise ValueError(
+            f"expected query_start_loc non-decreasing, got {int(starts[i])} then "
+            f"{int(starts[i + 1])} at sequence {i}"
+        )
+    if lens.size and lens.min() < 0:
+        i = int(np.argmax(lens < 0))
+        raise ValueError(f"expected context_lens >= 0, got {int(lens[i])} in row {i}")
+    if counts.size and (counts > lens).any():
+        i = int(np.argmax(counts > lens))
+        raise ValueError(
+            f"expected at most context_lens[{i}]={int(lens[i])} query tokens for sequence {i} "
+            f"(its queries are the last tokens of its context), got {int(counts[i])}"
+        )
+    return int(counts.max()) if counts.size else 0

@@ -658,7 +658,7 @@ class BlockManager:
         if one:
             row = rows[0]
             if table.live[row] >= 0:
-                self._pool.release(table.tables[row, : self._held(row)][::-1])
+                self._pool.release(saved[0][0][::-1])  # the row's blocks, a copy: last first
             table.release_one(row)
             del self._rows[sids[0]]
             if self._cached:
@@ -714,7 +714,7 @@ class BlockManager:
         total = 0
         for row, n in zip(rows, counts, strict=True):
             length = int(table.lens[row])
-            held, after = -(-length // bs), -(-(length + n) // bs)
+            held, after = cdiv(length, bs), cdiv(length + n, bs)
             copy = last = 0
             if n and length % bs:
                 last = int(table.tables[row, held - 1])
@@ -759,7 +759,10 @@ class BlockManager:
                 table.tables[row, held:after] = new[taken + copy : taken + copy + after - held]
                 taken += after - held + copy
                 table.version[row] = table.clock
-            if n:  # the row's slots: every slot of the blocks it writes, cut to its n tokens
+            if n == 1:
+                block = int(table.tables[row, length // bs])
+                slots.append(np.array([block * bs + length % bs], np.int32))
+            elif n:  # the row's slots: every slot of the blocks it writes, cut to its n tokens
                 first = length // bs
                 blocks = table.tables[row, first:after]
                 start = length - first * bs
@@ -1129,7 +1132,7 @@ class BlockManager:
 
     def _held(self, row: int) -> int:
         """Blocks held by a resident row."""
-        return -(-int(self._seqs.lens[row]) // self._block_size)
+        return cdiv(int(self._seqs.lens[row]), self._block_size)
 
     def _resident_row(self, sid: int) -> int:
         row = self._row(sid)

@@ -214,8 +214,8 @@ class BlockPool:
             The blocks left without a reference, in release order (an id given twice is released
             at its last entry).
         """
-        if self._journal is not None:
-            self._journal.append(("release", blocks.copy()))
+        if self._journal is not None:  # callers pass arrays they do not change afterwards
+            self._journal.append(("release", blocks))
         if distinct:
             left = self._refcount[blocks] - 1
             self._refcount[blocks] = left
@@ -243,8 +243,8 @@ class BlockPool:
         """Take a reference per entry of ``blocks`` (registered or in use, unchecked)."""
         held = self._refcount[blocks]
         revived = blocks[held == 0]
-        if self._journal is not None:
-            self._journal.append(("acquire", blocks.copy(), held))
+        if self._journal is not None:  # callers pass arrays they do not change afterwards
+            self._journal.append(("acquire", blocks, held))
         if revived.size:
             revived = revived if distinct else np.unique(revived)
             if self._journal is not None:

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ._checks import require
+from ._util import cdiv
 
 if TYPE_CHECKING:
     from .block_manager import BlockManager
@@ -113,7 +114,7 @@ class SequenceTable:
         """:meth:`snapshot` of one row, its table cut to the blocks in use (the cheap undo)."""
         length = int(self.lens[row])
         held = (
-            -(-length // self._block_size_hint) if self._block_size_hint else self.tables.shape[1]
+            cdiv(length, self._block_size_hint) if self._block_size_hint else self.tables.shape[1]
         )
         tail = self.tail[row].copy() if self.tail.shape[1] else None
         return (self.tables[row, :held].copy(), length, int(self.sids[row]), int(self.live[row]),
@@ -171,7 +172,7 @@ class SequenceTable:
             require(
                 resident or self.live[row] == -1, f"row {row} of sequence {sid} is live as another"
             )
-            held = -(-int(self.lens[row]) // block_size) if resident else 0
+            held = cdiv(int(self.lens[row]), block_size) if resident else 0
             require(
                 not self.tables[row, held:].any(),
                 f"table row {row} (sequence {sid}) has non-zero entries past its {held} block(s)",

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ._checks import as_int
+from ._util import cdiv
 from .dtypes import dtype_name, itemsize
 
 
@@ -61,7 +62,7 @@ class CacheSpec:
 
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks a sequence of ``num_tokens`` tokens occupies: ``ceil(num_tokens / block_size)``."""
-        return -(-_non_negative(num_tokens, "num_tokens") // self.block_size)
+        return cdiv(_non_negative(num_tokens, "num_tokens"), self.block_size)
 
     def paged_bytes(self, num_tokens: int) -> int:
         """Bytes a sequence of ``num_tokens`` tokens holds in a paged cache (whole blocks)."""
