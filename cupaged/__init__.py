@@ -6,8 +6,9 @@ Public names::
     SequenceBatch, StepPlan, Admission                      the step API's handle and results
     PrefixCache, PrefixChain                                prefix caching over a BlockPool
     write_kv, copy_blocks, paged_attention                  fused kernels on raw cache arrays
+    paged_prefill                                           fused attention of many queries per sequence
     to_csr, from_csr                                        dense <-> CSR page tables
-    reference_attention                                     the naive oracle attention
+    reference_attention, reference_prefill                  the naive oracle attention
     to_float, from_float                                    bfloat16 bits (uint16) <-> float arrays
     resolve_device, device_module, to_numpy                 which device, its array module, to host
     PrefixCacheStats                                        prefix-caching counters
@@ -24,10 +25,10 @@ from .cache import PagedCache
 from .dtypes import from_float, to_float
 from .errors import CupagedError, KernelError, OutOfBlocksError
 from .memory import CacheSpec
-from .ops import copy_blocks, paged_attention, write_kv
+from .ops import copy_blocks, paged_attention, paged_prefill, write_kv
 from .page_table import from_csr, to_csr
 from .prefix_cache import PrefixCache, PrefixCacheStats, PrefixChain
-from .reference import reference_attention
+from .reference import reference_attention, reference_prefill
 
 __version__ = "0.1.0"
 
@@ -50,7 +51,9 @@ __all__ = [
     "from_csr",
     "from_float",
     "paged_attention",
+    "paged_prefill",
     "reference_attention",
+    "reference_prefill",
     "resolve_device",
     "to_csr",
     "to_float",

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ._util import cdiv
 from .dtypes import itemsize
 
 C_TYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}
@@ -138,6 +139,73 @@ def decode_launch(
         num_splits=splits,
         partition_tokens=partition,
         merge_grid=(num_kv_heads * group, num_seqs),
+    )
+
+
+PREFILL_THREADS = 128  # a template argument of paged_prefill: no constant to keep equal
+# Rows of a prefill thread block (query tokens x the query heads of one KV head's group): a tile
+# of max(1, PREFILL_ROWS // G) query tokens, so that a KV tile loaded once serves about this many
+# rows whatever the GQA ratio.
+PREFILL_ROWS = 16
+MAX_GRID_YZ = 65535  # CUDA's limit on gridDim.y and gridDim.z
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillLaunch:
+    """How :func:`cupaged.paged_prefill` runs for one batch shape.
+
+    Attributes:
+        name: ``paged_prefill`` instantiation (a RawModule name expression).
+        grid: ``(ceil(max_query_len / query_rows), num_kv_heads, num_seqs)``.
+        block: ``(PREFILL_THREADS,)``.
+        shared_mem: dynamic shared memory in bytes.
+        query_rows: query tokens per thread block.
+    """
+
+    name: str
+    grid: tuple[int, int, int]
+    block: tuple[int]
+    shared_mem: int
+    query_rows: int
+
+
+def prefill_shared_memory(dtype: str, head_dim: int, rows: int, tile: int) -> int:
+    """Bytes of dynamic shared memory of ``paged_prefill`` (layout: see cuda/paged_prefill.cu)."""
+    floats = 2 * rows * head_dim + rows * tile + (3 * rows + 3) // 4 * 4
+    return 4 * floats + tile * head_dim * itemsize(dtype)
+
+
+def prefill_launch(
+    dtype: str,
+    num_seqs: int,
+    num_kv_heads: int,
+    group: int,
+    head_dim: int,
+    block_size: int,
+    max_query_len: int,
+) -> PrefillLaunch:
+    """The launch of ``paged_prefill`` for one batch shape.
+
+    Args:
+        max_query_len: most query tokens of one sequence in the batch; sizes the grid (a query
+            tile past a sequence's own count returns at once).
+    """
+    check_decode_shape(dtype, head_dim, block_size)
+    for what, value in (("num_seqs", num_seqs), ("num_kv_heads", num_kv_heads)):
+        if not 1 <= value <= MAX_GRID_YZ:
+            raise ValueError(f"expected {what} in 1..{MAX_GRID_YZ} (one launch), got {value}")
+    tile = decode_tile(dtype, head_dim)
+    query_rows = max(1, PREFILL_ROWS // group)
+    tiles = max(1, cdiv(max_query_len, query_rows))
+    return PrefillLaunch(
+        name=(
+            f"cupaged::paged_prefill<{C_TYPES[dtype]}, {head_dim}, {block_size}, {tile}, "
+            f"{PREFILL_THREADS}>"
+        ),
+        grid=(tiles, num_kv_heads, num_seqs),
+        block=(PREFILL_THREADS,),
+        shared_mem=prefill_shared_memory(dtype, head_dim, query_rows * group, tile),
+        query_rows=query_rows,
     )
 
 

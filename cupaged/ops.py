@@ -17,6 +17,7 @@ import numpy as np
 from . import _launch
 from ._backend import array_module, device_module, to_numpy
 from ._checks import (
+    INT32_MAX,
     ITEMSIZES,
     MAX_CONTEXT_LEN,
     as_int,
@@ -26,6 +27,8 @@ from ._checks import (
     check_dtype,
     check_index_array,
     check_num_blocks,
+    check_prefill_args,
+    check_query_start_loc,
     check_shape,
     check_slots,
     check_writable,
@@ -305,6 +308,124 @@ def paged_attention(
             launch.block,
             (out_storage, partial_out, partial_lse, lens, np.int32(launch.num_splits)),
         )
+    return out
+
+
+def paged_prefill(
+    q: Any,
+    k_cache: Any,
+    v_cache: Any,
+    block_tables: Any,
+    context_lens: Any,
+    query_start_loc: Any,
+    scale: float | None = None,
+    causal: bool = True,
+    *,
+    out: Any = None,
+    checked: bool = True,
+) -> Any:
+    """Attention of many query tokens per sequence over a paged KV cache, fused.
+
+    Prompts, prompt chunks after a cached prefix, speculative verification and mixed batches of
+    prefill chunks and decode rows, in one launch. Computes what
+    :func:`cupaged.reference_prefill` computes: sequence ``i``'s ``n_i`` query rows are
+    ``query_start_loc[i] : query_start_loc[i + 1]`` of ``q``; ``context_lens[i]`` counts its
+    cached tokens *including* them (write their K/V with :func:`write_kv` first), so its query
+    ``j`` sits at position ``p = context_lens[i] - n_i + j``::
+
+        a chunk of 3 new tokens after a cached prefix of 5 (block_size 4):
+        position   0 1 2 3 | 4 5 6 7      context_lens = 8, n = 3
+        token      c c c c | c q q q      queries at positions 5, 6, 7
+        causal     query 0 (p = 5) attends 0..5, query 2 (p = 7) attends 0..7
+
+    With ``causal=False`` every query attends to all ``context_lens[i]`` tokens. Query head
+    ``h`` reads KV head ``h // (num_q_heads // num_kv_heads)``. Scores, softmax and sums are
+    float32. A decode batch (every ``n_i = 1``) gives what :func:`paged_attention` gives.
+
+    Args:
+        q: ``[total_query_tokens, num_q_heads, head_dim]`` float32, float16 or bfloat16
+            (``uint16``).
+        k_cache: ``[num_blocks, num_kv_heads, block_size, head_dim]``, same element type,
+            C-contiguous and 16-byte aligned (``cache.k[layer]``).
+        v_cache: same shape and dtype as ``k_cache``.
+        block_tables: ``[num_seqs, max_blocks]`` int32 (int64 is converted after the checks).
+        context_lens: ``[num_seqs]`` int32 (int64 is converted after the checks).
+        query_start_loc: ``[num_seqs + 1]`` int32 or int64: 0, non-decreasing, ending at
+            ``total_query_tokens`` (``StepPlan.query_start_loc``). Always checked (it is read
+            on the host to size the grid), with ``n_i <= context_lens[i]``.
+        scale: softmax scale; ``head_dim ** -0.5`` when ``None``.
+        causal: mask the tokens after each query's position (``True``, prefill), or attend to
+            the whole context (``False``).
+        out: optional ``[total_query_tokens, num_q_heads, head_dim]`` C-contiguous output,
+            ``q``'s dtype.
+        checked: check, before the launch and on the arrays' device, that every context length
+            is in ``[0, max_blocks * block_size]`` and every block id a length reaches is in
+            ``[0, num_blocks)``. ``checked=False`` skips that and *trusts* the caller: a bad id
+            or length reads outside the cache (garbage output or a crash). Pass it only for
+            tables and lengths built by cupaged (``PagedCache.block_tables``).
+
+    Returns:
+        ``[total_query_tokens, num_q_heads, head_dim]`` in ``q``'s dtype, on the inputs' device.
+
+    Raises:
+        TypeError: arrays on different devices, or wrong dtypes.
+        ValueError: wrong shapes, an unsupported head_dim or block_size (the message lists the
+            supported ones), caches not C-contiguous or not 16-byte aligned, a bad
+            ``query_start_loc``, ``n_i > context_lens[i]``, a read-only ``out``, or (checked)
+            bad context lengths or block ids.
+    """
+    xp = array_module(q, k_cache, v_cache, block_tables, context_lens, query_start_loc)
+    dims = check_prefill_args(q, k_cache, v_cache, block_tables, context_lens, query_start_loc)
+    _launch.check_decode_shape(dims.dtype, dims.head_dim, dims.block_size)
+    _check_contiguous(k_cache=k_cache, v_cache=v_cache)
+    for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if _address(x) % 16:
+            raise ValueError(f"expected {name} 16-byte aligned, got address {_address(x):#x}")
+    check_num_blocks(dims.num_blocks)
+    total = q.shape[0]
+    if total > INT32_MAX:
+        raise ValueError(f"expected at most {INT32_MAX} query tokens, got {total}")
+    # Host copies of two [num_seqs]-sized arrays: the grid needs the longest query run.
+    max_query_len = check_query_start_loc(to_numpy(query_start_loc), to_numpy(context_lens), total)
+    if out is None:
+        out = xp.empty(q.shape, q.dtype)  # q's dtype object: bfloat16 in, bfloat16 out
+    else:
+        array_module(q, out)
+        axes = ("total_query_tokens", "num_q_heads", "head_dim")
+        check_shape("out", out, list(zip(axes, q.shape, strict=True)))
+        check_dtype("out", out, dims.dtype, "q's dtype")
+        _check_contiguous(out=out)
+        check_writable("out", out)
+    if total == 0:
+        return out
+    if checked:  # on the caller's arrays, before they are narrowed to int32
+        check_decode_tables(block_tables, context_lens, dims.block_size, dims.num_blocks)
+    group = dims.num_q_heads // dims.num_kv_heads
+    device = _device(xp)
+    launch = _launch.prefill_launch(
+        dims.dtype, dims.num_seqs, dims.num_kv_heads, group, dims.head_dim, dims.block_size,
+        max_query_len,
+    )  # fmt: skip
+    if device == "cuda" and launch.shared_mem > _device_shared_memory_limit():
+        raise ValueError(
+            f"expected at most {_device_shared_memory_limit()} bytes of shared memory per block, "
+            f"got {launch.shared_mem} for {group} query heads per KV head at head_dim "
+            f"{dims.head_dim}; split the query heads into several calls"
+        )
+    kernel = get_kernel(device, "paged_prefill.cu", launch.name)
+    if device == "cuda" and launch.shared_mem > _launch.DEFAULT_SHARED_MEMORY:
+        kernel.max_dynamic_shared_size_bytes = launch.shared_mem
+    tables = xp.ascontiguousarray(block_tables, dtype=np.int32)
+    lens = xp.ascontiguousarray(context_lens, dtype=np.int32)
+    starts = xp.ascontiguousarray(query_start_loc, dtype=np.int32)
+    scale = dims.head_dim**-0.5 if scale is None else scale
+    args = (
+        as_storage(out), xp.ascontiguousarray(as_storage(q)), as_storage(k_cache),
+        as_storage(v_cache), tables, lens, starts, np.int32(dims.num_kv_heads), np.int32(group),
+        np.int32(dims.max_blocks), np.int32(launch.query_rows), np.int32(bool(causal)),
+        np.float32(scale),
+    )  # fmt: skip
+    kernel(launch.grid, launch.block, args, shared_mem=launch.shared_mem)
     return out
 
 

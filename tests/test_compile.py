@@ -21,12 +21,17 @@ DECODE_SHAPES = sorted(
     | {(128, bs) for bs in (1, 7, 32, 256)}
     | {(80, bs) for bs in (3, 255)}
 )
+# Prefill shapes: the head_dims the tests run, one odd, and the block-size extremes; every dtype.
+PREFILL_SHAPES = sorted({(hd, 16) for hd in (64, 80, 128, 256)} | {(128, bs) for bs in (1, 7, 256)})
+
+
+SOURCES = ["write_kv.cu", "copy_blocks.cu", "paged_attention.cu", "paged_prefill.cu"]
 
 
 def requested_names() -> dict[str, list[str]]:
     """Every instantiation name that the launch table produces for the shapes above."""
     names: dict[str, set[str]] = {"write_kv.cu": set(), "copy_blocks.cu": set(),
-                                  "paged_attention.cu": set()}  # fmt: skip
+                                  "paged_attention.cu": set(), "paged_prefill.cu": set()}  # fmt: skip
     for dtype in _launch.C_TYPES:
         for slot in (np.int32, np.int64):
             for aligned in (True, False):
@@ -37,6 +42,10 @@ def requested_names() -> dict[str, list[str]]:
                 launch = _launch.decode_launch(dtype, 1, 1, 4, head_dim, block_size, 4096,
                                                splits=splits)  # fmt: skip
                 names["paged_attention.cu"].update({launch.name, launch.merge_name})
+        for head_dim, block_size in PREFILL_SHAPES:
+            for group in (1, 8):
+                launch = _launch.prefill_launch(dtype, 1, 1, group, head_dim, block_size, 64)
+                names["paged_prefill.cu"].add(launch.name)
     for block_bytes, aligned in ((4096, True), (4096, False), (12, True), (6, True)):
         name, *_ = _launch.copy_blocks_launch(block_bytes, aligned, 1, 1)
         names["copy_blocks.cu"].add(name)
@@ -44,7 +53,7 @@ def requested_names() -> dict[str, list[str]]:
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-@pytest.mark.parametrize("source", ["write_kv.cu", "copy_blocks.cu", "paged_attention.cu"])
+@pytest.mark.parametrize("source", SOURCES)
 def test_nvrtc_compiles_every_requested_instantiation(source, arch):
     nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
     names = requested_names()[source]
@@ -62,13 +71,13 @@ def test_nvrtc_compiles_every_requested_instantiation(source, arch):
     assert len(nvrtc.getCUBIN(program)) > 1000
 
 
-@pytest.mark.parametrize("source", ["write_kv.cu", "copy_blocks.cu", "paged_attention.cu"])
+@pytest.mark.parametrize("source", SOURCES)
 def test_cpu_backend_builds_every_requested_instantiation(source):
     from cupaged._cpu import CpuModule
 
     names = requested_names()[source]
     # One dtype covers the g++ templates of the decode kernels; the kernel tests run the rest.
-    if source == "paged_attention.cu":
+    if source in ("paged_attention.cu", "paged_prefill.cu"):
         names = [n for n in names if "<__half" in n]
     module = CpuModule(kernel_dir() / source, tuple(names))
     for name in names:

@@ -1,0 +1,320 @@
+"""Paged prefill: the fused kernel against the float64 reference, the reference against contiguous
+float64 attention, a decode batch against paged_attention, and the error paths.
+
+Every kernel call is one mixed batch (``BATCH``): a whole prompt (``n_i == context_lens[i]``), a
+sequence with no query rows, a short chunk after a long cached prefix, a decode row, a chunk that
+spans several query tiles, and a trailing empty sequence; chunk starts (295, 47, ...) are not
+multiples of block sizes 16 or 256. Outputs are poisoned with NaN; tables are scattered and
+non-monotonic; inputs are fresh per test.
+
+The kernel matrix (``MATRIX``) covers its six axes pairwise instead of taking their product (3 x 3
+x 3 x 3 x 2 x 2 = 324 cases, each a compile and several seconds of CPU fibers): an orthogonal
+array L9 covers every pair of levels of dtype, head_dim, block size and GQA ratio in 9 rows; each
+row runs causal and not, and the scheduling order alternates so that every (causal, order) pair
+and every (axis level, causal) and (axis level, order) pair occurs too.
+``test_matrix_covers_every_pair`` checks that claim, so the matrix cannot silently shrink.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+
+import numpy as np
+import pytest
+from helpers import DTYPES, assert_close, poison, random_array, scatter_into_pages
+
+import cupaged
+from cupaged.dtypes import to_float
+
+HEAD_DIMS = (64, 128, 256)
+BLOCK_SIZES = (1, 16, 256)
+GQA_RATIOS = (1, 4, 8)
+SCHEDULES = ("forward", "warp_ahead")
+NUM_KV_HEADS = 2
+# (context_lens[i], n_i): whole prompt, no queries, chunk after a long prefix, decode, a chunk
+# over several query tiles after a short prefix, no queries at the end.
+BATCH = ((37, 37), (20, 0), (300, 5), (17, 1), (64, 17), (9, 0))
+
+# L9: every pair of levels of four 3-level axes appears exactly once.
+_L9 = ((0, 0, 0, 0), (0, 1, 1, 2), (0, 2, 2, 1), (1, 0, 1, 1), (1, 1, 2, 0), (1, 2, 0, 2),
+       (2, 0, 2, 2), (2, 1, 0, 1), (2, 2, 1, 0))  # fmt: skip
+MATRIX = [
+    (DTYPES[a], HEAD_DIMS[b], BLOCK_SIZES[c], GQA_RATIOS[d], causal,
+     SCHEDULES[(row + causal) % 2])
+    for row, (a, b, c, d) in enumerate(_L9)
+    for causal in (True, False)
+]  # fmt: skip
+
+
+def case_id(case) -> str:
+    dtype, head_dim, block_size, ratio, causal, order = case
+    return (
+        f"{dtype}-hd{head_dim}-bs{block_size}-gqa{ratio}-{'causal' if causal else 'full'}-{order}"
+    )
+
+
+@contextlib.contextmanager
+def scheduled(xp, order):
+    """Run CPU-backend launches under ``order``; the GPU has its own."""
+    if xp is np:
+        from cupaged._cpu import schedule
+
+        with schedule(order):
+            yield
+    else:
+        yield
+
+
+def prefill_batch(rng, batch, head_dim, ratio, block_size, dtype, num_kv_heads=NUM_KV_HEADS):
+    """Fresh paged K/V for ``batch`` ((context_len, n) pairs) and packed queries.
+
+    Returns ``(q, k_cache, v_cache, tables, lens, query_start_loc, seqs)`` as NumPy arrays,
+    ``seqs`` each sequence's contiguous ``(k, v)``, ``[L, num_kv_heads, head_dim]``.
+    """
+    seqs = [
+        (random_array(rng, (length, num_kv_heads, head_dim), dtype),
+         random_array(rng, (length, num_kv_heads, head_dim), dtype))
+        for length, _ in batch
+    ]  # fmt: skip
+    num_blocks = sum(-(-length // block_size) for length, _ in batch) + 5
+    k_cache, v_cache, tables = scatter_into_pages(rng, seqs, block_size, num_blocks, dtype)
+    counts = [n for _, n in batch]
+    q = random_array(rng, (sum(counts), num_kv_heads * ratio, head_dim), dtype)
+    starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    lens = np.array([length for length, _ in batch], np.int32)
+    return q, k_cache, v_cache, tables, lens, starts, seqs
+
+
+def oracle(q, k_cache, v_cache, tables, lens, starts, scale=None, causal=True):
+    return cupaged.reference_prefill(
+        q, k_cache, v_cache, tables, lens, starts, scale, causal,
+        compute_dtype="float64", out_dtype="float64",
+    )  # fmt: skip
+
+
+def test_matrix_covers_every_pair():
+    axes = (DTYPES, HEAD_DIMS, BLOCK_SIZES, GQA_RATIOS, (True, False), SCHEDULES)
+    for i, j in itertools.combinations(range(len(axes)), 2):
+        seen = {(case[i], case[j]) for case in MATRIX}
+        assert seen == set(itertools.product(axes[i], axes[j])), (i, j)
+
+
+@pytest.mark.parametrize("case", MATRIX, ids=case_id)
+def test_prefill_matches_float64_reference(rng, xp, case):
+    dtype, head_dim, block_size, ratio, causal, order = case
+    if xp is not np and order != SCHEDULES[0]:
+        pytest.skip("scheduling orders belong to the CPU backend; the GPU runs once")
+    q, k_cache, v_cache, tables, lens, starts, _ = prefill_batch(
+        rng, BATCH, head_dim, ratio, block_size, dtype
+    )
+    expected = oracle(q, k_cache, v_cache, tables, lens, starts, causal=causal)
+    out = xp.asarray(poison(q.shape, dtype))
+    arrays = [xp.asarray(x) for x in (q, k_cache, v_cache, tables, lens, starts)]
+    with scheduled(xp, order):
+        got = cupaged.paged_prefill(*arrays, causal=causal, out=out)
+    assert got is out
+    assert_close(got, expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_batch_equals_paged_attention(rng, xp, dtype):
+    """Every n_i = 1: the same result as the decode kernel (and both as the oracle)."""
+    batch = [(length, 1) for length in (1, 15, 16, 17, 97, 300)]
+    q, k_cache, v_cache, tables, lens, starts, _ = prefill_batch(rng, batch, 64, 4, 16, dtype)
+    arrays = [xp.asarray(x) for x in (q, k_cache, v_cache, tables, lens)]
+    decode = cupaged.paged_attention(*arrays)
+    prefill = cupaged.paged_prefill(*arrays, xp.asarray(starts))
+    for causal in (True, False):  # a decode row sees its whole context either way
+        expected = oracle(q, k_cache, v_cache, tables, lens, starts, causal=causal)
+        assert_close(prefill, expected, dtype)
+    assert_close(prefill, to_float(decode, np.float64), dtype)
+    reference = cupaged.reference_attention(
+        q, k_cache, v_cache, tables, lens, compute_dtype="float64", out_dtype="float64"
+    )
+    np.testing.assert_allclose(expected, reference, rtol=1e-12, atol=1e-12)
+
+
+def test_scale_and_int64_metadata(rng):
+    q, k_cache, v_cache, tables, lens, starts, _ = prefill_batch(
+        rng, ((40, 12), (5, 5)), 64, 2, 16, "float16"
+    )
+    expected = oracle(q, k_cache, v_cache, tables, lens, starts, scale=0.05)
+    out = cupaged.paged_prefill(
+        q, k_cache, v_cache, tables.astype(np.int64), lens.astype(np.int64),
+        starts.astype(np.int64), scale=0.05,
+    )  # fmt: skip
+    assert_close(out, expected, "float16")
+
+
+def test_through_a_paged_cache(rng):
+    """A mixed step: a prompt, a chunk after a cached prefix and a decode row, in one call."""
+    cache = cupaged.PagedCache(
+        64, block_size=16, num_layers=2, num_kv_heads=2, head_dim=64, dtype="bfloat16", device="cpu"
+    )
+    sids = [cache.add_sequence() for _ in range(3)]
+    for sid, n in zip(sids[1:], (40, 9), strict=True):
+        k = random_array(rng, (2, n, 2, 64), "bfloat16")
+        cache.append(sid, k, random_array(rng, (2, n, 2, 64), "bfloat16"))
+    counts = [23, 7, 1]  # a new prompt, a chunk after 40 cached tokens, a decode step
+    plan = cache.step(sids, num_tokens=counts)
+    tables, lens = cache.block_tables(sids)
+    assert lens.tolist() == [23, 47, 10]
+    starts = plan.query_start_loc
+    for layer in range(2):
+        k = random_array(rng, (31, 2, 64), "bfloat16")
+        cupaged.write_kv(cache.k[layer], cache.v[layer], k, k[::-1].copy(), plan.slots)
+        q = random_array(rng, (31, 8, 64), "bfloat16")
+        out = cupaged.paged_prefill(q, cache.k[layer], cache.v[layer], tables, lens, starts)
+        expected = oracle(q, cache.k[layer], cache.v[layer], tables, lens, starts)
+        assert_close(out, expected, "bfloat16")
+    cache.check_invariants()
+
+
+def test_padding_past_a_sequence_may_hold_anything(rng):
+    q, k_cache, v_cache, tables, lens, starts, _ = prefill_batch(
+        rng, ((40, 8), (3, 3)), 64, 1, 16, "float32"
+    )
+    expected = oracle(q, k_cache, v_cache, tables, lens, starts)
+    padded = np.concatenate([tables.astype(np.int64), np.full((2, 3), 2**40)], axis=1)
+    padded[1, 1:] = -(10**9)
+    assert_close(cupaged.paged_prefill(q, k_cache, v_cache, padded, lens, starts), expected,
+                 "float32")  # fmt: skip
+
+
+def test_empty_batches(rng):
+    q, k_cache, v_cache, tables, lens, starts, _ = prefill_batch(
+        rng, ((5, 0), (3, 0)), 64, 1, 16, "float32"
+    )
+    assert q.shape == (0, 2, 64)
+    for function in (cupaged.paged_prefill, cupaged.reference_prefill):
+        assert function(q, k_cache, v_cache, tables, lens, starts).shape == (0, 2, 64)
+    none = np.zeros(1, np.int32)
+    out = cupaged.paged_prefill(q, k_cache, v_cache, tables[:0], lens[:0], none)
+    assert out.shape == (0, 2, 64)
+
+
+# ---- the reference against an independent contiguous float64 computation ----------------------
+
+
+def contiguous_prefill(q, k, v, n, scale, causal):
+    """float64 attention of a sequence's last ``n`` tokens' queries, one query at a time.
+
+    q: [n, Hq, D]; k, v: [L, num_kv_heads, D] (the sequence's tokens in order).
+    """
+    length, num_kv_heads, _ = k.shape
+    group = q.shape[1] // num_kv_heads
+    out = np.zeros(q.shape)
+    for j in range(n):
+        visible = length - n + j + 1 if causal else length
+        for h in range(q.shape[1]):
+            keys, values = k[:visible, h // group], v[:visible, h // group]
+            scores = keys @ q[j, h] * scale
+            weights = np.exp(scores - scores.max())
+            out[j, h] = weights @ values / weights.sum()
+    return out
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_reference_equals_contiguous_float64(rng, xp, dtype, causal):
+    batch = ((9, 9), (6, 0), (40, 3), (17, 1))
+    q, k_cache, v_cache, tables, lens, starts, seqs = prefill_batch(rng, batch, 64, 4, 7, dtype)
+    arrays = [xp.asarray(x) for x in (q, k_cache, v_cache, tables, lens, starts)]
+    out = cupaged.reference_prefill(*arrays, causal=causal)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    expected = np.concatenate([
+        contiguous_prefill(to_float(q[starts[i]:starts[i + 1]], np.float64),
+                           to_float(k, np.float64), to_float(v, np.float64), n, 64**-0.5, causal)
+        for i, ((_, n), (k, v)) in enumerate(zip(batch, seqs, strict=True))
+    ])  # fmt: skip
+    assert_close(out, expected, dtype)
+
+
+# ---- errors ------------------------------------------------------------------------------------
+
+FUNCTIONS = (cupaged.paged_prefill, cupaged.reference_prefill)
+
+
+def good_args(rng):
+    q, k_cache, v_cache, tables, lens, starts, _ = prefill_batch(
+        rng, ((20, 4), (3, 3)), 64, 2, 16, "float32"
+    )
+    return dict(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=tables, context_lens=lens,
+                query_start_loc=starts)  # fmt: skip
+
+
+@pytest.mark.parametrize("function", FUNCTIONS, ids=lambda f: f.__name__)
+@pytest.mark.parametrize(
+    "change, error, message",
+    [
+        (dict(query_start_loc=[1, 4, 7]), ValueError, r"expected query_start_loc to start at 0"),
+        (dict(query_start_loc=[0, 4, 6]), ValueError, r"end at total_query_tokens=7, got 0 \.\. 6"),
+        (dict(query_start_loc=[0, 8, 7]), ValueError, r"expected query_start_loc non-decreasing"),
+        (dict(query_start_loc=[0, 7]), ValueError, r"expected query_start_loc of shape"),
+        (dict(query_start_loc=[0.0, 4.0, 7.0]), TypeError, r"query_start_loc of dtype int32"),
+        (dict(query_start_loc=[0, 1, 7]), ValueError, r"at most context_lens\[1\]=3 query tokens"),
+        (dict(context_lens=[3, 3]), ValueError, r"at most context_lens\[0\]=3 query tokens"),
+        (dict(context_lens=[33, 3]), ValueError, r"expected context_lens in \[0, 32\]"),
+        (dict(context_lens=[-1, 3]), ValueError, r"expected context_lens >= 0"),
+        (dict(context_lens=[20, 3, 1]), ValueError, r"expected context_lens of shape"),
+        (dict(q=np.zeros((7, 3, 64), np.float32)), ValueError, r"multiple of num_kv_heads=2"),
+        (dict(q=np.zeros((7, 4, 64), np.float16)), TypeError, r"expected k_cache of dtype float16"),
+        (dict(q=np.zeros((7, 4), np.float32)), ValueError, r"expected q of shape"),
+        (dict(block_tables=np.zeros(2, np.int32)), ValueError, r"expected block_tables of shape"),
+    ],
+)
+def test_bad_arguments_are_rejected(rng, function, change, error, message):
+    args = good_args(rng)
+    for name, value in change.items():
+        args[name] = value if isinstance(value, np.ndarray) else np.array(value)
+        if args[name].dtype == np.int64:
+            args[name] = args[name].astype(np.int32)
+    with pytest.raises(error, match=message):
+        function(**args)
+
+
+@pytest.mark.parametrize("function", FUNCTIONS, ids=lambda f: f.__name__)
+def test_bad_block_ids_are_rejected(rng, function):
+    args = good_args(rng)
+    args["block_tables"] = args["block_tables"].astype(np.int64)
+    args["block_tables"][0, 1] = 2**32 + 1  # must not become block 1
+    with pytest.raises(ValueError, match=r"expected block ids in \[0, \d+\) in row 0"):
+        function(**args)
+
+
+@pytest.mark.parametrize(
+    "what, value, message",
+    [
+        ("context_lens", 2**32 + 20, r"expected at most context_lens\[0\]"),
+        ("query_start_loc", 2**32 + 4, r"expected query_start_loc non-decreasing"),
+    ],
+)
+def test_int64_values_are_checked_before_they_are_narrowed(rng, what, value, message):
+    args = good_args(rng)
+    args[what] = args[what].astype(np.int64)
+    args[what][0 if what == "context_lens" else 1] = value
+    if what == "context_lens":  # 2**32 + 20 narrowed would be 20, a valid length
+        args["query_start_loc"] = np.array([0, 4, 7], np.int64)
+        message = r"expected context_lens in \[0, 32\]"
+    with pytest.raises(ValueError, match=message):
+        cupaged.paged_prefill(**args)
+
+
+def test_layout_and_shape_errors(rng):
+    args = good_args(rng)
+    with pytest.raises(ValueError, match=r"expected head_dim in 64..256"):
+        bad = {**args, "q": np.zeros((7, 4, 72), np.float32)}
+        bad["k_cache"] = bad["v_cache"] = np.zeros((4, 2, 16, 72), np.float32)
+        cupaged.paged_prefill(**bad)
+    strided = np.repeat(args["k_cache"], 2, axis=0)[::2]
+    with pytest.raises(ValueError, match="expected k_cache C-contiguous"):
+        cupaged.paged_prefill(**{**args, "k_cache": strided})
+    with pytest.raises(TypeError, match=r"expected out of dtype float32 \(q's dtype\)"):
+        cupaged.paged_prefill(**args, out=np.empty(args["q"].shape, np.float16))
+    frozen = np.zeros(args["q"].shape, np.float32)
+    frozen.flags.writeable = False
+    with pytest.raises(ValueError, match="expected out writable"):
+        cupaged.paged_prefill(**args, out=frozen)
+    with pytest.raises(ValueError, match="expected compute_dtype float32 or float64"):
+        cupaged.reference_prefill(**args, compute_dtype="float16")
