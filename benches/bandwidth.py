@@ -24,6 +24,27 @@ def decode_attention_bytes(batch: int, context: int, num_q_heads: int, num_kv_he
     return (kv + q_and_out) * itemsize(dtype)
 
 
+def prefill_attention_bytes(context_lens: list[int], num_queries: list[int], num_q_heads: int,
+                            num_kv_heads: int, head_dim: int, dtype: str) -> int:  # fmt: skip
+    """Each sequence's K and V read once (all ``context_lens[i]`` tokens), Q read once, output
+    written once: what a kernel that keeps a query tile on chip must move at least."""
+    kv = 2 * sum(context_lens) * num_kv_heads * head_dim
+    q_and_out = 2 * sum(num_queries) * num_q_heads * head_dim
+    return (kv + q_and_out) * itemsize(dtype)
+
+
+def prefill_attention_flops(context_lens: list[int], num_queries: list[int], num_q_heads: int,
+                            head_dim: int, causal: bool = True) -> int:  # fmt: skip
+    """Multiply-adds of ``Q K^T`` and ``P V`` (2 FLOPs each) over the tokens each query sees:
+    ``context_lens[i] - n_i + j + 1`` for query ``j`` when causal, all ``context_lens[i]`` when
+    not. Masked-out tokens are not counted."""
+    visible = 0
+    for length, n in zip(context_lens, num_queries, strict=True):
+        past = length - n
+        visible += n * past + n * (n + 1) // 2 if causal else n * length
+    return 4 * visible * num_q_heads * head_dim
+
+
 def kv_write_bytes(num_tokens: int, num_kv_heads: int, head_dim: int, dtype: str) -> int:
     """New K and V read from the input and written into the cache."""
     return 2 * 2 * num_tokens * num_kv_heads * head_dim * itemsize(dtype)

@@ -1,0 +1,136 @@
+"""Paged prefill: the fused kernel against the reference and against array-op attention on a
+contiguous copy of the same K/V.
+
+Three workloads (issue 12), scaled down on the CPU backend (which is for correctness: its timings
+only compare runs on this machine, never a GPU):
+
+- ``prompt``: one sequence, its whole prompt on an empty cache (GPU 1 x 2,048; CPU 1 x 256);
+- ``chunks``: 8 sequences, a chunk each after a cached prefix (GPU 8 x 256 after 1,024;
+  CPU 8 x 32 after 128);
+- ``mixed``: prefill chunks and decode rows in one call (GPU 4 chunks of 128 after 1,024 plus 64
+  decode rows at 1,024; CPU 4 chunks of 32 after 128 plus 16 decode rows at 128).
+
+Every benchmark records, in ``extra_info``, the bytes it must move and the FLOPs it must do (see
+``bandwidth.py``: K/V read once per sequence, Q and the output once; masked tokens not counted),
+the achieved GB/s and GFLOP/s, the shapes, dtype, block size and device.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from bandwidth import gb_per_s, prefill_attention_bytes, prefill_attention_flops, synchronized
+
+import cupaged
+from cupaged import from_float, to_float
+
+NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 8, 2, 128, 16
+ON_GPU = cupaged.resolve_device(None) == "cuda"
+# workload -> [(context_len, n_queries), ...]
+WORKLOADS = (
+    {
+        "prompt": [(2048, 2048)],
+        "chunks": [(1024 + 256, 256)] * 8,
+        "mixed": [(1024 + 128, 128)] * 4 + [(1024, 1)] * 64,
+    }
+    if ON_GPU
+    else {
+        "prompt": [(256, 256)],
+        "chunks": [(128 + 32, 32)] * 8,
+        "mixed": [(128 + 32, 32)] * 4 + [(128, 1)] * 16,
+    }
+)
+
+
+def make_problem(xp, batch, dtype, seed=0):
+    """Paged K/V in shuffled blocks, packed queries, and the contiguous K/V of each sequence."""
+    rng = np.random.default_rng(seed)
+
+    def normal(shape):
+        return from_float(rng.standard_normal(shape, dtype=np.float32), dtype)
+
+    lens = np.array([length for length, _ in batch], np.int32)
+    counts = [n for _, n in batch]
+    blocks = -(-lens // BLOCK_SIZE)
+    width = int(blocks.max())
+    num_blocks = int(blocks.sum())
+    order = rng.permutation(num_blocks).astype(np.int32)
+    tables = np.zeros((len(batch), width), np.int32)
+    starts = np.concatenate([[0], np.cumsum(blocks)])
+    for i in range(len(batch)):
+        tables[i, : blocks[i]] = order[starts[i] : starts[i + 1]]
+    shape = (num_blocks, NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM)
+    k_cache, v_cache = normal(shape), normal(shape)
+    q = normal((sum(counts), NUM_Q_HEADS, HEAD_DIM))
+    query_start_loc = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    contiguous = []
+    for i, length in enumerate(lens.tolist()):
+        rows = tables[i, : blocks[i]]
+        k = k_cache[rows].transpose(1, 0, 2, 3).reshape(NUM_KV_HEADS, -1, HEAD_DIM)[:, :length]
+        v = v_cache[rows].transpose(1, 0, 2, 3).reshape(NUM_KV_HEADS, -1, HEAD_DIM)[:, :length]
+        contiguous.append(
+            (xp.asarray(np.ascontiguousarray(k)), xp.asarray(np.ascontiguousarray(v)))
+        )
+    arrays = tuple(xp.asarray(x) for x in (q, k_cache, v_cache, tables, lens, query_start_loc))
+    return arrays, contiguous
+
+
+def contiguous_prefill(xp, q, contiguous, query_start_loc):
+    """Plain array-op causal attention, sequence by sequence, over contiguous K/V
+    ``[num_kv_heads, L, head_dim]``."""
+    group = NUM_Q_HEADS // NUM_KV_HEADS
+    out = xp.empty(q.shape, np.float32)
+    for i, (k, v) in enumerate(contiguous):
+        begin, end = int(query_start_loc[i]), int(query_start_loc[i + 1])
+        n, length = end - begin, k.shape[1]
+        k = xp.repeat(to_float(k), group, axis=0)  # [Hq, L, D]
+        v = xp.repeat(to_float(v), group, axis=0)
+        scores = xp.einsum("nhd,hld->hnl", to_float(q[begin:end]), k) * np.float32(HEAD_DIM**-0.5)
+        future = xp.arange(length)[None, :] > (length - n + xp.arange(n))[:, None]
+        scores = xp.where(future[None], np.float32(-np.inf), scores)
+        scores -= scores.max(axis=-1, keepdims=True)
+        weights = xp.exp(scores)
+        weights /= weights.sum(axis=-1, keepdims=True)
+        out[begin:end] = xp.einsum("hnl,hld->nhd", weights, v)
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("workload", list(WORKLOADS))
+@pytest.mark.parametrize("impl", ["fused", "reference", "contiguous"])
+def test_prefill(benchmark, xp, on_gpu, impl, workload, dtype):
+    batch = WORKLOADS[workload]
+    # One table per workload: fused, reference and contiguous side by side.
+    benchmark.group = (
+        f"prefill: {workload} ({len(batch)} sequences) block_size={BLOCK_SIZE} {dtype}"
+    )
+    (q, k_cache, v_cache, tables, lens, starts), contiguous = make_problem(xp, batch, dtype)
+    host_starts = starts.get() if on_gpu else starts
+    if impl == "fused":
+
+        def run():
+            return cupaged.paged_prefill(q, k_cache, v_cache, tables, lens, starts)
+    elif impl == "reference":
+
+        def run():
+            return cupaged.reference_prefill(q, k_cache, v_cache, tables, lens, starts)
+    else:
+
+        def run():
+            return contiguous_prefill(xp, q, contiguous, host_starts)
+
+    rounds = 10 if on_gpu else 3
+    benchmark.pedantic(synchronized(xp, run), rounds=rounds, iterations=1, warmup_rounds=1)
+    context_lens = [length for length, _ in batch]
+    counts = [n for _, n in batch]
+    nbytes = prefill_attention_bytes(context_lens, counts, NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM,
+                                     dtype)  # fmt: skip
+    flops = prefill_attention_flops(context_lens, counts, NUM_Q_HEADS, HEAD_DIM)
+    seconds = benchmark.stats.stats.median
+    benchmark.extra_info.update(
+        impl=impl, workload=workload, num_seqs=len(batch), context_lens=sorted(set(context_lens)),
+        query_tokens=sum(counts), dtype=dtype, block_size=BLOCK_SIZE, q_heads=NUM_Q_HEADS,
+        kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, causal=True, bytes=nbytes, flops=flops,
+        gb_per_s=round(gb_per_s(nbytes, seconds), 3), gflop_per_s=round(flops / seconds / 1e9, 3),
+        device="gpu" if on_gpu else "cpu backend",
+    )  # fmt: skip
