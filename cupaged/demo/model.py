@@ -7,8 +7,8 @@ seeded random (or loaded from a ``.npz``); the point is the memory traffic, not 
 Three ways to run it, which must agree:
 
 - :meth:`TinyDecoder.prefill`: the uncached rest of an admitted prompt (``cache.admit``); K/V
-  written with ``write_kv`` to the admission's slots, causal attention over the sequence's cached
-  prefix and the chunk (array ops);
+  written with ``write_kv`` to the admission's slots, then the fused ``paged_prefill`` (causal,
+  over the sequence's cached prefix and the chunk) per layer;
 - :meth:`TinyDecoder.decode`: one token for each sequence of a batch (a ``SequenceBatch``);
   ``cache.step`` and ``block_tables`` once per step, ``write_kv`` and the fused
   ``paged_attention`` per layer;
@@ -32,6 +32,7 @@ from .. import (
     SequenceBatch,
     from_float,
     paged_attention,
+    paged_prefill,
     to_float,
     to_numpy,
     write_kv,
@@ -137,12 +138,17 @@ class TinyDecoder:
         tokens = prompt[start:]
         n = len(tokens)
         positions = xp.arange(start, start + n)
+        # Once per prompt: the table and length (the chunk included: its slots are reserved),
+        # and the chunk's rows, 0 .. n of the packed queries.
+        tables, lens = cache.block_tables([sid])
+        query_start_loc = xp.asarray(np.array([0, n], np.int32))
         h = self.weights["embed"][xp.asarray(tokens)]
         for i in range(c.num_layers):
             q, k, v = self._qkv(i, h, positions)
             write_kv(cache.k[i], cache.v[i], self._store(k), self._store(v), slots)
-            keys, values = self._sequence_kv(cache, i, sid)  # [L, Hkv, D], the chunk included
-            h = h + self._attend_causal(q, keys, values, start) @ self.weights[f"l{i}.wo"]
+            out = paged_prefill(self._store(q), cache.k[i], cache.v[i], tables, lens,
+                                query_start_loc)  # fmt: skip
+            h = h + to_float(out).reshape(n, -1) @ self.weights[f"l{i}.wo"]
             h = h + self._mlp(i, h)
         cache.commit(sid)  # the prompt's K/V are written: its full blocks may serve others now
         return self._logits(h[-1:])[0]
@@ -210,18 +216,6 @@ class TinyDecoder:
     def _store(self, x: Any) -> Any:
         """``x`` in the cache's dtype (bfloat16 as uint16 bit patterns), C-contiguous."""
         return self.xp.ascontiguousarray(from_float(x, self.dtype))
-
-    def _sequence_kv(self, cache: PagedCache, layer: int, sid: int) -> tuple[Any, Any]:
-        """Layer ``layer``'s keys and values of one sequence, ``[L, Hkv, D]`` float32."""
-        xp = self.xp
-        table = xp.asarray(np.asarray(cache.block_table(sid), dtype=np.intp))
-        length = cache.seq_len(sid)
-        out = []
-        for pages in (cache.k[layer], cache.v[layer]):
-            blocks = pages[table]  # [n, Hkv, block_size, D]
-            tokens = blocks.transpose(0, 2, 1, 3).reshape(-1, blocks.shape[1], blocks.shape[3])
-            out.append(to_float(tokens[:length]))
-        return out[0], out[1]
 
     def _attend_causal(self, q: Any, keys: Any, values: Any, start: int) -> Any:
         """Causal GQA attention of queries at positions start.. over keys 0..; ``[n, Hq*D]``."""
