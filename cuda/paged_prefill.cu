@@ -22,7 +22,7 @@
 //     3. online softmax per row (one warp per row): running max m, sum l, and the factor
 //        alpha = exp(m_old - m_new); meanwhile V replaces K in the tile buffer. While every score
 //        of a row is -inf, exponents are taken against 0 (as in paged_attention.cu);
-//     4. acc = alpha * acc + p V, one thread per output element.
+//     4. acc = alpha * acc + p V, one thread per output element, over the row's visible tokens.
 //   Causal: KV tiles past the tile's last query position are masked for every row and are never
 //   loaded. Block-table entries of CHUNK tokens at a time are staged in shared memory. All sums
 //   are float32. A query tile past its sequence's n_s returns at once (uniformly).
@@ -229,7 +229,11 @@ __global__ void __launch_bounds__(THREADS)
         const int d = i % HEAD_DIM;
         float acc = acc_s[i] * alpha_s[r];
         const float* p = p_s + r * TILE;
-        for (int t = 0; t < count; ++t) acc += p[t] * to_float(tile_s[t * HEAD_DIM + d]);
+        // A masked token's weight is 0, but 0 * Inf (or NaN) in its V is NaN: a row stops at
+        // its own position, so nothing after it reaches the row.
+        const int position = past + first_query + r / G;
+        const int visible = causal ? max(0, min(count, position - first + 1)) : count;
+        for (int t = 0; t < visible; ++t) acc += p[t] * to_float(tile_s[t * HEAD_DIM + d]);
         acc_s[i] = acc;
       }
       __syncthreads();

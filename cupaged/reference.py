@@ -173,7 +173,11 @@ def reference_prefill(
         scores -= scores.max(axis=2, keepdims=True)
         weights = xp.exp(scores)
         weights /= weights.sum(axis=2, keepdims=True)
-        out[begin:end] = xp.einsum("hnl,hld->nhd", weights, v)
+        # Row by row over the tokens each query sees: a masked token's weight is 0, but
+        # 0 * Inf (or NaN) in its V would still reach the row through a full product.
+        for j in range(n):
+            visible = length - n + j + 1 if causal else length
+            out[begin + j] = xp.einsum("hl,hld->hd", weights[:, j, :visible], v[:, :visible])
 
     target = dims.dtype if out_dtype is None else out_dtype
     if target == "float64":

@@ -22,10 +22,10 @@ import itertools
 
 import numpy as np
 import pytest
-from helpers import DTYPES, assert_close, poison, random_array, scatter_into_pages
+from helpers import DTYPES, TOLERANCES, assert_close, poison, random_array, scatter_into_pages
 
 import cupaged
-from cupaged.dtypes import to_float
+from cupaged.dtypes import from_float, to_float
 
 HEAD_DIMS = (64, 128, 256)
 BLOCK_SIZES = (1, 16, 256)
@@ -318,3 +318,52 @@ def test_layout_and_shape_errors(rng):
         cupaged.paged_prefill(**args, out=frozen)
     with pytest.raises(ValueError, match="expected compute_dtype float32 or float64"):
         cupaged.reference_prefill(**args, compute_dtype="float16")
+
+
+# ---- NaN and Inf -------------------------------------------------------------------------------
+
+
+def assert_same_specials(out, expected: np.ndarray, dtype: str) -> None:
+    """NaN exactly where the reference has NaN, Inf where it has Inf; the rest within tolerance."""
+    got = to_float(out, np.float64)
+    got = got.get() if hasattr(got, "get") else got
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(expected))
+    np.testing.assert_array_equal(np.isinf(got), np.isinf(expected))
+    finite = np.isfinite(expected)
+    np.testing.assert_allclose(got[finite], expected[finite], **TOLERANCES[dtype])
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("case", ["nan_q", "nan_k", "inf_v"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_nan_and_inf_reach_exactly_the_rows_that_see_them(rng, xp, dtype, case, causal):
+    """A NaN or Inf in token 35 of sequence 0 (whose queries sit at 32..39, one KV tile) reaches
+    the rows at positions >= 35 only when causal, every row when not; as in the reference."""
+    q, k_cache, v_cache, tables, lens, starts, _ = prefill_batch(
+        rng, ((40, 8), (20, 20)), 64, 4, 16, dtype
+    )
+    special = from_float(np.array([np.nan if case != "inf_v" else np.inf], np.float32), dtype)[0]
+    block, offset = tables[0, 35 // 16], 35 % 16
+    if case == "nan_q":
+        q[10, 3, 7] = special  # sequence 1's query 2, one head
+    elif case == "nan_k":
+        k_cache[block, 1, offset, 5] = special
+    else:
+        v_cache[block, 0, offset, 9] = special
+    expected = oracle(q, k_cache, v_cache, tables, lens, starts, causal=causal)
+    assert not np.isfinite(expected).all(), "the case must reach the reference's output"
+    if case != "nan_q":
+        assert (
+            np.isfinite(expected[:3]).all() == causal
+        )  # rows at 32..34 see token 35 iff not causal
+    out = xp.asarray(poison(q.shape, dtype))
+    cupaged.paged_prefill(*(xp.asarray(x) for x in (q, k_cache, v_cache, tables, lens, starts)),
+                          causal=causal, out=out)  # fmt: skip
+    assert_same_specials(out, expected, dtype)
+
+
+def test_unchecked_mode_gives_the_same_result(rng):
+    q, k_cache, v_cache, tables, lens, starts, _ = prefill_batch(rng, BATCH, 64, 4, 16, "float32")
+    expected = oracle(q, k_cache, v_cache, tables, lens, starts)
+    out = cupaged.paged_prefill(q, k_cache, v_cache, tables, lens, starts, checked=False)
+    assert_close(out, expected, "float32")
