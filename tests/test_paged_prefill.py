@@ -25,6 +25,7 @@ import pytest
 from helpers import DTYPES, TOLERANCES, assert_close, poison, random_array, scatter_into_pages
 
 import cupaged
+from cupaged import _launch
 from cupaged.dtypes import from_float, to_float
 
 HEAD_DIMS = (64, 128, 256)
@@ -367,3 +368,12 @@ def test_unchecked_mode_gives_the_same_result(rng):
     expected = oracle(q, k_cache, v_cache, tables, lens, starts)
     out = cupaged.paged_prefill(q, k_cache, v_cache, tables, lens, starts, checked=False)
     assert_close(out, expected, "float32")
+
+
+def test_launch_plan():
+    """Query tiles of max(1, 16 // G) tokens; the grid covers the longest query run."""
+    launch = _launch.prefill_launch("float16", 3, 2, 4, 128, 16, 37)
+    assert launch.query_rows == 4 and launch.grid == (10, 2, 3) and launch.block == (128,)
+    assert _launch.prefill_launch("float32", 1, 1, 32, 64, 1, 1).query_rows == 1
+    with pytest.raises(ValueError, match=r"expected num_seqs in 1..65535"):
+        _launch.prefill_launch("float16", 65536, 2, 4, 128, 16, 1)
