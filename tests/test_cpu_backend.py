@@ -361,6 +361,40 @@ def test_launches_from_several_python_threads_at_once(basics, rng):
         np.testing.assert_array_equal(out, reference)
 
 
+_CONCURRENT_LAUNCHES = """
+import sys, threading
+import numpy as np
+from cupaged._cpu import CpuModule, launch_options
+kernel = CpuModule(sys.argv[1], ["cpu_test::two_level_sum<128>"]).get_function(
+    "cpu_test::two_level_sum<128>")
+x = np.random.default_rng(0).standard_normal((200, 128)).astype(np.float32)
+reference = np.empty_like(x)
+with launch_options(workers=1):
+    kernel(200, 128, (reference, x))
+failures = []
+def work():
+    with launch_options(workers=2):
+        for _ in range(40):
+            out = np.empty_like(x)
+            kernel(200, 128, (out, x))
+            if not (out[:, :1] == reference[:, :1]).all():
+                failures.append(1)
+for _ in range(3):
+    threads = [threading.Thread(target=work) for _ in range(6)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+sys.exit(1 if failures else 0)
+"""
+
+
+def test_many_concurrent_launches_never_hang(basics):
+    """Closers of several launches wait at once: each must wake when its own helpers are done
+    (a single shared counter and one signal hung this about once in a few thousand launches)."""
+    result = subprocess.run([sys.executable, "-c", _CONCURRENT_LAUNCHES, str(KERNELS / "basics.cu")],
+                            capture_output=True, text=True, timeout=240)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
 def test_a_forked_child_starts_its_own_pool(basics, rng):
     x = rng.standard_normal((64, 128)).astype(np.float32)
     kernel = basics.get_function("cpu_test::two_level_sum<128>")

@@ -146,6 +146,7 @@ struct Launch {
   int failed;                     // shared between workers (atomic): 0, then 1 once
   char* error;
   size_t error_len;
+  int pool_helpers;  // pool threads inside this launch (under the pool's mutex)
 };
 
 struct Fiber {
@@ -938,17 +939,17 @@ constexpr int kIdleSeconds = 5;
 struct Pool {
   pthread_mutex_t mutex;
   pthread_cond_t wake;  // a launch was posted
-  pthread_cond_t done;  // the last helper left the launch
+  pthread_cond_t done;  // the last helper left a launch (broadcast: closers of several launches
+                        // may wait at once, each for the helpers of its own launch)
   Launch* job;          // the open launch, or null
   unsigned long long generation;
-  int seats;   // helpers that may still join the open launch
-  int active;  // helpers inside the open launch
+  int seats;  // helpers that may still join the open launch
   int threads;
   int idle;
 };
 
 static Pool pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER,
-                    nullptr, 0, 0, 0, 0, 0};
+                    nullptr, 0, 0, 0, 0};
 static pthread_once_t pool_fork_once = PTHREAD_ONCE_INIT;
 
 // A forked child has none of the parent's helper threads: start from an empty pool (and with
@@ -959,14 +960,16 @@ static void reset_pool_in_child() {
   pthread_cond_init(&pool.wake, nullptr);
   pthread_cond_init(&pool.done, nullptr);
   pool.job = nullptr;
-  pool.seats = pool.active = pool.threads = pool.idle = 0;
+  pool.seats = pool.threads = pool.idle = 0;
 }
 
 static void register_fork_handler() { pthread_atfork(nullptr, nullptr, reset_pool_in_child); }
 
 static void* helper_main(void*) {
   pthread_mutex_lock(&pool.mutex);
-  unsigned long long seen = pool.generation;
+  // No launch seen yet: a helper started by a post joins that very launch (the post bumps the
+  // generation before this thread can take the mutex).
+  unsigned long long seen = ~0ULL;
   for (;;) {
     while (pool.job == nullptr || pool.generation == seen || pool.seats == 0) {
       timespec deadline;
@@ -983,12 +986,14 @@ static void* helper_main(void*) {
     }
     seen = pool.generation;
     --pool.seats;
-    ++pool.active;
     Launch* L = pool.job;
+    ++L->pool_helpers;
     pthread_mutex_unlock(&pool.mutex);
     run_worker(L);
     pthread_mutex_lock(&pool.mutex);
-    if (--pool.active == 0) pthread_cond_signal(&pool.done);
+    // Once the count reaches 0 the closer may return and `L` (on its stack) is gone: no use of
+    // `L` after this line. Another launch may have been posted meanwhile, with its own closer.
+    if (--L->pool_helpers == 0) pthread_cond_broadcast(&pool.done);
   }
 }
 
@@ -1018,11 +1023,13 @@ static bool post_to_pool(Launch* L, int helpers) {
   return true;
 }
 
-static void close_pool_launch() {
+static void close_pool_launch(Launch* L) {
   pthread_mutex_lock(&pool.mutex);
-  pool.job = nullptr;
-  pool.seats = 0;
-  while (pool.active != 0) pthread_cond_wait(&pool.done, &pool.mutex);
+  if (pool.job == L) {  // still open: no helper may join any more
+    pool.job = nullptr;
+    pool.seats = 0;
+  }
+  while (L->pool_helpers != 0) pthread_cond_wait(&pool.done, &pool.mutex);
   pthread_mutex_unlock(&pool.mutex);
 }
 
@@ -1033,7 +1040,7 @@ static int launch(Launch* L, int num_workers) {
     num_workers = static_cast<int>(L->num_blocks);
   const bool pooled = num_workers > 1 && post_to_pool(L, num_workers - 1);
   const bool ran = run_worker(L);
-  if (pooled) close_pool_launch();
+  if (pooled) close_pool_launch(L);
   if (!ran && L->next_block < L->num_blocks && !L->failed) {
     snprintf(L->error, L->error_len,
              "out of memory for %u fiber stacks of %zu KiB or %zu bytes of shared memory (%s)",
