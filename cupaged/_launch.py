@@ -99,7 +99,7 @@ def num_splits(num_seqs: int, num_kv_heads: int, max_context: int, sm_count: int
     pairs = max(num_seqs * num_kv_heads, 1)
     if pairs >= sm_count:
         return 1
-    return max(1, min(-(-sm_count // pairs), -(-max_context // MIN_SPLIT_TOKENS)))
+    return max(1, min(cdiv(sm_count, pairs), cdiv(max_context, MIN_SPLIT_TOKENS)))
 
 
 def decode_launch(
@@ -126,9 +126,9 @@ def decode_launch(
         splits = num_splits(num_seqs, num_kv_heads, max_context, sm_count)
     if splits < 1:
         raise ValueError(f"expected splits >= 1, got {splits}")
-    per_split = -(-max(max_context, 1) // splits)
-    partition = -(-per_split // tile) * tile
-    splits = max(1, -(-max_context // partition))
+    per_split = cdiv(max(max_context, 1), splits)
+    partition = cdiv(per_split, tile) * tile
+    splits = max(1, cdiv(max_context, partition))
     c_type = C_TYPES[dtype]
     return DecodeLaunch(
         name=f"cupaged::paged_decode<{c_type}, {head_dim}, {block_size}, {tile}>",
@@ -232,7 +232,7 @@ def write_kv_launch(
 
 def _whole_warps(items: int, most: int) -> int:
     """Threads for ``items`` parallel items: whole warps of 32, at least one, at most ``most``."""
-    return min(most, max(32, -(-items // 32) * 32))
+    return min(most, max(32, cdiv(items, 32) * 32))
 
 
 _COPY_WORDS = ((16, "uint4"), (4, "unsigned int"), (2, "unsigned short"))
