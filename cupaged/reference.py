@@ -161,7 +161,7 @@ def reference_prefill(
         n = end - begin
         if n == 0:
             continue
-        blocks = xp.asarray(tables[i, : -(-length // block_size)])
+        blocks = xp.asarray(tables[i, : cdiv(length, block_size)])
         k = _gather_sequence(k_cache, blocks, length, compute)[kv_head_of]  # [Hq, L, D]
         v = _gather_sequence(v_cache, blocks, length, compute)[kv_head_of]
         qi = to_float(q[begin:end], compute)  # [n, Hq, D]
