@@ -800,7 +800,7 @@ class BlockManager:
         table, bs, pool = self._seqs, self._block_size, self._pool
         lens = table.lens[rows]
         column = lens // bs  # the block the token goes to (a new one where offset is 0)
-        offset = lens - column * bs
+        offset = lens % bs
         if np.count_nonzero(table.shared[rows]):  # maybe a shared last block: copy-on-write
             if rows.size > _SMALL_BATCH:
                 return self._plan_batch(rows, 1, tokens, what)

@@ -203,7 +203,7 @@ class BlockPool:
             blocks = np.concatenate([self._free[:top][::-1], self._evict(n - top)])
             self._top = 0
         if self._journal is not None:
-            self._journal.append(("take", top, blocks[: min(n, top)]))
+            self._journal.append(("take", top, blocks if n <= top else blocks[:top]))
         self._refcount[blocks] = 1
         return blocks
 
