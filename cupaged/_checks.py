@@ -97,10 +97,29 @@ def check_attention_args(
         ValueError: a shape is wrong, or ``num_q_heads`` is not a multiple of ``num_kv_heads``.
         TypeError: a dtype is wrong.
     """
-    axes = ("num_blocks", "num_kv_heads", "block_size", "head_dim")
     num_seqs, num_q_heads, head_dim = check_shape(
         "q", q, [("num_seqs", None), ("num_q_heads", None), ("head_dim", None)]
     )
+    return _check_paged_kv(q, num_q_heads, head_dim, k_cache, v_cache, block_tables,
+                           context_lens, num_seqs)  # fmt: skip
+
+
+def _check_paged_kv(
+    q: Any,
+    num_q_heads: int,
+    head_dim: int,
+    k_cache: Any,
+    v_cache: Any,
+    block_tables: Any,
+    context_lens: Any,
+    num_seqs: int | None,
+) -> AttentionDims:
+    """The checks that decode and prefill share: caches, dtypes, tables, lengths, GQA ratio.
+
+    ``num_seqs`` is the table's row count to expect (decode: one row per query), or ``None`` to
+    take it from ``block_tables`` (prefill).
+    """
+    axes = ("num_blocks", "num_kv_heads", "block_size", "head_dim")
     num_blocks, num_kv_heads, block_size, _ = check_shape(
         "k_cache", k_cache, [(axis, None) for axis in axes[:3]] + [("head_dim", head_dim)]
     )
@@ -108,13 +127,13 @@ def check_attention_args(
     elem = array_dtype_name(q)
     check_dtype("k_cache", k_cache, elem, "q's dtype")
     check_dtype("v_cache", v_cache, elem, "q's dtype")
-    _, max_blocks = check_shape(
+    num_seqs, max_blocks = check_shape(
         "block_tables", block_tables, [("num_seqs", num_seqs), ("max_blocks", None)]
     )
     check_shape("context_lens", context_lens, [("num_seqs", num_seqs)])
     check_index_array("block_tables", block_tables)
     check_index_array("context_lens", context_lens)
-    if num_q_heads % num_kv_heads:
+    if num_kv_heads == 0 or num_q_heads % num_kv_heads:
         raise ValueError(
             f"expected num_q_heads to be a multiple of num_kv_heads={num_kv_heads}, "
             f"got {num_q_heads}"
@@ -356,33 +375,14 @@ def check_prefill_args(
         ValueError: a shape is wrong, or ``num_q_heads`` is not a multiple of ``num_kv_heads``.
         TypeError: a dtype is wrong.
     """
-    axes = ("num_blocks", "num_kv_heads", "block_size", "head_dim")
     _, num_q_heads, head_dim = check_shape(
         "q", q, [("total_query_tokens", None), ("num_q_heads", None), ("head_dim", None)]
     )
-    num_blocks, num_kv_heads, block_size, _ = check_shape(
-        "k_cache", k_cache, [(axis, None) for axis in axes[:3]] + [("head_dim", head_dim)]
-    )
-    check_shape("v_cache", v_cache, list(zip(axes, k_cache.shape, strict=True)))
-    elem = array_dtype_name(q)
-    check_dtype("k_cache", k_cache, elem, "q's dtype")
-    check_dtype("v_cache", v_cache, elem, "q's dtype")
-    num_seqs, max_blocks = check_shape(
-        "block_tables", block_tables, [("num_seqs", None), ("max_blocks", None)]
-    )
-    check_shape("context_lens", context_lens, [("num_seqs", num_seqs)])
-    check_shape("query_start_loc", query_start_loc, [("num_seqs + 1", num_seqs + 1)])
-    check_index_array("block_tables", block_tables)
-    check_index_array("context_lens", context_lens)
+    dims = _check_paged_kv(q, num_q_heads, head_dim, k_cache, v_cache, block_tables,
+                           context_lens, None)  # fmt: skip
+    check_shape("query_start_loc", query_start_loc, [("num_seqs + 1", dims.num_seqs + 1)])
     check_index_array("query_start_loc", query_start_loc)
-    if num_kv_heads == 0 or num_q_heads % num_kv_heads:
-        raise ValueError(
-            f"expected num_q_heads to be a multiple of num_kv_heads={num_kv_heads}, "
-            f"got {num_q_heads}"
-        )
-    return AttentionDims(
-        num_seqs, num_q_heads, head_dim, num_blocks, num_kv_heads, block_size, max_blocks, elem
-    )
+    return dims
 
 
 def check_query_start_loc(starts: np.ndarray, lens: np.ndarray, total: int) -> int:
