@@ -995,13 +995,10 @@ class BlockManager:
             filled = rows[filling]
             chunks = tail[filled]
             chunks[:, bs - 1] = tokens[filling]
-            chains = [self._chains[row] for row in filled.tolist()]
+            filled_rows = filled.tolist()
+            chains = [self._chains[row] for row in filled_rows]
             keys = self._prefix.next_keys(chains, chunks)
-            first = (lens[filling] // bs).tolist()
-            return [
-                (row, column, None, [key])
-                for row, column, key in zip(filled.tolist(), first, keys, strict=True)
-            ]
+            return [(row, 0, None, [key]) for row, key in zip(filled_rows, keys, strict=True)]
         out = []
         per_row = [counts] * rows.size if isinstance(counts, int) else counts.tolist()
         for i, n in enumerate(per_row):
@@ -1031,28 +1028,37 @@ class BlockManager:
         their K/V are known written: see :meth:`commit`."""
         if keys:
             chain = self._chains[row]
-            chain.keys.extend(key for key, _ in keys)
-            chain.digests.extend(digest for _, digest in keys)
+            for key, digest in keys:
+                chain.keys.append(key)
+                chain.digests.append(digest)
             self._seqs.pending[row] = True
 
     def _commit_rows(self, rows: Any) -> None:
-        """Register the pending full blocks of ``rows`` (an int array or a list of ints)."""
+        """Register the pending full blocks of ``rows`` (an int array or a list of ints), all in
+        one call to the pool."""
         if not self.prefix_caching:
             return
-        table = self._seqs
+        table, chains = self._seqs, self._chains
         if isinstance(rows, np.ndarray):
             rows = rows[table.pending[rows]].tolist()
+        else:
+            rows = [row for row in rows if table.pending[row]]
+        if not rows:
+            return
+        blocks: list[int] = []
+        keys: list[tuple[bytes, bytes]] = []
         for row in rows:
-            if not table.pending[row]:
-                continue
-            chain = self._chains[row]
+            chain = chains[row]
             start, end = chain.committed, len(chain.keys)
-            blocks = table.tables[row, start:end].tolist()
-            self._pool.register_many(
-                blocks, list(zip(chain.keys[start:end], chain.digests[start:end], strict=True))
-            )
+            if end - start == 1:  # a decode step fills at most one block a sequence
+                blocks.append(int(table.tables[row, start]))
+                keys.append((chain.keys[start], chain.digests[start]))
+            else:
+                blocks += table.tables[row, start:end].tolist()
+                keys += zip(chain.keys[start:end], chain.digests[start:end], strict=True)
             chain.committed = end
-            table.pending[row] = False
+        self._pool.register_many(blocks, keys)
+        table.pending[rows] = False
 
     def _batch_rows(self, sids: Any) -> np.ndarray:
         """Rows of a batch of resident, distinct sequences."""

@@ -220,7 +220,20 @@ class PrefixCache:
     def next_keys(self, chains: list[PrefixChain], chunks: np.ndarray) -> list[tuple[bytes, bytes]]:
         """``(key, digest)`` of one full block after each chain: ``chunks`` is ``[len(chains),
         block_size]`` int64 (a decode step's blocks that filled, one per sequence)."""
-        return [self.keys(chain, chunk)[0] for chain, chunk in zip(chains, chunks, strict=True)]
+        if not self._default:
+            return [self.keys(chain, chunk)[0] for chain, chunk in zip(chains, chunks, strict=True)]
+        # The default hasher, one block per chain, inlined: :meth:`keys` for many short chains.
+        data, width = chunks.tobytes(), self.block_size * TOKEN_DTYPE.itemsize
+        out, fresh = [], _BLAKE2B_16.copy
+        for j, chain in enumerate(chains):
+            h = fresh()
+            h.update(
+                (chain.digests[-1] if chain.digests else chain.root)
+                + data[j * width : (j + 1) * width]
+            )
+            digest = h.digest()
+            out.append((digest, digest))
+        return out
 
     def match(
         self, tokens: Any, cache_salt: str | bytes | None = None
