@@ -196,6 +196,13 @@ class BlockPool:
     def take(self, n: int) -> np.ndarray:
         """``n`` blocks as an ``int32`` array, refcount 1 each (``n <= num_free``, unchecked)."""
         top = self._top
+        if n == 1 and top:  # one block (an admission, a per-token step): no reversal, no gather
+            blocks = self._free[top - 1 : top].copy()
+            self._top = top - 1
+            if self._journal is not None:
+                self._journal.append(("take", top, blocks))
+            self._refcount[blocks[0]] = 1
+            return blocks
         if n <= top:  # the common case: no eviction
             blocks = self._free[top - n : top][::-1].copy()
             self._top = top - n

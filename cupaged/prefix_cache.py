@@ -77,9 +77,15 @@ def token_array(tokens: Any, what: str = "tokens") -> np.ndarray:
     """
     if type(tokens) is list:  # the common case first: a list of Python ints
         try:  # struct packs 3-4x faster than np.array, and refuses ids beyond int64 or not ints
-            return _non_negative(np.frombuffer(_pack(tokens), TOKEN_DTYPE), what)
+            array = np.frombuffer(_pack(tokens), TOKEN_DTYPE)
         except (struct.error, TypeError):
             array = np.array(tokens)  # for the message below
+        else:
+            if len(tokens) <= 32:  # a short list: Python's min beats a reduction
+                if tokens and min(tokens) < 0:
+                    raise ValueError(f"expected {what} in 0 .. 2**63 - 1, got the id {min(tokens)}")
+                return array
+            return _non_negative(array, what)
     elif isinstance(tokens, (str, bytes)) or not hasattr(tokens, "__len__"):
         raise TypeError(
             f"expected {what} to be a sequence of int token ids, got {type(tokens).__name__}"
