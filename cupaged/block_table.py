@@ -214,6 +214,8 @@ class SequenceBatch:
     def __init__(self, manager: BlockManager, sids: np.ndarray, rows: np.ndarray, xp: ModuleType):
         self._manager = manager
         self._sids = sids
+        self._sids_view = sids.view()  # follows replace(); callers cannot write through it
+        self._sids_view.flags.writeable = False
         self._rows = rows
         self._xp = xp
         self._device: Any = None  # [len, width] int32 block tables on the device
@@ -222,9 +224,7 @@ class SequenceBatch:
 
     @property
     def sids(self) -> np.ndarray:
-        view = self._sids.view()
-        view.flags.writeable = False
-        return view
+        return self._sids_view
 
     def __len__(self) -> int:
         return self._sids.size
