@@ -178,8 +178,8 @@ class PagedCache(BlockManager):
             sids: a :class:`SequenceBatch`, one sequence id, or several distinct ones.
             num_tokens: tokens per sequence: one int for all, or one per sequence.
             tokens: the new tokens' ids (see :meth:`BlockManager.step`); required with prefix
-                caching (full blocks are registered at once: write their K/V before anyone
-                attends).
+                caching (full blocks become findable once their K/V are known written: at the
+                sequence's next step, or by :meth:`commit`).
 
         Returns:
             ``[sum(num_tokens)]`` int32 slot mapping on the cache's device, sequence after sequence
