@@ -68,9 +68,17 @@ class StepPlan:
         copy_dst: ``[num_copies]`` int32 host array: ... onto these fresh blocks, in every layer,
             before any K/V of this step is written. Empty when nothing is shared.
         copies_applied: whether :class:`~cupaged.PagedCache` already copied them.
+        block_tables: with ``step(..., tables=True)``, the batch's ``[len(batch), width]`` int32
+            block tables on the device (as :meth:`BlockManager.block_tables` returns them, the
+            step's tokens included), else ``None``.
+        context_lens: with ``tables=True``, ``[len(batch)]`` int32 on the device: each
+            sequence's length after the step (its new tokens included), else ``None``.
     """
 
-    __slots__ = ("_counts", "_size", "copies_applied", "copy_dst", "copy_src", "slots")
+    __slots__ = (
+        "_counts", "_size", "block_tables", "context_lens", "copies_applied", "copy_dst",
+        "copy_src", "slots",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -83,6 +91,7 @@ class StepPlan:
     ) -> None:
         self.slots, self.copy_src, self.copy_dst = slots, copy_src, copy_dst
         self._counts, self._size, self.copies_applied = counts, size, copies_applied
+        self.block_tables = self.context_lens = None
 
     @property
     def num_tokens(self) -> np.ndarray:
@@ -473,6 +482,8 @@ class BlockManager:
         sids: int | Iterable[int] | SequenceBatch,
         num_tokens: int | Sequence[int] | np.ndarray = 1,
         tokens: Any = None,
+        *,
+        tables: bool = False,
     ) -> StepPlan:
         """Make room for the next tokens of a batch: the slots to write and the blocks to copy.
 
@@ -488,6 +499,9 @@ class BlockManager:
                 one sequence of ids per sequence (one sequence of ids for a single id). Required
                 with prefix caching (full blocks are registered under keys of their token ids),
                 checked and otherwise unused without it.
+            tables: also build the batch's block tables and lengths (``plan.block_tables``,
+                ``plan.context_lens``): with ``plan.slots`` and ``plan.query_start_loc``, every
+                argument a mixed step's attention (``paged_prefill``) needs, from one call.
 
         Returns:
             The :class:`StepPlan`.
@@ -498,7 +512,10 @@ class BlockManager:
         new_tokens = self._check_tokens(single, rows.size, counts, tokens)
         with self._atomic:
             slots, src, dst = self._plan(rows, counts, new_tokens, None)
-        return StepPlan(self._xp.asarray(slots), src, dst, counts, rows.size)
+        plan = StepPlan(self._xp.asarray(slots), src, dst, counts, rows.size)
+        if tables:
+            plan.block_tables, plan.context_lens = self._tables(rows, sids)
+        return plan
 
     def block_tables(self, sids: Iterable[int] | SequenceBatch) -> tuple[Any, Any]:
         """Dense block tables and lengths of a batch, on the manager's device, for attention.
@@ -515,7 +532,9 @@ class BlockManager:
             is the batch's longest table (at least 1); for a :class:`SequenceBatch` it is at
             least that, and the array is the batch's own, refreshed in place by the next call.
         """
-        rows = self._batch_rows(sids)
+        return self._tables(self._batch_rows(sids), sids)
+
+    def _tables(self, rows: np.ndarray, sids: Any) -> tuple[Any, Any]:
         table = self._seqs
         lens = table.lens[rows]
         if isinstance(sids, SequenceBatch):

@@ -143,16 +143,19 @@ class PagedCache(BlockManager):
         tokens: Any = None,
         *,
         apply_copies: bool = True,
+        tables: bool = False,
     ) -> StepPlan:
         """:meth:`BlockManager.step`, with the copy-on-write copies applied to ``k`` and ``v``.
 
         Args:
+            tables: also build ``plan.block_tables`` and ``plan.context_lens`` (see
+                :meth:`BlockManager.step`).
             apply_copies: ``False`` leaves them to the caller (``plan.copies_applied`` is then
                 ``False``): call :meth:`apply_copies` with ``plan.copy_src, plan.copy_dst`` (or
                 batch them with your own launch) before writing this step's K/V.
         """
         with self._atomic as atomic:  # a failed copy undoes the plan too
-            plan = super().step(sids, num_tokens, tokens)
+            plan = super().step(sids, num_tokens, tokens, tables=tables)
             if apply_copies and plan.copy_src.size:
                 atomic.kv_written = True
                 self._copy(plan.copy_src, plan.copy_dst, checked=False)  # its own plan: valid

@@ -11,7 +11,7 @@ import random
 
 import numpy as np
 import pytest
-from helpers import random_array
+from helpers import assert_close, random_array
 
 from cupaged import (
     BlockManager,
@@ -21,6 +21,9 @@ from cupaged import (
     PagedCache,
     PrefixCache,
     block_manager,
+    paged_prefill,
+    reference_prefill,
+    write_kv,
 )
 
 BS = 4
@@ -451,3 +454,25 @@ def test_prefix_cache_over_a_bare_pool():
     assert hits == own[:1] and len(chain.keys) == 1
     with pytest.raises(ValueError, match="expected 4 token ids for 2 full block"):
         prefix.extend(chain, [1, 2, 3], own[1:])
+
+
+def test_one_step_call_gives_every_argument_of_a_mixed_steps_attention():
+    """``step(..., tables=True)``: slots, query_start_loc, tables and lengths for paged_prefill."""
+    rng = np.random.default_rng(3)
+    cache = PagedCache(32, block_size=BS, num_layers=1, num_kv_heads=2, head_dim=64,
+                       dtype="float32", device="cpu")  # fmt: skip
+    prefill, decode = cache.admit(list(range(5))), cache.admit(list(range(9)))
+    for admission in (prefill, decode):  # the prompts' K/V
+        k = random_array(rng, (len(admission.slots), 2, 64), "float32")
+        write_kv(cache.k[0], cache.v[0], k, k, admission.slots)
+    plan = cache.step([prefill.sid, decode.sid], [3, 1], tables=True)  # a chunk and a decode row
+    assert plan.query_start_loc.tolist() == [0, 3, 4]
+    assert plan.context_lens.tolist() == [8, 10]
+    expected_tables, _ = cache.block_tables([prefill.sid, decode.sid])
+    np.testing.assert_array_equal(plan.block_tables, expected_tables)
+    k = random_array(rng, (4, 2, 64), "float32")
+    write_kv(cache.k[0], cache.v[0], k, k, plan.slots)
+    q = random_array(rng, (4, 4, 64), "float32")
+    args = (q, cache.k[0], cache.v[0], plan.block_tables, plan.context_lens, plan.query_start_loc)
+    assert_close(paged_prefill(*args), reference_prefill(*args, compute_dtype="float64"), "float32")
+    assert cache.step([prefill.sid]).block_tables is None  # only when asked
