@@ -843,9 +843,13 @@ class BlockManager:
             new = pool.take(crossing.size)
             table.tables[grown, at] = new
             table.version[grown] = table.clock
-            table.ensure_width(int(at.max()) + 2)
             blocks[crossing] = new
         table.lens[rows] = lens + 1
+        if crossing.size:  # each crossing row holds one block more: keep a spare column
+            table.held_bound += 1
+            if table.held_bound + 1 > table.width:
+                table.held_bound = 0  # the true maximum over all rows, then grow if needed
+                table.ensure_width(cdiv(int(table.lens.max()), bs) + 1)
         if registering:
             self._register(rows, lens, 1, tokens, keys)
         return blocks * bs + offset, _NO_COPIES, _NO_COPIES

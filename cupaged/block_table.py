@@ -54,6 +54,9 @@ class SequenceTable:
         self.tail = np.zeros((rows, tail_width), np.int64)
         self.pending = np.zeros(rows, bool)
         self.clock = 1
+        # An upper bound on the blocks any row holds: a decode step raises it by one without a
+        # reduction over the batch, and only when it reaches the width is the true maximum taken.
+        self.held_bound = 0
         self._free_rows: list[int] = list(range(rows - 1, -1, -1))
 
     @property
@@ -144,7 +147,10 @@ class SequenceTable:
         self.version[rows] = self.clock
 
     def ensure_width(self, width: int) -> None:
-        """At least ``width`` columns (the block manager keeps one spare past every table)."""
+        """At least ``width`` columns (the block manager keeps one spare past every table, so
+        ``width - 1`` bounds the blocks of the row it grows)."""
+        if width > self.held_bound:
+            self.held_bound = width - 1
         if width > self.tables.shape[1]:
             tables = np.zeros(
                 (self.tables.shape[0], max(width, 2 * self.tables.shape[1])), np.int32

@@ -476,3 +476,20 @@ def test_one_step_call_gives_every_argument_of_a_mixed_steps_attention():
     args = (q, cache.k[0], cache.v[0], plan.block_tables, plan.context_lens, plan.query_start_loc)
     assert_close(paged_prefill(*args), reference_prefill(*args, compute_dtype="float64"), "float32")
     assert cache.step([prefill.sid]).block_tables is None  # only when asked
+
+
+def test_decode_steps_grow_the_tables_past_their_width():
+    """Block size 1: every decode step takes a block for every sequence, far past 16 columns."""
+    m = manager(num_blocks=1024, block_size=1)
+    sids = [m.admit([s]).sid for s in range(8)]
+    batch = m.batch(sids)  # 8 sequences: the vectorised decode path
+    for step in range(100):
+        plan = m.step(batch)
+        tables, lens = m.block_tables(batch)
+        assert lens.tolist() == [step + 2] * 8
+        for i, sid in enumerate(sids):
+            table = m.block_table(sid)
+            assert len(table) == step + 2 and plan.slots[i] == table[-1]
+            assert tables[i, : len(table)].tolist() == table
+    assert m._seqs.width > 101  # one spare column past the longest table
+    m.check_invariants()
