@@ -4,7 +4,7 @@ No installable package runs CUDA C on a CPU, so cupaged carries a small one (DES
 
 - ``csrc/shim.h``, force-included before the kernel source, turns the CUDA device API into host
   C++ (keywords, built-in variables, barriers, warp collectives, assert, atomics, device math,
-  half/bfloat16 fallbacks);
+  half/bfloat16 fallbacks, the async copies of ``cuda_pipeline_primitives.h``);
 - ``csrc/runtime.h`` runs each CUDA thread as a fiber: a block's threads on one OS thread,
   switched by hand at barriers and warp collectives, blocks spread over a few OS threads;
   deadlocks, failed asserts and divergent barriers become :class:`~cupaged.errors.KernelError`;
@@ -27,7 +27,9 @@ Example (not a doctest: it compiles for a second or two)::
 
 Kernels written for it follow DESIGN.md §4; the shim's own notes (csrc/shim.h) list what it emulates
 and how: barriers count live threads, warp collectives wait per mask, shared memory (static and
-dynamic) is NaN before every block, device asserts and deadlocks raise ``KernelError``.
+dynamic) is NaN before every block, an async copy (``__pipeline_memcpy_async``) leaves NaN in its
+destination until the issuing thread's ``__pipeline_wait_prior`` lands it, device asserts and
+deadlocks raise ``KernelError``.
 """
 
 from __future__ import annotations

@@ -149,6 +149,22 @@ struct Launch {
   int pool_helpers;  // pool threads inside this launch (under the pool's mutex)
 };
 
+// The asynchronous copies a CUDA thread has issued and not yet seen land (shim.h section 11).
+struct AsyncCopy {
+  unsigned char data[16];  // the source bytes, read at issue, then the zero fill
+  unsigned char* dst;
+  const char* file;
+  int line;
+  unsigned batch;  // the thread's commits before this copy
+  unsigned bytes;
+};
+
+struct Pipeline {
+  unsigned count, capacity;  // pending copies, in issue order (so in batch order)
+  unsigned commits;          // batches committed by the thread in this block
+  AsyncCopy* copies;
+};
+
 struct Fiber {
   void* sp;  // saved stack pointer while suspended
   char* stack_top;
@@ -163,6 +179,9 @@ struct Fiber {
   unsigned mask;
   int arg, width;
   unsigned long long value, result;
+  // Its async-copy queue: null until the thread's first __pipeline_* call in this block, so that a
+  // kernel without async copies pays one store per thread and block and one test at its exit.
+  Pipeline* pipe;
 #if defined(__SANITIZE_ADDRESS__)
   void* asan_fake_stack;  // ASan's bookkeeping for the fiber while it is switched out
 #endif
@@ -194,6 +213,7 @@ struct Worker {
   size_t dynamic_shared_bytes;
   unsigned char* static_shared;  // this OS thread's copy of the module's thread-local storage
   size_t static_shared_bytes;
+  Pipeline** pipelines;  // one slot per thread of the block, allocated at first use
   // Block-wide barrier (__syncthreads and friends).
   unsigned live;        // fibers that have not returned
   unsigned at_barrier;  // fibers blocked in the barrier
@@ -356,6 +376,138 @@ static void yield_to_scheduler(Worker* w, Fiber* f) {
   abandon_fiber(w);
 }
 
+// ---- Asynchronous copies (cuda_pipeline_primitives.h; shim.h section 11) ----------------------
+// Per CUDA thread, a queue of the copies it issued: the source bytes are read at issue and the
+// destination is poisoned; a wait lands the completed batches in issue order. The queue grows by
+// doubling up to kMaxPendingCopies (16 KiB in 16-byte copies from one thread, far more than the
+// few stages of a pipeline keep in flight: more is a missing wait, not a deep pipeline).
+constexpr unsigned kMaxPendingCopies = 1024;
+constexpr size_t kMaxWaitPrior = 8;  // cuda_pipeline_primitives.h treats a larger N as 8
+
+[[noreturn]] __attribute__((format(printf, 5, 6))) static void fail_pipeline(
+    Worker* w, const char* call, const char* file, int line, const char* fmt, ...) {
+  if (claim_error(w->launch)) {
+    char what[256];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(what, sizeof what, fmt, ap);
+    va_end(ap);
+    Text t = error_text(w->launch);
+    t.add("%s in %s at %s:%d: %s; ", call, w->launch->kernel->name, base_name(file), line, what);
+    add_where(t, w->current);
+  }
+  abandon_fiber(w);
+}
+
+static bool in_range(const void* p, size_t n, const unsigned char* base, size_t bytes) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p), b = reinterpret_cast<uintptr_t>(base);
+  return base != nullptr && a >= b && a - b <= bytes && n <= bytes - (a - b);
+}
+
+// True when [p, p + n) lies in the block's dynamic shared memory or in the static __shared__
+// variables (this OS thread's copy of the module's thread-local storage).
+static bool in_shared(const Worker* w, const void* p, size_t n) {
+  return in_range(p, n, w->dynamic_shared, w->dynamic_shared_bytes) ||
+         in_range(p, n, w->static_shared, w->static_shared_bytes);
+}
+
+static Pipeline* fiber_pipeline(Worker* w, const char* call, const char* file, int line) {
+  Fiber* f = w->current;
+  if (f->pipe != nullptr) return f->pipe;
+  Pipeline* p = w->pipelines[f->linear];
+  if (p == nullptr) {
+    p = static_cast<Pipeline*>(calloc(1, sizeof(Pipeline)));
+    if (p == nullptr) fail_pipeline(w, call, file, line, "out of memory for the copy queue");
+    w->pipelines[f->linear] = p;
+  }
+  p->count = 0;
+  p->commits = 0;
+  f->pipe = p;
+  return p;
+}
+
+void pipeline_memcpy_async(void* dst_shared, const void* src_global, size_t size, size_t zfill,
+                           const char* file, int line) {
+  Worker* w = tls_worker;
+  const char* call = "__pipeline_memcpy_async";
+  if (size != 4 && size != 8 && size != 16) {
+    fail_pipeline(w, call, file, line, "size_and_align %zu, expected 4, 8 or 16", size);
+  }
+  if (zfill > size) {
+    fail_pipeline(w, call, file, line, "zfill %zu, expected at most size_and_align (%zu)", zfill,
+                  size);
+  }
+  const uintptr_t dst = reinterpret_cast<uintptr_t>(dst_shared);
+  const uintptr_t src = reinterpret_cast<uintptr_t>(src_global);
+  if ((dst | src) & (size - 1)) {
+    fail_pipeline(w, call, file, line,
+                  "dst_shared %p and src_global %p must both be aligned to size_and_align (%zu "
+                  "bytes)",
+                  dst_shared, src_global, size);
+  }
+  if (!in_shared(w, dst_shared, size)) {
+    fail_pipeline(w, call, file, line, "dst_shared %p is not in the block's shared memory",
+                  dst_shared);
+  }
+  if (in_shared(w, src_global, 1)) {
+    fail_pipeline(w, call, file, line, "src_global %p is shared memory, expected global memory",
+                  src_global);
+  }
+  Pipeline* p = fiber_pipeline(w, call, file, line);
+  if (p->count == p->capacity) {
+    if (p->capacity == kMaxPendingCopies) {
+      fail_pipeline(w, call, file, line,
+                    "%u copies of this thread pending, the first issued at %s:%d; a "
+                    "__pipeline_commit/__pipeline_wait_prior missing?",
+                    p->count, base_name(p->copies[0].file), p->copies[0].line);
+    }
+    const unsigned capacity = p->capacity == 0 ? 16 : 2 * p->capacity;
+    void* grown = realloc(p->copies, capacity * sizeof(AsyncCopy));
+    if (grown == nullptr) fail_pipeline(w, call, file, line, "out of memory for the copy queue");
+    p->copies = static_cast<AsyncCopy*>(grown);
+    p->capacity = capacity;
+  }
+  AsyncCopy& c = p->copies[p->count++];
+  const size_t copied = size - zfill;
+  memcpy(c.data, src_global, copied);
+  memset(c.data + copied, 0, zfill);
+  c.dst = static_cast<unsigned char*>(dst_shared);
+  c.file = file;
+  c.line = line;
+  c.batch = p->commits;
+  c.bytes = static_cast<unsigned>(size);
+  memset(dst_shared, 0xff, size);  // undefined until the wait: the poison shows any early read
+}
+
+void pipeline_commit(const char* file, int line) {
+  ++fiber_pipeline(tls_worker, "__pipeline_commit", file, line)->commits;
+}
+
+void pipeline_wait_prior(size_t prior) {
+  Pipeline* p = tls_worker->current->pipe;
+  if (p == nullptr || p->count == 0) return;
+  if (prior > kMaxWaitPrior) prior = kMaxWaitPrior;
+  if (p->commits <= prior) return;
+  const unsigned limit = p->commits - static_cast<unsigned>(prior);  // batches below it complete
+  unsigned k = 0;
+  for (; k < p->count && p->copies[k].batch < limit; ++k) {
+    memcpy(p->copies[k].dst, p->copies[k].data, p->copies[k].bytes);
+  }
+  if (k == 0) return;
+  p->count -= k;
+  memmove(p->copies, p->copies + k, p->count * sizeof(AsyncCopy));
+}
+
+// A thread that returns with copies pending: on the GPU they land at some later moment, over
+// shared memory that the block may read or reuse, so a kernel must wait for every copy it issues.
+[[noreturn]] static void fail_pending_copies(Worker* w, Fiber* f) {
+  const Pipeline* p = f->pipe;
+  fail_pipeline(w, "thread exit", p->copies[0].file, p->copies[0].line,
+                "%u async cop%s (the first issued here) never completed by a "
+                "__pipeline_wait_prior; end the pipeline with __pipeline_wait_prior(0)",
+                p->count, p->count == 1 ? "y" : "ies");
+}
+
 // ---- Fibers -------------------------------------------------------------------------------------
 static void release_barrier(Worker* w) {
   const unsigned long long result =
@@ -380,6 +532,7 @@ static void fiber_main(Worker* w) {
   const KernelEntry* k = w->launch->kernel;
   k->thunk(k->function, w->launch->args);
   Fiber* f = w->current;
+  if (f->pipe != nullptr && f->pipe->count != 0) fail_pending_copies(w, f);
   f->state = kExited;
   w->warps[f->warp].exited |= 1u << f->lane;
   --w->live;
@@ -748,6 +901,7 @@ static bool run_block(Worker* w, unsigned long long block) {
     Fiber* f = &w->fibers[i];
     f->state = kRunnable;
     f->op = kOpNone;
+    f->pipe = nullptr;
     init_fiber_stack(w, f);
   }
   for (unsigned i = 0; i < w->num_warps; ++i) {
@@ -794,7 +948,8 @@ struct ThreadCache {
   Fiber* fibers;
   WarpState* warps;
   unsigned* order;
-  unsigned capacity;  // threads the three arrays above hold
+  Pipeline** pipelines;  // each allocated at its thread's first async copy, then kept
+  unsigned capacity;     // threads the four arrays above hold
   StackSet* stacks;
   unsigned char* dynamic_shared;
   size_t dynamic_capacity;
@@ -810,6 +965,11 @@ static void free_thread_cache(void* p) {
   ThreadCache* c = static_cast<ThreadCache*>(p);
   if (c == nullptr) return;
   release_stacks(c->stacks);
+  for (unsigned i = 0; c->pipelines != nullptr && i < c->capacity; ++i) {
+    if (c->pipelines[i] != nullptr) free(c->pipelines[i]->copies);
+    free(c->pipelines[i]);
+  }
+  free(c->pipelines);
   free(c->fibers);
   free(c->warps);
   free(c->order);
@@ -843,7 +1003,12 @@ static bool reserve_thread_cache(ThreadCache* c, unsigned n, size_t shared) {
     if (ws != nullptr) c->warps = ws;
     unsigned* order = static_cast<unsigned*>(realloc(c->order, n * sizeof(unsigned)));
     if (order != nullptr) c->order = order;
-    if (fibers == nullptr || ws == nullptr || order == nullptr) return false;
+    Pipeline** pipes = static_cast<Pipeline**>(realloc(c->pipelines, n * sizeof(Pipeline*)));
+    if (pipes != nullptr) {
+      c->pipelines = pipes;
+      memset(pipes + c->capacity, 0, (n - c->capacity) * sizeof(Pipeline*));
+    }
+    if (fibers == nullptr || ws == nullptr || order == nullptr || pipes == nullptr) return false;
     c->capacity = n;
   }
   if (c->stacks == nullptr || c->stacks->count < n) {
@@ -879,6 +1044,7 @@ static bool setup_worker(Worker* w, Launch* L, ThreadCache* c) {
   w->fibers = c->fibers;
   w->warps = c->warps;
   w->order = c->order;
+  w->pipelines = c->pipelines;
   w->stacks = c->stacks;
   w->dynamic_shared = c->dynamic_shared;
   w->dynamic_shared_bytes = shared;

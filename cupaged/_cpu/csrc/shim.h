@@ -9,7 +9,18 @@
 //   - threadIdx / blockIdx / blockDim / gridDim, which the runtime (runtime.h) rewrites on every
 //     switch between CUDA threads (fibers);
 //   - __syncthreads, the warp collectives (__shfl*_sync, __ballot_sync, __any_sync, __all_sync,
-//     __syncwarp), device assert, atomics and the device math functions.
+//     __syncwarp), device assert, atomics and the device math functions;
+//   - the asynchronous copies of cuda_pipeline_primitives.h (__pipeline_memcpy_async,
+//     __pipeline_commit, __pipeline_wait_prior; section 11), deferred so that a missing wait shows:
+//     a copy's destination turns to poison (0xFF bytes, NaN) when the copy is issued and receives
+//     the data only when the issuing thread's __pipeline_wait_prior completes its batch. A read
+//     before the wait, or by another thread before the __syncthreads that follows the wait, sees
+//     NaN, and so does a thread still reading a stage that another thread refills. Each thread keeps
+//     its own queue (at most 1024 pending copies); a thread that returns with copies still pending
+//     fails the launch (end a pipelined loop with __pipeline_wait_prior(0)), as do a size other
+//     than 4, 8 or 16, a zfill above the size, a misaligned address (both sides aligned to the
+//     size), a destination outside shared memory or a source inside it: KernelError naming the
+//     kernel, the call's file and line, the block and the thread.
 //
 // Every synchronising call takes its call site through default arguments (__builtin_FILE() and
 // __builtin_LINE() are evaluated where the call is written), so that a divergent barrier or a
@@ -434,3 +445,39 @@ CUPAGED_CPU_HALF_MATH(__nv_bfloat16, __bfloat162float, __float2bfloat16_rn)
 CUPAGED_CPU_PAIR_MATH(__half2, __half, __half2float, __halves2half2)
 CUPAGED_CPU_PAIR_MATH(__nv_bfloat162, __nv_bfloat16, __bfloat162float, __halves2bfloat162)
 #undef CUPAGED_CPU_PAIR_MATH
+
+// ---- 11. Asynchronous copies: cuda_pipeline_primitives.h ------------------------------------
+// A kernel includes <cuda_pipeline_primitives.h> on both backends (DESIGN.md §4). The CUDA header
+// is device code (cp.async), so its include guard is set here and the functions below stand in
+// for it, with its signatures and checks. The runtime (runtime.h, "Asynchronous copies") keeps
+// each CUDA thread's pending copies and lands them at the wait that completes their batch:
+//
+//   __pipeline_memcpy_async(dst, src, 16)  dst := poison now; src's 16 bytes are read now and
+//                                          queued in the thread's open batch
+//   __pipeline_commit()                    closes the open batch (an empty one too, as on the GPU)
+//   __pipeline_wait_prior(N)               lands, in issue order, every batch but the N most recent
+//                                          committed ones (N above 8 counts as 8, like the header);
+//                                          copies not yet committed stay pending
+//
+// The poison at issue stands for "undefined until the wait" on the GPU, where a copy lands at any
+// moment in between: it exposes both a read before the wait and a copy issued into a buffer that
+// another thread still reads (a missing __syncthreads before the refill).
+#define _CUDA_PIPELINE_PRIMITIVES_H_
+
+namespace cupaged_cpu {
+void pipeline_memcpy_async(void* dst_shared, const void* src_global, size_t size_and_align,
+                           size_t zfill, const char* file, int line);
+void pipeline_commit(const char* file, int line);
+void pipeline_wait_prior(size_t prior);
+}  // namespace cupaged_cpu
+
+inline void __pipeline_memcpy_async(void* __restrict__ dst_shared,
+                                    const void* __restrict__ src_global, size_t size_and_align,
+                                    size_t zfill = 0, const char* file = __builtin_FILE(),
+                                    int line = __builtin_LINE()) {
+  cupaged_cpu::pipeline_memcpy_async(dst_shared, src_global, size_and_align, zfill, file, line);
+}
+inline void __pipeline_commit(const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
+  cupaged_cpu::pipeline_commit(file, line);
+}
+inline void __pipeline_wait_prior(size_t prior) { cupaged_cpu::pipeline_wait_prior(prior); }
