@@ -1,0 +1,259 @@
+"""scripts/kernel-report: the static performance report, and the properties it pins (issue 11).
+
+The report compiles with NVRTC (no GPU) and disassembles with nvdisasm. One ``--quick`` run (head_dim
+128, block 16, groups 1/4/8, every kernel and dtype, sm_80 and sm_90) feeds every test here. Tests
+marked ``xfail(strict=True)`` pin what issue 11's new decode kernel must reach and today's does not:
+they fail now (that is checked: strict), and the day they pass, the mark goes.
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
+
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "kernel-report"
+HALF_DTYPES = ("float16", "bfloat16")
+
+
+def load_script():
+    loader = importlib.machinery.SourceFileLoader("kernel_report", str(SCRIPT))
+    spec = importlib.util.spec_from_loader("kernel_report", loader)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["kernel_report"] = module  # dataclasses look their module up
+    loader.exec_module(module)
+    return module
+
+
+kr = load_script()
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    """``(markdown, rows)`` of ``scripts/kernel-report --quick --json``."""
+    path = tmp_path_factory.mktemp("report") / "report.json"
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--quick", "--json", str(path)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout, json.loads(path.read_text())["rows"]
+
+
+def decode_rows(rows, gpu=None, dtypes=HALF_DTYPES):
+    return [
+        r
+        for r in rows
+        if r["kernel"] == "paged_decode" and r["dtype"] in dtypes and gpu in (None, r["gpu"])
+    ]
+
+
+def test_the_subset_covers_every_kernel_dtype_gpu_and_group(quick):
+    _, rows = quick
+    assert {r["kernel"] for r in rows} == set(kr.SOURCES)
+    assert {r["gpu"] for r in rows} == {"A100", "H100", "H200"}
+    assert {r["dtype"] for r in rows} == {"float32", "float16", "bfloat16", ""}
+    decode = decode_rows(rows, "H100", kr.DTYPES)
+    assert sorted((r["dtype"], r["group"]) for r in decode) == sorted(
+        (d, g) for d in kr.DTYPES for g in (1, 4, 8)
+    )
+    assert {(r["head_dim"], r["block_size"]) for r in decode} == {(128, 16)}
+
+
+def test_the_table_has_its_columns_and_labels_every_model(quick):
+    markdown, rows = quick
+    header = next(line for line in markdown.splitlines() if line.startswith("| GPU |"))
+    cells = [c.strip() for c in header.strip("|").split("|")]
+    assert cells == list(kr.COLUMNS)
+    for column in ("in flight", "cycles"):
+        assert all("(model)" in c for c in cells if column in c), cells
+    assert "Static analysis" in markdown and "not GPU measurements" in markdown
+    body = [line for line in markdown.splitlines() if line.startswith("| ") and "---" not in line]
+    assert len(body) == 1 + len(rows)
+    required = {
+        "gpu", "arch", "kernel", "name", "dtype", "head_dim", "block_size", "group", "registers",
+        "spill_stores", "spill_loads", "static_smem", "dynamic_smem", "ctas_per_sm",
+        "warps_per_sm", "memory_ops_in_loops", "memory_ops_whole_kernel",
+        "model_bytes_in_flight_per_sm",
+    }  # fmt: skip
+    for row in rows:
+        assert required <= set(row), required - set(row)
+        assert all(not k.startswith(("model", "modelled")) or k.startswith("model_") for k in row)
+    for row in decode_rows(rows, dtypes=kr.DTYPES):
+        assert row["model_smem_cycles_per_tile"] > 0 and row["model_dram_cycles_per_tile"] > 0
+
+
+def test_no_spills_for_fp16_bf16_on_sm90(quick):
+    _, rows = quick
+    half = [r for r in rows if r["arch"] == "sm_90" and r["dtype"] in HALF_DTYPES]
+    assert half
+    spilling = [(r["name"], r["spill_stores"], r["spill_loads"]) for r in half
+                if r["spill_stores"] or r["spill_loads"]]  # fmt: skip
+    assert not spilling
+
+
+def test_no_spills_for_fp16_bf16_on_sm80_except_decode(quick):
+    _, rows = quick
+    half = [r for r in rows if r["arch"] == "sm_80" and r["dtype"] in HALF_DTYPES
+            and r["kernel"] != "paged_decode"]  # fmt: skip
+    assert half
+    assert not [r["name"] for r in half if r["spill_stores"] or r["spill_loads"]]
+
+
+@pytest.mark.xfail(
+    nvrtc.getVersion()[0] == 12,
+    strict=True,
+    reason="the decode kernel of issue 11: today's paged_decode, compiled by NVRTC 12.9 for sm_80, "
+    "spills 16/24 bytes at fp16/bf16 (64 registers; nvcc 13.0's ptxas: 56 and no spill)",
+)
+def test_no_spills_for_fp16_bf16_decode_on_sm80(quick):
+    _, rows = quick
+    decode = [r for r in decode_rows(rows) if r["arch"] == "sm_80"]
+    assert decode
+    assert not [r["name"] for r in decode if r["spill_stores"] or r["spill_loads"]]
+
+
+def test_decode_kv_global_loads_are_128_bit(quick):
+    _, rows = quick
+    for row in decode_rows(rows, dtypes=kr.DTYPES):
+        fills = row["tile_fill_loops"]
+        assert fills, row["name"]
+        for counts in fills:
+            narrow = [k for k in counts if k.split(".")[0] in ("LDG", "LDGSTS")
+                      and not k.endswith(".128")]  # fmt: skip
+            assert not narrow, (row["name"], counts)
+        wide = sum(n for c in fills for k, n in c.items() if k in ("LDG.128", "LDGSTS.128"))
+        assert wide >= 2, (row["name"], fills)  # K and V
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="the decode kernel of issue 11: today's reads K/V from shared memory with 16-bit "
+    "scalar loads (LDS.U16: bf16 K in the score loop, fp16/bf16 V in the P·V loop)",
+)
+def test_no_16_bit_shared_loads_in_the_decode_loops(quick):
+    _, rows = quick
+    narrow = {
+        (r["name"], k)
+        for r in decode_rows(rows)
+        for k in r["memory_ops_in_loops"]
+        if k in ("LDS.16", "LDS.8")
+    }
+    assert not narrow
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="the decode kernel of issue 11: today's re-reads K/V from shared memory per query "
+    "head (64-bit/16-bit, 4-way conflicts), so the bank model exceeds DRAM time from G = 4",
+)
+def test_modelled_shared_time_below_dram_time_on_h100_up_to_group_8(quick):
+    _, rows = quick
+    decode = [r for r in decode_rows(rows, "H100") if r["group"] <= 8]
+    assert len(decode) == 6
+    over = [
+        (r["dtype"], r["group"], r["model_smem_cycles_per_tile"], r["model_dram_cycles_per_tile"])
+        for r in decode
+        if r["model_smem_cycles_per_tile"] is None
+        or r["model_smem_cycles_per_tile"] >= r["model_dram_cycles_per_tile"]
+    ]
+    assert not over
+
+
+def test_occupancy_is_the_most_ctas_every_limit_allows(quick):
+    _, rows = quick
+    for row in rows:
+        lim = kr.SM_LIMITS[row["arch"]]
+        warps = -(-row["threads"] // 32)
+        regs = -(-row["registers"] * 32 // 256) * 256 * warps  # per CTA, allocated per warp
+        smem = -(-(row["static_smem"] + row["dynamic_smem"] + 1024) // 128) * 128
+
+        def fits(ctas, lim=lim, warps=warps, regs=regs, smem=smem):
+            return (
+                ctas <= lim["max_ctas_per_sm"]
+                and ctas * warps * 32 <= lim["max_threads_per_sm"]
+                and ctas * regs <= lim["regs_per_sm"]
+                and ctas * smem <= lim["smem_per_sm"]
+            )
+
+        ctas = row["ctas_per_sm"]
+        assert ctas >= 1 and fits(ctas) and not fits(ctas + 1), row
+        assert row["warps_per_sm"] == ctas * warps
+        assert row["model_bytes_in_flight_per_sm"] % row["warps_per_sm"] == 0
+
+
+def test_the_published_limits():
+    assert kr.SM_LIMITS["sm_80"]["smem_per_sm"] == 164 * 1024
+    assert kr.SM_LIMITS["sm_90"]["smem_per_sm"] == 228 * 1024
+    for lim in kr.SM_LIMITS.values():
+        assert (lim["regs_per_sm"], lim["max_threads_per_sm"], lim["max_ctas_per_sm"]) == (
+            65536, 2048, 32,
+        )  # fmt: skip
+    assert {g: (v["arch"], v["sms"]) for g, v in kr.GPUS.items()} == {
+        "A100": ("sm_80", 108), "H100": ("sm_90", 132), "H200": ("sm_90", 132),
+    }  # fmt: skip
+
+
+def test_dram_cycles_per_tile_from_the_published_bandwidth(quick):
+    _, rows = quick
+    per_cycle = {"A100": 1.555e12 / (108 * 1.41e9), "H100": 3.35e12 / (132 * 1.98e9),
+                 "H200": 4.8e12 / (132 * 1.98e9)}  # fmt: skip
+    for row in decode_rows(rows, dtypes=kr.DTYPES):
+        size = {"float32": 4, "float16": 2, "bfloat16": 2}[row["dtype"]]
+        tile_bytes = 2 * row["tile"] * 128 * size  # K and V of one tile
+        assert row["model_dram_cycles_per_tile"] == round(tile_bytes / per_cycle[row["gpu"]])
+
+
+def test_the_bank_model_on_known_patterns():
+    contiguous = [16 * lane for lane in range(32)]
+    assert kr.bank_cycles(contiguous, 16) == 4  # 512 bytes at 128 a cycle
+    assert kr.bank_cycles([4 * lane for lane in range(32)], 4) == 1
+    assert kr.bank_cycles([0] * 32, 16) == 1  # a broadcast
+    assert kr.bank_cycles([128 * lane for lane in range(32)], 4) == 32  # one bank
+    assert kr.bank_cycles([2 * lane for lane in range(32)], 2) == 1
+    # 4 tokens of a 256-byte row, 8 lanes each reading 8 bytes: 4-way on 16 banks.
+    assert kr.bank_cycles([256 * (lane // 8) + 16 * (lane % 8) for lane in range(32)], 8) == 4
+
+
+SASS = """\
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+.L_x_0:
+        /*0010*/                   LDG.E.128.CONSTANT R4, desc[UR4][R2.64] ;
+.L_x_1:
+        /*0020*/                   LDS.U16 R8, [R9] ;
+        /*0030*/              @P0  BRA `(.L_x_1) ;
+        /*0040*/                   STS.128 [R9], R4 ;
+        /*0050*/              @!P1 BRA `(.L_x_0) ;
+        /*0060*/                   STG.E.64 desc[UR4][R2.64], R4 ;
+        /*0070*/                   EXIT ;
+.L_x_2:
+        /*0080*/                   BRA `(.L_x_2);
+"""
+
+
+def test_sass_loops_are_the_innermost_backward_branches():
+    sass = kr.Sass.parse(SASS.splitlines())
+    assert sass.loops == [(2, 3)]  # the inner loop, not the outer one nor the trap after EXIT
+    assert sass.counts() == {"LDG.128": 1, "LDS.16": 1, "STS.128": 1, "STG.64": 1}
+    assert sass.loop_counts() == {"LDS.16": 1}
+    assert sass.fill_loops() == []
+
+
+def test_a_missing_tool_is_one_line_and_exit_1(tmp_path):
+    env = dict(os.environ, CUPAGED_NVDISASM=str(tmp_path / "no-nvdisasm"))
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--quick", "--kernel", "copy_blocks"],
+        capture_output=True, text=True, timeout=60, env=env,
+    )  # fmt: skip
+    assert result.returncode == 1
+    assert result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kernel-report: CUPAGED_NVDISASM="), lines
