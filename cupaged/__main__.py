@@ -1,9 +1,11 @@
-"""Command line: ``cupaged demo``, ``cupaged example``, ``cupaged --version`` (or ``python -m cupaged``).
+"""Command line: ``cupaged demo``, ``cupaged example``, ``cupaged generate``, ``cupaged model fetch``,
+``cupaged --version`` (or ``python -m cupaged``).
 
 ``demo`` serves a stream of requests through a tiny transformer with continuous batching and
 prints what paging saved. ``example`` prints the memory arithmetic of paging for a 32-layer GQA
 model, then traces a sequence through a small cache: allocation on demand, a fork,
-copy-on-write, and freeing.
+copy-on-write, and freeing. ``generate`` runs a real model (SmolLM2-135M, the ``model`` extra)
+through the paged cache; ``model fetch`` downloads it ahead of time (:mod:`cupaged.models.cli`).
 
 Errors: a bad option value exits with status 2, a setup problem (no GPU for ``--device cuda``,
 no compiler or CUDA headers for the CPU backend) with status 1; either prints one line.
@@ -21,6 +23,7 @@ from rich.text import Text
 
 from . import CacheSpec, CupagedError, PagedCache, __version__, device_module, resolve_device
 from .demo import DemoConfig
+from .models import add_cli_commands as add_model_commands
 
 MiB = 2**20
 GiB = 2**30
@@ -235,7 +238,9 @@ def build_parser() -> tuple[
                     description="A paged KV cache and paged attention for CuPy: the serving demo "
                     "and a worked example of the block arithmetic.")  # fmt: skip
     parser.add_argument("--version", action="version", version=f"cupaged {__version__}")
-    commands = parser.add_subparsers(dest="command", metavar="{demo,example}", parser_class=Parser)
+    commands = parser.add_subparsers(
+        dest="command", metavar="{demo,example,generate,model}", parser_class=Parser
+    )
     d = DemoConfig()
     run = commands.add_parser(
         "demo", help="serve requests through a tiny model; report the memory",
@@ -314,6 +319,7 @@ def build_parser() -> tuple[
                          help="where the cache lives (default: cuda when usable, else cpu)")  # fmt: skip
     example.add_argument("--max-len", type=int, default=4096,
                          help="contiguous reservation per sequence, tokens")  # fmt: skip
+    add_model_commands(commands, HelpFormatter)
     return parser, run, example
 
 
@@ -325,6 +331,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.command == "demo":
         return demo(args, run)
+    if args.command in ("generate", "model"):
+        return args.handler(args)
     if args.max_len < 1:
         example.error(f"--max-len: expected a positive number of tokens, got {args.max_len}")
     try:

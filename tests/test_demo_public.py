@@ -13,8 +13,11 @@ import pytest
 
 import cupaged
 import cupaged.demo
+import cupaged.models
 
 PUBLIC = set(cupaged.__all__) | {"__version__"}
+# cupaged.models is a public subpackage (docs/api.rst): its own __all__ is public too.
+MODELS_PUBLIC = set(cupaged.models.__all__)
 MODULES = [
     "cupaged.demo",
     *(f"cupaged.demo.{m.name}" for m in pkgutil.iter_modules(cupaged.demo.__path__)),
@@ -40,7 +43,12 @@ def private_uses(source: str, module: str, package: str) -> list[str]:
             for alias in node.names:
                 if target == "cupaged" and alias.name not in PUBLIC:
                     found.append(f"{module}: from {target} import {alias.name} (not in __all__)")
-                if target != "cupaged" and not demo_own:
+                if target == "cupaged.models":
+                    if alias.name not in MODELS_PUBLIC:
+                        found.append(
+                            f"{module}: from {target} import {alias.name} (not in its __all__)"
+                        )
+                elif target != "cupaged" and not demo_own:
                     found.append(f"{module}: from {target} import {alias.name} (use cupaged.*)")
             if any(part.startswith("_") for part in target.split(".")):
                 found.append(f"{module}: imports the private module {target}")
@@ -84,6 +92,8 @@ def test_every_demo_file_is_checked():
         "import cupaged._backend",
         "import cupaged\ncupaged._kernels.get_kernel",
         "import cupaged as cp\ncp.dtypes",
+        "from cupaged.models.llama import unpermute_rope_rows",
+        "from cupaged.models import unpermute_rope_rows",
     ],
 )
 def test_the_check_catches_private_uses(line):
@@ -93,6 +103,7 @@ def test_the_check_catches_private_uses(line):
 def test_the_check_lets_public_and_own_imports_through():
     source = (
         "from .. import PagedCache, to_numpy\nfrom .engine import Engine\nimport cupaged\n"
-        "cupaged.paged_attention\nfrom cupaged import __version__"
+        "cupaged.paged_attention\nfrom cupaged import __version__\n"
+        "from cupaged.models import load_model"
     )
     assert private_uses(source, "cupaged.demo.model", "cupaged.demo") == []
