@@ -30,7 +30,9 @@ def add_commands(commands: Any, formatter: type[argparse.HelpFormatter]) -> None
     )  # fmt: skip
     add = gen.add_argument
     add("prompts", nargs="+", metavar="PROMPT", help="prompt text (tokenised as plain text)")
-    add("--model", required=True, choices=sorted(MODELS), help="the model (required)")
+    add(
+        "--model", required=True, choices=sorted(MODELS), help="the model (default: none; required)"
+    )
     add("--dtype", choices=["float32", "float16", "bfloat16"], default="float32",
         help="element type of the KV cache")  # fmt: skip
     add("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS,
