@@ -170,15 +170,16 @@ def _paged_run(model, prompts, block_size, num_blocks, steps=STEPS):
     return [o[0] for o in outputs], [np.array(rows) for rows in logits], stats, cache
 
 
-def _check_against_reference(tokens, logits, reference_run, steps=STEPS):
+def _check_against_reference(tokens, logits, reference_run, steps=STEPS, dtype="float32"):
     """Equal tokens; logits within the float32 tolerance, normwise, at every step.
 
+    ``dtype`` is the cache's element type (Q/K/V are rounded to it), which picks the tolerance.
     Normwise, ``max|diff| <= atol + rtol * max|logits|`` (as the demo's check): a logit is a sum
     over 30 layers of float32 products, so its error scales with the vector's magnitude, not its
     own (logits near zero carry the same absolute error as the large ones).
     """
     ref_tokens, ref_logits = reference_run
-    tol = TOLERANCES["float32"]
+    tol = TOLERANCES[dtype]
     for p, (got, expected) in enumerate(zip(tokens, ref_tokens, strict=True)):
         assert got == expected[:steps], f"prompt {p}: expected tokens {expected[:steps]}, got {got}"
         assert len(logits[p]) == steps, f"expected {steps} logit rows, got {len(logits[p])}"
@@ -259,6 +260,19 @@ def test_paged_matches_float64_forward_block_1(model, prompts, reference_run):
     )
 
 
+HALF_STEPS = 6  # greedy tokens per prompt with a 16-bit cache
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_paged_matches_float64_forward_with_a_16_bit_cache(weights, prompts, reference_run, dtype):
+    config, w = weights
+    model = Llama(config, w, np, dtype=dtype)
+    tokens, logits, _, _ = _paged_run(
+        model, prompts, block_size=16, num_blocks=64, steps=HALF_STEPS
+    )
+    _check_against_reference(tokens, logits, reference_run, steps=HALF_STEPS, dtype=dtype)
+
+
 def test_generate_command_smoke(tmp_path, capsys):
     out = tmp_path / "out.json"
     code = main(["generate", "--model", "smollm2", "--max-new-tokens", "4", "--device", "cpu",
@@ -277,6 +291,21 @@ def test_generate_command_smoke(tmp_path, capsys):
     assert SMOKE_CONTINUATION in capsys.readouterr().out
 
 
+def test_generate_command_chat_and_samples(tmp_path, tokenizer):
+    out = tmp_path / "out.json"
+    code = main(["generate", "--model", "smollm2", "--chat", "-n", "2", "--temperature", "0.7",
+                 "--top-p", "0.9", "--seed", "3", "--max-new-tokens", "3", "--block-size", "4",
+                 "--json", str(out), "Hi"])  # fmt: skip
+    assert code == 0, f"expected exit 0, got {code}"
+    results = json.loads(out.read_text())["results"]
+    assert [r["sample"] for r in results] == [0, 1], results
+    chat = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}]))
+    for r in results:
+        assert r["prompt"] == "Hi" and r["prompt_ids"] == chat, r
+        assert 1 <= len(r["output_ids"]) <= 3, f"expected 1 to 3 tokens, got {r['output_ids']}"
+        assert r["text"] == tokenizer.decode(r["output_ids"]), r
+
+
 def test_generate_stops_at_eos_and_samples_fork(model, tokenizer, prompts):
     cache = model.make_cache(64, 16)
     eos = tokenizer.eos_id
@@ -291,6 +320,17 @@ def test_generate_stops_at_eos_and_samples_fork(model, tokenizer, prompts):
     stopped = generate(model, cache, [prompts[3]], 5, eos_id=first)[0][0]
     assert stopped == [first], f"expected generation to stop at EOS {first}, got {stopped}"
     assert cache.num_free_blocks == cache.num_blocks
+
+
+def test_a_pool_too_small_for_one_sequence_raises(model, prompts):
+    from cupaged import OutOfBlocksError
+
+    cache = model.make_cache(2, 4)  # 8 slots
+    with pytest.raises(OutOfBlocksError):
+        generate(model, cache, [prompts[0]], 2)  # a 45-token prompt
+    cache = model.make_cache(2, 4)
+    with pytest.raises(OutOfBlocksError):
+        generate(model, cache, [prompts[3]], 10)  # 5 prompt tokens, then it outgrows 8 slots
 
 
 # ---------------------------------------------------------------------------------- tokenizer

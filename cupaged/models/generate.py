@@ -85,7 +85,8 @@ def generate(model: Llama, cache: PagedCache, prompts: list[list[int]], max_new_
 
     Raises:
         ValueError: an empty prompt, or ``max_new_tokens < 1``.
-        OutOfBlocksError: one prompt alone does not fit in the pool.
+        OutOfBlocksError: one sequence alone (a prompt, or a sample as it grows) does not fit
+            in the pool.
     """
     if max_new_tokens < 1:
         raise ValueError(f"expected max_new_tokens >= 1, got {max_new_tokens}")
@@ -147,15 +148,13 @@ def generate(model: Llama, cache: PagedCache, prompts: list[list[int]], max_new_
                 logits = to_numpy(model.decode(cache, batch, [s.generated[-1] for s in running]))
                 break
             except OutOfBlocksError:
+                if len(running) == 1:
+                    raise  # one sequence alone outgrows the pool: swapping cannot help
                 victim = max(running, key=lambda s: s.order)
                 running.remove(victim)
                 cache.swap_out(victim.sid)
                 swapped.append(victim)
                 stats.swap_outs += 1
-                if not running:
-                    break
-        if not running:
-            continue
         stats.decode_steps += 1
         for seq, row in zip(running, logits, strict=True):
             seq.generated.append(_sample(row, sampling, seq.rng))
