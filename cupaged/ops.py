@@ -277,15 +277,7 @@ def paged_attention(
         dims.dtype, dims.num_seqs, dims.num_kv_heads, group, dims.head_dim, dims.block_size,
         int(max_context_len), _sm_count(device), num_splits,
     )  # fmt: skip
-    if device == "cuda" and launch.shared_mem > _device_shared_memory_limit():
-        raise ValueError(
-            f"expected at most {_device_shared_memory_limit()} bytes of shared memory per block, "
-            f"got {launch.shared_mem} for {group} query heads per KV head at head_dim "
-            f"{dims.head_dim}; split the query heads into several calls"
-        )
-    kernel = get_kernel(device, "paged_attention.cu", launch.name)
-    if device == "cuda" and launch.shared_mem > _launch.DEFAULT_SHARED_MEMORY:
-        kernel.max_dynamic_shared_size_bytes = launch.shared_mem
+    kernel = _attention_kernel(device, "paged_attention.cu", launch, group, dims.head_dim)
     split_shape = (dims.num_seqs, dims.num_q_heads, launch.num_splits)
     if launch.num_splits > 1:
         partial_out = xp.empty((*split_shape, dims.head_dim), np.float32)
@@ -406,15 +398,7 @@ def paged_prefill(
         dims.dtype, dims.num_seqs, dims.num_kv_heads, group, dims.head_dim, dims.block_size,
         max_query_len,
     )  # fmt: skip
-    if device == "cuda" and launch.shared_mem > _device_shared_memory_limit():
-        raise ValueError(
-            f"expected at most {_device_shared_memory_limit()} bytes of shared memory per block, "
-            f"got {launch.shared_mem} for {group} query heads per KV head at head_dim "
-            f"{dims.head_dim}; split the query heads into several calls"
-        )
-    kernel = get_kernel(device, "paged_prefill.cu", launch.name)
-    if device == "cuda" and launch.shared_mem > _launch.DEFAULT_SHARED_MEMORY:
-        kernel.max_dynamic_shared_size_bytes = launch.shared_mem
+    kernel = _attention_kernel(device, "paged_prefill.cu", launch, group, dims.head_dim)
     tables = xp.ascontiguousarray(block_tables, dtype=np.int32)
     lens = xp.ascontiguousarray(context_lens, dtype=np.int32)
     starts = xp.ascontiguousarray(query_start_loc, dtype=np.int32)
@@ -444,6 +428,21 @@ def _device(xp: Any) -> str:
 def _device_id(xp: Any) -> int:
     """The current device's id on CUDA (kernels are kept per device), 0 on the CPU."""
     return 0 if xp is np else int(xp.cuda.Device().id)
+
+
+def _attention_kernel(device: str, source: str, launch: Any, group: int, head_dim: int) -> Any:
+    """The kernel of an attention launch plan, with the dynamic shared memory it asks for
+    (opted into above the default; refused above what the device grants)."""
+    if device == "cuda" and launch.shared_mem > _device_shared_memory_limit():
+        raise ValueError(
+            f"expected at most {_device_shared_memory_limit()} bytes of shared memory per block, "
+            f"got {launch.shared_mem} for {group} query heads per KV head at head_dim "
+            f"{head_dim}; split the query heads into several calls"
+        )
+    kernel = get_kernel(device, source, launch.name)
+    if device == "cuda" and launch.shared_mem > _launch.DEFAULT_SHARED_MEMORY:
+        kernel.max_dynamic_shared_size_bytes = launch.shared_mem
+    return kernel
 
 
 def _device_shared_memory_limit() -> int:

@@ -38,6 +38,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from .._backend import kernel_dir
+from .._util import sha256_file
 from ..errors import CupagedError
 
 logger = logging.getLogger("cupaged.cpu")
@@ -255,14 +256,6 @@ def _fallback_dir(what: str, error: BaseException) -> Path:
         return folder
 
 
-def _sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def _digest_path(library: Path) -> Path:
     return library.with_name(library.name + ".sha256")
 
@@ -274,7 +267,7 @@ def verified(library: Path) -> bool:
     """
     try:
         recorded = _digest_path(library).read_text(encoding="ascii").strip()
-        return len(recorded) == 64 and _sha256_file(library) == recorded
+        return len(recorded) == 64 and sha256_file(library) == recorded
     except (OSError, UnicodeDecodeError):
         return False
 
@@ -477,7 +470,7 @@ def _compile(
                 f"command: {' '.join(command)}\n{result.stderr.strip()}"
             )
         _sync(temporary)
-        digest = _sha256_file(Path(temporary))
+        digest = sha256_file(Path(temporary))
         os.replace(temporary, library)
         _write_atomically(_digest_path(library), f"{digest}\n".encode())
         _sync_dir(folder)

@@ -11,7 +11,6 @@ Cache: ``$CUPAGED_CACHE_DIR/models``, else ``$XDG_CACHE_HOME/cupaged/models`` or
 
 from __future__ import annotations
 
-import hashlib
 import os
 import subprocess
 import sys
@@ -22,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from .._util import sha256_file
 from ..errors import CupagedError
 
 
@@ -70,14 +70,6 @@ def models_dir() -> Path:
     return Path(xdg) / "cupaged" / "models"
 
 
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def verify(path: Path, source: ModelSource) -> None:
     """Check the size and SHA-256 of a GGUF file against the registry.
 
@@ -90,7 +82,7 @@ def verify(path: Path, source: ModelSource) -> None:
             f"corrupt download of {source.name}: expected {source.size:,} bytes in {path}, got "
             f"{size:,} (delete it and fetch again)"
         )
-    digest = sha256_of(path)
+    digest = sha256_file(path)
     if digest != source.sha256:
         raise CupagedError(
             f"corrupt download of {source.name}: expected SHA-256 {source.sha256} for {path}, "
