@@ -5,10 +5,13 @@ Imported as ``from helpers import ...`` (pytest puts ``tests/`` on ``sys.path``)
 
 from __future__ import annotations
 
+import contextlib
+
 import ml_dtypes
 import numpy as np
 
 from cupaged.dtypes import to_float
+from cupaged.errors import CupagedError
 
 DTYPES = ("float32", "float16", "bfloat16")
 GQA_RATIOS = (1, 4, 8)
@@ -84,3 +87,28 @@ def random_paged_batch(rng, lengths, num_kv_heads, head_dim, ratio, block_size, 
     k_cache, v_cache, tables = scatter_into_pages(rng, seqs, block_size, num_blocks, dtype)
     q = random_array(rng, (len(lengths), num_kv_heads * ratio, head_dim), dtype)
     return q, k_cache, v_cache, tables, np.array(lengths, dtype=np.int32), seqs
+
+
+def cpu_toolchain_missing() -> str | None:
+    """Why the CPU backend cannot build kernels here, or ``None`` when it can."""
+    from cupaged._cpu import cuda_include_dir, toolchain
+
+    try:
+        toolchain.check_platform()
+        toolchain.compiler()
+        cuda_include_dir()
+    except CupagedError as error:
+        return str(error)
+    return None
+
+
+@contextlib.contextmanager
+def scheduled(xp, order):
+    """Run CPU-backend launches under ``order``; the GPU has its own."""
+    if xp is np:
+        from cupaged._cpu import schedule
+
+        with schedule(order):
+            yield
+    else:
+        yield

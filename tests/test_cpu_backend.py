@@ -20,7 +20,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import DTYPES, TOLERANCES
+from helpers import DTYPES, TOLERANCES, cpu_toolchain_missing
 
 from cupaged._backend import kernel_dir
 from cupaged._cpu import (
@@ -77,18 +77,9 @@ STORAGE = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.b
 CTYPE = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}
 
 
-def _toolchain_missing() -> str | None:
-    try:
-        toolchain.check_platform()
-        toolchain.compiler()
-        cuda_include_dir()
-    except CupagedError as error:
-        return str(error)
-    return None
-
-
 pytestmark = pytest.mark.skipif(
-    _toolchain_missing() is not None, reason=f"CPU backend unavailable: {_toolchain_missing()}"
+    cpu_toolchain_missing() is not None,
+    reason=f"CPU backend unavailable: {cpu_toolchain_missing()}",
 )
 
 
@@ -741,7 +732,7 @@ def test_other_platforms_are_refused_with_a_clear_message(monkeypatch):
 
 
 def _libasan() -> str | None:
-    return toolchain.libasan() if _toolchain_missing() is None else None
+    return toolchain.libasan() if cpu_toolchain_missing() is None else None
 
 
 def test_sanitize_without_preloaded_libasan_is_refused_not_a_crash():

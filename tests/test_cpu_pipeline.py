@@ -15,10 +15,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import cpu_toolchain_missing
 
 from cupaged._backend import kernel_dir
-from cupaged._cpu import SCHEDULES, CpuModule, cuda_include_dir, launch_options, toolchain
-from cupaged.errors import CupagedError, KernelError
+from cupaged._cpu import SCHEDULES, CpuModule, launch_options, toolchain
+from cupaged.errors import KernelError
 
 KERNELS = Path(__file__).parent / "cpu_kernels"
 SOURCE = KERNELS / "pipeline.cu"
@@ -42,18 +43,9 @@ NAMES = (
 )
 
 
-def _toolchain_missing() -> str | None:
-    try:
-        toolchain.check_platform()
-        toolchain.compiler()
-        cuda_include_dir()
-    except CupagedError as error:
-        return str(error)
-    return None
-
-
 pytestmark = pytest.mark.skipif(
-    _toolchain_missing() is not None, reason=f"CPU backend unavailable: {_toolchain_missing()}"
+    cpu_toolchain_missing() is not None,
+    reason=f"CPU backend unavailable: {cpu_toolchain_missing()}",
 )
 
 

@@ -8,11 +8,17 @@ scheduling orders, which expose a missing barrier.
 
 from __future__ import annotations
 
-import contextlib
-
 import numpy as np
 import pytest
-from helpers import DTYPES, TOLERANCES, assert_close, poison, random_array, random_paged_batch
+from helpers import (
+    DTYPES,
+    TOLERANCES,
+    assert_close,
+    poison,
+    random_array,
+    random_paged_batch,
+    scheduled,
+)
 
 import cupaged
 from cupaged import _launch
@@ -28,18 +34,6 @@ SCHEDULES = ("forward", "warp_ahead")
 
 def ragged_lengths(block_size: int) -> list[int]:
     return sorted({1, max(block_size - 1, 1), block_size, block_size + 1, 97, LONG})
-
-
-@contextlib.contextmanager
-def scheduled(xp, order):
-    """Run CPU-backend launches under ``order``; the GPU has its own."""
-    if xp is np:
-        from cupaged._cpu import schedule
-
-        with schedule(order):
-            yield
-    else:
-        yield
 
 
 def make_batch(rng, xp, dtype, head_dim, block_size, ratio, lengths):

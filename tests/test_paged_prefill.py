@@ -17,12 +17,19 @@ and every (axis level, causal) and (axis level, order) pair occurs too.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 
 import numpy as np
 import pytest
-from helpers import DTYPES, TOLERANCES, assert_close, poison, random_array, scatter_into_pages
+from helpers import (
+    DTYPES,
+    TOLERANCES,
+    assert_close,
+    poison,
+    random_array,
+    scatter_into_pages,
+    scheduled,
+)
 
 import cupaged
 from cupaged import _launch
@@ -53,18 +60,6 @@ def case_id(case) -> str:
     return (
         f"{dtype}-hd{head_dim}-bs{block_size}-gqa{ratio}-{'causal' if causal else 'full'}-{order}"
     )
-
-
-@contextlib.contextmanager
-def scheduled(xp, order):
-    """Run CPU-backend launches under ``order``; the GPU has its own."""
-    if xp is np:
-        from cupaged._cpu import schedule
-
-        with schedule(order):
-            yield
-    else:
-        yield
 
 
 def prefill_batch(rng, batch, head_dim, ratio, block_size, dtype, num_kv_heads=NUM_KV_HEADS):
