@@ -6,12 +6,13 @@ Imported as ``from helpers import ...`` (pytest puts ``tests/`` on ``sys.path``)
 from __future__ import annotations
 
 import contextlib
+import time
 
 import ml_dtypes
 import numpy as np
 
 from cupaged.dtypes import to_float
-from cupaged.errors import CupagedError
+from cupaged.errors import CupagedError, KernelError
 
 DTYPES = ("float32", "float16", "bfloat16")
 GQA_RATIOS = (1, 4, 8)
@@ -112,3 +113,14 @@ def scheduled(xp, order):
             yield
     else:
         yield
+
+
+def kernel_error(kernel, *launch, **kwargs) -> str:
+    """The message of the ``KernelError`` a CPU-backend launch raises, quickly (not a timeout)."""
+    import pytest
+
+    start = time.perf_counter()
+    with pytest.raises(KernelError) as info:
+        kernel(*launch, **kwargs)
+    assert time.perf_counter() - start < 5.0  # detected, not timed out
+    return str(info.value)

@@ -20,7 +20,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import DTYPES, TOLERANCES, cpu_toolchain_missing
+from helpers import DTYPES, TOLERANCES, cpu_toolchain_missing, kernel_error
 
 from cupaged._backend import kernel_dir
 from cupaged._cpu import (
@@ -32,7 +32,7 @@ from cupaged._cpu import (
     toolchain,
 )
 from cupaged._cpu import module as cpu_module
-from cupaged.errors import CupagedError, KernelError
+from cupaged.errors import CupagedError
 
 KERNELS = Path(__file__).parent / "cpu_kernels"
 FULL = 0xFFFFFFFF
@@ -436,16 +436,8 @@ def test_a_missing_barrier_is_right_under_one_order_and_wrong_under_another(race
 # ---- Failures become KernelError, at once ----------------------------------------------------------
 
 
-def _kernel_error(kernel, *launch, **kwargs) -> str:
-    start = time.perf_counter()
-    with pytest.raises(KernelError) as info:
-        kernel(*launch, **kwargs)
-    assert time.perf_counter() - start < 5.0  # detected, not timed out
-    return str(info.value)
-
-
 def test_divergent_barrier_is_a_kernel_error_in_strict_mode(failures):
-    message = _kernel_error(
+    message = kernel_error(
         failures.get_function("cpu_test::divergent_barrier"), 1, 64, (np.zeros(64, np.float32),)
     )
     assert "divergent __syncthreads in cpu_test::divergent_barrier" in message
@@ -461,7 +453,7 @@ def test_divergent_barrier_meets_like_hardware_when_not_strict(failures):
 
 @pytest.mark.parametrize("threads", [64, 48])
 def test_a_lane_skipping_a_shuffle_is_a_deadlock(failures, order, threads):
-    message = _kernel_error(
+    message = kernel_error(
         failures.get_function("cpu_test::skipped_shuffle"),
         1,
         threads,
@@ -475,7 +467,7 @@ def test_a_lane_skipping_a_shuffle_is_a_deadlock(failures, order, threads):
 
 
 def test_a_barrier_that_waits_for_a_stuck_shuffle_is_a_deadlock(failures, order):
-    message = _kernel_error(
+    message = kernel_error(
         failures.get_function("cpu_test::barrier_and_shuffle"), 1, 64, (np.zeros(64, np.int32),)
     )
     assert "32 threads wait at __syncthreads (failures.cu:38) [threads 0-31]" in message
@@ -486,7 +478,7 @@ def test_a_barrier_that_waits_for_a_stuck_shuffle_is_a_deadlock(failures, order)
 def test_a_failed_device_assert_names_expression_file_and_line(failures):
     out = np.zeros(8, np.int32)
     idx = np.array([0, 1, 2, 9], np.int32)
-    message = _kernel_error(
+    message = kernel_error(
         failures.get_function("cpu_test::checked_scatter"), 1, 4, (out, idx, np.int32(8))
     )
     assert "device assertion `i >= 0 && i < size` failed in cpu_test::checked_scatter" in message
@@ -496,7 +488,7 @@ def test_a_failed_device_assert_names_expression_file_and_line(failures):
 def test_a_failure_in_many_blocks_over_many_workers_is_reported_once(failures):
     idx = np.array([0, 1, 2, 9], np.int32)
     with launch_options(workers=3):
-        message = _kernel_error(
+        message = kernel_error(
             failures.get_function("cpu_test::checked_scatter"),
             200,
             4,
