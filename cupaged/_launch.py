@@ -256,3 +256,16 @@ def copy_blocks_launch(
                 word,
             )
     raise ValueError(f"expected a block of an even number of bytes, got {block_bytes}")
+
+
+# The decode step's planner (cuda/decode_plan.cu): one thread block, one thread per run of
+# sequences. A GPU takes kPlanMaxThreads; the CPU backend runs threads as fibers, and a thread
+# costs more to start there than a few more sequences' lengths cost to add up.
+PLAN_NAME = "cupaged::plan_decode"
+PLAN_MAX_THREADS = 256  # kPlanMaxThreads in cuda/decode_plan.cu
+
+
+def plan_threads(num_seqs: int, device: str = "cuda") -> int:
+    """Threads of the decode planner for a batch: whole warps, at most ``PLAN_MAX_THREADS``."""
+    most = CPU_COPY_THREADS if device == "cpu" else PLAN_MAX_THREADS
+    return _whole_warps(num_seqs, most)

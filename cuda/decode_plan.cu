@@ -1,0 +1,97 @@
+// decode_plan.cu: the work list of a decode step, planned on the device once and read by every
+// layer's paged_decode (cuda/paged_attention.cu).
+//
+// A decode step's work is split into items, each a range of one sequence's tokens that one thread
+// block per KV head attends over:
+//   work[i] = {seq, begin, end, count}: tokens [begin, end) of sequence seq, which has count items
+//             in all (count == 1: the item writes the output row itself; otherwise a partial row
+//             and its log-sum-exp, merged by paged_decode_merge). seq = -1: nothing to do.
+//   seq_items[s] = {first, count}: sequence s's items are first .. first + count - 1.
+// Every sequence gets at least one item (a context of length 0 gets {s, 0, 0, 1}: a zero row).
+// Items hold `chunk` tokens, except each sequence's last:
+//   chunk = round_up(max(min_chunk, ceil(total / (capacity - num_seqs))), tile),
+// where total is the batch's token count. Then the items never outnumber the work list:
+//   sum_s ceil(len_s / chunk) <= sum_s (len_s / chunk + 1) <= (capacity - num_seqs) + num_seqs.
+// The caller sizes capacity = target + num_seqs, target being the items that fill the GPU (thread
+// blocks per multiprocessor x multiprocessors / KV heads), so a long sequence among short ones is
+// cut into as many pieces as it needs, whatever the others' lengths: the split is balanced by
+// tokens, not by sequences, and capacity does not depend on the lengths' values. With
+// capacity == num_seqs no sequence is split. A length below 0 counts as 0 (the checked path of
+// the Python API refuses them first).
+//
+// One thread block; thread t owns the sequences [t * per, (t + 1) * per), per = ceil(num_seqs /
+// blockDim.x): it sums their lengths and item counts, thread 0 adds the per-thread sums up (an
+// exclusive scan in shared memory), then each thread writes its sequences' items. Any blockDim up
+// to kPlanMaxThreads works.
+#include "common.cuh"
+
+namespace cupaged {
+
+constexpr int kPlanMaxThreads = 256;  // the launch table (cupaged/_launch.py) uses at most this
+
+__global__ void __launch_bounds__(kPlanMaxThreads)
+    plan_decode(int4* __restrict__ work,               // [capacity]
+                int2* __restrict__ seq_items,          // [num_seqs]
+                const int* __restrict__ context_lens,  // [num_seqs]
+                int num_seqs, int capacity, int min_chunk, int tile) {
+  __shared__ long long sums[kPlanMaxThreads];  // tokens, then items, of each thread's sequences
+  __shared__ int chunk_s;
+  const int tid = threadIdx.x;
+  const int threads = blockDim.x;
+  const int per = ceil_div(num_seqs, threads);
+  const int first_seq = min(num_seqs, tid * per);
+  const int last_seq = min(num_seqs, first_seq + per);
+
+  long long tokens = 0;
+  for (int s = first_seq; s < last_seq; ++s) tokens += max(context_lens[s], 0);
+  sums[tid] = tokens;
+  __syncthreads();
+  if (tid == 0) {
+    long long total = 0;
+    for (int t = 0; t < threads; ++t) total += sums[t];
+    const long long spare = static_cast<long long>(capacity) - num_seqs;
+    // No spare items: one item per sequence, whatever its length (2^30 bounds every length).
+    long long chunk = spare > 0 ? (total + spare - 1) / spare : (1LL << 30);
+    chunk = max(chunk, static_cast<long long>(min_chunk));
+    chunk = (chunk + tile - 1) / tile * tile;
+    chunk_s = static_cast<int>(min(chunk, 1LL << 30));
+  }
+  __syncthreads();
+  const int chunk = chunk_s;
+
+  long long items = 0;
+  for (int s = first_seq; s < last_seq; ++s) items += max(1, ceil_div(max(context_lens[s], 0), chunk));
+  __syncthreads();  // everyone has read sums[] above (thread 0's loop) before it is reused
+  sums[tid] = items;
+  __syncthreads();
+  if (tid == 0) {
+    long long running = 0;
+    for (int t = 0; t < threads; ++t) {
+      const long long mine = sums[t];
+      sums[t] = running;  // exclusive scan
+      running += mine;
+    }
+  }
+  __syncthreads();
+
+  int item = static_cast<int>(sums[tid]);
+  for (int s = first_seq; s < last_seq; ++s) {
+    const int len = max(context_lens[s], 0);
+    const int count = max(1, ceil_div(len, chunk));
+    seq_items[s] = make_int2(item, count);
+    for (int j = 0; j < count && item + j < capacity; ++j) {  // the bound above: never cut short
+      const int begin = j * chunk;
+      work[item + j] = make_int4(s, begin, min(len, begin + chunk), count);
+    }
+    item += count;
+  }
+  // The last thread's end is the batch's item count: the rest of the list is idle.
+  __syncthreads();
+  if (tid == threads - 1) sums[0] = item;
+  __syncthreads();
+  for (int i = static_cast<int>(sums[0]) + tid; i < capacity; i += threads) {
+    work[i] = make_int4(-1, 0, 0, 0);
+  }
+}
+
+}  // namespace cupaged
