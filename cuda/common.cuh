@@ -6,6 +6,7 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_pipeline_primitives.h>  // cp.async; the CPU backend emulates it (docs/cpu_backend.md)
 
 // Dynamic shared memory, declared inside a kernel body: `CUPAGED_DYNAMIC_SHARED(float, smem);`.
 // On the GPU it is the launch's `extern __shared__` buffer; the CPU backend hands out a per-worker
@@ -53,6 +54,54 @@ __device__ __forceinline__ __half from_float<__half>(float x) { return __float2h
 template <>
 __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
   return __float2bfloat16_rn(x);
+}
+
+// ---- 16-byte vectors: asynchronous staging and conversion in pairs --------------------------
+// Shared by the attention kernels: K/V rows are staged into shared memory 16 bytes per copy, then
+// read back 16 bytes per lane (LDS.128) and widened to float32. 16-bit types convert two elements
+// per instruction (__half22float2 / __bfloat1622float2), never one 16-bit load at a time.
+
+// Elements of T in one 16-byte vector: 8 for __half and __nv_bfloat16, 4 for float.
+template <typename T>
+struct Vec16 {
+  static constexpr int kElems = 16 / static_cast<int>(sizeof(T));
+};
+
+// One 16-byte asynchronous copy global -> shared (cp.async.cg), or 16 zero bytes when !valid: then
+// nothing is read, but src must still be a 16-byte-aligned global address (pass the array's base).
+// Completes at the __pipeline_wait_prior that covers the batch it is committed in; until then the
+// destination is undefined (poison on the CPU backend).
+__device__ __forceinline__ void copy16_async(void* dst_shared, const void* src_global, bool valid) {
+  __pipeline_memcpy_async(dst_shared, src_global, 16, valid ? 0 : 16);
+}
+
+// The 16 bytes at p (16-byte aligned, any memory space) as Vec16<T>::kElems floats.
+__device__ __forceinline__ void load16_as_float(const float* p, float* out) {
+  const float4 v = *reinterpret_cast<const float4*>(p);
+  out[0] = v.x;
+  out[1] = v.y;
+  out[2] = v.z;
+  out[3] = v.w;
+}
+__device__ __forceinline__ void load16_as_float(const __half* p, float* out) {
+  const uint4 raw = *reinterpret_cast<const uint4*>(p);
+  const unsigned words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&words[i]));
+    out[2 * i] = f.x;
+    out[2 * i + 1] = f.y;
+  }
+}
+__device__ __forceinline__ void load16_as_float(const __nv_bfloat16* p, float* out) {
+  const uint4 raw = *reinterpret_cast<const uint4*>(p);
+  const unsigned words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&words[i]));
+    out[2 * i] = f.x;
+    out[2 * i + 1] = f.y;
+  }
 }
 
 }  // namespace cupaged

@@ -1,272 +1,439 @@
 // paged_attention.cu: decode attention (one query token per sequence) over the paged KV cache.
 //
 // For sequence s and query head h, with G = num_q_heads / num_kv_heads query heads per KV head:
-//   out[s, h] = softmax(scale * K q[s, h]) V,  K and V: tokens 0 .. context_lens[s] - 1 of KV head
-//   h / G, token pos in block block_tables[s, pos / BLOCK_SIZE] at offset pos % BLOCK_SIZE.
+//   out[s, h] = softmax(scale * K q[s, h]) V,  K and V: tokens 0 .. len_s - 1 of KV head h / G,
+//   token pos in block block_tables[s, pos / BLOCK_SIZE] at offset pos % BLOCK_SIZE.
 // A sequence with context length 0 gets a zero row. NaN and Inf propagate as in the reference: a
 // NaN score (NaN in q or K, scale NaN) or a +Inf one makes the row NaN, a -Inf score weighs 0, a
 // row whose scores are all -Inf is NaN (0 / 0), Inf in V gives Inf (or NaN where it meets 0).
 // Reference: cupaged/reference.py, reference_attention (gather, then an explicit softmax).
 //
-// paged_decode: one thread block per (KV head, sequence, split). It serves all G query heads of
-//   the KV head's group, so each K/V element is read from global memory once per group. The
-//   split's tokens are walked in tiles of TILE tokens:
-//     1. the tile's K vectors are loaded into shared memory with 16-byte loads: a group of
-//        HEAD_DIM / VEC consecutive lanes covers one token, so a warp covers several tokens; each
-//        thread issues UNROLL independent loads before storing any of them;
-//     2. scores: 8 lanes per (query head, token) pair, shuffles reduce the partial dot products;
-//     3. online softmax per query head (one warp each): running max m, running sum l, and the
-//        factor alpha = exp(m_old - m_new) by which earlier accumulators shrink; meanwhile the
-//        tile's V vectors are loaded into the same buffer (K is no longer needed). While every
-//        score so far is -inf, exponents are taken against 0 instead of m (-inf - -inf is NaN);
+// The work list (cuda/decode_plan.cu) cuts the step into items, work[i] = {seq, begin, end,
+// count}: tokens [begin, end) of sequence seq, which has count items in all. The item bounds are
+// the whole truth: the kernel never reads the context lengths.
+//
+// paged_decode: one thread block per (KV head, item), a 3-D block of BDX x BDY x BDZ threads:
+//
+//   tx (BDX lanes)  across the head vector: lane tx owns the 16-byte vectors tx, tx + BDX, ... of
+//                   a row (8 elements for 16-bit types, 2 x 4 for float); lanes past the row idle
+//   ty (BDY)        over the group: thread ty serves query heads ty * HPT .. ty * HPT + HPT - 1
+//                   (HPT = ceil(G / BDY)), its scaled q rows and accumulators in registers
+//   tz (BDZ)        over tokens: a stage of TILE = BDZ * TPZ tokens, tz takes tokens
+//                   tz * TPZ .. tz * TPZ + TPZ - 1 of it, with its own online softmax
+//
+//   K and V are staged through a ring of STAGES shared-memory stages with 16-byte cp.async copies
+//   (every thread copies part of every stage; K and V of a stage are separate batches, so the
+//   scores start as soon as K has landed). Each K/V byte is read from global memory once per
+//   block and serves the G query heads of the group. Per stage:
+//     1. wait for K of stage i (__pipeline_wait_prior), __syncthreads: every thread's copies have
+//        landed and every thread has finished stage i - 1, whose slot is now free;
+//     2. refill that slot with stage i + STAGES - 1 (its block ids were loaded one stage ago) and
+//        load the block ids of stage i + STAGES, which land while this stage computes;
+//     3. scores: per token, each lane dots its 16-byte parts of K (one LDS.128 per vector,
+//        converted in pairs) with its q parts for its HPT heads; shuffles over the BDX lanes
+//        finish the dot products, so every lane of the group holds the scores;
+//     4. online softmax over the TPZ tokens: running max m, sum l, alpha = exp(m_old - m_new);
+//        while every score so far is -inf, exponents are taken against 0 (-inf - -inf is NaN);
 //        fmaxf skips NaN scores, whose exp is NaN and reaches l and acc;
-//     4. acc = alpha * acc + p V, one thread per output element.
-//   The block-table entries of CHUNK tokens at a time are staged in shared memory first. Nothing
-//   in shared memory grows with the context length. All sums are float32.
-//   With one split the result is written directly; with several, each split writes its partial
-//   output acc / l and its log-sum-exp m + log(l) (-inf for an empty split). Splits cover
-//   partition_tokens tokens each, except the last, which runs to the end of the context:
-//   partition_tokens comes from the caller's max_context_len, which the kernel does not trust.
-// paged_decode_merge: one thread block per (query head, sequence) combines the splits:
+//     5. wait for V of stage i, __syncthreads; acc = alpha * acc + p V in registers.
+//   Tokens past the item's end are zero-filled copies with score -inf (weight 0).
+//   At the end the BDZ partial softmaxes of a head are merged exactly through shared memory.
+//   A single-item sequence writes out = acc / l directly; otherwise the item writes its partial
+//   row acc / l and its log-sum-exp m + log(l) (-inf when all its scores are -inf; its partial row
+//   is 0 then, so that the merge's weight 0 does not meet 0 / 0).
+// paged_decode_merge: one thread block per (query head, sequence) combines a sequence's items:
 //   out = sum_i exp(lse_i - max) * partial_i / sum_i exp(lse_i - max).
 #include "common.cuh"
 
 namespace cupaged {
 
-constexpr int kDecodeThreads = 128;  // the launch table (cupaged/_launch.py) uses the same value
-constexpr int kWarps = kDecodeThreads / 32;
-constexpr int kLanesPerDot = 8;  // lanes that share one (query head, token) dot product
-constexpr int kUnroll = 4;       // independent 16-byte loads in flight per thread
+// The thread-block layout of one instantiation (see the header); the launch table
+// (cupaged/_launch.py, decode_launch) picks BDX, BDY, BDZ, TPZ and STAGES and passes them as
+// template arguments, so nothing is kept equal by hand between Python and CUDA.
+template <typename T, int HEAD_DIM, int GROUP, int BDX, int BDY, int BDZ, int TPZ, int STAGES>
+struct DecodeLayout {
+  static constexpr int kVec = Vec16<T>::kElems;               // elements per 16-byte vector
+  static constexpr int kRowVectors = HEAD_DIM / kVec;         // 16-byte vectors per K/V row
+  static constexpr int kLaneVectors = (kRowVectors + BDX - 1) / BDX;  // per lane
+  static constexpr int kLaneElems = kLaneVectors * kVec;
+  static constexpr bool kEveryLaneFull = kRowVectors == kLaneVectors * BDX;
+  static constexpr int kHeadsPerThread = (GROUP + BDY - 1) / BDY;
+  static constexpr int kThreads = BDX * BDY * BDZ;
+  static constexpr int kTile = BDZ * TPZ;                     // tokens per stage
+  static constexpr int kStageVectors = kTile * kRowVectors;   // 16-byte copies per K stage
+  static constexpr int kLoads = (kStageVectors + kThreads - 1) / kThreads;  // per thread
+  static constexpr bool kLoadsExact = kStageVectors % kThreads == 0;
+  static_assert(HEAD_DIM % kVec == 0, "a row is whole 16-byte vectors");
+  static_assert(BDX >= 1 && BDX <= 32 && (BDX & (BDX - 1)) == 0, "BDX: a power of two <= 32");
+  static_assert(kThreads % 32 == 0, "whole warps: the shuffles name all 32 lanes");
+  static_assert(BDY * kHeadsPerThread >= GROUP && BDY * (kHeadsPerThread - 1) < GROUP,
+                "every thread row serves at least one query head");
+  static_assert(STAGES >= 2 && 2 * STAGES - 2 <= 8, "the waits below count at most 8 batches");
+};
 
-// Loads `count` tokens' vectors of one KV head, starting at token `first`, into `tile`
-// ([TILE, HEAD_DIM], row-major). `table` holds the block ids of the current chunk, whose first
-// entry is logical block `first_block`.
-template <typename T, int HEAD_DIM, int BLOCK_SIZE>
-__device__ __forceinline__ void load_tile(T* tile, const T* __restrict__ cache, const int* table,
-                                          int first_block, int first, int count, int kv_head,
-                                          int num_kv_heads) {
-  constexpr int VEC = 16 / sizeof(T);
-  constexpr int VECS_PER_TOKEN = HEAD_DIM / VEC;
-  const int total = count * VECS_PER_TOKEN;
-  for (int base = threadIdx.x; base < total; base += kDecodeThreads * kUnroll) {
-    uint4 staged[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int i = base + u * kDecodeThreads;
-      if (i < total) {
-        const int pos = first + i / VECS_PER_TOKEN;
-        const int block = table[pos / BLOCK_SIZE - first_block];
-        const long long offset =
-            cache_offset(block, kv_head, pos % BLOCK_SIZE, num_kv_heads, BLOCK_SIZE, HEAD_DIM) +
-            (i % VECS_PER_TOKEN) * VEC;
-        staged[u] = *reinterpret_cast<const uint4*>(cache + offset);
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int i = base + u * kDecodeThreads;
-      if (i < total) {
-        *reinterpret_cast<uint4*>(tile + (i / VECS_PER_TOKEN) * HEAD_DIM +
-                                  (i % VECS_PER_TOKEN) * VEC) = staged[u];
-      }
-    }
-  }
-}
-
-// Grid: (num_kv_heads, num_seqs, num_splits). Block: kDecodeThreads.
-// Dynamic shared memory, in this order (float32 unless said):
-//   q_s [G, HEAD_DIM] (scaled query), acc_s [G, HEAD_DIM], p_s [G, TILE] (scores, then weights),
-//   stats [round_up(3 G, 4)] (m, l, alpha per query head), tile_s [TILE, HEAD_DIM] of T.
-template <typename T, int HEAD_DIM, int BLOCK_SIZE, int TILE>
-__global__ void __launch_bounds__(kDecodeThreads)
+// Grid: (num_kv_heads, capacity). Block: (BDX, BDY, BDZ).
+// Dynamic shared memory: k_s [STAGES, TILE, HEAD_DIM] of T, then v_s [STAGES, TILE, HEAD_DIM] of T;
+// after the loop, when BDZ > 1, the same bytes hold the BDZ partial results of the block's heads
+// (float32: m_l [BDZ, BDY * HPT, 2], then acc [BDZ, BDY * HPT, HEAD_DIM]).
+// group_size must equal GROUP: it stays a parameter so that every instantiation takes the same
+// arguments.
+template <typename T, int HEAD_DIM, int BLOCK_SIZE, int GROUP, int BDX, int BDY, int BDZ, int TPZ,
+          int STAGES>
+__global__ void __launch_bounds__(BDX* BDY* BDZ)
     paged_decode(T* __restrict__ out,                  // [num_seqs, num_q_heads, HEAD_DIM]
-                 float* __restrict__ partial_out,      // [num_seqs, num_q_heads, num_splits, HEAD_DIM]
-                 float* __restrict__ partial_lse,      // [num_seqs, num_q_heads, num_splits]
+                 float* __restrict__ partial_out,      // [capacity, num_q_heads, HEAD_DIM]
+                 float* __restrict__ partial_lse,      // [capacity, num_q_heads]
                  const T* __restrict__ q,              // [num_seqs, num_q_heads, HEAD_DIM]
                  const T* __restrict__ k_cache,        // [num_blocks, num_kv_heads, BLOCK_SIZE, HEAD_DIM]
                  const T* __restrict__ v_cache,        // [num_blocks, num_kv_heads, BLOCK_SIZE, HEAD_DIM]
                  const int* __restrict__ block_tables,  // [num_seqs, max_blocks]
-                 const int* __restrict__ context_lens,  // [num_seqs]
-                 int num_kv_heads, int group_size, int max_blocks, int partition_tokens,
-                 float scale) {
-  static_assert(HEAD_DIM % (16 / sizeof(T)) == 0, "a token's head vector is whole 16-byte loads");
-  static_assert(TILE % 4 == 0, "p_s keeps the tile buffer 16-byte aligned");
-  constexpr int VEC = 16 / sizeof(T);
-  constexpr int VECS_PER_TOKEN = HEAD_DIM / VEC;
-  constexpr int CHUNK = 4 * TILE;  // tokens whose block ids are staged at once
-  constexpr int CHUNK_ENTRIES = CHUNK / BLOCK_SIZE + 2;
-  __shared__ int table_s[CHUNK_ENTRIES];
+                 const int4* __restrict__ work,         // [capacity] {seq, begin, end, count}
+                 int num_kv_heads, int group_size, int max_blocks, float scale) {
+  using L = DecodeLayout<T, HEAD_DIM, GROUP, BDX, BDY, BDZ, TPZ, STAGES>;
+  constexpr int VEC = L::kVec;
+  constexpr int NV = L::kLaneVectors;
+  constexpr int NE = L::kLaneElems;
+  constexpr int HPT = L::kHeadsPerThread;
+  constexpr int TILE = L::kTile;
+  constexpr int LOADS = L::kLoads;
+  constexpr int THREADS = L::kThreads;
+  (void)group_size;
 
+  const int4 item = work[blockIdx.y];
+  if (item.x < 0) return;  // an unused entry of the work list (uniform over the block)
+  const int seq = item.x;
+  const int begin = item.y;
+  const int end = item.z;
+  const bool direct = item.w == 1;
   const int kv_head = blockIdx.x;
-  const int seq = blockIdx.y;
-  const int split = blockIdx.z;
-  const int num_splits = gridDim.z;
-  const int G = group_size;
-  const int num_q_heads = num_kv_heads * G;
-  const int tid = threadIdx.x;
-  const int warp = tid / 32;
-  const int lane = tid % 32;
+  const int tx = threadIdx.x;
+  const int ty = threadIdx.y;
+  const int tz = threadIdx.z;
+  const int tid = (tz * BDY + ty) * BDX + tx;
+  const int num_q_heads = num_kv_heads * GROUP;
+  const long long head_row = static_cast<long long>(seq) * num_q_heads + kv_head * GROUP;
 
-  CUPAGED_DYNAMIC_SHARED(float, smem);
-  float* q_s = smem;
-  float* acc_s = q_s + G * HEAD_DIM;
-  float* p_s = acc_s + G * HEAD_DIM;
-  float* m_s = p_s + G * TILE;
-  float* l_s = m_s + G;
-  float* alpha_s = l_s + G;
-  T* tile_s = reinterpret_cast<T*>(m_s + (3 * G + 3) / 4 * 4);
-
-  const int context = context_lens[seq];
-  const int begin = split * partition_tokens;
-  const int end = split == num_splits - 1 ? context : min(context, begin + partition_tokens);
-  const long long q_row = static_cast<long long>(seq) * num_q_heads + kv_head * G;
-
-  for (int i = tid; i < G * HEAD_DIM; i += kDecodeThreads) {
-    q_s[i] = to_float(q[q_row * HEAD_DIM + i]) * scale;
-    acc_s[i] = 0.0f;
-  }
-  for (int g = tid; g < G; g += kDecodeThreads) {
-    m_s[g] = neg_inf();
-    l_s[g] = 0.0f;
-  }
-  __syncthreads();
-
-  for (int chunk = begin; chunk < end; chunk += CHUNK) {
-    const int chunk_end = min(end, chunk + CHUNK);
-    const int first_block = chunk / BLOCK_SIZE;
-    const int entries = (chunk_end - 1) / BLOCK_SIZE - first_block + 1;
-    for (int i = tid; i < entries; i += kDecodeThreads) {
-      table_s[i] = block_tables[static_cast<long long>(seq) * max_blocks + first_block + i];
-    }
-    __syncthreads();
-
-    for (int first = chunk; first < chunk_end; first += TILE) {
-      const int count = min(TILE, chunk_end - first);
-      load_tile<T, HEAD_DIM, BLOCK_SIZE>(tile_s, k_cache, table_s, first_block, first, count,
-                                         kv_head, num_kv_heads);
-      __syncthreads();
-
-      // Scores: each warp takes 32 / kLanesPerDot (query head, token) pairs at a time.
-      constexpr int kPairsPerWarp = 32 / kLanesPerDot;
-      const int sub = lane % kLanesPerDot;
-      for (int base = warp * kPairsPerWarp; base < G * TILE; base += kWarps * kPairsPerWarp) {
-        const int pair = base + lane / kLanesPerDot;
-        const int g = pair / TILE;
-        const int t = pair % TILE;
-        const bool valid = pair < G * TILE && t < count;
-        float dot = 0.0f;
-        if (valid) {
-          for (int part = sub; part < VECS_PER_TOKEN; part += kLanesPerDot) {
-            const T* k_vec = tile_s + t * HEAD_DIM + part * VEC;
-            const float* q_vec = q_s + g * HEAD_DIM + part * VEC;
+  // Lane tx's vectors: tx + v * BDX; in a padded layout the last ones may lie past the row.
+  bool lane_ok[NV];
 #pragma unroll
-            for (int e = 0; e < VEC; ++e) dot += q_vec[e] * to_float(k_vec[e]);
+  for (int v = 0; v < NV; ++v) lane_ok[v] = L::kEveryLaneFull || tx + v * BDX < L::kRowVectors;
+
+  // q in registers, scaled; a head past the group (GROUP not a multiple of BDY) is zeros.
+  float qf[HPT][NE];
+  const bool q_aligned = (reinterpret_cast<unsigned long long>(q) & 15u) == 0;
+#pragma unroll
+  for (int h = 0; h < HPT; ++h) {
+    const int g = ty * HPT + h;
+#pragma unroll
+    for (int v = 0; v < NV; ++v) {
+      float* dst = qf[h] + v * VEC;
+      const T* src = q + (head_row + g) * HEAD_DIM + (tx + v * BDX) * VEC;
+      if (g < GROUP && lane_ok[v]) {
+        if (q_aligned) {
+          load16_as_float(src, dst);
+        } else {
+#pragma unroll
+          for (int e = 0; e < VEC; ++e) dst[e] = to_float(src[e]);
+        }
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) dst[e] *= scale;
+      } else {
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) dst[e] = 0.0f;
+      }
+    }
+  }
+
+  float m[HPT], l[HPT], acc[HPT][NE];
+#pragma unroll
+  for (int h = 0; h < HPT; ++h) {
+    m[h] = neg_inf();
+    l[h] = 0.0f;
+#pragma unroll
+    for (int e = 0; e < NE; ++e) acc[h][e] = 0.0f;
+  }
+
+  CUPAGED_DYNAMIC_SHARED(T, smem);
+  T* k_s = smem;                             // [STAGES, TILE, HEAD_DIM]
+  T* v_s = smem + STAGES * TILE * HEAD_DIM;  // [STAGES, TILE, HEAD_DIM]
+
+  if (begin < end) {
+    // This thread's copies of a stage: vectors tid + k * THREADS, at row load_row[k], element
+    // load_col[k] of the row. Fixed for the whole loop: per stage, only the block ids change.
+    int load_row[LOADS], load_col[LOADS];
+#pragma unroll
+    for (int k = 0; k < LOADS; ++k) {
+      const int j = tid + k * THREADS;
+      load_row[k] = j / L::kRowVectors;  // a constant divisor: a multiply and a shift
+      load_col[k] = j % L::kRowVectors * VEC;
+    }
+    const int* table = block_tables + static_cast<long long>(seq) * max_blocks;
+    // Offsets of the cache: an unsigned 32 x 32 -> 64-bit multiply per row, no 64 x 64 one.
+    // A block holds num_kv_heads * BLOCK_SIZE * HEAD_DIM < 2^32 elements (num_kv_heads < 65,536).
+    const unsigned block_stride = static_cast<unsigned>(num_kv_heads) * BLOCK_SIZE * HEAD_DIM;
+    const unsigned head_offset = static_cast<unsigned>(kv_head) * BLOCK_SIZE * HEAD_DIM;
+    const int num_stages = (end - begin + TILE - 1) / TILE;
+
+    // Block ids of this thread's rows of stage `stage`; -1 past the item's end (never read).
+    auto fetch = [&](int stage, int (&block)[LOADS]) {
+#pragma unroll
+      for (int k = 0; k < LOADS; ++k) {
+        const int pos = begin + stage * TILE + load_row[k];
+        const bool mine = L::kLoadsExact || k < LOADS - 1 || tid + k * THREADS < L::kStageVectors;
+        block[k] = mine && pos < end ? __ldg(table + static_cast<unsigned>(pos) / BLOCK_SIZE) : -1;
+      }
+    };
+    // K then V of stage `stage` into its slot, each one committed batch (empty past the last).
+    auto issue = [&](int stage, const int (&block)[LOADS]) {
+      const int slot = stage % STAGES;
+      unsigned long long offset[LOADS];
+      T* dst[LOADS];
+#pragma unroll
+      for (int k = 0; k < LOADS; ++k) {
+        const unsigned pos = static_cast<unsigned>(begin + stage * TILE + load_row[k]);
+        offset[k] = static_cast<unsigned long long>(block[k] < 0 ? 0 : block[k]) * block_stride +
+                    head_offset + (pos % BLOCK_SIZE) * HEAD_DIM + load_col[k];
+        dst[k] = k_s + (slot * TILE + load_row[k]) * HEAD_DIM + load_col[k];
+      }
+      const bool live = stage < num_stages;  // uniform over the block
+#pragma unroll
+      for (int k = 0; k < LOADS; ++k) {
+        if (live && (L::kLoadsExact || k < LOADS - 1 || tid + k * THREADS < L::kStageVectors)) {
+          copy16_async(dst[k], k_cache + offset[k], block[k] >= 0);
+        }
+      }
+      __pipeline_commit();
+#pragma unroll
+      for (int k = 0; k < LOADS; ++k) {
+        if (live && (L::kLoadsExact || k < LOADS - 1 || tid + k * THREADS < L::kStageVectors)) {
+          copy16_async(dst[k] + (v_s - k_s), v_cache + offset[k], block[k] >= 0);
+        }
+      }
+      __pipeline_commit();
+    };
+
+    int block[LOADS];
+#pragma unroll
+    for (int stage = 0; stage < STAGES - 1; ++stage) {
+      fetch(stage, block);
+      issue(stage, block);
+    }
+    fetch(STAGES - 1, block);
+
+    for (int stage = 0; stage < num_stages; ++stage) {
+      // Batches committed so far: K, V of stages 0 .. stage + STAGES - 2; K of `stage` is the
+      // oldest but 2 * STAGES - 3 of them.
+      __pipeline_wait_prior(2 * STAGES - 3);
+      __syncthreads();  // all of K of `stage` is in; every thread is done with stage - 1
+      issue(stage + STAGES - 1, block);
+      fetch(stage + STAGES, block);  // lands while this stage computes
+
+      const int slot = stage % STAGES;
+      const int first = begin + stage * TILE + tz * TPZ;  // this thread's first token
+      const T* k_rows = k_s + (slot * TILE + tz * TPZ) * HEAD_DIM + tx * VEC;
+      float s[HPT][TPZ];
+#pragma unroll
+      for (int t = 0; t < TPZ; ++t) {
+        float kf[NE];
+#pragma unroll
+        for (int v = 0; v < NV; ++v) {
+          if (lane_ok[v]) {
+            load16_as_float(k_rows + t * HEAD_DIM + v * BDX * VEC, kf + v * VEC);
+          } else {
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) kf[v * VEC + e] = 0.0f;
           }
         }
 #pragma unroll
-        for (int width = kLanesPerDot / 2; width > 0; width /= 2) {
-          dot += __shfl_xor_sync(0xffffffffu, dot, width);
+        for (int h = 0; h < HPT; ++h) {
+          float dot = 0.0f;
+#pragma unroll
+          for (int e = 0; e < NE; ++e) dot += qf[h][e] * kf[e];
+          s[h][t] = dot;
         }
-        if (sub == 0 && pair < G * TILE) p_s[pair] = valid ? dot : neg_inf();
       }
-      __syncthreads();
-
-      // V replaces K in the tile buffer while the warps update the softmax statistics.
-      load_tile<T, HEAD_DIM, BLOCK_SIZE>(tile_s, v_cache, table_s, first_block, first, count,
-                                         kv_head, num_kv_heads);
-      for (int g = warp; g < G; g += kWarps) {
-        float tile_max = neg_inf();
-        for (int t = lane; t < count; t += 32) tile_max = fmaxf(tile_max, p_s[g * TILE + t]);
-        for (int width = 16; width > 0; width /= 2) {
-          tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, width));
+#pragma unroll
+      for (int h = 0; h < HPT; ++h) {
+#pragma unroll
+        for (int t = 0; t < TPZ; ++t) {
+#pragma unroll
+          for (int width = BDX / 2; width > 0; width /= 2) {
+            s[h][t] += __shfl_xor_sync(0xffffffffu, s[h][t], width);
+          }
+          if (first + t >= end) s[h][t] = neg_inf();  // a zero-filled row past the item
         }
-        const float m_old = m_s[g];
-        const float m_new = fmaxf(m_old, tile_max);
-        const float base = m_new == neg_inf() ? 0.0f : m_new;  // see step 3
+      }
+
+      // Online softmax over this thread's TPZ tokens (step 4 of the header).
+      float alpha[HPT];
+#pragma unroll
+      for (int h = 0; h < HPT; ++h) {
+        float m_new = m[h];
+#pragma unroll
+        for (int t = 0; t < TPZ; ++t) m_new = fmaxf(m_new, s[h][t]);
+        const float base = m_new == neg_inf() ? 0.0f : m_new;
         float sum = 0.0f;
-        for (int t = lane; t < count; t += 32) {
-          const float p = expf(p_s[g * TILE + t] - base);
-          p_s[g * TILE + t] = p;
-          sum += p;
+#pragma unroll
+        for (int t = 0; t < TPZ; ++t) {
+          s[h][t] = expf(s[h][t] - base);
+          sum += s[h][t];
         }
-        for (int width = 16; width > 0; width /= 2) {
-          sum += __shfl_xor_sync(0xffffffffu, sum, width);
-        }
-        if (lane == 0) {
-          const float alpha = expf(m_old - base);  // 0 while m_old = -inf
-          alpha_s[g] = alpha;
-          l_s[g] = l_s[g] * alpha + sum;
-          m_s[g] = m_new;
-        }
+        alpha[h] = expf(m[h] - base);  // 0 while m = -inf
+        l[h] = l[h] * alpha[h] + sum;
+        m[h] = m_new;
       }
-      __syncthreads();
 
-      for (int i = tid; i < G * HEAD_DIM; i += kDecodeThreads) {
-        const int g = i / HEAD_DIM;
-        const int d = i % HEAD_DIM;
-        float acc = acc_s[i] * alpha_s[g];
-        const float* p = p_s + g * TILE;
-        for (int t = 0; t < count; ++t) acc += p[t] * to_float(tile_s[t * HEAD_DIM + d]);
-        acc_s[i] = acc;
+      // Batches now: two more (the refill); V of `stage` is the oldest but 2 * STAGES - 2.
+      __pipeline_wait_prior(2 * STAGES - 2);
+      __syncthreads();  // all of V of `stage` is in
+      const T* v_rows = v_s + (slot * TILE + tz * TPZ) * HEAD_DIM + tx * VEC;
+#pragma unroll
+      for (int h = 0; h < HPT; ++h) {
+#pragma unroll
+        for (int e = 0; e < NE; ++e) acc[h][e] *= alpha[h];
       }
-      __syncthreads();
+#pragma unroll
+      for (int t = 0; t < TPZ; ++t) {
+        float vf[NE];
+#pragma unroll
+        for (int v = 0; v < NV; ++v) {
+          if (lane_ok[v]) {
+            load16_as_float(v_rows + t * HEAD_DIM + v * BDX * VEC, vf + v * VEC);
+          } else {
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) vf[v * VEC + e] = 0.0f;
+          }
+        }
+#pragma unroll
+        for (int h = 0; h < HPT; ++h) {
+#pragma unroll
+          for (int e = 0; e < NE; ++e) acc[h][e] += s[h][t] * vf[e];
+        }
+      }
+    }
+    __pipeline_wait_prior(0);  // only empty batches are left; nothing lands after the loop
+  }
+
+  // Merge the BDZ partial softmaxes of each head (exact: weights exp(m_z - M)).
+  if constexpr (BDZ > 1) {
+    constexpr int HEADS = BDY * HPT;
+    float* ml_s = reinterpret_cast<float*>(smem);  // [BDZ, HEADS, 2]
+    float* acc_s = ml_s + BDZ * HEADS * 2;         // [BDZ, HEADS, HEAD_DIM]
+    __syncthreads();  // every thread is done with the stages that these bytes overlay
+#pragma unroll
+    for (int h = 0; h < HPT; ++h) {
+      const int row = tz * HEADS + ty * HPT + h;
+      if (tx == 0) {
+        ml_s[2 * row] = m[h];
+        ml_s[2 * row + 1] = l[h];
+      }
+#pragma unroll
+      for (int v = 0; v < NV; ++v) {
+        if (lane_ok[v]) {
+#pragma unroll
+          for (int e = 0; e < VEC; ++e) {
+            acc_s[row * HEAD_DIM + (tx + v * BDX) * VEC + e] = acc[h][v * VEC + e];
+          }
+        }
+      }
+    }
+    __syncthreads();
+    if (tz != 0) return;  // no barrier below
+#pragma unroll
+    for (int h = 0; h < HPT; ++h) {
+      const int head = ty * HPT + h;
+      float m_all = neg_inf();
+#pragma unroll
+      for (int z = 0; z < BDZ; ++z) m_all = fmaxf(m_all, ml_s[2 * (z * HEADS + head)]);
+      float l_all = 0.0f;
+      float w[BDZ];
+#pragma unroll
+      for (int z = 0; z < BDZ; ++z) {
+        const float m_z = ml_s[2 * (z * HEADS + head)];
+        // A part that saw only -inf scores (or no token) weighs 0; -inf - -inf would be NaN.
+        w[z] = m_z == neg_inf() ? 0.0f : expf(m_z - m_all);
+        l_all += w[z] * ml_s[2 * (z * HEADS + head) + 1];
+      }
+#pragma unroll
+      for (int v = 0; v < NV; ++v) {
+        if (lane_ok[v]) {
+#pragma unroll
+          for (int e = 0; e < VEC; ++e) {
+            float sum = 0.0f;
+#pragma unroll
+            for (int z = 0; z < BDZ; ++z) {
+              sum += w[z] * acc_s[(z * HEADS + head) * HEAD_DIM + (tx + v * BDX) * VEC + e];
+            }
+            acc[h][v * VEC + e] = sum;
+          }
+        }
+      }
+      m[h] = m_all;
+      l[h] = l_all;
     }
   }
 
-  // An empty context or split gives 0; otherwise acc / l, NaN when a NaN reached l (or l = 0).
+  // An empty item (a context of length 0) gives 0; otherwise acc / l, NaN when a NaN reached l
+  // (or l = 0: every score -inf).
   const bool empty = end <= begin;
-  for (int i = tid; i < G * HEAD_DIM; i += kDecodeThreads) {
-    const int g = i / HEAD_DIM;
-    const float l = l_s[g];
-    const float value = empty ? 0.0f : acc_s[i] / l;
-    if (num_splits == 1) {
-      out[q_row * HEAD_DIM + i] = from_float<T>(value);
-    } else {
-      // A split whose scores are all -inf has log-sum-exp -inf: the merge weighs it 0, and
-      // 0 * (0 / 0) would be NaN, so its partial row is 0.
-      const long long row = (q_row + g) * num_splits + split;
-      partial_out[row * HEAD_DIM + i % HEAD_DIM] = l == 0.0f ? 0.0f : value;
+#pragma unroll
+  for (int h = 0; h < HPT; ++h) {
+    const int g = ty * HPT + h;
+    if (g >= GROUP) continue;
+    const long long out_row = direct ? head_row + g
+                                     : static_cast<long long>(blockIdx.y) * num_q_heads +
+                                           kv_head * GROUP + g;
+#pragma unroll
+    for (int v = 0; v < NV; ++v) {
+      if (!lane_ok[v]) continue;
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) {
+        const long long index = out_row * HEAD_DIM + (tx + v * BDX) * VEC + e;
+        const float value = empty ? 0.0f : acc[h][v * VEC + e] / l[h];
+        if (direct) {
+          out[index] = from_float<T>(value);
+        } else {
+          // All scores -inf: log-sum-exp -inf, weight 0 in the merge; the row is 0, not 0 / 0.
+          partial_out[index] = l[h] == 0.0f ? 0.0f : value;
+        }
+      }
     }
-  }
-  if (num_splits > 1) {
-    for (int g = tid; g < G; g += kDecodeThreads) {
-      const float m = m_s[g];
-      const float base = m == neg_inf() ? 0.0f : m;  // the exponents' reference in step 3
-      partial_lse[(q_row + g) * num_splits + split] = empty ? neg_inf() : base + logf(l_s[g]);
+    if (!direct && tx == 0) {
+      const float base = m[h] == neg_inf() ? 0.0f : m[h];  // the exponents' reference, step 4
+      partial_lse[out_row] = empty ? neg_inf() : base + logf(l[h]);
     }
   }
 }
 
-// Grid: (num_q_heads, num_seqs). Block: kDecodeThreads.
-// A split's log-sum-exp is -inf when it is empty (weight 0), or when all its scores are -inf;
-// NaN when a NaN reached it (fmaxf skips it, its weight exp(NaN) makes the row NaN). Only an
-// empty context gives a zero row: every split -inf in a non-empty one is 0 / 0, NaN, as in the
-// reference.
+// Grid: (num_q_heads, num_seqs). Block: any number of threads (the launch table's merge_block).
+// seq_items[s] = {first, count}: sequence s's items. count <= 1: paged_decode wrote the row.
+// An item's log-sum-exp is -inf when all its scores are -inf (weight 0); NaN when a NaN reached
+// it (fmaxf skips it, its weight exp(NaN) makes the row NaN). Every item -inf is 0 / 0: NaN, as in
+// the reference (an empty context has one item and never comes here).
 template <typename T, int HEAD_DIM>
-__global__ void __launch_bounds__(kDecodeThreads)
-    paged_decode_merge(T* __restrict__ out,                // [num_seqs, num_q_heads, HEAD_DIM]
-                       const float* __restrict__ partial_out,  // [num_seqs, num_q_heads, num_splits, HEAD_DIM]
-                       const float* __restrict__ partial_lse,  // [num_seqs, num_q_heads, num_splits]
-                       const int* __restrict__ context_lens,   // [num_seqs]
-                       int num_splits) {
-  const long long row = static_cast<long long>(blockIdx.y) * gridDim.x + blockIdx.x;
-  const float* lse = partial_lse + row * num_splits;
+__global__ void paged_decode_merge(T* __restrict__ out,                // [num_seqs, num_q_heads, HEAD_DIM]
+                                   const float* __restrict__ partial_out,  // [capacity, num_q_heads, HEAD_DIM]
+                                   const float* __restrict__ partial_lse,  // [capacity, num_q_heads]
+                                   const int2* __restrict__ seq_items,     // [num_seqs] {first, count}
+                                   int num_q_heads) {
+  const int2 items = seq_items[blockIdx.y];
+  if (items.y <= 1) return;
+  const int head = blockIdx.x;
   float lse_max = neg_inf();
-  for (int s = 0; s < num_splits; ++s) lse_max = fmaxf(lse_max, lse[s]);
-  const bool empty = context_lens[blockIdx.y] <= 0;
-  for (int d = threadIdx.x; d < HEAD_DIM; d += kDecodeThreads) {
-    float value = 0.0f;  // an empty context: a zero row
-    if (!empty) {
-      float numerator = 0.0f;
-      float denominator = 0.0f;
-      for (int s = 0; s < num_splits; ++s) {
-        const float w = expf(lse[s] - lse_max);
-        numerator += w * partial_out[(row * num_splits + s) * HEAD_DIM + d];
-        denominator += w;
-      }
-      value = numerator / denominator;
+  for (int i = items.x; i < items.x + items.y; ++i) {
+    lse_max = fmaxf(lse_max, partial_lse[static_cast<long long>(i) * num_q_heads + head]);
+  }
+  const long long row = static_cast<long long>(blockIdx.y) * num_q_heads + head;
+  for (int d = threadIdx.x; d < HEAD_DIM; d += blockDim.x) {
+    float numerator = 0.0f;
+    float denominator = 0.0f;
+    for (int i = items.x; i < items.x + items.y; ++i) {
+      const long long part = static_cast<long long>(i) * num_q_heads + head;
+      const float w = expf(partial_lse[part] - lse_max);
+      numerator += w * partial_out[part * HEAD_DIM + d];
+      denominator += w;
     }
-    out[row * HEAD_DIM + d] = from_float<T>(value);
+    out[row * HEAD_DIM + d] = from_float<T>(numerator / denominator);
   }
 }
 

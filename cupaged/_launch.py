@@ -20,7 +20,6 @@ SLOT_C_TYPES = {np.dtype(np.int32): "int", np.dtype(np.int64): "long long"}
 HEAD_DIMS = tuple(range(64, 257, 16))  # 64, 80, 96, ..., 256
 MAX_BLOCK_SIZE = 256
 
-DECODE_THREADS = 128  # kDecodeThreads in cuda/paged_attention.cu
 WRITE_THREADS = 128
 COPY_THREADS = 256
 # The CPU backend runs a block's threads one after another as fibers, so a copy or a KV write
@@ -37,29 +36,73 @@ NOMINAL_SM_COUNT = 132
 DEFAULT_SHARED_MEMORY = 48 * 1024
 
 
+# paged_decode (cuda/paged_attention.cu): a ring of DECODE_STAGES shared-memory stages of K and V,
+# each about DECODE_STAGE_BYTES of K (and as much of V), and thread blocks of about
+# DECODE_TARGET_THREADS threads. The layout goes to the kernel as template arguments.
+DECODE_STAGES = 3
+DECODE_STAGE_BYTES = 4096
+DECODE_TARGET_THREADS = 128
+DECODE_MAX_TOKENS_PER_THREAD = 8  # TPZ: scores a thread keeps in registers per head and stage
+MERGE_THREADS = 128  # paged_decode_merge: any block size works (it strides by blockDim.x)
+# decode_ctas_per_sm: an H100's per-SM limits, and the registers per thread that the report
+# (scripts/kernel-report) finds at most for the fp16/bf16 decode instantiations, rounded up.
+H100_SM = dict(regs=65536, threads=2048, ctas=32, smem=228 * 1024, smem_reserved=1024)
+DECODE_REGISTER_BUDGET = 128
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeGeometry:
+    """The thread-block layout of one ``paged_decode`` instantiation (cuda/paged_attention.cu).
+
+    Attributes:
+        bdx: lanes across a head vector (each owns 8 elements: one or two 16-byte vectors).
+        bdy: thread rows over the GQA group, ``heads_per_thread`` query heads each.
+        bdz: token lanes; each takes ``tokens_per_thread`` consecutive tokens of a stage.
+        tokens_per_thread: TPZ.
+        stages: shared-memory stages of the ``cp.async`` ring.
+        heads_per_thread: ``ceil(group / bdy)``.
+    """
+
+    bdx: int
+    bdy: int
+    bdz: int
+    tokens_per_thread: int
+    stages: int
+    heads_per_thread: int
+
+    @property
+    def tile(self) -> int:
+        """Tokens per stage."""
+        return self.bdz * self.tokens_per_thread
+
+    @property
+    def threads(self) -> int:
+        return self.bdx * self.bdy * self.bdz
+
+
 @dataclass(frozen=True, slots=True)
 class DecodeLaunch:
-    """How :func:`cupaged.paged_attention` runs for one batch shape.
+    """How ``paged_decode`` and ``paged_decode_merge`` run for one shape and work-list capacity.
 
     Attributes:
         name: ``paged_decode`` instantiation (a RawModule name expression).
-        merge_name: ``paged_decode_merge`` instantiation, used when ``num_splits > 1``.
-        grid: ``(num_kv_heads, num_seqs, num_splits)``.
-        block: ``(DECODE_THREADS,)``.
+        merge_name: ``paged_decode_merge`` instantiation.
+        grid: ``(num_kv_heads, capacity)``: one thread block per (KV head, work item).
+        block: ``(bdx, bdy, bdz)``.
         shared_mem: dynamic shared memory in bytes.
-        num_splits: thread blocks per (sequence, KV head); 1 means no split-K.
-        partition_tokens: tokens per split (a multiple of the tile).
-        merge_grid: ``(num_q_heads, num_seqs)``.
+        tile: tokens per pipeline stage (work items are whole stages but a sequence's last).
+        merge_block: threads of ``paged_decode_merge``; its grid is ``(num_q_heads, num_seqs)``.
+        geometry: the layout behind ``name`` and ``block``.
     """
 
     name: str
     merge_name: str
-    grid: tuple[int, int, int]
-    block: tuple[int]
+    grid: tuple[int, int]
+    block: tuple[int, int, int]
     shared_mem: int
-    num_splits: int
-    partition_tokens: int
-    merge_grid: tuple[int, int]
+    tile: int
+    merge_block: tuple[int]
+    geometry: DecodeGeometry
 
 
 def check_decode_shape(dtype: str, head_dim: int, block_size: int) -> None:
@@ -76,78 +119,119 @@ def check_decode_shape(dtype: str, head_dim: int, block_size: int) -> None:
 
 
 def decode_tile(dtype: str, head_dim: int) -> int:
-    """Tokens per shared-memory tile: about 16 KiB of K or V, between 8 and 64 tokens."""
+    """Tokens per shared-memory tile of ``paged_prefill``: about 16 KiB of K or V, 8 to 64."""
     tile = 64
     while tile > 8 and tile * head_dim * itemsize(dtype) > 16 * 1024:
         tile //= 2
     return tile
 
 
-def decode_shared_memory(dtype: str, head_dim: int, group: int, tile: int) -> int:
-    """Bytes of dynamic shared memory of ``paged_decode`` (layout: see cuda/paged_attention.cu)."""
-    floats = 2 * group * head_dim + group * tile + (3 * group + 3) // 4 * 4
-    return 4 * floats + tile * head_dim * itemsize(dtype)
+def _next_power_of_two(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
 
 
-def num_splits(num_seqs: int, num_kv_heads: int, max_context: int, sm_count: int) -> int:
-    """Split-K heuristic: fill one wave of multiprocessors at small batch, never split at large.
+def decode_geometry(dtype: str, head_dim: int, group: int) -> DecodeGeometry:
+    """The ``paged_decode`` layout for a shape (see cuda/paged_attention.cu's header).
 
-    A batch whose (sequence, KV head) pairs already cover every multiprocessor gets one split;
-    otherwise each pair is split until the GPU is full, but no split is shorter than
-    ``MIN_SPLIT_TOKENS``.
+    - ``bdx``: a lane owns 8 elements of a row (16 bytes of a 16-bit type, 2 x 16 of float32),
+      rounded up to a power of two: head_dim 80 at fp16 is 10 busy lanes of 16.
+    - ``bdy``: two query heads per thread (one for G = 1), more above G = 16, so that K and V
+      read from shared memory once serve two heads' dot products.
+    - ``bdz``: a power of two that brings the block to ``DECODE_TARGET_THREADS`` in whole warps.
+    - tokens per thread: a stage of about ``DECODE_STAGE_BYTES`` of K, at most
+      ``DECODE_MAX_TOKENS_PER_THREAD`` per thread.
     """
-    pairs = max(num_seqs * num_kv_heads, 1)
-    if pairs >= sm_count:
-        return 1
-    return max(1, min(cdiv(sm_count, pairs), cdiv(max_context, MIN_SPLIT_TOKENS)))
+    if group < 1:
+        raise ValueError(f"expected a GQA group of at least 1 query head per KV head, got {group}")
+    size = itemsize(dtype)
+    row_vectors = head_dim * size // 16
+    lane_vectors = 1 if size == 2 else 2
+    bdx = min(32, _next_power_of_two(cdiv(row_vectors, lane_vectors)))
+    heads_per_thread = 1 if group == 1 else max(2, cdiv(group, 8))
+    bdy = cdiv(group, heads_per_thread)
+    bdz = 1
+    while bdx * bdy * bdz < DECODE_TARGET_THREADS or (bdx * bdy * bdz) % 32:
+        bdz *= 2
+    tile_target = max(1, DECODE_STAGE_BYTES // (head_dim * size))
+    tokens = min(DECODE_MAX_TOKENS_PER_THREAD, max(1, tile_target // bdz))
+    return DecodeGeometry(bdx, bdy, bdz, tokens, DECODE_STAGES, heads_per_thread)
+
+
+def decode_shared_memory(dtype: str, head_dim: int, geometry: DecodeGeometry) -> int:
+    """Bytes of dynamic shared memory of ``paged_decode``: the K/V stages, or (when larger) the
+    partial results of the token lanes that overlay them after the loop."""
+    stages = 2 * geometry.stages * geometry.tile * head_dim * itemsize(dtype)
+    heads = geometry.bdy * geometry.heads_per_thread
+    merge = 4 * geometry.bdz * heads * (head_dim + 2) if geometry.bdz > 1 else 0
+    return max(stages, merge)
 
 
 def decode_launch(
-    dtype: str,
-    num_seqs: int,
-    num_kv_heads: int,
-    group: int,
-    head_dim: int,
-    block_size: int,
-    max_context: int,
-    sm_count: int = NOMINAL_SM_COUNT,
-    splits: int | None = None,
+    dtype: str, num_kv_heads: int, group: int, head_dim: int, block_size: int, capacity: int
 ) -> DecodeLaunch:
-    """The launch of ``paged_decode`` (and its merge) for one batch shape.
+    """The launch of ``paged_decode`` (and its merge) over a work list of ``capacity`` items.
 
-    Args:
-        max_context: longest context in the batch (tokens); sizes the splits.
-        sm_count: multiprocessors of the device.
-        splits: force this many splits (tests); the heuristic decides when ``None``.
+    Nothing here depends on the context lengths: the work list carries them.
     """
     check_decode_shape(dtype, head_dim, block_size)
-    tile = decode_tile(dtype, head_dim)
-    if splits is None:
-        splits = num_splits(num_seqs, num_kv_heads, max_context, sm_count)
-    if splits < 1:
-        raise ValueError(f"expected splits >= 1, got {splits}")
-    per_split = cdiv(max(max_context, 1), splits)
-    partition = cdiv(per_split, tile) * tile
-    splits = max(1, cdiv(max_context, partition))
+    if not 1 <= capacity <= MAX_GRID_YZ:
+        raise ValueError(f"expected a work list of 1..{MAX_GRID_YZ} items, got {capacity}")
+    geo = decode_geometry(dtype, head_dim, group)
     c_type = C_TYPES[dtype]
+    layout = f"{geo.bdx}, {geo.bdy}, {geo.bdz}, {geo.tokens_per_thread}, {geo.stages}"
     return DecodeLaunch(
-        name=f"cupaged::paged_decode<{c_type}, {head_dim}, {block_size}, {tile}>",
+        name=f"cupaged::paged_decode<{c_type}, {head_dim}, {block_size}, {group}, {layout}>",
         merge_name=f"cupaged::paged_decode_merge<{c_type}, {head_dim}>",
-        grid=(num_kv_heads, num_seqs, splits),
-        block=(DECODE_THREADS,),
-        shared_mem=decode_shared_memory(dtype, head_dim, group, tile),
-        num_splits=splits,
-        partition_tokens=partition,
-        merge_grid=(num_kv_heads * group, num_seqs),
+        grid=(num_kv_heads, capacity),
+        block=(geo.bdx, geo.bdy, geo.bdz),
+        shared_mem=decode_shared_memory(dtype, head_dim, geo),
+        tile=geo.tile,
+        merge_block=(MERGE_THREADS,),
+        geometry=geo,
+    )
+
+
+def decode_ctas_per_sm(dtype: str, head_dim: int, group: int, block_size: int) -> int:
+    """Theoretical ``paged_decode`` thread blocks per multiprocessor of an H100.
+
+    From the block's threads, ``DECODE_REGISTER_BUDGET`` registers per thread (allocated per
+    warp in units of 256) and its shared memory (plus the 1 KiB the system reserves per block,
+    in units of 128 bytes). ``block_size`` does not change the layout; it is taken for symmetry
+    with the launch. A GPU run asks CuPy's occupancy API instead.
+    """
+    check_decode_shape(dtype, head_dim, block_size)
+    geo = decode_geometry(dtype, head_dim, group)
+    warps = cdiv(geo.threads, 32)
+    regs_per_warp = cdiv(DECODE_REGISTER_BUDGET * 32, 256) * 256
+    smem = decode_shared_memory(dtype, head_dim, geo) + H100_SM["smem_reserved"]
+    smem = cdiv(smem, 128) * 128
+    return max(
+        1,
+        min(
+            H100_SM["ctas"],
+            H100_SM["threads"] // geo.threads,
+            H100_SM["regs"] // (regs_per_warp * warps),
+            H100_SM["smem"] // smem,
+        ),
     )
 
 
 PREFILL_THREADS = 128  # a template argument of paged_prefill: no constant to keep equal
-# Rows of a prefill thread block (query tokens x the query heads of one KV head's group): a tile
-# of max(1, PREFILL_ROWS // G) query tokens, so that a KV tile loaded once serves about this many
-# rows whatever the GQA ratio.
+# Rows of a prefill thread block (query tokens x the query heads of one KV head's group, a
+# template argument): a tile of max(1, PREFILL_ROWS // G) query tokens, so that a KV tile loaded
+# once serves about this many rows whatever the GQA ratio; a group of more than PREFILL_ROWS
+# heads is cut into chunks of PREFILL_ROWS heads, one thread block each.
 PREFILL_ROWS = 16
+# Shared-memory stages of the cp.async ring (a template argument): tile t + STAGES - 1 is in
+# flight while tile t is computed.
+PREFILL_STAGES = 2
+# K (or V) bytes of one prefill tile: 32 tokens of fp16 at head_dim 128, so that the ring
+# (STAGES x K and V, padded rows) and the queries stay near 45 KiB and 5 blocks fit an H100 SM.
+PREFILL_TILE_BYTES = 8 * 1024
+PREFILL_MERGE_THREADS = 128
 MAX_GRID_YZ = 65535  # CUDA's limit on gridDim.y and gridDim.z
+MAX_GRID_X = 2**31 - 1
+NO_SPLIT_PARTITION = 2**31 - 1  # partition_tokens of a launch without splits (one int32)
 
 
 @dataclass(frozen=True, slots=True)

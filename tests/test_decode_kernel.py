@@ -1,0 +1,168 @@
+"""paged_decode and paged_decode_merge launched directly over host-built work lists.
+
+The kernel's contract (cuda/paged_attention.cu): work[i] = {seq, begin, end, count} covers tokens
+[begin, end) of sequence seq; count == 1 writes the output row, otherwise a partial row and its
+log-sum-exp that the merge combines; seq < 0 is an unused entry. These tests build work lists by
+hand (items of `chunk` tokens, unused entries sprinkled in, a sequence's items consecutive), so
+that the kernel is checked apart from the planner, against the float64 reference, under two
+scheduling orders on the CPU backend.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from helpers import DTYPES, TOLERANCES, assert_close, poison, random_paged_batch, scheduled
+
+import cupaged
+from cupaged import _launch
+from cupaged._kernels import get_kernel
+from cupaged.dtypes import from_float, to_float
+
+SCHEDULES = ("forward", "warp_ahead")
+NUM_KV_HEADS = 2
+
+
+def host_work(lengths, chunk, unused=()):
+    """``(work [capacity, 4], seq_items [num_seqs, 2])``: items of ``chunk`` tokens per sequence
+    (an empty context one empty item), with unused entries (seq -1) before the items listed."""
+    work, seq_items = [], []
+    for s, n in enumerate(lengths):
+        bounds = list(range(0, n, chunk)) + [n] if n else [0, 0]
+        first = None
+        for begin, end in zip(bounds[:-1], bounds[1:], strict=True):
+            while len(work) in unused:
+                work.append((-1, 0, 0, 0))
+            first = len(work) if first is None else first
+            work.append((s, begin, end, len(bounds) - 1))
+        seq_items.append((first, len(bounds) - 1))
+    work.append((-1, 7, 9, 1))  # a trailing unused entry with junk bounds
+    return np.array(work, np.int32), np.array(seq_items, np.int32)
+
+
+def run_decode(xp, q, k_cache, v_cache, tables, lengths, chunk, scale=None, unused=(), out=None):
+    """Launch paged_decode (and the merge) over a host work list; returns ``out``."""
+    device = "cpu" if xp is np else "cuda"
+    num_seqs, num_q_heads, head_dim = q.shape
+    num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    dtype = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16"}.get(
+        np.dtype(q.dtype), "bfloat16"
+    )
+    work, seq_items = host_work(lengths, chunk, unused)
+    launch = _launch.decode_launch(dtype, num_kv_heads, group, head_dim, block_size, len(work))
+    assert chunk % launch.tile == 0 or chunk >= max(lengths, default=0)
+    capacity = len(work)
+    partial_out = xp.asarray(np.full((capacity, num_q_heads, head_dim), np.nan, np.float32))
+    partial_lse = xp.asarray(np.full((capacity, num_q_heads), np.nan, np.float32))
+    out = xp.asarray(poison(q.shape, dtype)) if out is None else out
+    scale = head_dim**-0.5 if scale is None else scale
+    kernel = get_kernel(device, "paged_attention.cu", launch.name)
+    if device == "cuda" and launch.shared_mem > _launch.DEFAULT_SHARED_MEMORY:
+        kernel.max_dynamic_shared_size_bytes = launch.shared_mem
+    args = (
+        out, partial_out, partial_lse, xp.asarray(q), xp.asarray(k_cache), xp.asarray(v_cache),
+        xp.asarray(tables), xp.asarray(work), np.int32(num_kv_heads), np.int32(group),
+        np.int32(tables.shape[1]), np.float32(scale),
+    )  # fmt: skip
+    kernel(launch.grid, launch.block, args, shared_mem=launch.shared_mem)
+    merge = get_kernel(device, "paged_attention.cu", launch.merge_name)
+    merge(
+        (num_q_heads, num_seqs),
+        launch.merge_block,
+        (out, partial_out, partial_lse, xp.asarray(seq_items), np.int32(num_q_heads)),
+    )
+    return out
+
+
+def reference(q, k_cache, v_cache, tables, lengths, scale=None):
+    return cupaged.reference_attention(
+        q, k_cache, v_cache, tables, np.asarray(lengths, np.int32), scale,
+        compute_dtype="float64", out_dtype="float64",
+    )  # fmt: skip
+
+
+CASES = [
+    # dtype, head_dim, block_size, group
+    ("float16", 128, 16, 1),
+    ("float16", 128, 16, 4),
+    ("bfloat16", 128, 16, 8),
+    ("float32", 128, 16, 4),
+    ("float16", 80, 7, 3),
+    ("float32", 80, 1, 2),
+    ("bfloat16", 64, 32, 16),
+    ("float32", 256, 256, 1),
+    ("float16", 256, 5, 5),
+    ("bfloat16", 96, 16, 6),
+]
+
+
+@pytest.mark.parametrize("order", SCHEDULES)
+@pytest.mark.parametrize("dtype, head_dim, block_size, group", CASES)
+def test_work_items_match_the_reference(rng, xp, dtype, head_dim, block_size, group, order):
+    lengths = [0, 1, block_size + 1, 97, 300]
+    q, k_cache, v_cache, tables, _, _ = random_paged_batch(
+        rng, lengths, NUM_KV_HEADS, head_dim, group, block_size, dtype
+    )
+    tile = _launch.decode_launch(dtype, NUM_KV_HEADS, group, head_dim, block_size, 1).tile
+    chunk = tile * max(1, 64 // tile)  # several items for the long sequences
+    expected = reference(q, k_cache, v_cache, tables, lengths)
+    with scheduled(xp, order):
+        out = run_decode(xp, q, k_cache, v_cache, tables, lengths, chunk, unused=(0, 3))
+    assert_close(out, expected, dtype)
+    got = np.asarray(out if xp is np else out.get())
+    assert not got[0].any()  # context length 0: a zero row
+
+
+@pytest.mark.parametrize("chunk_tiles", [1, 3, 1000])
+def test_any_chunk_of_whole_stages_gives_the_same_result(rng, chunk_tiles):
+    lengths = [5, 64, 129, 700]
+    q, k_cache, v_cache, tables, _, _ = random_paged_batch(
+        rng, lengths, NUM_KV_HEADS, 64, 4, 16, "float32"
+    )
+    tile = _launch.decode_launch("float32", NUM_KV_HEADS, 4, 64, 16, 1).tile
+    out = run_decode(np, q, k_cache, v_cache, tables, lengths, tile * chunk_tiles)
+    assert_close(out, reference(q, k_cache, v_cache, tables, lengths), "float32")
+
+
+NAN_CASES = ("nan_q", "nan_k", "pos_inf_k", "neg_inf_k", "all_neg_inf_k", "inf_v", "nan_scale")
+
+
+@pytest.mark.parametrize("chunk", [64, 4096])
+@pytest.mark.parametrize("case", NAN_CASES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_nan_and_inf_like_the_reference(rng, dtype, case, chunk):
+    lengths = [300, 40, 5]
+    q, k_cache, v_cache, tables, _, _ = random_paged_batch(
+        rng, lengths, NUM_KV_HEADS, 64, 4, 16, dtype
+    )
+    scale = None
+    token = 200
+    block, offset = tables[0, token // 16], token % 16
+    if case == "nan_q":
+        q[1, 3, 7] = from_float(np.array([np.nan], np.float32), dtype)[0]
+    elif case == "nan_k":
+        k_cache[block, 1, offset, 5] = from_float(np.array([np.nan], np.float32), dtype)[0]
+    elif case in ("pos_inf_k", "neg_inf_k"):
+        # Signed so that query head 0's score is +Inf (its row NaN) or -Inf (weight 0).
+        sign = np.sign(to_float(q[0, 0], np.float64)) * (1 if case == "pos_inf_k" else -1)
+        k_cache[block, 0, offset, :] = from_float((sign * np.inf).astype(np.float32), dtype)
+    elif case == "all_neg_inf_k":
+        # Every score of sequence 2's heads 0..3 is -Inf: its rows are 0 / 0, NaN.
+        q[2, :4] = from_float(np.abs(to_float(q[2, :4], np.float32)) + 0.1, dtype)
+        for pos in range(lengths[2]):
+            k_cache[tables[2, pos // 16], 0, pos % 16, :] = from_float(
+                np.full(64, -np.inf, np.float32), dtype
+            )
+    elif case == "inf_v":
+        v_cache[block, 0, offset, 9] = from_float(np.array([np.inf], np.float32), dtype)[0]
+    else:
+        scale = float("nan")
+    expected = reference(q, k_cache, v_cache, tables, lengths, scale)
+    assert not np.isfinite(expected).all()
+    out = run_decode(np, q, k_cache, v_cache, tables, lengths, chunk, scale)
+    got = to_float(out, np.float64)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(expected))
+    np.testing.assert_array_equal(np.isinf(got), np.isinf(expected))
+    finite = np.isfinite(expected)
+    np.testing.assert_allclose(got[finite], expected[finite], **TOLERANCES[dtype])
