@@ -139,10 +139,12 @@ class _Atomic:
     changes nothing.
     """
 
-    __slots__ = ("_depth", "_lock", "_manager", "_mark", "_owner", "_saved", "kv_written", "undo")
+    __slots__ = ("_depth", "_lock", "_manager", "_mark", "_owner", "_pool", "_saved", "_stats",
+                 "kv_written", "undo")  # fmt: skip
 
     def __init__(self, manager: BlockManager) -> None:
         self._manager = manager
+        self._pool, self._stats = manager._pool, manager._prefix.stats  # fixed for its life
         self._lock = threading.Lock()
         self._owner: int | None = None
         self._depth = 0
@@ -160,27 +162,29 @@ class _Atomic:
                 "another thread is inside one (guard the cache with your own lock)"
             )
         self._owner, self._depth = me, 1
-        manager = self._manager
-        stats = manager._prefix.stats
-        self._saved = (manager._next_id, stats.hits, stats.misses, stats.cached_tokens)
-        self._mark = manager._pool.begin()
-        self.undo, self.kv_written = [], False
+        stats = self._stats
+        self._saved = (self._manager._next_id, stats.hits, stats.misses, stats.cached_tokens)
+        self._mark = self._pool.begin()
+        self.kv_written = False
         return self
 
     def __exit__(self, kind: Any, error: Any, trace: Any) -> None:
-        self._depth -= 1
-        if self._depth:
+        if self._depth > 1:
+            self._depth -= 1
             return
-        manager = self._manager
+        self._depth = 0
+        if kind is None:  # the common case: keep the changes
+            self._pool.end()
+            self.undo = []
+            self._owner = None
+            self._lock.release()
+            return
         try:
-            if kind is None:
-                manager._pool.end()
-            else:
-                for action in reversed(self.undo):
-                    action()
-                manager._pool.rollback(self._mark, keep_evicted=not self.kv_written)
-                stats = manager._prefix.stats
-                manager._next_id, stats.hits, stats.misses, stats.cached_tokens = self._saved
+            for action in reversed(self.undo):
+                action()
+            self._pool.rollback(self._mark, keep_evicted=not self.kv_written)
+            stats = self._stats
+            self._manager._next_id, stats.hits, stats.misses, stats.cached_tokens = self._saved
         finally:
             self.undo = []
             self._owner = None
@@ -360,22 +364,43 @@ class BlockManager:
         counters = (stats.hits, stats.misses, stats.cached_tokens)
         bs = self._block_size
         hits, chain, keys = self._match(prompt, salt)
-        cached = len(hits) * bs
-        revived = int(np.count_nonzero(self._pool._refcount[hits] == 0)) if hits else 0
-        needed = cdiv(len(prompt), bs) - len(hits)
+        n_hits, n = len(hits), len(prompt)
+        cached = n_hits * bs
+        if n_hits:
+            hits = np.array(hits, np.intp)
+            revived = int(np.count_nonzero(self._pool._refcount[hits] == 0))
+        else:
+            revived = 0
+        needed = -(-n // bs) - n_hits
         if needed > self._pool.num_free - revived:
             stats.hits, stats.misses, stats.cached_tokens = counters
             raise OutOfBlocksError(
-                needed, self._pool.num_free - revived, f"admitting a {len(prompt)}-token prompt"
+                needed, self._pool.num_free - revived, f"admitting a {n}-token prompt"
             )
         sid, row = self._attach(hits, chain)
-        slots, _, _ = self._plan_rows([row], [len(prompt) - cached], None, None)
+        slots = self._reserve_fresh(row, n_hits, n - cached, needed)
         if self.prefix_caching:  # the keys of the full blocks after the hits: hashed by _match
             table = self._seqs
-            full = len(hits) + len(keys)
+            full = n_hits + len(keys)
             self._extend_chain(row, keys)
-            table.tail[row, : len(prompt) - full * bs] = prompt[full * bs :]
+            table.tail[row, : n - full * bs] = prompt[full * bs :]
         return Admission(sid, cached, self._xp.asarray(slots))
+
+    def _reserve_fresh(self, row: int, held: int, n: int, needed: int) -> np.ndarray:
+        """Slots for ``n`` tokens after the ``held`` full blocks of a row just attached: ``needed``
+        new blocks, no copy-on-write (its last block is full). The row's undo (its release)
+        covers what this changes."""
+        if not n:
+            return _NO_COPIES
+        table, bs = self._seqs, self._block_size
+        new = self._pool.take(needed)
+        table.ensure_width(held + needed + 1)  # one spare column: see _plan_decode
+        table.tables[row, held : held + needed] = new
+        table.version[row] = table.clock
+        table.lens[row] = held * bs + n
+        if needed == 1:
+            return self._offsets[:n] + new.item(0) * bs  # int32: slots fit (checked at init)
+        return (new[:, None] * bs + self._offsets).reshape(-1)[:n].astype(np.int32)
 
     def fork(self, sid: int) -> int:
         """Start a sequence that shares every block of ``sid`` (parallel sampling, beam search).
@@ -429,7 +454,9 @@ class BlockManager:
         Cached full blocks are not wiped: they become evictable, last block first, so that a
         prompt's head survives eviction longest.
         """
-        row = self._row(sid)
+        row = self._rows.get(sid) if type(sid) is int else None
+        if row is None:
+            row = self._row(sid)  # raises the KeyError
         with self._atomic:
             self._release([sid], [row])
 
@@ -510,8 +537,12 @@ class BlockManager:
         counts = self._counts(num_tokens, rows.size)
         single = isinstance(sids, (int, np.integer))
         new_tokens = self._check_tokens(single, rows.size, counts, tokens)
+        bases = None
+        if type(sids) is SequenceBatch:
+            width = self._seqs.width
+            bases = sids._bases if sids._bases_width == width else sids.flat_bases(width)
         with self._atomic:
-            slots, src, dst = self._plan(rows, counts, new_tokens, None)
+            slots, src, dst = self._plan(rows, counts, new_tokens, None, bases)
         plan = StepPlan(self._xp.asarray(slots), src, dst, counts, rows.size)
         if tables:
             plan.block_tables, plan.context_lens = self._tables(rows, sids)
@@ -620,14 +651,15 @@ class BlockManager:
             return [], None, []
         return self._prefix.match_unchecked(prompt, salt)
 
-    def _attach(self, hits: list[int], chain: PrefixChain | None) -> tuple[int, int]:
-        """A new sequence holding the cached blocks ``hits`` (full) and nothing else."""
+    def _attach(self, hits: Any, chain: PrefixChain | None) -> tuple[int, int]:
+        """A new sequence holding the cached blocks ``hits`` (full; a list or an intp array)
+        and nothing else."""
         sid = self._next_id
         table = self._seqs
         row = table.acquire(sid)
         self._atomic.undo.append(lambda: self._unattach([sid], [row]))
-        if hits:
-            blocks = np.array(hits, np.int32)
+        if len(hits):
+            blocks = np.asarray(hits, np.intp)
             self._pool.acquire_unchecked(blocks)
             table.ensure_width(len(hits) + 1)
             table.tables[row, : len(hits)] = blocks
@@ -635,7 +667,7 @@ class BlockManager:
         if self.prefix_caching:
             self._chains[row] = chain
         self._rows[sid] = row
-        if hits:
+        if len(hits):
             self._cached[sid] = len(hits) * self._block_size
         self._next_id += 1
         return sid, row
@@ -650,11 +682,12 @@ class BlockManager:
 
     def _release(self, sids: list[int], rows: list[int]) -> None:
         """Drop the sequences' references (each one's last block first) and their rows."""
+        if len(rows) == 1:
+            self._release_one(sids[0], rows[0])
+            return
         table = self._seqs
-        one = len(rows) == 1
-        # What an interrupt must put back: the rows (for one row, the cheap part of it only)
-        # and the dictionary entries.
-        saved = (table.row_state(rows[0]) if one else table.snapshot(rows)), table.free_rows_mark()
+        # What an interrupt must put back: the rows and the dictionary entries.
+        saved = table.snapshot(rows), table.free_rows_mark()
         entries = [
             (sid, row, self._cached.get(sid), self._chains.get(row))
             for sid, row in zip(sids, rows, strict=True)
@@ -662,10 +695,7 @@ class BlockManager:
 
         def undo() -> None:
             table.unrelease(saved[1])
-            if one:
-                table.set_row_state(rows[0], saved[0])
-            else:
-                table.restore(rows, saved[0])
+            table.restore(rows, saved[0])
             for sid, row, cached, chain in entries:
                 self._rows[sid] = row
                 if cached is not None:
@@ -674,17 +704,6 @@ class BlockManager:
                     self._chains[row] = chain
 
         self._atomic.undo.append(undo)
-        if one:
-            row = rows[0]
-            if table.live[row] >= 0:
-                self._pool.release(saved[0][0][::-1])  # the row's blocks, a copy: last first
-            table.release_one(row)
-            del self._rows[sids[0]]
-            if self._cached:
-                self._cached.pop(sids[0], None)
-            if self._chains:
-                del self._chains[row]
-            return
         row_array = np.array(rows, np.intp)
         resident = row_array[table.live[row_array] >= 0]
         if resident.size:
@@ -699,12 +718,50 @@ class BlockManager:
             self._cached.pop(sid, None)
             self._chains.pop(row, None)
 
+    def _release_one(self, sid: int, row: int) -> None:
+        """:meth:`_release` of one sequence: what ``free`` does per call, in few operations."""
+        table = self._seqs
+        length = table.lens.item(row)
+        resident = table.live.item(row) >= 0
+        held = -(-length // self._block_size) if resident else 0
+        blocks = table.tables[row, :held][::-1].astype(np.intp)  # last block first
+        # What an interrupt must put back: what release_one clears (not the tail: it keeps it),
+        # the free-row list and the dictionary entries.
+        state = (length, resident, table.shared.item(row), table.pending.item(row),
+                 table.version.item(row), len(table._free_rows), self._cached.get(sid),
+                 self._chains.get(row))  # fmt: skip
+
+        def undo() -> None:
+            length, resident, shared, pending, version, mark, cached, chain = state
+            table.unrelease(mark)
+            table.epoch += 1
+            table.tables[row] = 0
+            table.tables[row, :held] = blocks[::-1]
+            table.lens[row], table.sids[row], table.live[row] = length, sid, sid if resident else -1
+            table.shared[row], table.pending[row], table.version[row] = shared, pending, version
+            self._rows[sid] = row
+            if cached is not None:
+                self._cached[sid] = cached
+            if chain is not None:
+                self._chains[row] = chain
+
+        self._atomic.undo.append(undo)
+        if held:
+            self._pool.release(blocks)
+        table.release_one(row)
+        del self._rows[sid]
+        if self._cached:
+            self._cached.pop(sid, None)
+        if self._chains:
+            del self._chains[row]
+
     def _plan(
         self,
         rows: np.ndarray,
         counts: int | np.ndarray,
         tokens: np.ndarray | list[np.ndarray] | None,
         what: str | None,
+        bases: np.ndarray | None = None,
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Allocate, copy-on-write and slot-map ``counts`` new tokens for each of ``rows``.
 
@@ -713,10 +770,10 @@ class BlockManager:
         the same thing: a few sequences row by row in scalar arithmetic, a decode step (one token
         each) in the fewest array operations, and any batch in general.
         """
-        decode = isinstance(counts, int) and counts == 1
+        decode = type(counts) is int and counts == 1
         if rows.size > _SMALL_BATCH or (decode and rows.size > _SMALL_DECODE):
             if decode:
-                return self._plan_decode(rows, tokens, what)
+                return self._plan_decode(rows, tokens, what, bases)
             return self._plan_batch(rows, counts, tokens, what)
         per_row = [counts] * rows.size if isinstance(counts, int) else counts.tolist()
         return self._plan_rows(rows.tolist(), per_row, tokens, what)
@@ -813,18 +870,25 @@ class BlockManager:
                 table.tail[row] = tails[i]
 
     def _plan_decode(
-        self, rows: np.ndarray, tokens: Any, what: str | None
+        self, rows: np.ndarray, tokens: Any, what: str | None, bases: np.ndarray | None = None
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """:meth:`_plan` for one token per sequence: a decode step in about 25 array operations."""
+        """:meth:`_plan` for one token per sequence: a decode step in about 15 array operations.
+
+        ``bases`` is ``rows * width`` when the caller keeps it (a :class:`SequenceBatch`): the
+        entries are read and written in the flat table, one 1-D gather instead of a 2-D one.
+        """
         table, bs, pool = self._seqs, self._block_size, self._pool
-        lens = table.lens[rows]
-        column = lens // bs  # the block the token goes to (a new one where offset is 0)
-        offset = lens % bs
-        if np.count_nonzero(table.shared[rows]):  # maybe a shared last block: copy-on-write
+        # Maybe a shared last block: copy-on-write (the global count first: no gather mostly).
+        if np.count_nonzero(table.shared) and np.count_nonzero(table.shared[rows]):
             if rows.size > _SMALL_BATCH:
                 return self._plan_batch(rows, 1, tokens, what)
             return self._plan_rows(rows.tolist(), [1] * rows.size, tokens, what)
-        blocks = table.tables[rows, column]  # 0 (padding) where a new block is needed
+        lens = table.lens[rows]
+        offset = lens % bs
+        width = table.width
+        # The entry of the block the token goes to (0, padding, where offset is 0: a new block).
+        index = (rows * width if bases is None else bases) + lens // bs
+        blocks = table.flat[index]
         crossing = (offset == 0).nonzero()[0]
         if crossing.size > pool.num_free:
             what = what or f"reserving {rows.size} token(s) for {rows.size} sequence(s)"
@@ -833,30 +897,33 @@ class BlockManager:
         keys = self._keys(rows, lens, 1, tokens) if registering else None
 
         # -- from here on nothing fails: change the tables (undone on an interrupt)
-        grown, at = rows[crossing], column[crossing]
-        self._atomic.undo.append(lambda: self._undo_decode(rows, lens, grown, at))
+        at = index[crossing]
+        self._atomic.undo.append(lambda: self._undo_decode(rows, lens, at, width))
         if registering:  # the chains that commit or fill a block: few rows of the batch
             touched = table.pending[rows] | (offset == bs - 1)
             self._atomic.undo.append(self._chains_restorer(rows[touched].tolist()))
         self._commit_rows(rows)  # this step of theirs: the last step's K/V were written
         if crossing.size:
             new = pool.take(crossing.size)
-            table.tables[grown, at] = new
-            table.version[grown] = table.clock
+            table.flat[at] = new
+            table.version[rows[crossing]] = table.clock
             blocks[crossing] = new
         table.lens[rows] = lens + 1
         if crossing.size:  # each crossing row holds one block more: keep a spare column
             table.held_bound += 1
-            if table.held_bound + 1 > table.width:
+            if table.held_bound + 1 > width:
                 table.held_bound = 0  # the true maximum over all rows, then grow if needed
                 table.ensure_width(cdiv(int(table.lens.max()), bs) + 1)
         if registering:
             self._register(rows, lens, 1, tokens, keys)
-        return blocks * bs + offset, _NO_COPIES, _NO_COPIES
+        blocks *= bs
+        blocks += offset
+        return blocks, _NO_COPIES, _NO_COPIES
 
-    def _undo_decode(self, rows, lens, grown, at) -> None:
+    def _undo_decode(self, rows, lens, at, width) -> None:
         table = self._seqs
-        table.tables[grown, at] = 0  # the entries a decode step fills were padding
+        # The entries a decode step fills were padding (flat indices at the step's width).
+        table.tables[at // width, at % width] = 0
         table.lens[rows] = lens
 
     def _chains_restorer(self, rows: list[int]) -> Callable[[], None]:
@@ -989,7 +1056,7 @@ class BlockManager:
         if copy is not None:
             copied = np.flatnonzero(copy)
             is_copy[offsets[copied]] = True
-            dst = new[offsets[copied]]
+            dst = new[offsets[copied]].astype(np.int32)
             src = table.tables[rows[copied], held[copied] - 1].copy()
             table.tables[rows[copied], held[copied] - 1] = dst
             self._pool.release(src, distinct=False)  # never the last reference: see _copies
@@ -1088,9 +1155,12 @@ class BlockManager:
         if isinstance(sids, SequenceBatch):
             rows = sids._rows
             table = self._seqs
-            if np.count_nonzero(table.live[rows] != sids._sids):
-                for sid in sids._sids.tolist():
-                    self._resident_row(sid)  # raises for the first gone or swapped one
+            if sids._epoch != table.epoch or sids._manager is not self:
+                if np.count_nonzero(table.live[rows] != sids._sids):
+                    for sid in sids._sids.tolist():
+                        self._resident_row(sid)  # raises for the first gone or swapped one
+                if sids._manager is self:  # no sequence stopped being resident since: no check
+                    sids._epoch = table.epoch
             return rows
         if isinstance(sids, (int, np.integer)):
             return np.array([self._resident_row(sids)], np.intp)
@@ -1101,6 +1171,8 @@ class BlockManager:
         return rows
 
     def _counts(self, num_tokens: Any, batch: int) -> int | np.ndarray:
+        if type(num_tokens) is int and num_tokens >= 0:
+            return num_tokens
         if isinstance(num_tokens, (int, np.integer)) and not isinstance(num_tokens, bool):
             n = int(num_tokens)
             if n < 0:
@@ -1130,7 +1202,8 @@ class BlockManager:
         """The new tokens' ids, checked: a ``[B]`` array for one token each, else one array per
         sequence; ``None`` when none were given without prefix caching."""
         if tokens is None:
-            if self.prefix_caching and np.any(counts):
+            writing = counts if type(counts) is int else np.count_nonzero(counts)
+            if self.prefix_caching and writing:
                 raise ValueError(
                     "expected tokens= (the new tokens' ids): prefix caching keys full blocks by them"
                 )

@@ -70,7 +70,9 @@ class BlockPool:
         self.num_blocks = num_blocks
         # The free stack: entries [0, _top) of _free, top at _top - 1; reversed so that a fresh
         # pool hands out 0 first.
-        self._free = np.arange(num_blocks - 1, -1, -1, dtype=np.int32)
+        # Ids are kept as intp (what NumPy indexes with): an int32 index array costs NumPy a cast
+        # on every gather and store, several times the gather itself on a decode step's arrays.
+        self._free = np.arange(num_blocks - 1, -1, -1, dtype=np.intp)
         self._top = num_blocks
         self._refcount = np.zeros(num_blocks, np.int32)
         # Prefix cache: block -> its key and content while registered, and key -> block.
@@ -81,7 +83,7 @@ class BlockPool:
         # Evictable blocks, least recently freed first: entries [_head, _tail) of the queue, each
         # live while its stamp equals _stamp[block].
         capacity = 2 * num_blocks + 64
-        self._queue = np.empty(capacity, np.int32)
+        self._queue = np.empty(capacity, np.intp)
         self._queue_stamp = np.empty(capacity, np.int64)
         self._stamp = np.full(num_blocks, _NO_STAMP, np.int64)
         self._head = self._tail = self._clock = 0
@@ -194,7 +196,7 @@ class BlockPool:
     # methods above check their arguments once and then call them too.
 
     def take(self, n: int) -> np.ndarray:
-        """``n`` blocks as an ``int32`` array, refcount 1 each (``n <= num_free``, unchecked)."""
+        """``n`` blocks as an ``intp`` array, refcount 1 each (``n <= num_free``, unchecked)."""
         top = self._top
         if n == 1 and top:  # one block (an admission, a per-token step): no reversal, no gather
             blocks = self._free[top - 1 : top].copy()
@@ -221,12 +223,15 @@ class BlockPool:
             The blocks left without a reference, in release order (an id given twice is released
             at its last entry).
         """
+        if blocks.dtype != np.intp:
+            blocks = blocks.astype(np.intp)
         if self._journal is not None:  # callers pass arrays they do not change afterwards
             self._journal.append(("release", blocks))
         if distinct:
             left = self._refcount[blocks] - 1
             self._refcount[blocks] = left
-            gone = blocks[left == 0]
+            # Mostly every block goes (a sequence's own blocks): no mask to apply then.
+            gone = blocks if not np.count_nonzero(left) else blocks[left == 0]
         else:
             np.subtract.at(self._refcount, blocks, 1)
             last = blocks.size - 1 - np.unique(blocks[::-1], return_index=True)[1]
@@ -248,6 +253,8 @@ class BlockPool:
 
     def acquire_unchecked(self, blocks: np.ndarray, distinct: bool = True) -> None:
         """Take a reference per entry of ``blocks`` (registered or in use, unchecked)."""
+        if blocks.dtype != np.intp:
+            blocks = blocks.astype(np.intp)
         held = self._refcount[blocks]
         revived = blocks[held == 0]
         if self._journal is not None:  # callers pass arrays they do not change afterwards
@@ -295,6 +302,8 @@ class BlockPool:
 
     def share(self, blocks: np.ndarray, n: int) -> None:
         """Add ``n`` references to each of ``blocks`` (distinct, in use, unchecked): a fork."""
+        if blocks.dtype != np.intp:
+            blocks = blocks.astype(np.intp)
         if self._journal is not None:
             self._journal.append(("acquire", blocks.copy(), self._refcount[blocks]))
         self._refcount[blocks] += n

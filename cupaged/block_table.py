@@ -46,6 +46,7 @@ class SequenceTable:
     ) -> None:
         self._block_size_hint = block_size  # tokens per block, for row_state (0: unknown)
         self.tables = np.zeros((rows, width), np.int32)
+        self.flat = self.tables.reshape(-1)  # the same memory: entry row * width + j
         self.lens = np.zeros(rows, np.int32)
         self.sids = np.full(rows, -1, np.int64)
         self.live = np.full(rows, -1, np.int64)
@@ -57,6 +58,9 @@ class SequenceTable:
         # An upper bound on the blocks any row holds: a decode step raises it by one without a
         # reduction over the batch, and only when it reaches the width is the true maximum taken.
         self.held_bound = 0
+        # Bumped whenever a resident sequence stops being one (freed, swapped out): a batch
+        # checked at the same epoch needs no new check.
+        self.epoch = 0
         self._free_rows: list[int] = list(range(rows - 1, -1, -1))
 
     @property
@@ -84,6 +88,7 @@ class SequenceTable:
 
     def release(self, rows: np.ndarray) -> None:
         """Give rows back, zeroed."""
+        self.epoch += 1
         self.tables[rows] = 0
         self.lens[rows] = 0
         self.sids[rows] = self.live[rows] = -1
@@ -93,6 +98,7 @@ class SequenceTable:
 
     def release_one(self, row: int) -> None:
         """:meth:`release` for one row."""
+        self.epoch += 1
         self.tables[row] = 0
         self.lens[row] = 0
         self.sids[row] = self.live[row] = -1
@@ -106,6 +112,7 @@ class SequenceTable:
 
     def restore(self, rows: Any, snapshot: tuple) -> None:
         """Put back what :meth:`snapshot` saved (a rollback)."""
+        self.epoch += 1  # residency may change back
         for array, saved in zip(self._row_arrays(), snapshot, strict=True):
             if array.ndim == 2 and saved.shape[-1] != array.shape[1]:  # the table grew since
                 array[rows, saved.shape[-1] :] = 0
@@ -124,6 +131,7 @@ class SequenceTable:
                 bool(self.shared[row]), bool(self.pending[row]), tail, int(self.version[row]))  # fmt: skip
 
     def set_row_state(self, row: int, state: tuple) -> None:
+        self.epoch += 1  # residency may change back
         blocks, self.lens[row], self.sids[row], self.live[row], *rest = state
         self.shared[row], self.pending[row], tail, self.version[row] = rest
         self.tables[row] = 0
@@ -156,7 +164,7 @@ class SequenceTable:
                 (self.tables.shape[0], max(width, 2 * self.tables.shape[1])), np.int32
             )
             tables[:, : self.tables.shape[1]] = self.tables
-            self.tables = tables
+            self.tables, self.flat = tables, tables.reshape(-1)
 
     def check_invariants(self, rows: dict[int, int], block_size: int) -> None:
         """Check the rows against ``{sid: row}``; raises ``AssertionError`` naming the first break."""
@@ -199,6 +207,7 @@ class SequenceTable:
             return out
 
         self.tables, self.lens = grown(self.tables, 0), grown(self.lens, 0)
+        self.flat = self.tables.reshape(-1)
         self.sids, self.live = grown(self.sids, -1), grown(self.live, -1)
         self.shared, self.pending = grown(self.shared, False), grown(self.pending, False)
         self.version, self.tail = grown(self.version, 0), grown(self.tail, 0)
@@ -227,6 +236,9 @@ class SequenceBatch:
         self._device: Any = None  # [len, width] int32 block tables on the device
         self._synced = 0  # the table clock when the device copy was last refreshed
         self._replaced: list[int] = []  # positions to refresh whatever their version
+        self._epoch = -1  # the table epoch at the last check that every sequence is resident
+        self._bases = rows  # rows * _bases_width: where each row starts in the flat table
+        self._bases_width = 0
 
     @property
     def sids(self) -> np.ndarray:
@@ -248,7 +260,15 @@ class SequenceBatch:
             raise ValueError(f"expected distinct sequence ids, got {sid} twice in the batch")
         self._sids[position] = sid
         self._rows[position] = row
+        if self._bases_width:
+            self._bases[position] = row * self._bases_width
         self._replaced.append(position)
+
+    def flat_bases(self, width: int) -> np.ndarray:
+        """``rows * width`` (intp): each row's first entry in the flat table of that width."""
+        if self._bases_width != width:
+            self._bases, self._bases_width = self._rows * width, width
+        return self._bases
 
     def device_tables(self, table: SequenceTable) -> Any:
         """The batch's ``[len, width]`` int32 block tables on the device, refreshed where stale."""

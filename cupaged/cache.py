@@ -243,6 +243,7 @@ class PagedCache(BlockManager):
             self._pool.release(blocks[::-1].copy())
             table.tables[row] = 0
             table.live[row] = -1
+            table.epoch += 1  # batches holding it must check again
             table.shared[row] = False
             table.touch(row)
             self._swapped[sid] = (host[0], host[1])
