@@ -23,6 +23,8 @@ from rich.text import Text
 
 from . import CacheSpec, CupagedError, PagedCache, __version__, device_module, resolve_device
 from .demo import DemoConfig
+from .demo.real import PROMPTS as DEMO_PROMPTS
+from .models import MODELS
 from .models import add_cli_commands as add_model_commands
 
 MiB = 2**20
@@ -185,10 +187,14 @@ def print_summary(console: Any, run: Any) -> None:
     summary, spec = run.summary, run.spec
     memory = summary["memory"]
     table = Table(title="cupaged demo", show_header=False)
+    table.add_row("model", summary["model"])
     table.add_row("backend", summary["backend"])
     table.add_row("requests / sequences", f"{summary['requests']} / {summary['sequences']}")
     table.add_row("tokens generated", f"{summary['tokens_generated']:,}")
     table.add_row("steps", f"{summary['steps']:,}")
+    if summary["config"]["prefill_chunk"]:
+        table.add_row("chunked prefill", f"{summary['prefill_chunks']} prompt chunks of at most "
+                      f"{summary['config']['prefill_chunk']} tokens, in mixed steps with decode")  # fmt: skip
     table.add_row("tokens/s", f"{summary['tokens_per_second']:,.1f} ({summary['seconds']:.1f} s)")
     if summary["preemptions"]:
         swapping = (
@@ -228,6 +234,24 @@ def print_summary(console: Any, run: Any) -> None:
     console.print(
         f"KV bytes per token: {spec.bytes_per_token:,}; per block: {spec.bytes_per_block:,}"
     )
+    if "texts" in summary:
+        print_texts(console, summary["texts"])
+
+
+TEXTS_SHOWN = 6  # prompt -> continuation lines in the summary (every one is in --json)
+
+
+def print_texts(console: Any, texts: list[dict[str, Any]]) -> None:
+    from rich.markup import escape
+
+    from .demo.real import one_line
+
+    firsts = [entry for entry in texts if entry["sample"] == 0]
+    console.print(f"\nGenerated text (the first sample of {min(TEXTS_SHOWN, len(firsts))} of "
+                  f"{len(firsts)} requests; ⏎ is a newline; --json has every sample):")  # fmt: skip
+    for entry in firsts[:TEXTS_SHOWN]:
+        console.print(escape(f"  {one_line(entry['prompt'], 72)} ->"), highlight=False)
+        console.print(escape(f"      {one_line(entry['text'])}"), highlight=False)
 
 
 def build_parser() -> tuple[
@@ -243,14 +267,17 @@ def build_parser() -> tuple[
     )
     d = DemoConfig()
     run = commands.add_parser(
-        "demo", help="serve requests through a tiny model; report the memory",
+        "demo", help="serve requests through a tiny model (or a real one); report the memory",
         description="Serve a seeded stream of requests through a tiny transformer with the paged "
         "cache (continuous batching, prefix caching, forks, swapping), then report the memory "
-        "paging saved and check the paged logits against a recomputation.",
+        "paging saved and check the paged logits against a recomputation. --model smollm2 "
+        "serves a real model over built-in text prompts instead (the model extra).",
         formatter_class=HelpFormatter,
     )  # fmt: skip
     add = run.add_argument
-    add("--requests", type=int, default=d.requests, help="number of requests")
+    add("--requests", type=int, default=d.requests,
+        help=f"number of requests (default: {d.requests}; with --model, at most the "
+        f"{len(DEMO_PROMPTS)} built-in prompts)")  # fmt: skip
     add(
         "--prompt-len",
         type=int,
@@ -284,7 +311,8 @@ def build_parser() -> tuple[
         default=d.seed,
         help="seed of the weights, the workload and the sampling",
     )
-    add("--temperature", type=float, default=d.temperature, help="sampling temperature; 0: greedy")
+    add("--temperature", type=float, default=d.temperature,
+        help="sampling temperature; 0: greedy (default: 0.8; with --model, 0)")  # fmt: skip
     add(
         "--dtype",
         choices=["float32", "float16", "bfloat16"],
@@ -303,6 +331,12 @@ def build_parser() -> tuple[
         metavar="FILE",
         help=".npz written by TinyDecoder.save (default: seeded random weights)",
     )
+    add("--model", choices=sorted(MODELS), default=None,
+        help="serve a real model (fetched on first use; the model extra) over built-in prompts "
+        "(default: none, the seeded tiny decoder)")  # fmt: skip
+    add("--prefill-chunk", type=int, default=None, metavar="N",
+        help="chunked prefill: prompts are computed N tokens a step, in mixed steps with the "
+        "other sequences' decode tokens (default: none, each prompt whole at admission)")  # fmt: skip
     add(
         "--plot",
         default=None,

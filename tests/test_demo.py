@@ -25,6 +25,7 @@ from cupaged.demo import (
 )
 from cupaged.demo.engine import CHECK_AT
 from cupaged.demo.report import plot_series
+from cupaged.models import Llama
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +58,7 @@ def workload(vocab):
 
 @pytest.mark.parametrize("num_blocks", [40, 7], ids=["roomy", "preempting"])
 def test_cached_generation_equals_uncached_greedy(model, num_blocks):
-    cache = model.make_cache(num_blocks, 8, "cpu", prefix_caching=True)
+    cache = model.make_cache(num_blocks, 8)
     requests = workload(model.config.vocab_size)
     engine = Engine(model, cache, max_batch=4, temperature=0.0, check_every=1)
     result = engine.run(requests)
@@ -75,7 +76,7 @@ def test_cached_generation_equals_uncached_greedy(model, num_blocks):
 
 def test_paged_logits_check_catches_a_wrong_cache(model, monkeypatch):
     """The correctness line can fail: corrupt one cached value and the check reports it."""
-    cache = model.make_cache(40, 8, "cpu", prefix_caching=False)
+    cache = model.make_cache(40, 8)
     engine = Engine(model, cache, max_batch=4, check_every=1)
     real_decode = model.decode
 
@@ -123,10 +124,114 @@ def test_weights_round_trip_through_npz(model, tmp_path):
         loaded.forward_full(tokens), model.forward_full(tokens), rtol=1e-5, atol=1e-4
     )
     data = dict(np.load(path))
-    del data["l0.wq"]
+    del data["blk.0.attn_q.weight"]
     np.savez(tmp_path / "broken.npz", **data)
-    with pytest.raises(ValueError, match=r"expected weights \['l0.wq'\]"):
+    with pytest.raises(ValueError, match=r"expected weights \['blk.0.attn_q.weight'\]"):
         TinyDecoder.load(tmp_path / "broken.npz", np)
+
+
+def test_the_tiny_model_is_the_real_models_forward_with_random_weights(model):
+    """One Llama forward serves both: the tiny model only brings its weights and shapes."""
+    assert isinstance(model, Llama)
+    assert "prefill" not in vars(TinyDecoder) and "forward_full" not in vars(TinyDecoder)
+    assert model.config.vocab_size == 256 and model.config.num_q_heads == 4
+
+
+# ---------------------------------------------------------------------------- chunked prefill
+
+
+def chunked_workload(vocab):
+    """Prompts of 1, chunk - 1, chunk, chunk + 1 and several chunks (chunk = 5), two sharing a
+    prefix of two blocks of 8."""
+    rng = np.random.default_rng(11)
+    shared = rng.integers(0, vocab, 16).tolist()
+    lengths = [23, 1, 4, 5, 6]
+    prompts = [shared + rng.integers(0, vocab, 7).tolist()]
+    prompts += [rng.integers(0, vocab, n).tolist() for n in lengths[1:]]
+    prompts.append(shared + rng.integers(0, vocab, 3).tolist())  # after the first: a prefix hit
+    return [
+        Request(i, p, 9 + i % 3, num_samples=2 if i == 3 else 1, arrival_step=0 if i < 5 else 12)
+        for i, p in enumerate(prompts)
+    ]
+
+
+class RecordingModel:
+    """Wraps a model's mixed-step forward, recording the tokens per sequence of every step."""
+
+    def __init__(self, model, monkeypatch):
+        self.steps = []
+        real = model.forward
+
+        def forward(cache, plan, tokens, positions, rows):
+            self.steps.append(plan.num_tokens.tolist())
+            return real(cache, plan, tokens, positions, rows)
+
+        monkeypatch.setattr(model, "forward", forward)
+
+
+@pytest.mark.parametrize("num_blocks", [40, 7], ids=["roomy", "preempting"])
+def test_chunked_prefill_generates_what_uncached_greedy_does(model, num_blocks, monkeypatch):
+    chunk = 5
+    recorder = RecordingModel(model, monkeypatch)
+    cache = model.make_cache(num_blocks, 8)
+    requests = chunked_workload(model.config.vocab_size)
+    engine = Engine(model, cache, max_batch=6, temperature=0.0, check_every=1, prefill_chunk=chunk)
+    result = engine.run(requests)
+    for request in requests:
+        expected = generate_uncached(model, request.prompt, request.max_new_tokens)
+        for sample in range(request.num_samples):
+            assert result.outputs[(request.rid, sample)] == expected, (request.rid, sample)
+    # No step computes more than a chunk of a prompt, and a prompt chunk shares a step with
+    # other sequences' decode tokens.
+    assert max(max(step) for step in recorder.steps) == chunk
+    assert any(max(step) > 1 and 1 in step for step in recorder.steps), recorder.steps
+    if num_blocks == 40:
+        # 23 tokens: 5 chunks; 1, 4, 5: one each; 6: two; the last prompt has 16 of its 19
+        # tokens from the prefix cache: one chunk of 3.
+        assert result.prefill_chunks == 5 + 1 + 1 + 1 + 2 + 1, result.prefill_chunks
+        assert cache.prefix_cache_stats.hits >= 2
+    else:
+        assert result.preemptions >= 1
+    # Every sequence checked at token CHECK_AT; the prompts longer than a chunk after their
+    # last chunk too.
+    assert len(result.checks) >= len(result.outputs) + 2
+    assert all(ok for _, _, ok in result.checks), result.checks
+    assert cache.num_blocks - cache.num_free_blocks == 0
+    cache.check_invariants()
+
+
+def test_chunked_prefill_check_catches_a_wrong_chunk(model, monkeypatch):
+    """Corrupt the cache after a prompt's first chunk: the check after its last chunk fails."""
+    cache = model.make_cache(40, 8)
+    engine = Engine(model, cache, max_batch=4, check_every=1, prefill_chunk=4)
+    real = model.forward
+
+    def corrupting_forward(cache, plan, tokens, positions, rows):
+        out = real(cache, plan, tokens, positions, rows)
+        cache.k[0, cache.block_table(0)[0], 0, 1, :] += 1.0  # the first chunk's token 1
+        return out
+
+    monkeypatch.setattr(model, "forward", corrupting_forward)
+    result = engine.run([Request(0, list(range(10)), 1)])
+    assert result.checks and not any(ok for _, _, ok in result.checks), result.checks
+
+
+def test_engine_refuses_a_chunk_of_no_tokens(model):
+    cache = model.make_cache(40, 8)
+    with pytest.raises(ValueError, match="--prefill-chunk: expected at least 1 token, got 0"):
+        Engine(model, cache, prefill_chunk=0)
+
+
+def test_cli_chunked_prefill_run(tmp_path):
+    report = tmp_path / "run.json"
+    result = run_cli("--requests", "4", "--new-tokens", "4", "--prompt-len", "30",
+                     "--system-prompt", "20", "--prefill-chunk", "8", "--device", "cpu",
+                     "--json", str(report))  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "chunked prefill" in result.stdout and "equal for" in result.stdout
+    summary = json.loads(report.read_text())["summary"]
+    assert summary["config"]["prefill_chunk"] == 8 and summary["prefill_chunks"] >= 4
+    assert summary["checks"]["passed"]
 
 
 def run_cli(*args, env=None):
@@ -149,6 +254,9 @@ def assert_one_line_error(result, status, message):
         (["--prompt-len", "300"], "--prompt-len + --new-tokens: expected at most --max-len=256"),
         (["--num-blocks", "3"], "--num-blocks: expected room for one sequence"),
         (["--temperature", "-1"], "--temperature: expected >= 0"),
+        (["--prefill-chunk", "0"], "--prefill-chunk: expected at least 1 token, got 0"),
+        (["--model", "nope"], "invalid choice: 'nope'"),
+        (["--model", "smollm2", "--weights", "w.npz"], "--weights: expected none with --model"),
         (["--dtype", "int8"], "invalid choice: 'int8'"),
         (["--requests", "many"], "invalid int value: 'many'"),
     ],

@@ -1,7 +1,10 @@
-"""The serving demo: a tiny transformer served through the paged cache with continuous batching.
+"""The serving demo: a decoder served through the paged cache with continuous batching.
 
-``cupaged demo`` (or ``python -m cupaged demo``) runs :func:`run_demo`. See :mod:`.model` for the
-model, :mod:`.engine` for the batching loop and :mod:`.report` for the numbers it prints.
+``cupaged demo`` (or ``python -m cupaged demo``) runs :func:`run_demo`: by default a tiny
+Llama-shaped decoder with seeded random weights over a seeded stream of token prompts;
+``--model smollm2`` serves a real model (:mod:`cupaged.models`) over built-in text prompts
+(:mod:`.real`). See :mod:`.model` for the tiny model, :mod:`.engine` for the batching loop and
+:mod:`.report` for the numbers it prints.
 """
 
 from __future__ import annotations
@@ -13,8 +16,10 @@ from typing import Any
 import numpy as np
 
 from .. import CacheSpec, PagedCache, device_module, resolve_device
+from ..models import MODELS, load_model
 from .engine import Engine, EngineResult, Request
 from .model import ModelConfig, TinyDecoder
+from .real import PROMPTS, encode_prompts, make_real_requests
 from .report import MemoryReport, StepRecord, memory_figure, write_json, write_plot
 
 __all__ = [
@@ -41,7 +46,9 @@ class DemoConfig:
     """Every knob of a demo run (the CLI's options), checked once, when it is made.
 
     The defaults give the pool (20 blocks of 16 tokens) too little room for the batch at its
-    busiest, so the run swaps sequences out to host memory and back in.
+    busiest, so the run swaps sequences out to host memory and back in. With ``model`` set, the
+    requests are the built-in prompts of :mod:`.real` (at most ``requests`` of them) and
+    ``prompt_len``/``system_prompt`` are not used.
 
     Raises:
         ValueError: the first bad option, named as its CLI flag. Shapes the kernels do not take
@@ -58,10 +65,12 @@ class DemoConfig:
     num_blocks: int = 20
     max_batch: int = 12
     seed: int = 0
-    temperature: float = 0.8
+    temperature: float | None = None  # None: 0.8 for the seeded model, 0 (greedy) for a real one
     dtype: str = "float32"
     device: str | None = None
     weights: str | None = None
+    model: str | None = None  # a real model of cupaged.models.MODELS, instead of the seeded one
+    prefill_chunk: int | None = None  # chunked prefill: at most this many prompt tokens a step
 
     def __post_init__(self) -> None:
         positive = (
@@ -85,8 +94,16 @@ class DemoConfig:
                 f"--prompt-len + --new-tokens: expected at most --max-len={self.max_len}, got "
                 f"{self.prompt_len + self.new_tokens}"
             )
-        if self.temperature < 0:
+        if self.temperature is not None and self.temperature < 0:
             raise ValueError(f"--temperature: expected >= 0, got {self.temperature}")
+        if self.prefill_chunk is not None and self.prefill_chunk < 1:
+            raise ValueError(
+                f"--prefill-chunk: expected at least 1 token, got {self.prefill_chunk}"
+            )
+        if self.model is not None and self.model not in MODELS:
+            raise ValueError(f"--model: expected one of {sorted(MODELS)}, got {self.model!r}")
+        if self.model is not None and self.weights is not None:
+            raise ValueError(f"--weights: expected none with --model, got {self.weights!r}")
         if self.dtype not in TOLERANCES:  # the logits check needs a tolerance for it
             raise ValueError(f"--dtype: expected one of {tuple(TOLERANCES)}, got {self.dtype}")
         spec = CacheSpec(1, 1, 64, self.dtype, self.block_size)
@@ -156,14 +173,26 @@ class Demo:
         self.config = config
         self.device = resolve_device(config.device)
         xp = device_module(self.device)
-        if config.weights:
+        self.tokenizer = None
+        if config.model:  # fetched (with a message) on the first run, then loaded
+            self.model, self.tokenizer = load_model(config.model, self.device, config.dtype)
+            self.requests = make_real_requests(encode_prompts(self.tokenizer), config.requests,
+                                               config.new_tokens, config.max_len, config.seed)  # fmt: skip
+        elif config.weights:
             self.model = TinyDecoder.load(config.weights, xp, dtype=config.dtype)
         else:
             self.model = TinyDecoder(ModelConfig(), xp, seed=config.seed, dtype=config.dtype)
-        self.cache: PagedCache = self.model.make_cache(
-            config.num_blocks, config.block_size, self.device, prefix_caching=True
-        )
-        self.requests = make_requests(config, self.model.config.vocab_size)
+        self.cache: PagedCache = self.model.make_cache(config.num_blocks, config.block_size)
+        if not config.model:
+            self.requests = make_requests(config, self.model.config.vocab_size)
+
+    @property
+    def temperature(self) -> float:
+        """The sampling temperature: as configured, else 0.8 (seeded model) or 0 (a real one:
+        greedy, so that its text reads well and each run gives the same)."""
+        if self.config.temperature is not None:
+            return self.config.temperature
+        return 0.0 if self.config.model else 0.8
 
     @property
     def total_tokens(self) -> int:
@@ -173,9 +202,11 @@ class Demo:
     def run(self, on_step: Callable[[int], None] | None = None) -> DemoRun:
         """Serve the workload. ``on_step(tokens_generated_so_far)`` after each engine step."""
         config, cache = self.config, self.cache
+        eos = self.tokenizer.eos_id if self.tokenizer is not None else None
         engine = Engine(self.model, cache, max_batch=config.max_batch,
-                        temperature=config.temperature, seed=config.seed, check_every=3,
-                        tolerance=TOLERANCES[config.dtype])  # fmt: skip
+                        temperature=self.temperature, seed=config.seed, check_every=3,
+                        tolerance=TOLERANCES[config.dtype], prefill_chunk=config.prefill_chunk,
+                        eos_id=eos)  # fmt: skip
         result = engine.run(self.requests, on_step=on_step)
         cache.check_invariants()
         if cache.num_blocks - cache.num_free_blocks != 0:
@@ -184,7 +215,25 @@ class Demo:
             )
         summary, report = summarize(config, cache.spec, self.device, self.requests, result,
                                     cache.prefix_cache_stats)  # fmt: skip
+        summary["model"] = self.describe_model()
+        summary["temperature"] = self.temperature
+        if self.tokenizer is not None:
+            summary["texts"] = [
+                {"request": rid, "sample": sample, "prompt": PROMPTS[rid][1],
+                 "text": self.tokenizer.decode(tokens)}
+                for (rid, sample), tokens in sorted(result.outputs.items())
+            ]  # fmt: skip
         return DemoRun(summary, report, result.steps, cache.spec, result.outputs)
+
+    def describe_model(self) -> str:
+        """One line: which model served the run, and its shape."""
+        c = self.model.config
+        shape = (f"{c.num_layers} layers, {c.num_q_heads} query / {c.num_kv_heads} KV heads of "
+                 f"{c.head_dim}, vocabulary {c.vocab_size:,}")  # fmt: skip
+        if self.config.model:
+            return f"{self.config.model} (real weights): {shape}"
+        source = self.config.weights or f"seeded random weights, seed {self.config.seed}"
+        return f"tiny decoder ({source}): {shape}"
 
 
 def run_demo(config: DemoConfig, on_step: Callable[[int], None] | None = None) -> DemoRun:
@@ -213,6 +262,7 @@ def summarize(config: DemoConfig, spec: CacheSpec, device: str, requests: list[R
         else 0.0,
         "preemptions": result.preemptions,
         "swap_ins": result.swap_ins,
+        "prefill_chunks": result.prefill_chunks,
         "prefix_cache": {
             "hits": stats.hits,
             "misses": stats.misses,

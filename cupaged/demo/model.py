@@ -1,21 +1,19 @@
-"""A tiny decoder-only transformer in array ops (NumPy or CuPy) that keeps its K/V in a PagedCache.
+"""The demo's tiny decoder: a :class:`cupaged.models.Llama` with seeded random weights.
 
-Llama-shaped: token embedding, ``num_layers`` blocks of RMSNorm -> GQA attention with rotary
-positions -> RMSNorm -> SiLU MLP, a final RMSNorm and a head tied to the embedding. Weights are
-seeded random (or loaded from a ``.npz``); the point is the memory traffic, not the text.
+The same forward as the real model (:mod:`cupaged.models.llama`): token embedding,
+``num_layers`` blocks of RMSNorm -> GQA attention with rotary positions -> RMSNorm -> SwiGLU, a
+final RMSNorm and a head tied to the embedding. Only the weights differ: seeded random (or
+loaded from a ``.npz``), and the shapes small; the point is the memory traffic, not the text.
 
-Three ways to run it, which must agree:
+The paths the engine runs, which must agree (all of them :class:`~cupaged.models.Llama`'s):
 
-- :meth:`TinyDecoder.prefill`: the uncached rest of an admitted prompt (``cache.admit``); K/V
-  written with ``write_kv`` to the admission's slots, then the fused ``paged_prefill`` (causal,
-  over the sequence's cached prefix and the chunk) per layer;
-- :meth:`TinyDecoder.decode`: one token for each sequence of a batch (a ``SequenceBatch``);
-  ``cache.step`` and ``block_tables`` once per step, ``write_kv`` and the fused
+- ``prefill``: the uncached rest of admitted prompts (``cache.admit``); K/V written with
+  ``write_kv`` to the admissions' slots, then the fused ``paged_prefill`` per layer;
+- ``decode``: one token for each sequence of a ``SequenceBatch``; ``write_kv`` and the fused
   ``paged_attention`` per layer;
-- :meth:`TinyDecoder.forward_full`: the whole sequence at once, no cache at all (the check).
-
-Activations are float32. Q, K and V are rounded to the cache's dtype on every path (the cache
-stores K/V in it and the kernel takes Q in it), so the three paths differ only by summation order.
+- ``forward``: a mixed step (prompt chunks and decode tokens together, ``--prefill-chunk``),
+  ``write_kv`` and ``paged_prefill`` per layer;
+- ``forward_full``: the whole sequence at once, no cache at all (the check).
 """
 
 from __future__ import annotations
@@ -26,17 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from .. import (
-    Admission,
-    PagedCache,
-    SequenceBatch,
-    from_float,
-    paged_attention,
-    paged_prefill,
-    to_float,
-    to_numpy,
-    write_kv,
-)
+from .. import to_numpy
+from ..models import Llama, LlamaConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,54 +37,79 @@ class ModelConfig:
     num_q_heads: int = 4
     num_kv_heads: int = 2
     head_dim: int = 64
-    hidden_size: int = 512
+    hidden_size: int = 512  # of the SwiGLU
     rope_theta: float = 10_000.0
 
     @property
     def model_dim(self) -> int:
         return self.num_q_heads * self.head_dim
 
+    def llama(self) -> LlamaConfig:
+        """The same shape as a :class:`~cupaged.models.LlamaConfig`."""
+        return LlamaConfig(num_layers=self.num_layers, hidden=self.model_dim,
+                           num_q_heads=self.num_q_heads, num_kv_heads=self.num_kv_heads,
+                           head_dim=self.head_dim, ffn=self.hidden_size,
+                           vocab_size=self.vocab_size, rms_eps=1e-6,
+                           rope_base=self.rope_theta)  # fmt: skip
 
-class TinyDecoder:
-    """The model: weights on one device, and the three forward paths.
+
+def random_weights(config: ModelConfig, seed: int) -> dict[str, np.ndarray]:
+    """Seeded float32 weights under the GGUF tensor names that :class:`Llama` reads
+    (projections ``[out_features, in_features]``, scaled by ``1 / sqrt(in_features)``; norms 1)."""
+    rng = np.random.default_rng(seed)
+    c = config
+    d, q_dim, kv_dim = c.model_dim, c.num_q_heads * c.head_dim, c.num_kv_heads * c.head_dim
+
+    def dense(fan_out: int, fan_in: int) -> np.ndarray:
+        return rng.standard_normal((fan_out, fan_in), dtype=np.float32) / np.float32(
+            np.sqrt(fan_in)
+        )
+
+    ones = np.ones(d, np.float32)
+    weights = {
+        "token_embd.weight": rng.standard_normal((c.vocab_size, d), dtype=np.float32),
+        "output_norm.weight": ones,
+    }
+    for i in range(c.num_layers):
+        p = f"blk.{i}."
+        weights |= {
+            p + "attn_norm.weight": ones, p + "ffn_norm.weight": ones,
+            p + "attn_q.weight": dense(q_dim, d), p + "attn_k.weight": dense(kv_dim, d),
+            p + "attn_v.weight": dense(kv_dim, d), p + "attn_output.weight": dense(d, q_dim),
+            p + "ffn_gate.weight": dense(c.hidden_size, d), p + "ffn_up.weight": dense(c.hidden_size, d),
+            p + "ffn_down.weight": dense(d, c.hidden_size),
+        }  # fmt: skip
+    return weights
+
+
+class TinyDecoder(Llama):
+    """A :class:`~cupaged.models.Llama` of the demo's small shape with seeded random weights.
 
     Args:
         config: the model's shape.
         xp: ``numpy`` or ``cupy``.
         seed: seed of the random weights.
         dtype: the KV cache's dtype; Q/K/V are rounded to it.
+        weights: the weights (GGUF names, float32) instead of seeded random ones.
+
+    Attributes:
+        shape: ``config`` (``self.config`` is the :class:`~cupaged.models.LlamaConfig`).
+        weights: the float32 host weights, by GGUF name (the head is tied to the embedding).
     """
 
-    def __init__(self, config: ModelConfig, xp: Any, seed: int = 0, dtype: str = "float32") -> None:
-        self.config, self.xp, self.dtype = config, xp, dtype
-        rng = np.random.default_rng(seed)
-        c = config
-        d, q_dim, kv_dim = c.model_dim, c.num_q_heads * c.head_dim, c.num_kv_heads * c.head_dim
-
-        def dense(fan_in: int, fan_out: int) -> np.ndarray:
-            return rng.standard_normal((fan_in, fan_out), dtype=np.float32) / np.float32(
-                np.sqrt(fan_in)
-            )
-
-        weights = {"embed": rng.standard_normal((c.vocab_size, d), dtype=np.float32)}
-        for i in range(c.num_layers):
-            weights |= {
-                f"l{i}.wq": dense(d, q_dim), f"l{i}.wk": dense(d, kv_dim),
-                f"l{i}.wv": dense(d, kv_dim), f"l{i}.wo": dense(q_dim, d),
-                f"l{i}.w1": dense(d, c.hidden_size), f"l{i}.w2": dense(c.hidden_size, d),
-            }  # fmt: skip
-        self.weights = {name: xp.asarray(w) for name, w in weights.items()}
-        half = c.head_dim // 2
-        self._inv_freq = xp.asarray(c.rope_theta ** (-np.arange(half, dtype=np.float64) / half))
-
-    # ------------------------------------------------------------------------------ weights
+    def __init__(self, config: ModelConfig, xp: Any, seed: int = 0, dtype: str = "float32",
+                 weights: dict[str, np.ndarray] | None = None) -> None:  # fmt: skip
+        self.shape = config
+        self.weights = dict(weights) if weights is not None else random_weights(config, seed)
+        self.weights.pop("output.weight", None)
+        tied = self.weights | {"output.weight": self.weights["token_embd.weight"]}
+        super().__init__(config.llama(), tied, xp, dtype=dtype)
 
     def save(self, path: str | Path) -> None:
         """Write the weights and the config to a ``.npz`` file that :meth:`load` reads."""
         arrays = {name: to_numpy(w) for name, w in self.weights.items()}
         config = {
-            f"config.{f.name}": np.asarray(getattr(self.config, f.name))
-            for f in fields(ModelConfig)
+            f"config.{f.name}": np.asarray(getattr(self.shape, f.name)) for f in fields(ModelConfig)
         }
         np.savez(path, **arrays, **config)
 
@@ -106,140 +120,13 @@ class TinyDecoder:
             config = ModelConfig(
                 **{f.name: data[f"config.{f.name}"].item() for f in fields(ModelConfig)}
             )
-            model = cls(config, xp, dtype=dtype)
-            missing = set(model.weights) - set(data.files)
+            expected = random_weights(config, seed=0)  # the names and shapes
+            missing = sorted(set(expected) - set(data.files))
             if missing:
-                raise ValueError(f"expected weights {sorted(missing)} in {path}, got none")
-            for name, w in model.weights.items():
+                raise ValueError(f"expected weights {missing} in {path}, got none")
+            weights = {}
+            for name, w in expected.items():
                 if data[name].shape != w.shape:
                     raise ValueError(f"expected {name} of shape {w.shape}, got {data[name].shape}")
-                model.weights[name] = xp.asarray(data[name].astype(np.float32))
-        return model
-
-    def make_cache(
-        self, num_blocks: int, block_size: int, device: str, prefix_caching: bool
-    ) -> PagedCache:
-        """A cache shaped for this model."""
-        c = self.config
-        return PagedCache(num_blocks, block_size=block_size, num_layers=c.num_layers,
-                          num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, dtype=self.dtype,
-                          device=device, enable_prefix_caching=prefix_caching)  # fmt: skip
-
-    # ------------------------------------------------------------------------------ forward paths
-
-    def prefill(self, cache: PagedCache, admission: Admission, prompt: list[int]) -> Any:
-        """Compute the uncached rest of an admitted prompt; returns the logits after its last token.
-
-        ``cache.admit(prompt)`` attached the cached prefix and reserved slots for the rest: its
-        positions continue from ``admission.num_cached_tokens``.
-        """
-        xp, c = self.xp, self.config
-        sid, start, slots = admission.sid, admission.num_cached_tokens, admission.slots
-        tokens = prompt[start:]
-        n = len(tokens)
-        positions = xp.arange(start, start + n)
-        # Once per prompt: the table and length (the chunk included: its slots are reserved),
-        # and the chunk's rows, 0 .. n of the packed queries.
-        tables, lens = cache.block_tables([sid])
-        query_start_loc = xp.asarray(np.array([0, n], np.int32))
-        h = self.weights["embed"][xp.asarray(tokens)]
-        for i in range(c.num_layers):
-            q, k, v = self._qkv(i, h, positions)
-            write_kv(cache.k[i], cache.v[i], self._store(k), self._store(v), slots)
-            out = paged_prefill(self._store(q), cache.k[i], cache.v[i], tables, lens,
-                                query_start_loc)  # fmt: skip
-            h = h + to_float(out).reshape(n, -1) @ self.weights[f"l{i}.wo"]
-            h = h + self._mlp(i, h)
-        cache.commit(sid)  # the prompt's K/V are written: its full blocks may serve others now
-        return self._logits(h[-1:])[0]
-
-    def decode(self, cache: PagedCache, batch: SequenceBatch, tokens: list[int]) -> Any:
-        """One decode step: append ``tokens[b]`` to sequence ``b`` of ``batch``; returns
-        ``[batch, vocab]`` logits.
-
-        Raises:
-            OutOfBlocksError: the step does not fit; nothing was reserved (preempt and retry).
-        """
-        xp, c = self.xp, self.config
-        positions = [cache.seq_len(sid) for sid in batch.sids.tolist()]
-        # Once per step: the slots (and copy-on-write copies, applied by the cache), the block
-        # tables, the longest context. tokens= keys the blocks that fill (prefix caching).
-        slots = cache.step(batch, tokens=np.asarray(tokens)).slots
-        tables, lens = cache.block_tables(batch)
-        max_context = max(positions) + 1
-        h = self.weights["embed"][xp.asarray(tokens)]
-        pos = xp.asarray(positions)
-        for i in range(c.num_layers):
-            q, k, v = self._qkv(i, h, pos)
-            write_kv(cache.k[i], cache.v[i], self._store(k), self._store(v), slots)
-            out = paged_attention(self._store(q), cache.k[i], cache.v[i], tables, lens,
-                                  max_context_len=max_context)  # fmt: skip
-            h = h + to_float(out).reshape(len(batch), -1) @ self.weights[f"l{i}.wo"]
-            h = h + self._mlp(i, h)
-        return self._logits(h)
-
-    def forward_full(self, tokens: list[int]) -> Any:
-        """Logits after the last of ``tokens``, computed from scratch without any cache."""
-        xp, c = self.xp, self.config
-        h = self.weights["embed"][xp.asarray(tokens)]
-        positions = xp.arange(len(tokens))
-        for i in range(c.num_layers):
-            q, k, v = self._qkv(i, h, positions)
-            keys = to_float(self._store(k)).transpose(1, 0, 2)  # [L, Hkv, D] -> [Hkv, L, D]
-            values = to_float(self._store(v)).transpose(1, 0, 2)
-            h = (
-                h
-                + self._attend_causal(q, keys.transpose(1, 0, 2), values.transpose(1, 0, 2), 0)
-                @ self.weights[f"l{i}.wo"]
-            )
-            h = h + self._mlp(i, h)
-        return self._logits(h[-1:])[0]
-
-    # ------------------------------------------------------------------------------ pieces
-
-    def _qkv(self, i: int, h: Any, positions: Any) -> tuple[Any, Any, Any]:
-        c, w = self.config, self.weights
-        x = _rms_norm(h)
-        q = (x @ w[f"l{i}.wq"]).reshape(len(h), c.num_q_heads, c.head_dim)
-        k = (x @ w[f"l{i}.wk"]).reshape(len(h), c.num_kv_heads, c.head_dim)
-        v = (x @ w[f"l{i}.wv"]).reshape(len(h), c.num_kv_heads, c.head_dim)
-        return self._rope(q, positions), self._rope(k, positions), v
-
-    def _rope(self, x: Any, positions: Any) -> Any:
-        """Rotary positions, rotating the two halves of each head (GPT-NeoX layout)."""
-        angles = positions.astype(np.float64)[:, None] * self._inv_freq[None, :]
-        cos = self.xp.cos(angles).astype(np.float32)[:, None, :]
-        sin = self.xp.sin(angles).astype(np.float32)[:, None, :]
-        a, b = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
-        return self.xp.concatenate([a * cos - b * sin, a * sin + b * cos], axis=-1)
-
-    def _store(self, x: Any) -> Any:
-        """``x`` in the cache's dtype (bfloat16 as uint16 bit patterns), C-contiguous."""
-        return self.xp.ascontiguousarray(from_float(x, self.dtype))
-
-    def _attend_causal(self, q: Any, keys: Any, values: Any, start: int) -> Any:
-        """Causal GQA attention of queries at positions start.. over keys 0..; ``[n, Hq*D]``."""
-        xp, c = self.xp, self.config
-        n, length = len(q), len(keys)
-        group = c.num_q_heads // c.num_kv_heads
-        q = to_float(self._store(q))
-        k = xp.repeat(keys, group, axis=1)  # [L, Hq, D]
-        v = xp.repeat(values, group, axis=1)
-        scores = xp.einsum("nhd,lhd->hnl", q, k) * np.float32(c.head_dim**-0.5)
-        visible = xp.arange(length)[None, :] <= (start + xp.arange(n))[:, None]
-        scores = xp.where(visible[None], scores, -xp.inf)
-        scores -= scores.max(axis=-1, keepdims=True)
-        weights = xp.exp(scores)
-        weights /= weights.sum(axis=-1, keepdims=True)
-        return xp.einsum("hnl,lhd->nhd", weights, v).reshape(n, -1)
-
-    def _mlp(self, i: int, h: Any) -> Any:
-        x = _rms_norm(h) @ self.weights[f"l{i}.w1"]
-        return (x / (1 + self.xp.exp(-x))) @ self.weights[f"l{i}.w2"]
-
-    def _logits(self, h: Any) -> Any:
-        return _rms_norm(h) @ self.weights["embed"].T
-
-
-def _rms_norm(x: Any) -> Any:
-    return x / (((x * x).mean(axis=-1, keepdims=True) + 1e-6) ** 0.5)
+                weights[name] = data[name].astype(np.float32)
+        return cls(config, xp, dtype=dtype, weights=weights)

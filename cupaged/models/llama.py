@@ -1,9 +1,11 @@
 """A Llama-family decoder in array ops (NumPy on the CPU, CuPy on the GPU) over the paged cache.
 
 Per layer: RMSNorm, Q/K/V projections, rotary positions, GQA attention through cupaged
-(``write_kv`` then ``paged_prefill`` for prompts, ``paged_attention`` for decode steps), the output
-projection, RMSNorm, SwiGLU. The head is the output matrix, or the token embedding when the GGUF
-ties them. Every shape comes from the GGUF's metadata.
+(``write_kv`` then ``paged_prefill`` for prompts and mixed steps, ``paged_attention`` for decode
+steps), the output projection, RMSNorm, SwiGLU. The head is the output matrix, or the token
+embedding when the GGUF ties them. Every shape comes from the GGUF's metadata.
+:meth:`Llama.forward_full` runs the same layers without any cache (attention in array ops over
+the whole sequence), as the check of the paged paths.
 
 Rotary layout: llama.cpp's converter permutes the rows of each head of ``attn_q``/``attn_k`` so that
 its kernel rotates adjacent pairs ``(x[2i], x[2i+1])`` by angle ``pos * base**(-2i/d)``. This
@@ -20,6 +22,7 @@ GGUF rows as they are.)
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +33,7 @@ from .. import (
     CupagedError,
     PagedCache,
     SequenceBatch,
+    StepPlan,
     from_float,
     paged_attention,
     paged_prefill,
@@ -37,6 +41,9 @@ from .. import (
     write_kv,
 )
 from .gguf import GGUFFile
+
+# Layer i's attention: (i, q, k, v) -> [n, num_q_heads, head_dim], Q/K/V in the cache's dtype.
+Attend = Callable[[int, Any, Any, Any], Any]
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,10 +208,9 @@ class Llama:
         query_start_loc = xp.asarray(np.concatenate([[0], np.cumsum(counts)]).astype(np.int32))
         tokens = xp.asarray(np.concatenate([np.asarray(ch, np.int64) for ch in chunks]))
 
-        def attend(i: int, q: Any) -> Any:
-            return paged_prefill(q, cache.k[i], cache.v[i], tables, lens, query_start_loc)
-
-        h = self._layers(tokens, positions, slots, cache, attend)
+        h = self._layers(
+            tokens, positions, self._paged(cache, slots, tables, lens, query_start_loc)
+        )
         cache.commit(sids)  # the K/V are written: the prompts' full blocks may serve others now
         last = xp.asarray(np.cumsum(counts) - 1)
         return self._logits(h[last])
@@ -227,13 +233,79 @@ class Llama:
             return paged_attention(q, cache.k[i], cache.v[i], tables, lens,
                                    max_context_len=max_context)  # fmt: skip
 
-        h = self._layers(xp.asarray(np.asarray(tokens, np.int64)), xp.asarray(positions), slots,
-                         cache, attend)  # fmt: skip
+        h = self._layers(xp.asarray(np.asarray(tokens, np.int64)), xp.asarray(positions),
+                         self._writing(cache, slots, attend))  # fmt: skip
         return self._logits(h)
+
+    def forward(self, cache: PagedCache, plan: StepPlan, tokens: Any, positions: Any,
+                rows: Any) -> Any:  # fmt: skip
+        """One mixed step: every sequence of a ``step(..., tables=True)`` plan computes its new
+        tokens (a prompt chunk, or one decode token) in one ``paged_prefill`` per layer.
+
+        Args:
+            plan: ``cache.step(sids, num_tokens, tokens, tables=True)``: slots, tables, lengths
+                (the step's tokens included) and ``query_start_loc``.
+            tokens: ``[sum(num_tokens)]`` int token ids, packed in the plan's order.
+            positions: ``[sum(num_tokens)]`` int positions of those tokens in their sequences.
+            rows: indices into the packed tokens whose logits are wanted (e.g. each sequence's
+                last row).
+
+        Returns:
+            ``[len(rows), vocab]`` float32 logits.
+        """
+        xp = self.xp
+        query_start_loc = xp.asarray(plan.query_start_loc)
+        attend = self._paged(cache, plan.slots, plan.block_tables, plan.context_lens,
+                             query_start_loc)  # fmt: skip
+        h = self._layers(xp.asarray(np.asarray(tokens, np.int64)),
+                         xp.asarray(np.asarray(positions, np.int64)), attend)  # fmt: skip
+        return self._logits(h[xp.asarray(np.asarray(rows, np.int64))])
+
+    def forward_full(self, tokens: list[int]) -> Any:
+        """``[vocab]`` float32 logits after the last of ``tokens``, computed from scratch
+        without any cache: causal attention in array ops over the whole sequence (Q/K/V
+        rounded to the cache's dtype, as on the paged paths). The check of the paged paths."""
+        xp, c = self.xp, self.config
+        group = c.num_q_heads // c.num_kv_heads
+        n = len(tokens)
+        visible = xp.asarray(np.tril(np.ones((n, n), bool)))
+
+        def attend(i: int, q: Any, k: Any, v: Any) -> Any:
+            q, k, v = (to_float(x) for x in (q, k, v))
+            k, v = xp.repeat(k, group, axis=1), xp.repeat(v, group, axis=1)  # [n, Hq, D]
+            scores = xp.einsum("qhd,khd->hqk", q, k) * np.float32(c.head_dim**-0.5)
+            scores = xp.where(visible[None], scores, -xp.inf)
+            weights = xp.exp(scores - scores.max(axis=-1, keepdims=True))
+            weights /= weights.sum(axis=-1, keepdims=True)
+            return xp.einsum("hqk,khd->qhd", weights, v)
+
+        h = self._layers(xp.asarray(np.asarray(tokens, np.int64)), xp.arange(n), attend)
+        return self._logits(h[-1:])[0]
 
     # ------------------------------------------------------------------------------ pieces
 
-    def _layers(self, tokens: Any, positions: Any, slots: Any, cache: PagedCache, attend) -> Any:
+    @staticmethod
+    def _writing(cache: PagedCache, slots: Any, attend: Callable[[int, Any], Any]) -> Attend:
+        """Attention over the cache: the new K/V written to ``slots``, then ``attend(i, q)``."""
+
+        def run(i: int, q: Any, k: Any, v: Any) -> Any:
+            write_kv(cache.k[i], cache.v[i], k, v, slots)
+            return attend(i, q)
+
+        return run
+
+    def _paged(self, cache: PagedCache, slots: Any, tables: Any, lens: Any,
+               query_start_loc: Any) -> Attend:  # fmt: skip
+        """``write_kv`` + ``paged_prefill`` (causal) per layer, over packed query rows."""
+
+        def attend(i: int, q: Any) -> Any:
+            return paged_prefill(q, cache.k[i], cache.v[i], tables, lens, query_start_loc)
+
+        return self._writing(cache, slots, attend)
+
+    def _layers(self, tokens: Any, positions: Any, attend: Attend) -> Any:
+        """The decoder layers over ``tokens`` at ``positions``; ``attend(i, q, k, v)`` is layer
+        ``i``'s attention (Q/K/V in the cache's dtype; ``[n, heads, head_dim]``)."""
         c, xp = self.config, self.xp
         n = len(tokens)
         q_width, kv_width = c.num_q_heads * c.head_dim, c.num_kv_heads * c.head_dim
@@ -248,8 +320,8 @@ class Llama:
                            cos, sin)  # fmt: skip
             v = qkv[:, q_width + kv_width :].reshape(n, c.num_kv_heads, c.head_dim)
             t1 = clock()
-            write_kv(cache.k[i], cache.v[i], self._store(k), self._store(v), slots)
-            out = to_float(attend(i, self._store(q))).reshape(n, q_width)
+            out = to_float(attend(i, self._store(q), self._store(k), self._store(v)))
+            out = out.reshape(n, q_width)
             t2 = clock()
             h = h + out @ layer["out"]
             gate_up = self._rms_norm(h, layer["ffn_norm"]) @ layer["gate_up"]
