@@ -43,6 +43,7 @@ DECODE_STAGES = 3
 DECODE_STAGE_BYTES = 4096
 DECODE_TARGET_THREADS = 128
 DECODE_MAX_TOKENS_PER_THREAD = 8  # TPZ: scores a thread keeps in registers per head and stage
+DECODE_WIDE_LANE_GROUP = 4  # from this GQA group on, a lane owns 16 elements of a row, not 8
 MERGE_THREADS = 128  # paged_decode_merge: any block size works (it strides by blockDim.x)
 # decode_ctas_per_sm: an H100's per-SM limits, and the registers per thread that the report
 # (scripts/kernel-report) finds at most for the fp16/bf16 decode instantiations, rounded up.
@@ -134,7 +135,9 @@ def decode_geometry(dtype: str, head_dim: int, group: int) -> DecodeGeometry:
     """The ``paged_decode`` layout for a shape (see cuda/paged_attention.cu's header).
 
     - ``bdx``: a lane owns 8 elements of a row (16 bytes of a 16-bit type, 2 x 16 of float32),
-      rounded up to a power of two: head_dim 80 at fp16 is 10 busy lanes of 16.
+      16 from G = 4 (``DECODE_WIDE_LANE_GROUP``: half the shuffles and the redundant softmax per
+      score, the issue model's largest costs there), rounded up to a power of two: head_dim 80
+      at fp16 is 10 busy lanes of 16.
     - ``bdy``: two query heads per thread (one for G = 1), more above G = 16, so that K and V
       read from shared memory once serve two heads' dot products.
     - ``bdz``: a power of two that brings the block to ``DECODE_TARGET_THREADS`` in whole warps.
@@ -145,7 +148,7 @@ def decode_geometry(dtype: str, head_dim: int, group: int) -> DecodeGeometry:
         raise ValueError(f"expected a GQA group of at least 1 query head per KV head, got {group}")
     size = itemsize(dtype)
     row_vectors = head_dim * size // 16
-    lane_vectors = 1 if size == 2 else 2
+    lane_vectors = (1 if size == 2 else 2) * (2 if group >= DECODE_WIDE_LANE_GROUP else 1)
     bdx = min(32, _next_power_of_two(cdiv(row_vectors, lane_vectors)))
     heads_per_thread = 1 if group == 1 else max(2, cdiv(group, 8))
     bdy = cdiv(group, heads_per_thread)
