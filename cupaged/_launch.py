@@ -45,10 +45,11 @@ DECODE_TARGET_THREADS = 128
 DECODE_MAX_TOKENS_PER_THREAD = 8  # TPZ: scores a thread keeps in registers per head and stage
 DECODE_WIDE_LANE_GROUP = 4  # from this GQA group on, a lane owns 16 elements of a row, not 8
 MERGE_THREADS = 128  # paged_decode_merge: any block size works (it strides by blockDim.x)
-# decode_ctas_per_sm: an H100's per-SM limits, and the registers per thread that the report
-# (scripts/kernel-report) finds at most for the fp16/bf16 decode instantiations, rounded up.
+# decode_ctas_per_sm: an H100's per-SM limits, and a fixed register budget per thread: what
+# scripts/kernel-report finds for the fp16/bf16 instantiations (sm_90), rounded up: 56-64 with one
+# query head per thread (G = 1), 72-128 with two (a few padded head_dims or odd groups take more).
 H100_SM = dict(regs=65536, threads=2048, ctas=32, smem=228 * 1024, smem_reserved=1024)
-DECODE_REGISTER_BUDGET = 128
+DECODE_REGISTER_BUDGET = {1: 64, 2: 128}  # by query heads per thread (at most 2 up to G = 16)
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,11 +202,15 @@ def decode_ctas_per_sm(dtype: str, head_dim: int, group: int, block_size: int) -
     warp in units of 256) and its shared memory (plus the 1 KiB the system reserves per block,
     in units of 128 bytes). ``block_size`` does not change the layout; it is taken for symmetry
     with the launch. A GPU run asks CuPy's occupancy API instead.
+
+    >>> decode_ctas_per_sm("float16", 128, 1, 16), decode_ctas_per_sm("float16", 128, 8, 16)
+    (8, 4)
     """
     check_decode_shape(dtype, head_dim, block_size)
     geo = decode_geometry(dtype, head_dim, group)
     warps = cdiv(geo.threads, 32)
-    regs_per_warp = cdiv(DECODE_REGISTER_BUDGET * 32, 256) * 256
+    budget = DECODE_REGISTER_BUDGET[min(geo.heads_per_thread, 2)]
+    regs_per_warp = cdiv(budget * 32, 256) * 256
     smem = decode_shared_memory(dtype, head_dim, geo) + H100_SM["smem_reserved"]
     smem = cdiv(smem, 128) * 128
     return max(
