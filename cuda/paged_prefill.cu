@@ -9,246 +9,450 @@
 //   out[row_j, h] = softmax(scale * K q[row_j, h]) V over tokens 0 .. pos_j      (causal)
 //                                                      or 0 .. context_lens[s] - 1  (not causal),
 // token pos in block block_tables[s, pos / BLOCK_SIZE] at offset pos % BLOCK_SIZE. NaN and Inf
-// propagate as in paged_attention.cu (the same online-softmax rules).
+// propagate as in paged_attention.cu (the same online-softmax rules): a NaN score makes its row
+// NaN, a -inf score weighs 0, a row whose scores are all -inf is NaN (0 / 0), and a token after a
+// row's position never reaches the row (not even as 0 * Inf).
 // Reference: cupaged/reference.py, reference_prefill (gather, mask, explicit softmax).
 //
-// paged_prefill: one thread block per (tile of query_rows query tokens, KV head, sequence). Its
-//   rows are the tile's query tokens times the G query heads of the KV head (row r: token r / G,
-//   head r % G), so each K/V element a tile reaches is read from global memory once for the
-//   whole group and the whole query tile. The KV tokens are walked in tiles of TILE tokens:
-//     1. the tile's K vectors go to shared memory with 16-byte loads (THREADS * kUnroll in flight);
-//     2. scores: 8 lanes per (row, token) pair, shuffles reduce the partial dot products; a token
-//        past the row's position (causal) scores -inf;
-//     3. online softmax per row (one warp per row): running max m, sum l, and the factor
-//        alpha = exp(m_old - m_new); meanwhile V replaces K in the tile buffer. While every score
-//        of a row is -inf, exponents are taken against 0 (as in paged_attention.cu);
-//     4. acc = alpha * acc + p V, one thread per output element, over the row's visible tokens.
-//   Causal: KV tiles past the tile's last query position are masked for every row and are never
-//   loaded. Block-table entries of CHUNK tokens at a time are staged in shared memory. All sums
-//   are float32. A query tile past its sequence's n_s returns at once (uniformly).
+// paged_prefill: one thread block per (query tile, head chunk, split; KV head; sequence). Its
+//   ROWS rows are the tile's query_rows query tokens times the heads_per_block query heads of a
+//   chunk of the KV head's group (row r: token r / heads_per_block, head r % heads_per_block;
+//   rows past either are padding), so each K/V element a tile reaches is read from global memory
+//   once for the whole chunk and the whole query tile. The block walks its KV range (all of it,
+//   or one split's partition_tokens tokens of it) in tiles of TILE tokens through a ring of
+//   STAGES shared-memory stages, each holding one tile's K and V:
+//     0. before the loop, tiles 0 .. STAGES - 2 are issued as cp.async copies (16 bytes each,
+//        one batch per tile); the block ids they need were loaded into registers the tile before
+//        (per thread, the tokens its own copies cover), so no table read waits on a barrier;
+//     1. top of tile t: __pipeline_wait_prior(STAGES - 2) lands this thread's copies of tile t,
+//        __syncthreads makes everyone's visible and frees the stage that tile t - 1 used, into
+//        which tile t + STAGES - 1 is issued at once: its loads run under tiles t .. t+STAGES-2;
+//     2. scores and online softmax, in registers: lane t % TILE of a warp takes KV token t and
+//        the warp's rows (several rows per thread), reading K once per 16-byte part (128-bit,
+//        converted to float in pairs) against q parts that every lane of the row group reads at
+//        one address (a broadcast). The row's TILE lanes reduce max and sum with shuffles and
+//        keep the running max m and sum l in registers; the weights p and the rescale factor
+//        alpha = exp(m_old - m_new) go to shared memory. A token past the row's position (causal)
+//        or past the range scores -inf; while every score of a row is -inf, exponents are taken
+//        against 0 instead of m (-inf - -inf is NaN), as in paged_attention.cu;
+//     3. acc = alpha * acc + p V, in registers: thread i owns (row, 16-byte part) items i,
+//        i + THREADS, ...; per token it reads its part of V (128-bit) and the weights of four
+//        tokens at a time (128-bit). In a tile that crosses some row's position (causal), a row
+//        stops at its own position, so a masked token's Inf or NaN in V never meets its weight 0.
+//   K/V rows of a stage are padded by 16 bytes, so the 8 lanes of each phase of a 128-bit read
+//   of 8 consecutive tokens hit 8 distinct 4-bank groups (conflict-free); the weights' rows are
+//   padded likewise. Causal: KV tiles past the query tile's last position are masked for every
+//   row and never loaded. Tokens past the range in the last tile are zeros (K and V), never
+//   unwritten shared memory. All sums are float32. A query tile past its sequence's n_s returns
+//   at once (uniformly), so a mixed batch of long chunks and decode rows runs in one launch.
+//   With one split the block writes acc / l; with several, each split writes acc / l and its
+//   log-sum-exp m + log(l) per row (0 and -inf where the row saw no token of the split).
+// paged_prefill_merge: one thread block per (query token, query head) combines the splits that
+//   hold a token the row sees: out = sum_i exp(lse_i - max) partial_i / sum_i exp(lse_i - max).
 //
-// Simple and correct first: no tensor cores, no cp.async pipelining, no split of long KV ranges
-// across thread blocks. A follow-up can add WMMA for Q K^T and P V (the CPU backend would have
-// to emulate the fragments, DESIGN.md §4), cp.async double buffering of the K/V tiles, and
-// split-K with a log-sum-exp merge for small batches of long contexts.
+// Split-K: the launch table splits every query tile's KV range into partition_tokens-token
+// pieces (a multiple of TILE) when the batch is too small to fill the GPU, so that one thread
+// block holds at most that many tokens whatever its sequence's length; the last split runs to the
+// end of each range, so a plan made from wrong lengths changes the work split, never the result.
+// Tensor cores: not used; docs/prefill.md gives the static model behind that decision.
+#include <cuda_pipeline_primitives.h>
+
 #include "common.cuh"
 
 namespace cupaged {
 
 namespace prefill {
 
-constexpr int kLanesPerDot = 8;  // lanes that share one (row, token) dot product
-constexpr int kUnroll = 4;       // independent 16-byte loads in flight per thread
-
-// Loads `count` tokens' vectors of one KV head, starting at token `first`, into `tile`
-// ([TILE, HEAD_DIM], row-major). `table` holds the block ids of the current chunk, whose first
-// entry is logical block `first_block`.
-template <typename T, int HEAD_DIM, int BLOCK_SIZE, int THREADS>
-__device__ __forceinline__ void load_tile(T* tile, const T* __restrict__ cache, const int* table,
-                                          int first_block, int first, int count, int kv_head,
-                                          int num_kv_heads) {
-  constexpr int VEC = 16 / sizeof(T);
-  constexpr int VECS_PER_TOKEN = HEAD_DIM / VEC;
-  const int total = count * VECS_PER_TOKEN;
-  for (int base = threadIdx.x; base < total; base += THREADS * kUnroll) {
-    uint4 staged[kUnroll];
+// A 16-byte part of a K/V row (VEC elements of T) in shared memory, as floats: one 128-bit read,
+// 16-bit types converted in pairs.
+__device__ __forceinline__ void unpack(const float* p, float (&f)[4]) {
+  const float4 v = *reinterpret_cast<const float4*>(p);
+  f[0] = v.x;
+  f[1] = v.y;
+  f[2] = v.z;
+  f[3] = v.w;
+}
+__device__ __forceinline__ void unpack(const __half* p, float (&f)[8]) {
+  const uint4 v = *reinterpret_cast<const uint4*>(p);
+  const __half2* h = reinterpret_cast<const __half2*>(&v);
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int i = base + u * THREADS;
-      if (i < total) {
-        const int pos = first + i / VECS_PER_TOKEN;
-        const int block = table[pos / BLOCK_SIZE - first_block];
-        const long long offset =
-            cache_offset(block, kv_head, pos % BLOCK_SIZE, num_kv_heads, BLOCK_SIZE, HEAD_DIM) +
-            (i % VECS_PER_TOKEN) * VEC;
-        staged[u] = *reinterpret_cast<const uint4*>(cache + offset);
-      }
-    }
+  for (int i = 0; i < 4; ++i) {
+    const float2 pair = __half22float2(h[i]);
+    f[2 * i] = pair.x;
+    f[2 * i + 1] = pair.y;
+  }
+}
+__device__ __forceinline__ void unpack(const __nv_bfloat16* p, float (&f)[8]) {
+  const uint4 v = *reinterpret_cast<const uint4*>(p);
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int i = base + u * THREADS;
-      if (i < total) {
-        *reinterpret_cast<uint4*>(tile + (i / VECS_PER_TOKEN) * HEAD_DIM +
-                                  (i % VECS_PER_TOKEN) * VEC) = staged[u];
-      }
-    }
+  for (int i = 0; i < 4; ++i) {
+    const float2 pair = __bfloat1622float2(h[i]);
+    f[2 * i] = pair.x;
+    f[2 * i + 1] = pair.y;
   }
 }
 
 }  // namespace prefill
 
-// Grid: (ceil(max_query_len / query_rows), num_kv_heads, num_seqs). Block: THREADS.
-// Dynamic shared memory, in this order (float32 unless said), with R = query_rows * G rows:
-//   q_s [R, HEAD_DIM] (scaled queries), acc_s [R, HEAD_DIM], p_s [R, TILE] (scores, then
-//   weights), stats [round_up(3 R, 4)] (m, l, alpha per row), tile_s [TILE, HEAD_DIM] of T.
-template <typename T, int HEAD_DIM, int BLOCK_SIZE, int TILE, int THREADS>
-__global__ void __launch_bounds__(THREADS)
+// Grid: (query_tiles * head_chunks * num_splits, num_kv_heads, num_seqs), x = (query tile *
+// head_chunks + head chunk) * num_splits + split, head_chunks = ceil(G / heads_per_block).
+// Block: THREADS. Dynamic shared memory, in this order (float32 unless said):
+//   q_s [ROWS, HEAD_DIM] (scaled queries), p_s [ROWS, TILE + 4] (weights), alpha_s [ROWS],
+//   l_s [ROWS], kv_s [STAGES, 2 (K, V), TILE, HEAD_DIM + 16 / sizeof(T)] of T.
+// partial_out and partial_lse are read only with num_splits > 1 (then the merge writes out).
+// __launch_bounds__(THREADS, 1): without the second argument ptxas caps this kernel near 96
+// registers and spills a few bytes in the tile loop; it needs 93-135, the register file then
+// limits an SM to 4 blocks (fp16, head_dim 128; shared memory alone would allow 5).
+template <typename T, int HEAD_DIM, int BLOCK_SIZE, int TILE, int ROWS, int STAGES, int THREADS>
+__global__ void __launch_bounds__(THREADS, 1)
     paged_prefill(T* __restrict__ out,                     // [total_query_tokens, num_q_heads, HEAD_DIM]
+                  float* __restrict__ partial_out,         // [total_query_tokens, num_q_heads, num_splits, HEAD_DIM]
+                  float* __restrict__ partial_lse,         // [total_query_tokens, num_q_heads, num_splits]
                   const T* __restrict__ q,                 // [total_query_tokens, num_q_heads, HEAD_DIM]
                   const T* __restrict__ k_cache,           // [num_blocks, num_kv_heads, BLOCK_SIZE, HEAD_DIM]
                   const T* __restrict__ v_cache,           // [num_blocks, num_kv_heads, BLOCK_SIZE, HEAD_DIM]
                   const int* __restrict__ block_tables,    // [num_seqs, max_blocks]
                   const int* __restrict__ context_lens,    // [num_seqs]
                   const int* __restrict__ query_start_loc,  // [num_seqs + 1]
-                  int num_kv_heads, int group_size, int max_blocks, int query_rows, int causal,
-                  float scale) {
-  static_assert(HEAD_DIM % (16 / sizeof(T)) == 0, "a token's head vector is whole 16-byte loads");
-  static_assert(TILE % 4 == 0, "p_s keeps the tile buffer 16-byte aligned");
-  static_assert(THREADS % 32 == 0, "whole warps");
-  constexpr int VEC = 16 / sizeof(T);
-  constexpr int VECS_PER_TOKEN = HEAD_DIM / VEC;
+                  int num_kv_heads, int group_size, int heads_per_block, int max_blocks,
+                  int query_rows, int causal, int partition_tokens, int num_splits, float scale) {
+  constexpr int VEC = 16 / sizeof(T);          // elements of a 16-byte part
+  constexpr int PARTS = HEAD_DIM / VEC;        // 16-byte parts of a token's head vector
+  constexpr int STRIDE = HEAD_DIM + VEC;       // a stage row, padded by 16 bytes (see above)
+  constexpr int P_STRIDE = TILE + 4;           // a weights row, padded by 16 bytes
   constexpr int WARPS = THREADS / 32;
-  constexpr int CHUNK = 4 * TILE;  // tokens whose block ids are staged at once
-  constexpr int CHUNK_ENTRIES = CHUNK / BLOCK_SIZE + 2;
-  __shared__ int table_s[CHUNK_ENTRIES];
+  constexpr int ROW_LANES = 32 / TILE;         // rows a warp scores at once
+  constexpr int ROW_STEP = WARPS * ROW_LANES;  // rows the block scores at once
+  constexpr int SCORE_ROWS = ROWS / ROW_STEP;  // rows each thread scores
+  constexpr int COPIES = (TILE * PARTS + THREADS - 1) / THREADS;  // per thread, tensor and tile
+  constexpr int ITEMS = (ROWS * PARTS + THREADS - 1) / THREADS;   // (row, part) outputs per thread
+  constexpr bool ONE_PART = THREADS % PARTS == 0;  // every item of a thread has the same part
+  static_assert(HEAD_DIM % VEC == 0, "a token's head vector is whole 16-byte parts");
+  static_assert(TILE % 4 == 0 && TILE <= 32 && 32 % TILE == 0, "a tile is one row group of lanes");
+  static_assert(ROWS % ROW_STEP == 0, "every thread scores the same number of rows");
+  static_assert(THREADS % 32 == 0 && STAGES >= 2, "whole warps; a ring of at least two stages");
 
-  const int seq = blockIdx.z;
+  const int split = blockIdx.x % num_splits;
+  const int head_chunks = ceil_div(group_size, heads_per_block);
+  const int chunk = blockIdx.x / num_splits % head_chunks;
+  const int query_tile = blockIdx.x / num_splits / head_chunks;
   const int kv_head = blockIdx.y;
+  const int seq = blockIdx.z;
   const int q_begin = query_start_loc[seq];
   const int num_queries = query_start_loc[seq + 1] - q_begin;
-  const int first_query = blockIdx.x * query_rows;
+  const int first_query = query_tile * query_rows;
   if (first_query >= num_queries) return;  // the same for every thread of the block
   const int rows_here = min(query_rows, num_queries - first_query);  // query tokens in this tile
+  const int heads = heads_per_block;
+  const int heads_here = min(heads, group_size - chunk * heads);
+  const int first_head = kv_head * group_size + chunk * heads;
+  const int num_q_heads = num_kv_heads * group_size;
 
-  const int G = group_size;
-  const int R = query_rows * G;
-  const int num_q_heads = num_kv_heads * G;
+  const int context = context_lens[seq];
+  const int past = context - num_queries;  // tokens before the sequence's first query token
+  const int first_position = past + first_query;  // the tile's first query token's position
+  // Causal: no row of this tile reaches past its last query's position.
+  const int end = causal ? first_position + rows_here : context;
+  const int kv_begin = split * partition_tokens;
+  const int kv_end = split == num_splits - 1 ? end : min(end, kv_begin + partition_tokens);
+  // A split past the tile's range holds no token any of its rows sees; the merge skips it.
+  if (kv_begin >= kv_end) return;  // uniform too
+
   const int tid = threadIdx.x;
   const int warp = tid / 32;
   const int lane = tid % 32;
 
   CUPAGED_DYNAMIC_SHARED(float, smem);
   float* q_s = smem;
-  float* acc_s = q_s + R * HEAD_DIM;
-  float* p_s = acc_s + R * HEAD_DIM;
-  float* m_s = p_s + R * TILE;
-  float* l_s = m_s + R;
-  float* alpha_s = l_s + R;
-  T* tile_s = reinterpret_cast<T*>(m_s + (3 * R + 3) / 4 * 4);
+  float* p_s = q_s + ROWS * HEAD_DIM;
+  float* alpha_s = p_s + ROWS * P_STRIDE;
+  float* l_s = alpha_s + ROWS;
+  T* kv_s = reinterpret_cast<T*>(l_s + ROWS);
 
-  const int context = context_lens[seq];
-  const int past = context - num_queries;  // tokens before the sequence's first query token
-  // Causal: no row of this tile reaches past its last query's position.
-  const int end = causal ? past + first_query + rows_here : context;
+  // ---- this thread's copies: (token of the tile, part) for u = 0 .. COPIES - 1, hoisted ----
+  // Offsets into the cache are 64-bit: one layer can exceed 2^31 elements (see common.cuh).
+  const long long block_stride = static_cast<long long>(num_kv_heads) * BLOCK_SIZE * HEAD_DIM;
+  const long long head_offset = static_cast<long long>(kv_head) * BLOCK_SIZE * HEAD_DIM;
+  const int* table = block_tables + static_cast<long long>(seq) * max_blocks;
+  int copy_token[COPIES];  // -1: no copy (the tile has fewer parts than THREADS * COPIES)
+  int copy_part[COPIES];
+#pragma unroll
+  for (int u = 0; u < COPIES; ++u) {
+    const int i = tid + u * THREADS;
+    copy_token[u] = i < TILE * PARTS ? i / PARTS : -1;
+    copy_part[u] = i % PARTS;
+  }
+  int ids[COPIES];  // block ids of the next tile to issue, loaded one tile ahead
+  auto fetch_ids = [&](int first) {
+#pragma unroll
+    for (int u = 0; u < COPIES; ++u) {
+      const int pos = first + copy_token[u];
+      ids[u] = copy_token[u] >= 0 && pos < kv_end ? table[pos / BLOCK_SIZE] : 0;
+    }
+  };
+  // Issues tile `first`'s K and V into `stage` as one batch; tokens past the range are zeros.
+  auto issue = [&](int first, int stage) {
+    T* k_dst = kv_s + stage * 2 * TILE * STRIDE;
+    T* v_dst = k_dst + TILE * STRIDE;
+#pragma unroll
+    for (int u = 0; u < COPIES; ++u) {
+      if (copy_token[u] < 0) continue;
+      const int pos = first + copy_token[u];
+      const int dst = copy_token[u] * STRIDE + copy_part[u] * VEC;
+      if (pos < kv_end) {
+        const long long src = ids[u] * block_stride + head_offset +
+                              static_cast<long long>(pos % BLOCK_SIZE) * HEAD_DIM +
+                              copy_part[u] * VEC;
+        __pipeline_memcpy_async(k_dst + dst, k_cache + src, 16);
+        __pipeline_memcpy_async(v_dst + dst, v_cache + src, 16);
+      } else {
+        *reinterpret_cast<uint4*>(k_dst + dst) = make_uint4(0u, 0u, 0u, 0u);
+        *reinterpret_cast<uint4*>(v_dst + dst) = make_uint4(0u, 0u, 0u, 0u);
+      }
+    }
+  };
 
-  // Row r of the tile is query token first_query + r / G, query head kv_head * G + r % G.
+  const int num_tiles = ceil_div(kv_end - kv_begin, TILE);
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {  // step 0
+    if (s < num_tiles) {
+      fetch_ids(kv_begin + s * TILE);
+      issue(kv_begin + s * TILE, s);
+    }
+    __pipeline_commit();
+  }
+  if (STAGES - 1 < num_tiles) fetch_ids(kv_begin + (STAGES - 1) * TILE);
+
+  // Row r of the tile is query token first_query + r / heads, query head first_head + r % heads.
   const long long first_row = static_cast<long long>(q_begin) + first_query;
-  for (int i = tid; i < R * HEAD_DIM; i += THREADS) {
+  for (int i = tid; i < ROWS * HEAD_DIM; i += THREADS) {
     const int r = i / HEAD_DIM;
-    const int token = r / G;
+    const int token = r / heads;
+    const int h = r % heads;
     float value = 0.0f;
-    if (token < rows_here) {
+    if (token < rows_here && h < heads_here) {
       const long long element =
-          ((first_row + token) * num_q_heads + kv_head * G + r % G) * HEAD_DIM + i % HEAD_DIM;
+          ((first_row + token) * num_q_heads + first_head + h) * HEAD_DIM + i % HEAD_DIM;
       value = to_float(q[element]) * scale;
     }
     q_s[i] = value;
-    acc_s[i] = 0.0f;
   }
-  for (int r = tid; r < R; r += THREADS) {
-    m_s[r] = neg_inf();
-    l_s[r] = 0.0f;
-  }
-  __syncthreads();
 
-  for (int chunk = 0; chunk < end; chunk += CHUNK) {
-    const int chunk_end = min(end, chunk + CHUNK);
-    const int first_block = chunk / BLOCK_SIZE;
-    const int entries = (chunk_end - 1) / BLOCK_SIZE - first_block + 1;
-    for (int i = tid; i < entries; i += THREADS) {
-      table_s[i] = block_tables[static_cast<long long>(seq) * max_blocks + first_block + i];
+  // Scoring: lane `key` of its row group takes token `key` of each tile, rows score_row(k).
+  const int key = lane % TILE;
+  const int row_base = warp * ROW_LANES + lane / TILE;
+  float m[SCORE_ROWS];
+  float l[SCORE_ROWS];
+  int position[SCORE_ROWS];  // the row's query position; -1 for a padding row (sees nothing)
+#pragma unroll
+  for (int k = 0; k < SCORE_ROWS; ++k) {
+    const int r = row_base + k * ROW_STEP;
+    const bool real = r / heads < rows_here && r % heads < heads_here;
+    position[k] = real ? first_position + r / heads : -1;
+    m[k] = neg_inf();
+    l[k] = 0.0f;
+  }
+  // Accumulating: items tid + u * THREADS, (row, part) = (item / PARTS, item % PARTS).
+  float acc[ITEMS][VEC];
+  int item_row[ITEMS];
+  const int item_part = tid % PARTS;  // every item's part when ONE_PART
+#pragma unroll
+  for (int u = 0; u < ITEMS; ++u) {
+    const int item = tid + u * THREADS;
+    item_row[u] = item < ROWS * PARTS ? item / PARTS : -1;
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) acc[u][e] = 0.0f;
+  }
+
+  for (int tile = 0; tile < num_tiles; ++tile) {
+    const int first = kv_begin + tile * TILE;
+    const int count = min(TILE, kv_end - first);
+    __pipeline_wait_prior(STAGES - 2);  // step 1: this thread's copies of this tile have landed
+    __syncthreads();                    // everyone's; and the stage of tile - 1 is free
+    const int ahead = tile + STAGES - 1;
+    if (ahead < num_tiles) {
+      issue(kv_begin + ahead * TILE, ahead % STAGES);
+      if (ahead + 1 < num_tiles) fetch_ids(kv_begin + (ahead + 1) * TILE);
+    }
+    __pipeline_commit();  // one batch per tile (empty near the end), so the wait count holds
+
+    const T* k_tile = kv_s + tile % STAGES * 2 * TILE * STRIDE;
+    const T* v_tile = k_tile + TILE * STRIDE;
+
+    // Step 2: scores of token `key` against this thread's rows, then the online softmax.
+    float dot[SCORE_ROWS];
+#pragma unroll
+    for (int k = 0; k < SCORE_ROWS; ++k) dot[k] = 0.0f;
+    const T* k_row = k_tile + key * STRIDE;
+#pragma unroll 2
+    for (int part = 0; part < PARTS; ++part) {
+      float kf[VEC];
+      prefill::unpack(k_row + part * VEC, kf);
+#pragma unroll
+      for (int k = 0; k < SCORE_ROWS; ++k) {
+        const float* q_part = q_s + (row_base + k * ROW_STEP) * HEAD_DIM + part * VEC;
+#pragma unroll
+        for (int e = 0; e < VEC; e += 4) {
+          const float4 qv = *reinterpret_cast<const float4*>(q_part + e);
+          dot[k] += qv.x * kf[e] + qv.y * kf[e + 1] + qv.z * kf[e + 2] + qv.w * kf[e + 3];
+        }
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < SCORE_ROWS; ++k) {
+      const int r = row_base + k * ROW_STEP;
+      const bool valid = position[k] >= 0 && key < count && (!causal || first + key <= position[k]);
+      const float score = valid ? dot[k] : neg_inf();
+      float tile_max = score;
+#pragma unroll
+      for (int width = TILE / 2; width > 0; width /= 2) {
+        tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, width));
+      }
+      const float m_new = fmaxf(m[k], tile_max);
+      const float base = m_new == neg_inf() ? 0.0f : m_new;  // see step 2
+      const float p = expf(score - base);
+      float sum = p;
+#pragma unroll
+      for (int width = TILE / 2; width > 0; width /= 2) {
+        sum += __shfl_xor_sync(0xffffffffu, sum, width);
+      }
+      const float alpha = expf(m[k] - base);  // 0 while m = -inf
+      l[k] = l[k] * alpha + sum;
+      m[k] = m_new;
+      p_s[r * P_STRIDE + key] = p;
+      if (key == 0) alpha_s[r] = alpha;
     }
     __syncthreads();
 
-    for (int first = chunk; first < chunk_end; first += TILE) {
-      const int count = min(TILE, chunk_end - first);
-      prefill::load_tile<T, HEAD_DIM, BLOCK_SIZE, THREADS>(tile_s, k_cache, table_s, first_block,
-                                                           first, count, kv_head, num_kv_heads);
-      __syncthreads();
-
-      // Scores: each warp takes 32 / kLanesPerDot (row, token) pairs at a time.
-      constexpr int kPairsPerWarp = 32 / prefill::kLanesPerDot;
-      const int sub = lane % prefill::kLanesPerDot;
-      for (int base = warp * kPairsPerWarp; base < R * TILE; base += WARPS * kPairsPerWarp) {
-        const int pair = base + lane / prefill::kLanesPerDot;
-        const int r = pair / TILE;
-        const int t = pair % TILE;
-        const int token = r / G;
-        const int position = past + first_query + token;  // the row's position in the sequence
-        const bool valid = pair < R * TILE && t < count && token < rows_here &&
-                           (!causal || first + t <= position);
-        float dot = 0.0f;
-        if (valid) {
-          for (int part = sub; part < VECS_PER_TOKEN; part += prefill::kLanesPerDot) {
-            const T* k_vec = tile_s + t * HEAD_DIM + part * VEC;
-            const float* q_vec = q_s + r * HEAD_DIM + part * VEC;
+    // Step 3: acc = alpha acc + p V over the tile's tokens.
 #pragma unroll
-            for (int e = 0; e < VEC; ++e) dot += q_vec[e] * to_float(k_vec[e]);
+    for (int u = 0; u < ITEMS; ++u) {
+      if (item_row[u] < 0) continue;
+      const float alpha = alpha_s[item_row[u]];
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) acc[u][e] *= alpha;
+    }
+    // Rows stop inside this tile only when it crosses the first row's position (causal).
+    const bool crosses = causal && first + count - 1 > first_position;
+    int visible[ITEMS];  // tokens of this tile that the item's row sees
+#pragma unroll
+    for (int u = 0; u < ITEMS; ++u) {
+      const int token = item_row[u] / heads;
+      visible[u] = crosses ? max(0, min(TILE, first_position + token - first + 1)) : TILE;
+    }
+#pragma unroll 2
+    for (int t = 0; t < TILE; t += 4) {
+      float p[ITEMS][4];
+#pragma unroll
+      for (int u = 0; u < ITEMS; ++u) {
+        const int r = item_row[u] < 0 ? 0 : item_row[u];
+        const float4 p4 = *reinterpret_cast<const float4*>(p_s + r * P_STRIDE + t);
+        p[u][0] = p4.x;
+        p[u][1] = p4.y;
+        p[u][2] = p4.z;
+        p[u][3] = p4.w;
+      }
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        float vf[VEC];
+        if (ONE_PART) prefill::unpack(v_tile + (t + j) * STRIDE + item_part * VEC, vf);
+#pragma unroll
+        for (int u = 0; u < ITEMS; ++u) {
+          if (!ONE_PART) {
+            prefill::unpack(v_tile + (t + j) * STRIDE + (tid + u * THREADS) % PARTS * VEC, vf);
           }
-        }
+          if (item_row[u] < 0 || t + j >= visible[u]) continue;  // a row stops at its position
 #pragma unroll
-        for (int width = prefill::kLanesPerDot / 2; width > 0; width /= 2) {
-          dot += __shfl_xor_sync(0xffffffffu, dot, width);
-        }
-        if (sub == 0 && pair < R * TILE) p_s[pair] = valid ? dot : neg_inf();
-      }
-      __syncthreads();
-
-      // V replaces K in the tile buffer while the warps update the softmax statistics.
-      prefill::load_tile<T, HEAD_DIM, BLOCK_SIZE, THREADS>(tile_s, v_cache, table_s, first_block,
-                                                           first, count, kv_head, num_kv_heads);
-      for (int r = warp; r < R; r += WARPS) {
-        float tile_max = neg_inf();
-        for (int t = lane; t < count; t += 32) tile_max = fmaxf(tile_max, p_s[r * TILE + t]);
-        for (int width = 16; width > 0; width /= 2) {
-          tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, width));
-        }
-        const float m_old = m_s[r];
-        const float m_new = fmaxf(m_old, tile_max);
-        const float base = m_new == neg_inf() ? 0.0f : m_new;  // see step 3
-        float sum = 0.0f;
-        for (int t = lane; t < count; t += 32) {
-          const float p = expf(p_s[r * TILE + t] - base);
-          p_s[r * TILE + t] = p;
-          sum += p;
-        }
-        for (int width = 16; width > 0; width /= 2) {
-          sum += __shfl_xor_sync(0xffffffffu, sum, width);
-        }
-        if (lane == 0) {
-          const float alpha = expf(m_old - base);  // 0 while m_old = -inf
-          alpha_s[r] = alpha;
-          l_s[r] = l_s[r] * alpha + sum;
-          m_s[r] = m_new;
+          for (int e = 0; e < VEC; ++e) acc[u][e] += p[u][j] * vf[e];
         }
       }
-      __syncthreads();
-
-      for (int i = tid; i < R * HEAD_DIM; i += THREADS) {
-        const int r = i / HEAD_DIM;
-        const int d = i % HEAD_DIM;
-        float acc = acc_s[i] * alpha_s[r];
-        const float* p = p_s + r * TILE;
-        // A masked token's weight is 0, but 0 * Inf (or NaN) in its V is NaN: a row stops at
-        // its own position, so nothing after it reaches the row.
-        const int position = past + first_query + r / G;
-        const int visible = causal ? max(0, min(count, position - first + 1)) : count;
-        for (int t = 0; t < visible; ++t) acc += p[t] * to_float(tile_s[t * HEAD_DIM + d]);
-        acc_s[i] = acc;
-      }
-      __syncthreads();
     }
   }
+  __pipeline_wait_prior(0);  // only empty batches are left; nothing may be pending at exit
+
+  // Each row's sum, and with splits its log-sum-exp, from the lanes that kept them.
+#pragma unroll
+  for (int k = 0; k < SCORE_ROWS; ++k) {
+    const int r = row_base + k * ROW_STEP;
+    if (key != 0) continue;
+    l_s[r] = l[k];
+    if (num_splits > 1 && position[k] >= 0) {
+      const long long row = (first_row + r / heads) * num_q_heads + first_head + r % heads;
+      const float base = m[k] == neg_inf() ? 0.0f : m[k];  // the exponents' reference
+      partial_lse[row * num_splits + split] = base + logf(l[k]);  // -inf when l = 0
+    }
+  }
+  __syncthreads();
 
   // acc / l; NaN when a NaN reached l, or l = 0 (every score -inf), as in the reference.
-  for (int i = tid; i < R * HEAD_DIM; i += THREADS) {
-    const int r = i / HEAD_DIM;
-    const int token = r / G;
-    if (token < rows_here) {
-      const long long element =
-          ((first_row + token) * num_q_heads + kv_head * G + r % G) * HEAD_DIM + i % HEAD_DIM;
-      out[element] = from_float<T>(acc_s[i] / l_s[r]);
+#pragma unroll
+  for (int u = 0; u < ITEMS; ++u) {
+    const int r = item_row[u];
+    if (r < 0 || r / heads >= rows_here || r % heads >= heads_here) continue;
+    const int part = ONE_PART ? item_part : (tid + u * THREADS) % PARTS;
+    const long long row = (first_row + r / heads) * num_q_heads + first_head + r % heads;
+    const float l_row = l_s[r];
+    if (num_splits == 1) {
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) {
+        out[row * HEAD_DIM + part * VEC + e] = from_float<T>(acc[u][e] / l_row);
+      }
+    } else {
+      // A row that saw no token of this split (l = 0) has log-sum-exp -inf: the merge weighs it
+      // 0, and 0 * (0 / 0) would be NaN, so its partial row is 0.
+      float* dst = partial_out + (row * num_splits + split) * HEAD_DIM + part * VEC;
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) dst[e] = l_row == 0.0f ? 0.0f : acc[u][e] / l_row;
     }
+  }
+}
+
+// Grid: (total_query_tokens, num_q_heads). Block: THREADS.
+// Row (query token) `row` of sequence s at query index j reads the splits that hold a token it
+// sees: the first ceil(visible / partition_tokens) of them (at most num_splits), visible =
+// pos_j + 1 (causal) or context_lens[s]; every one of those was computed by its tile (whose range
+// reaches at least as far). A split's log-sum-exp is -inf when all its scores the row sees are
+// -inf (weight 0), NaN when a NaN reached it (fmaxf skips it, its weight exp(NaN) makes the row
+// NaN); every split -inf is 0 / 0, NaN, as in the reference.
+template <typename T, int HEAD_DIM, int THREADS>
+__global__ void __launch_bounds__(THREADS)
+    paged_prefill_merge(T* __restrict__ out,                     // [total_query_tokens, num_q_heads, HEAD_DIM]
+                        const float* __restrict__ partial_out,   // [total_query_tokens, num_q_heads, num_splits, HEAD_DIM]
+                        const float* __restrict__ partial_lse,   // [total_query_tokens, num_q_heads, num_splits]
+                        const int* __restrict__ context_lens,    // [num_seqs]
+                        const int* __restrict__ query_start_loc,  // [num_seqs + 1]
+                        int num_seqs, int causal, int partition_tokens, int num_splits) {
+  const int token = blockIdx.x;
+  // The sequence: query_start_loc[s] <= token < query_start_loc[s + 1] (empty ones share a start).
+  int lo = 0;
+  int hi = num_seqs;
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) / 2;
+    if (query_start_loc[mid] <= token) {
+      lo = mid;
+    } else {
+      hi = mid;
+    }
+  }
+  const int n = query_start_loc[lo + 1] - query_start_loc[lo];
+  const int context = context_lens[lo];
+  const int visible = causal ? context - n + (token - query_start_loc[lo]) + 1 : context;
+  const int used = min(num_splits, max(1, ceil_div(visible, partition_tokens)));
+
+  const long long row = static_cast<long long>(token) * gridDim.y + blockIdx.y;
+  const float* lse = partial_lse + row * num_splits;
+  float lse_max = neg_inf();
+  for (int s = 0; s < used; ++s) lse_max = fmaxf(lse_max, lse[s]);
+  for (int d = threadIdx.x; d < HEAD_DIM; d += THREADS) {
+    float numerator = 0.0f;
+    float denominator = 0.0f;
+    for (int s = 0; s < used; ++s) {
+      const float w = expf(lse[s] - lse_max);
+      numerator += w * partial_out[(row * num_splits + s) * HEAD_DIM + d];
+      denominator += w;
+    }
+    out[row * HEAD_DIM + d] = from_float<T>(numerator / denominator);
   }
 }
 

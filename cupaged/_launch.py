@@ -248,23 +248,105 @@ class PrefillLaunch:
 
     Attributes:
         name: ``paged_prefill`` instantiation (a RawModule name expression).
-        grid: ``(ceil(max_query_len / query_rows), num_kv_heads, num_seqs)``.
+        merge_name: ``paged_prefill_merge`` instantiation, used when ``num_splits > 1``.
+        grid: ``(query_tiles * head_chunks * num_splits, num_kv_heads, num_seqs)``.
         block: ``(PREFILL_THREADS,)``.
         shared_mem: dynamic shared memory in bytes.
         query_rows: query tokens per thread block.
+        heads_per_block: query heads of a KV head's group per thread block (``min(G, 16)``).
+        tile: KV tokens per shared-memory tile.
+        num_splits: thread blocks per (query tile, head chunk); 1 means no split-K.
+        partition_tokens: KV tokens per split (a multiple of the tile).
+        merge_grid: ``(total_query_tokens, num_q_heads)``.
     """
 
     name: str
+    merge_name: str
     grid: tuple[int, int, int]
     block: tuple[int]
     shared_mem: int
     query_rows: int
+    heads_per_block: int
+    tile: int
+    num_splits: int
+    partition_tokens: int
+    merge_grid: tuple[int, int]
 
 
-def prefill_shared_memory(dtype: str, head_dim: int, rows: int, tile: int) -> int:
+def prefill_tile(dtype: str, head_dim: int) -> int:
+    """KV tokens per prefill tile: ``PREFILL_TILE_BYTES`` of K, a power of two from 8 to 32 (one
+    lane per token in the kernel's scoring)."""
+    tile = 32
+    while tile > 8 and tile * head_dim * itemsize(dtype) > PREFILL_TILE_BYTES:
+        tile //= 2
+    return tile
+
+
+def prefill_shared_memory(dtype: str, head_dim: int, tile: int) -> int:
     """Bytes of dynamic shared memory of ``paged_prefill`` (layout: see cuda/paged_prefill.cu)."""
-    floats = 2 * rows * head_dim + rows * tile + (3 * rows + 3) // 4 * 4
-    return 4 * floats + tile * head_dim * itemsize(dtype)
+    floats = PREFILL_ROWS * head_dim + PREFILL_ROWS * (tile + 4) + 2 * PREFILL_ROWS
+    padded_row = head_dim * itemsize(dtype) + 16
+    return 4 * floats + PREFILL_STAGES * 2 * tile * padded_row
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillWork:
+    """What the split-K decision needs to know about a batch, from host copies of its metadata.
+
+    Attributes:
+        query_tiles: query tiles of all sequences (thread blocks per KV head and head chunk).
+        kv_tokens: KV tokens those tiles read (causal: each tile up to its last query).
+        max_end: the longest KV range of a tile (tokens).
+    """
+
+    query_tiles: int
+    kv_tokens: int
+    max_end: int
+
+
+def prefill_work(
+    query_counts: np.ndarray, context_lens: np.ndarray, query_rows: int, causal: bool
+) -> PrefillWork:
+    """The query tiles of a batch and the KV tokens they read, per KV head and head chunk.
+
+    Sequence ``i`` has ``T = ceil(n_i / query_rows)`` tiles; tile ``j`` reads tokens
+    ``0 .. past_i + min((j + 1) * query_rows, n_i)`` when causal (``past_i = L_i - n_i``), all
+    ``L_i`` when not, so its tiles read ``T * past + query_rows * T (T + 1) / 2 - (T * query_rows
+    - n)`` tokens (the last tile is short by ``T * query_rows - n`` rows).
+    """
+    n = np.asarray(query_counts, np.int64)
+    lens = np.asarray(context_lens, np.int64)
+    tiles = (n + query_rows - 1) // query_rows
+    if causal:
+        short = tiles * query_rows - n  # rows missing from each sequence's last tile
+        tokens = tiles * (lens - n) + query_rows * tiles * (tiles + 1) // 2 - short
+    else:
+        tokens = tiles * lens
+    max_end = int(lens[n > 0].max()) if (n > 0).any() else 0
+    return PrefillWork(int(tiles.sum()), int(tokens.sum()), max_end)
+
+
+def prefill_partition(
+    units: int, kv_tokens: int, max_end: int, tile: int, sm_count: int, splits: int | None
+) -> int:
+    """Tokens per split of one query tile's KV range; ``max_end`` or more means no split.
+
+    Split-K only when the thread blocks without it (``units``) do not cover the multiprocessors.
+    It is balanced by tokens: every thread block reads at most ``partition`` tokens, the batch's
+    KV tokens spread over one wave of ``sm_count`` blocks, and no split is shorter than
+    ``MIN_SPLIT_TOKENS`` (a split's fixed cost: its queries, its partial rows and their merge).
+    ``splits`` forces a count (tests): the longest range is cut into about that many pieces.
+    """
+    longest = max(max_end, 1)
+    if splits is not None:
+        if splits < 1:
+            raise ValueError(f"expected num_splits >= 1, got {splits}")
+        per_split = cdiv(longest, splits)
+    elif units >= sm_count or longest <= MIN_SPLIT_TOKENS:
+        return cdiv(longest, tile) * tile
+    else:
+        per_split = max(MIN_SPLIT_TOKENS, cdiv(kv_tokens, sm_count))
+    return cdiv(per_split, tile) * tile
 
 
 def prefill_launch(
@@ -275,29 +357,68 @@ def prefill_launch(
     head_dim: int,
     block_size: int,
     max_query_len: int,
+    query_counts: np.ndarray | None = None,
+    context_lens: np.ndarray | None = None,
+    causal: bool = True,
+    sm_count: int = NOMINAL_SM_COUNT,
+    splits: int | None = None,
+    total_query_tokens: int = 0,
 ) -> PrefillLaunch:
-    """The launch of ``paged_prefill`` for one batch shape.
+    """The launch of ``paged_prefill`` (and its merge) for one batch shape.
 
     Args:
         max_query_len: most query tokens of one sequence in the batch; sizes the grid (a query
             tile past a sequence's own count returns at once).
+        query_counts: host copy of each sequence's query count ``n_i``, and
+        context_lens: host copy of the lengths: the split-K decision's input (``prefill_work``);
+            no split when ``None``.
+        causal: whether the tiles' KV ranges end at their last query (the split-K input too).
+        sm_count: multiprocessors of the device.
+        splits: force about this many splits (tests); the heuristic decides when ``None``.
+        total_query_tokens: rows of ``q``; sizes the merge grid.
     """
     check_decode_shape(dtype, head_dim, block_size)
-    for what, value in (("num_seqs", num_seqs), ("num_kv_heads", num_kv_heads)):
+    num_q_heads = num_kv_heads * group
+    for what, value in (("num_seqs", num_seqs), ("num_kv_heads", num_kv_heads),
+                        ("num_q_heads", num_q_heads)):  # fmt: skip
         if not 1 <= value <= MAX_GRID_YZ:
             raise ValueError(f"expected {what} in 1..{MAX_GRID_YZ} (one launch), got {value}")
-    tile = decode_tile(dtype, head_dim)
-    query_rows = max(1, PREFILL_ROWS // group)
+    tile = prefill_tile(dtype, head_dim)
+    heads = min(group, PREFILL_ROWS)
+    chunks = cdiv(group, heads)
+    query_rows = max(1, PREFILL_ROWS // heads)
     tiles = max(1, cdiv(max_query_len, query_rows))
+    num_splits, partition = 1, NO_SPLIT_PARTITION
+    if query_counts is not None and context_lens is not None:
+        work = prefill_work(query_counts, context_lens, query_rows, causal)
+        units = work.query_tiles * num_kv_heads * chunks
+        partition = prefill_partition(
+            units, work.kv_tokens * num_kv_heads * chunks, work.max_end, tile, sm_count, splits
+        )
+        num_splits = max(1, cdiv(work.max_end, partition))
+        if num_splits == 1:
+            partition = NO_SPLIT_PARTITION
+    if tiles * chunks * num_splits > MAX_GRID_X:
+        raise ValueError(
+            f"expected at most {MAX_GRID_X} thread blocks per KV head and sequence, got "
+            f"{tiles * chunks * num_splits}"
+        )
+    c_type = C_TYPES[dtype]
     return PrefillLaunch(
         name=(
-            f"cupaged::paged_prefill<{C_TYPES[dtype]}, {head_dim}, {block_size}, {tile}, "
-            f"{PREFILL_THREADS}>"
+            f"cupaged::paged_prefill<{c_type}, {head_dim}, {block_size}, {tile}, {PREFILL_ROWS}, "
+            f"{PREFILL_STAGES}, {PREFILL_THREADS}>"
         ),
-        grid=(tiles, num_kv_heads, num_seqs),
+        merge_name=f"cupaged::paged_prefill_merge<{c_type}, {head_dim}, {PREFILL_MERGE_THREADS}>",
+        grid=(tiles * chunks * num_splits, num_kv_heads, num_seqs),
         block=(PREFILL_THREADS,),
-        shared_mem=prefill_shared_memory(dtype, head_dim, query_rows * group, tile),
+        shared_mem=prefill_shared_memory(dtype, head_dim, tile),
         query_rows=query_rows,
+        heads_per_block=heads,
+        tile=tile,
+        num_splits=num_splits,
+        partition_tokens=partition,
+        merge_grid=(max(total_query_tokens, 1), num_q_heads),
     )
 
 

@@ -314,6 +314,7 @@ def paged_prefill(
     causal: bool = True,
     *,
     out: Any = None,
+    num_splits: int | None = None,
     checked: bool = True,
 ) -> Any:
     """Attention of many query tokens per sequence over a paged KV cache, fused.
@@ -350,6 +351,10 @@ def paged_prefill(
             the whole context (``False``).
         out: optional ``[total_query_tokens, num_q_heads, head_dim]`` C-contiguous output,
             ``q``'s dtype.
+        num_splits: cut every query tile's KV range into about this many pieces, one thread
+            block each, merged by log-sum-exp (split-K); the heuristic in ``cupaged._launch``
+            decides when ``None`` (it splits only batches too small to fill the GPU, from the
+            host copies of the lengths that the ``query_start_loc`` check reads anyway).
         checked: check, before the launch and on the arrays' device, that every context length
             is in ``[0, max_blocks * block_size]`` and every block id a length reaches is in
             ``[0, num_blocks)``. ``checked=False`` skips that and *trusts* the caller: a bad id
@@ -377,8 +382,10 @@ def paged_prefill(
     total = q.shape[0]
     if total > INT32_MAX:
         raise ValueError(f"expected at most {INT32_MAX} query tokens, got {total}")
-    # Host copies of two [num_seqs]-sized arrays: the grid needs the longest query run.
-    max_query_len = check_query_start_loc(to_numpy(query_start_loc), to_numpy(context_lens), total)
+    # Host copies of two [num_seqs]-sized arrays: the grid needs the longest query run, and the
+    # split-K plan the tiles' KV ranges (no other read back from the device).
+    host_starts, host_lens = to_numpy(query_start_loc), to_numpy(context_lens)
+    max_query_len = check_query_start_loc(host_starts, host_lens, total)
     if out is None:
         out = xp.empty(q.shape, q.dtype)  # q's dtype object: bfloat16 in, bfloat16 out
     else:
@@ -396,20 +403,39 @@ def paged_prefill(
     device = _device(xp)
     launch = _launch.prefill_launch(
         dims.dtype, dims.num_seqs, dims.num_kv_heads, group, dims.head_dim, dims.block_size,
-        max_query_len,
+        max_query_len, np.diff(host_starts.astype(np.int64)),
+        np.minimum(host_lens.astype(np.int64), MAX_CONTEXT_LEN), bool(causal), _sm_count(device),
+        num_splits, total,
     )  # fmt: skip
     kernel = _attention_kernel(device, "paged_prefill.cu", launch, group, dims.head_dim)
     tables = xp.ascontiguousarray(block_tables, dtype=np.int32)
     lens = xp.ascontiguousarray(context_lens, dtype=np.int32)
     starts = xp.ascontiguousarray(query_start_loc, dtype=np.int32)
+    if launch.num_splits > 1:
+        split_shape = (total, dims.num_q_heads, launch.num_splits)
+        partial_out = xp.empty((*split_shape, dims.head_dim), np.float32)
+        partial_lse = xp.empty(split_shape, np.float32)
+    else:  # unused by the kernel; real arrays so that no argument is a null pointer
+        partial_out = partial_lse = xp.empty(1, np.float32)
     scale = dims.head_dim**-0.5 if scale is None else scale
+    out_storage = as_storage(out)
     args = (
-        as_storage(out), xp.ascontiguousarray(as_storage(q)), as_storage(k_cache),
-        as_storage(v_cache), tables, lens, starts, np.int32(dims.num_kv_heads), np.int32(group),
+        out_storage, partial_out, partial_lse, xp.ascontiguousarray(as_storage(q)),
+        as_storage(k_cache), as_storage(v_cache), tables, lens, starts,
+        np.int32(dims.num_kv_heads), np.int32(group), np.int32(launch.heads_per_block),
         np.int32(dims.max_blocks), np.int32(launch.query_rows), np.int32(bool(causal)),
-        np.float32(scale),
+        np.int32(launch.partition_tokens), np.int32(launch.num_splits), np.float32(scale),
     )  # fmt: skip
     kernel(launch.grid, launch.block, args, shared_mem=launch.shared_mem)
+    if launch.num_splits > 1:
+        merge = get_kernel(device, "paged_prefill.cu", launch.merge_name)
+        merge(
+            launch.merge_grid,
+            (_launch.PREFILL_MERGE_THREADS,),
+            (out_storage, partial_out, partial_lse, lens, starts, np.int32(dims.num_seqs),
+             np.int32(bool(causal)), np.int32(launch.partition_tokens),
+             np.int32(launch.num_splits)),
+        )  # fmt: skip
     return out
 
 

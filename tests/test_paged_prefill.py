@@ -107,10 +107,111 @@ def test_prefill_matches_float64_reference(rng, xp, case):
     expected = oracle(q, k_cache, v_cache, tables, lens, starts, causal=causal)
     out = xp.asarray(poison(q.shape, dtype))
     arrays = [xp.asarray(x) for x in (q, k_cache, v_cache, tables, lens, starts)]
-    with scheduled(xp, order):
-        got = cupaged.paged_prefill(*arrays, causal=causal, out=out)
+    with scheduled(xp, order):  # one split: split-K has its own matrix below
+        got = cupaged.paged_prefill(*arrays, causal=causal, out=out, num_splits=1)
     assert got is out
     assert_close(got, expected, dtype)
+
+
+# ---- split-K -----------------------------------------------------------------------------------
+
+# (context_lens[i], n_i): whole prompts (one inside the first split, one over three), no queries,
+# a chunk after a long prefix, a chunk whose query tiles straddle the split boundary at 64 (for
+# every query-tile height: 16, 4 and 2 tokens, from position 51), a decode row, no queries.
+SPLIT_BATCH = ((37, 37), (20, 0), (300, 5), (71, 20), (130, 130), (200, 1), (9, 0))
+SPLITS = 5  # the longest range, 300 tokens, in pieces of 64 (a multiple of every tile)
+SPLIT_CASES = [
+    (dtype, head_dim, block_size, ratio, causal, SCHEDULES[(i + causal) % 2])
+    for i, (dtype, head_dim, block_size, ratio) in enumerate(
+        zip(DTYPES, HEAD_DIMS, BLOCK_SIZES, (4, 1, 8), strict=True)
+    )
+    for causal in (True, False)
+]
+# A group wider than the 16 rows of a thread block (two head chunks per KV head), split.
+SPLIT_CASES.append(("float16", 64, 16, 24, True, SCHEDULES[1]))
+
+
+def split_plan(batch, dtype, head_dim, ratio, block_size, causal, splits):
+    counts = np.array([n for _, n in batch])
+    lens = np.array([length for length, _ in batch])
+    return _launch.prefill_launch(
+        dtype, len(batch), NUM_KV_HEADS, ratio, head_dim, block_size, int(counts.max()), counts,
+        lens, causal, _launch.NOMINAL_SM_COUNT, splits, int(counts.sum()),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("case", SPLIT_CASES, ids=case_id)
+def test_split_k_matches_float64_reference(rng, xp, case):
+    """Forced splits of 64 tokens: rows whose split holds nothing they see (the rows before 64 in
+    a tile that straddles it, causal), tiles whose range ends in the first split, empty rows,
+    n_i == context_lens[i], block sizes that do and do not divide the boundaries."""
+    dtype, head_dim, block_size, ratio, causal, order = case
+    if xp is not np and order != SCHEDULES[0]:
+        pytest.skip("scheduling orders belong to the CPU backend; the GPU runs once")
+    plan = split_plan(SPLIT_BATCH, dtype, head_dim, ratio, block_size, causal, SPLITS)
+    assert (plan.num_splits, plan.partition_tokens) == (SPLITS, 64)
+    q, k_cache, v_cache, tables, lens, starts, _ = prefill_batch(
+        rng, SPLIT_BATCH, head_dim, ratio, block_size, dtype
+    )
+    expected = oracle(q, k_cache, v_cache, tables, lens, starts, causal=causal)
+    arrays = [xp.asarray(x) for x in (q, k_cache, v_cache, tables, lens, starts)]
+    results = []
+    for splits in (SPLITS, 1):
+        out = xp.asarray(poison(q.shape, dtype))
+        with scheduled(xp, order):
+            cupaged.paged_prefill(*arrays, causal=causal, out=out, num_splits=splits)
+        assert_close(out, expected, dtype)
+        results.append(to_float(out, np.float64))
+    # The merge is exact up to float32 rounding: split and unsplit agree closer than the oracle.
+    split, whole = (r.get() if hasattr(r, "get") else r for r in results)
+    np.testing.assert_allclose(split, whole, **TOLERANCES[dtype])
+
+
+def test_split_k_unchecked_and_out_of_range_hint(rng):
+    """checked=False takes the same plan; a forced count above what the ranges need collapses."""
+    q, k_cache, v_cache, tables, lens, starts, _ = prefill_batch(
+        rng, SPLIT_BATCH, 64, 2, 16, "float32"
+    )
+    expected = oracle(q, k_cache, v_cache, tables, lens, starts)
+    for splits in (3, 1000):
+        out = cupaged.paged_prefill(q, k_cache, v_cache, tables, lens, starts,
+                                    num_splits=splits, checked=False)  # fmt: skip
+        assert_close(out, expected, "float32")
+    assert split_plan(SPLIT_BATCH, "float32", 64, 2, 16, True, 1000).num_splits == 10  # 32 each
+    with pytest.raises(ValueError, match=r"expected num_splits >= 1, got 0"):
+        cupaged.paged_prefill(q, k_cache, v_cache, tables, lens, starts, num_splits=0)
+
+
+def test_split_heuristic_fills_the_gpu_balanced_by_tokens():
+    """A small batch with a long cached prefix splits; a big one does not; every thread block
+    reads at most partition_tokens tokens, about the batch's tokens over one wave."""
+    one = split_plan([(32768 + 64, 64)], "float16", 128, 4, 16, True, None)
+    work = _launch.prefill_work(np.array([64]), np.array([32768 + 64]), one.query_rows, True)
+    assert one.num_splits > 1 and one.partition_tokens % one.tile == 0
+    tiles = one.grid[0] // one.num_splits
+    assert tiles == 16 and one.grid[1:] == (NUM_KV_HEADS, 1)
+    per_block = -(-work.kv_tokens * NUM_KV_HEADS // _launch.NOMINAL_SM_COUNT)
+    assert per_block <= one.partition_tokens < per_block + one.tile
+    assert one.num_splits == -(-work.max_end // one.partition_tokens)
+    big = split_plan([(1024 + 256, 256)] * 8, "float16", 128, 4, 16, True, None)
+    assert big.num_splits == 1 and big.grid == (64, NUM_KV_HEADS, 8)
+    short = split_plan([(200, 8)], "float16", 128, 4, 16, True, None)
+    assert short.num_splits == 1  # no split shorter than MIN_SPLIT_TOKENS
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_prefill_work_counts_every_tile(causal):
+    rng = np.random.default_rng(5)
+    counts = rng.integers(0, 40, 30)
+    lens = counts + rng.integers(0, 100, 30)
+    for rows in (1, 2, 4, 16):
+        work = _launch.prefill_work(counts, lens, rows, causal)
+        ends = [
+            (length - n + min((j + 1) * rows, n)) if causal else length
+            for n, length in zip(counts, lens, strict=True)
+            for j in range(-(-n // rows))
+        ]
+        assert (work.query_tiles, work.kv_tokens, work.max_end) == (len(ends), sum(ends), max(ends))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -329,12 +430,15 @@ def assert_same_specials(out, expected: np.ndarray, dtype: str) -> None:
     np.testing.assert_allclose(got[finite], expected[finite], **TOLERANCES[dtype])
 
 
+@pytest.mark.parametrize("splits", [1, 3], ids=["whole", "split"])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("case", ["nan_q", "nan_k", "inf_v"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_nan_and_inf_reach_exactly_the_rows_that_see_them(rng, xp, dtype, case, causal):
+def test_nan_and_inf_reach_exactly_the_rows_that_see_them(rng, xp, dtype, case, causal, splits):
     """A NaN or Inf in token 35 of sequence 0 (whose queries sit at 32..39, one KV tile) reaches
-    the rows at positions >= 35 only when causal, every row when not; as in the reference."""
+    the rows at positions >= 35 only when causal, every row when not; as in the reference. Split
+    (tokens 32..39 in the second of two splits of 32), the merge keeps the same rules: the rows at
+    32..34 see a split holding the special value, and stay finite."""
     q, k_cache, v_cache, tables, lens, starts, _ = prefill_batch(
         rng, ((40, 8), (20, 20)), 64, 4, 16, dtype
     )
@@ -352,9 +456,12 @@ def test_nan_and_inf_reach_exactly_the_rows_that_see_them(rng, xp, dtype, case, 
         assert (
             np.isfinite(expected[:3]).all() == causal
         )  # rows at 32..34 see token 35 iff not causal
+    if splits > 1:
+        plan = split_plan(((40, 8), (20, 20)), dtype, 64, 4, 16, causal, splits)
+        assert (plan.num_splits, plan.partition_tokens) == (2, 32)
     out = xp.asarray(poison(q.shape, dtype))
     cupaged.paged_prefill(*(xp.asarray(x) for x in (q, k_cache, v_cache, tables, lens, starts)),
-                          causal=causal, out=out)  # fmt: skip
+                          causal=causal, out=out, num_splits=splits)  # fmt: skip
     assert_same_specials(out, expected, dtype)
 
 
@@ -366,9 +473,18 @@ def test_unchecked_mode_gives_the_same_result(rng):
 
 
 def test_launch_plan():
-    """Query tiles of max(1, 16 // G) tokens; the grid covers the longest query run."""
+    """Query tiles of max(1, 16 // G) tokens; the grid covers the longest query run; a group of
+    more than 16 heads is cut into chunks of 16, one thread block each."""
     launch = _launch.prefill_launch("float16", 3, 2, 4, 128, 16, 37)
     assert launch.query_rows == 4 and launch.grid == (10, 2, 3) and launch.block == (128,)
-    assert _launch.prefill_launch("float32", 1, 1, 32, 64, 1, 1).query_rows == 1
+    assert launch.tile == 32 and launch.num_splits == 1 and launch.heads_per_block == 4
+    wide = _launch.prefill_launch("float32", 1, 1, 40, 64, 1, 3)
+    assert (wide.query_rows, wide.heads_per_block, wide.grid) == (1, 16, (9, 1, 1))
+    tiles = {
+        (d, hd): _launch.prefill_tile(d, hd) for d in ("float32", "float16") for hd in (64, 256)
+    }
+    assert tiles == {("float32", 64): 32, ("float32", 256): 8, ("float16", 64): 32,
+                     ("float16", 256): 16}  # fmt: skip
+    assert _launch.prefill_shared_memory("float16", 128, 32) == 4 * (2048 + 576 + 32) + 4 * 32 * 272
     with pytest.raises(ValueError, match=r"expected num_seqs in 1..65535"):
         _launch.prefill_launch("float16", 65536, 2, 4, 128, 16, 1)
