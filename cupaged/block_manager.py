@@ -488,6 +488,8 @@ class BlockManager:
             rows = [self._resident_row(sids)]
         else:
             rows = self._batch_rows(sids).tolist()
+        if not self.prefix_caching:
+            return
         with self._atomic as atomic:
             atomic.undo.append(self._chains_restorer(rows))
             self._commit_rows(rows)
@@ -533,6 +535,10 @@ class BlockManager:
         Returns:
             The :class:`StepPlan`.
         """
+        if type(sids) is int and type(num_tokens) is int and num_tokens == 1 and not tables:
+            slot = None if tokens is not None else self._step_one(sids)
+            if slot is not None:
+                return StepPlan(slot, _NO_COPIES, _NO_COPIES, 1, 1)
         rows = self._batch_rows(sids)
         counts = self._counts(num_tokens, rows.size)
         single = isinstance(sids, (int, np.integer))
@@ -547,6 +553,27 @@ class BlockManager:
         if tables:
             plan.block_tables, plan.context_lens = self._tables(rows, sids)
         return plan
+
+    def _step_one(self, sid: int) -> Any:
+        """``step(sid)`` for one token that lands in the sequence's own last block (15 steps in
+        16 at block size 16): one length grows, nothing else changes; ``None`` when the general
+        path must run (a new block, a shared block, prefix caching, an unknown or swapped id, or
+        another call inside). The one change is a single store, so it needs no undo record."""
+        row = self._rows.get(sid)
+        if row is None or self.prefix_caching:
+            return None
+        table, bs = self._seqs, self._block_size
+        length = table.lens.item(row)
+        offset = length % bs
+        if not offset or table.live.item(row) < 0 or table.shared.item(row):
+            return None
+        slot = np.array([table.tables.item(row, length // bs) * bs + offset], np.int32)
+        lock = self._atomic._lock
+        if not lock.acquire(blocking=False):
+            return None  # another call is inside: the general path joins it or refuses
+        table.lens[row] = length + 1
+        lock.release()
+        return slot if self._xp is np else self._xp.asarray(slot)
 
     def block_tables(self, sids: Iterable[int] | SequenceBatch) -> tuple[Any, Any]:
         """Dense block tables and lengths of a batch, on the manager's device, for attention.

@@ -37,6 +37,18 @@ from .errors import OutOfBlocksError
 _NO_STAMP = -1  # the stamp of a block that is not evictable
 
 
+def _grouped(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct values of an id array, sorted, and how often each occurs: ``np.unique(ids,
+    return_counts=True)`` in a few array operations (``np.unique`` and ``ufunc.at`` cost tens of
+    microseconds on the short arrays of a step)."""
+    if not ids.size:
+        return ids, ids
+    ordered = np.sort(ids)
+    bounds = np.flatnonzero(ordered[1:] != ordered[:-1]) + 1
+    bounds = np.concatenate(([0], bounds, [ordered.size]))
+    return ordered[bounds[:-1]], bounds[1:] - bounds[:-1]
+
+
 class BlockPool:
     """Free list, reference counts and prefix cache of ``num_blocks`` physical blocks.
 
@@ -232,11 +244,20 @@ class BlockPool:
             self._refcount[blocks] = left
             # Mostly every block goes (a sequence's own blocks): no mask to apply then.
             gone = blocks if not np.count_nonzero(left) else blocks[left == 0]
-        else:
-            np.subtract.at(self._refcount, blocks, 1)
-            last = blocks.size - 1 - np.unique(blocks[::-1], return_index=True)[1]
-            last = np.sort(last[self._refcount[blocks[last]] == 0])
-            gone = blocks[last]
+        else:  # an id may repeat (forks freed together, copy-on-write sources)
+            ids, counts = _grouped(blocks)
+            left = self._refcount[ids] - counts
+            self._refcount[ids] = left
+            if np.count_nonzero(left == 0):
+                # Each gone block at its last entry, in release order: a stable sort of the
+                # entries of gone blocks puts a block's last entry at the end of its run.
+                entries = np.flatnonzero(self._refcount[blocks] == 0)
+                order = np.argsort(blocks[entries], kind="stable")
+                ranked = blocks[entries[order]]
+                ends = np.append(ranked[1:] != ranked[:-1], True)
+                gone = blocks[np.sort(entries[order[ends]])]
+            else:
+                gone = blocks[:0]
         if not self._block_of:  # nothing registered: every released block is plainly free
             self._push_free(gone)
         elif gone.size:
@@ -255,20 +276,18 @@ class BlockPool:
         """Take a reference per entry of ``blocks`` (registered or in use, unchecked)."""
         if blocks.dtype != np.intp:
             blocks = blocks.astype(np.intp)
+        if not distinct:  # one reference per entry: count the repeats once
+            blocks, counts = _grouped(blocks)
         held = self._refcount[blocks]
         revived = blocks[held == 0]
         if self._journal is not None:  # callers pass arrays they do not change afterwards
             self._journal.append(("acquire", blocks, held))
         if revived.size:
-            revived = revived if distinct else np.unique(revived)
             if self._journal is not None:
                 self._journal.append(("revive", revived, self._stamp[revived]))
             self._stamp[revived] = _NO_STAMP
             self._num_evictable -= revived.size
-        if distinct:
-            self._refcount[blocks] = held + 1
-        else:
-            np.add.at(self._refcount, blocks, 1)
+        self._refcount[blocks] = held + (1 if distinct else counts)
 
     def register_unchecked(self, block: int, key: Hashable, content: object = None) -> int:
         """:meth:`register` for a block known to be in use."""
@@ -293,7 +312,8 @@ class BlockPool:
         for block, (key, content) in zip(blocks, keys, strict=True):
             if key in block_of:
                 continue  # the first writer wins
-            require(key_of[block] is None, f"block {block} is already registered")
+            if key_of[block] is not None:
+                require(False, f"block {block} is already registered")
             registered.append(block)
             block_of[key] = block
             key_of[block] = key

@@ -16,7 +16,7 @@ import numpy as np
 from ._backend import array_module
 from ._checks import check_dtype, check_shape, require
 from ._launch import check_decode_shape
-from .block_manager import Admission, BlockManager, StepPlan
+from .block_manager import _NO_COPIES, Admission, BlockManager, StepPlan
 from .block_table import SequenceBatch
 from .dtypes import as_storage, storage_dtype
 from .errors import CupagedError
@@ -154,6 +154,11 @@ class PagedCache(BlockManager):
                 ``False``): call :meth:`apply_copies` with ``plan.copy_src, plan.copy_dst`` (or
                 batch them with your own launch) before writing this step's K/V.
         """
+        if type(sids) is int and type(num_tokens) is int and num_tokens == 1 and not tables:
+            # One token in its own last block: no copy to apply.
+            slot = None if tokens is not None else self._step_one(sids)
+            if slot is not None:
+                return StepPlan(slot, _NO_COPIES, _NO_COPIES, 1, 1)
         with self._atomic as atomic:  # a failed copy undoes the plan too
             plan = super().step(sids, num_tokens, tokens, tables=tables)
             if apply_copies and plan.copy_src.size:
@@ -188,6 +193,10 @@ class PagedCache(BlockManager):
             ``[sum(num_tokens)]`` int32 slot mapping on the cache's device, sequence after sequence
             in the order of ``sids``: ``slot = block * block_size + offset``.
         """
+        if type(sids) is int and type(num_tokens) is int and num_tokens == 1 and tokens is None:
+            slot = self._step_one(sids)  # the per-token call, in its fewest operations
+            if slot is not None:
+                return slot
         return self.step(sids, num_tokens, tokens).slots
 
     def admit(self, prompt: Sequence[int], cache_salt: str | bytes | None = None) -> Admission:

@@ -200,6 +200,10 @@ class PrefixCache:
         self.hasher = hasher or blake2b_block_hash
         self._default = self.hasher is blake2b_block_hash
         self.stats = PrefixCacheStats()
+        # BLAKE2b of (parent digest + block tokens) for blocks that hit, keyed by those exact
+        # bytes: a prompt head that many requests share costs a dict lookup per block after its
+        # first hit, not a hash. A pure function's cache: exact, whatever the pool holds.
+        self._memo: dict[bytes, bytes] = {}
 
     def chain(self, cache_salt: str | bytes | None = None) -> PrefixChain:
         """An empty chain: the one of a sequence with no full block yet."""
@@ -264,24 +268,57 @@ class PrefixCache:
         keys of the prompt's full blocks after the hits, which admission registers."""
         chain = PrefixChain(salt_root(salt), salt)
         full = len(tokens) // self.block_size
-        keys = self.keys(chain, tokens[: full * self.block_size])
         lookable = max(len(tokens) - 1, 0) // self.block_size
         block_of, content_of = self.pool._block_of, self.pool._content_of
         blocks: list[int] = []
-        for key, digest in keys[:lookable]:
-            block = block_of.get(key)
-            if block is None or content_of[block] != digest:
-                break  # a miss, or a hash collision caught by the content check
-            blocks.append(block)
-        hits = len(blocks)
-        chain.keys = [key for key, _ in keys[:hits]]
-        chain.digests = [digest for _, digest in keys[:hits]]
+        if self._default:
+            # The chain walk of :meth:`keys` and the lookups in one loop (a prompt's blocks are
+            # many: the loop's own cost counts), while blocks hit; then the rest of the walk.
+            data, width = tokens.tobytes(), self.block_size * TOKEN_DTYPE.itemsize
+            digest, fresh, digests, matching = chain.root, _BLAKE2B_16.copy, [], True
+            memo = self._memo
+            for j in range(full):
+                hashed = digest + data[j * width : (j + 1) * width]
+                known = memo.get(hashed) if matching else None
+                if known is None:
+                    h = fresh()
+                    h.update(hashed)
+                    digest = h.digest()
+                else:
+                    digest = known
+                digests.append(digest)
+                if matching:
+                    block = block_of.get(digest) if j < lookable else None
+                    # A miss, or a hash collision caught by the content check, ends the hits.
+                    if block is None or content_of[block] != digest:
+                        matching = False
+                    else:
+                        blocks.append(block)
+                        if known is None:
+                            if len(memo) >= _MEMO_ENTRIES:
+                                memo.clear()
+                            memo[hashed] = digest
+            hits = len(blocks)
+            if hits:
+                chain.keys, chain.digests = digests[:hits], digests[:hits]
+            rest = list(zip(digests[hits:], digests[hits:], strict=True))  # key = digest
+        else:
+            keys = self.keys(chain, tokens[: full * self.block_size])
+            for key, digest in keys[:lookable]:
+                block = block_of.get(key)
+                if block is None or content_of[block] != digest:
+                    break  # a miss, or a hash collision caught by the content check
+                blocks.append(block)
+            hits = len(blocks)
+            chain.keys = [key for key, _ in keys[:hits]]
+            chain.digests = [digest for _, digest in keys[:hits]]
+            rest = keys[hits:]
         chain.committed = hits  # cached blocks: written by whoever registered them
         stats = self.stats
         stats.hits += hits
         stats.misses += full - hits
         stats.cached_tokens += hits * self.block_size
-        return blocks, chain, keys[hits:]
+        return blocks, chain, rest
 
     def extend(self, chain: PrefixChain, tokens: Any, blocks: Sequence[int] | np.ndarray) -> None:
         """Register ``blocks`` (in use) as the full blocks that follow ``chain``, holding
@@ -313,6 +350,9 @@ class PrefixCache:
             list(blocks[:done]), list(zip(chain.keys[:done], chain.digests[:done], strict=True))
         )
 
+
+# Entries of PrefixCache._memo (about 250 bytes each) before it starts over.
+_MEMO_ENTRIES = 1 << 14
 
 # BLAKE2b-128 of ``parent + data``: copying a prepared state is faster than parsing the keyword
 # arguments of a new one.
