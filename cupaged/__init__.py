@@ -6,6 +6,7 @@ Public names::
     SequenceBatch, StepPlan, Admission                      the step API's handle and results
     PrefixCache, PrefixChain                                prefix caching over a BlockPool
     write_kv, copy_blocks, paged_attention                  fused kernels on raw cache arrays
+    DecodePlan                                              decode attention planned once per step
     paged_prefill                                           fused attention of many queries per sequence
     to_csr, from_csr                                        dense <-> CSR page tables
     reference_attention, reference_prefill                  the naive oracle attention
@@ -22,6 +23,7 @@ from .block_manager import Admission, BlockManager, StepPlan
 from .block_pool import BlockPool
 from .block_table import SequenceBatch
 from .cache import PagedCache
+from .decode import DecodePlan
 from .dtypes import from_float, to_float
 from .errors import CupagedError, KernelError, OutOfBlocksError
 from .memory import CacheSpec
@@ -42,6 +44,7 @@ __all__ = [
     "BlockPool",
     "CacheSpec",
     "CupagedError",
+    "DecodePlan",
     "KernelError",
     "OutOfBlocksError",
     "PagedCache",

@@ -204,6 +204,34 @@ class PagedCache(BlockManager):
 
     admit.__doc__ = BlockManager.admit.__doc__
 
+    def decode_plan(
+        self,
+        sids: Iterable[int] | SequenceBatch,
+        num_q_heads: int,
+        *,
+        scale: float | None = None,
+        num_splits: int | None = None,
+    ) -> Any:
+        """The decode attention of a batch, planned once for every layer of this step.
+
+        ``plan.run(q, cache.k[layer], cache.v[layer])`` then attends each layer (see
+        :class:`cupaged.DecodePlan`). The plan reads the batch's tables as they are now: make a new
+        one after the next ``step`` (a :class:`SequenceBatch`'s device tables are refreshed in
+        place, which a captured CUDA graph may rely on with :meth:`DecodePlan.update`).
+
+        Args:
+            sids: a :class:`SequenceBatch`, or sequence ids in the order of the query rows.
+            num_q_heads: query heads, a multiple of ``spec.num_kv_heads``.
+            scale: softmax scale; ``head_dim ** -0.5`` when ``None``.
+            num_splits: see :class:`cupaged.DecodePlan`.
+        """
+        from .decode import DecodePlan
+
+        tables, lens = self.block_tables(sids)
+        # The cache's own tables: valid by construction, so the plan trusts them.
+        return DecodePlan(tables, lens, self.k[0], num_q_heads, scale=scale,
+                          num_splits=num_splits, checked=False)  # fmt: skip
+
     def gather_kv(self, sid: int) -> tuple[Any, Any]:
         """Copy a sequence's keys and values out of the pages, in token order.
 

@@ -20,7 +20,6 @@ from ._checks import (
     INT32_MAX,
     ITEMSIZES,
     MAX_CONTEXT_LEN,
-    as_int,
     check_attention_args,
     check_copy_pairs,
     check_decode_tables,
@@ -216,13 +215,13 @@ def paged_attention(
         block_tables: ``[num_seqs, max_blocks]`` int32 (int64 is converted).
         context_lens: ``[num_seqs]`` int32 (int64 is converted).
         scale: softmax scale; ``head_dim ** -0.5`` when ``None``.
-        max_context_len: the longest context in the batch, to size the splits without reading
-            ``context_lens`` back from the device (with ``checked=False``); computed when
-            ``None`` or checked. A hint only: a wrong value changes how the work is split, never
-            the result (the last split runs to the end of each context).
+        max_context_len: the longest context in the batch; used only with ``num_splits`` and
+            ``checked=False``, to size the pieces without reading ``context_lens`` back. A hint
+            only: a wrong value changes how the work is cut, never the result. (The default
+            split is planned on the device from the lengths themselves.)
         out: optional ``[num_seqs, num_q_heads, head_dim]`` C-contiguous output, ``q``'s dtype.
-        num_splits: force this many splits (the heuristic in ``cupaged._launch`` decides when
-            ``None``).
+        num_splits: cut each sequence into at most this many pieces (tests, experiments); when
+            ``None`` the work is balanced by tokens over the device (:class:`DecodePlan`).
         checked: check, before the launch and on the arrays' device (one synchronisation on a
             GPU), that every context length is in ``[0, max_blocks * block_size]`` and that every
             block id a length reaches is in ``[0, num_blocks)`` (entries past a sequence's
@@ -239,68 +238,15 @@ def paged_attention(
             supported ones), caches not C-contiguous or not 16-byte aligned, a read-only ``out``,
             or (checked) bad context lengths or block ids.
     """
-    xp = array_module(q, k_cache, v_cache, block_tables, context_lens)
-    dims = check_attention_args(q, k_cache, v_cache, block_tables, context_lens)
-    _launch.check_decode_shape(dims.dtype, dims.head_dim, dims.block_size)
-    _check_contiguous(k_cache=k_cache, v_cache=v_cache)
-    for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if _address(x) % 16:
-            raise ValueError(f"expected {name} 16-byte aligned, got address {_address(x):#x}")
-    if out is None:
-        out = xp.empty(q.shape, q.dtype)  # q's dtype object: bfloat16 in, bfloat16 out
-    else:
-        array_module(q, out)
-        check_shape(
-            "out", out, list(zip(("num_seqs", "num_q_heads", "head_dim"), q.shape, strict=True))
-        )
-        check_dtype("out", out, dims.dtype, "q's dtype")
-        _check_contiguous(out=out)
-        check_writable("out", out)
-    check_num_blocks(dims.num_blocks)
-    if dims.num_seqs == 0:
-        return out
-    capacity = dims.max_blocks * dims.block_size
-    if checked:  # on the caller's arrays, before they are narrowed to int32
-        max_context_len = check_decode_tables(
-            block_tables, context_lens, dims.block_size, dims.num_blocks
-        )
-    elif max_context_len is None:
-        max_context_len = int(to_numpy(context_lens).max())
-    else:
-        max_context_len = as_int(max_context_len, "max_context_len")
-    max_context_len = min(max(max_context_len, 0), capacity, MAX_CONTEXT_LEN)
-    tables = xp.ascontiguousarray(block_tables, dtype=np.int32)
-    lens = xp.ascontiguousarray(context_lens, dtype=np.int32)
-    group = dims.num_q_heads // dims.num_kv_heads
-    device = _device(xp)
-    launch = _launch.decode_launch(
-        dims.dtype, dims.num_seqs, dims.num_kv_heads, group, dims.head_dim, dims.block_size,
-        int(max_context_len), _sm_count(device), num_splits,
+    from .decode import DecodePlan
+
+    array_module(q, k_cache, v_cache, block_tables, context_lens)
+    check_attention_args(q, k_cache, v_cache, block_tables, context_lens)
+    plan = DecodePlan(
+        block_tables, context_lens, k_cache, q.shape[1], scale=scale, num_splits=num_splits,
+        max_context_len=max_context_len, checked=checked,
     )  # fmt: skip
-    kernel = _attention_kernel(device, "paged_attention.cu", launch, group, dims.head_dim)
-    split_shape = (dims.num_seqs, dims.num_q_heads, launch.num_splits)
-    if launch.num_splits > 1:
-        partial_out = xp.empty((*split_shape, dims.head_dim), np.float32)
-        partial_lse = xp.empty(split_shape, np.float32)
-    else:  # unused by the kernel; real arrays so that no argument is a null pointer
-        partial_out = partial_lse = xp.empty(1, np.float32)
-    scale = dims.head_dim**-0.5 if scale is None else scale
-    q = xp.ascontiguousarray(as_storage(q))
-    out_storage = as_storage(out)
-    args = (
-        out_storage, partial_out, partial_lse, q, as_storage(k_cache), as_storage(v_cache),
-        tables, lens, np.int32(dims.num_kv_heads), np.int32(group), np.int32(dims.max_blocks),
-        np.int32(launch.partition_tokens), np.float32(scale),
-    )  # fmt: skip
-    kernel(launch.grid, launch.block, args, shared_mem=launch.shared_mem)
-    if launch.num_splits > 1:
-        merge = get_kernel(device, "paged_attention.cu", launch.merge_name)
-        merge(
-            launch.merge_grid,
-            launch.block,
-            (out_storage, partial_out, partial_lse, lens, np.int32(launch.num_splits)),
-        )
-    return out
+    return plan.run(q, k_cache, v_cache, out=out)
 
 
 def paged_prefill(

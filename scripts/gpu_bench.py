@@ -1,14 +1,19 @@
-"""Decode attention on the GPU: achieved bandwidth of the fused kernel, and paged vs contiguous.
+"""Decode attention on the GPU: achieved bandwidth against the device's copy bandwidth.
 
-For each batch x context x block size (float16, 32 query heads on 8 KV heads, head_dim 128):
-- the fused ``paged_attention`` time and its achieved bandwidth, in decimal GB/s, against the
-  device-to-device copy bandwidth measured here (``bytes`` = K and V read once, plus Q and the
-  output; a copy moves 2 x its size: one read, one write);
-- PyTorch's ``scaled_dot_product_attention`` over the same K/V laid out contiguously
-  ([batch, heads, context, head_dim]), and the ratio paged / contiguous time.
+For each row (head_dim 128, 8 KV heads, group G = query heads per KV head):
+- the new kernel through :class:`cupaged.DecodePlan` (planned once, ``run`` timed, as an engine
+  runs every layer), its achieved bandwidth in decimal GB/s and its share of the device-to-device
+  copy bandwidth measured here (``bytes`` = K and V read once, plus Q and the output; a copy
+  moves 2 x its size: one read, one write);
+- the same kernel over a contiguous cache (an identity block table: sequence b owns blocks
+  b * n .. b * n + n - 1 in order), and paged / contiguous time;
+- the old kernel (benches/baseline/paged_attention_v1.cu, before issue 11) on the same arrays,
+  and old / new time.
 
-``--device cpu --quick`` runs the same code on tiny shapes through the CPU backend (a smoke test
-of this script; its numbers mean nothing).
+Rows: every page size 1..256 at batch 64 x 4,096 tokens, G = 4; and every batch x context of the
+issue (1 x 32k, 4 x 16k, 17 x 4k, 64 x 4k, 256 x 1k) at page size 16 for G = 1, 4, 8; float16
+and bfloat16. ``--device cpu --quick`` runs the same code on tiny shapes through the CPU backend
+(a smoke test of this script; its numbers mean nothing).
 """
 
 from __future__ import annotations
@@ -21,11 +26,31 @@ from pathlib import Path
 import numpy as np
 
 import cupaged
+from cupaged import _launch
+from cupaged._kernels import nvrtc_options
+from cupaged._util import cdiv
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benches"))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benches"))
 from bandwidth import decode_attention_bytes  # noqa: E402
 
-NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, DTYPE = 32, 8, 128, "float16"
+BASELINE = ROOT / "benches" / "baseline" / "paged_attention_v1.cu"
+NUM_KV_HEADS, HEAD_DIM = 8, 128
+PAGE_SIZES = (1, 8, 16, 32, 64, 128, 256)
+SHAPES = ((1, 32768), (4, 16384), (17, 4096), (64, 4096), (256, 1024))
+GROUPS = (1, 4, 8)
+DTYPES = ("float16", "bfloat16")
+
+
+def rows(quick: bool) -> list[tuple[str, int, int, int, int]]:
+    """``(dtype, group, page_size, batch, context)`` of the table, without repeats."""
+    if quick:
+        return [("float16", 4, 16, 2, 300), ("bfloat16", 1, 1, 1, 700), ("float16", 8, 7, 3, 90)]
+    out = []
+    for dtype in DTYPES:
+        out += [(dtype, 4, page, 64, 4096) for page in PAGE_SIZES]
+        out += [(dtype, g, 16, b, c) for g in GROUPS for b, c in SHAPES]
+    return list(dict.fromkeys(out))
 
 
 def timer(xp, fn, repeats):
@@ -55,135 +80,118 @@ def copy_bandwidth(xp, nbytes):
     return 2 * src.nbytes / seconds / 1e9
 
 
-def attention_bytes(batch, context):
-    """Bytes decode attention must move (the benchmarks' one definition, in benches/bandwidth.py)."""
-    return decode_attention_bytes(batch, context, NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, DTYPE)
-
-
-def normal(xp, rng, shape):
-    """float16 standard-normal values, drawn on the device (gigabytes of K/V on the GPU)."""
+def normal(xp, shape, dtype):
+    """Standard-normal values in the cache's storage (bfloat16 as uint16 bits), on the device."""
     if xp is np:
-        return rng.standard_normal(shape, dtype=np.float32).astype(np.float16)
-    return xp.random.standard_normal(shape, dtype=np.float32).astype(np.float16)
+        x = np.random.default_rng(0).standard_normal(shape, dtype=np.float32)
+    else:
+        x = xp.random.standard_normal(shape, dtype=np.float32)
+    return x.astype(np.float16) if dtype == "float16" else cupaged.from_float(x, "bfloat16")
 
 
-def build(xp, batch, context, block_size, rng):
-    blocks_per_seq = -(-context // block_size)
-    num_blocks = batch * blocks_per_seq
-    shape = (num_blocks, NUM_KV_HEADS, block_size, HEAD_DIM)
-    k_cache, v_cache = normal(xp, rng, shape), normal(xp, rng, shape)
-    tables = xp.asarray(rng.permutation(num_blocks).astype(np.int32).reshape(batch, blocks_per_seq))
+def build(xp, dtype, group, page, batch, context):
+    per_seq = cdiv(context, page)
+    num_blocks = batch * per_seq
+    shape = (num_blocks, NUM_KV_HEADS, page, HEAD_DIM)
+    k_cache, v_cache = normal(xp, shape, dtype), normal(xp, shape, dtype)
+    rng = np.random.default_rng(1)
+    paged = rng.permutation(num_blocks).astype(np.int32).reshape(batch, per_seq)
+    identity = np.arange(num_blocks, dtype=np.int32).reshape(batch, per_seq)
     lens = xp.full(batch, context, dtype=np.int32)
-    q = normal(xp, rng, (batch, NUM_Q_HEADS, HEAD_DIM))
-    return q, k_cache, v_cache, tables, lens
+    q = normal(xp, (batch, NUM_KV_HEADS * group, HEAD_DIM), dtype)
+    return q, k_cache, v_cache, xp.asarray(paged), xp.asarray(identity), lens
 
 
-def contiguous_baseline(q, k_cache, v_cache, tables, context, repeats):
-    """PyTorch SDPA over the same K/V gathered into [batch, kv_heads, context, head_dim]."""
-    try:
-        import torch
-        import torch.nn.functional as F
-    except ImportError:
-        return None
-    batch, blocks_per_seq = tables.shape
-    block_size = k_cache.shape[2]
+class OldKernel:
+    """The decode kernel before issue 11 with its own launch rules (tile, shared memory, and
+    splits that fill one wave of multiprocessors at small batch, as ``_launch`` had them)."""
 
-    def contiguous(cache):
-        x = cache[tables.reshape(-1)].reshape(
-            batch, blocks_per_seq, NUM_KV_HEADS, block_size, HEAD_DIM
+    def __init__(self, xp, device, dtype, group, page):
+        self.xp, self.group = xp, group
+        itemsize = 4 if dtype == "float32" else 2
+        tile = 64
+        while tile > 8 and tile * HEAD_DIM * itemsize > 16 * 1024:
+            tile //= 2
+        self.tile = tile
+        floats = 2 * group * HEAD_DIM + group * tile + (3 * group + 3) // 4 * 4
+        self.shared_mem = 4 * floats + tile * HEAD_DIM * itemsize
+        c_type = _launch.C_TYPES[dtype]
+        names = (
+            f"cupaged::paged_decode<{c_type}, {HEAD_DIM}, {page}, {tile}>",
+            f"cupaged::paged_decode_merge<{c_type}, {HEAD_DIM}>",
         )
-        x = x.transpose(0, 2, 1, 3, 4).reshape(batch, NUM_KV_HEADS, -1, HEAD_DIM)[:, :, :context]
-        return torch.from_dlpack(x.copy())
+        if device == "cpu":
+            from cupaged._cpu import CpuModule
 
-    k, v = contiguous(k_cache), contiguous(v_cache)
-    tq = torch.from_dlpack(q).unsqueeze(2)  # [batch, heads, 1, head_dim]
+            module = CpuModule(BASELINE, names)
+        else:
+            module = xp.RawModule(
+                code=BASELINE.read_text(), options=nvrtc_options(), name_expressions=names
+            )
+        self.kernel, self.merge = (module.get_function(n) for n in names)
+        if device != "cpu" and self.shared_mem > _launch.DEFAULT_SHARED_MEMORY:
+            self.kernel.max_dynamic_shared_size_bytes = self.shared_mem
+        self.sm_count = cupaged.ops._sm_count(device)
 
-    try:  # enable_gqa arrived in PyTorch 2.5; before it, repeat the KV heads (extra memory)
-        F.scaled_dot_product_attention(tq, k, v, enable_gqa=True)
-    except TypeError:
-        group = NUM_Q_HEADS // NUM_KV_HEADS
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    def prepare(self, q, tables, lens, context):
+        xp = self.xp
+        batch = q.shape[0]
+        pairs = batch * NUM_KV_HEADS
+        splits = 1
+        if pairs < self.sm_count:
+            splits = max(1, min(cdiv(self.sm_count, pairs), cdiv(context, 256)))
+        partition = cdiv(cdiv(context, splits), self.tile) * self.tile
+        splits = max(1, cdiv(context, partition))
+        shape = (batch, q.shape[1], splits)
+        partial_out = xp.empty((*shape, HEAD_DIM), np.float32)
+        partial_lse = xp.empty(shape, np.float32)
+        out = xp.empty_like(q)
+        args = (out, partial_out, partial_lse, q, None, None, tables, lens,
+                np.int32(NUM_KV_HEADS), np.int32(self.group), np.int32(tables.shape[1]),
+                np.int32(partition), np.float32(HEAD_DIM**-0.5))  # fmt: skip
 
-        def run():
-            F.scaled_dot_product_attention(tq, k, v)
-    else:
+        def run(k_cache, v_cache):
+            full = args[:4] + (k_cache, v_cache) + args[6:]
+            self.kernel((NUM_KV_HEADS, batch, splits), (128,), full, shared_mem=self.shared_mem)
+            if splits > 1:
+                self.merge(
+                    (q.shape[1], batch), (128,),
+                    (out, partial_out, partial_lse, lens, np.int32(splits)),
+                )  # fmt: skip
+            return out
 
-        def run():
-            F.scaled_dot_product_attention(tq, k, v, enable_gqa=True)
-
-    run()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        run()
-        end.record()
-        end.synchronize()
-        times.append(begin.elapsed_time(end) / 1e3)
-    return float(np.median(times))
-
-
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    parser.add_argument("--quick", action="store_true", help="tiny shapes (smoke test)")
-    parser.add_argument("--report", default="gpu-check.md", help="markdown table to write")
-    args = parser.parse_args(argv)
-    if args.device == "cuda":
-        import cupy as xp
-    else:
-        xp = np
-    rng = np.random.default_rng(0)
-    if args.quick:
-        batches, contexts, block_sizes, repeats = (1, 4), (64, 300), (1, 16), 2
-    else:
-        batches, contexts, block_sizes, repeats = (1, 16, 64), (512, 4096, 32768), (1, 16, 128), 20
-
-    copy_gbs = copy_bandwidth(xp, 1 << 30 if not args.quick else 1 << 20)
-    lines = [
-        f"Decode attention, {DTYPE}, {NUM_Q_HEADS} query heads on {NUM_KV_HEADS} KV heads, "
-        f"head_dim {HEAD_DIM}. Device: {device_name(xp)}. Copy bandwidth: {copy_gbs:,.0f} GB/s "
-        "(decimal; read + write).",
-        "",
-        "| batch | context | block | splits | fused µs | GB/s | % of copy | SDPA contiguous µs | paged / contiguous |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for batch in batches:
-        for context in contexts:
-            for block_size in block_sizes:
-                lines.append(
-                    measure(xp, args.device, batch, context, block_size, rng, repeats, copy_gbs)
-                )
-                print(lines[-1], flush=True)
-    text = "\n".join(lines) + "\n"
-    with open(args.report, "w") as f:
-        f.write(text)
-    print(text)
-    return 0
+        return run, splits
 
 
-def measure(xp, device, batch, context, block_size, rng, repeats, copy_gbs):
-    """One table row: the fused kernel's time and bandwidth, and the contiguous baseline."""
-    q, k_cache, v_cache, tables, lens = build(xp, batch, context, block_size, rng)
-    launch = cupaged._launch.decode_launch(
-        DTYPE, batch, NUM_KV_HEADS, NUM_Q_HEADS // NUM_KV_HEADS, HEAD_DIM, block_size, context,
-        cupaged.ops._sm_count(device),
-    )  # fmt: skip
-    out = xp.empty_like(q)
-
-    def fused():
-        cupaged.paged_attention(q, k_cache, v_cache, tables, lens, max_context_len=context, out=out)
-
-    seconds = timer(xp, fused, repeats)
-    gbs = attention_bytes(batch, context) / seconds / 1e9
-    base = None
-    if xp is not np:
-        base = contiguous_baseline(q, k_cache, v_cache, tables, context, repeats)
-    base_cells = ("n/a", "n/a") if base is None else (f"{base * 1e6:,.1f}", f"{seconds / base:.2f}")
+def measure(xp, device, row, repeats, copy_gbs):
+    """One table row (a markdown line) and a check that old and new kernels agree."""
+    dtype, group, page, batch, context = row
+    q, k_cache, v_cache, paged, identity, lens = build(xp, dtype, group, page, batch, context)
+    num_q_heads = q.shape[1]
+    nbytes = decode_attention_bytes(batch, context, num_q_heads, NUM_KV_HEADS, HEAD_DIM, dtype)
+    cells = []
+    outs = {}
+    for name, tables in (("paged", paged), ("contiguous", identity)):
+        plan = cupaged.DecodePlan(tables, lens, k_cache, num_q_heads, checked=False)
+        out = xp.empty_like(q)
+        seconds = timer(xp, lambda plan=plan, out=out: plan.run(q, k_cache, v_cache, out=out),
+                        repeats)  # fmt: skip
+        outs[name] = out
+        cells.append(seconds)
+        if name == "paged":
+            items = int((plan.work()[:, 0] >= 0).sum())
+    old, splits = OldKernel(xp, device, dtype, group, page).prepare(q, paged, lens, context)
+    old_seconds = timer(xp, lambda: old(k_cache, v_cache), repeats)
+    new_f, old_f = cupaged.to_float(outs["paged"]), cupaged.to_float(old(k_cache, v_cache))
+    err = float(xp.abs(new_f.astype(np.float32) - old_f.astype(np.float32)).max())
+    new_s, contiguous_s = cells
+    gbs = nbytes / new_s / 1e9
+    old_gbs = nbytes / old_seconds / 1e9
     return (
-        f"| {batch} | {context} | {block_size} | {launch.num_splits} | {seconds * 1e6:,.1f} | "
-        f"{gbs:,.0f} | {100 * gbs / copy_gbs:.0f} % | {base_cells[0]} | {base_cells[1]} |"
+        f"| {dtype} | {group} | {page} | {batch} x {context} | {items} | {new_s * 1e6:,.1f} | "
+        f"{gbs:,.0f} | {100 * gbs / copy_gbs:.0f} % | {contiguous_s * 1e6:,.1f} | "
+        f"{new_s / contiguous_s:.3f} | {splits} | {old_seconds * 1e6:,.1f} | {old_gbs:,.0f} | "
+        f"{100 * old_gbs / copy_gbs:.0f} % | {old_seconds / new_s:.2f} | {err:.1e} |"
     )
 
 
@@ -191,7 +199,54 @@ def device_name(xp):
     if xp is np:
         return "CPU backend (numbers are not GPU numbers)"
     props = xp.cuda.runtime.getDeviceProperties(xp.cuda.Device().id)
-    return props["name"].decode()
+    return f"{props['name'].decode()}, {props['multiProcessorCount']} SMs"
+
+
+HEADER = (
+    "| dtype | G | page | batch x context | items | new µs | new GB/s | new % of copy | "
+    "contiguous µs | paged / contiguous | old splits | old µs | old GB/s | old % of copy | "
+    "old / new | max abs diff old-new |"
+)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    parser.add_argument("--quick", action="store_true", help="tiny shapes (smoke test)")
+    parser.add_argument("--report", default="gpu-check.md", help="markdown table to write")
+    parser.add_argument("--budget", type=float, default=420.0,
+                        help="stop adding rows after this many seconds (the table says so)")  # fmt: skip
+    args = parser.parse_args(argv)
+    if args.device == "cuda":
+        import cupy as xp
+    else:
+        xp = np
+    start = time.perf_counter()
+    repeats = 2 if args.quick else 20
+    copy_gbs = copy_bandwidth(xp, 1 << 20 if args.quick else 1 << 30)
+    lines = [
+        f"Decode attention, head_dim {HEAD_DIM}, {NUM_KV_HEADS} KV heads, G query heads per KV "
+        f"head. Device: {device_name(xp)}. Copy bandwidth: {copy_gbs:,.0f} GB/s (decimal; read "
+        "+ write). Times are medians of CUDA-event timings of one decode layer; items: the "
+        "planned work items per KV head; old: the kernel before issue 11.",
+        "",
+        HEADER,
+        "|" + "---:|" * (HEADER.count("|") - 1),
+    ]
+    print("\n".join(lines), flush=True)
+    planned = rows(args.quick)
+    for i, row in enumerate(planned):
+        if time.perf_counter() - start > args.budget:
+            lines.append(f"\n(stopped after {i} of {len(planned)} rows: the time budget of "
+                         f"{args.budget:.0f} s ran out)")  # fmt: skip
+            break
+        lines.append(measure(xp, args.device, row, repeats, copy_gbs))
+        print(lines[-1], flush=True)
+        if xp is not np:
+            xp.get_default_memory_pool().free_all_blocks()
+    text = "\n".join(lines) + "\n"
+    Path(args.report).write_text(text)
+    return 0
 
 
 if __name__ == "__main__":

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers import DTYPES, assert_close, poison, random_array, random_paged_batch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import cupaged
 from cupaged import _launch
 from cupaged._kernels import get_kernel
 from cupaged._util import cdiv
+from cupaged.dtypes import to_float
 
 
 def run_planner(xp, lens, capacity, min_chunk, tile):
@@ -106,3 +109,154 @@ def test_planner_properties_on_random_batches(lens, spare, min_chunk, tile):
     capacity = len(lens) + spare
     work, seq_items = run_planner(np, lens, capacity, min_chunk, tile)
     check_plan(work, seq_items, lens, capacity, min_chunk, tile)
+
+
+# ---------------------------------------------------------------------------------- DecodePlan
+
+
+def reference(q, k_cache, v_cache, tables, lens):
+    return cupaged.reference_attention(
+        q, k_cache, v_cache, tables, lens, compute_dtype="float64", out_dtype="float64"
+    )
+
+
+def batch(rng, xp, dtype, lengths, ratio=4, head_dim=64, block_size=16, num_kv_heads=2):
+    q, k, v, tables, lens, _ = random_paged_batch(
+        rng, lengths, num_kv_heads, head_dim, ratio, block_size, dtype
+    )
+    expected = reference(q, k, v, tables, lens)
+    return tuple(xp.asarray(x) for x in (q, k, v, tables, lens)), expected
+
+
+def poisoned(xp, q, dtype):
+    return xp.asarray(poison(q.shape, dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_one_plan_serves_every_layer(rng, xp, dtype):
+    lengths = [1, 15, 16, 17, 600, 2100, 0]
+    (q, k, v, tables, lens), expected = batch(rng, xp, dtype, lengths)
+    plan = cupaged.DecodePlan(tables, lens, k, q.shape[1])
+    for _ in range(3):  # three layers: fresh K/V and queries, the same tables
+        k2, v2 = (xp.asarray(random_array(rng, k.shape, dtype)) for _ in range(2))
+        q2 = xp.asarray(random_array(rng, q.shape, dtype))
+        out = poisoned(xp, q, dtype)
+        assert plan.run(q2, k2, v2, out=out) is out
+        assert_close(out, reference(*(to_host(x) for x in (q2, k2, v2, tables, lens))), dtype)
+    assert_close(plan.run(q, k, v), expected, dtype)
+
+
+def to_host(x):
+    return x if isinstance(x, np.ndarray) else x.get()
+
+
+def test_a_long_sequence_among_short_ones_is_cut_and_merged_exactly(rng, xp):
+    lengths = [5000] + [40] * 12
+    (q, k, v, tables, lens), expected = batch(rng, xp, "float32", lengths, ratio=1)
+    plan = cupaged.DecodePlan(tables, lens, k, q.shape[1])
+    work = plan.work()
+    assert (work[work[:, 0] == 0, 3] > 1).all() and (work[:, 0] == 0).sum() > 4
+    assert ((work[:, 0] > 0) & (work[:, 3] == 1)).sum() == 12  # short ones: single items
+    out = poisoned(xp, q, "float32")
+    plan.run(q, k, v, out=out)
+    assert_close(out, expected, "float32")
+    # paged_attention is the same plan, run once: the same bits
+    same = cupaged.paged_attention(q, k, v, tables, lens)
+    assert np.array_equal(to_host(same), to_host(out))
+
+
+@pytest.mark.parametrize("max_context_len", [None, 1, 10**6])
+@pytest.mark.parametrize("splits", [1, 2, 7])
+def test_forced_splits_and_a_wrong_length_hint_never_change_the_result(
+    rng, xp, splits, max_context_len
+):
+    (q, k, v, tables, lens), expected = batch(rng, xp, "float16", [3, 700, 1300, 0, 64])
+    out = poisoned(xp, q, "float16")
+    cupaged.paged_attention(q, k, v, tables, lens, num_splits=splits,
+                            max_context_len=max_context_len, checked=False, out=out)  # fmt: skip
+    assert_close(out, expected, "float16")
+    plan = cupaged.DecodePlan(tables, lens, k, q.shape[1], num_splits=splits, checked=False,
+                              max_context_len=max_context_len)  # fmt: skip
+    counts = plan.work()[:, 3]
+    assert counts.max() <= max(splits, 1) or max_context_len == 1
+
+
+def test_update_replans_into_the_same_buffers(rng, xp):
+    (q, k, v, tables, lens), _ = batch(rng, xp, "float32", [100, 200, 3000])
+    plan = cupaged.DecodePlan(tables, lens, k, q.shape[1])
+    buffers = (plan._tables, plan._lens, plan._work)
+    new_lens = xp.asarray(np.array([3000, 1, 0], np.int32))
+    new_tables = tables[::-1].copy()
+    plan.update(new_tables, new_lens)
+    after = (plan._tables, plan._lens, plan._work)
+    assert all(a is b for a, b in zip(buffers, after, strict=True))
+    expected = reference(*(to_host(x) for x in (q, k, v, new_tables, new_lens)))
+    assert_close(plan.run(q, k, v), expected, "float32")
+
+
+def test_a_rejected_update_changes_nothing(rng, xp):
+    (q, k, v, tables, lens), expected = batch(rng, xp, "float32", [100, 200, 3000])
+    plan = cupaged.DecodePlan(tables, lens, k, q.shape[1])
+    work = plan.work().copy()
+    bad = lens.copy()
+    bad[1] = 10**7
+    with pytest.raises(ValueError, match="expected context_lens in"):
+        plan.update(tables, bad)
+    with pytest.raises(ValueError, match="expected block_tables of shape"):
+        plan.update(tables[:2], lens[:2])
+    assert np.array_equal(plan.work(), work)
+    assert_close(plan.run(q, k, v), expected, "float32")
+
+
+def test_run_refuses_arguments_that_differ_from_the_plan(rng, xp):
+    (q, k, v, tables, lens), _ = batch(rng, xp, "float16", [10, 20])
+    plan = cupaged.DecodePlan(tables, lens, k, q.shape[1])
+    out = poisoned(xp, q, "float16")
+    with pytest.raises(ValueError, match=r"expected q of shape \(num_seqs=2"):
+        plan.run(q[:1], k, v, out=out[:1])
+    with pytest.raises(ValueError, match="expected k_cache of shape"):
+        plan.run(q, k[:-1], v[:-1], out=out)
+    with pytest.raises(TypeError, match="expected k_cache of dtype float16"):
+        plan.run(q, k.astype(np.float32), v, out=out)
+    with pytest.raises(TypeError, match="expected out of dtype float16"):
+        plan.run(q, k, v, out=out.astype(np.float32))
+    misaligned = xp.empty(k.size + 8, k.dtype)[1 : k.size + 1].reshape(k.shape)
+    misaligned[...] = k
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        plan.run(q, misaligned, v, out=out)
+    assert np.isnan(to_float(to_host(out))).all()  # nothing ran
+
+
+def test_plan_refuses_bad_arguments(rng, xp):
+    (q, k, v, tables, lens), _ = batch(rng, xp, "float32", [10, 20])
+    with pytest.raises(ValueError, match="multiple of num_kv_heads=2"):
+        cupaged.DecodePlan(tables, lens, k, 3)
+    with pytest.raises(ValueError, match="expected num_splits >= 1"):
+        cupaged.DecodePlan(tables, lens, k, 8, num_splits=0)
+    with pytest.raises(TypeError, match="int32 or int64"):
+        cupaged.DecodePlan(tables.astype(np.float32), lens, k, 8)
+    bad = tables.copy()
+    bad[1, 0] = k.shape[0]
+    with pytest.raises(ValueError, match="expected block ids in"):
+        cupaged.DecodePlan(bad, lens, k, 8)
+
+
+def test_an_empty_batch_plans_and_runs(xp):
+    k = xp.zeros((4, 2, 16, 64), np.float32)
+    plan = cupaged.DecodePlan(xp.zeros((0, 1), np.int32), xp.zeros(0, np.int32), k, 4)
+    assert plan.run(xp.zeros((0, 4, 64), np.float32), k, k).shape == (0, 4, 64)
+
+
+def test_the_cache_plans_its_own_batch(rng):
+    cache = cupaged.PagedCache(64, block_size=16, num_layers=2, num_kv_heads=2, head_dim=64,
+                               dtype="float32", device="cpu")  # fmt: skip
+    sids = [cache.admit(list(range(n))).sid for n in (5, 40, 300)]
+    for layer in range(2):
+        cache.k[layer][...] = rng.standard_normal(cache.k[layer].shape)
+        cache.v[layer][...] = rng.standard_normal(cache.v[layer].shape)
+    q = rng.standard_normal((3, 8, 64)).astype(np.float32)
+    plan = cache.decode_plan(sids, 8)
+    tables, lens = cache.block_tables(sids)
+    for layer in range(2):
+        expected = reference(q, cache.k[layer], cache.v[layer], tables, lens)
+        assert_close(plan.run(q, cache.k[layer], cache.v[layer]), expected, "float32")

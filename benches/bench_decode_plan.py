@@ -1,0 +1,81 @@
+"""Host cost of decode attention per layer: ``DecodePlan.run`` against its bare launches.
+
+An engine plans once per step and runs every layer; issue 11 asks that the per-layer call be a
+launch and nothing else. On a tiny shape (one sequence of 16 tokens, one KV head, head_dim 64:
+the kernels themselves take a few microseconds on the CPU backend), each benchmark times:
+
+- ``run``: ``plan.run(q, k, v, out=out)``, the per-layer call;
+- ``launches``: the same decode and merge kernels called directly with the plan's prebuilt
+  arguments (the floor: what the launches cost without any of cupaged's Python);
+- ``one_call``: ``paged_attention(..., checked=False)``, which plans and runs every time;
+- ``plan``: ``DecodePlan(..., checked=False)`` alone, once per step.
+
+``extra_info``: ``us_per_call`` of each, and ``run_overhead_us`` = run - launches (what the
+per-layer call adds to the launches). On a GPU each call is followed by a synchronisation.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from bandwidth import synchronized
+from bench_launch import device, per_call_us
+
+import cupaged
+from cupaged.dtypes import from_float
+
+# (num_seqs, context, num_kv_heads, group, head_dim, block_size)
+SHAPES = {"tiny": (1, 16, 1, 1, 64, 16), "batch8": (8, 64, 2, 4, 64, 16)}
+
+
+def make(xp, shape):
+    num_seqs, context, num_kv_heads, group, head_dim, block_size = shape
+    rng = np.random.default_rng(0)
+    per_seq = -(-context // block_size)
+    num_blocks = num_seqs * per_seq
+    layout = (num_blocks, num_kv_heads, block_size, head_dim)
+    k, v = (xp.asarray(from_float(rng.standard_normal(layout, dtype=np.float32), "float16"))
+            for _ in range(2))  # fmt: skip
+    q = xp.asarray(
+        rng.standard_normal((num_seqs, num_kv_heads * group, head_dim)).astype(np.float16)
+    )
+    tables = xp.asarray(rng.permutation(num_blocks).astype(np.int32).reshape(num_seqs, per_seq))
+    lens = xp.full(num_seqs, context, np.int32)
+    return q, k, v, tables, lens
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_decode_plan_host_cost(benchmark, xp, shape):
+    q, k, v, tables, lens = make(xp, SHAPES[shape])
+    heads = q.shape[1]
+    plan = cupaged.DecodePlan(tables, lens, k, heads, checked=False)
+    out = xp.empty_like(q)
+    run = synchronized(xp, lambda: plan.run(q, k, v, out=out))
+
+    args = (out, plan._partial_out, plan._partial_lse, q, k, v, plan._tables, plan._work,
+            *plan._scalars)  # fmt: skip
+    merge_args = (out, plan._partial_out, plan._partial_lse, plan._seq_items, np.int32(heads))
+
+    def bare():
+        plan._kernel(plan._grid, plan._block, args, shared_mem=plan._shared_mem)
+        if plan.num_items > plan.num_seqs:
+            plan._merge(plan._merge_grid, plan._merge_block, merge_args)
+
+    launches = synchronized(xp, bare)
+    one_call = synchronized(
+        xp, lambda: cupaged.paged_attention(q, k, v, tables, lens, out=out, checked=False)
+    )
+    planning = synchronized(xp, lambda: cupaged.DecodePlan(tables, lens, k, heads, checked=False))
+    times = {}
+    for name, fn in (("launches", launches), ("run", run), ("one_call", one_call),
+                     ("plan", planning)):  # fmt: skip
+        times[name] = per_call_us(fn, calls=200, rounds=7)
+    benchmark.extra_info.update(
+        {f"{name}_us": round(t, 2) for name, t in times.items()}
+        | {
+            "run_overhead_us": round(times["run"] - times["launches"], 2),
+            "shape": shape,
+            "device": device(xp),
+        }  # fmt: skip
+    )
+    benchmark(run)

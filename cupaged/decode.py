@@ -1,0 +1,291 @@
+"""Decode attention planned once per step and run per layer: :class:`DecodePlan`.
+
+A decode step attends every layer over the same block tables and lengths, so everything that
+depends on them alone is done once: the checks, the int32 tables, the split of the work into
+items balanced by tokens (planned on the device by ``cuda/decode_plan.cu``, no read-back), the
+scratch buffers of split-K, and the resolved kernels and launch geometry. ``run`` is then the
+decode launch and its merge, nothing else::
+
+    plan = cupaged.DecodePlan(tables, lens, cache.k[0], num_q_heads)     # once per step
+    for layer in range(num_layers):
+        out = plan.run(q[layer], cache.k[layer], cache.v[layer])         # per layer
+
+The launch geometry depends on the batch size and the cache layout, never on the lengths'
+values: :meth:`DecodePlan.update` re-plans a new step into the same buffers, so a CUDA graph
+captured around ``run`` replays for any lengths (pad the batch to a fixed size with zero-length
+rows).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from . import _launch
+from ._backend import array_module, to_numpy
+from ._checks import (
+    MAX_CONTEXT_LEN,
+    as_int,
+    check_decode_tables,
+    check_dtype,
+    check_index_array,
+    check_num_blocks,
+    check_shape,
+    check_writable,
+    element_type,
+)
+from ._kernels import get_kernel
+from ._util import cdiv
+from .dtypes import as_storage
+from .ops import _address, _attention_kernel, _check_contiguous, _device, _sm_count
+
+_LAYER_AXES = ("num_blocks", "num_kv_heads", "block_size", "head_dim")
+
+
+class DecodePlan:
+    """The decode attention of one step, planned once and run for every layer.
+
+    Args:
+        block_tables: ``[num_seqs, max_blocks]`` int32 or int64 (copied to int32 once).
+        context_lens: ``[num_seqs]`` int32 or int64.
+        k_cache: one layer of the cache, ``[num_blocks, num_kv_heads, block_size, head_dim]``
+            (``cache.k[0]``): the layout, dtype and device every ``run`` must match.
+        num_q_heads: query heads, a multiple of ``num_kv_heads``.
+        scale: softmax scale; ``head_dim ** -0.5`` when ``None``.
+        num_splits: cut every sequence into at most this many pieces of equal length (tests and
+            experiments); ``None`` balances the work by tokens over the device (see
+            ``cuda/decode_plan.cu``).
+        max_context_len: the longest context, used only with ``num_splits`` and
+            ``checked=False`` to size the pieces without a read-back; a wrong value changes how
+            the work is cut, never the result.
+        checked: check, once here, that every length is in ``[0, max_blocks * block_size]`` and
+            every block id a length reaches is in ``[0, num_blocks)`` (one synchronisation on a
+            GPU). ``checked=False`` *trusts* the caller (``PagedCache`` passes it for its own
+            tables): a bad id or length reads outside the cache.
+
+    Raises:
+        TypeError: arrays on different devices, or wrong dtypes.
+        ValueError: wrong shapes, an unsupported head_dim or block_size, or (checked) bad
+            lengths or block ids.
+    """
+
+    __slots__ = (
+        "_block", "_capacity", "_device", "_dtype", "_grid", "_kernel", "_layout", "_lens",
+        "_merge", "_merge_block", "_merge_grid", "_min_chunk", "_partial_lse", "_partial_out",
+        "_planner", "_planner_block", "_q_shape", "_scalars", "_seq_items", "_shared_mem",
+        "_tables", "_tile", "_work", "_xp", "checked", "num_seqs",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        block_tables: Any,
+        context_lens: Any,
+        k_cache: Any,
+        num_q_heads: int,
+        *,
+        scale: float | None = None,
+        num_splits: int | None = None,
+        max_context_len: int | None = None,
+        checked: bool = True,
+    ) -> None:
+        xp = array_module(block_tables, context_lens, k_cache)
+        num_blocks, num_kv_heads, block_size, head_dim = check_shape(
+            "k_cache", k_cache, [(axis, None) for axis in _LAYER_AXES]
+        )
+        num_q_heads = as_int(num_q_heads, "num_q_heads")
+        if num_kv_heads == 0 or num_q_heads <= 0 or num_q_heads % num_kv_heads:
+            raise ValueError(
+                f"expected num_q_heads to be a positive multiple of num_kv_heads={num_kv_heads}, "
+                f"got {num_q_heads}"
+            )
+        dtype = element_type(k_cache)
+        _launch.check_decode_shape(dtype, head_dim, block_size)
+        num_seqs, max_blocks = check_shape(
+            "block_tables", block_tables, [("num_seqs", None), ("max_blocks", None)]
+        )
+        check_shape("context_lens", context_lens, [("num_seqs", num_seqs)])
+        check_index_array("block_tables", block_tables)
+        check_index_array("context_lens", context_lens)
+        check_num_blocks(num_blocks)
+        group = num_q_heads // num_kv_heads
+        device = _device(xp)
+
+        max_context = None
+        if checked:  # on the caller's arrays, before they are narrowed to int32
+            max_context = check_decode_tables(block_tables, context_lens, block_size, num_blocks)
+        splits = None if num_splits is None else as_int(num_splits, "num_splits")
+        if splits is not None and splits < 1:
+            raise ValueError(f"expected num_splits >= 1, got {splits}")
+        launch0 = _launch.decode_launch(dtype, num_kv_heads, group, head_dim, block_size, 1)
+        tile = launch0.tile
+        if splits is None:
+            # Items that fill the device: thread blocks per multiprocessor x multiprocessors,
+            # over the KV heads (each item is one thread block per KV head).
+            ctas = _launch.decode_ctas_per_sm(dtype, head_dim, group, block_size)
+            capacity = num_seqs + cdiv(ctas * _sm_count(device), num_kv_heads)
+            min_chunk = _launch.MIN_SPLIT_TOKENS
+        elif splits == 1:
+            capacity, min_chunk = num_seqs, tile
+        else:
+            if max_context is None:
+                if max_context_len is None:
+                    max_context = int(to_numpy(context_lens).max()) if num_seqs else 0
+                else:
+                    max_context = as_int(max_context_len, "max_context_len")
+            max_context = min(max(max_context, 1), max_blocks * block_size, MAX_CONTEXT_LEN)
+            # capacity - num_seqs = num_seqs * splits keeps the planner's bound at or below
+            # this chunk, so every sequence of the longest length gets exactly `splits` pieces.
+            capacity = num_seqs * (splits + 1)
+            min_chunk = cdiv(cdiv(max_context, splits), tile) * tile
+        if capacity > _launch.MAX_GRID_YZ:
+            raise ValueError(
+                f"expected at most {_launch.MAX_GRID_YZ - (capacity - num_seqs)} sequences in one "
+                f"decode plan (the work list is one grid axis), got {num_seqs}"
+            )
+        launch = _launch.decode_launch(dtype, num_kv_heads, group, head_dim, block_size, capacity)
+        self._xp = xp
+        self._device = device
+        self._dtype = dtype
+        self._layout = tuple(k_cache.shape)
+        self._q_shape = (num_seqs, num_q_heads, head_dim)
+        self._capacity = capacity
+        self._min_chunk = min_chunk
+        self._tile = tile
+        self.num_seqs = num_seqs
+        self.checked = checked
+        self._tables = xp.ascontiguousarray(block_tables, dtype=np.int32)
+        self._lens = xp.ascontiguousarray(context_lens, dtype=np.int32)
+        if num_seqs == 0:
+            return
+        self._kernel = _attention_kernel(device, "paged_attention.cu", launch, group, head_dim)
+        self._grid, self._block, self._shared_mem = launch.grid, launch.block, launch.shared_mem
+        self._merge = get_kernel(device, "paged_attention.cu", launch.merge_name)
+        self._merge_grid = (num_q_heads, num_seqs)
+        self._merge_block = launch.merge_block
+        self._planner = get_kernel(device, "decode_plan.cu", _launch.PLAN_NAME)
+        self._planner_block = (_launch.plan_threads(num_seqs, device),)
+        self._work = xp.empty((capacity, 4), np.int32)
+        self._seq_items = xp.empty((num_seqs, 2), np.int32)
+        if capacity > num_seqs:
+            self._partial_out = xp.empty((capacity, num_q_heads, head_dim), np.float32)
+            self._partial_lse = xp.empty((capacity, num_q_heads), np.float32)
+        else:  # never split: unused by the kernel; real arrays, so that no pointer is null
+            self._partial_out = self._partial_lse = xp.empty(1, np.float32)
+        scale = head_dim**-0.5 if scale is None else float(scale)
+        self._scalars = (
+            np.int32(num_kv_heads), np.int32(group), np.int32(max_blocks), np.float32(scale),
+        )  # fmt: skip
+        self._plan()
+
+    def _plan(self) -> None:
+        self._planner(
+            (1,),
+            self._planner_block,
+            (self._work, self._seq_items, self._lens, np.int32(self.num_seqs),
+             np.int32(self._capacity), np.int32(self._min_chunk), np.int32(self._tile)),
+        )  # fmt: skip
+
+    @property
+    def num_items(self) -> int:
+        """Capacity of the work list: the decode launch's thread blocks per KV head."""
+        return self._capacity
+
+    def work(self) -> np.ndarray:
+        """The planned work list on the host, ``[num_items, 4]`` rows ``(seq, begin, end,
+        count)`` (``seq = -1``: idle), for tests and inspection (one read-back on a GPU)."""
+        if self.num_seqs == 0:
+            return np.empty((0, 4), np.int32)
+        return to_numpy(self._work)
+
+    def update(self, block_tables: Any, context_lens: Any) -> None:
+        """Re-plan for a new step of the same batch size into the same buffers (same launch
+        geometry, same device pointers: a captured CUDA graph stays valid).
+
+        Raises:
+            ValueError: a shape differs from the planned one, or (checked) bad lengths or ids.
+        """
+        check_shape("block_tables", block_tables, list(zip(("num_seqs", "max_blocks"),
+                                                           self._tables.shape, strict=True)))  # fmt: skip
+        check_shape("context_lens", context_lens, [("num_seqs", self.num_seqs)])
+        check_index_array("block_tables", block_tables)
+        check_index_array("context_lens", context_lens)
+        array_module(block_tables, context_lens, self._tables)
+        if self.checked:
+            _, _, block_size, _ = self._layout
+            check_decode_tables(block_tables, context_lens, block_size, self._layout[0])
+        self._tables[...] = block_tables
+        self._lens[...] = context_lens
+        if self.num_seqs:
+            self._plan()
+
+    def run(self, q: Any, k_cache: Any, v_cache: Any, *, out: Any = None) -> Any:
+        """Decode attention of one layer: what :func:`cupaged.paged_attention` computes.
+
+        Args:
+            q: ``[num_seqs, num_q_heads, head_dim]``, the cache's element type.
+            k_cache: one layer, the planned layout (``cache.k[layer]``), C-contiguous, 16-byte
+                aligned.
+            v_cache: same shape and dtype as ``k_cache``.
+            out: optional ``[num_seqs, num_q_heads, head_dim]`` C-contiguous output, ``q``'s
+                dtype.
+
+        Returns:
+            ``out`` (a new array when ``None``), in ``q``'s dtype.
+
+        Raises:
+            TypeError, ValueError: an argument that does not match the plan (nothing is run).
+        """
+        xp = self._xp
+        if (
+            q.shape != self._q_shape
+            or k_cache.shape != self._layout
+            or v_cache.shape != self._layout
+            or element_type(q) != self._dtype
+            or element_type(k_cache) != self._dtype
+            or element_type(v_cache) != self._dtype
+        ):
+            self._refuse(q, k_cache, v_cache)
+        array_module(q, k_cache, v_cache, self._tables)
+        _check_contiguous(k_cache=k_cache, v_cache=v_cache)
+        for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if _address(x) % 16:
+                raise ValueError(f"expected {name} 16-byte aligned, got address {_address(x):#x}")
+        if out is None:
+            out = xp.empty(q.shape, q.dtype)  # q's dtype object: bfloat16 in, bfloat16 out
+        else:
+            array_module(q, out)
+            check_shape("out", out, list(zip(("num_seqs", "num_q_heads", "head_dim"),
+                                             self._q_shape, strict=True)))  # fmt: skip
+            check_dtype("out", out, self._dtype, "q's dtype")
+            _check_contiguous(out=out)
+            check_writable("out", out)
+        if self.num_seqs == 0:
+            return out
+        out_storage = as_storage(out)
+        self._kernel(
+            self._grid,
+            self._block,
+            (out_storage, self._partial_out, self._partial_lse,
+             xp.ascontiguousarray(as_storage(q)), as_storage(k_cache), as_storage(v_cache),
+             self._tables, self._work, *self._scalars),
+            shared_mem=self._shared_mem,
+        )  # fmt: skip
+        if self._capacity > self.num_seqs:
+            self._merge(
+                self._merge_grid,
+                self._merge_block,
+                (out_storage, self._partial_out, self._partial_lse, self._seq_items,
+                 np.int32(self._q_shape[1])),
+            )  # fmt: skip
+        return out
+
+    def _refuse(self, q: Any, k_cache: Any, v_cache: Any) -> None:
+        """Raise the error that names what ``run`` expected (the plan's) and what arrived."""
+        check_shape("q", q, list(zip(("num_seqs", "num_q_heads", "head_dim"), self._q_shape,
+                                     strict=True)))  # fmt: skip
+        for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+            check_shape(name, x, list(zip(_LAYER_AXES, self._layout, strict=True)))
+        for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+            check_dtype(name, x, self._dtype, "the planned dtype")
+        raise AssertionError("unreachable: an argument differs from the plan")  # pragma: no cover
