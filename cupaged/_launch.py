@@ -180,6 +180,11 @@ def decode_launch(
     check_decode_shape(dtype, head_dim, block_size)
     if not 1 <= capacity <= MAX_GRID_YZ:
         raise ValueError(f"expected a work list of 1..{MAX_GRID_YZ} items, got {capacity}")
+    if num_kv_heads * block_size * head_dim >= 2**32:  # the kernel's 32-bit block stride
+        raise ValueError(
+            f"expected num_kv_heads * block_size * head_dim < 2**32 (the elements of one block), "
+            f"got {num_kv_heads} * {block_size} * {head_dim}"
+        )
     geo = decode_geometry(dtype, head_dim, group)
     c_type = C_TYPES[dtype]
     layout = f"{geo.bdx}, {geo.bdy}, {geo.bdz}, {geo.tokens_per_thread}, {geo.stages}"

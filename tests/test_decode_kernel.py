@@ -166,3 +166,23 @@ def test_nan_and_inf_like_the_reference(rng, dtype, case, chunk):
     np.testing.assert_array_equal(np.isinf(got), np.isinf(expected))
     finite = np.isfinite(expected)
     np.testing.assert_allclose(got[finite], expected[finite], **TOLERANCES[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_query_not_16_byte_aligned_is_read_element_by_element(rng, dtype):
+    lengths = [40, 3]
+    q, k_cache, v_cache, tables, _, _ = random_paged_batch(
+        rng, lengths, NUM_KV_HEADS, 64, 4, 16, dtype
+    )
+    size = q.dtype.itemsize
+    buffer = np.zeros(q.nbytes + 16, np.uint8)
+    shifted = buffer[size : size + q.nbytes].view(q.dtype).reshape(q.shape)
+    shifted[...] = q
+    assert shifted.ctypes.data % 16
+    out = run_decode(np, shifted, k_cache, v_cache, tables, lengths, 64)
+    assert_close(out, reference(q, k_cache, v_cache, tables, lengths), dtype)
+
+
+def test_a_block_too_large_for_32_bit_offsets_is_refused():
+    with pytest.raises(ValueError, match=r"expected num_kv_heads \* block_size \* head_dim"):
+        _launch.decode_launch("float16", 2**16, 1, 256, 256, 1)

@@ -60,10 +60,8 @@ def test_decode_matches_float64_reference(rng, xp, dtype, head_dim, block_size, 
         rng, xp, dtype, head_dim, block_size, ratio, lengths
     )
     out = xp.asarray(poison(q.shape, dtype))
-    launch = _launch.decode_launch(
-        dtype, len(lengths), NUM_KV_HEADS, ratio, head_dim, block_size, LONG
-    )
-    assert launch.num_splits > 1  # the long sequence takes the split-K path
+    plan = cupaged.DecodePlan(tables, lens, k_cache, q.shape[1])
+    assert plan.num_items > len(lengths)  # the long sequence is cut into items (split-K)
     with scheduled(xp, order):
         got = cupaged.paged_attention(q, k_cache, v_cache, tables, lens, out=out, checked=True)
     assert got is out
@@ -169,17 +167,22 @@ def test_layout_errors(rng):
         )
 
 
-def test_split_heuristic():
-    # Small batches are split to fill the GPU, never below MIN_SPLIT_TOKENS per split.
-    assert _launch.num_splits(1, 8, 32768, 132) == 17
-    assert _launch.num_splits(1, 8, 1000, 132) == 4
-    assert _launch.num_splits(4, 8, 100, 132) == 1
-    # Large batches already fill every multiprocessor: no split.
-    assert _launch.num_splits(64, 8, 32768, 132) == 1
-    launch = _launch.decode_launch("float16", 1, 8, 4, 128, 16, 4096)
-    assert launch.num_splits * launch.partition_tokens >= 4096
-    assert launch.partition_tokens % _launch.decode_tile("float16", 128) == 0
-    assert launch.grid == (8, 1, launch.num_splits) and launch.merge_grid == (32, 1)
+def test_the_decode_launch_table():
+    launch = _launch.decode_launch("float16", 8, 4, 128, 16, 40)
+    assert launch.name == "cupaged::paged_decode<__half, 128, 16, 4, 8, 2, 8, 2, 3>"
+    assert (launch.grid, launch.block, launch.tile) == ((8, 40), (8, 2, 8), 16)
+    assert launch.shared_mem == 24_576 and launch.merge_block == (128,)
+    for dtype in DTYPES:
+        for head_dim in _launch.HEAD_DIMS:
+            for group in range(1, 17):
+                geo = _launch.decode_geometry(dtype, head_dim, group)
+                hpt = geo.heads_per_thread
+                assert geo.bdy * hpt >= group > geo.bdy * (hpt - 1)  # no idle thread row
+                assert geo.bdx in (4, 8, 16, 32) and geo.threads % 32 == 0
+                assert geo.threads <= 256
+                assert 1 <= _launch.decode_ctas_per_sm(dtype, head_dim, group, 16) <= 32
+    with pytest.raises(ValueError, match=r"expected a work list of 1..65535 items, got 0"):
+        _launch.decode_launch("float16", 8, 4, 128, 16, 0)
 
 
 # ---- NaN and Inf, untrusted max_context_len, read-only outputs (issue 10) ---------------------------
