@@ -467,11 +467,7 @@ class BlockManager:
         if len(set(rows)) != len(rows):
             raise ValueError(f"expected distinct sequence ids, got {sid_list}")
         with self._atomic:
-            if len(rows) <= _SMALL_BATCH:  # one at a time is cheaper than the vectorised release
-                for sid, row in zip(sid_list, rows, strict=True):
-                    self._release([sid], [row])
-            else:
-                self._release(sid_list, rows)
+            self._release(sid_list, rows)
 
     def commit(self, sids: int | Iterable[int] | SequenceBatch) -> None:
         """Declare the K/V of every token reserved so far for these sequences written.
@@ -713,8 +709,9 @@ class BlockManager:
             self._release_one(sids[0], rows[0])
             return
         table = self._seqs
+        row_array = np.array(rows, np.intp)
         # What an interrupt must put back: the rows and the dictionary entries.
-        saved = table.snapshot(rows), table.free_rows_mark()
+        saved = table.snapshot(row_array), table.free_rows_mark()
         entries = [
             (sid, row, self._cached.get(sid), self._chains.get(row))
             for sid, row in zip(sids, rows, strict=True)
@@ -722,7 +719,7 @@ class BlockManager:
 
         def undo() -> None:
             table.unrelease(saved[1])
-            table.restore(rows, saved[0])
+            table.restore(row_array, saved[0])
             for sid, row, cached, chain in entries:
                 self._rows[sid] = row
                 if cached is not None:
@@ -731,14 +728,15 @@ class BlockManager:
                     self._chains[row] = chain
 
         self._atomic.undo.append(undo)
-        row_array = np.array(rows, np.intp)
         resident = row_array[table.live[row_array] >= 0]
         if resident.size:
-            held = cdiv(table.lens[resident], self._block_size)
-            blocks = [
-                table.tables[r, :h][::-1] for r, h in zip(resident, held.tolist(), strict=True)
-            ]
-            self._pool.release(np.concatenate(blocks), distinct=False)
+            # Each row's blocks, last first, row after row: the tail of each reversed table row.
+            held = (-(-table.lens[resident] // self._block_size)).tolist()
+            reversed_rows = table.tables[resident, ::-1].astype(np.intp)
+            width = reversed_rows.shape[1]
+            self._pool.release_runs(
+                [reversed_rows[i, width - h :] for i, h in enumerate(held) if h]
+            )
         table.release(row_array)
         for sid, row in zip(sids, rows, strict=True):
             del self._rows[sid]

@@ -23,16 +23,16 @@ BS, HEAD_DIM, LAYERS = 4, 64, 2
 
 INNER = [
     *[(block_pool.BlockPool, name) for name in (
-        "take", "release", "acquire_unchecked", "register_many", "register_unchecked", "share",
-        "allocate", "_push_free", "_push_evictable", "_evict",
+        "take", "release", "release_runs", "acquire_unchecked", "register_many",
+        "register_unchecked", "share", "allocate", "_push_free", "_push_evictable", "_evict",
     )],
     *[(block_table.SequenceTable, name) for name in (
         "acquire", "acquire_many", "release", "release_one", "touch", "ensure_width",
     )],
     *[(prefix_cache.PrefixCache, name) for name in ("keys", "match_unchecked")],
     *[(block_manager.BlockManager, name) for name in (
-        "_attach", "_plan", "_plan_rows", "_plan_decode", "_plan_batch", "_apply_growth",
-        "_commit_rows", "_extend_chain", "_register", "_release",
+        "_attach", "_reserve_fresh", "_plan", "_plan_rows", "_plan_decode", "_plan_batch",
+        "_apply_growth", "_commit_rows", "_extend_chain", "_register", "_release", "_release_one",
     )],
     (cache_module, "copy_blocks"),
     (cache_module, "write_kv"),
@@ -143,6 +143,7 @@ OPERATIONS = {
     "fork_many": lambda c, i: c.fork_many(i["a"], 2),
     "free": lambda c, i: c.free(i["a"]),
     "free_many": lambda c, i: c.free_many([i["b"], i["c"], i["s"]]),
+    "free_many of forks": lambda c, i: c.free_many([i["a"], i["b"], i["d"]]),
     "swap_out": lambda c, i: c.swap_out(i["b"]),
     "swap_in": lambda c, i: c.swap_in(i["s"]),
     "commit": lambda c, i: c.commit([i["c"], i["p"]]),
@@ -208,6 +209,9 @@ def test_a_second_thread_inside_the_cache_is_refused_not_corrupting():
         cache.step(ids["c"], 1, [5])
     with pytest.raises(CupagedError, match="expected one thread at a time"):
         cache.free(ids["a"])
+    assert cache.seq_len(ids["c"]) % BS  # the per-token fast path would apply: it refuses too
+    with pytest.raises(CupagedError, match="expected one thread at a time"):
+        cache.reserve(ids["c"], 1)
     assert observe(cache)["seqs"][ids["c"]] == before["seqs"][ids["c"]]
     leave.set()
     worker.join(5)

@@ -389,6 +389,37 @@ def test_fork_many_and_free_many_equal_their_one_at_a_time_versions():
         twins[0].fork_many(twins[0].admit([1]).sid, -1)
 
 
+def test_the_per_token_fast_path_equals_the_general_path():
+    """``reserve(sid, 1)`` / ``step(sid)`` of an int id skip the planner when the token lands in
+    the sequence's own last block; a twin forced through the planner (a ``numpy.int64`` id)
+    must give the same slots and tables at every step, and the refusals must be the same."""
+    caches = [PagedCache(64, block_size=BS, num_layers=1, num_kv_heads=1, head_dim=64,
+                         dtype="float32", device="cpu") for _ in range(2)]  # fmt: skip
+    rnd = random.Random(3)
+    for c in caches:
+        root = c.admit(list(range(6))).sid  # 6 tokens: offset 2 in its second block
+        c.fork(root)  # a shared, partly filled last block: the first write copies it
+        c.admit([1, 2, 3])
+    sids = caches[0].sequence_ids
+    for _ in range(40):
+        sid = rnd.choice(sids)
+        fast = caches[0].reserve(sid, 1) if rnd.random() < 0.5 else caches[0].step(sid).slots
+        general = caches[1].step(np.int64(sid)).slots
+        assert fast.dtype == np.int32 and fast.tolist() == general.tolist()
+        assert state(caches[0]) == state(caches[1])
+        caches[0].check_invariants()
+    for c in caches:
+        c.swap_out(sids[0])
+        c.free(sids[1])
+    for c in caches:
+        with pytest.raises(CupagedError, match="swapped out"):
+            c.reserve(sids[0], 1)
+        with pytest.raises(KeyError, match="already freed"):
+            c.reserve(sids[1], 1)
+        c.check_invariants()
+    assert [c.seq_len(sids[0]) for c in caches] == [caches[1].seq_len(sids[0])] * 2
+
+
 # ------------------------------------------------------------------------------- the pool in bulk
 
 
