@@ -271,3 +271,44 @@ def test_a_missing_tool_is_one_line_and_exit_1(tmp_path):
     assert result.stdout == ""
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("kernel-report: CUPAGED_NVDISASM="), lines
+
+
+# ---- paged_prefill (issue 12) ------------------------------------------------------------------
+
+
+def prefill_rows(rows, gpu=None, dtypes=HALF_DTYPES):
+    return [
+        r
+        for r in rows
+        if r["kernel"] == "paged_prefill" and r["dtype"] in dtypes and gpu in (None, r["gpu"])
+    ]
+
+
+def test_prefill_kv_arrives_by_16_byte_async_copies_and_is_read_128_bit(quick):
+    """No 128-bit global load is left for K/V (cp.async copies only), and the innermost loops
+    (scores, P V) read shared memory 128 bits at a time only."""
+    _, rows = quick
+    prefill = prefill_rows(rows, dtypes=kr.DTYPES)
+    assert len(prefill) == 27  # 3 GPUs x 3 dtypes x 3 groups
+    for row in prefill:
+        whole = row["memory_ops_whole_kernel"]
+        assert whole.get("LDGSTS.128", 0) >= 2 and "LDG.128" not in whole, (row["name"], whole)
+        reads = {k for k in row["memory_ops_in_loops"] if k.startswith("LDS")}
+        assert reads == {"LDS.128"}, (row["name"], row["memory_ops_in_loops"])
+        assert not row["spill_stores"] and not row["spill_loads"], row["name"]
+
+
+def test_prefill_tile_model_behind_the_tensor_core_decision(quick):
+    """H100, head_dim 128, fp16/bf16: the FMA path is bound by issue near or above the tile's
+    DRAM time; the same FLOPs on tensor cores take under a tenth of it (model)."""
+    _, rows = quick
+    for row in prefill_rows(rows, "H100"):
+        m = row["model_prefill_tile"]
+        assert m["flops"] == 4 * 16 * m["tile"] * 128
+        assert m["fp32_fma"] == m["flops"] / 2 / 128
+        assert m["fp32_issue"] > m["fp32_fma"]  # conversions, loads and masks cost issue slots
+        assert m["mma"] * 10 < m["fp32_issue"]
+        assert m["smem"] == row["model_smem_cycles_per_tile"] > 0
+        assert m["dram"] == row["model_dram_cycles_per_tile"]
+    for row in prefill_rows(rows, dtypes=("float32",)):
+        assert row["model_prefill_tile"]["mma"] is None
