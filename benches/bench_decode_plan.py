@@ -58,7 +58,7 @@ def test_decode_plan_host_cost(benchmark, xp, shape):
 
     def bare():
         plan._kernel(plan._grid, plan._block, args, shared_mem=plan._shared_mem)
-        if plan.num_items > plan.num_seqs:
+        if plan._split:
             plan._merge(plan._merge_grid, plan._merge_block, merge_args)
 
     launches = synchronized(xp, bare)

@@ -487,3 +487,9 @@ def plan_threads(num_seqs: int, device: str = "cuda") -> int:
     """Threads of the decode planner for a batch: whole warps, at most ``PLAN_MAX_THREADS``."""
     most = CPU_COPY_THREADS if device == "cpu" else PLAN_MAX_THREADS
     return _whole_warps(num_seqs, most)
+
+
+def decode_merge_block(launch: DecodeLaunch, device: str = "cuda") -> tuple[int]:
+    """Threads of ``paged_decode_merge``: the launch's, or one warp on the CPU backend (its loop
+    strides over head_dim with any block; fibers cost a start each there)."""
+    return (CPU_COPY_THREADS,) if device == "cpu" else launch.merge_block

@@ -73,7 +73,7 @@ class DecodePlan:
     __slots__ = (
         "_block", "_capacity", "_device", "_dtype", "_grid", "_kernel", "_layout", "_lens",
         "_merge", "_merge_block", "_merge_grid", "_min_chunk", "_partial_lse", "_partial_out",
-        "_planner", "_planner_block", "_q_shape", "_scalars", "_seq_items", "_shared_mem",
+        "_planner", "_planner_block", "_q_shape", "_scalars", "_seq_items", "_shared_mem", "_split",
         "_tables", "_tile", "_work", "_xp", "checked", "num_seqs",
     )  # fmt: skip
 
@@ -162,7 +162,7 @@ class DecodePlan:
         self._grid, self._block, self._shared_mem = launch.grid, launch.block, launch.shared_mem
         self._merge = get_kernel(device, "paged_attention.cu", launch.merge_name)
         self._merge_grid = (num_q_heads, num_seqs)
-        self._merge_block = launch.merge_block
+        self._merge_block = _launch.decode_merge_block(launch, device)
         self._planner = get_kernel(device, "decode_plan.cu", _launch.PLAN_NAME)
         self._planner_block = (_launch.plan_threads(num_seqs, device),)
         self._work = xp.empty((capacity, 4), np.int32)
@@ -185,6 +185,17 @@ class DecodePlan:
             (self._work, self._seq_items, self._lens, np.int32(self.num_seqs),
              np.int32(self._capacity), np.int32(self._min_chunk), np.int32(self._tile)),
         )  # fmt: skip
+        if self._device == "cpu":
+            # The CPU backend has run the planner already and the list is in host memory: launch
+            # the items it holds, not the capacity. (Each idle thread block would still start
+            # its threads there, about 6 µs apiece; on a GPU it costs next to nothing and the
+            # fixed grid is what a CUDA graph needs.)
+            first, count = self._seq_items[-1]
+            items = int(first) + int(count)
+            self._grid = (self._grid[0], items)
+            self._split = items > self.num_seqs
+        else:
+            self._split = self._capacity > self.num_seqs
 
     @property
     def num_items(self) -> int:
@@ -271,7 +282,7 @@ class DecodePlan:
              self._tables, self._work, *self._scalars),
             shared_mem=self._shared_mem,
         )  # fmt: skip
-        if self._capacity > self.num_seqs:
+        if self._split:
             self._merge(
                 self._merge_grid,
                 self._merge_block,
