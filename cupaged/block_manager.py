@@ -806,23 +806,24 @@ class BlockManager:
     def _plan_rows(
         self, rows: list[int], counts: list[int], tokens: Any, what: str | None
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """:meth:`_plan` row by row in scalar arithmetic: one sequence (admission, append, a
-        per-token step) or a small batch, where array operations cost more than they save."""
+        """:meth:`_plan` row by row in scalar arithmetic: one sequence (append, a per-token step
+        that takes a block) or a small batch, where array operations cost more than they save."""
         table, bs, pool = self._seqs, self._block_size, self._pool
-        refcount = pool._refcount
+        refcount, lens, tables = pool._refcount, table.lens, table.tables
         plans = []
         released: dict[int, int] = {}  # copy-on-write references that earlier rows drop
-        total = 0
+        total = widest = 0
         for row, n in zip(rows, counts, strict=True):
-            length = int(table.lens[row])
-            held, after = cdiv(length, bs), cdiv(length + n, bs)
+            length = lens.item(row)
+            held, after = -(-length // bs), -(-(length + n) // bs)
             copy = last = 0
             if n and length % bs:
-                last = int(table.tables[row, held - 1])
-                if refcount[last] - released.get(last, 0) > 1:  # another holder stays: copy
+                last = tables.item(row, held - 1)
+                if refcount.item(last) - released.get(last, 0) > 1:  # another holder stays: copy
                     copy, released[last] = 1, released.get(last, 0) + 1
             plans.append((row, n, length, held, after, copy, last))
             total += after - held + copy
+            widest = max(widest, after)
         if total > pool.num_free:
             if what is None:
                 what = f"reserving {sum(counts)} token(s) for {len(rows)} sequence(s)"
@@ -842,33 +843,35 @@ class BlockManager:
                     )
 
         # -- from here on nothing fails: change the tables (undone on an interrupt)
-        shared = [bool(table.shared[row]) for row in rows]
+        shared = [table.shared.item(row) for row in rows]
         tails = [table.tail[row].copy() for row in rows] if self.prefix_caching else None
         self._atomic.undo.extend(
             (lambda: self._undo_rows(plans, shared, tails), self._chains_restorer(rows))
         )
         self._commit_rows(rows)  # this step of theirs: the last step's K/V were written
-        new = pool.take(total) if total else _NO_COPIES
+        if total:
+            new_blocks = pool.take(total)
+            new = new_blocks.tolist()
+            table.ensure_width(widest + 1)  # one spare column: see _plan_decode
+            tables = table.tables  # maybe grown
         taken, sources, copies, slots = 0, [], [], []
+        runs, begins, segment = [], [], 0  # each row's written blocks, where its slots start
         for (row, n, length, held, after, copy, _), row_keys in zip(plans, keys, strict=True):
             if after - held + copy:
-                table.ensure_width(after + 1)
                 if copy:
-                    sources.append(int(table.tables[row, held - 1]))
-                    copies.append(int(new[taken]))
-                    table.tables[row, held - 1] = new[taken]
-                table.tables[row, held:after] = new[taken + copy : taken + copy + after - held]
+                    sources.append(tables.item(row, held - 1))
+                    copies.append(new[taken])
+                    tables[row, held - 1] = new[taken]
+                tables[row, held:after] = new_blocks[taken + copy : taken + copy + after - held]
                 taken += after - held + copy
                 table.version[row] = table.clock
             if n == 1:
-                block = int(table.tables[row, length // bs])
-                slots.append(np.array([block * bs + length % bs], np.int32))
-            elif n:  # the row's slots: every slot of the blocks it writes, cut to its n tokens
-                first = length // bs
-                blocks = table.tables[row, first:after]
-                start = length - first * bs
-                slots.append((blocks[:, None] * bs + self._offsets).reshape(-1)[start : start + n])
-            table.lens[row] = length + n
+                slots.append(tables.item(row, length // bs) * bs + length % bs)
+            first = length // bs
+            runs.append(tables[row, first:after])
+            begins.append(segment + length - first * bs)
+            segment += (after - first) * bs
+            lens[row] = length + n
             if n:
                 table.shared[row] = False  # copied, or the last holder: the last block is its own
             if row_keys is not None:
@@ -878,9 +881,19 @@ class BlockManager:
         src = dst = _NO_COPIES
         if sources:
             src, dst = np.array(sources, np.int32), np.array(copies, np.int32)
-            pool.release(src, distinct=False)  # never a last reference: see `released` above
-        out = slots[0] if len(slots) == 1 else np.concatenate(slots) if slots else _NO_COPIES
-        return out.astype(np.int32, copy=False), src, dst
+            # Never a last reference (see `released`): no block goes back to the pool.
+            pool.unshare(np.array(list(released), np.intp), np.array(list(released.values())))
+        if len(slots) == len(rows):  # one token each
+            return np.array(slots, np.int32), src, dst
+        # Every slot of every row's written blocks, then each row's n tokens cut out of its
+        # stretch: a handful of array operations for the whole batch.
+        every = (np.concatenate(runs)[:, None] * bs + self._offsets).reshape(-1)
+        n_tokens = np.array(counts, np.intp)
+        ahead = np.cumsum(n_tokens) - n_tokens  # tokens of the rows before
+        index = np.repeat(np.array(begins, np.intp) - ahead, n_tokens) + np.arange(
+            ahead[-1] + n_tokens[-1]
+        )
+        return every[index], src, dst
 
     def _undo_rows(self, plans: list[tuple], shared: list[bool], tails: list | None) -> None:
         """Undo of :meth:`_plan_rows`: the entries it filled were padding, or the copied block."""
@@ -955,16 +968,11 @@ class BlockManager:
         """An undo action that puts back the chains (keys, committed count, pending flag)."""
         if not self.prefix_caching:
             return lambda: None
-        table = self._seqs
+        table, chains, pending = self._seqs, self._chains, self._seqs.pending
         saved = [
-            (
-                row,
-                len(self._chains[row].keys),
-                self._chains[row].committed,
-                bool(table.pending[row]),
-            )
+            (row, len(chains[row].keys), chains[row].committed, pending.item(row))
             for row in rows
-            if row in self._chains
+            if row in chains
         ]
 
         def restore() -> None:
@@ -1157,7 +1165,8 @@ class BlockManager:
         if isinstance(rows, np.ndarray):
             rows = rows[table.pending[rows]].tolist()
         else:
-            rows = [row for row in rows if table.pending[row]]
+            pending = table.pending
+            rows = [row for row in rows if pending.item(row)]
         if not rows:
             return
         blocks: list[int] = []
@@ -1173,7 +1182,10 @@ class BlockManager:
                 keys += zip(chain.keys[start:end], chain.digests[start:end], strict=True)
             chain.committed = end
         self._pool.register_many(blocks, keys)
-        table.pending[rows] = False
+        if len(rows) == 1:
+            table.pending[rows[0]] = False
+        else:
+            table.pending[rows] = False
 
     def _batch_rows(self, sids: Any) -> np.ndarray:
         """Rows of a batch of resident, distinct sequences."""

@@ -353,6 +353,13 @@ class BlockPool:
             self._journal.append(("acquire", blocks.copy(), self._refcount[blocks]))
         self._refcount[blocks] += n
 
+    def unshare(self, blocks: np.ndarray, counts: np.ndarray) -> None:
+        """Drop ``counts[i]`` references from ``blocks[i]`` (distinct ids, each keeping at least
+        one, unchecked): the sources of copy-on-write copies, whose other holders stay."""
+        if self._journal is not None:
+            self._journal.append(("acquire", blocks, self._refcount[blocks]))
+        self._refcount[blocks] -= counts
+
     # ------------------------------------------------------------------------------ transactions
 
     def begin(self) -> tuple[int, ...]:

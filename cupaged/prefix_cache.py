@@ -200,10 +200,10 @@ class PrefixCache:
         self.hasher = hasher or blake2b_block_hash
         self._default = self.hasher is blake2b_block_hash
         self.stats = PrefixCacheStats()
-        # BLAKE2b of (parent digest + block tokens) for blocks that hit, keyed by those exact
-        # bytes: a prompt head that many requests share costs a dict lookup per block after its
-        # first hit, not a hash. A pure function's cache: exact, whatever the pool holds.
-        self._memo: dict[bytes, bytes] = {}
+        # BLAKE2b of (parent digest + block tokens) for blocks that hit, keyed by exactly those
+        # two byte strings: a prompt head that many requests share costs a dict lookup per block
+        # after its first hit, not a hash. A pure function's cache: exact, whatever the pool holds.
+        self._memo: dict[tuple[bytes, bytes], bytes] = {}
 
     def chain(self, cache_salt: str | bytes | None = None) -> PrefixChain:
         """An empty chain: the one of a sequence with no full block yet."""
@@ -278,11 +278,12 @@ class PrefixCache:
             digest, fresh, digests, matching = chain.root, _BLAKE2B_16.copy, [], True
             memo = self._memo
             for j in range(full):
-                hashed = digest + data[j * width : (j + 1) * width]
-                known = memo.get(hashed) if matching else None
+                block_bytes = data[j * width : (j + 1) * width]
+                pair = (digest, block_bytes)
+                known = memo.get(pair) if matching else None
                 if known is None:
                     h = fresh()
-                    h.update(hashed)
+                    h.update(digest + block_bytes)
                     digest = h.digest()
                 else:
                     digest = known
@@ -297,7 +298,7 @@ class PrefixCache:
                         if known is None:
                             if len(memo) >= _MEMO_ENTRIES:
                                 memo.clear()
-                            memo[hashed] = digest
+                            memo[pair] = digest
             hits = len(blocks)
             if hits:
                 chain.keys, chain.digests = digests[:hits], digests[:hits]
