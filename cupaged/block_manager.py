@@ -463,7 +463,10 @@ class BlockManager:
     def free_many(self, sids: Iterable[int]) -> None:
         """End several sequences at once (as :meth:`free` one after the other, vectorised)."""
         sid_list = list(sids)
-        rows = [self._row(sid) for sid in sid_list]
+        get = self._rows.get
+        rows = [(get(sid) if type(sid) is int else None) for sid in sid_list]
+        if None in rows:
+            rows = [self._row(sid) for sid in sid_list]  # raises for an unknown one
         if len(set(rows)) != len(rows):
             raise ValueError(f"expected distinct sequence ids, got {sid_list}")
         with self._atomic:
@@ -495,7 +498,7 @@ class BlockManager:
     def batch(self, sids: Iterable[int]) -> SequenceBatch:
         """A persistent handle on a batch of resident sequences (ids resolved once)."""
         sid_list = list(sids)
-        rows = [self._resident_row(sid) for sid in sid_list]
+        rows = self._resident_rows(sid_list)
         if len(set(rows)) != len(rows):
             raise ValueError(f"expected distinct sequence ids, got {sid_list}")
         return SequenceBatch(
@@ -1202,9 +1205,19 @@ class BlockManager:
         if isinstance(sids, (int, np.integer)):
             return np.array([self._resident_row(sids)], np.intp)
         sid_list = list(sids)
-        rows = np.array([self._resident_row(sid) for sid in sid_list], dtype=np.intp)
-        if rows.size > 1 and np.unique(rows).size != rows.size:
+        row_list = self._resident_rows(sid_list)
+        if len(set(row_list)) != len(row_list):
             raise ValueError(f"expected distinct sequence ids, got {sid_list}")
+        return np.array(row_list, dtype=np.intp)
+
+    def _resident_rows(self, sids: list[Any]) -> list[int]:
+        """:meth:`_resident_row` of each id (plain resident ints looked up inline)."""
+        get, live, rows = self._rows.get, self._seqs.live, []
+        for sid in sids:
+            row = get(sid) if type(sid) is int else None
+            if row is None or live.item(row) < 0:
+                row = self._resident_row(sid)  # raises, or takes the slow path of an np.integer
+            rows.append(row)
         return rows
 
     def _counts(self, num_tokens: Any, batch: int) -> int | np.ndarray:
