@@ -24,7 +24,7 @@ from rich.text import Text
 from . import CacheSpec, CupagedError, PagedCache, __version__, device_module, resolve_device
 from .demo import DemoConfig
 from .demo.real import PROMPTS as DEMO_PROMPTS
-from .models import MODELS
+from .models import MODELS, limit_blas_threads
 from .models import add_cli_commands as add_model_commands
 
 MiB = 2**20
@@ -157,6 +157,8 @@ def demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(str(error))
     except CupagedError as error:
         return setup_error(parser.prog, error)
+    if session.device == "cpu":
+        limit_blas_threads(1)  # small products: spinning BLAS threads cost more than they give
     console = Console()
     columns = (TextColumn("decoding"), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"),
                TokensPerSecond(), TimeElapsedColumn())  # fmt: skip

@@ -411,6 +411,36 @@ def test_demo_without_network_is_one_error_line(tmp_path):
     assert lines[1].startswith("cupaged demo: error: could not fetch smollm2"), lines
 
 
+def test_one_blas_thread_unless_the_user_chose(monkeypatch):
+    """The commands set NumPy's OpenBLAS to one thread on the CPU; a user's setting stands."""
+    import ctypes
+
+    from cupaged.models import limit_blas_threads
+
+    paths = {line.split()[-1] for line in open("/proc/self/maps") if "openblas" in line.lower()}
+    if not paths:
+        pytest.skip("NumPy is not linked to OpenBLAS here")
+    lib = ctypes.CDLL(sorted(paths)[0])
+    getter = next((getattr(lib, n) for n in ("scipy_openblas_get_num_threads64_",
+                   "openblas_get_num_threads64_", "openblas_get_num_threads")
+                   if hasattr(lib, n)), None)  # fmt: skip
+    if getter is None:
+        pytest.skip("this OpenBLAS has no thread-count getter")
+    before = getter()
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "2")
+    assert limit_blas_threads(1) is False and getter() == before
+    monkeypatch.delenv("OPENBLAS_NUM_THREADS")
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    try:
+        assert limit_blas_threads(1) is True
+        assert getter() == 1, f"expected 1 OpenBLAS thread, got {getter()}"
+    finally:
+        lib_setter = next(getattr(lib, n) for n in ("scipy_openblas_set_num_threads64_",
+                          "openblas_set_num_threads64_", "openblas_set_num_threads")
+                          if hasattr(lib, n))  # fmt: skip
+        lib_setter(ctypes.c_int(before))
+
+
 # ---------------------------------------------------------------------------------- tokenizer
 
 

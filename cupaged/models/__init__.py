@@ -11,6 +11,7 @@ Public names::
     Llama, LlamaConfig    the model in array ops; prefill and decode through a PagedCache
     generate, Sampling    serve several prompts together (batched prefill and decode, swapping)
     add_cli_commands      the ``generate`` and ``model fetch`` subcommands, on an argparse parser
+    limit_blas_threads    one OpenBLAS thread on the CPU device (the commands set it; see .threads)
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from .fetch import MODELS, fetch
 from .generate import GenerationStats, Sampling, generate
 from .gguf import GGUFFile
 from .llama import Llama, LlamaConfig, load_weights
+from .threads import limit_blas_threads
 from .tokenizer import Tokenizer
 
 DTYPES = ("float32", "float16", "bfloat16")
@@ -61,4 +63,5 @@ def load_model(name: str, device: str | None = None, dtype: str = "float32",
 
 
 __all__ = ["DTYPES", "MODELS", "add_cli_commands", "GGUFFile", "GenerationStats", "Llama", "LlamaConfig", "Sampling",
-           "Tokenizer", "fetch", "generate", "load_model", "load_weights"]  # fmt: skip
+           "Tokenizer", "fetch", "generate", "limit_blas_threads", "load_model",
+           "load_weights"]  # fmt: skip

@@ -83,7 +83,7 @@ def fetch_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
 
 
 def generate_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from . import generate, load_model
+    from . import generate, limit_blas_threads, load_model
     from .generate import GenerationStats, Sampling
 
     for name, value, low in (("--max-new-tokens", args.max_new_tokens, 1),
@@ -98,6 +98,8 @@ def generate_command(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         parser.error(str(error))
     try:
         model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
+        if model.device == "cpu":
+            limit_blas_threads(1)  # small products: spinning BLAS threads cost more than they give
         if args.chat:
             texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}])
                      for p in args.prompts]  # fmt: skip
