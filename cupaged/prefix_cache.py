@@ -275,31 +275,34 @@ class PrefixCache:
             # The chain walk of :meth:`keys` and the lookups in one loop (a prompt's blocks are
             # many: the loop's own cost counts), while blocks hit; then the rest of the walk.
             data, width = tokens.tobytes(), self.block_size * TOKEN_DTYPE.itemsize
-            digest, fresh, digests, matching = chain.root, _BLAKE2B_16.copy, [], True
-            memo = self._memo
-            for j in range(full):
-                block_bytes = data[j * width : (j + 1) * width]
-                pair = (digest, block_bytes)
-                known = memo.get(pair) if matching else None
+            chunks = [data[at : at + width] for at in range(0, full * width, width)]
+            digest, fresh, digests = chain.root, _BLAKE2B_16.copy, []
+            memo, remember = self._memo, self._memo.get
+            for chunk in chunks[:lookable]:  # while blocks hit
+                pair = (digest, chunk)
+                known = remember(pair)
                 if known is None:
                     h = fresh()
-                    h.update(digest + block_bytes)
-                    digest = h.digest()
+                    h.update(digest + chunk)
+                    block = block_of.get(known := h.digest())
+                    if block is None or content_of[block] != known:
+                        break  # a miss, or a hash collision caught by the content check
+                    if len(memo) >= _MEMO_ENTRIES:
+                        memo.clear()
+                    memo[pair] = known
                 else:
-                    digest = known
-                digests.append(digest)
-                if matching:
-                    block = block_of.get(digest) if j < lookable else None
-                    # A miss, or a hash collision caught by the content check, ends the hits.
-                    if block is None or content_of[block] != digest:
-                        matching = False
-                    else:
-                        blocks.append(block)
-                        if known is None:
-                            if len(memo) >= _MEMO_ENTRIES:
-                                memo.clear()
-                            memo[pair] = digest
+                    block = block_of.get(known)
+                    if block is None or content_of[block] != known:
+                        break
+                blocks.append(block)
+                digests.append(known)
+                digest = known
             hits = len(blocks)
+            for chunk in chunks[hits:]:  # the rest of the walk: keys to register later
+                h = fresh()
+                h.update(digest + chunk)
+                digest = h.digest()
+                digests.append(digest)
             if hits:
                 chain.keys, chain.digests = digests[:hits], digests[:hits]
             rest = list(zip(digests[hits:], digests[hits:], strict=True))  # key = digest
