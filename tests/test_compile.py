@@ -21,6 +21,9 @@ DECODE_SHAPES = sorted(
     | {(128, bs) for bs in (1, 7, 32, 256)}
     | {(80, bs) for bs in (3, 255)}
 )
+# Decode layouts differ by GQA group (heads per thread, thread rows, token lanes): the other groups
+# at two head_dims (one padded).
+DECODE_GROUPS = (1, 2, 3, 5, 8, 16)
 # Prefill shapes: the head_dims the tests run, one odd, and the block-size extremes; every dtype.
 PREFILL_SHAPES = sorted({(hd, 16) for hd in (64, 80, 128, 256)} | {(128, bs) for bs in (1, 7, 256)})
 
@@ -38,10 +41,12 @@ def requested_names() -> dict[str, list[str]]:
                 name, _, _ = _launch.write_kv_launch(dtype, np.dtype(slot), 1, 256, aligned)
                 names["write_kv.cu"].add(name)
         for head_dim, block_size in DECODE_SHAPES:
-            for splits in (1, 2):
-                launch = _launch.decode_launch(dtype, 1, 1, 4, head_dim, block_size, 4096,
-                                               splits=splits)  # fmt: skip
-                names["paged_attention.cu"].update({launch.name, launch.merge_name})
+            launch = _launch.decode_launch(dtype, 1, 4, head_dim, block_size, 1)
+            names["paged_attention.cu"].update({launch.name, launch.merge_name})
+        for head_dim, group in ((hd, g) for hd in (80, 128) for g in DECODE_GROUPS):
+            names["paged_attention.cu"].add(
+                _launch.decode_launch(dtype, 1, group, head_dim, 16, 1).name
+            )
         for head_dim, block_size in PREFILL_SHAPES:
             for group in (1, 8):
                 launch = _launch.prefill_launch(dtype, 1, 1, group, head_dim, block_size, 64)

@@ -92,6 +92,29 @@ def _stamps(paths: Sequence[Path]) -> tuple:
     return tuple(stamps)
 
 
+# The fiber stacks of every library of a process come from one pool per stack size (runtime.h,
+# "Stacks"), the pool of the first library loaded with that size: a suite loads hundreds of kernel
+# libraries, and a pool each would exhaust the process's memory mappings. Libraries are never
+# unloaded, so the owner's functions stay valid.
+_stack_pools: dict[int, tuple[int, int]] = {}
+_stack_pools_lock = threading.Lock()
+
+
+def _share_stacks(lib: ctypes.CDLL) -> None:
+    lib.cupaged_cpu_stack_bytes.restype = ctypes.c_size_t
+    lib.cupaged_cpu_stack_pool_acquire.restype = ctypes.c_void_p
+    lib.cupaged_cpu_stack_pool_release.restype = ctypes.c_void_p
+    lib.cupaged_cpu_share_stacks.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    lib.cupaged_cpu_share_stacks.restype = None
+    size = lib.cupaged_cpu_stack_bytes()
+    with _stack_pools_lock:
+        if size not in _stack_pools:
+            acquire = lib.cupaged_cpu_stack_pool_acquire()
+            _stack_pools[size] = (acquire, lib.cupaged_cpu_stack_pool_release())
+        else:
+            lib.cupaged_cpu_share_stacks(*_stack_pools[size])
+
+
 class _Library:
     """One loaded build: the ctypes handle and the parameter list of each kernel."""
 
@@ -109,6 +132,7 @@ class _Library:
                 f"{path} has CPU-runtime ABI {abi}, expected {toolchain.ABI_VERSION}; "
                 f"delete the cache folder {path.parent}"
             )
+        _share_stacks(lib)
         lib.cupaged_cpu_kernel_count.restype = ctypes.c_int
         lib.cupaged_cpu_kernel_name.restype = ctypes.c_char_p
         lib.cupaged_cpu_kernel_name.argtypes = [ctypes.c_int]

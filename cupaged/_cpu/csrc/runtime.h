@@ -231,10 +231,15 @@ struct Worker {
 static __thread Worker* tls_worker;
 
 // ---- Stacks -------------------------------------------------------------------------------------
+// One pool of stack sets per process (per stack size), not one per library: module.py hands every
+// library it loads the pool functions of the first library it loaded with the same kStackBytes
+// (cupaged_cpu_share_stacks), and a worker takes a set for one launch and gives it back at its
+// end. Each stack costs two mappings (guard and stack); hundreds of kernel libraries in one
+// process, each keeping a set per OS thread, would exhaust vm.max_map_count (65,530 by default).
 static pthread_mutex_t stack_pool_mutex = PTHREAD_MUTEX_INITIALIZER;
 static StackSet* stack_pool;
 
-static StackSet* acquire_stacks(size_t count) {
+static StackSet* pool_acquire_stacks(size_t count) {
   pthread_mutex_lock(&stack_pool_mutex);
   StackSet** link = &stack_pool;
   while (*link != nullptr && (*link)->count < count) link = &(*link)->next;
@@ -261,12 +266,21 @@ static StackSet* acquire_stacks(size_t count) {
   return set;
 }
 
-static void release_stacks(StackSet* set) {
-  if (set == nullptr) return;
+static void pool_release_stacks(StackSet* set) {
   pthread_mutex_lock(&stack_pool_mutex);
   set->next = stack_pool;
   stack_pool = set;
   pthread_mutex_unlock(&stack_pool_mutex);
+}
+
+// This library's pool, or the one it was told to share (set before its first launch).
+static StackSet* (*acquire_stacks_fn)(size_t) = pool_acquire_stacks;
+static void (*release_stacks_fn)(StackSet*) = pool_release_stacks;
+
+static StackSet* acquire_stacks(size_t count) { return acquire_stacks_fn(count); }
+
+static void release_stacks(StackSet* set) {
+  if (set != nullptr) release_stacks_fn(set);
 }
 
 // ---- Errors ---------------------------------------------------------------------------------
@@ -1090,6 +1104,10 @@ static bool run_worker(Launch* L) {
     if (b >= L->num_blocks || !run_block(&w, b)) break;
   }
   tls_worker = saved;
+  // Back to the process's pool (see "Stacks"): no fiber of this launch runs again (a failed
+  // block's fibers are abandoned, never resumed).
+  release_stacks(c->stacks);
+  c->stacks = nullptr;
   return true;
 }
 
@@ -1229,6 +1247,21 @@ extern const int kernel_count;
 
 // Bumped whenever these signatures change; the loader checks it.
 CUPAGED_CPU_EXPORT int cupaged_cpu_abi_version() { return 2; }
+// The process-wide stack pool (runtime.h, "Stacks"): this library's pool functions and stack
+// size, and the setter that makes it use another library's pool of the same stack size.
+CUPAGED_CPU_EXPORT size_t cupaged_cpu_stack_bytes() { return cupaged_cpu::kStackBytes; }
+CUPAGED_CPU_EXPORT void* cupaged_cpu_stack_pool_acquire() {
+  // The owner's fork handler re-initialises its pool mutex in a forked child.
+  pthread_once(&cupaged_cpu::pool_fork_once, cupaged_cpu::register_fork_handler);
+  return reinterpret_cast<void*>(&cupaged_cpu::pool_acquire_stacks);
+}
+CUPAGED_CPU_EXPORT void* cupaged_cpu_stack_pool_release() {
+  return reinterpret_cast<void*>(&cupaged_cpu::pool_release_stacks);
+}
+CUPAGED_CPU_EXPORT void cupaged_cpu_share_stacks(void* acquire, void* release) {
+  cupaged_cpu::acquire_stacks_fn = reinterpret_cast<cupaged_cpu::StackSet* (*)(size_t)>(acquire);
+  cupaged_cpu::release_stacks_fn = reinterpret_cast<void (*)(cupaged_cpu::StackSet*)>(release);
+}
 CUPAGED_CPU_EXPORT int cupaged_cpu_kernel_count() { return cupaged_cpu::kernel_count; }
 CUPAGED_CPU_EXPORT const char* cupaged_cpu_kernel_name(int i) {
   return cupaged_cpu::kernel_table[i].name;
