@@ -204,6 +204,12 @@ class PrefixCache:
         # two byte strings: a prompt head that many requests share costs a dict lookup per block
         # after its first hit, not a hash. A pure function's cache: exact, whatever the pool holds.
         self._memo: dict[tuple[bytes, bytes], bytes] = {}
+        # Prompt heads that hit, by (root, their bytes): all their digests at once. The lengths
+        # tried (newest first) and the bytes held are bounded.
+        self._runs: dict[tuple[bytes, bytes], list[bytes]] = {}
+        self._run_keys: set[tuple[bytes, int]] = set()  # (root, length) of the runs held
+        self._run_lengths: list[int] = []
+        self._run_bytes = 0
 
     def chain(self, cache_salt: str | bytes | None = None) -> PrefixChain:
         """An empty chain: the one of a sequence with no full block yet."""
@@ -272,37 +278,8 @@ class PrefixCache:
         block_of, content_of = self.pool._block_of, self.pool._content_of
         blocks: list[int] = []
         if self._default:
-            # The chain walk of :meth:`keys` and the lookups in one loop (a prompt's blocks are
-            # many: the loop's own cost counts), while blocks hit; then the rest of the walk.
-            data, width = tokens.tobytes(), self.block_size * TOKEN_DTYPE.itemsize
-            chunks = [data[at : at + width] for at in range(0, full * width, width)]
-            digest, fresh, digests = chain.root, _BLAKE2B_16.copy, []
-            memo, remember = self._memo, self._memo.get
-            for chunk in chunks[:lookable]:  # while blocks hit
-                pair = (digest, chunk)
-                known = remember(pair)
-                if known is None:
-                    h = fresh()
-                    h.update(digest + chunk)
-                    block = block_of.get(known := h.digest())
-                    if block is None or content_of[block] != known:
-                        break  # a miss, or a hash collision caught by the content check
-                    if len(memo) >= _MEMO_ENTRIES:
-                        memo.clear()
-                    memo[pair] = known
-                else:
-                    block = block_of.get(known)
-                    if block is None or content_of[block] != known:
-                        break
-                blocks.append(block)
-                digests.append(known)
-                digest = known
+            blocks, digests = self._match_default(tokens.tobytes(), chain.root, full, lookable)
             hits = len(blocks)
-            for chunk in chunks[hits:]:  # the rest of the walk: keys to register later
-                h = fresh()
-                h.update(digest + chunk)
-                digest = h.digest()
-                digests.append(digest)
             if hits:
                 chain.keys, chain.digests = digests[:hits], digests[:hits]
             rest = list(zip(digests[hits:], digests[hits:], strict=True))  # key = digest
@@ -323,6 +300,79 @@ class PrefixCache:
         stats.misses += full - hits
         stats.cached_tokens += hits * self.block_size
         return blocks, chain, rest
+
+    def _match_default(
+        self, data: bytes, root: bytes, full: int, lookable: int
+    ) -> tuple[list[int], list[bytes]]:
+        """The default hasher's match over a prompt's bytes: the hit blocks, and the digests (=
+        keys) of its ``full`` full blocks.
+
+        Three phases: (1) a prompt head that an earlier match hit (the runs: its bytes, compared
+        exactly, give all its digests in one lookup); (2) block after block while blocks hit
+        (the memo saves the hash of a block that hit before); (3) the hashes of the blocks after
+        the hits, which admission registers once their K/V are written. Every digest is the
+        BLAKE2b chain of :meth:`keys`, however it was found.
+        """
+        width = self.block_size * TOKEN_DTYPE.itemsize
+        block_of, content_of = self.pool._block_of, self.pool._content_of
+        blocks: list[int] = []
+        digests: list[bytes] = []
+        for length in self._run_lengths:  # (1)
+            if length > lookable:
+                continue
+            known = self._runs.get((root, data[: length * width]))
+            if known is None:
+                continue
+            blocks = list(map(block_of.get, known))
+            if None in blocks:  # evicted since: the hits end at the first one gone
+                del blocks[blocks.index(None) :]
+            contents = list(map(content_of.__getitem__, blocks))
+            if contents != known[: len(blocks)]:  # a collision: the content check ends them
+                del blocks[[c == d for c, d in zip(contents, known, strict=False)].index(False) :]
+            digests = list(known)
+            break
+        fresh = _BLAKE2B_16.copy
+        digest = digests[-1] if digests else root
+        if len(blocks) == len(digests):  # (2): no run, or all of it hit
+            memo, remember = self._memo, self._memo.get
+            for j in range(len(digests), lookable):
+                chunk = data[j * width : (j + 1) * width]
+                known = remember((digest, chunk))
+                if known is None:
+                    h = fresh()
+                    h.update(digest + chunk)
+                    block = block_of.get(known := h.digest())
+                    if block is None or content_of[block] != known:
+                        break  # a miss, or a hash collision caught by the content check
+                    if len(memo) >= _MEMO_ENTRIES:
+                        memo.clear()
+                    memo[(digest, chunk)] = known
+                else:
+                    block = block_of.get(known)
+                    if block is None or content_of[block] != known:
+                        break
+                blocks.append(block)
+                digests.append(known)
+                digest = known
+        hits = len(blocks)
+        for j in range(len(digests), full):  # (3)
+            h = fresh()
+            h.update(digest + data[j * width : (j + 1) * width])
+            digest = h.digest()
+            digests.append(digest)
+        if hits >= _MIN_RUN:  # remember this head for the next request that shares it
+            if (root, hits) not in self._run_keys:
+                if self._run_bytes + hits * width > _RUN_BYTES:
+                    self._runs.clear()
+                    self._run_keys.clear()
+                    self._run_bytes = 0
+                self._runs[(root, data[: hits * width])] = digests[:hits]
+                self._run_keys.add((root, hits))
+                self._run_bytes += hits * width
+            if not self._run_lengths or self._run_lengths[0] != hits:
+                lengths = [hits, *(n for n in self._run_lengths if n != hits)]
+                self._run_lengths = lengths[:_RUN_LENGTHS]
+        return blocks, digests
 
     def extend(self, chain: PrefixChain, tokens: Any, blocks: Sequence[int] | np.ndarray) -> None:
         """Register ``blocks`` (in use) as the full blocks that follow ``chain``, holding
@@ -357,6 +407,11 @@ class PrefixCache:
 
 # Entries of PrefixCache._memo (about 250 bytes each) before it starts over.
 _MEMO_ENTRIES = 1 << 14
+# PrefixCache._runs: heads of at least this many blocks, of at most this many lengths at a time,
+# up to this many bytes of prompts in all before it starts over.
+_MIN_RUN = 4
+_RUN_LENGTHS = 4
+_RUN_BYTES = 8 << 20
 
 # BLAKE2b-128 of ``parent + data``: copying a prepared state is faster than parsing the keyword
 # arguments of a new one.

@@ -240,3 +240,41 @@ def test_swap_works_without_prefix_caching(rng):
     cache.swap_in(sid)
     np.testing.assert_array_equal(cache.gather_kv(sid)[0], k)
     cache.check_invariants()
+
+
+def _bare_prefix(num_blocks=64):
+    pool = cupaged.BlockPool(num_blocks)
+    return pool, cupaged.PrefixCache(pool, block_size=BS)
+
+
+def test_remembered_heads_and_block_hashes_give_the_keys_of_the_chain_walk():
+    """The admission memos (a prompt head that hit, a block that hit) are caches of BLAKE2b:
+    every match gives the same blocks and keys as the plain chain walk, through evictions,
+    a salt and a head shorter than the one remembered."""
+    pool, prefix = _bare_prefix()
+    head = list(range(100, 100 + 6 * BS))  # 6 full blocks shared by every request
+    own = pool.allocate(6)
+    prefix.extend(prefix.chain(), head, own)
+    walk = prefix.keys(prefix.chain(), np.array(head, np.int64))
+    for tail in ([1], [2, 3], list(range(BS + 1))):  # the first match remembers the head
+        blocks, chain = prefix.match(head + tail)
+        assert blocks == own and chain.keys == [key for key, _ in walk]
+    assert prefix._run_lengths == [6] and prefix._memo
+    blocks, chain = prefix.match(head[: 3 * BS] + [7])  # shorter than the head remembered
+    assert blocks == own[:3] and chain.keys == [key for key, _ in walk[:3]]
+    assert prefix.match(head + [1], cache_salt="other")[0] == []  # the salt is in the key
+    pool.decref(own[::-1])  # all evictable, the last block first
+    pool.allocate(60)  # the 58 free blocks, then the LRU's first two: own[5], own[4]
+    assert prefix.match(head + [1])[0] == own[:4]  # the remembered head stops at the first gone
+    pool._content_of[own[2]] = b"not the prefix"  # what a collision would look like
+    assert prefix.match(head + [1])[0] == own[:2]  # the content check still ends the hits
+
+
+def test_the_remembered_heads_are_bounded(monkeypatch):
+    monkeypatch.setattr(cupaged.prefix_cache, "_RUN_BYTES", 5 * BS * 8)
+    pool, prefix = _bare_prefix()
+    for first in (0, 1000):  # two heads of 4 blocks each: the second clears the first
+        head = list(range(first, first + 4 * BS))
+        prefix.extend(prefix.chain(), head, pool.allocate(4))
+        assert len(prefix.match(head + [1])[0]) == 4
+        assert len(prefix._runs) == 1 and prefix._run_bytes == 4 * BS * 8
