@@ -16,7 +16,8 @@ With chunked prefill (``prefill_chunk=N``) an admitted prompt is not computed at
 sequence starts with the cached prefix attached (``add_sequence(prompt)``), and each step
 computes the next chunk of at most ``N`` prompt tokens of every prefilling sequence together
 with one token of every decoding sequence, in one mixed step (``step(..., tables=True)`` once,
-then ``write_kv`` + ``paged_prefill`` per layer), as a serving engine does::
+then per layer one ``write_kv``, ``paged_prefill`` for the chunks and ``paged_attention`` for
+the decode rows), as a serving engine does::
 
     step t    seq A  [chunk of N prompt tokens]      seq B [1 decode token]   seq C [1]
     step t+1  seq A  [the last 5 prompt tokens]      seq B [1]                seq C [1]
@@ -250,7 +251,7 @@ class Engine:
         self, running: list[_Running], swapped: deque[_Running], result: EngineResult
     ) -> None:
         """One step of chunked prefill: the next prompt chunk of every prefilling sequence and
-        one token of every decoding one, in one ``step`` and one forward (``paged_prefill``)."""
+        one token of every decoding one, in one ``step`` and one forward (``Llama.forward``)."""
         cache, model, chunk = self.cache, self.model, self.prefill_chunk
         assert chunk is not None
         while True:
