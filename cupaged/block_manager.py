@@ -252,9 +252,7 @@ class BlockManager:
         self._pool = BlockPool(num_blocks)
         self.prefix_caching = bool(enable_prefix_caching)
         self._prefix = PrefixCache(self._pool, block_size, block_hasher)
-        self._seqs = SequenceTable(
-            tail_width=block_size if self.prefix_caching else 0, block_size=block_size
-        )
+        self._seqs = SequenceTable(tail_width=block_size if self.prefix_caching else 0)
         self._offsets = np.arange(block_size, dtype=np.int32)  # slot offsets within a block
         self._rows: dict[int, int] = {}  # live sequence id -> row
         self._chains: dict[int, PrefixChain] = {}  # row -> prefix chain (prefix caching only)

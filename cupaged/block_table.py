@@ -41,10 +41,7 @@ if TYPE_CHECKING:
 class SequenceTable:
     """The rows of the live sequences; grows by doubling (rows and width apart)."""
 
-    def __init__(
-        self, tail_width: int = 0, rows: int = 16, width: int = 16, block_size: int = 0
-    ) -> None:
-        self._block_size_hint = block_size  # tokens per block, for row_state (0: unknown)
+    def __init__(self, tail_width: int = 0, rows: int = 16, width: int = 16) -> None:
         self.tables = np.zeros((rows, width), np.int32)
         self.flat = self.tables.reshape(-1)  # the same memory: entry row * width + j
         self.lens = np.zeros(rows, np.int32)
@@ -119,25 +116,6 @@ class SequenceTable:
                 array[rows, : saved.shape[-1]] = saved
             else:
                 array[rows] = saved
-
-    def row_state(self, row: int) -> tuple:
-        """:meth:`snapshot` of one row, its table cut to the blocks in use (the cheap undo)."""
-        length = int(self.lens[row])
-        held = (
-            cdiv(length, self._block_size_hint) if self._block_size_hint else self.tables.shape[1]
-        )
-        tail = self.tail[row].copy() if self.tail.shape[1] else None
-        return (self.tables[row, :held].copy(), length, int(self.sids[row]), int(self.live[row]),
-                bool(self.shared[row]), bool(self.pending[row]), tail, int(self.version[row]))  # fmt: skip
-
-    def set_row_state(self, row: int, state: tuple) -> None:
-        self.epoch += 1  # residency may change back
-        blocks, self.lens[row], self.sids[row], self.live[row], *rest = state
-        self.shared[row], self.pending[row], tail, self.version[row] = rest
-        self.tables[row] = 0
-        self.tables[row, : blocks.size] = blocks
-        if tail is not None:
-            self.tail[row] = tail
 
     def free_rows_mark(self) -> int:
         return len(self._free_rows)
