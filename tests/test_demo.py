@@ -7,6 +7,7 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -220,6 +221,15 @@ def test_engine_refuses_a_chunk_of_no_tokens(model):
     cache = model.make_cache(40, 8)
     with pytest.raises(ValueError, match="--prefill-chunk: expected at least 1 token, got 0"):
         Engine(model, cache, prefill_chunk=0)
+
+
+def test_the_readme_main_command_is_the_one_ci_runs():
+    root = Path(__file__).resolve().parent.parent
+    readme, ci = (root / "README.md").read_text(), (root / ".ci" / "run").read_text()
+    commands = re.findall(r"^python3 -m venv \.venv && .*$", readme, flags=re.M)
+    assert len(commands) == 1, commands
+    assert commands[0] in ci.splitlines(), f"expected .ci/run to run {commands[0]!r}"
+    assert commands[0].endswith("cupaged demo --model smollm2"), commands[0]
 
 
 def test_cli_chunked_prefill_run(tmp_path):
