@@ -93,6 +93,33 @@ __device__ __forceinline__ void unpack(const __nv_bfloat16* p, float (&f)[8]) {
   }
 }
 
+// dot[k] += q row (k * ROW_STEP) . k_row for k < NUM_ROWS: each 16-byte part of K is read once
+// for all rows, each q part is a 128-bit read of one address per row group (a broadcast).
+// (Skipping the rows past the live ones here too, with one copy of the loop per count, cost
+// more registers than the 128 the launch bounds allow; P V skips them.)
+template <int NUM_ROWS, int ROW_STEP, int HEAD_DIM, typename T>
+__device__ __forceinline__ void dot_rows(float (&dot)[NUM_ROWS], const T* k_row,
+                                         const float* q_rows) {
+  constexpr int VEC = 16 / sizeof(T);
+#pragma unroll 2
+  for (int part = 0; part < HEAD_DIM / VEC; ++part) {
+    float kf[VEC];
+    unpack(k_row + part * VEC, kf);
+#pragma unroll
+    for (int k = 0; k < NUM_ROWS; ++k) {
+      const float* q_part = q_rows + k * ROW_STEP * HEAD_DIM + part * VEC;
+#pragma unroll
+      for (int e = 0; e < VEC; e += 4) {
+        const float4 qv = *reinterpret_cast<const float4*>(q_part + e);
+        dot[k] += qv.x * kf[e];  // one statement each: four FMAs, no separate add
+        dot[k] += qv.y * kf[e + 1];
+        dot[k] += qv.z * kf[e + 2];
+        dot[k] += qv.w * kf[e + 3];
+      }
+    }
+  }
+}
+
 }  // namespace prefill
 
 // Grid: (query_tiles * head_chunks * num_splits, num_kv_heads, num_seqs), x = (query tile *
@@ -240,9 +267,16 @@ __global__ void __launch_bounds__(THREADS, 4)
     q_s[i] = value;
   }
 
-  // Scoring: lane `key` of its row group takes token `key` of each tile, rows score_row(k).
+  // Rows past the last live one (a decode row's block: heads_here of ROWS; a short last tile)
+  // hold no query: no softmax in a warp whose rows are all past it, no P V, and nothing reads
+  // their weights or sums.
+  const int live_rows = (rows_here - 1) * heads + heads_here;
+  // Scoring: lane `key` of its row group takes token `key` of each tile, rows
+  // row_base + k * ROW_STEP; the warp's first row group has the most live ones.
   const int key = lane % TILE;
   const int row_base = warp * ROW_LANES + lane / TILE;
+  const int warp_live =
+      max(0, min(SCORE_ROWS, ceil_div(live_rows - warp * ROW_LANES, ROW_STEP)));
   float m[SCORE_ROWS];
   float l[SCORE_ROWS];
   int position[SCORE_ROWS];  // the row's query position; -1 for a padding row (sees nothing)
@@ -256,12 +290,14 @@ __global__ void __launch_bounds__(THREADS, 4)
   }
   // Accumulating: items tid + u * THREADS, (row, part) = (item / PARTS, item % PARTS).
   float acc[ITEMS][VEC];
-  int item_row[ITEMS];
+  int item_row[ITEMS];  // -1: no item, or a row past the live ones
   const int item_part = tid % PARTS;  // every item's part when ONE_PART
+  bool any_item = false;
 #pragma unroll
   for (int u = 0; u < ITEMS; ++u) {
     const int item = tid + u * THREADS;
-    item_row[u] = item < ROWS * PARTS ? item / PARTS : -1;
+    item_row[u] = item < ROWS * PARTS && item / PARTS < live_rows ? item / PARTS : -1;
+    any_item = any_item || item_row[u] >= 0;
 #pragma unroll
     for (int e = 0; e < VEC; ++e) acc[u][e] = 0.0f;
   }
@@ -286,25 +322,11 @@ __global__ void __launch_bounds__(THREADS, 4)
 #pragma unroll
     for (int k = 0; k < SCORE_ROWS; ++k) dot[k] = 0.0f;
     const T* k_row = k_tile + key * STRIDE;
-#pragma unroll 2
-    for (int part = 0; part < PARTS; ++part) {
-      float kf[VEC];
-      prefill::unpack(k_row + part * VEC, kf);
-#pragma unroll
-      for (int k = 0; k < SCORE_ROWS; ++k) {
-        const float* q_part = q_s + (row_base + k * ROW_STEP) * HEAD_DIM + part * VEC;
-#pragma unroll
-        for (int e = 0; e < VEC; e += 4) {
-          const float4 qv = *reinterpret_cast<const float4*>(q_part + e);
-          dot[k] += qv.x * kf[e];  // one statement each: four FMAs, no separate add
-          dot[k] += qv.y * kf[e + 1];
-          dot[k] += qv.z * kf[e + 2];
-          dot[k] += qv.w * kf[e + 3];
-        }
-      }
-    }
+    const float* q_rows = q_s + row_base * HEAD_DIM;
+    prefill::dot_rows<SCORE_ROWS, ROW_STEP, HEAD_DIM>(dot, k_row, q_rows);
 #pragma unroll
     for (int k = 0; k < SCORE_ROWS; ++k) {
+      if (k >= warp_live) break;  // the same for the whole warp: its shuffles stay whole
       const int r = row_base + k * ROW_STEP;
       const bool valid = position[k] >= 0 && key < count && (!causal || first + key <= position[k]);
       const float score = valid ? dot[k] : neg_inf();
@@ -345,8 +367,10 @@ __global__ void __launch_bounds__(THREADS, 4)
       const int token = item_row[u] / heads;
       visible[u] = crosses ? max(0, min(TILE, first_position + token - first + 1)) : TILE;
     }
+    // A thread (a warp, mostly) whose items are all past the live rows skips the loop; a dead
+    // item of a live thread is predicated off (its instructions still issue).
 #pragma unroll 2
-    for (int t = 0; t < TILE; t += 4) {
+    for (int t = 0; t < (any_item ? TILE : 0); t += 4) {
       float p[ITEMS][4];
 #pragma unroll
       for (int u = 0; u < ITEMS; ++u) {
