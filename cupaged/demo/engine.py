@@ -233,12 +233,7 @@ class Engine:
                 logits = model.decode(cache, self._batch, [r.generated[-1] for r in running])
                 break
             except OutOfBlocksError:
-                victim = max(running, key=lambda r: (r.admitted_step, r.sid))
-                running.remove(victim)
-                cache.swap_out(victim.sid)
-                swapped.append(victim)
-                result.preemptions += 1
-                if not running:
+                if not self._preempt(running, swapped, result):
                     return
         host = to_numpy(logits)
         self._check([(seq, row) for seq, row in zip(running, host, strict=True)], result)
@@ -270,12 +265,7 @@ class Engine:
                                   tokens=tokens, tables=True)  # fmt: skip
                 break
             except OutOfBlocksError:
-                victim = max(running, key=lambda r: (r.admitted_step, r.sid))
-                running.remove(victim)
-                cache.swap_out(victim.sid)
-                swapped.append(victim)
-                result.preemptions += 1
-                if not running:
+                if not self._preempt(running, swapped, result):
                     return
         last_rows = plan.query_start_loc[1:] - 1  # each sequence's last token
         logits = to_numpy(model.forward(cache, plan, np.concatenate(tokens),
@@ -295,6 +285,18 @@ class Engine:
         for seq, row in decoded:
             seq.generated.append(self._sample(row[None], [seq.rng])[0])
         self._finish_done(running, result)
+
+    def _preempt(
+        self, running: list[_Running], swapped: deque[_Running], result: EngineResult
+    ) -> bool:
+        """The step did not fit: swap the most recently admitted sequence out to host memory.
+        Returns whether any sequence is left to retry the step with."""
+        victim = max(running, key=lambda r: (r.admitted_step, r.sid))
+        running.remove(victim)
+        self.cache.swap_out(victim.sid)
+        swapped.append(victim)
+        result.preemptions += 1
+        return bool(running)
 
     def _finish_done(self, running: list[_Running], result: EngineResult) -> None:
         def done(seq: _Running) -> bool:
