@@ -353,7 +353,7 @@ class BlockManager:
             The :class:`Admission`: write K/V of ``prompt[num_cached_tokens:]`` to its slots.
         """
         prompt = token_array(prompt, "prompt")
-        salt = as_salt(cache_salt)
+        salt = None if cache_salt is None else as_salt(cache_salt)
         with self._atomic:
             return self._admit(prompt, salt)
 
@@ -361,7 +361,10 @@ class BlockManager:
         stats = self._prefix.stats
         counters = (stats.hits, stats.misses, stats.cached_tokens)
         bs = self._block_size
-        hits, chain, keys = self._match(prompt, salt)
+        if self.prefix_caching:
+            hits, chain, keys = self._prefix.match_unchecked(prompt, salt)
+        else:
+            hits, chain, keys = [], None, []
         n_hits, n = len(hits), len(prompt)
         cached = n_hits * bs
         if n_hits:
@@ -538,15 +541,19 @@ class BlockManager:
                 return StepPlan(slot, _NO_COPIES, _NO_COPIES, 1, 1)
         rows = self._batch_rows(sids)
         counts = self._counts(num_tokens, rows.size)
-        single = isinstance(sids, (int, np.integer))
-        new_tokens = self._check_tokens(single, rows.size, counts, tokens)
+        if tokens is None and not self.prefix_caching:
+            new_tokens = None  # what _check_tokens gives: nothing to check
+        else:
+            single = isinstance(sids, (int, np.integer))
+            new_tokens = self._check_tokens(single, rows.size, counts, tokens)
         bases = None
         if type(sids) is SequenceBatch:
             width = self._seqs.width
             bases = sids._bases if sids._bases_width == width else sids.flat_bases(width)
         with self._atomic:
             slots, src, dst = self._plan(rows, counts, new_tokens, None, bases)
-        plan = StepPlan(self._xp.asarray(slots), src, dst, counts, rows.size)
+        plan = StepPlan(slots if self._xp is np else self._xp.asarray(slots), src, dst, counts,
+                        rows.size)  # fmt: skip
         if tables:
             plan.block_tables, plan.context_lens = self._tables(rows, sids)
         return plan
@@ -941,7 +948,8 @@ class BlockManager:
         if registering:  # the chains that commit or fill a block: few rows of the batch
             touched = table.pending[rows] | (offset == bs - 1)
             self._atomic.undo.append(self._chains_restorer(rows[touched].tolist()))
-        self._commit_rows(rows)  # this step of theirs: the last step's K/V were written
+        if self.prefix_caching:
+            self._commit_rows(rows)  # this step of theirs: the last step's K/V were written
         if crossing.size:
             new = pool.take(crossing.size)
             table.flat[at] = new
@@ -1190,7 +1198,7 @@ class BlockManager:
 
     def _batch_rows(self, sids: Any) -> np.ndarray:
         """Rows of a batch of resident, distinct sequences."""
-        if isinstance(sids, SequenceBatch):
+        if type(sids) is SequenceBatch or isinstance(sids, SequenceBatch):
             rows = sids._rows
             table = self._seqs
             if sids._epoch != table.epoch or sids._manager is not self:

@@ -207,6 +207,7 @@ class SequenceBatch:
     def __init__(self, manager: BlockManager, sids: np.ndarray, rows: np.ndarray, xp: ModuleType):
         self._manager = manager
         self._sids = sids
+        self._members = set(sids.tolist())  # the ids, for replace's check that they stay distinct
         self._sids_view = sids.view()  # follows replace(); callers cannot write through it
         self._sids_view.flags.writeable = False
         self._rows = rows
@@ -234,8 +235,11 @@ class SequenceBatch:
         if not 0 <= position < len(self):
             raise IndexError(f"expected a position in [0, {len(self)}), got {position}")
         row = self._manager._resident_row(sid)
-        if self._sids[position] != sid and np.count_nonzero(self._sids == sid):
+        old = self._sids.item(position)
+        if old != sid and sid in self._members:
             raise ValueError(f"expected distinct sequence ids, got {sid} twice in the batch")
+        self._members.discard(old)
+        self._members.add(int(sid))
         self._sids[position] = sid
         self._rows[position] = row
         if self._bases_width:
