@@ -284,7 +284,7 @@ def build_parser() -> tuple[
         "--prompt-len",
         type=int,
         default=d.prompt_len,
-        help="median prompt length, tokens (lognormal)",
+        help="median prompt length, tokens (lognormal; the seeded model only)",
     )
     add("--new-tokens", type=int, default=d.new_tokens, help="median tokens generated per sample")
     add(
@@ -297,14 +297,14 @@ def build_parser() -> tuple[
         "--system-prompt",
         type=int,
         default=d.system_prompt,
-        help="tokens of the system prompt that half the requests share",
+        help="tokens of the system prompt that half the requests share (the seeded model only)",
     )
     add("--block-size", type=int, default=d.block_size, help="tokens per cache block")
     add(
         "--num-blocks",
         type=int,
         default=d.num_blocks,
-        help="blocks in the pool (the default is small enough to force swapping)",
+        help="blocks in the pool (the default makes the seeded run swap)",
     )
     add("--max-batch", type=int, default=d.max_batch, help="most sequences decoding at once")
     add(
