@@ -15,7 +15,8 @@
 // paged_decode: one thread block per (KV head, item), a 3-D block of BDX x BDY x BDZ threads:
 //
 //   tx (BDX lanes)  across the head vector: lane tx owns the 16-byte vectors tx, tx + BDX, ... of
-//                   a row (8 elements for 16-bit types, 2 x 4 for float); lanes past the row idle
+//                   a row (8 or 16 elements: 1 or 2 vectors of a 16-bit type, 2 or 4 of float);
+//                   in a padded layout (head_dim 80 at fp16: 10 vectors on 16 lanes) some idle
 //   ty (BDY)        over the group: thread ty serves query heads ty * HPT .. ty * HPT + HPT - 1
 //                   (HPT = ceil(G / BDY)), its scaled q rows and accumulators in registers
 //   tz (BDZ)        over tokens: a stage of TILE = BDZ * TPZ tokens, tz takes tokens
