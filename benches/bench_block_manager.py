@@ -18,14 +18,17 @@ v1's and nano-vllm's block managers measured the same way:
   is done the engine's way: the step returns the (src, dst) pairs and one ``copy_blocks`` call
   runs them (CPU backend, one layer). ``per_step`` appends one token per beam per step (64
   steps), ``bulk`` the 64 tokens in one step.
-- the per-token ``step`` of W1a (one call per sequence), against which the batched step is judged.
+- the per-token calls of W1a (``step(sid)`` and ``reserve(sid, 1)``, one call per sequence),
+  against which the batched step is judged.
 
-Times are per step, request or scenario (``extra_info``: ``us_per_step`` etc.), medians of the
-rounds. The harness (finding finished sequences, drawing lengths) is included, as it was for the
+Times are per step, request or scenario (``extra_info``: ``us_per_step`` etc.; W3b also gives
+``us_copy``, the copy's median share), medians of the rounds. The harness (finding finished sequences, drawing lengths) is included, as it was for the
 other block managers.
 """
 
 from __future__ import annotations
+
+import time
 
 import numpy as np
 import pytest
@@ -95,25 +98,36 @@ def test_decode_step(benchmark, workload):
         state.manager.check_invariants()
 
 
-def test_decode_step_per_token(benchmark):
-    """W1a with one ``step`` call per sequence: what the batched step is judged against."""
+@pytest.mark.parametrize("api", ["step", "reserve"])
+def test_decode_step_per_token(benchmark, api):
+    """W1a with one call per sequence: what the batched step is judged against.
+
+    ``step``: ``BlockManager.step(sid)``; ``reserve``: ``PagedCache.reserve(sid, 1)`` (the
+    per-token call of the issue), both for an int id, one token each.
+    """
     steps = 200
-    state = DecodeWorkload(prefix_caching=False, steps=steps)
-    sids = state.batch.sids.tolist()
+    if api == "step":
+        state = DecodeWorkload(prefix_caching=False, steps=steps)
+        call, sids = state.manager.step, state.batch.sids.tolist()
+    else:
+        cache = PagedCache(NUM_BLOCKS, block_size=BLOCK_SIZE, num_layers=1, num_kv_heads=1,
+                           head_dim=64, dtype="float16", device="cpu")  # fmt: skip
+        sids = [cache.admit([token]).sid for token in range(BATCH)]
+        call = cache.reserve
 
     def run():
         for _ in range(steps):
             for sid in sids:
-                state.manager.step(sid)
+                call(sid, 1)
 
     benchmark.pedantic(run, rounds=5, iterations=1)
     median = benchmark.stats.stats.median
     benchmark.extra_info.update(
-        workload="W1a per token", batch=BATCH, steps=steps,
+        workload=f"W1a per token ({api})", batch=BATCH, steps=steps,
         us_per_step=round(median * 1e6 / steps, 1),
         us_per_sequence=round(median * 1e6 / steps / BATCH, 3),
     )  # fmt: skip
-    state.manager.check_invariants()
+    (state.manager if api == "step" else cache).check_invariants()
 
 
 @pytest.mark.parametrize("num_blocks", [NUM_BLOCKS, 4 * NUM_BLOCKS])
@@ -162,20 +176,25 @@ def test_beam_search(benchmark, mode):
         cache.reserve(roots[-1], 1032)
         return (roots[-1],), {}
 
+    copy_times = []  # the copy's own share of each scenario (the CPU backend's kernel)
+
+    def apply(plan):
+        start = time.perf_counter()
+        cache.apply_copies(plan.copy_src, plan.copy_dst)
+        copy_times.append(time.perf_counter() - start)
+        return plan.copy_src.size
+
     def scenario(root):
         children = cache.fork_many(root, beams)
         batch = cache.batch(children)
         copied = 0
         if mode == "bulk":
-            plan = cache.step(batch, new_tokens, apply_copies=False)
-            cache.apply_copies(plan.copy_src, plan.copy_dst)
-            copied += plan.copy_src.size
+            copied += apply(cache.step(batch, new_tokens, apply_copies=False))
         else:
             for _ in range(new_tokens):
                 plan = cache.step(batch, 1, apply_copies=False)
                 if plan.copy_src.size:
-                    cache.apply_copies(plan.copy_src, plan.copy_dst)
-                    copied += plan.copy_src.size
+                    copied += apply(plan)
         cache.free_many([*children, root])
         return copied
 
@@ -187,4 +206,5 @@ def test_beam_search(benchmark, mode):
     benchmark.extra_info.update(
         workload=f"W3b {mode}", context=1032, beams=beams, new_tokens=new_tokens,
         block_size=BLOCK_SIZE, us_per_scenario=round(median * 1e6, 1),
+        us_copy=round(float(np.median(copy_times)) * 1e6, 1),
     )  # fmt: skip

@@ -347,11 +347,11 @@ class BlockPool:
 
     def share(self, blocks: np.ndarray, n: int) -> None:
         """Add ``n`` references to each of ``blocks`` (distinct, in use, unchecked): a fork."""
-        if blocks.dtype != np.intp:
-            blocks = blocks.astype(np.intp)
+        blocks = blocks.astype(np.intp)  # a copy: the journal keeps it
+        held = self._refcount[blocks]
         if self._journal is not None:
-            self._journal.append(("acquire", blocks.copy(), self._refcount[blocks]))
-        self._refcount[blocks] += n
+            self._journal.append(("acquire", blocks, held))
+        self._refcount[blocks] = held + n
 
     def unshare(self, blocks: np.ndarray, counts: np.ndarray) -> None:
         """Drop ``counts[i]`` references from ``blocks[i]`` (distinct ids, each keeping at least
