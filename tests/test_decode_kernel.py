@@ -94,6 +94,7 @@ CASES = [
     ("float32", 256, 256, 1),
     ("float16", 256, 5, 5),
     ("bfloat16", 96, 16, 6),
+    ("float32", 64, 16, 24),  # past 16: three query heads per thread
 ]
 
 
