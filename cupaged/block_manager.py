@@ -385,7 +385,7 @@ class BlockManager:
             full = n_hits + len(keys)
             self._extend_chain(row, keys)
             table.tail[row, : n - full * bs] = prompt[full * bs :]
-        return Admission(sid, cached, self._xp.asarray(slots))
+        return Admission(sid, cached, slots if self._xp is np else self._xp.asarray(slots))
 
     def _reserve_fresh(self, row: int, held: int, n: int, needed: int) -> np.ndarray:
         """Slots for ``n`` tokens after the ``held`` full blocks of a row just attached: ``needed``
@@ -485,11 +485,12 @@ class BlockManager:
         caching it does nothing.
         """
         if isinstance(sids, (int, np.integer)):
-            rows = [self._resident_row(sids)]
+            rows = self._resident_rows([sids])
         else:
             rows = self._batch_rows(sids).tolist()
-        if not self.prefix_caching:
-            return
+        pending = self._seqs.pending
+        if not self.prefix_caching or not any(pending.item(row) for row in rows):
+            return  # nothing to register
         with self._atomic as atomic:
             atomic.undo.append(self._chains_restorer(rows))
             self._commit_rows(rows)
@@ -1160,9 +1161,13 @@ class BlockManager:
         their K/V are known written: see :meth:`commit`."""
         if keys:
             chain = self._chains[row]
-            for key, digest in keys:
-                chain.keys.append(key)
-                chain.digests.append(digest)
+            if len(keys) == 1:
+                chain.keys.append(keys[0][0])
+                chain.digests.append(keys[0][1])
+            else:
+                new_keys, new_digests = zip(*keys, strict=True)
+                chain.keys += new_keys
+                chain.digests += new_digests
             self._seqs.pending[row] = True
 
     def _commit_rows(self, rows: Any) -> None:
