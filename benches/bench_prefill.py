@@ -8,7 +8,15 @@ only compare runs on this machine, never a GPU):
 - ``chunks``: 8 sequences, a chunk each after a cached prefix (GPU 8 x 256 after 1,024;
   CPU 8 x 32 after 128);
 - ``mixed``: prefill chunks and decode rows in one call (GPU 4 chunks of 128 after 1,024 plus 64
-  decode rows at 1,024; CPU 4 chunks of 32 after 128 plus 16 decode rows at 128).
+  decode rows at 1,024; CPU 4 chunks of 32 after 128 plus 16 decode rows at 128);
+- ``long_prefix``: one sequence, a short chunk after a long cached prefix, where split-K matters
+  (GPU 64 new tokens after 16,384; CPU 16 after 2,048).
+
+Besides ``fused`` (the launch table's plan), two variants of the fused kernel answer the plan's
+questions (docs/prefill.md): ``one_split`` runs ``long_prefix`` with ``num_splits=1`` (against the
+plan's split-K), and ``two_launches`` runs ``mixed`` as ``paged_prefill`` over the chunks plus
+``paged_attention`` over the decode rows, into one output (against one launch); their sub-batches
+are cut before the timed region, as a step's plan would, once for all layers.
 
 Every benchmark records, in ``extra_info``, the bytes it must move and the FLOPs it must do (see
 ``bandwidth.py``: K/V read once per sequence, Q and the output once; masked tokens not counted),
@@ -22,7 +30,7 @@ import pytest
 from bandwidth import gb_per_s, prefill_attention_bytes, prefill_attention_flops, synchronized
 
 import cupaged
-from cupaged import from_float, to_float
+from cupaged import _launch, from_float, to_float
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 8, 2, 128, 16
 ON_GPU = cupaged.resolve_device(None) == "cuda"
@@ -32,12 +40,14 @@ WORKLOADS = (
         "prompt": [(2048, 2048)],
         "chunks": [(1024 + 256, 256)] * 8,
         "mixed": [(1024 + 128, 128)] * 4 + [(1024, 1)] * 64,
+        "long_prefix": [(16384 + 64, 64)],
     }
     if ON_GPU
     else {
         "prompt": [(256, 256)],
         "chunks": [(128 + 32, 32)] * 8,
         "mixed": [(128 + 32, 32)] * 4 + [(128, 1)] * 16,
+        "long_prefix": [(2048 + 16, 16)],
     }
 )
 
@@ -95,10 +105,47 @@ def contiguous_prefill(xp, q, contiguous, query_start_loc):
     return out
 
 
+def launches(xp, impl: str, batch, dtype: str) -> str:
+    """What the fused variants launch (the launch table's plan for this batch)."""
+    if impl not in ("fused", "one_split", "two_launches"):
+        return "-"
+    counts = np.array([n for _, n in batch])
+    lens = np.array([length for length, _ in batch])
+    group = NUM_Q_HEADS // NUM_KV_HEADS
+    sm_count = cupaged.ops._sm_count("cpu" if xp is np else "cuda")
+    plan = _launch.prefill_launch(
+        dtype, len(batch), NUM_KV_HEADS, group, HEAD_DIM, BLOCK_SIZE, int(counts.max()), counts,
+        lens, True, sm_count, 1 if impl == "one_split" else None, int(counts.sum()),
+    )  # fmt: skip
+    text = f"paged_prefill grid {plan.grid}, {plan.num_splits} split(s)"
+    if plan.num_splits > 1:
+        text += f" of {plan.partition_tokens} tokens + merge"
+    if impl == "two_launches":
+        text = "paged_prefill over the chunks + paged_attention over the decode rows"
+    return text
+
+
+def sub_batch(xp, arrays, rows):
+    """The arrays of sequences ``rows`` (host indices) of a problem: q rows, tables, lengths and
+    the query_start_loc of just those sequences (their queries are contiguous in q here)."""
+    q, _, _, tables, lens, starts = (x.get() if hasattr(x, "get") else x for x in arrays)
+    first, last = int(starts[rows[0]]), int(starts[rows[-1] + 1])
+    counts = np.diff(starts)[rows]
+    sub_starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    return tuple(xp.asarray(np.ascontiguousarray(x))
+                 for x in (q[first:last], tables[rows], lens[rows], sub_starts))  # fmt: skip
+
+
+# impl -> the one workload it is measured on (the others run everywhere)
+VARIANTS = {"one_split": "long_prefix", "two_launches": "mixed"}
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("workload", list(WORKLOADS))
-@pytest.mark.parametrize("impl", ["fused", "reference", "contiguous"])
+@pytest.mark.parametrize("impl", ["fused", "one_split", "two_launches", "reference", "contiguous"])
 def test_prefill(benchmark, xp, on_gpu, impl, workload, dtype):
+    if VARIANTS.get(impl, workload) != workload:
+        pytest.skip(f"{impl} answers a question about the {VARIANTS[impl]} workload only")
     batch = WORKLOADS[workload]
     # One table per workload: fused, reference and contiguous side by side.
     benchmark.group = (
@@ -110,6 +157,26 @@ def test_prefill(benchmark, xp, on_gpu, impl, workload, dtype):
 
         def run():
             return cupaged.paged_prefill(q, k_cache, v_cache, tables, lens, starts)
+    elif impl == "one_split":
+
+        def run():
+            return cupaged.paged_prefill(q, k_cache, v_cache, tables, lens, starts, num_splits=1)
+    elif impl == "two_launches":
+        counts = np.array([n for _, n in batch])
+        chunks = np.flatnonzero(counts > 1)
+        decode = np.flatnonzero(counts == 1)
+        arrays = (q, k_cache, v_cache, tables, lens, starts)
+        q_c, tables_c, lens_c, starts_c = sub_batch(xp, arrays, chunks)
+        q_d, tables_d, lens_d, _ = sub_batch(xp, arrays, decode)
+        out = xp.empty(q.shape, q.dtype)
+        split = q_c.shape[0]  # chunk rows first, then the decode rows, as in the workload
+        assert split == int(host_starts[decode[0]])
+
+        def run():
+            cupaged.paged_prefill(q_c, k_cache, v_cache, tables_c, lens_c, starts_c,
+                                  out=out[:split])  # fmt: skip
+            cupaged.paged_attention(q_d, k_cache, v_cache, tables_d, lens_d, out=out[split:])
+            return out
     elif impl == "reference":
 
         def run():
@@ -128,7 +195,7 @@ def test_prefill(benchmark, xp, on_gpu, impl, workload, dtype):
     flops = prefill_attention_flops(context_lens, counts, NUM_Q_HEADS, HEAD_DIM)
     seconds = benchmark.stats.stats.median
     benchmark.extra_info.update(
-        impl=impl, workload=workload, num_seqs=len(batch), context_lens=sorted(set(context_lens)),
+        impl=impl, workload=workload, num_seqs=len(batch), launches=launches(xp, impl, batch, dtype), context_lens=sorted(set(context_lens)),
         query_tokens=sum(counts), dtype=dtype, block_size=BLOCK_SIZE, q_heads=NUM_Q_HEADS,
         kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, causal=True, bytes=nbytes, flops=flops,
         gb_per_s=round(gb_per_s(nbytes, seconds), 3), gflop_per_s=round(flops / seconds / 1e9, 3),

@@ -242,6 +242,10 @@ PREFILL_STAGES = 2
 # (STAGES x K and V, padded rows) and the queries stay near 45 KiB and 5 blocks fit an H100 SM.
 PREFILL_TILE_BYTES = 8 * 1024
 PREFILL_MERGE_THREADS = 128
+# Split-K aims for this many thread blocks per multiprocessor: as many as fit one (4, the launch
+# bounds of cuda/paged_prefill.cu), since a block of 4 warps alone leaves an SM's issue slots idle
+# while its loads are in flight. A heuristic, not a limit: any count gives the same result.
+PREFILL_SPLIT_BLOCKS_PER_SM = 4
 MAX_GRID_YZ = 65535  # CUDA's limit on gridDim.y and gridDim.z
 MAX_GRID_X = 2**31 - 1
 NO_SPLIT_PARTITION = 2**31 - 1  # partition_tokens of a launch without splits (one int32)
@@ -338,8 +342,9 @@ def prefill_partition(
 
     Split-K only when the thread blocks without it (``units``) do not cover the multiprocessors.
     It is balanced by tokens: every thread block reads at most ``partition`` tokens, the batch's
-    KV tokens spread over one wave of ``sm_count`` blocks, and no split is shorter than
-    ``MIN_SPLIT_TOKENS`` (a split's fixed cost: its queries, its partial rows and their merge).
+    KV tokens spread over ``PREFILL_SPLIT_BLOCKS_PER_SM`` blocks per multiprocessor, and no split
+    is shorter than ``MIN_SPLIT_TOKENS`` (a split's fixed cost: its queries, its partial rows and
+    their merge).
     ``splits`` forces a count (tests): the longest range is cut into about that many pieces.
     """
     longest = max(max_end, 1)
@@ -350,7 +355,7 @@ def prefill_partition(
     elif units >= sm_count or longest <= MIN_SPLIT_TOKENS:
         return cdiv(longest, tile) * tile
     else:
-        per_split = max(MIN_SPLIT_TOKENS, cdiv(kv_tokens, sm_count))
+        per_split = max(MIN_SPLIT_TOKENS, cdiv(kv_tokens, sm_count * PREFILL_SPLIT_BLOCKS_PER_SM))
     return cdiv(per_split, tile) * tile
 
 

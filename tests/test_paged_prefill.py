@@ -184,13 +184,14 @@ def test_split_k_unchecked_and_out_of_range_hint(rng):
 
 def test_split_heuristic_fills_the_gpu_balanced_by_tokens():
     """A small batch with a long cached prefix splits; a big one does not; every thread block
-    reads at most partition_tokens tokens, about the batch's tokens over one wave."""
+    reads at most partition_tokens tokens, about the batch's tokens over every block an SM holds."""
     one = split_plan([(32768 + 64, 64)], "float16", 128, 4, 16, True, None)
     work = _launch.prefill_work(np.array([64]), np.array([32768 + 64]), one.query_rows, True)
     assert one.num_splits > 1 and one.partition_tokens % one.tile == 0
     tiles = one.grid[0] // one.num_splits
     assert tiles == 16 and one.grid[1:] == (NUM_KV_HEADS, 1)
-    per_block = -(-work.kv_tokens * NUM_KV_HEADS // _launch.NOMINAL_SM_COUNT)
+    blocks = _launch.NOMINAL_SM_COUNT * _launch.PREFILL_SPLIT_BLOCKS_PER_SM
+    per_block = -(-work.kv_tokens * NUM_KV_HEADS // blocks)
     assert per_block <= one.partition_tokens < per_block + one.tile
     assert one.num_splits == -(-work.max_end // one.partition_tokens)
     big = split_plan([(1024 + 256, 256)] * 8, "float16", 128, 4, 16, True, None)
