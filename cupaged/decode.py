@@ -37,7 +37,7 @@ from ._checks import (
 )
 from ._kernels import get_kernel
 from ._util import cdiv
-from .dtypes import as_storage
+from .dtypes import as_storage, storage_dtype
 from .ops import _address, _attention_kernel, _check_contiguous, _device, _sm_count
 
 _LAYER_AXES = ("num_blocks", "num_kv_heads", "block_size", "head_dim")
@@ -73,7 +73,8 @@ class DecodePlan:
     __slots__ = (
         "_block", "_capacity", "_device", "_dtype", "_grid", "_kernel", "_layout", "_lens",
         "_merge", "_merge_block", "_merge_grid", "_min_chunk", "_partial_lse", "_partial_out",
-        "_planner", "_planner_block", "_q_shape", "_scalars", "_seq_items", "_shared_mem", "_split",
+        "_planner", "_planner_block", "_q_shape", "_scalars", "_seq_items", "_shared_mem", "_split", "_array_type", "_storage", "_strides",
+        "_q_strides", "_num_q_heads",
         "_tables", "_tile", "_work", "_xp", "checked", "num_seqs",
     )  # fmt: skip
 
@@ -156,6 +157,13 @@ class DecodePlan:
         self.checked = checked
         self._tables = xp.ascontiguousarray(block_tables, dtype=np.int32)
         self._lens = xp.ascontiguousarray(context_lens, dtype=np.int32)
+        # What run's fast path compares with: the exact array type, the storage dtype object
+        # (bfloat16 as uint16), C-contiguous strides of a layer and of q.
+        self._array_type = type(self._tables)
+        self._storage = np.dtype(storage_dtype(dtype))
+        self._strides = _c_strides(self._layout, self._storage.itemsize)
+        self._q_strides = _c_strides(self._q_shape, self._storage.itemsize)
+        self._num_q_heads = np.int32(num_q_heads)
         if num_seqs == 0:
             return
         self._kernel = _attention_kernel(device, "paged_attention.cu", launch, group, head_dim)
@@ -248,37 +256,30 @@ class DecodePlan:
             TypeError, ValueError: an argument that does not match the plan (nothing is run).
         """
         xp = self._xp
-        if (
-            q.shape != self._q_shape
-            or k_cache.shape != self._layout
-            or v_cache.shape != self._layout
-            or element_type(q) != self._dtype
-            or element_type(k_cache) != self._dtype
-            or element_type(v_cache) != self._dtype
-        ):
-            self._refuse(q, k_cache, v_cache)
-        array_module(q, k_cache, v_cache, self._tables)
-        _check_contiguous(k_cache=k_cache, v_cache=v_cache)
+        if out is None:
+            out = xp.empty(q.shape, q.dtype)  # q's dtype object: bfloat16 in, bfloat16 out
+        kind, storage = self._array_type, self._storage
+        if not (  # the common case in a handful of comparisons; anything else takes the long way
+            type(q) is kind and type(k_cache) is kind and type(v_cache) is kind
+            and type(out) is kind and q.dtype == storage and k_cache.dtype == storage
+            and v_cache.dtype == storage and out.dtype == storage and q.shape == self._q_shape
+            and out.shape == self._q_shape and k_cache.strides == self._strides
+            and v_cache.strides == self._strides and q.strides == self._q_strides
+            and out.strides == self._q_strides and k_cache.shape == self._layout
+            and v_cache.shape == self._layout and (kind is not np.ndarray or out.flags.writeable)
+        ):  # fmt: skip
+            q, k_cache, v_cache, out_storage = self._check_run(q, k_cache, v_cache, out)
+        else:
+            out_storage = out
         for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
             if _address(x) % 16:
                 raise ValueError(f"expected {name} 16-byte aligned, got address {_address(x):#x}")
-        if out is None:
-            out = xp.empty(q.shape, q.dtype)  # q's dtype object: bfloat16 in, bfloat16 out
-        else:
-            array_module(q, out)
-            check_shape("out", out, list(zip(("num_seqs", "num_q_heads", "head_dim"),
-                                             self._q_shape, strict=True)))  # fmt: skip
-            check_dtype("out", out, self._dtype, "q's dtype")
-            _check_contiguous(out=out)
-            check_writable("out", out)
         if self.num_seqs == 0:
             return out
-        out_storage = as_storage(out)
         self._kernel(
             self._grid,
             self._block,
-            (out_storage, self._partial_out, self._partial_lse,
-             xp.ascontiguousarray(as_storage(q)), as_storage(k_cache), as_storage(v_cache),
+            (out_storage, self._partial_out, self._partial_lse, q, k_cache, v_cache,
              self._tables, self._work, *self._scalars),
             shared_mem=self._shared_mem,
         )  # fmt: skip
@@ -287,16 +288,34 @@ class DecodePlan:
                 self._merge_grid,
                 self._merge_block,
                 (out_storage, self._partial_out, self._partial_lse, self._seq_items,
-                 np.int32(self._q_shape[1])),
+                 self._num_q_heads),
             )  # fmt: skip
         return out
 
-    def _refuse(self, q: Any, k_cache: Any, v_cache: Any) -> None:
-        """Raise the error that names what ``run`` expected (the plan's) and what arrived."""
+    def _check_run(self, q: Any, k_cache: Any, v_cache: Any, out: Any) -> tuple[Any, ...]:
+        """The full checks of ``run``'s arguments against the plan, naming what was expected
+        (the plan's) and what arrived; the storage views (and a contiguous ``q``) to launch on."""
+        array_module(q, k_cache, v_cache, out, self._tables)
         check_shape("q", q, list(zip(("num_seqs", "num_q_heads", "head_dim"), self._q_shape,
                                      strict=True)))  # fmt: skip
         for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
             check_shape(name, x, list(zip(_LAYER_AXES, self._layout, strict=True)))
         for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
             check_dtype(name, x, self._dtype, "the planned dtype")
-        raise AssertionError("unreachable: an argument differs from the plan")  # pragma: no cover
+        _check_contiguous(k_cache=k_cache, v_cache=v_cache)
+        check_shape("out", out, list(zip(("num_seqs", "num_q_heads", "head_dim"), self._q_shape,
+                                         strict=True)))  # fmt: skip
+        check_dtype("out", out, self._dtype, "q's dtype")
+        _check_contiguous(out=out)
+        check_writable("out", out)
+        q = self._xp.ascontiguousarray(as_storage(q))
+        return q, as_storage(k_cache), as_storage(v_cache), as_storage(out)
+
+
+def _c_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
+    """Byte strides of a C-contiguous array of ``shape``."""
+    strides, step = [], itemsize
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
