@@ -60,7 +60,7 @@ class _Running:
     request: Request
     sample: int
     generated: list[int]
-    rng: np.random.Generator
+    rng: np.random.Generator | None  # set when its first token is sampled
     admitted_step: int
     prefilled: int  # prompt tokens in the cache (the whole prompt once prefilled)
 
@@ -190,35 +190,33 @@ class Engine:
             if self.prefill_chunk:
                 # The cached prefix attached; the rest is computed chunk by chunk in mixed steps.
                 sid = cache.add_sequence(request.prompt)
-                rng = np.random.default_rng([self.seed, request.rid, 0])
-                running.append(_Running(sid, request, 0, [], rng, step,
+                running.append(_Running(sid, request, 0, [], None, step,
                                         cache.num_cached_tokens(sid)))  # fmt: skip
                 continue
             # One call: the cached prefix attached, slots reserved for the rest of the prompt.
             admission = cache.admit(request.prompt)
             logits = model.prefill(cache, [admission], [request.prompt])[0]
             first = _Running(admission.sid, request, 0, [], None, step, len(request.prompt))
+            running.append(first)
             self._start_samples(first, logits, running, result)
             self._finish_done(running, result)
 
     def _start_samples(
         self, seq: _Running, logits: Any, running: list[_Running], result: EngineResult
     ) -> None:
-        """A prompt is in the cache: fork its sequence for every further sample, and sample
-        each one's first token from the prompt's logits. ``seq`` joins ``running`` if not in it."""
+        """A prompt is in the cache: fork its sequence (in ``running``) for every further
+        sample, and sample each one's first token from the prompt's logits."""
         cache, request = self.cache, seq.request
         forks = cache.fork_many(seq.sid, request.num_samples - 1)
         result.fork_shared_blocks += len(forks) * (len(request.prompt) // cache.block_size)
-        if seq not in running:
-            running.append(seq)
         for sample, sid in enumerate([seq.sid, *forks]):
             rng = np.random.default_rng([self.seed, request.rid, sample])
             if sample == 0:
-                seq.rng = rng
+                target = seq
+                target.rng = rng
             else:
-                seq_ = _Running(sid, request, sample, [], rng, seq.admitted_step, seq.prefilled)
-                running.append(seq_)
-            target = seq if sample == 0 else running[-1]
+                target = _Running(sid, request, sample, [], rng, seq.admitted_step, seq.prefilled)
+                running.append(target)
             target.generated.append(self._sample(logits[None], [rng])[0])
 
     def _decode(
