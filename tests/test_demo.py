@@ -201,6 +201,20 @@ def test_chunked_prefill_generates_what_uncached_greedy_does(model, num_blocks, 
     cache.check_invariants()
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_chunked_prefill_with_a_16_bit_cache_passes_its_check(dtype):
+    from cupaged.demo import TOLERANCES
+
+    model = TinyDecoder(ModelConfig(), np, seed=3, dtype=dtype)
+    cache = model.make_cache(40, 8)
+    engine = Engine(model, cache, max_batch=6, check_every=1, prefill_chunk=5,
+                    tolerance=TOLERANCES[dtype])  # fmt: skip
+    result = engine.run(chunked_workload(model.config.vocab_size))
+    assert result.prefill_chunks >= 6 and len(result.checks) >= len(result.outputs) + 2
+    assert all(ok for _, _, ok in result.checks), result.checks
+    cache.check_invariants()
+
+
 def test_chunked_prefill_check_catches_a_wrong_chunk(model, monkeypatch):
     """Corrupt the cache after a prompt's first chunk: the check after its last chunk fails."""
     cache = model.make_cache(40, 8)
