@@ -105,6 +105,8 @@ class SequenceTable:
 
     def snapshot(self, rows: Any) -> tuple:
         """Everything stored for ``rows`` (an index or an index array), for :meth:`restore`."""
+        if isinstance(rows, np.ndarray):  # fancy indexing copies already
+            return tuple(array[rows] for array in self._row_arrays())
         return tuple(array[rows].copy() for array in self._row_arrays())
 
     def restore(self, rows: Any, snapshot: tuple) -> None:
