@@ -29,7 +29,7 @@
 //        which tile t + STAGES - 1 is issued at once: its loads run under tiles t .. t+STAGES-2;
 //     2. scores and online softmax, in registers: lane t % TILE of a warp takes KV token t and
 //        the warp's rows (several rows per thread), reading K once per 16-byte part (128-bit,
-//        converted to float in pairs) against q parts that every lane of the row group reads at
+//        16-bit types converted to float in pairs, __half22float2) against q parts that every lane of the row group reads at
 //        one address (a broadcast). The row's TILE lanes reduce max and sum with shuffles and
 //        keep the running max m and sum l in registers; the weights p and the rescale factor
 //        alpha = exp(m_old - m_new) go to shared memory. A token past the row's position (causal)
@@ -44,7 +44,9 @@
 //   padded likewise. Causal: KV tiles past the query tile's last position are masked for every
 //   row and never loaded. Tokens past the range in the last tile are zeros (K and V), never
 //   unwritten shared memory. All sums are float32. A query tile past its sequence's n_s returns
-//   at once (uniformly), so a mixed batch of long chunks and decode rows runs in one launch.
+//   at once (uniformly), so a mixed batch of long chunks and decode rows runs in one launch; rows
+//   past the last live one (a decode row fills G of ROWS) skip the softmax (per warp) and P V
+//   (per thread), though not the score loop (a copy per live count costs registers).
 //   With one split the block writes acc / l; with several, each split writes acc / l and its
 //   log-sum-exp m + log(l) per row (0 and -inf where the row saw no token of the split).
 // paged_prefill_merge: one thread block per (query token, query head) combines the splits that
@@ -54,7 +56,11 @@
 // pieces (a multiple of TILE) when the batch is too small to fill the GPU, so that one thread
 // block holds at most that many tokens whatever its sequence's length; the last split runs to the
 // end of each range, so a plan made from wrong lengths changes the work split, never the result.
-// Tensor cores: not used; docs/prefill.md gives the static model behind that decision.
+// Tensor cores: not used yet. The static model (scripts/kernel-report, docs/prefill.md) says WMMA
+// for Q K^T and P V would pay for fp16/bf16 (H100, head_dim 128: 64 tensor-core cycles per
+// tile against about 1,800 issued for the FMA loops), together with taller query tiles; the CPU
+// backend would have to emulate the fragments first. float32 stays on FMAs (TF32 would miss its
+// tolerance).
 #include <cuda_pipeline_primitives.h>
 
 #include "common.cuh"
