@@ -369,7 +369,7 @@ class BlockManager:
         cached = n_hits * bs
         if n_hits:
             hits = np.array(hits, np.intp)
-            revived = int(np.count_nonzero(self._pool._refcount[hits] == 0))
+            revived = n_hits - int(np.count_nonzero(self._pool._refcount[hits]))
         else:
             revived = 0
         needed = -(-n // bs) - n_hits

@@ -304,7 +304,8 @@ class BlockPool:
         if not distinct:  # one reference per entry: count the repeats once
             blocks, counts = _grouped(blocks)
         held = self._refcount[blocks]
-        revived = blocks[held == 0]
+        in_use = np.count_nonzero(held)  # mostly all (a fork) or none (a prefix revived)
+        revived = blocks[:0] if in_use == held.size else blocks if not in_use else blocks[held == 0]
         if self._journal is not None:  # callers pass arrays they do not change afterwards
             self._journal.append(("acquire", blocks, held))
         if revived.size:
