@@ -50,7 +50,7 @@ def requested_names() -> dict[str, list[str]]:
         for head_dim, block_size in PREFILL_SHAPES:
             for group in (1, 8):
                 launch = _launch.prefill_launch(dtype, 1, 1, group, head_dim, block_size, 64)
-                names["paged_prefill.cu"].add(launch.name)
+                names["paged_prefill.cu"].update({launch.name, launch.merge_name})
     for block_bytes, aligned in ((4096, True), (4096, False), (12, True), (6, True)):
         name, *_ = _launch.copy_blocks_launch(block_bytes, aligned, 1, 1)
         names["copy_blocks.cu"].add(name)
