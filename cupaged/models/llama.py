@@ -296,8 +296,9 @@ class Llama:
 
     def forward_full(self, tokens: list[int]) -> Any:
         """``[vocab]`` float32 logits after the last of ``tokens``, computed from scratch
-        without any cache: causal attention in array ops over the whole sequence (Q/K/V
-        rounded to the cache's dtype, as on the paged paths). The check of the paged paths."""
+        without any cache: causal attention in array ops over the whole sequence (Q/K/V and the
+        attention output rounded to the cache's dtype, as on the paged paths). The check of the
+        paged paths."""
         xp, c = self.xp, self.config
         group = c.num_q_heads // c.num_kv_heads
         n = len(tokens)
@@ -310,7 +311,8 @@ class Llama:
             scores = xp.where(visible[None], scores, -xp.inf)
             weights = xp.exp(scores - scores.max(axis=-1, keepdims=True))
             weights /= weights.sum(axis=-1, keepdims=True)
-            return xp.einsum("hqk,khd->qhd", weights, v)
+            # The kernels return Q's dtype: round alike, so that only summation orders differ.
+            return self._store(xp.einsum("hqk,khd->qhd", weights, v))
 
         h = self._layers(xp.asarray(np.asarray(tokens, np.int64)), xp.arange(n), attend)
         return self._logits(h[-1:])[0]
