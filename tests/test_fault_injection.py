@@ -16,7 +16,15 @@ import threading
 import numpy as np
 import pytest
 
-from cupaged import CupagedError, PagedCache, block_manager, block_pool, block_table, prefix_cache
+from cupaged import (
+    CupagedError,
+    PagedCache,
+    block_manager,
+    block_pool,
+    block_table,
+    prefix_cache,
+    step_planner,
+)
 from cupaged import cache as cache_module
 
 BS, HEAD_DIM, LAYERS = 4, 64, 2
@@ -164,8 +172,8 @@ def result_of(value):
 @pytest.mark.parametrize("name", list(OPERATIONS))
 def test_an_exception_at_any_inner_call_changes_nothing(name, vectorised, monkeypatch):
     if vectorised:  # the batch paths, whatever the batch size
-        monkeypatch.setattr(block_manager, "_SMALL_BATCH", 0)
-        monkeypatch.setattr(block_manager, "_SMALL_DECODE", 0)
+        monkeypatch.setattr(step_planner, "_SMALL_BATCH", 0)
+        monkeypatch.setattr(step_planner, "_SMALL_DECODE", 0)
     operation = OPERATIONS[name]
     faults = Faults(monkeypatch)
     cache, ids = scenario()

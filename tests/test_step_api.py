@@ -20,9 +20,9 @@ from cupaged import (
     OutOfBlocksError,
     PagedCache,
     PrefixCache,
-    block_manager,
     paged_prefill,
     reference_prefill,
+    step_planner,
     write_kv,
 )
 
@@ -141,8 +141,8 @@ def _random_walk(seed: int, prefix: bool, monkeypatch, small: int):
             tokens = [[rnd.randrange(3) for _ in range(n)] for n in per]
             try:
                 with monkeypatch.context() as patch:
-                    patch.setattr(block_manager, "_SMALL_BATCH", small)
-                    patch.setattr(block_manager, "_SMALL_DECODE", small)
+                    patch.setattr(step_planner, "_SMALL_BATCH", small)
+                    patch.setattr(step_planner, "_SMALL_DECODE", small)
                     plan = batched.step(batched.batch(sids), counts, tokens if prefix else None)
             except OutOfBlocksError:
                 assert state(batched) == state(scalar)
@@ -162,9 +162,7 @@ def _random_walk(seed: int, prefix: bool, monkeypatch, small: int):
         else:
             gone = rnd.sample(live, rnd.randrange(1, len(live) + 1))
             live = [s for s in live if s not in gone]
-            with monkeypatch.context() as patch:
-                patch.setattr(block_manager, "_SMALL_BATCH", small)
-                batched.free_many(gone)
+            batched.free_many(gone)  # every row in one pool call, whatever the batch size
             for sid in gone:
                 scalar.free(sid)
         assert state(batched) == state(scalar)
