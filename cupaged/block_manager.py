@@ -19,7 +19,8 @@ directly and applies them (one ``copy_blocks`` per step, for all layers).
 
 The sequences' state lives in NumPy arrays (:mod:`cupaged.block_table`): a decode step for a batch
 of ``B`` sequences is a fixed number of vectorised operations, whatever ``B`` is; Python loops run
-only over blocks that fill (prefix-cache hashing) and blocks that must be copied.
+only over blocks that fill (prefix-cache hashing) and blocks that must be copied. How a step is
+planned (three planners, each where it is cheapest) is :mod:`cupaged.step_planner`.
 """
 
 from __future__ import annotations
