@@ -20,6 +20,7 @@ from cupaged import (
     OutOfBlocksError,
     PagedCache,
     PrefixCache,
+    block_manager,
     paged_prefill,
     reference_prefill,
     step_planner,
@@ -521,4 +522,29 @@ def test_decode_steps_grow_the_tables_past_their_width():
             assert len(table) == step + 2 and plan.slots[i] == table[-1]
             assert tables[i, : len(table)].tolist() == table
     assert m._seqs.width > 101  # one spare column past the longest table
+    m.check_invariants()
+
+
+def test_a_decode_step_that_widens_the_tables_and_then_fails_changes_nothing(monkeypatch):
+    """The undo of a decode step holds flat indices at the width it planned with; a failure
+    after the tables widened (here: registering the filled blocks) must still restore them."""
+    m = manager(num_blocks=128, block_size=1, prefix=True)
+    sids = [m.admit([7 * s + j for j in range(15)]).sid for s in range(5)]  # 15 blocks each
+    batch = m.batch(sids)  # 5 sequences: the vectorised decode path
+    m.commit(batch)
+    width = m._seqs.width
+    before = state(m), [m._chains[m._rows[s]].keys[:] for s in sids]
+
+    def fail(*args, **kwargs):
+        assert m._seqs.width > width  # the step widened the tables before this call
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(block_manager.BlockManager, "_register", fail)
+    with pytest.raises(KeyboardInterrupt):
+        m.step(batch, 1, np.arange(5))
+    assert (state(m), [m._chains[m._rows[s]].keys[:] for s in sids]) == before
+    m.check_invariants()
+    monkeypatch.undo()
+    plan = m.step(batch, 1, np.arange(5))  # and the step then succeeds
+    assert [m.seq_len(s) for s in sids] == [16] * 5 and plan.slots.size == 5
     m.check_invariants()
