@@ -343,13 +343,17 @@ class PrefixCache:
                     h.update(digest + chunk)
                     block = block_of.get(known := h.digest())
                     if block is None or content_of[block] != known:
-                        break  # a miss, or a hash collision caught by the content check
+                        digests.append(known)  # a miss, or a collision the content check caught
+                        digest = known
+                        break
                     if len(memo) >= _MEMO_ENTRIES:
                         memo.clear()
                     memo[(digest, chunk)] = known
                 else:
                     block = block_of.get(known)
                     if block is None or content_of[block] != known:
+                        digests.append(known)
+                        digest = known
                         break
                 blocks.append(block)
                 digests.append(known)
