@@ -95,6 +95,7 @@ CASES = [
     ("float16", 256, 5, 5),
     ("bfloat16", 96, 16, 6),
     ("float32", 64, 16, 24),  # past 16: three query heads per thread
+    ("float16", 256, 16, 16),  # one token lane (BDZ = 1): no merge of lanes
 ]
 
 
