@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ._util import cdiv
+from .block_pool import _grouped
 from .errors import OutOfBlocksError
 
 if TYPE_CHECKING:
@@ -272,23 +273,27 @@ class StepPlanner:
         tokens: np.ndarray | list[np.ndarray] | None,
         what: str | None,
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """:meth:`_plan` for any batch: fully vectorised, copy-on-write included."""
+        """:meth:`_plan` for any batch: fully vectorised, copy-on-write included.
+
+        Table entries are addressed in the flat table (``row * width + column``): 1-D gathers
+        and stores, cheaper than 2-D ones on the arrays of a step.
+        """
         table, bs = self._seqs, self._block_size
         lens = table.lens[rows]
-        if isinstance(counts, int):
-            ends = lens + counts
+        uniform = isinstance(counts, int)
+        ends = lens + counts
+        if uniform:
             writing = np.ones(rows.size, bool) if counts else np.zeros(rows.size, bool)
         else:
-            ends = lens + counts
             writing = counts > 0
-        held = cdiv(lens, bs)
-        grow = cdiv(ends, bs) - held
+        held = (lens + (bs - 1)) // bs
+        grow = (ends + (bs - 1)) // bs - held
         copy = self._copies(rows, lens, held, writing)
         need = grow + copy if copy is not None else grow
         total = int(need.sum())
         if total > self._pool.num_free:
             if what is None:
-                tokens_in = int(np.sum(np.broadcast_to(counts, rows.shape)))
+                tokens_in = counts * rows.size if uniform else int(counts.sum())
                 what = f"reserving {tokens_in} token(s) for {rows.size} sequence(s)"
             raise OutOfBlocksError(total, self._pool.num_free, what)
         registering = self.prefix_caching and tokens is not None
@@ -299,26 +304,33 @@ class StepPlanner:
         self._atomic.undo.extend(
             (lambda: table.restore(rows, saved), self._chains_restorer(rows.tolist()))
         )
-        self._commit_rows(rows)  # this step of theirs: the last step's K/V were written
+        if self.prefix_caching:
+            self._commit_rows(rows)  # this step of theirs: the last step's K/V were written
+        src = dst = _NO_COPIES
         if total:
             table.ensure_width(int((held + grow).max()) + 1)  # one spare column: see _plan_decode
             new = self._pool.take(total)
             changed = np.flatnonzero(need)
             table.touch(rows[changed])
+            base = rows * table.width
             if copy is None and grow.max() == 1:  # a decode step: at most one block each
-                table.tables[rows[changed], held[changed]] = new
-                src = dst = _NO_COPIES
+                table.flat[base[changed] + held[changed]] = new
             else:
-                src, dst = self._apply_growth(rows, held, grow, copy, need, new)
+                src, dst = self._apply_growth(base, held, grow, copy, need, new)
+        flat = table.flat
+        if uniform and counts == 1:
+            slots = flat[rows * table.width + lens // bs] * bs + lens % bs
+        elif uniform and not counts:
+            slots = _NO_COPIES
         else:
-            src = dst = _NO_COPIES
-        if isinstance(counts, int) and counts == 1:
-            slots = table.tables[rows, lens // bs] * bs + lens % bs
-        else:
-            per_row = np.broadcast_to(counts, rows.shape)
-            starts = np.repeat(lens - np.cumsum(per_row) + per_row, per_row)
-            pos = starts + np.arange(starts.size)
-            slots = table.tables[np.repeat(rows, per_row), pos // bs] * bs + pos % bs
+            if uniform:
+                pos = np.repeat(lens, counts) + np.arange(counts * rows.size) % counts
+                first = np.repeat(rows * table.width, counts)
+            else:
+                ahead = np.cumsum(counts) - counts  # tokens of the rows before
+                pos = np.repeat(lens - ahead, counts) + np.arange(int(ahead[-1] + counts[-1]))
+                first = np.repeat(rows * table.width, counts)
+            slots = flat[first + pos // bs] * bs + pos % bs
         table.lens[rows] = ends
         table.shared[rows[writing]] = False  # each writer's last block is its own now
         if registering:
@@ -338,45 +350,54 @@ class StepPlanner:
         partial = np.flatnonzero(writing & (lens % self._block_size != 0))
         if not partial.size:
             return None
-        last = self._seqs.tables[rows[partial], held[partial] - 1]
+        table = self._seqs
+        last = table.flat[rows[partial] * table.width + held[partial] - 1]
         refs = self._pool._refcount[last]
         shared = refs > 1
-        if not shared.any():
+        if not np.count_nonzero(shared):
             return None
         partial, last, refs = partial[shared], last[shared], refs[shared]
+        copy = np.zeros(rows.size, np.int64)
+        blocks, writers = _grouped(last)
+        if np.count_nonzero(writers < self._pool._refcount[blocks]) == blocks.size:
+            copy[partial] = 1  # a holder outside the batch stays for every block: all copy
+            return copy
         order = np.argsort(last, kind="stable")
         ranked = last[order]
-        first = np.r_[0, np.flatnonzero(ranked[1:] != ranked[:-1]) + 1]
+        starts = np.flatnonzero(np.concatenate(([True], ranked[1:] != ranked[:-1])))
+        runs = np.diff(np.append(starts, order.size))
         rank = np.empty_like(order)
-        rank[order] = np.arange(order.size) - np.repeat(first, np.diff(np.r_[first, order.size]))
-        copy = np.zeros(rows.size, np.int64)
+        rank[order] = np.arange(order.size) - np.repeat(starts, runs)
         copy[partial[rank < refs - 1]] = 1
-        return copy if copy.any() else None
+        return copy if np.count_nonzero(copy) else None
 
     def _apply_growth(
         self,
-        rows: np.ndarray,
+        base: np.ndarray,
         held: np.ndarray,
         grow: np.ndarray,
         copy: np.ndarray | None,
         need: np.ndarray,
         new: np.ndarray,
     ) -> tuple[np.ndarray, np.ndarray]:
-        """Write the new blocks into the tables: each row's copy (if any) first, then its growth."""
-        table = self._seqs
+        """Write the new blocks into the tables (``base``: each row's first flat entry): each
+        row's copy (if any) first, then its growth."""
+        flat = self._seqs.flat
         offsets = np.cumsum(need) - need
-        is_copy = np.zeros(new.size, bool)
         src = dst = _NO_COPIES
         if copy is not None:
             copied = np.flatnonzero(copy)
-            is_copy[offsets[copied]] = True
-            dst = new[offsets[copied]].astype(np.int32)
-            src = table.tables[rows[copied], held[copied] - 1].copy()
-            table.tables[rows[copied], held[copied] - 1] = dst
-            self._pool.release(src, distinct=False)  # never the last reference: see _copies
-        grown = np.repeat(np.arange(rows.size), grow)
-        column = held[grown] + np.arange(grown.size) - np.repeat(np.cumsum(grow) - grow, grow)
-        table.tables[rows[grown], column] = new[~is_copy]
+            at = base[copied] + held[copied] - 1
+            dst = new[offsets[copied]]
+            src = flat[at]  # a copy (fancy indexing)
+            flat[at] = dst
+            blocks, times = _grouped(src.astype(np.intp))
+            self._pool.unshare(blocks, times)  # never the last reference: see _copies
+            dst = dst.astype(np.int32)
+            offsets = offsets + copy  # the growth of a row that copies follows its copy
+        grown = np.repeat(np.arange(base.size), grow)
+        within = np.arange(grown.size) - np.repeat(np.cumsum(grow) - grow, grow)
+        flat[base[grown] + held[grown] + within] = new[offsets[grown] + within]
         return src, dst
 
     def _keys(
