@@ -170,10 +170,12 @@ class _Atomic:
             return
         self._depth = 0
         if kind is None:  # the common case: keep the changes
-            self._pool.end()
-            self.undo = []
-            self._owner = None
-            self._lock.release()
+            try:
+                self._pool.end()
+                self.undo = []
+            finally:  # an interrupt here must not leave the cache locked
+                self._owner = None
+                self._lock.release()
             return
         try:
             for action in reversed(self.undo):
@@ -572,8 +574,10 @@ class BlockManager(StepPlanner):
         lock = self._atomic._lock
         if not lock.acquire(blocking=False):
             return None  # another call is inside: the general path joins it or refuses
-        table.lens[row] = length + 1
-        lock.release()
+        try:
+            table.lens[row] = length + 1
+        finally:  # an interrupt here must not leave the cache locked
+            lock.release()
         return slot if self._xp is np else self._xp.asarray(slot)
 
     def block_tables(self, sids: Iterable[int] | SequenceBatch) -> tuple[Any, Any]:
