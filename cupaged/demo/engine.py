@@ -16,8 +16,8 @@ With chunked prefill (``prefill_chunk=N``) an admitted prompt is not computed at
 sequence starts with the cached prefix attached (``add_sequence(prompt)``), and each step
 computes the next chunk of at most ``N`` prompt tokens of every prefilling sequence together
 with one token of every decoding sequence, in one mixed step (``step(..., tables=True)`` once,
-then per layer one ``write_kv``, ``paged_prefill`` for the chunks and ``paged_attention`` for
-the decode rows), as a serving engine does::
+then per layer one ``write_kv`` and one ``paged_prefill`` over the chunks and the decode rows
+together), as a serving engine does::
 
     step t    seq A  [chunk of N prompt tokens]      seq B [1 decode token]   seq C [1]
     step t+1  seq A  [the last 5 prompt tokens]      seq B [1]                seq C [1]

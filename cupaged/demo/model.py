@@ -12,8 +12,7 @@ The paths the engine runs, which must agree (all of them :class:`~cupaged.models
 - ``decode``: one token for each sequence of a ``SequenceBatch``; ``write_kv`` and the fused
   ``paged_attention`` per layer;
 - ``forward``: a mixed step (prompt chunks and decode tokens together, ``--prefill-chunk``),
-  ``write_kv``, then ``paged_prefill`` for the chunks and ``paged_attention`` for the decode
-  rows, per layer;
+  ``write_kv`` and one ``paged_prefill`` over chunks and decode rows together, per layer;
 - ``forward_full``: the whole sequence at once, no cache at all (the check).
 """
 

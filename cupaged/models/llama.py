@@ -242,11 +242,12 @@ class Llama:
         """One mixed step: every sequence of a ``step(..., tables=True)`` plan computes its new
         tokens (a prompt chunk, or one decode token) in one pass over the layers.
 
-        Per layer, one ``write_kv`` for every new token, then the sequences of one token (decode
-        rows) through ``paged_attention`` and those of several (prompt chunks) through
-        ``paged_prefill``: ``paged_prefill`` takes decode rows too, but on the CPU backend it
-        ran a step of 15 decode rows and one 16-token chunk (SmolLM2's heads, 60-token contexts)
-        in 67 ms a layer, against 14 + 15 ms for the two kernels.
+        Per layer, one ``write_kv`` for every new token, then one ``paged_prefill`` over every
+        row, chunks and decode rows together (the prefill page's decision: one launch for a
+        mixed batch); a step of decode rows only takes ``paged_attention``, the decode kernel.
+        (On the CPU backend, a step of 15 decode rows and one 16-token chunk at SmolLM2's heads
+        and 60-token contexts took 7.4 ms a layer in one ``paged_prefill``, 9.8 + 6.3 ms split
+        over the two kernels.)
 
         Args:
             plan: ``cache.step(sids, num_tokens, tokens, tables=True)``: slots, tables, lengths
@@ -262,34 +263,11 @@ class Llama:
         xp = self.xp
         counts, starts = plan.num_tokens, plan.query_start_loc
         tables, lens = plan.block_tables, plan.context_lens
-        single = counts == 1
-        if single.all():
+        if (counts == 1).all():
             attend = self._writing(cache, plan.slots, lambda i, q: paged_attention(
                 q, cache.k[i], cache.v[i], tables, lens))  # fmt: skip
-        elif not single.any():
-            attend = self._paged(cache, plan.slots, tables, lens, xp.asarray(starts))
         else:
-            one, many = np.flatnonzero(single), np.flatnonzero(~single)
-            one_rows = xp.asarray(starts[one])
-            many_rows = xp.asarray(
-                np.concatenate([np.arange(starts[i], starts[i + 1]) for i in many])
-            )
-            one_at, many_at = xp.asarray(one), xp.asarray(many)
-            tables_one, lens_one = tables[one_at], lens[one_at]
-            tables_many, lens_many = tables[many_at], lens[many_at]
-            starts_many = xp.asarray(
-                np.concatenate([[0], np.cumsum(counts[many])]).astype(np.int32)
-            )
-
-            def split(i: int, q: Any) -> Any:
-                out = xp.empty_like(q)
-                out[one_rows] = paged_attention(q[one_rows], cache.k[i], cache.v[i], tables_one,
-                                                lens_one)  # fmt: skip
-                out[many_rows] = paged_prefill(q[many_rows], cache.k[i], cache.v[i], tables_many,
-                                               lens_many, starts_many)  # fmt: skip
-                return out
-
-            attend = self._writing(cache, plan.slots, split)
+            attend = self._paged(cache, plan.slots, tables, lens, xp.asarray(starts))
         h = self._layers(xp.asarray(np.asarray(tokens, np.int64)),
                          xp.asarray(np.asarray(positions, np.int64)), attend)  # fmt: skip
         return self._logits(h[xp.asarray(np.asarray(rows, np.int64))])
