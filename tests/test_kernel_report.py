@@ -310,5 +310,7 @@ def test_prefill_tile_model_behind_the_tensor_core_decision(quick):
         assert m["mma"] * 10 < m["fp32_issue"]
         assert m["smem"] == row["model_smem_cycles_per_tile"] > 0
         assert m["dram"] == row["model_dram_cycles_per_tile"]
+        # the ring: one tile of K and V in flight per CTA (16 KiB at 32 tokens of head_dim 128)
+        assert row["model_bytes_in_flight_per_sm"] == 16384 * row["ctas_per_sm"] > 0
     for row in prefill_rows(rows, dtypes=("float32",)):
         assert row["model_prefill_tile"]["mma"] is None
