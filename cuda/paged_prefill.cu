@@ -29,12 +29,13 @@
 //        which tile t + STAGES - 1 is issued at once: its loads run under tiles t .. t+STAGES-2;
 //     2. scores and online softmax, in registers: lane t % TILE of a warp takes KV token t and
 //        the warp's rows (several rows per thread), reading K once per 16-byte part (128-bit,
-//        16-bit types converted to float in pairs, __half22float2) against q parts that every lane of the row group reads at
-//        one address (a broadcast). The row's TILE lanes reduce max and sum with shuffles and
-//        keep the running max m and sum l in registers; the weights p and the rescale factor
-//        alpha = exp(m_old - m_new) go to shared memory. A token past the row's position (causal)
-//        or past the range scores -inf; while every score of a row is -inf, exponents are taken
-//        against 0 instead of m (-inf - -inf is NaN), as in paged_attention.cu;
+//        16-bit types converted to float in pairs, __half22float2) against q parts that every
+//        lane of the row group reads at one address (a broadcast). The row's TILE lanes reduce
+//        max and sum with shuffles and keep the running max m and sum l in registers; the
+//        weights p and the rescale factor alpha = exp(m_old - m_new) go to shared memory. A
+//        token past the row's position (causal) or past the range scores -inf; while every score
+//        of a row is -inf, exponents are taken against 0 instead of m (-inf - -inf is NaN), as in
+//        paged_attention.cu;
 //     3. acc = alpha * acc + p V, in registers: thread i owns (row, 16-byte part) items i,
 //        i + THREADS, ...; per token it reads its part of V (128-bit) and the weights of four
 //        tokens at a time (128-bit). In a tile that crosses some row's position (causal), a row
