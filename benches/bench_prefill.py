@@ -110,11 +110,12 @@ def launches(xp, impl: str, batch, dtype: str) -> str:
     if impl not in ("fused", "one_split", "two_launches"):
         return "-"
     counts = np.array([n for _, n in batch])
+    starts = np.concatenate([[0], np.cumsum(counts)])
     lens = np.array([length for length, _ in batch])
     group = NUM_Q_HEADS // NUM_KV_HEADS
     sm_count = cupaged.ops._sm_count("cpu" if xp is np else "cuda")
     plan = _launch.prefill_launch(
-        dtype, len(batch), NUM_KV_HEADS, group, HEAD_DIM, BLOCK_SIZE, int(counts.max()), counts,
+        dtype, len(batch), NUM_KV_HEADS, group, HEAD_DIM, BLOCK_SIZE, int(counts.max()), starts,
         lens, True, sm_count, 1 if impl == "one_split" else None, int(counts.sum()),
     )  # fmt: skip
     text = f"paged_prefill grid {plan.grid}, {plan.num_splits} split(s)"

@@ -14,7 +14,8 @@
 // row's position never reaches the row (not even as 0 * Inf).
 // Reference: cupaged/reference.py, reference_prefill (gather, mask, explicit softmax).
 //
-// paged_prefill: one thread block per (query tile, head chunk, split; KV head; sequence). Its
+// paged_prefill: one thread block per (query tile, head chunk, split; KV head); query tiles are
+//   runs of query_rows packed rows of one sequence (see "Query tiles" below). Its
 //   ROWS rows are the tile's query_rows query tokens times the heads_per_block query heads of a
 //   chunk of the KV head's group (row r: token r / heads_per_block, head r % heads_per_block;
 //   rows past either are padding), so each K/V element a tile reaches is read from global memory
@@ -44,8 +45,8 @@
 //   of 8 consecutive tokens hit 8 distinct 4-bank groups (conflict-free); the weights' rows are
 //   padded likewise. Causal: KV tiles past the query tile's last position are masked for every
 //   row and never loaded. Tokens past the range in the last tile are zeros (K and V), never
-//   unwritten shared memory. All sums are float32. A query tile past its sequence's n_s returns
-//   at once (uniformly), so a mixed batch of long chunks and decode rows runs in one launch; rows
+//   unwritten shared memory. All sums are float32. Tiles are cut from the packed rows, so a
+//   mixed batch of long chunks and decode rows runs in one launch with a block per decode row; rows
 //   past the last live one (a decode row fills G of ROWS) skip the softmax (per warp) and P V
 //   (per thread), though not the score loop (a copy per live count costs registers).
 //   With one split the block writes acc / l; with several, each split writes acc / l and its
@@ -127,10 +128,39 @@ __device__ __forceinline__ void dot_rows(float (&dot)[NUM_ROWS], const T* k_row,
   }
 }
 
+// The sequence s that holds packed query row `row`: query_start_loc[s] <= row <
+// query_start_loc[s + 1] (sequences without queries share a start; this skips them).
+__device__ __forceinline__ int sequence_of(const int* __restrict__ query_start_loc, int num_seqs,
+                                           int row) {
+  int lo = 0;
+  int hi = num_seqs;
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) / 2;
+    if (query_start_loc[mid] <= row) {
+      lo = mid;
+    } else {
+      hi = mid;
+    }
+  }
+  return lo;
+}
+
 }  // namespace prefill
 
-// Grid: (query_tiles * head_chunks * num_splits, num_kv_heads, num_seqs), x = (query tile *
-// head_chunks + head chunk) * num_splits + split, head_chunks = ceil(G / heads_per_block).
+// Query tiles: packed rows of q, query_rows at a time, never across a sequence boundary:
+//
+//   rows      0 1 2 3 | 4 5 6 7 | 8 9 ...         query_rows = 4, three sequences:
+//   sequence  a a a a | a b b c | c c ...         a = rows 0..4, b = 5..6, c = 7..
+//   aligned   [0 ... 3] [4]       [8 ...          tile g: rows 4 g .. of the sequence of row 4 g
+//   head                  [5 6] [7]               a sequence that starts off a multiple of 4: its
+//                                                 rows up to the next multiple (one per sequence)
+//
+// units = ceil(total_query_tokens / query_rows) aligned tiles, then num_seqs head tiles (empty
+// for a sequence that starts on a multiple of query_rows or has no queries): a mixed batch of
+// long chunks and decode rows has a block per decode row, not max_query_len / query_rows each.
+//
+// Grid: (units * head_chunks * num_splits, num_kv_heads), x = (unit * head_chunks + head chunk) *
+// num_splits + split, head_chunks = ceil(G / heads_per_block).
 // Block: THREADS. Dynamic shared memory, in this order (float32 unless said):
 //   q_s [ROWS, HEAD_DIM] (scaled queries), p_s [ROWS, TILE + 4] (weights), alpha_s [ROWS],
 //   l_s [ROWS], kv_s [STAGES, 2 (K, V), TILE, HEAD_DIM + 16 / sizeof(T)] of T.
@@ -151,7 +181,8 @@ __global__ void __launch_bounds__(THREADS, 4)
                   const int* __restrict__ context_lens,    // [num_seqs]
                   const int* __restrict__ query_start_loc,  // [num_seqs + 1]
                   int num_kv_heads, int group_size, int heads_per_block, int max_blocks,
-                  int query_rows, int causal, int partition_tokens, int num_splits, float scale) {
+                  int num_seqs, int query_rows, int causal, int partition_tokens, int num_splits,
+                  float scale) {
   constexpr int VEC = 16 / sizeof(T);          // elements of a 16-byte part
   constexpr int PARTS = HEAD_DIM / VEC;        // 16-byte parts of a token's head vector
   constexpr int STRIDE = HEAD_DIM + VEC;       // a stage row, padded by 16 bytes (see above)
@@ -171,14 +202,27 @@ __global__ void __launch_bounds__(THREADS, 4)
   const int split = blockIdx.x % num_splits;
   const int head_chunks = ceil_div(group_size, heads_per_block);
   const int chunk = blockIdx.x / num_splits % head_chunks;
-  const int query_tile = blockIdx.x / num_splits / head_chunks;
+  const int unit = blockIdx.x / num_splits / head_chunks;
   const int kv_head = blockIdx.y;
-  const int seq = blockIdx.z;
+  const int aligned_tiles = ceil_div(query_start_loc[num_seqs], query_rows);
+  int seq;
+  int tile_begin;  // packed rows [tile_begin, tile_end) of q
+  int tile_end;
+  if (unit >= aligned_tiles + num_seqs) return;  // a grid planned for more rows than q has
+  if (unit < aligned_tiles) {
+    tile_begin = unit * query_rows;
+    seq = prefill::sequence_of(query_start_loc, num_seqs, tile_begin);
+    tile_end = min(tile_begin + query_rows, query_start_loc[seq + 1]);
+  } else {
+    seq = unit - aligned_tiles;
+    tile_begin = query_start_loc[seq];
+    tile_end = min(ceil_div(tile_begin, query_rows) * query_rows, query_start_loc[seq + 1]);
+  }
+  if (tile_begin >= tile_end) return;  // the same for every thread of the block
   const int q_begin = query_start_loc[seq];
   const int num_queries = query_start_loc[seq + 1] - q_begin;
-  const int first_query = query_tile * query_rows;
-  if (first_query >= num_queries) return;  // the same for every thread of the block
-  const int rows_here = min(query_rows, num_queries - first_query);  // query tokens in this tile
+  const int first_query = tile_begin - q_begin;
+  const int rows_here = tile_end - tile_begin;  // query tokens in this tile
   const int heads = heads_per_block;
   const int heads_here = min(heads, group_size - chunk * heads);
   const int first_head = kv_head * group_size + chunk * heads;
@@ -459,17 +503,7 @@ __global__ void __launch_bounds__(THREADS)
                         const int* __restrict__ query_start_loc,  // [num_seqs + 1]
                         int num_seqs, int causal, int partition_tokens, int num_splits) {
   const int token = blockIdx.x;
-  // The sequence: query_start_loc[s] <= token < query_start_loc[s + 1] (empty ones share a start).
-  int lo = 0;
-  int hi = num_seqs;
-  while (hi - lo > 1) {
-    const int mid = (lo + hi) / 2;
-    if (query_start_loc[mid] <= token) {
-      lo = mid;
-    } else {
-      hi = mid;
-    }
-  }
+  const int lo = prefill::sequence_of(query_start_loc, num_seqs, token);
   const int n = query_start_loc[lo + 1] - query_start_loc[lo];
   const int context = context_lens[lo];
   const int visible = causal ? context - n + (token - query_start_loc[lo]) + 1 : context;

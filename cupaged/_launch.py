@@ -258,7 +258,8 @@ class PrefillLaunch:
     Attributes:
         name: ``paged_prefill`` instantiation (a RawModule name expression).
         merge_name: ``paged_prefill_merge`` instantiation, used when ``num_splits > 1``.
-        grid: ``(query_tiles * head_chunks * num_splits, num_kv_heads, num_seqs)``.
+        grid: ``(units * head_chunks * num_splits, num_kv_heads, 1)``, ``units`` the aligned
+            tiles of the packed query rows plus one head tile per sequence.
         block: ``(PREFILL_THREADS,)``.
         shared_mem: dynamic shared memory in bytes.
         query_rows: query tokens per thread block.
@@ -314,25 +315,33 @@ class PrefillWork:
 
 
 def prefill_work(
-    query_counts: np.ndarray, context_lens: np.ndarray, query_rows: int, causal: bool
+    query_start_loc: np.ndarray, context_lens: np.ndarray, query_rows: int, causal: bool
 ) -> PrefillWork:
     """The query tiles of a batch and the KV tokens they read, per KV head and head chunk.
 
-    Sequence ``i`` has ``T = ceil(n_i / query_rows)`` tiles; tile ``j`` reads tokens
-    ``0 .. past_i + min((j + 1) * query_rows, n_i)`` when causal (``past_i = L_i - n_i``), all
-    ``L_i`` when not, so its tiles read ``T * past + query_rows * T (T + 1) / 2 - (T * query_rows
-    - n)`` tokens (the last tile is short by ``T * query_rows - n`` rows).
+    The tiles are those of cuda/paged_prefill.cu: packed rows of q, ``query_rows`` at a time from
+    a multiple of ``query_rows``, cut at sequence boundaries. Sequence ``i`` (first row ``a``,
+    ``n`` queries after ``past = L - n`` tokens) has a head tile of ``h = min(-a mod query_rows,
+    n)`` rows when ``h > 0``, then ``T = ceil((n - h) / query_rows)`` tiles. Causal, a tile reads
+    the tokens up to its last query; so the head reads ``past + h`` and the others
+    ``T (past + h) + query_rows T (T + 1) / 2 - (T query_rows - (n - h))`` (the last is short
+    by ``T query_rows - (n - h)`` rows). Not causal, every tile reads all ``L`` tokens.
     """
-    n = np.asarray(query_counts, np.int64)
+    starts = np.asarray(query_start_loc, np.int64)
     lens = np.asarray(context_lens, np.int64)
-    tiles = (n + query_rows - 1) // query_rows
+    n = np.diff(starts)
+    head = np.minimum(-starts[:-1] % query_rows, n)
+    rest = n - head
+    tiles = (rest + query_rows - 1) // query_rows
+    past = lens - n
     if causal:
-        short = tiles * query_rows - n  # rows missing from each sequence's last tile
-        tokens = tiles * (lens - n) + query_rows * tiles * (tiles + 1) // 2 - short
+        short = tiles * query_rows - rest  # rows missing from each sequence's last tile
+        tokens = np.where(head > 0, past + head, 0) + tiles * (past + head)
+        tokens += query_rows * tiles * (tiles + 1) // 2 - short
     else:
-        tokens = tiles * lens
+        tokens = (tiles + (head > 0)) * lens
     max_end = int(lens[n > 0].max()) if (n > 0).any() else 0
-    return PrefillWork(int(tiles.sum()), int(tokens.sum()), max_end)
+    return PrefillWork(int((tiles + (head > 0)).sum()), int(tokens.sum()), max_end)
 
 
 def prefill_partition(
@@ -367,7 +376,7 @@ def prefill_launch(
     head_dim: int,
     block_size: int,
     max_query_len: int,
-    query_counts: np.ndarray | None = None,
+    query_start_loc: np.ndarray | None = None,
     context_lens: np.ndarray | None = None,
     causal: bool = True,
     sm_count: int = NOMINAL_SM_COUNT,
@@ -377,30 +386,34 @@ def prefill_launch(
     """The launch of ``paged_prefill`` (and its merge) for one batch shape.
 
     Args:
-        max_query_len: most query tokens of one sequence in the batch; sizes the grid (a query
-            tile past a sequence's own count returns at once).
-        query_counts: host copy of each sequence's query count ``n_i``, and
+        max_query_len: most query tokens of one sequence in the batch; with ``num_seqs``, sizes
+            the grid when ``total_query_tokens`` is not given (a bound: blocks past the rows of
+            q return at once).
+        query_start_loc: host copy of ``query_start_loc``, and
         context_lens: host copy of the lengths: the split-K decision's input (``prefill_work``);
             no split when ``None``.
         causal: whether the tiles' KV ranges end at their last query (the split-K input too).
         sm_count: multiprocessors of the device.
         splits: force about this many splits (tests); the heuristic decides when ``None``.
-        total_query_tokens: rows of ``q``; sizes the merge grid.
+        total_query_tokens: rows of ``q``; sizes the grid and the merge grid.
     """
     check_decode_shape(dtype, head_dim, block_size)
     num_q_heads = num_kv_heads * group
-    for what, value in (("num_seqs", num_seqs), ("num_kv_heads", num_kv_heads),
-                        ("num_q_heads", num_q_heads)):  # fmt: skip
+    if num_seqs < 1:
+        raise ValueError(f"expected num_seqs >= 1, got {num_seqs}")
+    for what, value in (("num_kv_heads", num_kv_heads), ("num_q_heads", num_q_heads)):
         if not 1 <= value <= MAX_GRID_YZ:
             raise ValueError(f"expected {what} in 1..{MAX_GRID_YZ} (one launch), got {value}")
     tile = prefill_tile(dtype, head_dim)
     heads = min(group, PREFILL_ROWS)
     chunks = cdiv(group, heads)
     query_rows = max(1, PREFILL_ROWS // heads)
-    tiles = max(1, cdiv(max_query_len, query_rows))
+    # Aligned tiles of the packed rows, then one head tile per sequence (cuda/paged_prefill.cu).
+    rows = total_query_tokens if total_query_tokens else max_query_len * num_seqs
+    tiles = max(1, cdiv(rows, query_rows) + num_seqs)
     num_splits, partition = 1, NO_SPLIT_PARTITION
-    if query_counts is not None and context_lens is not None:
-        work = prefill_work(query_counts, context_lens, query_rows, causal)
+    if query_start_loc is not None and context_lens is not None:
+        work = prefill_work(query_start_loc, context_lens, query_rows, causal)
         units = work.query_tiles * num_kv_heads * chunks
         partition = prefill_partition(
             units, work.kv_tokens * num_kv_heads * chunks, work.max_end, tile, sm_count, splits
@@ -410,7 +423,7 @@ def prefill_launch(
             partition = NO_SPLIT_PARTITION
     if tiles * chunks * num_splits > MAX_GRID_X:
         raise ValueError(
-            f"expected at most {MAX_GRID_X} thread blocks per KV head and sequence, got "
+            f"expected at most {MAX_GRID_X} thread blocks per KV head, got "
             f"{tiles * chunks * num_splits}"
         )
     c_type = C_TYPES[dtype]
@@ -420,7 +433,7 @@ def prefill_launch(
             f"{PREFILL_STAGES}, {PREFILL_THREADS}>"
         ),
         merge_name=f"cupaged::paged_prefill_merge<{c_type}, {head_dim}, {PREFILL_MERGE_THREADS}>",
-        grid=(tiles * chunks * num_splits, num_kv_heads, num_seqs),
+        grid=(tiles * chunks * num_splits, num_kv_heads, 1),
         block=(PREFILL_THREADS,),
         shared_mem=prefill_shared_memory(dtype, head_dim, tile),
         query_rows=query_rows,

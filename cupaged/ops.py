@@ -349,9 +349,8 @@ def paged_prefill(
     device = _device(xp)
     launch = _launch.prefill_launch(
         dims.dtype, dims.num_seqs, dims.num_kv_heads, group, dims.head_dim, dims.block_size,
-        max_query_len, np.diff(host_starts.astype(np.int64)),
-        np.minimum(host_lens.astype(np.int64), MAX_CONTEXT_LEN), bool(causal), _sm_count(device),
-        num_splits, total,
+        max_query_len, host_starts, np.minimum(host_lens.astype(np.int64), MAX_CONTEXT_LEN),
+        bool(causal), _sm_count(device), num_splits, total,
     )  # fmt: skip
     kernel = _attention_kernel(device, "paged_prefill.cu", launch, group, dims.head_dim)
     tables = xp.ascontiguousarray(block_tables, dtype=np.int32)
@@ -369,8 +368,9 @@ def paged_prefill(
         out_storage, partial_out, partial_lse, xp.ascontiguousarray(as_storage(q)),
         as_storage(k_cache), as_storage(v_cache), tables, lens, starts,
         np.int32(dims.num_kv_heads), np.int32(group), np.int32(launch.heads_per_block),
-        np.int32(dims.max_blocks), np.int32(launch.query_rows), np.int32(bool(causal)),
-        np.int32(launch.partition_tokens), np.int32(launch.num_splits), np.float32(scale),
+        np.int32(dims.max_blocks), np.int32(dims.num_seqs), np.int32(launch.query_rows),
+        np.int32(bool(causal)), np.int32(launch.partition_tokens), np.int32(launch.num_splits),
+        np.float32(scale),
     )  # fmt: skip
     kernel(launch.grid, launch.block, args, shared_mem=launch.shared_mem)
     if launch.num_splits > 1:

@@ -133,9 +133,10 @@ SPLIT_CASES.append(("float16", 64, 16, 24, True, SCHEDULES[1]))
 
 def split_plan(batch, dtype, head_dim, ratio, block_size, causal, splits):
     counts = np.array([n for _, n in batch])
+    starts = np.concatenate([[0], np.cumsum(counts)])
     lens = np.array([length for length, _ in batch])
     return _launch.prefill_launch(
-        dtype, len(batch), NUM_KV_HEADS, ratio, head_dim, block_size, int(counts.max()), counts,
+        dtype, len(batch), NUM_KV_HEADS, ratio, head_dim, block_size, int(counts.max()), starts,
         lens, causal, _launch.NOMINAL_SM_COUNT, splits, int(counts.sum()),
     )  # fmt: skip
 
@@ -186,33 +187,60 @@ def test_split_heuristic_fills_the_gpu_balanced_by_tokens():
     """A small batch with a long cached prefix splits; a big one does not; every thread block
     reads at most partition_tokens tokens, about the batch's tokens over every block an SM holds."""
     one = split_plan([(32768 + 64, 64)], "float16", 128, 4, 16, True, None)
-    work = _launch.prefill_work(np.array([64]), np.array([32768 + 64]), one.query_rows, True)
+    work = _launch.prefill_work(np.array([0, 64]), np.array([32768 + 64]), one.query_rows, True)
     assert one.num_splits > 1 and one.partition_tokens % one.tile == 0
     tiles = one.grid[0] // one.num_splits
-    assert tiles == 16 and one.grid[1:] == (NUM_KV_HEADS, 1)
+    assert tiles == 16 + 1 and one.grid[1:] == (NUM_KV_HEADS, 1)  # and an empty head tile
     blocks = _launch.NOMINAL_SM_COUNT * _launch.PREFILL_SPLIT_BLOCKS_PER_SM
     per_block = -(-work.kv_tokens * NUM_KV_HEADS // blocks)
     assert per_block <= one.partition_tokens < per_block + one.tile
     assert one.num_splits == -(-work.max_end // one.partition_tokens)
     big = split_plan([(1024 + 256, 256)] * 8, "float16", 128, 4, 16, True, None)
-    assert big.num_splits == 1 and big.grid == (64, NUM_KV_HEADS, 8)
+    assert big.num_splits == 1 and big.grid == (8 * 64 + 8, NUM_KV_HEADS, 1)
     short = split_plan([(200, 8)], "float16", 128, 4, 16, True, None)
     assert short.num_splits == 1  # no split shorter than MIN_SPLIT_TOKENS
 
 
+def kernel_tiles(starts, rows):
+    """The query tiles of cuda/paged_prefill.cu, unit by unit: ``(sequence, first row, end row)``
+    of the packed rows, or None for a unit that returns at once."""
+    total, num_seqs = int(starts[-1]), len(starts) - 1
+    aligned = -(-total // rows)
+    tiles = []
+    for unit in range(aligned + num_seqs):
+        if unit < aligned:
+            begin = unit * rows
+            seq = int(np.searchsorted(starts, begin, side="right")) - 1
+            end = min(begin + rows, int(starts[seq + 1]))
+        else:
+            seq = unit - aligned
+            begin = int(starts[seq])
+            end = min(-(-begin // rows) * rows, int(starts[seq + 1]))
+        tiles.append((seq, begin, end) if begin < end else None)
+    return tiles
+
+
 @pytest.mark.parametrize("causal", [True, False])
-def test_prefill_work_counts_every_tile(causal):
+def test_query_tiles_cover_every_row_once_and_prefill_work_counts_them(causal):
     rng = np.random.default_rng(5)
     counts = rng.integers(0, 40, 30)
+    counts[[3, 4, 9]] = (0, 1, 1)  # empty and decode rows among the chunks
+    starts = np.concatenate([[0], np.cumsum(counts)])
     lens = counts + rng.integers(0, 100, 30)
-    for rows in (1, 2, 4, 16):
-        work = _launch.prefill_work(counts, lens, rows, causal)
+    for rows in (1, 2, 4, 5, 16):
+        tiles = [t for t in kernel_tiles(starts, rows) if t]
+        covered = sorted(row for _, begin, end in tiles for row in range(begin, end))
+        assert covered == list(range(int(starts[-1])))
+        assert all(starts[seq] <= begin < end <= starts[seq + 1] for seq, begin, end in tiles)
         ends = [
-            (length - n + min((j + 1) * rows, n)) if causal else length
-            for n, length in zip(counts, lens, strict=True)
-            for j in range(-(-n // rows))
+            int(lens[seq] - counts[seq] + end - starts[seq]) if causal else int(lens[seq])
+            for seq, _, end in tiles
         ]
+        work = _launch.prefill_work(starts, lens, rows, causal)
         assert (work.query_tiles, work.kv_tokens, work.max_end) == (len(ends), sum(ends), max(ends))
+    # A decode row is one block, not max_query_len / query_rows of them.
+    mixed = np.concatenate([[0], np.cumsum([128] * 4 + [1] * 64)])
+    assert sum(t is not None for t in kernel_tiles(mixed, 4)) == 4 * 32 + 64
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -474,18 +502,21 @@ def test_unchecked_mode_gives_the_same_result(rng):
 
 
 def test_launch_plan():
-    """Query tiles of max(1, 16 // G) tokens; the grid covers the longest query run; a group of
-    more than 16 heads is cut into chunks of 16, one thread block each."""
+    """Query tiles of max(1, 16 // G) tokens; the grid: the aligned tiles of the packed rows (of
+    max_query_len * num_seqs rows when total_query_tokens is not given) and a head tile per
+    sequence; a group of more than 16 heads is cut into chunks of 16, one thread block each."""
     launch = _launch.prefill_launch("float16", 3, 2, 4, 128, 16, 37)
-    assert launch.query_rows == 4 and launch.grid == (10, 2, 3) and launch.block == (128,)
+    assert launch.query_rows == 4 and launch.grid == (28 + 3, 2, 1) and launch.block == (128,)
     assert launch.tile == 32 and launch.num_splits == 1 and launch.heads_per_block == 4
+    exact = _launch.prefill_launch("float16", 3, 2, 4, 128, 16, 37, total_query_tokens=50)
+    assert exact.grid == (13 + 3, 2, 1) and exact.merge_grid == (50, 8)
     wide = _launch.prefill_launch("float32", 1, 1, 40, 64, 1, 3)
-    assert (wide.query_rows, wide.heads_per_block, wide.grid) == (1, 16, (9, 1, 1))
+    assert (wide.query_rows, wide.heads_per_block, wide.grid) == (1, 16, (12, 1, 1))
     tiles = {
         (d, hd): _launch.prefill_tile(d, hd) for d in ("float32", "float16") for hd in (64, 256)
     }
     assert tiles == {("float32", 64): 32, ("float32", 256): 8, ("float16", 64): 32,
                      ("float16", 256): 16}  # fmt: skip
     assert _launch.prefill_shared_memory("float16", 128, 32) == 4 * (2048 + 576 + 32) + 4 * 32 * 272
-    with pytest.raises(ValueError, match=r"expected num_seqs in 1..65535"):
-        _launch.prefill_launch("float16", 65536, 2, 4, 128, 16, 1)
+    with pytest.raises(ValueError, match=r"expected num_q_heads in 1..65535"):
+        _launch.prefill_launch("float16", 1, 2, 32768, 128, 16, 1)
