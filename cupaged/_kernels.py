@@ -87,7 +87,28 @@ def nvrtc_options() -> tuple[str, ...]:
     include = wheel_include_dir()
     if include:
         options.append(f"-I{include}")
+    crt = crt_include_dir()
+    if crt and crt != include:
+        options.append(f"-I{crt}")
     return tuple(options)
+
+
+def crt_include_dir() -> str | None:
+    """Headers holding ``crt/mma.h`` (what ``mma.h``, the WMMA API, includes), when installed.
+
+    The CUDA 12 runtime wheel ships ``mma.h`` but not ``crt/mma.h``: that comes with the
+    ``nvidia-cuda-nvcc-cu12`` wheel (``nvidia/cuda_nvcc/include``); CUDA 13 keeps it under
+    ``nvidia/cu13/include`` (the ``nvidia-cuda-crt`` wheel).
+    """
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("nvidia")
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        for sub in ("cuda_nvcc/include", "cu13/include", "cuda_runtime/include"):
+            if (Path(root) / sub / "crt" / "mma.h").is_file():
+                return str(Path(root) / sub)
+    return None
 
 
 def wheel_include_dir() -> str | None:

@@ -314,6 +314,9 @@ static const char* op_name(Op op) {
     case kOpBallot: return "__ballot_sync";
     case kOpAny: return "__any_sync";
     case kOpAll: return "__all_sync";
+    case kOpWmmaLoad: return "wmma::load_matrix_sync";
+    case kOpWmmaStore: return "wmma::store_matrix_sync";
+    case kOpWmmaMma: return "wmma::mma_sync";
     default: return "(nothing)";
   }
 }
@@ -677,7 +680,22 @@ static bool complete_collective(Worker* w, Fiber* caller) {
     }
   }
   const Op op = caller->op;
-  if (op == kOpBallot || op == kOpAny || op == kOpAll) {
+  if (op >= kOpWmmaLoad) {
+    // A WMMA operation (shim.h section 12): the last lane in runs it for the whole warp.
+    WmmaRequest* requests[32];
+    for (unsigned l = 0; l < 32; ++l) {
+      requests[l] = reinterpret_cast<WmmaRequest*>(static_cast<uintptr_t>(lanes[l].value));
+    }
+    if (const char* error = requests[0]->complete(requests)) {
+      if (claim_error(w->launch)) {
+        Text t = error_text(w->launch);
+        t.add("%s in %s at %s:%d: %s; block (%u,%u,%u), warp %u", op_name(op),
+              w->launch->kernel->name, base_name(caller->file), caller->line, error, blockIdx.x,
+              blockIdx.y, blockIdx.z, caller->warp);
+      }
+      abandon_fiber(w);
+    }
+  } else if (op == kOpBallot || op == kOpAny || op == kOpAll) {
     unsigned ballot = 0;
     for (unsigned m = mask; m != 0; m &= m - 1) {
       const unsigned l = __builtin_ctz(m);
@@ -741,6 +759,13 @@ unsigned long long warp_collective(Op op, unsigned mask, unsigned long long valu
   f->state = kBlocked;
   yield_to_scheduler(w, f);
   return f->result;
+}
+
+unsigned current_lane() { return tls_worker->current->lane; }
+
+// A malformed WMMA call (shim.h section 12): misaligned tile, bad leading dimension.
+void wmma_fail(const char* call, const char* file, int line, const char* what) {
+  fail_pipeline(tls_worker, call, file, line, "%s", what);
 }
 
 unsigned active_mask() {

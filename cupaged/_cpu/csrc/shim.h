@@ -20,7 +20,13 @@
 //     fails the launch (end a pipelined loop with __pipeline_wait_prior(0)), as do a size other
 //     than 4, 8 or 16, a zfill above the size, a misaligned address (both sides aligned to the
 //     size), a destination outside shared memory or a source inside it: KernelError naming the
-//     kernel, the call's file and line, the block and the thread.
+//     kernel, the call's file and line, the block and the thread;
+//   - the WMMA fragments of mma.h (nvcuda::wmma, m16n16k16, __half / __nv_bfloat16 operands,
+//     float accumulators; section 12) as whole-warp collectives over fragments whose element
+//     layout is deliberately not the GPU's (code must treat it as opaque): a load and an mma run
+//     once every lane of the warp has arrived, a store poisons its whole tile when the last lane
+//     arrives and each lane then writes its own elements, so that reading another lane's part
+//     before a __syncwarp sees NaN.
 //
 // Every synchronising call takes its call site through default arguments (__builtin_FILE() and
 // __builtin_LINE() are evaluated where the call is written), so that a divergent barrier or a
@@ -116,7 +122,10 @@ enum Op : unsigned char {
   kOpShflXor,
   kOpBallot,
   kOpAny,
-  kOpAll
+  kOpAll,
+  kOpWmmaLoad,  // nvcuda::wmma (section 12): whole-warp collectives whose value is a request
+  kOpWmmaStore,
+  kOpWmmaMma
 };
 
 // Barrier flavours: the result a thread gets back from block_barrier().
@@ -133,6 +142,9 @@ unsigned long long warp_collective(Op op, unsigned mask, unsigned long long valu
 
 // Lanes of the calling thread's warp that have not exited.
 unsigned active_mask();
+
+// The calling thread's lane in its warp.
+unsigned current_lane();
 
 [[noreturn]] void assert_fail(const char* expr, const char* file, int line, const char* function);
 
@@ -481,3 +493,304 @@ inline void __pipeline_commit(const char* file = __builtin_FILE(), int line = __
   cupaged_cpu::pipeline_commit(file, line);
 }
 inline void __pipeline_wait_prior(size_t prior) { cupaged_cpu::pipeline_wait_prior(prior); }
+
+// ---- 12. Tensor-core fragments: mma.h (nvcuda::wmma) ------------------------------------------
+// A kernel includes <mma.h> only when compiled by NVRTC (`#ifndef CUPAGED_CPU`): the CUDA header
+// is device code, and the CPU backend provides the part of its API below instead, with its
+// signatures: m16n16k16 fragments of __half or __nv_bfloat16 operands (matrix_a, matrix_b; row-
+// or column-major) and float accumulators, fill_fragment, load_matrix_sync, mma_sync,
+// store_matrix_sync, and the element access x[0 .. num_elements - 1] (num_elements as in mma.h:
+// 16 per lane for __half operands, 8 for __nv_bfloat16 and for float accumulators).
+//
+// Emulated faithfully, so that a kernel's mistakes show:
+//   - the fragments' element layout is a fixed scramble, not the GPU's (which is unspecified):
+//     element e of lane l holds matrix element kPerm(l * num_elements + e) mod 256, a different
+//     permutation per use; elementwise code (x[e] *= s) works, code that assumes a layout does
+//     not. A __half operand fragment holds each matrix element twice, as on the GPU;
+//   - load_matrix_sync, mma_sync and store_matrix_sync are collectives of the whole warp
+//     (mask 0xffffffff): a lane missing from one deadlocks (KernelError), lanes passing different
+//     pointers, leading dimensions or layouts, or calling different operations, fail the launch;
+//   - a load reads the whole tile when the last lane arrives (so the data must be there: an
+//     async copy not yet waited for, or another thread's write before the __syncthreads, is NaN);
+//   - an mma computes D = A B + C in float (products exact, sums in k order) for the whole warp
+//     when the last lane arrives;
+//   - a store poisons the whole tile (0xFF bytes: NaN) when the last lane arrives, then each lane
+//     writes its own elements when it runs on: a lane reading elements of the tile that another
+//     lane stored, without a __syncwarp (or __syncthreads) between, reads NaN;
+//   - the pointer must be 32-byte (256-bit) aligned and ldm a multiple of 16 bytes (8 elements of
+//     a 16-bit type, 4 floats), as CUDA requires; otherwise KernelError naming the call site.
+namespace cupaged_cpu {
+
+struct WmmaRequest {
+  // Runs once per collective, on the last lane in, over all 32 lanes' requests; returns an error
+  // message, or null.
+  const char* (*complete)(WmmaRequest* const* lanes);
+  void* fragment;  // this lane's fragment (the result D of an mma)
+  const void* a;   // mma: this lane's A, B and C fragments
+  const void* b;
+  const void* c;
+  void* pointer;  // load/store: the tile's first element
+  unsigned ldm;
+  int layout;  // 0 row-major, 1 column-major
+};
+
+[[noreturn]] void wmma_fail(const char* call, const char* file, int line, const char* what);
+
+inline void wmma_collective(Op op, WmmaRequest* request, const char* file, int line) {
+  warp_collective(op, 0xffffffffu, reinterpret_cast<uintptr_t>(request), 0, 32, 0, file, line);
+}
+
+// Matrix position (row * 16 + column) of element e of lane l, for a fragment of n elements per
+// lane: an odd multiplier is a bijection mod 256, so a 16-element fragment holds each position
+// twice (lanes l and l + 16 hold the same elements).
+template <int kMultiplier, int kOffset>
+struct WmmaPermutation {
+  static int position(int lane, int e, int n) { return ((lane * n + e) * kMultiplier + kOffset) & 255; }
+};
+
+inline float wmma_to_float(float v) { return v; }
+inline float wmma_to_float(__half v) { return __half2float(v); }
+inline float wmma_to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+}  // namespace cupaged_cpu
+
+namespace nvcuda {
+namespace wmma {
+
+struct matrix_a {};
+struct matrix_b {};
+struct accumulator {};
+struct row_major {};
+struct col_major {};
+enum layout_t { mem_row_major, mem_col_major };
+
+template <typename T, int size>
+struct __frag_base {
+  typedef T element_type;
+  enum { num_elements = size };
+  T x[size];
+};
+
+template <typename Use, int m, int n, int k, typename T, typename Layout = void>
+class fragment;  // only the specialisations below exist (others do not compile, as on the GPU)
+
+#define CUPAGED_CPU_WMMA_OPERAND(T, size)                                                     \
+  template <>                                                                                \
+  class fragment<matrix_a, 16, 16, 16, T, row_major> : public __frag_base<T, size> {};       \
+  template <>                                                                                \
+  class fragment<matrix_a, 16, 16, 16, T, col_major> : public __frag_base<T, size> {};       \
+  template <>                                                                                \
+  class fragment<matrix_b, 16, 16, 16, T, row_major> : public __frag_base<T, size> {};       \
+  template <>                                                                                \
+  class fragment<matrix_b, 16, 16, 16, T, col_major> : public __frag_base<T, size> {};
+CUPAGED_CPU_WMMA_OPERAND(__half, 16)
+CUPAGED_CPU_WMMA_OPERAND(__nv_bfloat16, 8)
+#undef CUPAGED_CPU_WMMA_OPERAND
+template <>
+class fragment<accumulator, 16, 16, 16, float> : public __frag_base<float, 8> {};
+
+}  // namespace wmma
+}  // namespace nvcuda
+
+namespace cupaged_cpu {
+
+// Per use: the permutation of its elements and where (row, column) of the logical matrix lives
+// in memory for a layout. A is M x K, B is K x N, the accumulator M x N (all 16 x 16).
+template <typename Use>
+struct WmmaUse;
+template <>
+struct WmmaUse<nvcuda::wmma::matrix_a> : WmmaPermutation<37, 11> {
+  static constexpr const char* kName = "matrix_a";
+};
+template <>
+struct WmmaUse<nvcuda::wmma::matrix_b> : WmmaPermutation<53, 5> {
+  static constexpr const char* kName = "matrix_b";
+};
+template <>
+struct WmmaUse<nvcuda::wmma::accumulator> : WmmaPermutation<29, 3> {
+  static constexpr const char* kName = "accumulator";
+};
+
+template <typename Layout>
+struct WmmaLayout;
+template <>
+struct WmmaLayout<nvcuda::wmma::row_major> {
+  static constexpr int kValue = 0;
+};
+template <>
+struct WmmaLayout<nvcuda::wmma::col_major> {
+  static constexpr int kValue = 1;
+};
+
+inline size_t wmma_offset(int position, unsigned ldm, int layout) {
+  const int row = position / 16, col = position % 16;
+  return layout == 0 ? static_cast<size_t>(row) * ldm + col : static_cast<size_t>(col) * ldm + row;
+}
+
+// Every lane must name the same tile: the GPU's behaviour is undefined otherwise.
+inline const char* wmma_same_tile(WmmaRequest* const* lanes) {
+  for (int l = 1; l < 32; ++l) {
+    if (lanes[l]->pointer != lanes[0]->pointer || lanes[l]->ldm != lanes[0]->ldm ||
+        lanes[l]->layout != lanes[0]->layout) {
+      return "the lanes of the warp pass different pointers, leading dimensions or layouts";
+    }
+  }
+  return nullptr;
+}
+
+template <typename Frag, typename Use, typename T>
+const char* wmma_complete_load(WmmaRequest* const* lanes) {
+  if (const char* error = wmma_same_tile(lanes)) return error;
+  const T* base = static_cast<const T*>(lanes[0]->pointer);
+  for (int l = 0; l < 32; ++l) {
+    Frag& f = *static_cast<Frag*>(lanes[l]->fragment);
+    for (int e = 0; e < Frag::num_elements; ++e) {
+      const int position = WmmaUse<Use>::position(l, e, Frag::num_elements);
+      f.x[e] = base[wmma_offset(position, lanes[0]->ldm, lanes[0]->layout)];
+    }
+  }
+  return nullptr;
+}
+
+template <typename Frag>
+const char* wmma_complete_store(WmmaRequest* const* lanes) {
+  if (const char* error = wmma_same_tile(lanes)) return error;
+  float* base = static_cast<float*>(lanes[0]->pointer);
+  for (int position = 0; position < 256; ++position) {
+    memset(base + wmma_offset(position, lanes[0]->ldm, lanes[0]->layout), 0xff, sizeof(float));
+  }
+  return nullptr;
+}
+
+// The whole matrix of a fragment kind, gathered from the 32 lanes; a position held by two lanes
+// with different bits means elementwise code treated the copies differently (undefined).
+template <typename Frag, typename Use>
+const char* wmma_gather(WmmaRequest* const* lanes, const void* WmmaRequest::*which, float* out) {
+  bool seen[256] = {};
+  typename Frag::element_type first[256];
+  for (int l = 0; l < 32; ++l) {
+    const Frag& f = *static_cast<const Frag*>(lanes[l]->*which);
+    for (int e = 0; e < Frag::num_elements; ++e) {
+      const int position = WmmaUse<Use>::position(l, e, Frag::num_elements);
+      if (seen[position] && memcmp(&first[position], &f.x[e], sizeof(f.x[e])) != 0) {
+        return "two lanes hold different values for one element of a replicated operand "
+               "fragment (its element layout is opaque: treat every element alike)";
+      }
+      seen[position] = true;
+      first[position] = f.x[e];
+      out[position] = wmma_to_float(f.x[e]);
+    }
+  }
+  return nullptr;
+}
+
+template <typename FD, typename FA, typename FB, typename FC>
+const char* wmma_complete_mma(WmmaRequest* const* lanes) {
+  for (int l = 1; l < 32; ++l) {
+    if (lanes[l]->complete != lanes[0]->complete) return "the lanes call different mma_sync";
+  }
+  float a[256], b[256], c[256];
+  const char* error = wmma_gather<FA, nvcuda::wmma::matrix_a>(lanes, &WmmaRequest::a, a);
+  if (error == nullptr) error = wmma_gather<FB, nvcuda::wmma::matrix_b>(lanes, &WmmaRequest::b, b);
+  if (error == nullptr) {
+    error = wmma_gather<FC, nvcuda::wmma::accumulator>(lanes, &WmmaRequest::c, c);
+  }
+  if (error != nullptr) return error;
+  float d[256];
+  for (int row = 0; row < 16; ++row) {
+    for (int col = 0; col < 16; ++col) {
+      float sum = c[row * 16 + col];
+      for (int k = 0; k < 16; ++k) sum += a[row * 16 + k] * b[k * 16 + col];
+      d[row * 16 + col] = sum;
+    }
+  }
+  for (int l = 0; l < 32; ++l) {  // D may be C itself: written only after every read
+    FD& f = *static_cast<FD*>(lanes[l]->fragment);
+    for (int e = 0; e < FD::num_elements; ++e) {
+      f.x[e] = d[WmmaUse<nvcuda::wmma::accumulator>::position(l, e, FD::num_elements)];
+    }
+  }
+  return nullptr;
+}
+
+template <typename T>
+inline void wmma_check_tile(const char* call, const void* p, unsigned ldm, const char* file,
+                            int line) {
+  if (reinterpret_cast<uintptr_t>(p) % 32 != 0) {
+    wmma_fail(call, file, line, "the pointer must be 256-bit (32-byte) aligned");
+  }
+  if (ldm == 0 || (ldm * sizeof(T)) % 16 != 0) {
+    wmma_fail(call, file, line, "ldm must be a positive multiple of 16 bytes of elements");
+  }
+}
+
+}  // namespace cupaged_cpu
+
+namespace nvcuda {
+namespace wmma {
+
+template <typename Use, int m, int n, int k, typename T, typename Layout, typename V>
+inline void fill_fragment(fragment<Use, m, n, k, T, Layout>& f, const V& value) {
+  const T v = static_cast<T>(value);
+  for (int e = 0; e < fragment<Use, m, n, k, T, Layout>::num_elements; ++e) f.x[e] = v;
+}
+
+// matrix_a / matrix_b: the layout is the fragment's.
+template <typename Use, typename T, typename Layout>
+inline void load_matrix_sync(fragment<Use, 16, 16, 16, T, Layout>& f, const T* p, unsigned ldm,
+                             const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
+  using Frag = fragment<Use, 16, 16, 16, T, Layout>;
+  cupaged_cpu::wmma_check_tile<T>("wmma::load_matrix_sync", p, ldm, file, line);
+  cupaged_cpu::WmmaRequest request{&cupaged_cpu::wmma_complete_load<Frag, Use, T>, &f, nullptr,
+                                   nullptr, nullptr, const_cast<T*>(p), ldm,
+                                   cupaged_cpu::WmmaLayout<Layout>::kValue};
+  cupaged_cpu::wmma_collective(cupaged_cpu::kOpWmmaLoad, &request, file, line);
+}
+
+// The accumulator: the layout is the call's.
+inline void load_matrix_sync(fragment<accumulator, 16, 16, 16, float>& f, const float* p,
+                             unsigned ldm, layout_t layout, const char* file = __builtin_FILE(),
+                             int line = __builtin_LINE()) {
+  using Frag = fragment<accumulator, 16, 16, 16, float>;
+  cupaged_cpu::wmma_check_tile<float>("wmma::load_matrix_sync", p, ldm, file, line);
+  cupaged_cpu::WmmaRequest request{&cupaged_cpu::wmma_complete_load<Frag, accumulator, float>,
+                                   &f, nullptr, nullptr, nullptr, const_cast<float*>(p), ldm,
+                                   layout == mem_col_major};
+  cupaged_cpu::wmma_collective(cupaged_cpu::kOpWmmaLoad, &request, file, line);
+}
+
+inline void store_matrix_sync(float* p, const fragment<accumulator, 16, 16, 16, float>& f,
+                              unsigned ldm, layout_t layout, const char* file = __builtin_FILE(),
+                              int line = __builtin_LINE()) {
+  using Frag = fragment<accumulator, 16, 16, 16, float>;
+  cupaged_cpu::wmma_check_tile<float>("wmma::store_matrix_sync", p, ldm, file, line);
+  const int column_major = layout == mem_col_major;
+  cupaged_cpu::WmmaRequest request{&cupaged_cpu::wmma_complete_store<Frag>,
+                                   const_cast<Frag*>(&f), nullptr, nullptr, nullptr, p, ldm,
+                                   column_major};
+  cupaged_cpu::wmma_collective(cupaged_cpu::kOpWmmaStore, &request, file, line);
+  // The tile is poison now; this lane's elements land as it runs on (the others' when they do).
+  const int lane = static_cast<int>(cupaged_cpu::current_lane());
+  for (int e = 0; e < Frag::num_elements; ++e) {
+    const int position = cupaged_cpu::WmmaUse<accumulator>::position(lane, e, Frag::num_elements);
+    p[cupaged_cpu::wmma_offset(position, ldm, column_major)] = f.x[e];
+  }
+}
+
+template <typename TA, typename LA, typename TB, typename LB>
+inline void mma_sync(fragment<accumulator, 16, 16, 16, float>& d,
+                     const fragment<matrix_a, 16, 16, 16, TA, LA>& a,
+                     const fragment<matrix_b, 16, 16, 16, TB, LB>& b,
+                     const fragment<accumulator, 16, 16, 16, float>& c,
+                     const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
+  static_assert(std::is_same<TA, TB>::value, "mma_sync: A and B of one element type");
+  using FD = fragment<accumulator, 16, 16, 16, float>;
+  using FA = fragment<matrix_a, 16, 16, 16, TA, LA>;
+  using FB = fragment<matrix_b, 16, 16, 16, TB, LB>;
+  cupaged_cpu::WmmaRequest request{&cupaged_cpu::wmma_complete_mma<FD, FA, FB, FD>, &d, &a, &b,
+                                   &c, nullptr, 0, 0};
+  cupaged_cpu::wmma_collective(cupaged_cpu::kOpWmmaMma, &request, file, line);
+}
+
+}  // namespace wmma
+}  // namespace nvcuda
