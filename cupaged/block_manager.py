@@ -729,12 +729,8 @@ class BlockManager(StepPlanner):
         def undo() -> None:
             table.unrelease(saved[1])
             table.restore(row_array, saved[0])
-            for sid, row, cached, chain in entries:
-                self._rows[sid] = row
-                if cached is not None:
-                    self._cached[sid] = cached
-                if chain is not None:
-                    self._chains[row] = chain
+            for entry in entries:
+                self._restore_entry(*entry)
 
         self._atomic.undo.append(undo)
         resident = row_array[table.live[row_array] >= 0]
@@ -751,6 +747,14 @@ class BlockManager(StepPlanner):
             del self._rows[sid]
             self._cached.pop(sid, None)
             self._chains.pop(row, None)
+
+    def _restore_entry(self, sid: int, row: int, cached: Any, chain: Any) -> None:
+        """Put back a released sequence's id, row, cached-token count and prefix chain (undo)."""
+        self._rows[sid] = row
+        if cached is not None:
+            self._cached[sid] = cached
+        if chain is not None:
+            self._chains[row] = chain
 
     def _release_one(self, sid: int, row: int) -> None:
         """:meth:`_release` of one sequence: what ``free`` does per call, in few operations."""
@@ -773,11 +777,7 @@ class BlockManager(StepPlanner):
             table.tables[row, :held] = blocks[::-1]
             table.lens[row], table.sids[row], table.live[row] = length, sid, sid if resident else -1
             table.shared[row], table.pending[row], table.version[row] = shared, pending, version
-            self._rows[sid] = row
-            if cached is not None:
-                self._cached[sid] = cached
-            if chain is not None:
-                self._chains[row] = chain
+            self._restore_entry(sid, row, cached, chain)
 
         self._atomic.undo.append(undo)
         if held:
