@@ -58,12 +58,14 @@
 // pieces (a multiple of TILE) when the batch is too small to fill the GPU, so that one thread
 // block holds at most that many tokens whatever its sequence's length; the last split runs to the
 // end of each range, so a plan made from wrong lengths changes the work split, never the result.
-// Tensor cores: not used yet. The static model (scripts/kernel-report, docs/prefill.md) says WMMA
-// for Q K^T and P V would pay for fp16/bf16 (H100, head_dim 128: 64 tensor-core cycles per
-// tile against about 1,800 issued for the FMA loops), together with taller query tiles; the CPU
-// backend would have to emulate the fragments first. float32 stays on FMAs (TF32 would miss its
-// tolerance).
+// Tensor cores: fp16/bf16 run paged_prefill_mma (below): 64-row query tiles, Q K^T and P V on
+// WMMA m16n16k16 with float32 accumulators, the softmax in float32 between them (the static
+// model: scripts/kernel-report, docs/prefill.md). float32 stays on paged_prefill's FMAs (TF32
+// would miss its tolerance).
 #include <cuda_pipeline_primitives.h>
+#ifndef CUPAGED_CPU
+#include <mma.h>  // WMMA; the CPU backend's shim provides nvcuda::wmma itself
+#endif
 
 #include "common.cuh"
 
@@ -483,6 +485,423 @@ __global__ void __launch_bounds__(THREADS, 4)
       float* dst = partial_out + (row * num_splits + split) * HEAD_DIM + part * VEC;
 #pragma unroll
       for (int e = 0; e < VEC; ++e) dst[e] = l_row == 0.0f ? 0.0f : acc[u][e] / l_row;
+    }
+  }
+}
+
+// ---- Tensor cores: paged_prefill_mma (fp16 / bf16) ---------------------------------------------
+// The same attention, query tiles, ring, split-K outputs and NaN/Inf rules as paged_prefill, with
+// Q K^T and P V on WMMA m16n16k16 (T operands, float32 accumulators). ROWS = 16 x WARPS rows:
+// warp w owns rows 16 w .. 16 w + 15 of the tile (the same token-major rows as paged_prefill) and
+// computes them alone, so only the ring needs block barriers. Per KV tile of TILE tokens:
+//   1. top of the tile: the ring as in paged_prefill (wait_prior, __syncthreads, issue ahead);
+//   2. S = Q K^T: the warp's 16 x TILE scores, from q_s (the queries as T, unscaled: the scale
+//      is applied to the float32 scores, so no rounding of q * scale) and the K stage read as a
+//      column-major B operand; stored to the warp's rows of s_s (float);
+//   3. online softmax in float32: two lanes per row, TILE / 2 scores each, max and sum over the
+//      pair by one shuffle each; m and l stay in registers; p goes to p_s rounded to T (the A
+//      operand of P V; l sums the unrounded p), alpha to alpha_s;
+//   4. O = alpha O + P V: O is HEAD_DIM / 16 accumulator fragments per warp, in registers for the
+//      whole KV range. Their element layout is opaque; each lane learns the row and column of its
+//      elements once, by loading fragments of a matrix whose elements are their own row (column)
+//      indices, and scales element e by alpha of its row. The same map writes the output.
+// A masked token (causal: past some row's position) has weight 0, and 0 x Inf would be NaN in an
+// MMA that multiplies every row by every token of the tile: in a tile that crosses a position,
+// the block first checks the V rows of the tokens that some row does not see; if one holds an Inf
+// or NaN (rare; a block-uniform branch), each such element's contribution p x v to every row that
+// sees it is kept aside (special_s: +Inf, -Inf, NaN bits per (row, column)), the element is zeroed
+// in the stage, and the output adds it back, so a token still never reaches a row that does not
+// see it and reaches those that do as in paged_prefill.
+//
+// Grid and arguments: as paged_prefill. Block: THREADS (ROWS / 16 warps). Dynamic shared memory,
+// in this order, every part 32-byte aligned (WMMA tiles):
+//   q_s [ROWS, HEAD_DIM + 8] T, kv_s [STAGES, 2 (K, V), TILE, HEAD_DIM + 8] T,
+//   s_s [ROWS, TILE + 4] float (scores; weights in float in a special tile, and the index maps
+//   at the start), p_s [ROWS, TILE + 8] T, alpha_s [ROWS], l_s [ROWS] float,
+//   special_s [ROWS, HEAD_DIM] bytes (written only once a special tile occurs).
+// Stage rows are padded by 16 bytes as in paged_prefill: the 8 rows of each 8 x 16-byte phase of
+// a fragment load start 4 banks apart (conflict-free).
+// __launch_bounds__(THREADS, 3), 2 above head_dim 128: O alone takes HEAD_DIM / 4 registers.
+template <typename T, int HEAD_DIM, int BLOCK_SIZE, int TILE, int ROWS, int STAGES, int THREADS>
+__global__ void __launch_bounds__(THREADS, HEAD_DIM > 128 ? 2 : 3)
+    paged_prefill_mma(T* __restrict__ out,                     // [total_query_tokens, num_q_heads, HEAD_DIM]
+                      float* __restrict__ partial_out,         // [total_query_tokens, num_q_heads, num_splits, HEAD_DIM]
+                      float* __restrict__ partial_lse,         // [total_query_tokens, num_q_heads, num_splits]
+                      const T* __restrict__ q,                 // [total_query_tokens, num_q_heads, HEAD_DIM]
+                      const T* __restrict__ k_cache,           // [num_blocks, num_kv_heads, BLOCK_SIZE, HEAD_DIM]
+                      const T* __restrict__ v_cache,           // [num_blocks, num_kv_heads, BLOCK_SIZE, HEAD_DIM]
+                      const int* __restrict__ block_tables,    // [num_seqs, max_blocks]
+                      const int* __restrict__ context_lens,    // [num_seqs]
+                      const int* __restrict__ query_start_loc,  // [num_seqs + 1]
+                      int num_kv_heads, int group_size, int heads_per_block, int max_blocks,
+                      int num_seqs, int query_rows, int causal, int partition_tokens,
+                      int num_splits, float scale) {
+  namespace wmma = nvcuda::wmma;
+  using Acc = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
+  using OperandA = wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major>;
+  using KeyB = wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major>;  // K^T
+  using ValueB = wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major>;
+  constexpr int VEC = 16 / sizeof(T);
+  constexpr int PARTS = HEAD_DIM / VEC;
+  constexpr int STRIDE = HEAD_DIM + VEC;  // q_s and stage rows (T)
+  constexpr int S_STRIDE = TILE + 4;      // s_s rows (float)
+  constexpr int P_STRIDE = TILE + 8;      // p_s rows (T)
+  constexpr int WARPS = THREADS / 32;
+  constexpr int FRAGS = HEAD_DIM / 16;  // output fragments of a warp (16 columns each)
+  constexpr int KEYS = TILE / 16;       // 16-token column blocks of S
+  constexpr int HALF = TILE / 2;        // scores per lane in the softmax (two lanes per row)
+  constexpr int COPIES = (TILE * PARTS + THREADS - 1) / THREADS;
+  constexpr int ELEMENTS = Acc::num_elements;
+  static_assert(sizeof(T) == 2, "tensor cores serve the 16-bit types; float32 has paged_prefill");
+  static_assert(ROWS == 16 * WARPS && THREADS % 32 == 0, "one 16-row MMA tile per warp");
+  static_assert(TILE % 16 == 0 && TILE <= 64 && HEAD_DIM % 16 == 0, "whole 16 x 16 tiles");
+  static_assert(STAGES >= 2, "a ring of at least two stages");
+
+  const int split = blockIdx.x % num_splits;
+  const int head_chunks = ceil_div(group_size, heads_per_block);
+  const int chunk = blockIdx.x / num_splits % head_chunks;
+  const int unit = blockIdx.x / num_splits / head_chunks;
+  const int kv_head = blockIdx.y;
+  const int aligned_tiles = ceil_div(query_start_loc[num_seqs], query_rows);
+  int seq;
+  int tile_begin;  // packed rows [tile_begin, tile_end) of q (query tiles as in paged_prefill)
+  int tile_end;
+  if (unit >= aligned_tiles + num_seqs) return;
+  if (unit < aligned_tiles) {
+    tile_begin = unit * query_rows;
+    seq = prefill::sequence_of(query_start_loc, num_seqs, tile_begin);
+    tile_end = min(tile_begin + query_rows, query_start_loc[seq + 1]);
+  } else {
+    seq = unit - aligned_tiles;
+    tile_begin = query_start_loc[seq];
+    tile_end = min(ceil_div(tile_begin, query_rows) * query_rows, query_start_loc[seq + 1]);
+  }
+  if (tile_begin >= tile_end) return;  // uniform
+  const int q_begin = query_start_loc[seq];
+  const int num_queries = query_start_loc[seq + 1] - q_begin;
+  const int first_query = tile_begin - q_begin;
+  const int rows_here = tile_end - tile_begin;
+  const int heads = heads_per_block;
+  const int heads_here = min(heads, group_size - chunk * heads);
+  const int first_head = kv_head * group_size + chunk * heads;
+  const int num_q_heads = num_kv_heads * group_size;
+  const int context = context_lens[seq];
+  const int past = context - num_queries;
+  const int first_position = past + first_query;
+  const int end = causal ? first_position + rows_here : context;
+  const int kv_begin = split * partition_tokens;
+  const int kv_end = split == num_splits - 1 ? end : min(end, kv_begin + partition_tokens);
+  if (kv_begin >= kv_end) return;  // uniform
+
+  const int tid = threadIdx.x;
+  const int warp = tid / 32;
+  const int lane = tid % 32;
+
+#ifdef CUPAGED_CPU
+  CUPAGED_DYNAMIC_SHARED(unsigned char, smem);  // the CPU backend's buffer is 128-byte aligned
+#else
+  extern __shared__ __align__(128) unsigned char smem[];  // WMMA tiles: 32-byte aligned
+#endif
+  T* q_s = reinterpret_cast<T*>(smem);
+  T* kv_s = q_s + ROWS * STRIDE;
+  float* s_s = reinterpret_cast<float*>(kv_s + STAGES * 2 * TILE * STRIDE);
+  T* p_s = reinterpret_cast<T*>(s_s + ROWS * S_STRIDE);
+  float* alpha_s = reinterpret_cast<float*>(p_s + ROWS * P_STRIDE);
+  float* l_s = alpha_s + ROWS;
+  unsigned char* special_s = reinterpret_cast<unsigned char*>(l_s + ROWS);
+
+  // ---- the ring: this thread's copies (token of the tile, part), as in paged_prefill ----
+  const long long block_stride = static_cast<long long>(num_kv_heads) * BLOCK_SIZE * HEAD_DIM;
+  const long long head_offset = static_cast<long long>(kv_head) * BLOCK_SIZE * HEAD_DIM;
+  const int* table = block_tables + static_cast<long long>(seq) * max_blocks;
+  int copy_token[COPIES];
+  int copy_part[COPIES];
+#pragma unroll
+  for (int u = 0; u < COPIES; ++u) {
+    const int i = tid + u * THREADS;
+    copy_token[u] = i < TILE * PARTS ? i / PARTS : -1;
+    copy_part[u] = i % PARTS;
+  }
+  int ids[COPIES];
+  auto fetch_ids = [&](int first) {
+#pragma unroll
+    for (int u = 0; u < COPIES; ++u) {
+      const int pos = first + copy_token[u];
+      ids[u] = copy_token[u] >= 0 && pos < kv_end ? table[pos / BLOCK_SIZE] : 0;
+    }
+  };
+  auto issue = [&](int first, int stage) {
+    T* k_dst = kv_s + stage * 2 * TILE * STRIDE;
+    T* v_dst = k_dst + TILE * STRIDE;
+#pragma unroll
+    for (int u = 0; u < COPIES; ++u) {
+      if (copy_token[u] < 0) continue;
+      const int pos = first + copy_token[u];
+      const int dst = copy_token[u] * STRIDE + copy_part[u] * VEC;
+      if (pos < kv_end) {
+        const long long src = ids[u] * block_stride + head_offset +
+                              static_cast<long long>(pos % BLOCK_SIZE) * HEAD_DIM +
+                              copy_part[u] * VEC;
+        __pipeline_memcpy_async(k_dst + dst, k_cache + src, 16);
+        __pipeline_memcpy_async(v_dst + dst, v_cache + src, 16);
+      } else {
+        *reinterpret_cast<uint4*>(k_dst + dst) = make_uint4(0u, 0u, 0u, 0u);
+        *reinterpret_cast<uint4*>(v_dst + dst) = make_uint4(0u, 0u, 0u, 0u);
+      }
+    }
+  };
+  const int num_tiles = ceil_div(kv_end - kv_begin, TILE);
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < num_tiles) {
+      fetch_ids(kv_begin + s * TILE);
+      issue(kv_begin + s * TILE, s);
+    }
+    __pipeline_commit();
+  }
+  if (STAGES - 1 < num_tiles) fetch_ids(kv_begin + (STAGES - 1) * TILE);
+
+  // Queries as T, unscaled; padding rows zero (their scores are masked anyway).
+  const long long first_row = static_cast<long long>(q_begin) + first_query;
+  for (int i = tid; i < ROWS * HEAD_DIM; i += THREADS) {
+    const int r = i / HEAD_DIM;
+    const int token = r / heads;
+    const int h = r % heads;
+    T value = from_float<T>(0.0f);
+    if (token < rows_here && h < heads_here) {
+      value = q[((first_row + token) * num_q_heads + first_head + h) * HEAD_DIM + i % HEAD_DIM];
+    }
+    q_s[r * STRIDE + i % HEAD_DIM] = value;
+  }
+
+  // Rows of the tile: row r is query token r / heads, head r % heads; its position, or -1.
+  auto row_position = [&](int r) {
+    return r / heads < rows_here && r % heads < heads_here ? first_position + r / heads : -1;
+  };
+  const int live_rows = (rows_here - 1) * heads + heads_here;
+  const bool warp_live = 16 * warp < live_rows;  // the same for the whole warp
+  float* s_w = s_s + 16 * warp * S_STRIDE;
+  T* p_w = p_s + 16 * warp * P_STRIDE;
+  const T* q_w = q_s + 16 * warp * STRIDE;
+
+  // The row and column (within its 16 x 16 tile) of each element of this lane's accumulators.
+  int element_row[ELEMENTS];
+  int element_col[ELEMENTS];
+  {
+    Acc map;
+    for (int i = lane; i < 256; i += 32) s_w[i / 16 * S_STRIDE + i % 16] = static_cast<float>(i / 16);
+    __syncwarp();
+    wmma::load_matrix_sync(map, s_w, S_STRIDE, wmma::mem_row_major);
+#pragma unroll
+    for (int e = 0; e < ELEMENTS; ++e) element_row[e] = static_cast<int>(map.x[e]);
+    wmma::load_matrix_sync(map, s_w, S_STRIDE, wmma::mem_col_major);  // the transpose: columns
+#pragma unroll
+    for (int e = 0; e < ELEMENTS; ++e) element_col[e] = static_cast<int>(map.x[e]);
+    __syncwarp();  // every lane's loads are done before the scores overwrite the map
+  }
+
+  // Softmax lanes: row 16 warp + lane / 2, tokens (lane % 2) * HALF .. + HALF of each tile.
+  const int soft_row = 16 * warp + lane / 2;
+  const int soft_half = lane % 2;
+  const int soft_position = row_position(soft_row);
+  float m = neg_inf();
+  float l = 0.0f;
+  Acc o[FRAGS];
+#pragma unroll
+  for (int f = 0; f < FRAGS; ++f) wmma::fill_fragment(o[f], 0.0f);
+  bool any_special = false;  // block-uniform: special_s has been initialised
+
+  for (int tile = 0; tile < num_tiles; ++tile) {
+    const int first = kv_begin + tile * TILE;
+    const int count = min(TILE, kv_end - first);
+    __pipeline_wait_prior(STAGES - 2);
+    __syncthreads();
+    const int ahead = tile + STAGES - 1;
+    if (ahead < num_tiles) {
+      issue(kv_begin + ahead * TILE, ahead % STAGES);
+      if (ahead + 1 < num_tiles) fetch_ids(kv_begin + (ahead + 1) * TILE);
+    }
+    __pipeline_commit();
+
+    T* k_tile = kv_s + tile % STAGES * 2 * TILE * STRIDE;
+    T* v_tile = k_tile + TILE * STRIDE;
+
+    // A tile that crosses the first row's position (causal): tokens from `hidden` on are masked
+    // for some row. Does any of their V elements hold an Inf or NaN?
+    const bool crosses = causal && first + count - 1 > first_position;
+    const int hidden = max(0, first_position + 1 - first);
+    bool special = false;
+    if (crosses) {
+      int found = 0;
+      for (int i = tid; i < (count - hidden) * PARTS; i += THREADS) {
+        float vf[VEC];
+        prefill::unpack(v_tile + (hidden + i / PARTS) * STRIDE + i % PARTS * VEC, vf);
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) found |= !(vf[e] - vf[e] == 0.0f);  // Inf or NaN
+      }
+      special = __syncthreads_or(found) != 0;
+    }
+
+    if (warp_live) {
+      // Step 2: S = Q K^T, 16 rows x TILE tokens.
+      Acc s[KEYS];
+#pragma unroll
+      for (int n = 0; n < KEYS; ++n) wmma::fill_fragment(s[n], 0.0f);
+#pragma unroll
+      for (int k = 0; k < FRAGS; ++k) {
+        OperandA a;
+        wmma::load_matrix_sync(a, q_w + 16 * k, STRIDE);
+#pragma unroll
+        for (int n = 0; n < KEYS; ++n) {
+          KeyB b;
+          wmma::load_matrix_sync(b, k_tile + 16 * n * STRIDE + 16 * k, STRIDE);
+          wmma::mma_sync(s[n], a, b, s[n]);
+        }
+      }
+#pragma unroll
+      for (int n = 0; n < KEYS; ++n) {
+        wmma::store_matrix_sync(s_w + 16 * n, s[n], S_STRIDE, wmma::mem_row_major);
+      }
+      __syncwarp();
+
+      // Step 3: the online softmax of this lane's half row.
+      float score[HALF];
+      const float* s_row = s_w + lane / 2 * S_STRIDE + soft_half * HALF;
+#pragma unroll
+      for (int t = 0; t < HALF; t += 4) {
+        const float4 v = *reinterpret_cast<const float4*>(s_row + t);
+        score[t] = v.x;
+        score[t + 1] = v.y;
+        score[t + 2] = v.z;
+        score[t + 3] = v.w;
+      }
+      float tile_max = neg_inf();
+#pragma unroll
+      for (int t = 0; t < HALF; ++t) {
+        const int key = soft_half * HALF + t;
+        const bool valid = soft_position >= 0 && key < count &&
+                           (!causal || first + key <= soft_position);
+        score[t] = valid ? score[t] * scale : neg_inf();
+        tile_max = fmaxf(tile_max, score[t]);
+      }
+      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
+      const float m_new = fmaxf(m, tile_max);
+      const float base = m_new == neg_inf() ? 0.0f : m_new;  // as in paged_prefill
+      float sum = 0.0f;
+      alignas(16) T p_half[HALF];
+#pragma unroll
+      for (int t = 0; t < HALF; ++t) {
+        const float p = expf(score[t] - base);
+        sum += p;
+        p_half[t] = from_float<T>(p);
+        score[t] = p;
+      }
+      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+      const float alpha = expf(m - base);
+      l = l * alpha + sum;
+      m = m_new;
+      T* p_row = p_w + lane / 2 * P_STRIDE + soft_half * HALF;
+#pragma unroll
+      for (int t = 0; t < HALF; t += VEC) {
+        *reinterpret_cast<uint4*>(p_row + t) = *reinterpret_cast<const uint4*>(p_half + t);
+      }
+      if (special) {  // the weights in float, for the special elements below
+        float* w_row = s_w + lane / 2 * S_STRIDE + soft_half * HALF;
+#pragma unroll
+        for (int t = 0; t < HALF; t += 4) {
+          *reinterpret_cast<float4*>(w_row + t) =
+              make_float4(score[t], score[t + 1], score[t + 2], score[t + 3]);
+        }
+      }
+      if (soft_half == 0) alpha_s[soft_row] = alpha;
+      __syncwarp();
+    }
+
+    if (special) {  // block-uniform: the rare path (see the header)
+      __syncthreads();  // every warp's weights are in s_s
+      if (!any_special) {
+        for (int i = tid; i < ROWS * HEAD_DIM; i += THREADS) special_s[i] = 0;
+        any_special = true;
+        __syncthreads();
+      }
+      for (int d = tid; d < HEAD_DIM; d += THREADS) {  // a column per thread: no races
+        for (int j = hidden; j < count; ++j) {
+          const float v = to_float(v_tile[j * STRIDE + d]);
+          if (v - v == 0.0f) continue;  // finite
+          for (int r = 0; r < ROWS; ++r) {
+            const int position = row_position(r);
+            if (position < first + j) continue;  // masked for this row (or a padding row)
+            const float x = s_s[r * S_STRIDE + j] * v;
+            special_s[r * HEAD_DIM + d] |= x != x ? 4 : x > 0.0f ? 1 : 2;
+          }
+          v_tile[j * STRIDE + d] = from_float<T>(0.0f);
+        }
+      }
+      __syncthreads();
+    }
+
+    if (warp_live) {
+      // Step 4: O = alpha O + P V.
+      float alpha[ELEMENTS];
+#pragma unroll
+      for (int e = 0; e < ELEMENTS; ++e) alpha[e] = alpha_s[16 * warp + element_row[e]];
+#pragma unroll
+      for (int f = 0; f < FRAGS; ++f) {
+#pragma unroll
+        for (int e = 0; e < ELEMENTS; ++e) o[f].x[e] *= alpha[e];
+      }
+      OperandA p[KEYS];
+#pragma unroll
+      for (int k = 0; k < KEYS; ++k) wmma::load_matrix_sync(p[k], p_w + 16 * k, P_STRIDE);
+#pragma unroll
+      for (int f = 0; f < FRAGS; ++f) {
+#pragma unroll
+        for (int k = 0; k < KEYS; ++k) {
+          ValueB b;
+          wmma::load_matrix_sync(b, v_tile + 16 * k * STRIDE + 16 * f, STRIDE);
+          wmma::mma_sync(o[f], p[k], b, o[f]);
+        }
+      }
+    }
+  }
+  __pipeline_wait_prior(0);
+  if (!warp_live) return;  // no barrier follows
+
+  if (soft_half == 0) {
+    l_s[soft_row] = l;
+    if (num_splits > 1 && soft_position >= 0) {
+      const long long row =
+          (first_row + soft_row / heads) * num_q_heads + first_head + soft_row % heads;
+      const float base = m == neg_inf() ? 0.0f : m;
+      partial_lse[row * num_splits + split] = base + logf(l);  // -inf when l = 0
+    }
+  }
+  __syncwarp();
+
+  // acc / l through the element map; NaN when a NaN reached l, or l = 0, as in paged_prefill.
+#pragma unroll
+  for (int e = 0; e < ELEMENTS; ++e) {
+    const int r = 16 * warp + element_row[e];
+    if (row_position(r) < 0) continue;
+    const long long row = (first_row + r / heads) * num_q_heads + first_head + r % heads;
+    const float l_row = l_s[r];
+#pragma unroll
+    for (int f = 0; f < FRAGS; ++f) {
+      const int d = 16 * f + element_col[e];
+      float value = o[f].x[e];
+      if (any_special) {
+        const unsigned bits = special_s[r * HEAD_DIM + d];
+        if (bits != 0) {
+          const float inf = __int_as_float(0x7f800000);
+          value += (bits & 4) != 0 || bits == 3 ? inf - inf : bits == 1 ? inf : -inf;
+        }
+      }
+      if (num_splits == 1) {
+        out[row * HEAD_DIM + d] = from_float<T>(value / l_row);
+      } else {
+        partial_out[(row * num_splits + split) * HEAD_DIM + d] =
+            l_row == 0.0f ? 0.0f : value / l_row;
+      }
     }
   }
 }
