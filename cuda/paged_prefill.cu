@@ -103,6 +103,43 @@ __device__ __forceinline__ void unpack(const __nv_bfloat16* p, float (&f)[8]) {
   }
 }
 
+// Whether any of the 8 values of a 16-byte part is an Inf or NaN (exponent bits all ones).
+__device__ __forceinline__ int nonfinite_pair(unsigned w, unsigned exponent) {
+  return (w & exponent) == exponent || (w & (exponent << 16)) == (exponent << 16);
+}
+__device__ __forceinline__ int any_nonfinite(uint4 v, unsigned exponent) {
+  return nonfinite_pair(v.x, exponent) | nonfinite_pair(v.y, exponent) |
+         nonfinite_pair(v.z, exponent) | nonfinite_pair(v.w, exponent);
+}
+__device__ __forceinline__ int any_nonfinite(uint4 v, const __half*) {
+  return any_nonfinite(v, 0x7c00u);
+}
+__device__ __forceinline__ int any_nonfinite(uint4 v, const __nv_bfloat16*) {
+  return any_nonfinite(v, 0x7f80u);
+}
+
+// Eight floats rounded to T, as one 16-byte part (the tensor-core path's weights).
+__device__ __forceinline__ uint4 pack(const float (&f)[8], __half*) {
+  uint4 v;
+  unsigned* w = reinterpret_cast<unsigned*>(&v);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const __half2 h = __floats2half2_rn(f[2 * i], f[2 * i + 1]);
+    w[i] = *reinterpret_cast<const unsigned*>(&h);
+  }
+  return v;
+}
+__device__ __forceinline__ uint4 pack(const float (&f)[8], __nv_bfloat16*) {
+  uint4 v;
+  unsigned* w = reinterpret_cast<unsigned*>(&v);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
+    w[i] = *reinterpret_cast<const unsigned*>(&h);
+  }
+  return v;
+}
+
 // dot[k] += q row (k * ROW_STEP) . k_row for k < NUM_ROWS: each 16-byte part of K is read once
 // for all rows, each q part is a 128-bit read of one address per row group (a broadcast).
 // (Skipping the rows past the live ones here too, with one copy of the loop per count, cost
@@ -502,9 +539,12 @@ __global__ void __launch_bounds__(THREADS, 4)
 //      pair by one shuffle each; m and l stay in registers; p goes to p_s rounded to T (the A
 //      operand of P V; l sums the unrounded p), alpha to alpha_s;
 //   4. O = alpha O + P V: O is HEAD_DIM / 16 accumulator fragments per warp, in registers for the
-//      whole KV range. Their element layout is opaque; each lane learns the row and column of its
-//      elements once, by loading fragments of a matrix whose elements are their own row (column)
-//      indices, and scales element e by alpha of its row. The same map writes the output.
+//      whole KV range. Their element layout is opaque, so alpha reaches them as a fragment too:
+//      the softmax lanes write alpha across their row of a 16 x 16 tile (in s_s, whose scores
+//      have been read), loaded as an accumulator whose element e is then alpha of element e's
+//      row, whatever the layout.
+// At the end each O fragment goes through the warp's s_s rows to the softmax lanes, which own
+// their row's l (and log-sum-exp) and write 8 columns each.
 // A masked token (causal: past some row's position) has weight 0, and 0 x Inf would be NaN in an
 // MMA that multiplies every row by every token of the tile: in a tile that crosses a position,
 // the block first checks the V rows of the tokens that some row does not see; if one holds an Inf
@@ -516,14 +556,20 @@ __global__ void __launch_bounds__(THREADS, 4)
 // Grid and arguments: as paged_prefill. Block: THREADS (ROWS / 16 warps). Dynamic shared memory,
 // in this order, every part 32-byte aligned (WMMA tiles):
 //   q_s [ROWS, HEAD_DIM + 8] T, kv_s [STAGES, 2 (K, V), TILE, HEAD_DIM + 8] T,
-//   s_s [ROWS, TILE + 4] float (scores; weights in float in a special tile, and the index maps
-//   at the start), p_s [ROWS, TILE + 8] T, alpha_s [ROWS], l_s [ROWS] float,
-//   special_s [ROWS, HEAD_DIM] bytes (written only once a special tile occurs).
+//   s_s [ROWS, TILE + 4] float (scores; weights in float in a special tile; O at the end),
+//   p_s [ROWS, TILE + 8] T, special_s [ROWS, HEAD_DIM] bytes (written only once a special tile occurs).
 // Stage rows are padded by 16 bytes as in paged_prefill: the 8 rows of each 8 x 16-byte phase of
 // a fragment load start 4 banks apart (conflict-free).
-// __launch_bounds__(THREADS, 3), 2 above head_dim 128: O alone takes HEAD_DIM / 4 registers.
+// __launch_bounds__: as many blocks per SM as shared memory holds at head_dim 128 (sm_90: 3;
+// sm_80: 2), so at most 168 registers on sm_90. O alone takes HEAD_DIM / 4 registers: head_dim
+// 256 (128 of them) would leave too few for the rest, and stays on paged_prefill.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+constexpr int kPrefillMmaBlocks = 3;  // per SM: what 228 KiB of shared memory hold at head_dim 128
+#else
+constexpr int kPrefillMmaBlocks = 2;  // sm_80's 164 KiB
+#endif
 template <typename T, int HEAD_DIM, int BLOCK_SIZE, int TILE, int ROWS, int STAGES, int THREADS>
-__global__ void __launch_bounds__(THREADS, HEAD_DIM > 128 ? 2 : 3)
+__global__ void __launch_bounds__(THREADS, kPrefillMmaBlocks)
     paged_prefill_mma(T* __restrict__ out,                     // [total_query_tokens, num_q_heads, HEAD_DIM]
                       float* __restrict__ partial_out,         // [total_query_tokens, num_q_heads, num_splits, HEAD_DIM]
                       float* __restrict__ partial_lse,         // [total_query_tokens, num_q_heads, num_splits]
@@ -551,10 +597,10 @@ __global__ void __launch_bounds__(THREADS, HEAD_DIM > 128 ? 2 : 3)
   constexpr int KEYS = TILE / 16;       // 16-token column blocks of S
   constexpr int HALF = TILE / 2;        // scores per lane in the softmax (two lanes per row)
   constexpr int COPIES = (TILE * PARTS + THREADS - 1) / THREADS;
-  constexpr int ELEMENTS = Acc::num_elements;
   static_assert(sizeof(T) == 2, "tensor cores serve the 16-bit types; float32 has paged_prefill");
   static_assert(ROWS == 16 * WARPS && THREADS % 32 == 0, "one 16-row MMA tile per warp");
   static_assert(TILE % 16 == 0 && TILE <= 64 && HEAD_DIM % 16 == 0, "whole 16 x 16 tiles");
+  static_assert(HEAD_DIM <= 128, "O in registers: HEAD_DIM / 4 per thread (see above)");
   static_assert(STAGES >= 2, "a ring of at least two stages");
 
   const int split = blockIdx.x % num_splits;
@@ -606,28 +652,21 @@ __global__ void __launch_bounds__(THREADS, HEAD_DIM > 128 ? 2 : 3)
   T* kv_s = q_s + ROWS * STRIDE;
   float* s_s = reinterpret_cast<float*>(kv_s + STAGES * 2 * TILE * STRIDE);
   T* p_s = reinterpret_cast<T*>(s_s + ROWS * S_STRIDE);
-  float* alpha_s = reinterpret_cast<float*>(p_s + ROWS * P_STRIDE);
-  float* l_s = alpha_s + ROWS;
-  unsigned char* special_s = reinterpret_cast<unsigned char*>(l_s + ROWS);
+  unsigned char* special_s = reinterpret_cast<unsigned char*>(p_s + ROWS * P_STRIDE);
 
   // ---- the ring: this thread's copies (token of the tile, part), as in paged_prefill ----
   const long long block_stride = static_cast<long long>(num_kv_heads) * BLOCK_SIZE * HEAD_DIM;
   const long long head_offset = static_cast<long long>(kv_head) * BLOCK_SIZE * HEAD_DIM;
   const int* table = block_tables + static_cast<long long>(seq) * max_blocks;
-  int copy_token[COPIES];
-  int copy_part[COPIES];
-#pragma unroll
-  for (int u = 0; u < COPIES; ++u) {
-    const int i = tid + u * THREADS;
-    copy_token[u] = i < TILE * PARTS ? i / PARTS : -1;
-    copy_part[u] = i % PARTS;
-  }
+  // (Copy u of this thread: item tid + u * THREADS = (token, part), recomputed where used: no
+  // registers held across the loop for it.)
   int ids[COPIES];
   auto fetch_ids = [&](int first) {
 #pragma unroll
     for (int u = 0; u < COPIES; ++u) {
-      const int pos = first + copy_token[u];
-      ids[u] = copy_token[u] >= 0 && pos < kv_end ? table[pos / BLOCK_SIZE] : 0;
+      const int i = tid + u * THREADS;
+      const int pos = first + i / PARTS;
+      ids[u] = i < TILE * PARTS && pos < kv_end ? table[pos / BLOCK_SIZE] : 0;
     }
   };
   auto issue = [&](int first, int stage) {
@@ -635,13 +674,13 @@ __global__ void __launch_bounds__(THREADS, HEAD_DIM > 128 ? 2 : 3)
     T* v_dst = k_dst + TILE * STRIDE;
 #pragma unroll
     for (int u = 0; u < COPIES; ++u) {
-      if (copy_token[u] < 0) continue;
-      const int pos = first + copy_token[u];
-      const int dst = copy_token[u] * STRIDE + copy_part[u] * VEC;
+      const int i = tid + u * THREADS;
+      if (i >= TILE * PARTS) continue;
+      const int pos = first + i / PARTS;
+      const int dst = i / PARTS * STRIDE + i % PARTS * VEC;
       if (pos < kv_end) {
         const long long src = ids[u] * block_stride + head_offset +
-                              static_cast<long long>(pos % BLOCK_SIZE) * HEAD_DIM +
-                              copy_part[u] * VEC;
+                              static_cast<long long>(pos % BLOCK_SIZE) * HEAD_DIM + i % PARTS * VEC;
         __pipeline_memcpy_async(k_dst + dst, k_cache + src, 16);
         __pipeline_memcpy_async(v_dst + dst, v_cache + src, 16);
       } else {
@@ -684,22 +723,6 @@ __global__ void __launch_bounds__(THREADS, HEAD_DIM > 128 ? 2 : 3)
   T* p_w = p_s + 16 * warp * P_STRIDE;
   const T* q_w = q_s + 16 * warp * STRIDE;
 
-  // The row and column (within its 16 x 16 tile) of each element of this lane's accumulators.
-  int element_row[ELEMENTS];
-  int element_col[ELEMENTS];
-  {
-    Acc map;
-    for (int i = lane; i < 256; i += 32) s_w[i / 16 * S_STRIDE + i % 16] = static_cast<float>(i / 16);
-    __syncwarp();
-    wmma::load_matrix_sync(map, s_w, S_STRIDE, wmma::mem_row_major);
-#pragma unroll
-    for (int e = 0; e < ELEMENTS; ++e) element_row[e] = static_cast<int>(map.x[e]);
-    wmma::load_matrix_sync(map, s_w, S_STRIDE, wmma::mem_col_major);  // the transpose: columns
-#pragma unroll
-    for (int e = 0; e < ELEMENTS; ++e) element_col[e] = static_cast<int>(map.x[e]);
-    __syncwarp();  // every lane's loads are done before the scores overwrite the map
-  }
-
   // Softmax lanes: row 16 warp + lane / 2, tokens (lane % 2) * HALF .. + HALF of each tile.
   const int soft_row = 16 * warp + lane / 2;
   const int soft_half = lane % 2;
@@ -710,6 +733,7 @@ __global__ void __launch_bounds__(THREADS, HEAD_DIM > 128 ? 2 : 3)
 #pragma unroll
   for (int f = 0; f < FRAGS; ++f) wmma::fill_fragment(o[f], 0.0f);
   bool any_special = false;  // block-uniform: special_s has been initialised
+  float alpha = 0.0f;        // this lane's row's rescale factor of the tile
 
   for (int tile = 0; tile < num_tiles; ++tile) {
     const int first = kv_begin + tile * TILE;
@@ -734,10 +758,9 @@ __global__ void __launch_bounds__(THREADS, HEAD_DIM > 128 ? 2 : 3)
     if (crosses) {
       int found = 0;
       for (int i = tid; i < (count - hidden) * PARTS; i += THREADS) {
-        float vf[VEC];
-        prefill::unpack(v_tile + (hidden + i / PARTS) * STRIDE + i % PARTS * VEC, vf);
-#pragma unroll
-        for (int e = 0; e < VEC; ++e) found |= !(vf[e] - vf[e] == 0.0f);  // Inf or NaN
+        const uint4 v = *reinterpret_cast<const uint4*>(v_tile + (hidden + i / PARTS) * STRIDE +
+                                                        i % PARTS * VEC);
+        found |= prefill::any_nonfinite(v, static_cast<const T*>(nullptr));
       }
       special = __syncthreads_or(found) != 0;
     }
@@ -747,7 +770,7 @@ __global__ void __launch_bounds__(THREADS, HEAD_DIM > 128 ? 2 : 3)
       Acc s[KEYS];
 #pragma unroll
       for (int n = 0; n < KEYS; ++n) wmma::fill_fragment(s[n], 0.0f);
-#pragma unroll
+#pragma unroll 2
       for (int k = 0; k < FRAGS; ++k) {
         OperandA a;
         wmma::load_matrix_sync(a, q_w + 16 * k, STRIDE);
@@ -764,56 +787,51 @@ __global__ void __launch_bounds__(THREADS, HEAD_DIM > 128 ? 2 : 3)
       }
       __syncwarp();
 
-      // Step 3: the online softmax of this lane's half row.
-      float score[HALF];
-      const float* s_row = s_w + lane / 2 * S_STRIDE + soft_half * HALF;
+      // Step 3: the online softmax of this lane's half row, in two passes over its scores (the
+      // max, then the weights), which keeps HALF floats out of the registers.
+      float* s_row = s_w + lane / 2 * S_STRIDE + soft_half * HALF;
+      const int first_key = soft_half * HALF;
+      // Keys [first_key, seen) of the tile are valid for this row: the range, and causally the
+      // row's position (a padding row sees none).
+      const int seen = soft_position < 0 ? 0
+                       : min(count, causal ? soft_position - first + 1 : count);
+      float tile_max = neg_inf();
 #pragma unroll
       for (int t = 0; t < HALF; t += 4) {
         const float4 v = *reinterpret_cast<const float4*>(s_row + t);
-        score[t] = v.x;
-        score[t + 1] = v.y;
-        score[t + 2] = v.z;
-        score[t + 3] = v.w;
-      }
-      float tile_max = neg_inf();
+        const float x[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
-      for (int t = 0; t < HALF; ++t) {
-        const int key = soft_half * HALF + t;
-        const bool valid = soft_position >= 0 && key < count &&
-                           (!causal || first + key <= soft_position);
-        score[t] = valid ? score[t] * scale : neg_inf();
-        tile_max = fmaxf(tile_max, score[t]);
+        for (int j = 0; j < 4; ++j) {
+          if (first_key + t + j < seen) tile_max = fmaxf(tile_max, x[j] * scale);
+        }
       }
       tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
       const float m_new = fmaxf(m, tile_max);
       const float base = m_new == neg_inf() ? 0.0f : m_new;  // as in paged_prefill
       float sum = 0.0f;
-      alignas(16) T p_half[HALF];
-#pragma unroll
-      for (int t = 0; t < HALF; ++t) {
-        const float p = expf(score[t] - base);
-        sum += p;
-        p_half[t] = from_float<T>(p);
-        score[t] = p;
-      }
-      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-      const float alpha = expf(m - base);
-      l = l * alpha + sum;
-      m = m_new;
       T* p_row = p_w + lane / 2 * P_STRIDE + soft_half * HALF;
 #pragma unroll
       for (int t = 0; t < HALF; t += VEC) {
-        *reinterpret_cast<uint4*>(p_row + t) = *reinterpret_cast<const uint4*>(p_half + t);
-      }
-      if (special) {  // the weights in float, for the special elements below
-        float* w_row = s_w + lane / 2 * S_STRIDE + soft_half * HALF;
+        float p[VEC];
 #pragma unroll
-        for (int t = 0; t < HALF; t += 4) {
-          *reinterpret_cast<float4*>(w_row + t) =
-              make_float4(score[t], score[t + 1], score[t + 2], score[t + 3]);
+        for (int c = 0; c < VEC; c += 4) {
+          const float4 v = *reinterpret_cast<const float4*>(s_row + t + c);
+          const float x[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            p[c + j] = first_key + t + c + j < seen ? expf(x[j] * scale - base) : 0.0f;
+            sum += p[c + j];
+          }
+          if (special) {  // the weights in float, for the special elements below
+            *reinterpret_cast<float4*>(s_row + t + c) = make_float4(p[c], p[c + 1], p[c + 2], p[c + 3]);
+          }
         }
+        *reinterpret_cast<uint4*>(p_row + t) = prefill::pack(p, static_cast<T*>(nullptr));
       }
-      if (soft_half == 0) alpha_s[soft_row] = alpha;
+      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+      alpha = expf(m - base);  // 0 while m = -inf
+      l = l * alpha + sum;
+      m = m_new;
       __syncwarp();
     }
 
@@ -842,13 +860,18 @@ __global__ void __launch_bounds__(THREADS, HEAD_DIM > 128 ? 2 : 3)
 
     if (warp_live) {
       // Step 4: O = alpha O + P V.
-      float alpha[ELEMENTS];
-#pragma unroll
-      for (int e = 0; e < ELEMENTS; ++e) alpha[e] = alpha_s[16 * warp + element_row[e]];
+      // alpha across the row's 16 columns of s_w (free now: the scores and, in a special tile,
+      // the weights have been read), loaded as an accumulator: element e gets its row's alpha.
+      float* alpha_row = s_w + lane / 2 * S_STRIDE + 8 * soft_half;
+      *reinterpret_cast<float4*>(alpha_row) = make_float4(alpha, alpha, alpha, alpha);
+      *reinterpret_cast<float4*>(alpha_row + 4) = make_float4(alpha, alpha, alpha, alpha);
+      __syncwarp();
+      Acc scale_rows;
+      wmma::load_matrix_sync(scale_rows, s_w, S_STRIDE, wmma::mem_row_major);
 #pragma unroll
       for (int f = 0; f < FRAGS; ++f) {
 #pragma unroll
-        for (int e = 0; e < ELEMENTS; ++e) o[f].x[e] *= alpha[e];
+        for (int e = 0; e < Acc::num_elements; ++e) o[f].x[e] *= scale_rows.x[e];
       }
       OperandA p[KEYS];
 #pragma unroll
@@ -867,40 +890,58 @@ __global__ void __launch_bounds__(THREADS, HEAD_DIM > 128 ? 2 : 3)
   __pipeline_wait_prior(0);
   if (!warp_live) return;  // no barrier follows
 
-  if (soft_half == 0) {
-    l_s[soft_row] = l;
-    if (num_splits > 1 && soft_position >= 0) {
-      const long long row =
-          (first_row + soft_row / heads) * num_q_heads + first_head + soft_row % heads;
-      const float base = m == neg_inf() ? 0.0f : m;
-      partial_lse[row * num_splits + split] = base + logf(l);  // -inf when l = 0
-    }
+  // This lane's row (soft_row) and columns 8 soft_half .. + 7 of each 16-column fragment.
+  const long long row =
+      (first_row + soft_row / heads) * num_q_heads + first_head + soft_row % heads;
+  if (num_splits > 1 && soft_half == 0 && soft_position >= 0) {
+    const float base = m == neg_inf() ? 0.0f : m;
+    partial_lse[row * num_splits + split] = base + logf(l);  // -inf when l = 0
   }
-  __syncwarp();
-
-  // acc / l through the element map; NaN when a NaN reached l, or l = 0, as in paged_prefill.
+  const bool vector_out = (reinterpret_cast<unsigned long long>(out) & 15u) == 0;
+  const float inf = __int_as_float(0x7f800000);
 #pragma unroll
-  for (int e = 0; e < ELEMENTS; ++e) {
-    const int r = 16 * warp + element_row[e];
-    if (row_position(r) < 0) continue;
-    const long long row = (first_row + r / heads) * num_q_heads + first_head + r % heads;
-    const float l_row = l_s[r];
+  for (int f = 0; f < FRAGS; ++f) {
+    wmma::store_matrix_sync(s_w, o[f], S_STRIDE, wmma::mem_row_major);
+    __syncwarp();
+    float value[8];
+    const float* o_row = s_w + lane / 2 * S_STRIDE + 8 * soft_half;
 #pragma unroll
-    for (int f = 0; f < FRAGS; ++f) {
-      const int d = 16 * f + element_col[e];
-      float value = o[f].x[e];
-      if (any_special) {
-        const unsigned bits = special_s[r * HEAD_DIM + d];
-        if (bits != 0) {
-          const float inf = __int_as_float(0x7f800000);
-          value += (bits & 4) != 0 || bits == 3 ? inf - inf : bits == 1 ? inf : -inf;
-        }
+    for (int c = 0; c < 8; c += 4) {
+      const float4 v = *reinterpret_cast<const float4*>(o_row + c);
+      value[c] = v.x;
+      value[c + 1] = v.y;
+      value[c + 2] = v.z;
+      value[c + 3] = v.w;
+    }
+    __syncwarp();  // every lane has read the fragment before the next one is stored
+    if (soft_position < 0) continue;
+    const int d = 16 * f + 8 * soft_half;
+    if (any_special) {
+#pragma unroll
+      for (int c = 0; c < 8; ++c) {
+        const unsigned bits = special_s[soft_row * HEAD_DIM + d + c];
+        if (bits != 0) value[c] += (bits & 4) != 0 || bits == 3 ? inf - inf : bits == 1 ? inf : -inf;
       }
-      if (num_splits == 1) {
-        out[row * HEAD_DIM + d] = from_float<T>(value / l_row);
+    }
+    // acc / l; NaN when a NaN reached l, or l = 0 (every score -inf), as in paged_prefill.
+    if (num_splits == 1) {
+      alignas(16) T result[8];
+#pragma unroll
+      for (int c = 0; c < 8; ++c) result[c] = from_float<T>(value[c] / l);
+      if (vector_out) {
+        *reinterpret_cast<uint4*>(out + row * HEAD_DIM + d) = *reinterpret_cast<const uint4*>(result);
       } else {
-        partial_out[(row * num_splits + split) * HEAD_DIM + d] =
-            l_row == 0.0f ? 0.0f : value / l_row;
+#pragma unroll
+        for (int c = 0; c < 8; ++c) out[row * HEAD_DIM + d + c] = result[c];
+      }
+    } else {
+      // l = 0: the row saw no token of this split; its weight in the merge is 0 (see paged_prefill).
+      float* dst = partial_out + (row * num_splits + split) * HEAD_DIM + d;
+#pragma unroll
+      for (int c = 0; c < 8; c += 4) {
+        *reinterpret_cast<float4*>(dst + c) =
+            l == 0.0f ? make_float4(0.0f, 0.0f, 0.0f, 0.0f)
+                      : make_float4(value[c] / l, value[c + 1] / l, value[c + 2] / l, value[c + 3] / l);
       }
     }
   }
