@@ -44,6 +44,10 @@
 //   is 0 then, so that the merge's weight 0 does not meet 0 / 0).
 // paged_decode_merge: one thread block per (query head, sequence) combines a sequence's items:
 //   out = sum_i exp(lse_i - max) * partial_i / sum_i exp(lse_i - max).
+#ifndef CUPAGED_CPU
+#include <mma.h>  // WMMA; the CPU backend's shim provides nvcuda::wmma itself
+#endif
+
 #include "common.cuh"
 
 namespace cupaged {
@@ -403,6 +407,343 @@ __global__ void __launch_bounds__(BDX* BDY* BDZ)
       const float base = m[h] == neg_inf() ? 0.0f : m[h];  // the exponents' reference, step 4
       partial_lse[out_row] = empty ? neg_inf() : base + logf(l[h]);
     }
+  }
+}
+
+// ---- The tensor-core path: paged_decode_mma ------------------------------------------------
+// For 16-bit caches and groups of 8 to 16 query heads (the launch table's choice, where the
+// CUDA-core loop above is bound by instruction issue): the group's query heads are the 16 rows of
+// WMMA m16n16k16 products with float32 accumulators (rows past the group are zero queries whose
+// results are never written), so that the dot products and P V run on tensor cores, with no
+// conversions and no reduction shuffles. The same work items, K/V ring, partial rows and merge as
+// paged_decode; one thread block per (KV head, item) of WARPS warps, TILE = 16 * WARPS tokens per
+// stage. Per stage:
+//   1. wait for K of stage i, __syncthreads; refill the slot of stage i - 1, prefetch block ids;
+//   2. scores: warp w computes S[:, 16w .. 16w + 15] = Q K^T over head_dim in steps of 16 (Q as
+//      row-major A fragments kept in registers; K as column-major B, straight from the stage) and
+//      stores its 16 x 16 float tile to s_s; __syncthreads;
+//   3. online softmax in float32: 16 / THREADS of the block per row (THREADS / 16 threads, 8
+//      consecutive tokens each, max and sum by shuffles over those lanes): the scores are scaled
+//      in float32 (scale * (q . k), not a rounded scale * q), tokens past the item's end are -inf,
+//      p = exp(s - m_new) is rounded to T for the second product, and l sums the rounded values
+//      (so the weights that multiply V are normalised exactly); alpha per row goes to alpha_s;
+//   4. wait for V of stage i, __syncthreads; P V: warp w owns the 16-column slices w, w + WARPS,
+//      ... of the output; per slice, O_i = P V (row-major A from p_s, row-major B from the stage)
+//      into a fresh accumulator, stored to the warp's o_s tile; __syncwarp; each lane reads the
+//      8 elements it owns (row lane / 2, columns 8 * (lane % 2) ..) and updates its registers,
+//      acc = alpha[row] * acc + O_i; __syncwarp (the tile is stored again for the next slice).
+//   The accumulators' element layout is opaque (WMMA does not specify it), so the per-row
+//   rescale by alpha runs on a layout the kernel chose: the round trip through o_s.
+// NaN and Inf as in paged_decode: the rows of the products are independent, so a NaN in q reaches
+// only its head, a NaN or Inf in K or V the heads that use that token, as in the reference.
+// Precision: S and O accumulate in float32 with exact products of T values, as on the CUDA
+// cores; P is rounded to T (relative 2^-11 for fp16, 2^-8 for bf16) before P V, which the float32
+// path does not do: docs/kernels.md, "Tensor cores".
+template <typename T, int HEAD_DIM, int GROUP, int WARPS, int STAGES>
+struct DecodeMmaLayout {
+  static constexpr int kThreads = 32 * WARPS;
+  static constexpr int kTile = 16 * WARPS;                   // tokens per stage
+  static constexpr int kSteps = HEAD_DIM / 16;               // k-steps of Q K^T, slices of O
+  static constexpr int kSlices = (kSteps + WARPS - 1) / WARPS;  // output slices per warp
+  static constexpr int kRowThreads = kThreads / 16;          // softmax threads per row
+  static constexpr int kRowTokens = kTile / kRowThreads;     // tokens per softmax thread: 8
+  static constexpr int kLdk = HEAD_DIM + 8;    // K/V/Q row, elements: +16 bytes, no conflicts
+  static constexpr int kLds = kTile + 4;       // scores row, floats
+  static constexpr int kLdp = kTile + 8;       // P row, elements
+  static constexpr int kLdo = 16 + 4;          // a warp's O tile row, floats
+  static constexpr int kRowVectors = HEAD_DIM * 2 / 16;  // 16-byte copies per K/V row
+  static constexpr int kStageVectors = kTile * kRowVectors;
+  static constexpr int kLoads = kStageVectors / kThreads;   // per thread and stage (exact)
+  // Byte offsets of the dynamic shared memory (each a multiple of 32: WMMA tiles are 256-bit
+  // aligned): k_s, v_s [STAGES, TILE, kLdk] T; q_s [16, kLdk] T; s_s [16, kLds] float, whose
+  // bytes o_s [WARPS, 16, kLdo] float shares (the scores are read before the barrier that
+  // precedes P V, the O tiles before the next stage's first barrier); p_s [16, kLdp] T;
+  // alpha_s, l_s [16] float.
+  static constexpr int kStageBytes = STAGES * kTile * kLdk * 2;
+  static constexpr int kQ = 2 * kStageBytes;
+  static constexpr int kS = kQ + 16 * kLdk * 2;
+  static constexpr int kO = kS;
+  static constexpr int kScoresBytes = 16 * kLds * 4 > WARPS * 16 * kLdo * 4 ? 16 * kLds * 4
+                                                                            : WARPS * 16 * kLdo * 4;
+  static constexpr int kP = kS + kScoresBytes;
+  static constexpr int kAlpha = kP + 16 * kLdp * 2;
+  static constexpr int kL = kAlpha + 16 * 4;
+  static constexpr int kBytes = kL + 16 * 4;  // the launch table's shared_mem
+  static_assert(sizeof(T) == 2, "tensor cores take the 16-bit types (fp32 keeps paged_decode)");
+  static_assert(GROUP >= 1 && GROUP <= 16, "the group's heads are the 16 rows of the MMA");
+  static_assert(HEAD_DIM % 16 == 0, "head_dim in k-steps and output slices of 16");
+  static_assert(HEAD_DIM <= 128, "above 128, q's fragments and the accumulators outgrow the "
+                                 "registers: the launch table keeps paged_decode there");
+  static_assert(kStageVectors % kThreads == 0 && kRowTokens == 8, "the stage splits evenly");
+  static_assert(kStageBytes % 32 == 0 && kS % 32 == 0 && kP % 32 == 0 && kO % 32 == 0,
+                "WMMA tiles are 32-byte aligned");
+  static_assert(STAGES >= 2 && 2 * STAGES - 2 <= 8, "the waits below count at most 8 batches");
+};
+
+// Grid: (num_kv_heads, capacity). Block: (32, WARPS, 1).
+// Dynamic shared memory: DecodeMmaLayout::kBytes (the layout above).
+// Parameters as paged_decode's (one launch interface for both paths).
+template <typename T, int HEAD_DIM, int BLOCK_SIZE, int GROUP, int WARPS, int STAGES>
+__global__ void __launch_bounds__(32 * WARPS)
+    paged_decode_mma(T* __restrict__ out,                  // [num_seqs, num_q_heads, HEAD_DIM]
+                     float* __restrict__ partial_out,      // [capacity, num_q_heads, HEAD_DIM]
+                     float* __restrict__ partial_lse,      // [capacity, num_q_heads]
+                     const T* __restrict__ q,              // [num_seqs, num_q_heads, HEAD_DIM]
+                     const T* __restrict__ k_cache,        // [num_blocks, num_kv_heads, BLOCK_SIZE, HEAD_DIM]
+                     const T* __restrict__ v_cache,        // [num_blocks, num_kv_heads, BLOCK_SIZE, HEAD_DIM]
+                     const int* __restrict__ block_tables,  // [num_seqs, max_blocks]
+                     const int4* __restrict__ work,         // [capacity] {seq, begin, end, count}
+                     int num_kv_heads, int group_size, int max_blocks, float scale) {
+  using namespace nvcuda;
+  using L = DecodeMmaLayout<T, HEAD_DIM, GROUP, WARPS, STAGES>;
+  constexpr int TILE = L::kTile;
+  constexpr int THREADS = L::kThreads;
+  constexpr int LOADS = L::kLoads;
+  constexpr int LDK = L::kLdk;
+  constexpr int RT = L::kRowThreads;
+  (void)group_size;
+
+  const int4 item = work[blockIdx.y];
+  if (item.x < 0) return;  // an unused entry of the work list (uniform over the block)
+  const int seq = item.x;
+  const int begin = item.y;
+  const int end = item.z;
+  const bool direct = item.w == 1;
+  const int kv_head = blockIdx.x;
+  const int lane = threadIdx.x;
+  const int warp = threadIdx.y;
+  const int tid = warp * 32 + lane;
+  const int num_q_heads = num_kv_heads * GROUP;
+  const long long head_row = static_cast<long long>(seq) * num_q_heads + kv_head * GROUP;
+
+  CUPAGED_DYNAMIC_SHARED(unsigned char, smem);
+  T* k_s = reinterpret_cast<T*>(smem);                       // [STAGES, TILE, LDK]
+  T* v_s = reinterpret_cast<T*>(smem + L::kStageBytes);      // [STAGES, TILE, LDK]
+  T* q_s = reinterpret_cast<T*>(smem + L::kQ);               // [16, LDK]
+  float* s_s = reinterpret_cast<float*>(smem + L::kS);       // [16, kLds]
+  T* p_s = reinterpret_cast<T*>(smem + L::kP);               // [16, kLdp]
+  float* o_s = reinterpret_cast<float*>(smem + L::kO) + warp * 16 * L::kLdo;  // [16, kLdo]
+  float* alpha_s = reinterpret_cast<float*>(smem + L::kAlpha);  // [16]
+  float* l_s = reinterpret_cast<float*>(smem + L::kL);          // [16]
+
+  // Softmax role: row `row` of the tile, tokens 8 * sub .. 8 * sub + 7. P V role: output row
+  // lane / 2, columns 8 * (lane % 2) .. + 7 of each of the warp's slices.
+  const int row = tid / RT;
+  const int sub = tid % RT;
+  const int out_row = lane / 2;
+  const int out_col = lane % 2 * 8;
+  float m = neg_inf(), l = 0.0f;
+  float acc[L::kSlices][8];
+#pragma unroll
+  for (int j = 0; j < L::kSlices; ++j) {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc[j][e] = 0.0f;
+  }
+
+  if (begin < end) {
+    // q rows of the group into q_s as they are (16-bit); rows past the group are zeros.
+    const bool q_aligned = (reinterpret_cast<unsigned long long>(q) & 15u) == 0;
+    // Unrolled: the stage loop stays the only loop that loads from global memory.
+#pragma unroll
+    for (int k = 0; k < (16 * L::kRowVectors + THREADS - 1) / THREADS; ++k) {
+      const int j = tid + k * THREADS;
+      if (j >= 16 * L::kRowVectors) break;
+      const int g = j / L::kRowVectors;
+      const int col = j % L::kRowVectors * 8;
+      uint4 value = make_uint4(0u, 0u, 0u, 0u);
+      if (g < GROUP) {
+        const T* src = q + (head_row + g) * HEAD_DIM + col;
+        if (q_aligned) {
+          value = *reinterpret_cast<const uint4*>(src);
+        } else {
+          alignas(16) T parts[8];
+#pragma unroll
+          for (int e = 0; e < 8; ++e) parts[e] = src[e];
+          value = *reinterpret_cast<const uint4*>(parts);
+        }
+      }
+      *reinterpret_cast<uint4*>(q_s + g * LDK + col) = value;
+    }
+
+    int load_row[LOADS], load_col[LOADS];
+#pragma unroll
+    for (int k = 0; k < LOADS; ++k) {
+      const int j = tid + k * THREADS;
+      load_row[k] = j / L::kRowVectors;
+      load_col[k] = j % L::kRowVectors * 8;
+    }
+    const int* table = block_tables + static_cast<long long>(seq) * max_blocks;
+    // 32 x 32 -> 64-bit offsets, as in paged_decode (a block holds < 2^32 elements).
+    const unsigned block_stride = static_cast<unsigned>(num_kv_heads) * BLOCK_SIZE * HEAD_DIM;
+    const unsigned head_offset = static_cast<unsigned>(kv_head) * BLOCK_SIZE * HEAD_DIM;
+    const int num_stages = (end - begin + TILE - 1) / TILE;
+
+    auto fetch = [&](int stage, int (&block)[LOADS]) {
+#pragma unroll
+      for (int k = 0; k < LOADS; ++k) {
+        const int pos = begin + stage * TILE + load_row[k];
+        block[k] = pos < end ? __ldg(table + static_cast<unsigned>(pos) / BLOCK_SIZE) : -1;
+      }
+    };
+    auto issue = [&](int stage, const int (&block)[LOADS]) {
+      const int slot = stage % STAGES;
+      unsigned long long offset[LOADS];
+      T* dst[LOADS];
+#pragma unroll
+      for (int k = 0; k < LOADS; ++k) {
+        const unsigned pos = static_cast<unsigned>(begin + stage * TILE + load_row[k]);
+        offset[k] = static_cast<unsigned long long>(block[k] < 0 ? 0 : block[k]) * block_stride +
+                    head_offset + (pos % BLOCK_SIZE) * HEAD_DIM + load_col[k];
+        dst[k] = k_s + (slot * TILE + load_row[k]) * LDK + load_col[k];
+      }
+      const bool live = stage < num_stages;  // uniform over the block
+#pragma unroll
+      for (int k = 0; k < LOADS; ++k) {
+        if (live) copy16_async(dst[k], k_cache + offset[k], block[k] >= 0);
+      }
+      __pipeline_commit();
+#pragma unroll
+      for (int k = 0; k < LOADS; ++k) {
+        if (live) copy16_async(dst[k] + (v_s - k_s), v_cache + offset[k], block[k] >= 0);
+      }
+      __pipeline_commit();
+    };
+
+    int block[LOADS];
+#pragma unroll
+    for (int stage = 0; stage < STAGES - 1; ++stage) {
+      fetch(stage, block);
+      issue(stage, block);
+    }
+    fetch(STAGES - 1, block);
+
+    __syncthreads();  // q_s is complete
+    wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> qa[L::kSteps];
+#pragma unroll
+    for (int kk = 0; kk < L::kSteps; ++kk) wmma::load_matrix_sync(qa[kk], q_s + kk * 16, LDK);
+
+    for (int stage = 0; stage < num_stages; ++stage) {
+      __pipeline_wait_prior(2 * STAGES - 3);  // K of `stage` (as in paged_decode)
+      __syncthreads();  // all of K of `stage` is in; every thread is done with stage - 1
+      issue(stage + STAGES - 1, block);
+      fetch(stage + STAGES, block);
+
+      const int slot = stage % STAGES;
+      {  // 2. scores of the warp's 16 tokens
+        wmma::fragment<wmma::accumulator, 16, 16, 16, float> s;
+        wmma::fill_fragment(s, 0.0f);
+        const T* k_tile = k_s + (slot * TILE + warp * 16) * LDK;
+#pragma unroll
+        for (int kk = 0; kk < L::kSteps; ++kk) {
+          wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> kb;
+          wmma::load_matrix_sync(kb, k_tile + kk * 16, LDK);
+          wmma::mma_sync(s, qa[kk], kb, s);
+        }
+        wmma::store_matrix_sync(s_s + warp * 16, s, L::kLds, wmma::mem_row_major);
+      }
+      __syncthreads();  // every warp's scores are in s_s
+
+      {  // 3. online softmax of row `row`, tokens 8 * sub .. 8 * sub + 7
+        const int first = begin + stage * TILE + sub * 8;
+        float sc[8];
+        load16_as_float(s_s + row * L::kLds + sub * 8, sc);
+        load16_as_float(s_s + row * L::kLds + sub * 8 + 4, sc + 4);
+        float m_new = m;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          sc[e] = first + e < end ? sc[e] * scale : neg_inf();
+          m_new = fmaxf(m_new, sc[e]);
+        }
+#pragma unroll
+        for (int width = RT / 2; width > 0; width /= 2) {
+          m_new = fmaxf(m_new, __shfl_xor_sync(0xffffffffu, m_new, width));
+        }
+        const float base = m_new == neg_inf() ? 0.0f : m_new;
+        alignas(16) T p[8];
+        float sum = 0.0f;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          p[e] = from_float<T>(expf(sc[e] - base));
+          sum += to_float(p[e]);  // the rounded weight, as P V sees it
+        }
+#pragma unroll
+        for (int width = RT / 2; width > 0; width /= 2) {
+          sum += __shfl_xor_sync(0xffffffffu, sum, width);
+        }
+        const float alpha = expf(m - base);  // 0 while m = -inf
+        l = l * alpha + sum;
+        m = m_new;
+        *reinterpret_cast<uint4*>(p_s + row * L::kLdp + sub * 8) =
+            *reinterpret_cast<const uint4*>(p);
+        if (sub == 0) alpha_s[row] = alpha;
+      }
+
+      __pipeline_wait_prior(2 * STAGES - 2);  // V of `stage`
+      __syncthreads();  // all of V of `stage`, P and alpha are in
+
+      {  // 4. O = alpha O + P V over the warp's output slices
+        wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> pa[TILE / 16];
+#pragma unroll
+        for (int kt = 0; kt < TILE / 16; ++kt) {
+          wmma::load_matrix_sync(pa[kt], p_s + kt * 16, L::kLdp);
+        }
+        const float alpha = alpha_s[out_row];
+        const T* v_tile = v_s + slot * TILE * LDK;
+#pragma unroll
+        for (int j = 0; j < L::kSlices; ++j) {
+          const int slice = warp + j * WARPS;
+          if (L::kSteps % WARPS != 0 && slice >= L::kSteps) break;  // uniform over the warp
+          wmma::fragment<wmma::accumulator, 16, 16, 16, float> o;
+          wmma::fill_fragment(o, 0.0f);
+#pragma unroll
+          for (int kt = 0; kt < TILE / 16; ++kt) {
+            wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> vb;
+            wmma::load_matrix_sync(vb, v_tile + kt * 16 * LDK + slice * 16, LDK);
+            wmma::mma_sync(o, pa[kt], vb, o);
+          }
+          wmma::store_matrix_sync(o_s, o, L::kLdo, wmma::mem_row_major);
+          __syncwarp();  // every lane's part of the tile is in
+          float part[8];
+          load16_as_float(o_s + out_row * L::kLdo + out_col, part);
+          load16_as_float(o_s + out_row * L::kLdo + out_col + 4, part + 4);
+#pragma unroll
+          for (int e = 0; e < 8; ++e) acc[j][e] = acc[j][e] * alpha + part[e];
+          __syncwarp();  // every lane has read the tile before the next slice's store
+        }
+      }
+    }
+    __pipeline_wait_prior(0);  // only empty batches are left
+  }
+
+  if (sub == 0) l_s[row] = l;
+  __syncthreads();  // l of every row is in
+
+  const bool empty = end <= begin;
+  if (out_row < GROUP) {
+    const float l_row = l_s[out_row];
+    const long long row_index = direct ? head_row + out_row
+                                       : static_cast<long long>(blockIdx.y) * num_q_heads +
+                                             kv_head * GROUP + out_row;
+#pragma unroll
+    for (int j = 0; j < L::kSlices; ++j) {
+      const int slice = warp + j * WARPS;
+      if (slice >= L::kSteps) break;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        const long long index = row_index * HEAD_DIM + slice * 16 + out_col + e;
+        const float value = empty ? 0.0f : acc[j][e] / l_row;
+        if (direct) {
+          out[index] = from_float<T>(value);
+        } else {
+          partial_out[index] = l_row == 0.0f ? 0.0f : value;  // all -inf: weight 0, not 0 / 0
+        }
+      }
+    }
+  }
+  if (!direct && sub == 0 && row < GROUP) {
+    const float base = m == neg_inf() ? 0.0f : m;
+    partial_lse[static_cast<long long>(blockIdx.y) * num_q_heads + kv_head * GROUP + row] =
+        empty ? neg_inf() : base + logf(l);
   }
 }
 

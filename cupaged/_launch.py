@@ -50,6 +50,29 @@ MERGE_THREADS = 128  # paged_decode_merge: any block size works (it strides by b
 # query head per thread (G = 1), 72-128 with two (a few padded head_dims or odd groups take more).
 H100_SM = dict(regs=65536, threads=2048, ctas=32, smem=228 * 1024, smem_reserved=1024)
 DECODE_REGISTER_BUDGET = {1: 64, 2: 128}  # by query heads per thread (at most 2 up to G = 16)
+# The tensor-core path (paged_decode_mma): fp16/bf16 groups of DECODE_MMA_MIN_GROUP to 16 query
+# heads, the rows of WMMA m16n16k16 products, where the CUDA-core loop is issue-bound (the issue
+# model of scripts/kernel-report: docs/kernels.md, "Tensor cores"). DECODE_MMA_WARPS warps per
+# block, a stage of 16 tokens per warp, DECODE_MMA_STAGES stages (a 64-token stage is 4x the
+# CUDA-core path's). Up to head_dim 128: above it a warp's accumulators and q fragments outgrow
+# the registers (with 2 warps: 168-255 registers and spills at 192 and 256; with 4, stages of
+# 150 KB at 256, one block per SM), so those head_dims keep the CUDA-core kernel.
+DECODE_MMA_MIN_GROUP = 8
+DECODE_MMA_MAX_GROUP = 16
+DECODE_MMA_MAX_HEAD_DIM = 128
+DECODE_MMA_WARPS = 4
+DECODE_MMA_STAGES = 2
+DECODE_MMA_REGISTER_BUDGET = 168  # what scripts/kernel-report finds (sm_90: 86-168)
+DECODE_MMA_DTYPES = ("float16", "bfloat16")
+
+
+def uses_decode_mma(dtype: str, group: int, head_dim: int) -> bool:
+    """Whether decode runs on tensor cores (``paged_decode_mma``) for this shape."""
+    return (
+        dtype in DECODE_MMA_DTYPES
+        and DECODE_MMA_MIN_GROUP <= group <= DECODE_MMA_MAX_GROUP
+        and head_dim <= DECODE_MMA_MAX_HEAD_DIM
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +86,9 @@ class DecodeGeometry:
         tokens_per_thread: TPZ.
         stages: shared-memory stages of the ``cp.async`` ring.
         heads_per_thread: ``ceil(group / bdy)``.
+        mma: the tensor-core kernel, ``paged_decode_mma``: then ``bdx`` is 32 (a warp), ``bdy``
+            the warps, ``bdz`` 1, ``tokens_per_thread`` 16 (the tokens of a warp's score tile)
+            and ``heads_per_thread`` 16 (the rows of the MMA: the group, padded).
     """
 
     bdx: int
@@ -71,10 +97,13 @@ class DecodeGeometry:
     tokens_per_thread: int
     stages: int
     heads_per_thread: int
+    mma: bool = False
 
     @property
     def tile(self) -> int:
         """Tokens per stage."""
+        if self.mma:
+            return 16 * self.bdy
         return self.bdz * self.tokens_per_thread
 
     @property
@@ -144,9 +173,14 @@ def decode_geometry(dtype: str, head_dim: int, group: int) -> DecodeGeometry:
     - ``bdz``: a power of two that brings the block to ``DECODE_TARGET_THREADS`` in whole warps.
     - tokens per thread: a stage of about ``DECODE_STAGE_BYTES`` of K, at most
       ``DECODE_MAX_TOKENS_PER_THREAD`` per thread.
+
+    fp16/bf16 groups of 8 to 16 up to head_dim 128 (``uses_decode_mma``) take the tensor-core
+    kernel's layout instead: ``DECODE_MMA_WARPS`` warps, 16 tokens per warp and stage.
     """
     if group < 1:
         raise ValueError(f"expected a GQA group of at least 1 query head per KV head, got {group}")
+    if uses_decode_mma(dtype, group, head_dim):
+        return DecodeGeometry(32, DECODE_MMA_WARPS, 1, 16, DECODE_MMA_STAGES, 16, True)
     size = itemsize(dtype)
     row_vectors = head_dim * size // 16
     lane_vectors = (1 if size == 2 else 2) * (2 if group >= DECODE_WIDE_LANE_GROUP else 1)
@@ -164,6 +198,11 @@ def decode_geometry(dtype: str, head_dim: int, group: int) -> DecodeGeometry:
 def decode_shared_memory(dtype: str, head_dim: int, geometry: DecodeGeometry) -> int:
     """Bytes of dynamic shared memory of ``paged_decode``: the K/V stages, or (when larger) the
     partial results of the token lanes that overlay them after the loop."""
+    if geometry.mma:  # DecodeMmaLayout::kBytes in cuda/paged_attention.cu
+        tile, ldk = geometry.tile, head_dim + 8
+        scores = max(16 * (tile + 4) * 4, geometry.bdy * 16 * 20 * 4)  # the O tiles share it
+        return (2 * geometry.stages * tile * ldk * 2 + 16 * ldk * 2 + scores
+                + 16 * (tile + 8) * 2 + 2 * 16 * 4)  # fmt: skip
     stages = 2 * geometry.stages * geometry.tile * head_dim * itemsize(dtype)
     heads = geometry.bdy * geometry.heads_per_thread
     merge = 4 * geometry.bdz * heads * (head_dim + 2) if geometry.bdz > 1 else 0
@@ -187,9 +226,14 @@ def decode_launch(
         )
     geo = decode_geometry(dtype, head_dim, group)
     c_type = C_TYPES[dtype]
-    layout = f"{geo.bdx}, {geo.bdy}, {geo.bdz}, {geo.tokens_per_thread}, {geo.stages}"
+    if geo.mma:
+        layout = f"{geo.bdy}, {geo.stages}"
+        name = f"cupaged::paged_decode_mma<{c_type}, {head_dim}, {block_size}, {group}, {layout}>"
+    else:
+        layout = f"{geo.bdx}, {geo.bdy}, {geo.bdz}, {geo.tokens_per_thread}, {geo.stages}"
+        name = f"cupaged::paged_decode<{c_type}, {head_dim}, {block_size}, {group}, {layout}>"
     return DecodeLaunch(
-        name=f"cupaged::paged_decode<{c_type}, {head_dim}, {block_size}, {group}, {layout}>",
+        name=name,
         merge_name=f"cupaged::paged_decode_merge<{c_type}, {head_dim}>",
         grid=(num_kv_heads, capacity),
         block=(geo.bdx, geo.bdy, geo.bdz),
@@ -214,7 +258,10 @@ def decode_ctas_per_sm(dtype: str, head_dim: int, group: int, block_size: int) -
     check_decode_shape(dtype, head_dim, block_size)
     geo = decode_geometry(dtype, head_dim, group)
     warps = cdiv(geo.threads, 32)
-    budget = DECODE_REGISTER_BUDGET[min(geo.heads_per_thread, 2)]
+    if geo.mma:
+        budget = DECODE_MMA_REGISTER_BUDGET
+    else:
+        budget = DECODE_REGISTER_BUDGET[min(geo.heads_per_thread, 2)]
     regs_per_warp = cdiv(budget * 32, 256) * 256
     smem = decode_shared_memory(dtype, head_dim, geo) + H100_SM["smem_reserved"]
     smem = cdiv(smem, 128) * 128
@@ -242,6 +289,13 @@ PREFILL_STAGES = 2
 # (STAGES x K and V, padded rows) and the queries stay near 45 KiB and 5 blocks fit an H100 SM.
 PREFILL_TILE_BYTES = 8 * 1024
 PREFILL_MERGE_THREADS = 128
+# The tensor-core path (paged_prefill_mma) for these dtypes up to PREFILL_MMA_MAX_HEAD_DIM (its
+# output accumulators take head_dim / 4 registers per thread): PREFILL_MMA_ROWS rows per thread
+# block (16 per warp, the M of WMMA m16n16k16), 4 times the FMA path's, so that each KV tile
+# loaded serves 4 times the rows (docs/prefill.md, "Tensor cores"); same threads, tile and ring.
+PREFILL_MMA_DTYPES = ("float16", "bfloat16")
+PREFILL_MMA_MAX_HEAD_DIM = 128
+PREFILL_MMA_ROWS = 64
 # Split-K aims for this many thread blocks per multiprocessor: as many as fit one (4, the launch
 # bounds of cuda/paged_prefill.cu), since a block of 4 warps alone leaves an SM's issue slots idle
 # while its loads are in flight. A heuristic, not a limit: any count gives the same result.
@@ -256,7 +310,8 @@ class PrefillLaunch:
     """How :func:`cupaged.paged_prefill` runs for one batch shape.
 
     Attributes:
-        name: ``paged_prefill`` instantiation (a RawModule name expression).
+        name: ``paged_prefill`` or ``paged_prefill_mma`` (tensor cores: fp16/bf16 up to
+            head_dim 128) instantiation (a RawModule name expression).
         merge_name: ``paged_prefill_merge`` instantiation, used when ``num_splits > 1``.
         grid: ``(units * head_chunks * num_splits, num_kv_heads, 1)``, ``units`` the aligned
             tiles of the packed query rows plus one head tile per sequence.
@@ -292,8 +347,22 @@ def prefill_tile(dtype: str, head_dim: int) -> int:
     return tile
 
 
+def uses_prefill_mma(dtype: str, head_dim: int) -> bool:
+    """Whether ``paged_prefill`` runs on tensor cores (``paged_prefill_mma``) for this shape."""
+    return dtype in PREFILL_MMA_DTYPES and head_dim <= PREFILL_MMA_MAX_HEAD_DIM
+
+
+def prefill_rows(dtype: str, head_dim: int) -> int:
+    """Rows (query tokens x query heads) of one prefill thread block."""
+    return PREFILL_MMA_ROWS if uses_prefill_mma(dtype, head_dim) else PREFILL_ROWS
+
+
 def prefill_shared_memory(dtype: str, head_dim: int, tile: int) -> int:
     """Bytes of dynamic shared memory of ``paged_prefill`` (layout: see cuda/paged_prefill.cu)."""
+    if uses_prefill_mma(dtype, head_dim):  # paged_prefill_mma: q_s, the ring, s_s, p_s, special_s
+        rows, row = PREFILL_MMA_ROWS, 2 * (head_dim + 8)
+        return (rows * row + PREFILL_STAGES * 2 * tile * row + rows * (tile + 4) * 4
+                + rows * (tile + 8) * 2 + rows * head_dim)  # fmt: skip
     floats = PREFILL_ROWS * head_dim + PREFILL_ROWS * (tile + 4) + 2 * PREFILL_ROWS
     padded_row = head_dim * itemsize(dtype) + 16
     return 4 * floats + PREFILL_STAGES * 2 * tile * padded_row
@@ -405,9 +474,10 @@ def prefill_launch(
         if not 1 <= value <= MAX_GRID_YZ:
             raise ValueError(f"expected {what} in 1..{MAX_GRID_YZ} (one launch), got {value}")
     tile = prefill_tile(dtype, head_dim)
+    rows_per_block = prefill_rows(dtype, head_dim)
     heads = min(group, PREFILL_ROWS)
     chunks = cdiv(group, heads)
-    query_rows = max(1, PREFILL_ROWS // heads)
+    query_rows = max(1, rows_per_block // heads)
     # Aligned tiles of the packed rows, then one head tile per sequence (cuda/paged_prefill.cu).
     rows = total_query_tokens if total_query_tokens else max_query_len * num_seqs
     tiles = max(1, cdiv(rows, query_rows) + num_seqs)
@@ -427,9 +497,10 @@ def prefill_launch(
             f"{tiles * chunks * num_splits}"
         )
     c_type = C_TYPES[dtype]
+    kernel = "paged_prefill_mma" if uses_prefill_mma(dtype, head_dim) else "paged_prefill"
     return PrefillLaunch(
         name=(
-            f"cupaged::paged_prefill<{c_type}, {head_dim}, {block_size}, {tile}, {PREFILL_ROWS}, "
+            f"cupaged::{kernel}<{c_type}, {head_dim}, {block_size}, {tile}, {rows_per_block}, "
             f"{PREFILL_STAGES}, {PREFILL_THREADS}>"
         ),
         merge_name=f"cupaged::paged_prefill_merge<{c_type}, {head_dim}, {PREFILL_MERGE_THREADS}>",

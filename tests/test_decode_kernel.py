@@ -96,7 +96,13 @@ CASES = [
     ("bfloat16", 96, 16, 6),
     ("float32", 64, 16, 24),  # past 16: three query heads per thread
     ("float16", 256, 16, 16),  # one token lane (BDZ = 1): no merge of lanes
+    # The tensor-core path (paged_decode_mma): fp16/bf16, groups 8 to 16, head_dim up to 128.
+    ("float16", 128, 16, 8),
+    ("float16", 80, 7, 12),  # 12 of the 16 rows; 5 output slices over 4 warps
+    ("bfloat16", 112, 1, 9),  # 7 output slices over 4 warps
+    ("float16", 64, 256, 16),
 ]
+MMA_CASES = [c for c in CASES if _launch.uses_decode_mma(c[0], c[3], c[1])]
 
 
 @pytest.mark.parametrize("order", SCHEDULES)
@@ -130,13 +136,40 @@ def test_any_chunk_of_whole_stages_gives_the_same_result(rng, chunk_tiles):
 NAN_CASES = ("nan_q", "nan_k", "pos_inf_k", "neg_inf_k", "all_neg_inf_k", "inf_v", "nan_scale")
 
 
+def test_the_launch_table_takes_tensor_cores_for_16_bit_groups_8_to_16_to_head_dim_128():
+    assert len(MMA_CASES) == 6
+    for dtype in DTYPES:
+        for group in (1, 4, 7, 8, 12, 16, 17, 24):
+            for head_dim in (64, 128, 144, 256):
+                name = _launch.decode_launch(dtype, NUM_KV_HEADS, group, head_dim, 16, 1).name
+                mma = dtype != "float32" and 8 <= group <= 16 and head_dim <= 128
+                prefix = "cupaged::paged_decode_mma<" if mma else "cupaged::paged_decode<"
+                assert name.startswith(prefix), name
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_the_tensor_core_path_keeps_the_tolerance_on_a_sharp_long_softmax(rng, dtype):
+    """P is rounded to the cache's type before P V (docs/kernels.md): a long context with a
+    sharper softmax (3x the default scale: many rescales, weights far from uniform) stays within
+    the dtype's tolerance of the float64 reference."""
+    lengths = [2000, 333]
+    q, k_cache, v_cache, tables, _, _ = random_paged_batch(
+        rng, lengths, NUM_KV_HEADS, 128, 8, 16, dtype
+    )
+    scale = 3 * 128**-0.5
+    out = run_decode(np, q, k_cache, v_cache, tables, lengths, 512, scale)
+    assert_close(out, reference(q, k_cache, v_cache, tables, lengths, scale), dtype)
+
+
 @pytest.mark.parametrize("chunk", [64, 4096])
 @pytest.mark.parametrize("case", NAN_CASES)
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_nan_and_inf_like_the_reference(rng, dtype, case, chunk):
+@pytest.mark.parametrize(
+    "dtype, group", [(d, 4) for d in DTYPES] + [("float16", 8), ("bfloat16", 8)]
+)
+def test_nan_and_inf_like_the_reference(rng, dtype, group, case, chunk):
     lengths = [300, 40, 5]
     q, k_cache, v_cache, tables, _, _ = random_paged_batch(
-        rng, lengths, NUM_KV_HEADS, 64, 4, 16, dtype
+        rng, lengths, NUM_KV_HEADS, 64, group, 16, dtype
     )
     scale = None
     token = 200
@@ -150,8 +183,8 @@ def test_nan_and_inf_like_the_reference(rng, dtype, case, chunk):
         sign = np.sign(to_float(q[0, 0], np.float64)) * (1 if case == "pos_inf_k" else -1)
         k_cache[block, 0, offset, :] = from_float((sign * np.inf).astype(np.float32), dtype)
     elif case == "all_neg_inf_k":
-        # Every score of sequence 2's heads 0..3 is -Inf: its rows are 0 / 0, NaN.
-        q[2, :4] = from_float(np.abs(to_float(q[2, :4], np.float32)) + 0.1, dtype)
+        # Every score of sequence 2's heads of KV head 0 is -Inf: its rows are 0 / 0, NaN.
+        q[2, :group] = from_float(np.abs(to_float(q[2, :group], np.float32)) + 0.1, dtype)
         for pos in range(lengths[2]):
             k_cache[tables[2, pos // 16], 0, pos % 16, :] = from_float(
                 np.full(64, -np.inf, np.float32), dtype
@@ -170,11 +203,11 @@ def test_nan_and_inf_like_the_reference(rng, dtype, case, chunk):
     np.testing.assert_allclose(got[finite], expected[finite], **TOLERANCES[dtype])
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_a_query_not_16_byte_aligned_is_read_element_by_element(rng, dtype):
+@pytest.mark.parametrize("dtype, group", [(d, 4) for d in DTYPES] + [("bfloat16", 8)])
+def test_a_query_not_16_byte_aligned_is_read_element_by_element(rng, dtype, group):
     lengths = [40, 3]
     q, k_cache, v_cache, tables, _, _ = random_paged_batch(
-        rng, lengths, NUM_KV_HEADS, 64, 4, 16, dtype
+        rng, lengths, NUM_KV_HEADS, 64, group, 16, dtype
     )
     size = q.dtype.itemsize
     buffer = np.zeros(q.nbytes + 16, np.uint8)

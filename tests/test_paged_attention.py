@@ -177,7 +177,11 @@ def test_the_decode_launch_table():
             for group in range(1, 17):
                 geo = _launch.decode_geometry(dtype, head_dim, group)
                 hpt = geo.heads_per_thread
-                assert geo.bdy * hpt >= group > geo.bdy * (hpt - 1)  # no idle thread row
+                if geo.mma:  # paged_decode_mma: the group's heads are the 16 rows of the MMA
+                    assert dtype != "float32" and 8 <= group <= 16 == hpt and head_dim <= 128
+                    assert (geo.bdx, geo.bdz, geo.tile) == (32, 1, 16 * geo.bdy)
+                else:
+                    assert geo.bdy * hpt >= group > geo.bdy * (hpt - 1)  # no idle thread row
                 assert geo.bdx in (4, 8, 16, 32) and geo.threads % 32 == 0
                 assert geo.threads <= 256
                 assert 1 <= _launch.decode_ctas_per_sm(dtype, head_dim, group, 16) <= 32
