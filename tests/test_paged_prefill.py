@@ -190,13 +190,14 @@ def test_split_heuristic_fills_the_gpu_balanced_by_tokens():
     work = _launch.prefill_work(np.array([0, 64]), np.array([32768 + 64]), one.query_rows, True)
     assert one.num_splits > 1 and one.partition_tokens % one.tile == 0
     tiles = one.grid[0] // one.num_splits
-    assert tiles == 16 + 1 and one.grid[1:] == (NUM_KV_HEADS, 1)  # and an empty head tile
+    assert one.query_rows == 16  # 64 rows of the tensor-core kernel over G = 4
+    assert tiles == 64 // 16 + 1 and one.grid[1:] == (NUM_KV_HEADS, 1)  # and an empty head tile
     blocks = _launch.NOMINAL_SM_COUNT * _launch.PREFILL_SPLIT_BLOCKS_PER_SM
     per_block = -(-work.kv_tokens * NUM_KV_HEADS // blocks)
     assert per_block <= one.partition_tokens < per_block + one.tile
     assert one.num_splits == -(-work.max_end // one.partition_tokens)
     big = split_plan([(1024 + 256, 256)] * 8, "float16", 128, 4, 16, True, None)
-    assert big.num_splits == 1 and big.grid == (8 * 64 + 8, NUM_KV_HEADS, 1)
+    assert big.num_splits == 1 and big.grid == (8 * 256 // 16 + 8, NUM_KV_HEADS, 1)
     short = split_plan([(200, 8)], "float16", 128, 4, 16, True, None)
     assert short.num_splits == 1  # no split shorter than MIN_SPLIT_TOKENS
 
@@ -502,14 +503,25 @@ def test_unchecked_mode_gives_the_same_result(rng):
 
 
 def test_launch_plan():
-    """Query tiles of max(1, 16 // G) tokens; the grid: the aligned tiles of the packed rows (of
-    max_query_len * num_seqs rows when total_query_tokens is not given) and a head tile per
-    sequence; a group of more than 16 heads is cut into chunks of 16, one thread block each."""
-    launch = _launch.prefill_launch("float16", 3, 2, 4, 128, 16, 37)
+    """Query tiles of max(1, ROWS // G) tokens, ROWS = 16 for float32 (FMAs) and 64 for fp16/bf16
+    (tensor cores); the grid: the aligned tiles of the packed rows (of max_query_len * num_seqs
+    rows when total_query_tokens is not given) and a head tile per sequence; a group of more than
+    16 heads is cut into chunks of 16, one thread block each."""
+    launch = _launch.prefill_launch("float32", 3, 2, 4, 128, 16, 37)
+    assert launch.name.startswith("cupaged::paged_prefill<float, 128, 16, 16, 16, 2, 128>")
     assert launch.query_rows == 4 and launch.grid == (28 + 3, 2, 1) and launch.block == (128,)
-    assert launch.tile == 32 and launch.num_splits == 1 and launch.heads_per_block == 4
-    exact = _launch.prefill_launch("float16", 3, 2, 4, 128, 16, 37, total_query_tokens=50)
+    assert launch.tile == 16 and launch.num_splits == 1 and launch.heads_per_block == 4
+    exact = _launch.prefill_launch("float32", 3, 2, 4, 128, 16, 37, total_query_tokens=50)
     assert exact.grid == (13 + 3, 2, 1) and exact.merge_grid == (50, 8)
+    for dtype, c_type in (("float16", "__half"), ("bfloat16", "__nv_bfloat16")):
+        mma = _launch.prefill_launch(dtype, 3, 2, 4, 128, 16, 37, total_query_tokens=50)
+        assert mma.name == f"cupaged::paged_prefill_mma<{c_type}, 128, 16, 32, 64, 2, 128>"
+        assert (mma.query_rows, mma.heads_per_block, mma.tile) == (16, 4, 32)
+        assert mma.grid == (4 + 3, 2, 1) and mma.block == (128,) and mma.merge_grid == (50, 8)
+    # head_dim 256 stays on the FMA kernel (the tensor-core kernel's O would take 128 registers)
+    wide_head = _launch.prefill_launch("float16", 3, 2, 4, 256, 16, 37)
+    assert wide_head.name.startswith("cupaged::paged_prefill<__half, 256, 16, 16, 16,")
+    assert wide_head.query_rows == 4
     wide = _launch.prefill_launch("float32", 1, 1, 40, 64, 1, 3)
     assert (wide.query_rows, wide.heads_per_block, wide.grid) == (1, 16, (12, 1, 1))
     tiles = {
@@ -517,6 +529,9 @@ def test_launch_plan():
     }
     assert tiles == {("float32", 64): 32, ("float32", 256): 8, ("float16", 64): 32,
                      ("float16", 256): 16}  # fmt: skip
-    assert _launch.prefill_shared_memory("float16", 128, 32) == 4 * (2048 + 576 + 32) + 4 * 32 * 272
+    assert _launch.prefill_shared_memory("float32", 128, 16) == 4 * (2048 + 320 + 32) + 4 * 16 * 528
+    # paged_prefill_mma: q_s, the ring, s_s, p_s, special_s
+    mma_bytes = 64 * 272 + 4 * 32 * 272 + 64 * 36 * 4 + 64 * 40 * 2 + 64 * 128
+    assert _launch.prefill_shared_memory("float16", 128, 32) == mma_bytes == 74752
     with pytest.raises(ValueError, match=r"expected num_q_heads in 1..65535"):
         _launch.prefill_launch("float16", 1, 2, 32768, 128, 16, 1)
