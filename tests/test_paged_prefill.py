@@ -113,6 +113,36 @@ def test_prefill_matches_float64_reference(rng, xp, case):
     assert_close(got, expected, dtype)
 
 
+# ---- the tensor-core kernel (fp16/bf16 up to head_dim 128) -------------------------------------
+
+# Full 64-row query tiles (G = 1: 64 tokens), many crossing tiles, a chunk after a long prefix and
+# a decode row; q scaled so that the softmax is sharp (P's rounding to the storage type matters
+# most where a few weights dominate).
+MMA_BATCH = ((200, 200), (530, 33), (40, 1))
+
+
+@pytest.mark.parametrize(
+    "dtype, head_dim, ratio, order",
+    [("float16", 80, 1, SCHEDULES[0]), ("bfloat16", 128, 4, SCHEDULES[1]),
+     ("float16", 96, 8, SCHEDULES[1]), ("bfloat16", 64, 1, SCHEDULES[0])],
+)  # fmt: skip
+def test_tensor_core_path_on_full_tiles_and_a_sharp_softmax(rng, xp, dtype, head_dim, ratio, order):
+    if xp is not np and order != SCHEDULES[0]:
+        pytest.skip("scheduling orders belong to the CPU backend; the GPU runs once")
+    launch = _launch.prefill_launch(dtype, 1, NUM_KV_HEADS, ratio, head_dim, 16, 1)
+    assert "paged_prefill_mma" in launch.name and launch.query_rows == 64 // ratio
+    q, k_cache, v_cache, tables, lens, starts, _ = prefill_batch(
+        rng, MMA_BATCH, head_dim, ratio, 16, dtype
+    )
+    q = from_float(to_float(q) * np.float32(6.0), dtype)
+    expected = oracle(q, k_cache, v_cache, tables, lens, starts)
+    arrays = [xp.asarray(x) for x in (q, k_cache, v_cache, tables, lens, starts)]
+    out = xp.asarray(poison(q.shape, dtype))
+    with scheduled(xp, order):
+        got = cupaged.paged_prefill(*arrays, out=out, num_splits=1)
+    assert_close(got, expected, dtype)
+
+
 # ---- split-K -----------------------------------------------------------------------------------
 
 # (context_lens[i], n_i): whole prompts (one inside the first split, one over three), no queries,
