@@ -118,11 +118,12 @@ def launches(xp, impl: str, batch, dtype: str) -> str:
         dtype, len(batch), NUM_KV_HEADS, group, HEAD_DIM, BLOCK_SIZE, int(counts.max()), starts,
         lens, True, sm_count, 1 if impl == "one_split" else None, int(counts.sum()),
     )  # fmt: skip
-    text = f"paged_prefill grid {plan.grid}, {plan.num_splits} split(s)"
+    kernel = plan.name.split("<")[0].removeprefix("cupaged::")  # paged_prefill(_mma)
+    text = f"{kernel} grid {plan.grid}, {plan.num_splits} split(s)"
     if plan.num_splits > 1:
         text += f" of {plan.partition_tokens} tokens + merge"
     if impl == "two_launches":
-        text = "paged_prefill over the chunks + paged_attention over the decode rows"
+        text = f"{kernel} over the chunks + paged_attention over the decode rows"
     return text
 
 
