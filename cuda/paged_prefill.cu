@@ -58,10 +58,10 @@
 // pieces (a multiple of TILE) when the batch is too small to fill the GPU, so that one thread
 // block holds at most that many tokens whatever its sequence's length; the last split runs to the
 // end of each range, so a plan made from wrong lengths changes the work split, never the result.
-// Tensor cores: fp16/bf16 run paged_prefill_mma (below): 64-row query tiles, Q K^T and P V on
-// WMMA m16n16k16 with float32 accumulators, the softmax in float32 between them (the static
-// model: scripts/kernel-report, docs/prefill.md). float32 stays on paged_prefill's FMAs (TF32
-// would miss its tolerance).
+// Tensor cores: fp16/bf16 up to head_dim 128 run paged_prefill_mma (below): 64-row query tiles,
+// Q K^T and P V on WMMA m16n16k16 with float32 accumulators, the softmax in float32 between them
+// (the static model: scripts/kernel-report, docs/prefill.md). float32 stays on paged_prefill's
+// FMAs (TF32 would miss its tolerance), and so does head_dim 256 (see paged_prefill_mma).
 #include <cuda_pipeline_primitives.h>
 #ifndef CUPAGED_CPU
 #include <mma.h>  // WMMA; the CPU backend's shim provides nvcuda::wmma itself
@@ -530,14 +530,16 @@ __global__ void __launch_bounds__(THREADS, 4)
 // The same attention, query tiles, ring, split-K outputs and NaN/Inf rules as paged_prefill, with
 // Q K^T and P V on WMMA m16n16k16 (T operands, float32 accumulators). ROWS = 16 x WARPS rows:
 // warp w owns rows 16 w .. 16 w + 15 of the tile (the same token-major rows as paged_prefill) and
-// computes them alone, so only the ring needs block barriers. Per KV tile of TILE tokens:
+// computes them alone, so only the ring needs block barriers; a warp whose rows are all padding
+// (a decode row's block has G live rows) skips the math. Per KV tile of TILE tokens:
 //   1. top of the tile: the ring as in paged_prefill (wait_prior, __syncthreads, issue ahead);
 //   2. S = Q K^T: the warp's 16 x TILE scores, from q_s (the queries as T, unscaled: the scale
 //      is applied to the float32 scores, so no rounding of q * scale) and the K stage read as a
 //      column-major B operand; stored to the warp's rows of s_s (float);
-//   3. online softmax in float32: two lanes per row, TILE / 2 scores each, max and sum over the
-//      pair by one shuffle each; m and l stay in registers; p goes to p_s rounded to T (the A
-//      operand of P V; l sums the unrounded p), alpha to alpha_s;
+//   3. online softmax in float32: two lanes per row, TILE / 2 scores each (two passes over s_s:
+//      the max, then the weights), max and sum over the pair by one shuffle each; m, l and alpha
+//      stay in registers; p goes to p_s rounded to T (the A operand of P V; l sums the unrounded
+//      p);
 //   4. O = alpha O + P V: O is HEAD_DIM / 16 accumulator fragments per warp, in registers for the
 //      whole KV range. Their element layout is opaque, so alpha reaches them as a fragment too:
 //      the softmax lanes write alpha across their row of a 16 x 16 tile (in s_s, whose scores
@@ -557,7 +559,8 @@ __global__ void __launch_bounds__(THREADS, 4)
 // in this order, every part 32-byte aligned (WMMA tiles):
 //   q_s [ROWS, HEAD_DIM + 8] T, kv_s [STAGES, 2 (K, V), TILE, HEAD_DIM + 8] T,
 //   s_s [ROWS, TILE + 4] float (scores; weights in float in a special tile; O at the end),
-//   p_s [ROWS, TILE + 8] T, special_s [ROWS, HEAD_DIM] bytes (written only once a special tile occurs).
+//   p_s [ROWS, TILE + 8] T, special_s [ROWS, HEAD_DIM] bytes (written only once a special tile
+//   occurs).
 // Stage rows are padded by 16 bytes as in paged_prefill: the 8 rows of each 8 x 16-byte phase of
 // a fragment load start 4 banks apart (conflict-free).
 // __launch_bounds__: as many blocks per SM as shared memory holds at head_dim 128 (sm_90: 3;
@@ -770,7 +773,7 @@ __global__ void __launch_bounds__(THREADS, kPrefillMmaBlocks)
       Acc s[KEYS];
 #pragma unroll
       for (int n = 0; n < KEYS; ++n) wmma::fill_fragment(s[n], 0.0f);
-#pragma unroll 2
+#pragma unroll 2  // unrolled whole, ptxas keeps more fragments in flight and bf16 spills
       for (int k = 0; k < FRAGS; ++k) {
         OperandA a;
         wmma::load_matrix_sync(a, q_w + 16 * k, STRIDE);
@@ -823,7 +826,8 @@ __global__ void __launch_bounds__(THREADS, kPrefillMmaBlocks)
             sum += p[c + j];
           }
           if (special) {  // the weights in float, for the special elements below
-            *reinterpret_cast<float4*>(s_row + t + c) = make_float4(p[c], p[c + 1], p[c + 2], p[c + 3]);
+            *reinterpret_cast<float4*>(s_row + t + c) =
+                make_float4(p[c], p[c + 1], p[c + 2], p[c + 3]);
           }
         }
         *reinterpret_cast<uint4*>(p_row + t) = prefill::pack(p, static_cast<T*>(nullptr));
@@ -920,7 +924,9 @@ __global__ void __launch_bounds__(THREADS, kPrefillMmaBlocks)
 #pragma unroll
       for (int c = 0; c < 8; ++c) {
         const unsigned bits = special_s[soft_row * HEAD_DIM + d + c];
-        if (bits != 0) value[c] += (bits & 4) != 0 || bits == 3 ? inf - inf : bits == 1 ? inf : -inf;
+        if (bits == 0) continue;
+        const bool nan = (bits & 4) != 0 || bits == 3;  // a NaN, or +Inf and -Inf
+        value[c] += nan ? inf - inf : bits == 1 ? inf : -inf;
       }
     }
     // acc / l; NaN when a NaN reached l, or l = 0 (every score -inf), as in paged_prefill.
@@ -929,19 +935,21 @@ __global__ void __launch_bounds__(THREADS, kPrefillMmaBlocks)
 #pragma unroll
       for (int c = 0; c < 8; ++c) result[c] = from_float<T>(value[c] / l);
       if (vector_out) {
-        *reinterpret_cast<uint4*>(out + row * HEAD_DIM + d) = *reinterpret_cast<const uint4*>(result);
+        *reinterpret_cast<uint4*>(out + row * HEAD_DIM + d) =
+            *reinterpret_cast<const uint4*>(result);
       } else {
 #pragma unroll
         for (int c = 0; c < 8; ++c) out[row * HEAD_DIM + d + c] = result[c];
       }
     } else {
-      // l = 0: the row saw no token of this split; its weight in the merge is 0 (see paged_prefill).
+      // l = 0: the row saw no token of this split; its merge weight is 0 (see paged_prefill).
       float* dst = partial_out + (row * num_splits + split) * HEAD_DIM + d;
 #pragma unroll
       for (int c = 0; c < 8; c += 4) {
         *reinterpret_cast<float4*>(dst + c) =
             l == 0.0f ? make_float4(0.0f, 0.0f, 0.0f, 0.0f)
-                      : make_float4(value[c] / l, value[c + 1] / l, value[c + 2] / l, value[c + 3] / l);
+                      : make_float4(value[c] / l, value[c + 1] / l, value[c + 2] / l,
+                                    value[c + 3] / l);
       }
     }
   }
