@@ -250,7 +250,9 @@ def decode_ctas_per_sm(dtype: str, head_dim: int, group: int, block_size: int) -
     From the block's threads, ``DECODE_REGISTER_BUDGET`` registers per thread (allocated per
     warp in units of 256) and its shared memory (plus the 1 KiB the system reserves per block,
     in units of 128 bytes). ``block_size`` does not change the layout; it is taken for symmetry
-    with the launch. A GPU run asks CuPy's occupancy API instead.
+    with the launch. :class:`cupaged.DecodePlan` sizes its work list with it on every device:
+    the CPU backend plans as an H100 would, and on another GPU it is an estimate (only the work
+    list's length depends on it, never a result).
 
     >>> decode_ctas_per_sm("float16", 128, 1, 16), decode_ctas_per_sm("float16", 128, 8, 16)
     (8, 4)
