@@ -118,8 +118,7 @@ class DecodePlan:
         splits = None if num_splits is None else as_int(num_splits, "num_splits")
         if splits is not None and splits < 1:
             raise ValueError(f"expected num_splits >= 1, got {splits}")
-        launch0 = _launch.decode_launch(dtype, num_kv_heads, group, head_dim, block_size, 1)
-        tile = launch0.tile
+        tile = _launch.decode_geometry(dtype, head_dim, group).tile  # pieces are whole stages
         if splits is None:
             # Items that fill the device: thread blocks per multiprocessor x multiprocessors,
             # over the KV heads (each item is one thread block per KV head).
