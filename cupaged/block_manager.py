@@ -50,6 +50,8 @@ from .prefix_cache import (
 from .step_planner import _NO_COPIES, StepPlanner
 
 _INT32_MAX = 2**31 - 1
+_NO_BLOCKS = np.zeros(0, np.intp)
+_NO_BLOCKS.flags.writeable = False
 
 SequenceIds = "int | Iterable[int] | SequenceBatch"
 
@@ -358,7 +360,7 @@ class BlockManager(StepPlanner):
     def _admit(self, prompt: np.ndarray, salt: bytes | None) -> Admission:
         stats = self._prefix.stats
         counters = (stats.hits, stats.misses, stats.cached_tokens)
-        bs = self._block_size
+        bs, pool, table = self._block_size, self._pool, self._seqs
         if self.prefix_caching:
             hits, chain, keys = self._prefix.match_unchecked(prompt, salt)
         else:
@@ -367,39 +369,42 @@ class BlockManager(StepPlanner):
         cached = n_hits * bs
         if n_hits:
             hits = np.array(hits, np.intp)
-            revived = n_hits - int(np.count_nonzero(self._pool._refcount[hits]))
+            held = pool._refcount[hits]
+            in_use = int(np.count_nonzero(held))
         else:
-            revived = 0
+            held, in_use = None, 0
         needed = -(-n // bs) - n_hits
-        if needed > self._pool.num_free - revived:
+        if needed > pool._top + pool._num_evictable - (n_hits - in_use):
             stats.hits, stats.misses, stats.cached_tokens = counters
             raise OutOfBlocksError(
-                needed, self._pool.num_free - revived, f"admitting a {n}-token prompt"
+                needed, pool.num_free - (n_hits - in_use), f"admitting a {n}-token prompt"
             )
-        sid, row = self._attach(hits, chain)
-        slots = self._reserve_fresh(row, n_hits, n - cached, needed)
-        if self.prefix_caching:  # the keys of the full blocks after the hits: hashed by _match
-            table = self._seqs
-            full = n_hits + len(keys)
-            self._extend_chain(row, keys)
+        # What _attach and a reserve of the rest do, in one pass over the row.
+        sid = self._next_id
+        row = table.acquire(sid)
+        self._atomic.undo.append(lambda: self._unattach([sid], [row]))
+        if n_hits:
+            pool.acquire_unchecked(hits, held=held, in_use=in_use)
+        new = pool.take(needed) if needed else _NO_BLOCKS
+        table.ensure_width(n_hits + needed + 1)  # one spare column: see _plan_decode
+        table.tables[row, : n_hits + needed] = np.concatenate((hits, new)) if n_hits else new
+        table.lens[row] = n
+        if self.prefix_caching:
+            self._chains[row] = chain
+            full = n_hits + len(keys)  # the keys of the full blocks after the hits: hashed by
+            self._extend_chain(row, keys)  # the match, registered at commit
             table.tail[row, : n - full * bs] = prompt[full * bs :]
+        self._rows[sid] = row
+        if n_hits:
+            self._cached[sid] = cached
+        self._next_id += 1
+        if n == cached:
+            slots = _NO_COPIES
+        elif needed == 1:
+            slots = self._offsets[: n - cached] + new.item(0) * bs  # int32: slots fit (init)
+        else:
+            slots = (new[:, None] * bs + self._offsets).reshape(-1)[: n - cached].astype(np.int32)
         return Admission(sid, cached, slots if self._xp is np else self._xp.asarray(slots))
-
-    def _reserve_fresh(self, row: int, held: int, n: int, needed: int) -> np.ndarray:
-        """Slots for ``n`` tokens after the ``held`` full blocks of a row just attached: ``needed``
-        new blocks, no copy-on-write (its last block is full). The row's undo (its release)
-        covers what this changes."""
-        if not n:
-            return _NO_COPIES
-        table, bs = self._seqs, self._block_size
-        new = self._pool.take(needed)
-        table.ensure_width(held + needed + 1)  # one spare column: see _plan_decode
-        table.tables[row, held : held + needed] = new
-        table.version[row] = table.clock
-        table.lens[row] = held * bs + n
-        if needed == 1:
-            return self._offsets[:n] + new.item(0) * bs  # int32: slots fit (checked at init)
-        return (new[:, None] * bs + self._offsets).reshape(-1)[:n].astype(np.int32)
 
     def fork(self, sid: int) -> int:
         """Start a sequence that shares every block of ``sid`` (parallel sampling, beam search).
@@ -482,16 +487,32 @@ class BlockManager(StepPlanner):
         reserved blocks out of the cache, so unwritten K/V are never served. Without prefix
         caching it does nothing.
         """
+        table = self._seqs
+        row = self._rows.get(sids) if type(sids) is int else None
+        if row is not None and table.live.item(row) >= 0:  # one resident sequence: admission's
+            if not table.pending.item(row):
+                return  # nothing to register (or no prefix caching)
+            chain = self._chains[row]
+            committed = chain.committed
+            with self._atomic as atomic:  # registering changes no key or digest of the chain
+                atomic.undo.append(lambda: self._uncommit_one(row, chain, committed))
+                self._commit_rows([row])
+            return
         if isinstance(sids, (int, np.integer)):
             rows = self._resident_rows([sids])
         else:
             rows = self._batch_rows(sids).tolist()
-        pending = self._seqs.pending
+        pending = table.pending
         if not self.prefix_caching or not any(pending.item(row) for row in rows):
             return  # nothing to register
         with self._atomic as atomic:
             atomic.undo.append(self._chains_restorer(rows))
             self._commit_rows(rows)
+
+    def _uncommit_one(self, row: int, chain: PrefixChain, committed: int) -> None:
+        """Undo of a one-row :meth:`commit` (the pool's rollback unregisters the blocks)."""
+        chain.committed = committed
+        self._seqs.pending[row] = True
 
     # ----------------------------------------------------------------------------- steps
 

@@ -92,6 +92,10 @@ class BlockPool:
         self._content_of: list[object] = [None] * num_blocks
         self._block_of: dict[Hashable, int] = {}
         self._registered = np.zeros(num_blocks, bool)
+        # Bumped whenever a key stops mapping to its block (an eviction, a rolled-back
+        # registration), never put back: while it stays the same, every key -> block mapping
+        # seen earlier still holds (the prefix cache's memo of prompt heads relies on it).
+        self.unregistrations = 0
         # Evictable blocks, least recently freed first: entries [_head, _tail) of the queue, each
         # live while its stamp equals _stamp[block].
         capacity = 2 * num_blocks + 64
@@ -297,14 +301,23 @@ class BlockPool:
         self._push_free(gone[~cached])
         self._push_evictable(gone[cached])
 
-    def acquire_unchecked(self, blocks: np.ndarray, distinct: bool = True) -> None:
-        """Take a reference per entry of ``blocks`` (registered or in use, unchecked)."""
+    def acquire_unchecked(
+        self,
+        blocks: np.ndarray,
+        distinct: bool = True,
+        held: np.ndarray | None = None,
+        in_use: int | None = None,
+    ) -> None:
+        """Take a reference per entry of ``blocks`` (registered or in use, unchecked); ``held``
+        and ``in_use``, when the caller has them, are ``refcount[blocks]`` and its nonzero count
+        (distinct ``blocks`` only)."""
         if blocks.dtype != np.intp:
             blocks = blocks.astype(np.intp)
         if not distinct:  # one reference per entry: count the repeats once
             blocks, counts = _grouped(blocks)
-        held = self._refcount[blocks]
-        in_use = np.count_nonzero(held)  # mostly all (a fork) or none (a prefix revived)
+        if held is None or in_use is None or not distinct:
+            held = self._refcount[blocks]
+            in_use = np.count_nonzero(held)  # mostly all (a fork) or none (a prefix revived)
         revived = blocks[:0] if in_use == held.size else blocks if not in_use else blocks[held == 0]
         if self._journal is not None:  # callers pass arrays they do not change afterwards
             self._journal.append(("acquire", blocks, held))
@@ -409,6 +422,7 @@ class BlockPool:
             elif kind == "revive":
                 self._stamp[record[1]] = record[2]
             elif kind == "register":
+                self.unregistrations += 1
                 for block in record[1]:
                     del self._block_of[self._key_of[block]]
                     self._key_of[block] = self._content_of[block] = None
@@ -525,6 +539,7 @@ class BlockPool:
         self._stamp[blocks] = _NO_STAMP
         self._num_evictable -= blocks.size
         self._registered[blocks] = False
+        self.unregistrations += 1
         for block in blocks.tolist():
             del self._block_of[self._key_of[block]]
             self._key_of[block] = None

@@ -76,16 +76,17 @@ def token_array(tokens: Any, what: str = "tokens") -> np.ndarray:
         ValueError: an id outside ``0 .. 2**63 - 1`` (a ``uint64`` id would otherwise wrap).
     """
     if type(tokens) is list:  # the common case first: a list of Python ints
-        try:  # struct packs 3-4x faster than np.array, and refuses ids beyond int64 or not ints
-            array = np.frombuffer(_pack(tokens), TOKEN_DTYPE)
+        try:  # struct packs 3-4x faster than np.array, and refuses negative ids and non-ints
+            data = _pack(tokens)
         except (struct.error, TypeError):
             array = np.array(tokens)  # for the message below
         else:
-            if len(tokens) <= 32:  # a short list: Python's min beats a reduction
-                if tokens and min(tokens) < 0:
-                    raise ValueError(f"expected {what} in 0 .. 2**63 - 1, got the id {min(tokens)}")
-                return array
-            return _non_negative(array, what)
+            # Packed as uint64: an id in 0 .. 2**63 - 1 has a clear top bit, so every eighth
+            # byte (the top one, little-endian) is ASCII: one C scan instead of a reduction.
+            if not data[7::8].isascii():
+                big = int(np.frombuffer(data, np.uint64).max())
+                raise ValueError(f"expected {what} in 0 .. 2**63 - 1, got the id {big}")
+            return np.frombuffer(data, TOKEN_DTYPE)
     elif isinstance(tokens, (str, bytes)) or not hasattr(tokens, "__len__"):
         raise TypeError(
             f"expected {what} to be a sequence of int token ids, got {type(tokens).__name__}"
@@ -113,7 +114,7 @@ def token_array(tokens: Any, what: str = "tokens") -> np.ndarray:
 
 
 def _pack(tokens: list[int]) -> bytes:
-    return struct.pack(f"<{len(tokens)}q", *tokens)
+    return struct.pack(f"<{len(tokens)}Q", *tokens)
 
 
 def _non_negative(array: np.ndarray, what: str) -> np.ndarray:
@@ -204,9 +205,10 @@ class PrefixCache:
         # two byte strings: a prompt head that many requests share costs a dict lookup per block
         # after its first hit, not a hash. A pure function's cache: exact, whatever the pool holds.
         self._memo: dict[tuple[bytes, bytes], bytes] = {}
-        # Prompt heads that hit, by (root, their bytes): all their digests at once. The lengths
-        # tried (newest first) and the bytes held are bounded.
-        self._runs: dict[tuple[bytes, bytes], list[bytes]] = {}
+        # Prompt heads that hit: (root, their bytes) -> [all their digests, the blocks they hit,
+        # the pool's ``unregistrations`` when those blocks were seen]. The lengths tried (newest
+        # first) and the bytes held are bounded.
+        self._runs: dict[tuple[bytes, bytes], list[Any]] = {}
         self._run_keys: set[tuple[bytes, int]] = set()  # (root, length) of the runs held
         self._run_lengths: list[int] = []
         self._run_bytes = 0
@@ -317,18 +319,26 @@ class PrefixCache:
         block_of, content_of = self.pool._block_of, self.pool._content_of
         blocks: list[int] = []
         digests: list[bytes] = []
+        unregistrations = self.pool.unregistrations
         for length in self._run_lengths:  # (1)
             if length > lookable:
                 continue
-            known = self._runs.get((root, data[: length * width]))
-            if known is None:
+            run = self._runs.get((root, data[: length * width]))
+            if run is None:
                 continue
-            blocks = list(map(block_of.get, known))
-            if None in blocks:  # evicted since: the hits end at the first one gone
-                del blocks[blocks.index(None) :]
-            contents = list(map(content_of.__getitem__, blocks))
-            if contents != known[: len(blocks)]:  # a collision: the content check ends them
-                del blocks[[c == d for c, d in zip(contents, known, strict=False)].index(False) :]
+            known, seen, when = run
+            if when == unregistrations:  # no key lost its block since: the same blocks hit
+                blocks = list(seen)
+            else:
+                blocks = list(map(block_of.get, known))
+                if None in blocks:  # evicted since: the hits end at the first one gone
+                    del blocks[blocks.index(None) :]
+                contents = list(map(content_of.__getitem__, blocks))
+                if contents != known[: len(blocks)]:  # a collision: the content check ends them
+                    wrong = [c == d for c, d in zip(contents, known, strict=False)].index(False)
+                    del blocks[wrong:]
+                if len(blocks) == len(known):  # all there again: remember where
+                    run[1], run[2] = list(blocks), unregistrations
             digests = list(known)
             break
         fresh = _BLAKE2B_16.copy
@@ -370,7 +380,11 @@ class PrefixCache:
                     self._runs.clear()
                     self._run_keys.clear()
                     self._run_bytes = 0
-                self._runs[(root, data[: hits * width])] = digests[:hits]
+                self._runs[(root, data[: hits * width])] = [
+                    digests[:hits],
+                    blocks[:hits],
+                    unregistrations,
+                ]
                 self._run_keys.add((root, hits))
                 self._run_bytes += hits * width
             if not self._run_lengths or self._run_lengths[0] != hits:

@@ -264,9 +264,16 @@ def test_remembered_heads_and_block_hashes_give_the_keys_of_the_chain_walk():
     assert blocks == own[:3] and chain.keys == [key for key, _ in walk[:3]]
     assert prefix.match(head + [1], cache_salt="other")[0] == []  # the salt is in the key
     pool.decref(own[::-1])  # all evictable, the last block first
-    pool.allocate(60)  # the 58 free blocks, then the LRU's first two: own[5], own[4]
+    taken = pool.allocate(60)  # the 58 free blocks, then the LRU's first two: own[5], own[4]
     assert prefix.match(head + [1])[0] == own[:4]  # the remembered head stops at the first gone
-    pool._content_of[own[2]] = b"not the prefix"  # what a collision would look like
+    _, chain = prefix.match(head[: 4 * BS] + [1])
+    pool.decref(taken[:2])
+    again = pool.allocate(2)  # the two lost blocks computed again, into other blocks
+    prefix.extend(chain, head[4 * BS :], again)
+    for _ in range(2):  # found through the chain walk, then remembered where they are now
+        assert prefix.match(head + [1])[0] == own[:4] + again
+    pool._content_of[own[2]] = b"not the prefix"  # what a collision would look like; it needs
+    pool.unregistrations += 1  # the block registered anew, so a key lost its block first
     assert prefix.match(head + [1])[0] == own[:2]  # the content check still ends the hits
 
 
