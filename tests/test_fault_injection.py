@@ -39,7 +39,7 @@ INNER = [
     )],
     *[(prefix_cache.PrefixCache, name) for name in ("keys", "match_unchecked")],
     *[(block_manager.BlockManager, name) for name in (
-        "_attach", "_reserve_fresh", "_plan", "_plan_rows", "_plan_decode", "_plan_batch",
+        "_attach", "_plan", "_plan_rows", "_plan_decode", "_plan_batch",
         "_apply_growth", "_commit_rows", "_extend_chain", "_register", "_release", "_release_one",
     )],
     (cache_module, "copy_blocks"),
