@@ -364,7 +364,7 @@ class BlockManager(StepPlanner):
         if self.prefix_caching:
             hits, chain, keys = self._prefix.match_unchecked(prompt, salt)
         else:
-            hits, chain, keys = [], None, []
+            hits, chain, keys = [], None, ([], [])
         n_hits, n = len(hits), len(prompt)
         cached = n_hits * bs
         if n_hits:
@@ -391,8 +391,12 @@ class BlockManager(StepPlanner):
         table.lens[row] = n
         if self.prefix_caching:
             self._chains[row] = chain
-            full = n_hits + len(keys)  # the keys of the full blocks after the hits: hashed by
-            self._extend_chain(row, keys)  # the match, registered at commit
+            rest_keys, rest_digests = keys  # of the full blocks after the hits, hashed by the
+            if rest_keys:  # match; registered at commit
+                chain.keys += rest_keys
+                chain.digests += rest_digests
+                table.pending[row] = True
+            full = n_hits + len(rest_keys)
             table.tail[row, : n - full * bs] = prompt[full * bs :]
         self._rows[sid] = row
         if n_hits:
@@ -493,10 +497,16 @@ class BlockManager(StepPlanner):
             if not table.pending.item(row):
                 return  # nothing to register (or no prefix caching)
             chain = self._chains[row]
-            committed = chain.committed
+            committed, end = chain.committed, len(chain.keys)
             with self._atomic as atomic:  # registering changes no key or digest of the chain
                 atomic.undo.append(lambda: self._uncommit_one(row, chain, committed))
-                self._commit_rows([row])
+                self._pool.register_many(  # what _commit_rows does, for one row
+                    table.tables[row, committed:end].tolist(),
+                    chain.keys[committed:end],
+                    chain.digests[committed:end],
+                )
+                chain.committed = end
+                table.pending[row] = False
             return
         if isinstance(sids, (int, np.integer)):
             rows = self._resident_rows([sids])
@@ -699,9 +709,9 @@ class BlockManager(StepPlanner):
 
     def _match(
         self, prompt: np.ndarray, salt: bytes | None
-    ) -> tuple[list[int], PrefixChain | None, list[tuple[bytes, bytes]]]:
+    ) -> tuple[list[int], PrefixChain | None, tuple[list[bytes], list[bytes]]]:
         if not self.prefix_caching:
-            return [], None, []
+            return [], None, ([], [])
         return self._prefix.match_unchecked(prompt, salt)
 
     def _attach(self, hits: Any, chain: PrefixChain | None) -> tuple[int, int]:

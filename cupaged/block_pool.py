@@ -26,7 +26,7 @@ so compaction is amortised O(1) per block.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Mapping
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -342,13 +342,16 @@ class BlockPool:
         self._registered[block] = True
         return block
 
-    def register_many(self, blocks: list[int], keys: list[tuple[Hashable, object]]) -> None:
-        """:meth:`register_unchecked` of ``blocks[i]`` under ``(key, content) = keys[i]``."""
+    def register_many(
+        self, blocks: list[int], keys: Sequence[Hashable], contents: Sequence[object]
+    ) -> None:
+        """:meth:`register_unchecked` of ``blocks[i]`` under ``keys[i]``, holding
+        ``contents[i]``."""
         block_of, key_of, content_of = self._block_of, self._key_of, self._content_of
         registered: list[int] = []  # filled as blocks register, for a rollback
         if self._journal is not None:
             self._journal.append(("register", registered))
-        for block, (key, content) in zip(blocks, keys, strict=True):
+        for block, key, content in zip(blocks, keys, contents, strict=True):
             if key in block_of:
                 continue  # the first writer wins
             if key_of[block] is not None:
@@ -357,7 +360,10 @@ class BlockPool:
             block_of[key] = block
             key_of[block] = key
             content_of[block] = content
-            self._registered[block] = True
+        if len(registered) == 1:
+            self._registered[registered[0]] = True
+        elif registered:
+            self._registered[registered] = True
 
     def share(self, blocks: np.ndarray, n: int) -> None:
         """Add ``n`` references to each of ``blocks`` (distinct, in use, unchecked): a fork."""

@@ -205,10 +205,11 @@ class PrefixCache:
         # two byte strings: a prompt head that many requests share costs a dict lookup per block
         # after its first hit, not a hash. A pure function's cache: exact, whatever the pool holds.
         self._memo: dict[tuple[bytes, bytes], bytes] = {}
-        # Prompt heads that hit: (root, their bytes) -> [all their digests, the blocks they hit,
-        # the pool's ``unregistrations`` when those blocks were seen]. The lengths tried (newest
-        # first) and the bytes held are bounded.
-        self._runs: dict[tuple[bytes, bytes], list[Any]] = {}
+        # Prompt heads that hit: (root, length in blocks, the last block's bytes) -> [all their
+        # digests, the blocks they hit, the pool's ``unregistrations`` when those blocks were
+        # seen, the head's bytes]. The lengths tried (newest first) and the bytes held are
+        # bounded.
+        self._runs: dict[tuple[bytes, int, bytes], list[Any]] = {}
         self._run_keys: set[tuple[bytes, int]] = set()  # (root, length) of the runs held
         self._run_lengths: list[int] = []
         self._run_bytes = 0
@@ -271,9 +272,10 @@ class PrefixCache:
 
     def match_unchecked(
         self, tokens: np.ndarray, salt: bytes | None
-    ) -> tuple[list[int], PrefixChain, list[tuple[bytes, bytes]]]:
+    ) -> tuple[list[int], PrefixChain, tuple[list[bytes], list[bytes]]]:
         """:meth:`match` for checked int64 ``tokens`` and a ``bytes`` salt; also returns the
-        keys of the prompt's full blocks after the hits, which admission registers."""
+        keys and digests of the prompt's full blocks after the hits, which admission
+        registers."""
         chain = PrefixChain(salt_root(salt), salt)
         full = len(tokens) // self.block_size
         lookable = max(len(tokens) - 1, 0) // self.block_size
@@ -284,7 +286,8 @@ class PrefixCache:
             hits = len(blocks)
             if hits:
                 chain.keys, chain.digests = digests[:hits], digests[:hits]
-            rest = list(zip(digests[hits:], digests[hits:], strict=True))  # key = digest
+            rest = digests[hits:]
+            rest = (rest, rest)  # key = digest
         else:
             keys = self.keys(chain, tokens[: full * self.block_size])
             for key, digest in keys[:lookable]:
@@ -295,7 +298,7 @@ class PrefixCache:
             hits = len(blocks)
             chain.keys = [key for key, _ in keys[:hits]]
             chain.digests = [digest for _, digest in keys[:hits]]
-            rest = keys[hits:]
+            rest = ([key for key, _ in keys[hits:]], [digest for _, digest in keys[hits:]])
         chain.committed = hits  # cached blocks: written by whoever registered them
         stats = self.stats
         stats.hits += hits
@@ -323,10 +326,12 @@ class PrefixCache:
         for length in self._run_lengths:  # (1)
             if length > lookable:
                 continue
-            run = self._runs.get((root, data[: length * width]))
-            if run is None:
+            # Keyed by the head's last block (hashing all of it would cost more than the
+            # comparison): the whole head's bytes must match too.
+            run = self._runs.get((root, length, data[(length - 1) * width : length * width]))
+            if run is None or not data.startswith(run[3]):
                 continue
-            known, seen, when = run
+            known, seen, when, _ = run
             if when == unregistrations:  # no key lost its block since: the same blocks hit
                 blocks = list(seen)
             else:
@@ -380,10 +385,12 @@ class PrefixCache:
                     self._runs.clear()
                     self._run_keys.clear()
                     self._run_bytes = 0
-                self._runs[(root, data[: hits * width])] = [
+                last = data[(hits - 1) * width : hits * width]
+                self._runs[(root, hits, last)] = [
                     digests[:hits],
                     blocks[:hits],
                     unregistrations,
+                    data[: hits * width],
                 ]
                 self._run_keys.add((root, hits))
                 self._run_bytes += hits * width
@@ -408,19 +415,18 @@ class PrefixCache:
 
     def extend_unchecked(self, chain: PrefixChain, tokens: np.ndarray, blocks: list[int]) -> None:
         """:meth:`extend` with ``tokens`` an int64 array and ``blocks`` in use (unchecked)."""
-        keys = self.keys(chain, tokens)
-        self.pool.register_many(blocks, keys)
-        chain.keys.extend(key for key, _ in keys)
-        chain.digests.extend(digest for _, digest in keys)
+        pairs = self.keys(chain, tokens)
+        keys, digests = [key for key, _ in pairs], [digest for _, digest in pairs]
+        self.pool.register_many(blocks, keys, digests)
+        chain.keys += keys
+        chain.digests += digests
         chain.committed = len(chain.keys)
 
     def register_chain(self, chain: PrefixChain, blocks: Sequence[int]) -> None:
         """Register ``blocks[j]`` under ``chain.keys[j]`` again for its committed blocks (fresh
         blocks after a swap-in)."""
         done = chain.committed
-        self.pool.register_many(
-            list(blocks[:done]), list(zip(chain.keys[:done], chain.digests[:done], strict=True))
-        )
+        self.pool.register_many(list(blocks[:done]), chain.keys[:done], chain.digests[:done])
 
 
 # Entries of PrefixCache._memo (about 250 bytes each) before it starts over.

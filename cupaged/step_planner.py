@@ -476,18 +476,21 @@ class StepPlanner:
         if not rows:
             return
         blocks: list[int] = []
-        keys: list[tuple[bytes, bytes]] = []
+        keys: list[bytes] = []
+        digests: list[bytes] = []
         for row in rows:
             chain = chains[row]
             start, end = chain.committed, len(chain.keys)
             if end - start == 1:  # a decode step fills at most one block a sequence
-                blocks.append(int(table.tables[row, start]))
-                keys.append((chain.keys[start], chain.digests[start]))
+                blocks.append(table.tables.item(row, start))
+                keys.append(chain.keys[start])
+                digests.append(chain.digests[start])
             else:
                 blocks += table.tables[row, start:end].tolist()
-                keys += zip(chain.keys[start:end], chain.digests[start:end], strict=True)
+                keys += chain.keys[start:end]
+                digests += chain.digests[start:end]
             chain.committed = end
-        self._pool.register_many(blocks, keys)
+        self._pool.register_many(blocks, keys, digests)
         if len(rows) == 1:
             table.pending[rows[0]] = False
         else:
