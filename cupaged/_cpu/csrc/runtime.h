@@ -17,7 +17,7 @@
 // while fibers are still alive, the block is deadlocked: the launch fails with a description of
 // who waits where. A failed assert, a divergent barrier or a malformed collective fails the launch
 // the same way. The failing fiber's stack and every blocked fiber's stack are simply abandoned
-// (reinitialised for the next block), so a failure is never a hang or a crash.
+// (handed out afresh in the next block), so a failure is never a hang or a crash.
 //
 // Nothing inside a block needs locks or atomics: its fibers share one OS thread. Only the block
 // counter, the first-error slot and the stack pool are shared between workers.
@@ -186,8 +186,9 @@ struct Pipeline {
 };
 
 struct Fiber {
-  void* sp;  // saved stack pointer while suspended
-  char* stack_top;
+  void* sp;         // saved stack pointer while suspended; null until the first resume
+  char* stack_top;  // the stack it took at its first resume (see "Stacks")
+  unsigned stack;   // that stack's index in the worker's set
   uint3 tid;
   unsigned linear, lane, warp;
   FiberState state;
@@ -229,6 +230,8 @@ struct Worker {
   unsigned* order;  // sweep order: indices into fibers
   unsigned num_threads, num_warps;
   StackSet* stacks;
+  unsigned* free_stacks;  // indices into `stacks` that no fiber of the block holds (a LIFO)
+  unsigned num_free_stacks;
   unsigned char* dynamic_shared;
   size_t dynamic_shared_bytes;
   unsigned char* static_shared;  // this OS thread's copy of the module's thread-local storage
@@ -251,6 +254,13 @@ struct Worker {
 static __thread Worker* tls_worker;
 
 // ---- Stacks -------------------------------------------------------------------------------------
+// A worker holds one stack per thread of the block, but a fiber takes one only at its first
+// resume, from a free list, and gives it back when it returns: the next fiber to start takes the
+// stack the last one left. A fiber that blocks keeps its own stack until it returns (every
+// blocked fiber has one), while a kernel whose threads never block runs them all on one stack
+// whose top lines stay in L1. Stacks a fixed 132 KiB apart map their tops to the same L1 set,
+// so 32 of them took turns evicting each other (about 10% of an empty 32-thread block's time).
+//
 // One pool of stack sets per process (per stack size), not one per library: module.py hands every
 // library it loads the pool functions of the first library it loaded with the same kStackBytes
 // (cupaged_cpu_share_stacks), and a worker takes a set for one launch and gives it back at its
@@ -575,14 +585,23 @@ static void fiber_main(Worker* w) {
   --w->live;
   // A barrier counts only live threads (Volta semantics): this exit may be what opens it.
   if (w->at_barrier != 0 && w->at_barrier == w->live) release_barrier(w);
+  // The next fiber to start takes this stack (still in use until the switch below, but nothing
+  // else runs on this OS thread before it).
+  w->free_stacks[w->num_free_stacks++] = f->stack;
   leave_fiber(w);
 }
 
+// Gives `f` a stack for its first run: the one the last fiber to exit left, while cache lines and
+// TLB entry are still hot.
 static void init_fiber_stack(Worker* w, Fiber* f) {
+  // n fibers and n stacks: one is free whenever a fiber that holds none starts.
+  const unsigned index = w->free_stacks[--w->num_free_stacks];
+  f->stack = index;
+  f->stack_top = w->stacks->base + index * (kGuardBytes + kStackBytes) + kGuardBytes + kStackBytes;
 #if defined(__SANITIZE_ADDRESS__)
-  // Frames left on this stack by the previous block (a fiber's last frame never returns, and a
+  // Frames left on this stack by an earlier fiber (a fiber's last frame never returns, and a
   // failed launch abandons whole call chains) keep their redzones poisoned: clear the shadow of
-  // the whole stack (64 KiB of shadow per fiber and block; sanitizer builds only).
+  // the whole stack (64 KiB of shadow per fiber started; sanitizer builds only).
   __asan_unpoison_memory_region(f->stack_top - kStackBytes, kStackBytes);
 #endif
   // Frame read by to_fiber, from the saved stack pointer up: r15, r14, r13 (argument), r12
@@ -956,8 +975,12 @@ static bool run_block(Worker* w, unsigned long long block) {
     f->state = kRunnable;
     f->op = kOpNone;
     f->pipe = nullptr;
-    init_fiber_stack(w, f);
+    f->sp = nullptr;
   }
+  // Every stack is free again (a failed block's fibers are abandoned, never resumed); stack 0 on
+  // top of the free list.
+  for (unsigned i = 0; i < w->num_threads; ++i) w->free_stacks[i] = w->num_threads - 1 - i;
+  w->num_free_stacks = w->num_threads;
   for (unsigned i = 0; i < w->num_warps; ++i) {
     w->warps[i].exited = 0;
     w->warps[i].waiting = 0;
@@ -976,6 +999,7 @@ static bool run_block(Worker* w, unsigned long long block) {
       ran = true;
       w->current = f;
       threadIdx = f->tid;
+      if (f->sp == nullptr) init_fiber_stack(w, f);
       resume_fiber(w, f);
       if (w->aborted) return false;
       if (w->restart) {
@@ -1002,8 +1026,9 @@ struct ThreadCache {
   Fiber* fibers;
   WarpState* warps;
   unsigned* order;
+  unsigned* free_stacks;
   Pipeline** pipelines;  // each allocated at its thread's first async copy, then kept
-  unsigned capacity;     // threads the four arrays above hold
+  unsigned capacity;     // threads the five arrays above hold
   StackSet* stacks;
   unsigned char* dynamic_shared;
   size_t dynamic_capacity;
@@ -1027,6 +1052,7 @@ static void free_thread_cache(void* p) {
   free(c->fibers);
   free(c->warps);
   free(c->order);
+  free(c->free_stacks);
   free(c->dynamic_shared);
   free(c);
 }
@@ -1057,12 +1083,17 @@ static bool reserve_thread_cache(ThreadCache* c, unsigned n, size_t shared) {
     if (ws != nullptr) c->warps = ws;
     unsigned* order = static_cast<unsigned*>(realloc(c->order, n * sizeof(unsigned)));
     if (order != nullptr) c->order = order;
+    unsigned* free_stacks = static_cast<unsigned*>(realloc(c->free_stacks, n * sizeof(unsigned)));
+    if (free_stacks != nullptr) c->free_stacks = free_stacks;
     Pipeline** pipes = static_cast<Pipeline**>(realloc(c->pipelines, n * sizeof(Pipeline*)));
     if (pipes != nullptr) {
       c->pipelines = pipes;
       memset(pipes + c->capacity, 0, (n - c->capacity) * sizeof(Pipeline*));
     }
-    if (fibers == nullptr || ws == nullptr || order == nullptr || pipes == nullptr) return false;
+    if (fibers == nullptr || ws == nullptr || order == nullptr || free_stacks == nullptr ||
+        pipes == nullptr) {
+      return false;
+    }
     c->capacity = n;
   }
   if (c->stacks == nullptr || c->stacks->count < n) {
@@ -1098,6 +1129,7 @@ static bool setup_worker(Worker* w, Launch* L, ThreadCache* c) {
   w->fibers = c->fibers;
   w->warps = c->warps;
   w->order = c->order;
+  w->free_stacks = c->free_stacks;
   w->pipelines = c->pipelines;
   w->stacks = c->stacks;
   w->dynamic_shared = c->dynamic_shared;
@@ -1112,7 +1144,6 @@ static bool setup_worker(Worker* w, Launch* L, ThreadCache* c) {
     f->tid.x = i % L->block.x;
     f->tid.y = i / L->block.x % L->block.y;
     f->tid.z = i / (L->block.x * L->block.y);
-    f->stack_top = w->stacks->base + i * (kGuardBytes + kStackBytes) + kGuardBytes + kStackBytes;
     w->warps[f->warp].present |= 1u << f->lane;
   }
   build_order(w, L->schedule);
