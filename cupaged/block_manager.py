@@ -752,7 +752,7 @@ class BlockManager(StepPlanner):
         row_array = np.array(rows, np.intp)
         # What an interrupt must put back: the rows and the dictionary entries.
         saved = table.snapshot(row_array), table.free_rows_mark()
-        entries = [
+        kept = [
             (sid, row, self._cached.get(sid), self._chains.get(row))
             for sid, row in zip(sids, rows, strict=True)
         ]
@@ -760,19 +760,22 @@ class BlockManager(StepPlanner):
         def undo() -> None:
             table.unrelease(saved[1])
             table.restore(row_array, saved[0])
-            for entry in entries:
+            for entry in kept:
                 self._restore_entry(*entry)
 
         self._atomic.undo.append(undo)
-        resident = row_array[table.live[row_array] >= 0]
-        if resident.size:
-            # Each row's blocks, last first, row after row: the tail of each reversed table row.
-            held = (-(-table.lens[resident] // self._block_size)).tolist()
-            reversed_rows = table.tables[resident, ::-1].astype(np.intp)
-            width = reversed_rows.shape[1]
-            self._pool.release_runs(
-                [reversed_rows[i, width - h :] for i, h in enumerate(held) if h]
-            )
+        # Each row's blocks, last first, row after row (views of the flat table, joined once).
+        bs, width, flat = self._block_size, table.width, table.flat
+        runs = [
+            flat[row * width : row * width - (-length // bs)][::-1]
+            for row, length, live in zip(
+                rows, saved[0][1].tolist(), saved[0][3].tolist(), strict=True
+            )  # fmt: skip
+            if length and live >= 0  # a swapped-out row holds none
+        ]
+        if runs:
+            entries = np.concatenate(runs) if len(runs) > 1 else runs[0]
+            self._pool.release_entries(entries.astype(np.intp), len(runs) > 1)
         table.release(row_array)
         for sid, row in zip(sids, rows, strict=True):
             del self._rows[sid]
