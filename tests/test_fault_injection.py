@@ -31,7 +31,7 @@ BS, HEAD_DIM, LAYERS = 4, 64, 2
 
 INNER = [
     *[(block_pool.BlockPool, name) for name in (
-        "take", "release", "release_runs", "acquire_unchecked", "register_many",
+        "take", "release", "release_runs", "release_entries", "acquire_unchecked", "register_many",
         "register_unchecked", "share", "unshare", "allocate", "_push_free", "_push_evictable", "_evict",
     )],
     *[(block_table.SequenceTable, name) for name in (
