@@ -368,7 +368,7 @@ class BlockManager(StepPlanner):
         n_hits, n = len(hits), len(prompt)
         cached = n_hits * bs
         if n_hits:
-            hits = np.array(hits, np.intp)
+            hits = np.asarray(hits, np.intp)  # (the prefix memo's array as it is)
             held = pool._refcount[hits]
             in_use = int(np.count_nonzero(held))
         else:

@@ -113,6 +113,13 @@ def token_array(tokens: Any, what: str = "tokens") -> np.ndarray:
     return array.astype(TOKEN_DTYPE, copy=False)
 
 
+def _block_array(blocks: Sequence[int] | np.ndarray) -> np.ndarray:
+    """Block ids as a read-only ``intp`` array (what the prefix memo hands out, never copied)."""
+    array = np.array(blocks, np.intp)
+    array.flags.writeable = False
+    return array
+
+
 def _pack(tokens: list[int]) -> bytes:
     return struct.pack(f"<{len(tokens)}Q", *tokens)
 
@@ -268,14 +275,15 @@ class PrefixCache:
             ``len(blocks)`` blocks.
         """
         blocks, chain, _ = self.match_unchecked(token_array(tokens), as_salt(cache_salt))
-        return blocks, chain
+        return (blocks.tolist() if isinstance(blocks, np.ndarray) else blocks), chain
 
     def match_unchecked(
         self, tokens: np.ndarray, salt: bytes | None
-    ) -> tuple[list[int], PrefixChain, tuple[list[bytes], list[bytes]]]:
-        """:meth:`match` for checked int64 ``tokens`` and a ``bytes`` salt; also returns the
-        keys and digests of the prompt's full blocks after the hits, which admission
-        registers."""
+    ) -> tuple[list[int] | np.ndarray, PrefixChain, tuple[list[bytes], list[bytes]]]:
+        """:meth:`match` for checked int64 ``tokens`` and a ``bytes`` salt (the hit blocks as a
+        list, or as a read-only ``intp`` array when a remembered prompt head gave them all);
+        also returns the keys and digests of the prompt's full blocks after the hits, which
+        admission registers."""
         chain = PrefixChain(salt_root(salt), salt)
         full = len(tokens) // self.block_size
         lookable = max(len(tokens) - 1, 0) // self.block_size
@@ -308,7 +316,7 @@ class PrefixCache:
 
     def _match_default(
         self, data: bytes, root: bytes, full: int, lookable: int
-    ) -> tuple[list[int], list[bytes]]:
+    ) -> tuple[list[int] | np.ndarray, list[bytes]]:
         """The default hasher's match over a prompt's bytes: the hit blocks, and the digests (=
         keys) of its ``full`` full blocks.
 
@@ -320,7 +328,7 @@ class PrefixCache:
         """
         width = self.block_size * TOKEN_DTYPE.itemsize
         block_of, content_of = self.pool._block_of, self.pool._content_of
-        blocks: list[int] = []
+        blocks: list[int] | np.ndarray = []
         digests: list[bytes] = []
         unregistrations = self.pool.unregistrations
         for length in self._run_lengths:  # (1)
@@ -333,7 +341,7 @@ class PrefixCache:
                 continue
             known, seen, when, _ = run
             if when == unregistrations:  # no key lost its block since: the same blocks hit
-                blocks = list(seen)
+                blocks = seen  # an intp array, which admission takes as it is
             else:
                 blocks = list(map(block_of.get, known))
                 if None in blocks:  # evicted since: the hits end at the first one gone
@@ -343,11 +351,12 @@ class PrefixCache:
                     wrong = [c == d for c, d in zip(contents, known, strict=False)].index(False)
                     del blocks[wrong:]
                 if len(blocks) == len(known):  # all there again: remember where
-                    run[1], run[2] = list(blocks), unregistrations
+                    run[1], run[2] = _block_array(blocks), unregistrations
             digests = list(known)
             break
         fresh = _BLAKE2B_16.copy
         digest = digests[-1] if digests else root
+        found: list[int] = []
         if len(blocks) == len(digests):  # (2): no run, or all of it hit
             memo, remember = self._memo, self._memo.get
             for j in range(len(digests), lookable):
@@ -370,9 +379,11 @@ class PrefixCache:
                         digests.append(known)
                         digest = known
                         break
-                blocks.append(block)
+                found.append(block)
                 digests.append(known)
                 digest = known
+        if found:
+            blocks = (blocks.tolist() if isinstance(blocks, np.ndarray) else blocks) + found
         hits = len(blocks)
         for j in range(len(digests), full):  # (3)
             h = fresh()
@@ -388,7 +399,7 @@ class PrefixCache:
                 last = data[(hits - 1) * width : hits * width]
                 self._runs[(root, hits, last)] = [
                     digests[:hits],
-                    blocks[:hits],
+                    _block_array(blocks[:hits]),
                     unregistrations,
                     data[: hits * width],
                 ]
