@@ -133,6 +133,44 @@ def copy_blocks(k_cache: Any, v_cache: Any, src: Any, dst: Any, *, checked: bool
             (checked) bad block ids.
     """
     xp = _array_module(k_cache, v_cache, src, dst)
+    # The checks that read only shapes and dtypes run once per combination (a copy-on-write step
+    # repeats the same one, and they cost as much as a small copy); a failing one raises every time.
+    key = (k_cache.shape, k_cache.dtype, v_cache.shape, v_cache.dtype,
+           src.shape, src.dtype, dst.shape, dst.dtype)  # fmt: skip
+    shapes = _copy_shapes.get(key)
+    if shapes is None:
+        shapes = _check_copy_shapes(k_cache, v_cache, src, dst)
+        if len(_copy_shapes) >= 256:
+            _copy_shapes.clear()
+        _copy_shapes[key] = shapes
+    elem, num_blocks, num_copies = shapes
+    if not (k_cache.flags.c_contiguous and v_cache.flags.c_contiguous):
+        _check_contiguous(k_cache=k_cache, v_cache=v_cache)
+    check_writable("k_cache", k_cache)
+    check_writable("v_cache", v_cache)
+    check_num_blocks(num_blocks)
+    if checked and num_copies:
+        check_copy_pairs(src, dst, num_blocks)
+    if num_copies == 0:
+        return
+    aligned = _address(k_cache) % 16 == 0 and _address(v_cache) % 16 == 0
+    kernel, grid, block, scalars = _copy_plan(
+        _device(xp), _device_id(xp), k_cache.shape, elem, aligned, num_copies
+    )
+    if src.dtype != np.int32 or not src.flags.c_contiguous:
+        src = xp.ascontiguousarray(src, dtype=np.int32)
+    if dst.dtype != np.int32 or not dst.flags.c_contiguous:
+        dst = xp.ascontiguousarray(dst, dtype=np.int32)
+    kernel(grid, block, (k_cache, v_cache, src, dst, *scalars))
+
+
+# (k_cache.shape, k_cache.dtype, v_cache.shape, ...) -> (element type, num_blocks, num_copies) of
+# the calls whose shape and dtype checks passed (bounded: cleared when full).
+_copy_shapes: dict[tuple, tuple[str, int, int]] = {}
+
+
+def _check_copy_shapes(k_cache: Any, v_cache: Any, src: Any, dst: Any) -> tuple[str, int, int]:
+    """The shape and dtype checks of ``copy_blocks``: ``(element type, num_blocks, num_copies)``."""
     if k_cache.ndim not in (4, 5):
         raise ValueError(
             "expected k_cache of shape ([num_layers,] num_blocks, num_kv_heads, block_size, "
@@ -147,25 +185,9 @@ def copy_blocks(k_cache: Any, v_cache: Any, src: Any, dst: Any, *, checked: bool
     if src.ndim != 1 or dst.shape != src.shape:
         (num_copies,) = check_shape("src", src, [("num_copies", None)])
         check_shape("dst", dst, [("num_copies", num_copies)])
-    num_copies = src.shape[0]
     check_index_array("src", src)
     check_index_array("dst", dst)
-    _check_contiguous(k_cache=k_cache, v_cache=v_cache)
-    check_writable("k_cache", k_cache)
-    check_writable("v_cache", v_cache)
-    num_blocks = k_cache.shape[-4]
-    check_num_blocks(num_blocks)
-    if checked and num_copies:
-        check_copy_pairs(src, dst, num_blocks)
-    if num_copies == 0:
-        return
-    aligned = _address(k_cache) % 16 == 0 and _address(v_cache) % 16 == 0
-    kernel, grid, block, scalars = _copy_plan(
-        _device(xp), _device_id(xp), k_cache.shape, elem, aligned, num_copies
-    )
-    src = xp.ascontiguousarray(src, dtype=np.int32)
-    dst = xp.ascontiguousarray(dst, dtype=np.int32)
-    kernel(grid, block, (k_cache, v_cache, src, dst, *scalars))
+    return elem, k_cache.shape[-4], src.shape[0]
 
 
 @functools.lru_cache(maxsize=256)
