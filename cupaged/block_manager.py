@@ -589,17 +589,22 @@ class BlockManager(StepPlanner):
         return plan
 
     def _step_one(self, sid: int) -> Any:
-        """``step(sid)`` for one token that lands in the sequence's own last block (15 steps in
-        16 at block size 16): one length grows, nothing else changes; ``None`` when the general
-        path must run (a new block, a shared block, prefix caching, an unknown or swapped id, or
-        another call inside). The one change is a single store, so it needs no undo record."""
+        """``step(sid)`` for one token of a sequence of its own (no prefix caching): in its last
+        block (15 steps in 16 at block size 16) one length grows, a single store that needs no
+        undo record; at a block boundary one free block is taken. ``None`` when the general path
+        must run (a shared block, an eviction, prefix caching, an unknown or swapped id, or
+        another call inside)."""
         row = self._rows.get(sid)
         if row is None or self.prefix_caching:
             return None
         table, bs = self._seqs, self._block_size
         length = table.lens.item(row)
         offset = length % bs
-        if not offset or table.live.item(row) < 0 or table.shared.item(row):
+        if table.live.item(row) < 0:
+            return None
+        if not offset:
+            return self._step_one_block(row, length)
+        if table.shared.item(row):
             return None
         slot = np.array([table.tables.item(row, length // bs) * bs + offset], np.int32)
         lock = self._atomic._lock
@@ -609,6 +614,29 @@ class BlockManager(StepPlanner):
             table.lens[row] = length + 1
         finally:  # an interrupt here must not leave the cache locked
             lock.release()
+        return slot if self._xp is np else self._xp.asarray(slot)
+
+    def _step_one_block(self, row: int, length: int) -> Any:
+        """:meth:`_step_one` at a block boundary: the token opens a new block, taken from the free
+        list (``None`` when that would evict: the general path runs then)."""
+        pool, table = self._pool, self._seqs
+        if not pool._top or self._atomic._owner is not None:
+            return None
+        held = length // self._block_size
+        version = table.version.item(row)
+
+        def undo() -> None:
+            table.tables[row, held] = 0  # it was padding
+            table.lens[row], table.version[row] = length, version
+
+        with self._atomic as atomic:
+            atomic.undo.append(undo)
+            block = pool.take(1).item(0)
+            table.ensure_width(held + 2)  # one spare column: see _plan_decode
+            table.tables[row, held] = block
+            table.version[row] = table.clock
+            table.lens[row] = length + 1
+        slot = np.array([block * self._block_size], np.int32)
         return slot if self._xp is np else self._xp.asarray(slot)
 
     def block_tables(self, sids: Iterable[int] | SequenceBatch) -> tuple[Any, Any]:

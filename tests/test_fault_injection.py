@@ -197,6 +197,51 @@ def test_an_exception_at_any_inner_call_changes_nothing(name, vectorised, monkey
         assert observe(cache) == after, where
 
 
+def test_the_per_token_call_at_a_block_boundary_changes_nothing_when_interrupted(monkeypatch):
+    """``reserve(sid, 1)`` that opens a new block takes its own short path (no planner): an
+    interrupt at any inner call of it leaves the cache as it was, and the call then succeeds."""
+
+    def fresh():
+        cache = PagedCache(8, block_size=BS, num_layers=1, num_kv_heads=1, head_dim=HEAD_DIM,
+                           dtype="float32", device="cpu")  # fmt: skip
+        sid = cache.add_sequence()
+        cache.reserve(sid, 2 * BS)  # two full blocks: the next token opens the third
+        other = cache.add_sequence()
+        cache.reserve(other, 3)
+        return cache, sid
+
+    def state(cache):
+        pool = cache.pool
+        rows = {sid: (cache.seq_len(sid), cache.block_table(sid)) for sid in cache.sequence_ids}
+        return rows, pool._free[: pool._top].tolist(), pool._refcount.tolist()
+
+    faults = Faults(monkeypatch)
+    plan = block_manager.BlockManager._plan
+
+    def no_planner_when_armed(self, *args, **kwargs):
+        assert faults.fail_at is None, "the per-token call ran the general planner"
+        return plan(self, *args, **kwargs)
+
+    monkeypatch.setattr(block_manager.BlockManager, "_plan", no_planner_when_armed)
+    cache, sid = fresh()
+    faults.arm(10**9)
+    expected = cache.reserve(sid, 1).tolist()
+    after, count = state(cache), faults.calls
+    assert expected == [cache.block_table(sid)[2] * BS] and count >= 2, faults.names
+    for fail_at in range(1, count + 1):
+        faults.arm(None)
+        cache, sid = fresh()
+        before = state(cache)
+        faults.arm(fail_at)
+        with pytest.raises(Boom):
+            cache.reserve(sid, 1)
+        assert state(cache) == before, faults.names[-1]
+        cache.check_invariants()
+        faults.arm(None)
+        assert cache.reserve(sid, 1).tolist() == expected
+        assert state(cache) == after
+
+
 def test_a_second_thread_inside_the_cache_is_refused_not_corrupting():
     cache, ids = scenario()
     inside, leave = threading.Event(), threading.Event()
