@@ -8,16 +8,19 @@
 //
 //   launch ── workers (OS threads: the caller + pthreads) take blocks from a shared counter
 //               └─ worker ── runs one block at a time: one fiber per CUDA thread, all on this OS
-//                            thread, switched by hand (to_fiber/to_scheduler below, a few ns), never
+//                            thread, switched by hand (to_fiber/to_scheduler below, ns), never
 //                            preemptively: a fiber runs until it blocks (barrier, warp collective)
 //                            or returns.
 //
 // A scheduler loop on the worker's own stack sweeps the block's fibers in the launch's order
-// (forward, reverse, warp_ahead) and resumes each runnable one. When a sweep finds nothing to run
-// while fibers are still alive, the block is deadlocked: the launch fails with a description of
-// who waits where. A failed assert, a divergent barrier or a malformed collective fails the launch
-// the same way. The failing fiber's stack and every blocked fiber's stack are simply abandoned
-// (handed out afresh in the next block), so a failure is never a hang or a crash.
+// (forward, reverse, warp_ahead) and resumes each runnable one; a fiber that has not run yet is
+// started by a runner (see "Fibers"), which calls the kernel directly for it and for the new
+// fibers after it while none blocks, so that a barrier-free block costs about one function call
+// per thread rather than two switches. When a sweep finds nothing to run while fibers are still
+// alive, the block is deadlocked: the launch fails with a description of who waits where. A
+// failed assert, a divergent barrier or a malformed collective fails the launch the same way. The
+// failing fiber's stack and every blocked fiber's stack are simply abandoned (handed out afresh
+// in the next block), so a failure is never a hang or a crash.
 //
 // Nothing inside a block needs locks or atomics: its fibers share one OS thread. Only the block
 // counter, the first-error slot and the stack pool are shared between workers.
@@ -232,6 +235,8 @@ struct Worker {
   StackSet* stacks;
   unsigned* free_stacks;  // indices into `stacks` that no fiber of the block holds (a LIFO)
   unsigned num_free_stacks;
+  unsigned runner_stack;  // the stack of the runner being started (see "Fibers")
+  unsigned sweep;         // position in `order` of the fiber a runner runs
   unsigned char* dynamic_shared;
   size_t dynamic_shared_bytes;
   unsigned char* static_shared;  // this OS thread's copy of the module's thread-local storage
@@ -254,12 +259,12 @@ struct Worker {
 static __thread Worker* tls_worker;
 
 // ---- Stacks -------------------------------------------------------------------------------------
-// A worker holds one stack per thread of the block, but a fiber takes one only at its first
-// resume, from a free list, and gives it back when it returns: the next fiber to start takes the
-// stack the last one left. A fiber that blocks keeps its own stack until it returns (every
-// blocked fiber has one), while a kernel whose threads never block runs them all on one stack
-// whose top lines stay in L1. Stacks a fixed 132 KiB apart map their tops to the same L1 set,
-// so 32 of them took turns evicting each other (about 10% of an empty 32-thread block's time).
+// A worker holds one stack per thread of the block, but they are handed out from a free list
+// (a LIFO): a runner (see "Fibers") takes one when it starts, a fiber that blocks keeps its
+// runner's stack until it returns (every blocked fiber has one of its own), and a stack goes back
+// to the list when its fiber or runner ends. A kernel whose threads never block runs them all on
+// one stack whose top lines stay in L1 (stacks a fixed 132 KiB apart map their tops to the same
+// L1 set: 32 of them took turns evicting each other).
 //
 // One pool of stack sets per process (per stack size), not one per library: module.py hands every
 // library it loads the pool functions of the first library it loaded with the same kStackBytes
@@ -370,15 +375,17 @@ static void add_where(Text& t, const Fiber* f) {
 // Three kinds of switch. Under AddressSanitizer each one tells ASan which stack is about to run
 // (otherwise it takes the new stack for an overflow of the old one).
 
-// Scheduler -> fiber, until the fiber blocks, returns or fails.
-static void resume_fiber(Worker* w, Fiber* f) {
+// Scheduler -> a fiber (or a runner, see "Fibers") that runs on the stack ending at
+// `stack_top`, until it blocks, returns or fails.
+static void resume_fiber(Worker* w, void* sp, char* stack_top) {
 #if defined(__SANITIZE_ADDRESS__)
   void* fake_stack = nullptr;
-  __sanitizer_start_switch_fiber(&fake_stack, f->stack_top - kStackBytes, kStackBytes);
-  cupaged_cpu_to_fiber(&w->scheduler_sp, f->sp);
+  __sanitizer_start_switch_fiber(&fake_stack, stack_top - kStackBytes, kStackBytes);
+  cupaged_cpu_to_fiber(&w->scheduler_sp, sp);
   __sanitizer_finish_switch_fiber(fake_stack, nullptr, nullptr);
 #else
-  cupaged_cpu_to_fiber(&w->scheduler_sp, f->sp);
+  (void)stack_top;
+  cupaged_cpu_to_fiber(&w->scheduler_sp, sp);
 #endif
 }
 
@@ -571,51 +578,82 @@ static void release_barrier(Worker* w) {
   w->restart = true;
 }
 
-// Where every fiber starts: run the kernel for this CUDA thread, then retire.
-static void fiber_main(Worker* w) {
-#if defined(__SANITIZE_ADDRESS__)
-  __sanitizer_finish_switch_fiber(nullptr, &w->asan_scheduler_bottom, &w->asan_scheduler_size);
-#endif
-  const KernelEntry* k = w->launch->kernel;
-  k->thunk(k->function, w->launch->args);
-  Fiber* f = w->current;
+// A fiber returned from the kernel.
+static void retire_fiber(Worker* w, Fiber* f) {
   if (f->pipe != nullptr && f->pipe->count != 0) fail_pending_copies(w, f);
   f->state = kExited;
   w->warps[f->warp].exited |= 1u << f->lane;
   --w->live;
   // A barrier counts only live threads (Volta semantics): this exit may be what opens it.
   if (w->at_barrier != 0 && w->at_barrier == w->live) release_barrier(w);
-  // The next fiber to start takes this stack (still in use until the switch below, but nothing
-  // else runs on this OS thread before it).
-  w->free_stacks[w->num_free_stacks++] = f->stack;
+}
+
+static char* stack_top(const Worker* w, unsigned index) {
+  return w->stacks->base + index * (kGuardBytes + kStackBytes) + kGuardBytes + kStackBytes;
+}
+
+// Where fibers start. The scheduler switches to a runner, on a stack of its own, when its sweep
+// meets a fiber that has not run yet (sp null); the runner calls the kernel for it, and, when
+// the kernel returns, goes on directly with the next fibers of the sweep while they have not run
+// yet either: a fiber that never blocks costs a function call, no switch. A fiber that blocks
+// takes the runner's stack for its own (its frames lie on top of the runner's) and switches to
+// the scheduler, which goes on with the sweep and starts another runner for the next new fiber;
+// when that fiber is resumed and returns, it lands in its old runner, which retires it and ends.
+// The order in which CUDA threads run is exactly the sweep's.
+static void runner_main(Worker* w) {
+#if defined(__SANITIZE_ADDRESS__)
+  __sanitizer_finish_switch_fiber(nullptr, &w->asan_scheduler_bottom, &w->asan_scheduler_size);
+#endif
+  const unsigned stack = w->runner_stack;
+  char* const top = stack_top(w, stack);
+  const KernelEntry* k = w->launch->kernel;
+  for (;;) {
+    Fiber* f = w->current;  // set by the scheduler, or below; w->sweep is its index in order
+    f->stack = stack;
+    f->stack_top = top;
+    k->thunk(k->function, w->launch->args);
+    retire_fiber(w, f);
+    const bool blocked = f->sp != nullptr;  // this stack has been f's since; the sweep went on
+    unsigned next = w->sweep + 1;
+    if (blocked || w->restart || next >= w->num_threads) break;
+    Fiber* g = &w->fibers[w->order[next]];
+    if (g->sp != nullptr || g->state != kRunnable) break;  // the scheduler resumes that one
+    w->sweep = next;
+    w->current = g;
+    threadIdx = g->tid;
+  }
+  // The next runner takes this stack (still in use until the switch below, but nothing else
+  // runs on this OS thread before it).
+  w->free_stacks[w->num_free_stacks++] = stack;
   leave_fiber(w);
 }
 
-// Gives `f` a stack for its first run: the one the last fiber to exit left, while cache lines and
-// TLB entry are still hot.
-static void init_fiber_stack(Worker* w, Fiber* f) {
-  // n fibers and n stacks: one is free whenever a fiber that holds none starts.
+// A runner for the fiber at sweep position `k`, on the stack the last fiber or runner to end
+// left, while its cache lines and TLB entry are still hot. Returns the runner's stack pointer.
+static void* start_runner(Worker* w, unsigned k) {
+  // n fibers and n stacks: one is free whenever a fiber that holds none is about to start.
   const unsigned index = w->free_stacks[--w->num_free_stacks];
-  f->stack = index;
-  f->stack_top = w->stacks->base + index * (kGuardBytes + kStackBytes) + kGuardBytes + kStackBytes;
+  w->runner_stack = index;
+  w->sweep = k;
+  char* top = stack_top(w, index);
 #if defined(__SANITIZE_ADDRESS__)
   // Frames left on this stack by an earlier fiber (a fiber's last frame never returns, and a
   // failed launch abandons whole call chains) keep their redzones poisoned: clear the shadow of
-  // the whole stack (64 KiB of shadow per fiber started; sanitizer builds only).
-  __asan_unpoison_memory_region(f->stack_top - kStackBytes, kStackBytes);
+  // the whole stack (64 KiB of shadow per runner; sanitizer builds only).
+  __asan_unpoison_memory_region(top - kStackBytes, kStackBytes);
 #endif
   // Frame read by to_fiber, from the saved stack pointer up: r15, r14, r13 (argument), r12
   // (function), rbx, rbp, the address jumped to (fiber_entry). It ends at the 16-byte aligned
   // stack top, so that fiber_entry's call meets the ABI's alignment.
-  unsigned long long* frame = reinterpret_cast<unsigned long long*>(f->stack_top - 56);
-  frame[0] = 0;                                                  // r15
-  frame[1] = 0;                                                  // r14
-  frame[2] = reinterpret_cast<unsigned long long>(w);            // r13
-  frame[3] = reinterpret_cast<unsigned long long>(&fiber_main);  // r12
-  frame[4] = 0;                                                  // rbx
-  frame[5] = 0;                                                  // rbp (ends backtraces)
+  unsigned long long* frame = reinterpret_cast<unsigned long long*>(top - 56);
+  frame[0] = 0;                                                   // r15
+  frame[1] = 0;                                                   // r14
+  frame[2] = reinterpret_cast<unsigned long long>(w);             // r13
+  frame[3] = reinterpret_cast<unsigned long long>(&runner_main);  // r12
+  frame[4] = 0;                                                   // rbx
+  frame[5] = 0;                                                   // rbp (ends backtraces)
   frame[6] = reinterpret_cast<unsigned long long>(&cupaged_cpu_fiber_entry);
-  f->sp = frame;
+  return frame;
 }
 
 // ---- Barrier and warp collectives (called from kernel code) -----------------------------------
@@ -999,8 +1037,13 @@ static bool run_block(Worker* w, unsigned long long block) {
       ran = true;
       w->current = f;
       threadIdx = f->tid;
-      if (f->sp == nullptr) init_fiber_stack(w, f);
-      resume_fiber(w, f);
+      if (f->sp == nullptr) {
+        void* sp = start_runner(w, k);
+        resume_fiber(w, sp, stack_top(w, w->runner_stack));
+        k = w->sweep;  // the runner may have run the fibers after k too
+      } else {
+        resume_fiber(w, f->sp, f->stack_top);
+      }
       if (w->aborted) return false;
       if (w->restart) {
         w->restart = false;
