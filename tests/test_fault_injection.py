@@ -168,15 +168,11 @@ def result_of(value):
     return value
 
 
-@pytest.mark.parametrize("vectorised", [False, True], ids=["rows", "vectorised"])
-@pytest.mark.parametrize("name", list(OPERATIONS))
-def test_an_exception_at_any_inner_call_changes_nothing(name, vectorised, monkeypatch):
-    if vectorised:  # the batch paths, whatever the batch size
-        monkeypatch.setattr(step_planner, "_SMALL_BATCH", 0)
-        monkeypatch.setattr(step_planner, "_SMALL_DECODE", 0)
-    operation = OPERATIONS[name]
-    faults = Faults(monkeypatch)
-    cache, ids = scenario()
+def fail_at_every_inner_call(faults, make, operation, observe, name):
+    """Run ``operation(*make())`` once counting its inner calls, then on a fresh ``make()`` for
+    each call number: raising there changes nothing ``observe`` sees, and the same operation
+    then succeeds with the same result and state. Returns the result and the cache after it."""
+    cache, ids = make()
     faults.arm(10**9)  # count only
     expected = result_of(operation(cache, ids))
     after = observe(cache)
@@ -184,17 +180,27 @@ def test_an_exception_at_any_inner_call_changes_nothing(name, vectorised, monkey
     assert count >= 2, faults.names
     for fail_at in range(1, count + 1):
         faults.arm(None)
-        cache, ids = scenario()
-        before = observe(cache)
+        again, ids = make()
+        before = observe(again)
         faults.arm(fail_at)
         with pytest.raises(Boom):
-            operation(cache, ids)
+            operation(again, ids)
         where = f"{name}: raised at call {fail_at} ({faults.names[-1]})"
-        assert observe(cache) == before, where
-        cache.check_invariants()
+        assert observe(again) == before, where
+        again.check_invariants()
         faults.arm(None)
-        assert result_of(operation(cache, ids)) == expected, where
-        assert observe(cache) == after, where
+        assert result_of(operation(again, ids)) == expected, where
+        assert observe(again) == after, where
+    return expected, cache
+
+
+@pytest.mark.parametrize("vectorised", [False, True], ids=["rows", "vectorised"])
+@pytest.mark.parametrize("name", list(OPERATIONS))
+def test_an_exception_at_any_inner_call_changes_nothing(name, vectorised, monkeypatch):
+    if vectorised:  # the batch paths, whatever the batch size
+        monkeypatch.setattr(step_planner, "_SMALL_BATCH", 0)
+        monkeypatch.setattr(step_planner, "_SMALL_DECODE", 0)
+    fail_at_every_inner_call(Faults(monkeypatch), scenario, OPERATIONS[name], observe, name)
 
 
 def test_the_per_token_call_at_a_block_boundary_changes_nothing_when_interrupted(monkeypatch):
@@ -223,23 +229,11 @@ def test_the_per_token_call_at_a_block_boundary_changes_nothing_when_interrupted
         return plan(self, *args, **kwargs)
 
     monkeypatch.setattr(block_manager.BlockManager, "_plan", no_planner_when_armed)
-    cache, sid = fresh()
-    faults.arm(10**9)
-    expected = cache.reserve(sid, 1).tolist()
-    after, count = state(cache), faults.calls
-    assert expected == [cache.block_table(sid)[2] * BS] and count >= 2, faults.names
-    for fail_at in range(1, count + 1):
-        faults.arm(None)
-        cache, sid = fresh()
-        before = state(cache)
-        faults.arm(fail_at)
-        with pytest.raises(Boom):
-            cache.reserve(sid, 1)
-        assert state(cache) == before, faults.names[-1]
-        cache.check_invariants()
-        faults.arm(None)
-        assert cache.reserve(sid, 1).tolist() == expected
-        assert state(cache) == after
+    slots, cache = fail_at_every_inner_call(
+        faults, fresh, lambda cache, sid: cache.reserve(sid, 1).tolist(), state, "reserve"
+    )
+    sid = cache.sequence_ids[0]
+    assert slots == [cache.block_table(sid)[2] * BS]
 
 
 def test_a_second_thread_inside_the_cache_is_refused_not_corrupting():
