@@ -68,6 +68,54 @@ def write_kv(
             a slot out of range or repeated.
     """
     xp = array_module(k_cache, v_cache, k, v, slot_mapping)
+    shapes = _checked_shapes(
+        _write_shapes, _check_write_shapes, k_cache, v_cache, k, v, slot_mapping
+    )
+    elem, num_blocks, num_kv_heads, block_size, head_dim, num_tokens = shapes
+    if not (k_cache.flags.c_contiguous and v_cache.flags.c_contiguous):
+        _check_contiguous(k_cache=k_cache, v_cache=v_cache)
+    check_writable("k_cache", k_cache)
+    check_writable("v_cache", v_cache)
+    check_num_blocks(num_blocks)
+    if checked and num_tokens:
+        check_slots(slot_mapping, num_blocks * block_size)
+    if num_tokens == 0:
+        return
+    k_cache, v_cache = as_storage(k_cache), as_storage(v_cache)
+    k, v = xp.ascontiguousarray(as_storage(k)), xp.ascontiguousarray(as_storage(v))
+    slots = xp.ascontiguousarray(slot_mapping)
+    aligned = all(_address(x) % 16 == 0 for x in (k_cache, v_cache, k, v))
+    kernel, grid, block, scalars = _write_plan(
+        _device(xp), _device_id(xp), elem, slots.dtype, shapes[2:], aligned
+    )
+    kernel(grid, block, (k, v, k_cache, v_cache, slots, *scalars))
+
+
+def _checked_shapes(memo: dict[tuple, tuple], check: Any, *arrays: Any) -> tuple:
+    """``check(*arrays)`` (the checks of a call that read only shapes and dtypes), run once per
+    combination of the arrays' shapes and dtypes and then remembered in ``memo`` (bounded: cleared
+    when full): a step repeats the same combination, and the checks cost as much as a small
+    launch. A failing check raises on every call."""
+    key = tuple(attribute for x in arrays for attribute in (x.shape, x.dtype))
+    shapes = memo.get(key)
+    if shapes is None:
+        shapes = check(*arrays)
+        if len(memo) >= 256:
+            memo.clear()
+        memo[key] = shapes
+    return shapes
+
+
+# Shapes and dtypes of write_kv / copy_blocks calls whose checks passed -> what the checks return.
+_write_shapes: dict[tuple, tuple[str, int, int, int, int, int]] = {}
+_copy_shapes: dict[tuple, tuple[str, int, int]] = {}
+
+
+def _check_write_shapes(
+    k_cache: Any, v_cache: Any, k: Any, v: Any, slot_mapping: Any
+) -> tuple[str, int, int, int, int, int]:
+    """The shape and dtype checks of ``write_kv``: ``(element type, num_blocks, num_kv_heads,
+    block_size, head_dim, num_tokens)``."""
     num_blocks, num_kv_heads, block_size, head_dim = check_shape(
         "k_cache", k_cache, [(axis, None) for axis in _LAYER_AXES]
     )
@@ -82,30 +130,26 @@ def write_kv(
                          ("v", v, "the cache's dtype")):  # fmt: skip
         if element_type(x) != elem:
             check_dtype(name, x, elem, why)
-    _check_contiguous(k_cache=k_cache, v_cache=v_cache)
-    check_writable("k_cache", k_cache)
-    check_writable("v_cache", v_cache)
-    check_num_blocks(num_blocks)
-    if checked and num_tokens:
-        check_slots(slot_mapping, num_blocks * block_size)
-    if num_tokens == 0:
-        return
-    k_cache, v_cache = as_storage(k_cache), as_storage(v_cache)
-    k, v = xp.ascontiguousarray(as_storage(k)), xp.ascontiguousarray(as_storage(v))
-    slots = xp.ascontiguousarray(slot_mapping)
-    aligned = all(_address(x) % 16 == 0 for x in (k_cache, v_cache, k, v))
+    return elem, num_blocks, num_kv_heads, block_size, head_dim, num_tokens
+
+
+@functools.lru_cache(maxsize=256)
+def _write_plan(
+    device: str,
+    device_id: int,
+    elem: str,
+    slot_dtype: np.dtype,
+    dims: tuple[int, ...],
+    aligned: bool,
+) -> tuple[Any, tuple, tuple, tuple]:
+    """Kernel, grid, block and scalar arguments of one ``write_kv`` shape (``dims``: num_kv_heads,
+    block_size, head_dim, num_tokens), kept like :func:`_copy_plan`'s."""
+    num_kv_heads, block_size, head_dim, num_tokens = dims
     name, grid, block = _launch.write_kv_launch(
-        elem,
-        slots.dtype,
-        num_tokens,
-        head_dim * ITEMSIZES[elem],
-        aligned,
-        num_kv_heads,
-        _device(xp),
+        elem, slot_dtype, num_tokens, head_dim * ITEMSIZES[elem], aligned, num_kv_heads, device
     )
-    kernel = get_kernel(_device(xp), "write_kv.cu", name)
-    scalars = (np.int32(num_kv_heads), np.int32(block_size), np.int32(head_dim))
-    kernel(grid, block, (k, v, k_cache, v_cache, slots, *scalars))
+    kernel = get_kernel(device, "write_kv.cu", name)
+    return kernel, grid, block, (np.int32(num_kv_heads), np.int32(block_size), np.int32(head_dim))
 
 
 def copy_blocks(k_cache: Any, v_cache: Any, src: Any, dst: Any, *, checked: bool = True) -> None:
@@ -133,17 +177,9 @@ def copy_blocks(k_cache: Any, v_cache: Any, src: Any, dst: Any, *, checked: bool
             (checked) bad block ids.
     """
     xp = _array_module(k_cache, v_cache, src, dst)
-    # The checks that read only shapes and dtypes run once per combination (a copy-on-write step
-    # repeats the same one, and they cost as much as a small copy); a failing one raises every time.
-    key = (k_cache.shape, k_cache.dtype, v_cache.shape, v_cache.dtype,
-           src.shape, src.dtype, dst.shape, dst.dtype)  # fmt: skip
-    shapes = _copy_shapes.get(key)
-    if shapes is None:
-        shapes = _check_copy_shapes(k_cache, v_cache, src, dst)
-        if len(_copy_shapes) >= 256:
-            _copy_shapes.clear()
-        _copy_shapes[key] = shapes
-    elem, num_blocks, num_copies = shapes
+    elem, num_blocks, num_copies = _checked_shapes(
+        _copy_shapes, _check_copy_shapes, k_cache, v_cache, src, dst
+    )
     if not (k_cache.flags.c_contiguous and v_cache.flags.c_contiguous):
         _check_contiguous(k_cache=k_cache, v_cache=v_cache)
     check_writable("k_cache", k_cache)
@@ -162,11 +198,6 @@ def copy_blocks(k_cache: Any, v_cache: Any, src: Any, dst: Any, *, checked: bool
     if dst.dtype != np.int32 or not dst.flags.c_contiguous:
         dst = xp.ascontiguousarray(dst, dtype=np.int32)
     kernel(grid, block, (k_cache, v_cache, src, dst, *scalars))
-
-
-# (k_cache.shape, k_cache.dtype, v_cache.shape, ...) -> (element type, num_blocks, num_copies) of
-# the calls whose shape and dtype checks passed (bounded: cleared when full).
-_copy_shapes: dict[tuple, tuple[str, int, int]] = {}
 
 
 def _check_copy_shapes(k_cache: Any, v_cache: Any, src: Any, dst: Any) -> tuple[str, int, int]:
