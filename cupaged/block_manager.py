@@ -397,7 +397,8 @@ class BlockManager(StepPlanner):
                 chain.digests += rest_digests
                 table.pending[row] = True
             full = n_hits + len(rest_keys)
-            table.tail[row, : n - full * bs] = prompt[full * bs :]
+            if n > full * bs:  # the tokens of a last, partly filled block
+                table.tail[row, : n - full * bs] = prompt[full * bs :]
         self._rows[sid] = row
         if n_hits:
             self._cached[sid] = cached
