@@ -437,24 +437,24 @@ class BlockManager(StepPlanner):
         table = self._seqs
         children = list(range(self._next_id, self._next_id + n))
         rows = table.acquire_many(children)
-        atomic.undo.append(lambda: self._unattach(children, rows.tolist()))
+        row_list = rows.tolist()
+        atomic.undo.append(lambda: self._unattach(children, row_list))
         self._next_id += n
-        held = self._held(parent)
-        blocks = table.tables[parent, :held]
+        length = table.lens.item(parent)
         table.tables[rows] = table.tables[parent]
-        table.lens[rows] = table.lens[parent]
-        self._pool.share(blocks, n)
-        if table.lens[parent] % self._block_size:  # a partly filled last block is now shared
-            was_shared = bool(table.shared[parent])
+        table.lens[rows] = length
+        self._pool.share(table.tables[parent, : -(-length // self._block_size)], n)
+        if length % self._block_size:  # a partly filled last block is now shared
+            was_shared = table.shared.item(parent)
             atomic.undo.append(lambda: table.shared.__setitem__(parent, was_shared))
             table.shared[parent] = True
             table.shared[rows] = True
         if self.prefix_caching:
             table.tail[rows] = table.tail[parent]
             table.pending[rows] = table.pending[parent]
-            for row in rows.tolist():
+            for row in row_list:
                 self._chains[row] = self._chains[parent].copy()
-        self._rows.update(zip(children, rows.tolist(), strict=True))
+        self._rows.update(zip(children, row_list, strict=True))
         return children
 
     def free(self, sid: int) -> None:
@@ -949,8 +949,10 @@ class BlockManager(StepPlanner):
         return cdiv(int(self._seqs.lens[row]), self._block_size)
 
     def _resident_row(self, sid: int) -> int:
-        row = self._row(sid)
-        if self._seqs.live[row] < 0:
+        row = self._rows.get(sid) if type(sid) is int else None
+        if row is None:
+            row = self._row(sid)  # raises, or takes the slow path of an np.integer
+        if self._seqs.live.item(row) < 0:
             raise CupagedError(f"sequence {sid} is swapped out; call swap_in({sid}) first")
         return row
 
