@@ -136,7 +136,9 @@ class StepPlanner:
             table.ensure_width(widest + 1)  # one spare column: see _plan_decode
             tables = table.tables  # maybe grown
         taken, sources, copies, slots = 0, [], [], []
-        runs, begins, segment = [], [], 0  # each row's written blocks, where its slots start
+        # Each row's written blocks, and where its slots start in their slots less the tokens of
+        # the rows before it.
+        runs, shifts, segment, ahead = [], [], 0, 0
         for (row, n, length, held, after, copy, _), row_keys in zip(plans, keys, strict=True):
             if after - held + copy:
                 if copy:
@@ -150,8 +152,9 @@ class StepPlanner:
                 slots.append(tables.item(row, length // bs) * bs + length % bs)
             first = length // bs
             runs.append(tables[row, first:after])
-            begins.append(segment + length - first * bs)
+            shifts.append(segment + length - first * bs - ahead)
             segment += (after - first) * bs
+            ahead += n
             lens[row] = length + n
             if n:
                 table.shared[row] = False  # copied, or the last holder: the last block is its own
@@ -169,11 +172,8 @@ class StepPlanner:
         # Every slot of every row's written blocks, then each row's n tokens cut out of its
         # stretch: a handful of array operations for the whole batch.
         every = (np.concatenate(runs)[:, None] * bs + self._offsets).reshape(-1)
-        n_tokens = np.array(counts, np.intp)
-        ahead = np.cumsum(n_tokens) - n_tokens  # tokens of the rows before
-        index = np.repeat(np.array(begins, np.intp) - ahead, n_tokens) + np.arange(
-            ahead[-1] + n_tokens[-1]
-        )
+        index = np.repeat(shifts, counts)
+        index += np.arange(ahead)
         return every[index], src, dst
 
     def _undo_rows(self, plans: list[tuple], shared: list[bool], tails: list | None) -> None:
