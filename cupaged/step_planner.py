@@ -129,9 +129,10 @@ class StepPlanner:
         self._atomic.undo.extend(
             (lambda: self._undo_rows(plans, shared, tails), self._chains_restorer(rows))
         )
-        self._commit_rows(rows)  # this step of theirs: the last step's K/V were written
+        # This step of theirs: the last step's K/V were written.
+        new_blocks = self._commit_and_take(rows, [plan[4] - plan[3] + plan[5] for plan in plans],
+                                           total)  # fmt: skip
         if total:
-            new_blocks = pool.take(total)
             new = new_blocks.tolist()
             table.ensure_width(widest + 1)  # one spare column: see _plan_decode
             tables = table.tables  # maybe grown
@@ -221,10 +222,8 @@ class StepPlanner:
         if registering:  # the chains that commit or fill a block: few rows of the batch
             touched = table.pending[rows] | (offset == bs - 1)
             self._atomic.undo.append(self._chains_restorer(rows[touched].tolist()))
-        if self.prefix_caching:
-            self._commit_rows(rows)  # this step of theirs: the last step's K/V were written
+        new = self._commit_and_take(rows, offset == 0, crossing.size)  # (see _plan_rows)
         if crossing.size:
-            new = pool.take(crossing.size)
             table.flat[at] = new
             table.version[rows[crossing]] = table.clock
             blocks[crossing] = new
@@ -304,12 +303,10 @@ class StepPlanner:
         self._atomic.undo.extend(
             (lambda: table.restore(rows, saved), self._chains_restorer(rows.tolist()))
         )
-        if self.prefix_caching:
-            self._commit_rows(rows)  # this step of theirs: the last step's K/V were written
+        new = self._commit_and_take(rows, need, total)  # (see _plan_rows)
         src = dst = _NO_COPIES
         if total:
             table.ensure_width(int((held + grow).max()) + 1)  # one spare column: see _plan_decode
-            new = self._pool.take(total)
             changed = np.flatnonzero(need)
             table.touch(rows[changed])
             base = rows * table.width
@@ -461,6 +458,30 @@ class StepPlanner:
                 chain.keys += new_keys
                 chain.digests += new_digests
             self._seqs.pending[row] = True
+
+    def _commit_and_take(self, rows: Any, needs: Any, total: int) -> np.ndarray | None:
+        """Register the pending blocks of ``rows`` (their last step's K/V were written), then take
+        the ``total`` new blocks of the step, ``needs[i]`` for ``rows[i]`` in order; ``None``
+        when ``total`` is 0.
+
+        What the same steps one sequence at a time do: when the take evicts (prefix caching, the
+        free list short), row after row, each row's blocks registered just before its own are
+        taken, so that a key an eviction frees goes to a later row's block as it would then.
+        """
+        pool = self._pool
+        if not self.prefix_caching or total <= pool._top:
+            self._commit_rows(rows)
+            return pool.take(total) if total else None
+        taken = []
+        for row, need in zip(
+            rows.tolist() if isinstance(rows, np.ndarray) else rows,
+            needs.tolist() if isinstance(needs, np.ndarray) else needs,
+            strict=True,
+        ):
+            self._commit_rows([row])
+            if need:
+                taken.append(pool.take(int(need)))
+        return np.concatenate(taken)
 
     def _commit_rows(self, rows: Any) -> None:
         """Register the pending full blocks of ``rows`` (an int array or a list of ints), all in

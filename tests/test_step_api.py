@@ -180,8 +180,10 @@ def test_batched_steps_equal_one_sequence_at_a_time(seed, small, monkeypatch):
 
 
 @pytest.mark.parametrize("small", [0, 3], ids=["vectorised", "rows-below-3"])
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("seed", [*range(4), 136, 198])  # 136, 198: steps that evict
 def test_batched_steps_equal_one_sequence_at_a_time_with_prefix_caching(seed, small, monkeypatch):
+    """Also when a step's take evicts: each row's blocks are registered just before its own are
+    taken, as one sequence at a time (an evicted key goes to the later row's block)."""
     _random_walk(seed, True, monkeypatch, small)
 
 
