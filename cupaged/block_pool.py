@@ -213,8 +213,9 @@ class BlockPool:
     # The block manager calls these with ids it knows to be valid (its own tables); the public
     # methods above check their arguments once and then call them too.
 
-    def take(self, n: int) -> np.ndarray:
-        """``n`` blocks as an ``intp`` array, refcount 1 each (``n <= num_free``, unchecked)."""
+    def take(self, n: int, evicted: list[Hashable] | None = None) -> np.ndarray:
+        """``n`` blocks as an ``intp`` array, refcount 1 each (``n <= num_free``, unchecked);
+        ``evicted`` collects the keys of the cached blocks it evicts, in order."""
         top = self._top
         if n == 1 and top:  # one block (an admission, a per-token step): no reversal, no gather
             blocks = self._free[top - 1 : top].copy()
@@ -227,7 +228,7 @@ class BlockPool:
             blocks = self._free[top - n : top][::-1].copy()
             self._top = top - n
         else:
-            blocks = np.concatenate([self._free[:top][::-1], self._evict(n - top)])
+            blocks = np.concatenate([self._free[:top][::-1], self._evict(n - top, evicted)])
             self._top = 0
         if self._journal is not None:
             self._journal.append(("take", top, blocks if n <= top else blocks[:top]))
@@ -355,16 +356,22 @@ class BlockPool:
         return block
 
     def register_many(
-        self, blocks: list[int], keys: Sequence[Hashable], contents: Sequence[object]
+        self,
+        blocks: list[int],
+        keys: Sequence[Hashable],
+        contents: Sequence[object],
+        refused: list[int] | None = None,
     ) -> None:
         """:meth:`register_unchecked` of ``blocks[i]`` under ``keys[i]``, holding
-        ``contents[i]``."""
+        ``contents[i]``; ``refused`` collects each ``i`` whose key another block holds."""
         block_of, key_of, content_of = self._block_of, self._key_of, self._content_of
         registered: list[int] = []  # filled as blocks register, for a rollback
         if self._journal is not None:
             self._journal.append(("register", registered))
-        for block, key, content in zip(blocks, keys, contents, strict=True):
+        for i, (block, key, content) in enumerate(zip(blocks, keys, contents, strict=True)):
             if key in block_of:
+                if refused is not None:
+                    refused.append(i)
                 continue  # the first writer wins
             if key_of[block] is not None:
                 require(False, f"block {block} is already registered")
@@ -537,8 +544,9 @@ class BlockPool:
         self._tail, self._clock = end, self._clock + blocks.size
         self._num_evictable += blocks.size
 
-    def _evict(self, n: int) -> np.ndarray:
-        """Take the ``n`` least recently freed evictable blocks and drop their cache entries."""
+    def _evict(self, n: int, evicted: list[Hashable] | None = None) -> np.ndarray:
+        """Take the ``n`` least recently freed evictable blocks and drop their cache entries
+        (their keys appended to ``evicted``, in order, when given)."""
         taken: list[np.ndarray] = []
         window = max(64, 4 * n)
         while n:
@@ -558,7 +566,10 @@ class BlockPool:
         self._registered[blocks] = False
         self.unregistrations += 1
         for block in blocks.tolist():
-            del self._block_of[self._key_of[block]]
+            key = self._key_of[block]
+            del self._block_of[key]
+            if evicted is not None:
+                evicted.append(key)
             self._key_of[block] = None
             self._content_of[block] = None
         self.evictions += blocks.size

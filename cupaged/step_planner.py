@@ -21,6 +21,7 @@ after every operation of seeded random walks.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -464,28 +465,40 @@ class StepPlanner:
         the ``total`` new blocks of the step, ``needs[i]`` for ``rows[i]`` in order; ``None``
         when ``total`` is 0.
 
-        What the same steps one sequence at a time do: when the take evicts (prefix caching, the
-        free list short), row after row, each row's blocks registered just before its own are
-        taken, so that a key an eviction frees goes to a later row's block as it would then.
+        Exactly what the same steps one sequence at a time do, where each row's blocks are
+        registered just before its own are taken. The two orders differ only when the take
+        evicts: a block of row ``j`` whose key a cached block held was not registered (the first
+        writer wins), and the take of an earlier row then evicted that cached block. Such a block
+        is registered after the take, as it would have been at row ``j``'s turn.
         """
         pool = self._pool
         if not self.prefix_caching or total <= pool._top:
             self._commit_rows(rows)
             return pool.take(total) if total else None
-        taken = []
-        for row, need in zip(
-            rows.tolist() if isinstance(rows, np.ndarray) else rows,
-            needs.tolist() if isinstance(needs, np.ndarray) else needs,
-            strict=True,
-        ):
-            self._commit_rows([row])
-            if need:
-                taken.append(pool.take(int(need)))
-        return np.concatenate(taken)
+        top, skipped, evicted = pool._top, [], []
+        self._commit_rows(rows, skipped)
+        new = pool.take(total, evicted)
+        if skipped and evicted:
+            self._register_freed(rows, needs, top, skipped, evicted)
+        return new
 
-    def _commit_rows(self, rows: Any) -> None:
+    def _register_freed(self, rows, needs, top, skipped, evicted) -> None:
+        """The registrations :meth:`_commit_and_take` owes: ``skipped`` holds ``(row, block, key,
+        digest)`` refused at the commit; ``evicted`` the keys the take dropped, in order, the
+        first one at position ``top`` of the take."""
+        rows = rows.tolist() if isinstance(rows, np.ndarray) else list(rows)
+        ends = np.cumsum(needs).tolist()  # each row's take ends before ends[i]
+        turn = {row: i for i, row in enumerate(rows)}
+        lost = {key: bisect.bisect_right(ends, top + e) for e, key in enumerate(evicted)}
+        late = [entry for entry in skipped if lost.get(entry[2], len(rows)) < turn[entry[0]]]
+        if late:  # in row order: the first writer still wins among them
+            _, blocks, keys, digests = (list(field) for field in zip(*late, strict=True))
+            self._pool.register_many(blocks, keys, digests)
+
+    def _commit_rows(self, rows: Any, skipped: list | None = None) -> None:
         """Register the pending full blocks of ``rows`` (an int array or a list of ints), all in
-        one call to the pool."""
+        one call to the pool; ``skipped`` collects ``(row, block, key, digest)`` of those refused
+        because another block holds their key."""
         if not self.prefix_caching:
             return
         table, chains = self._seqs, self._chains
@@ -499,6 +512,7 @@ class StepPlanner:
         blocks: list[int] = []
         keys: list[bytes] = []
         digests: list[bytes] = []
+        owners: list[int] = []
         for row in rows:
             chain = chains[row]
             start, end = chain.committed, len(chain.keys)
@@ -510,8 +524,13 @@ class StepPlanner:
                 blocks += table.tables[row, start:end].tolist()
                 keys += chain.keys[start:end]
                 digests += chain.digests[start:end]
+            if skipped is not None:
+                owners += [row] * (end - start)
             chain.committed = end
-        self._pool.register_many(blocks, keys, digests)
+        refused = [] if skipped is not None else None
+        self._pool.register_many(blocks, keys, digests, refused)
+        if refused:
+            skipped += [(owners[i], blocks[i], keys[i], digests[i]) for i in refused]
         if len(rows) == 1:
             table.pending[rows[0]] = False
         else:
