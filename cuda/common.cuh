@@ -104,4 +104,255 @@ __device__ __forceinline__ void load16_as_float(const __nv_bfloat16* p, float* o
   }
 }
 
+// Choose<c, A, B>::type: A if c, else B (no <type_traits> here).
+template <bool C, typename A, typename B>
+struct Choose {
+  using type = A;
+};
+template <typename A, typename B>
+struct Choose<false, A, B> {
+  using type = B;
+};
+
+// ---- The K/V staging ring -------------------------------------------------------------------
+// How every attention kernel (paged_decode, paged_decode_mma, paged_prefill, paged_prefill_mma)
+// moves K and V to shared memory: the rows of TILE consecutive tokens of a range [begin, end)
+// (a stage; the last one may be short) pass through a ring of STAGES shared-memory slots, stage i
+// in slot i % STAGES, so that the copies of the next stages are in flight while one computes:
+//
+//   k_s + s * SLOT   K rows of slot s: [TILE, LD] of T, LD >= HEAD_DIM (a kernel pads its rows)
+//   v_s + s * SLOT   V rows of slot s, the same shape (where v_s lies is the kernel's choice)
+//
+// Every thread copies the same 16-byte vectors of every stage: copy k (k < kLoads) is vector
+// j = tid + k * THREADS of the stage's TILE * kRowVectors, row j / kRowVectors, vector
+// j % kRowVectors of the row. Per stage:
+//   fetch(i)   the block ids of this thread's rows of stage i, from the block table, one stage
+//              before the stage is issued (they land while the stage before computes, so no copy
+//              waits on a table read); -1 for a row past `end` (the table is not read there);
+//   issue(i)   the 16-byte cp.async copies of stage i, committed as batches. SPLIT_KV: all of
+//              K's as one batch, then all of V's as another (the scores can start as soon as K
+//              has landed); a row past `end` is a zero-filled copy that reads nothing. Otherwise
+//              K's and V's copy by copy, one batch; a row past `end` is zeroed by plain 16-byte
+//              stores (seen after the same wait and barrier as the copies). A stage past the last
+//              commits its batches empty, so that the wait counts below hold to the end;
+//   start()    the prologue: issue stages 0 .. STAGES - 2, fetch stage STAGES - 1;
+//   refill(i)  issue(i + STAGES - 1) into the slot that stage i - 1 has freed, fetch(i + STAGES).
+// A kernel's loop over the stages:
+//
+//   ring.start();
+//   for (int i = 0; i < ring.num_stages; ++i) {
+//     Ring::wait_k();    // before refill(i): this thread's copies of K of stage i have landed
+//     __syncthreads();   // every thread's have; every thread is done with slot (i - 1) % STAGES
+//     ring.refill(i);
+//     ... K of stage i from ring.k_row(i, 0) on ...
+//     Ring::wait_v();    // after refill(i): V of stage i; then __syncthreads() before reading it
+//     ... V of stage i from ring.v_row(i, 0) on ...
+//   }
+//   __pipeline_wait_prior(0);  // only empty batches are left; nothing lands after the loop
+//
+// (Ring::wait_kv() before refill(i) lands K and V of stage i at once; without SPLIT_KV it is the
+// only wait.) HOIST keeps each copy's row and vector in registers for the whole loop; without it
+// they are recomputed from tid where used, for a kernel at its register limit.
+//
+// The two forms (SPLIT_KV or not, HOIST or not) also differ in details that change no result:
+// each is the form in which NVRTC compiles its kernels as it compiled their own copies of the
+// ring (registers, spills, loop loads; scripts/kernel-report), and a rewrite that "unifies" them
+// moves ptxas's register counts by up to 10 either way. Cache offsets: SPLIT_KV, an unsigned
+// 32 x 32 -> 64-bit multiply per row (a block holds num_kv_heads * BLOCK_SIZE * HEAD_DIM < 2^32
+// elements, which the launch table checks); otherwise 64-bit arithmetic.
+template <typename T, int HEAD_DIM, int BLOCK_SIZE, int TILE, int STAGES, int THREADS,
+          bool SPLIT_KV, bool HOIST = true, int LD = HEAD_DIM, int SLOT = TILE * LD>
+struct KvRing {
+  using Stride = typename Choose<SPLIT_KV, unsigned, long long>::type;  // of the cache offsets
+  static constexpr int kVec = Vec16<T>::kElems;
+  static constexpr int kRowVectors = HEAD_DIM / kVec;       // 16-byte copies per K/V row
+  static constexpr int kStageVectors = TILE * kRowVectors;  // 16-byte copies per K stage
+  static constexpr int kLoads = (kStageVectors + THREADS - 1) / THREADS;  // per thread
+  static constexpr bool kExact = kStageVectors % THREADS == 0;  // every thread copies kLoads
+  static_assert(HEAD_DIM % kVec == 0 && LD % kVec == 0, "rows of whole 16-byte vectors");
+  static_assert(LD >= HEAD_DIM && SLOT >= TILE * LD && SLOT % LD == 0, "slots of whole rows");
+  static_assert(STAGES >= 2 && 2 * STAGES - 2 <= 8, "the waits count at most 8 batches");
+
+  // Batches committed at the top of stage i: those of stages 0 .. i + STAGES - 2.
+  __device__ static __forceinline__ void wait_kv() {
+    __pipeline_wait_prior(SPLIT_KV ? 2 * STAGES - 4 : STAGES - 2);
+  }
+  __device__ static __forceinline__ void wait_k() {
+    static_assert(SPLIT_KV, "K lands apart from V only in batches of its own");
+    __pipeline_wait_prior(2 * STAGES - 3);
+  }
+  // After refill(i): two batches more.
+  __device__ static __forceinline__ void wait_v() {
+    static_assert(SPLIT_KV, "V lands apart from K only in batches of its own");
+    __pipeline_wait_prior(2 * STAGES - 2);
+  }
+
+  // table: the sequence's row of the block table; [begin, end): the tokens to stage (begin < end).
+  __device__ __forceinline__ KvRing(T* k_s, T* v_s, const T* k_cache, const T* v_cache,
+                                    const int* table, int num_kv_heads, int kv_head, int begin,
+                                    int end, int tid)
+      : k_s(k_s),
+        v_s(v_s),
+        k_cache(k_cache),
+        v_cache(v_cache),
+        table(table),
+        block_stride(static_cast<Stride>(num_kv_heads) * BLOCK_SIZE * HEAD_DIM),
+        head_offset(static_cast<Stride>(kv_head) * BLOCK_SIZE * HEAD_DIM),
+        begin(begin),
+        end(end),
+        num_stages(ceil_div(end - begin, TILE)),
+        tid(tid) {
+    if constexpr (HOIST) {
+#pragma unroll
+      for (int k = 0; k < kLoads; ++k) {
+        const int j = tid + k * THREADS;
+        rows[k] = SPLIT_KV || j < kStageVectors ? j / kRowVectors : -1;  // multiply and shift
+        vecs[k] = SPLIT_KV ? j % kRowVectors * kVec : j % kRowVectors;
+      }
+    }
+  }
+
+  // Row `row` of the K (V) rows of stage `stage`, in shared memory.
+  __device__ __forceinline__ T* k_row(int stage, int row) const {
+    return k_s + (stage % STAGES * (SLOT / LD) + row) * LD;
+  }
+  __device__ __forceinline__ T* v_row(int stage, int row) const {
+    return v_s + (stage % STAGES * (SLOT / LD) + row) * LD;
+  }
+
+  __device__ __forceinline__ void start() {
+#pragma unroll
+    for (int stage = 0; stage < STAGES - 1; ++stage) {
+      if (SPLIT_KV || stage < num_stages) {  // uniform over the block
+        fetch(stage);
+        issue(stage);
+      } else {
+        __pipeline_commit();
+      }
+    }
+    if (SPLIT_KV || STAGES - 1 < num_stages) fetch(STAGES - 1);
+  }
+
+  __device__ __forceinline__ void refill(int stage) {
+    if constexpr (SPLIT_KV) {  // a stage past the last goes through issue, its copies off
+      issue(stage + STAGES - 1);
+      fetch(stage + STAGES);
+    } else if (stage + STAGES - 1 < num_stages) {  // uniform over the block
+      issue(stage + STAGES - 1);
+      if (stage + STAGES < num_stages) fetch(stage + STAGES);
+    } else {
+      __pipeline_commit();
+    }
+  }
+
+  T* k_s;
+  T* v_s;
+  const T* k_cache;
+  const T* v_cache;
+  const int* table;
+  Stride block_stride;  // elements of one block of the cache
+  Stride head_offset;   // elements from a block to its KV head
+  int begin;
+  int end;
+  int num_stages;
+  int tid;
+  // With HOIST, copy k's row (-1 past the stage, without SPLIT_KV) and vector (with SPLIT_KV,
+  // its first element in the row), fixed for the whole loop: only the block ids change.
+  int rows[HOIST ? kLoads : 1];
+  int vecs[HOIST ? kLoads : 1];
+  int block[kLoads];  // ids of the next stage to issue, loaded one stage ahead; -1: none
+
+ private:
+  __device__ __forceinline__ int row(int k) const {
+    if constexpr (HOIST) {
+      return rows[k];
+    } else {
+      return (tid + k * THREADS) / kRowVectors;
+    }
+  }
+  // The first element of copy k in its row.
+  __device__ __forceinline__ int col(int k) const {
+    if constexpr (!HOIST) {
+      return (tid + k * THREADS) % kRowVectors * kVec;
+    } else if constexpr (SPLIT_KV) {
+      return vecs[k];
+    } else {
+      return vecs[k] * kVec;
+    }
+  }
+  // Copy k is one of the stage's (the last one may lie past the stage when !kExact).
+  __device__ __forceinline__ bool mine(int k) const {
+    if constexpr (SPLIT_KV) {
+      return kExact || k < kLoads - 1 || tid + k * THREADS < kStageVectors;
+    } else if constexpr (HOIST) {
+      return rows[k] >= 0;
+    } else {
+      return tid + k * THREADS < kStageVectors;
+    }
+  }
+
+  __device__ __forceinline__ void fetch(int stage) {
+#pragma unroll
+    for (int k = 0; k < kLoads; ++k) {
+      const int pos = begin + stage * TILE + row(k);
+      const unsigned entry = static_cast<unsigned>(pos) / BLOCK_SIZE;
+      block[k] = mine(k) && pos < end ? __ldg(table + entry) : -1;
+    }
+  }
+
+  __device__ __forceinline__ void issue(int stage) {
+    if constexpr (SPLIT_KV) {
+      issue_apart(stage);
+    } else {
+      issue_together(stage);
+    }
+  }
+
+  // All of K, one batch, then all of V, another, from the same offsets.
+  __device__ __forceinline__ void issue_apart(int stage) {
+    unsigned long long src[kLoads];
+    T* dst[kLoads];
+#pragma unroll
+    for (int k = 0; k < kLoads; ++k) {
+      const unsigned pos = static_cast<unsigned>(begin + stage * TILE + row(k));
+      src[k] = static_cast<unsigned long long>(block[k] < 0 ? 0 : block[k]) * block_stride +
+               head_offset + (pos % BLOCK_SIZE) * HEAD_DIM + col(k);  // block 0: never read
+      dst[k] = k_row(stage, row(k)) + col(k);
+    }
+    const bool live = stage < num_stages;  // uniform over the block
+#pragma unroll
+    for (int k = 0; k < kLoads; ++k) {
+      if (live && mine(k)) copy16_async(dst[k], k_cache + src[k], block[k] >= 0);
+    }
+    __pipeline_commit();
+#pragma unroll
+    for (int k = 0; k < kLoads; ++k) {
+      if (live && mine(k)) copy16_async(dst[k] + (v_s - k_s), v_cache + src[k], block[k] >= 0);
+    }
+    __pipeline_commit();
+  }
+
+  // K and V copy by copy, one batch (stage < num_stages).
+  __device__ __forceinline__ void issue_together(int stage) {
+    T* k_dst = k_row(stage, 0);
+    T* v_dst = v_row(stage, 0);
+#pragma unroll
+    for (int k = 0; k < kLoads; ++k) {
+      if (!mine(k)) continue;
+      const int pos = begin + stage * TILE + row(k);
+      const int dst = row(k) * LD + col(k);
+      if (block[k] >= 0) {
+        const long long src = block[k] * block_stride + head_offset +
+                              static_cast<long long>(pos % BLOCK_SIZE) * HEAD_DIM + col(k);
+        __pipeline_memcpy_async(k_dst + dst, k_cache + src, 16);
+        __pipeline_memcpy_async(v_dst + dst, v_cache + src, 16);
+      } else {
+        *reinterpret_cast<uint4*>(k_dst + dst) = make_uint4(0u, 0u, 0u, 0u);
+        *reinterpret_cast<uint4*>(v_dst + dst) = make_uint4(0u, 0u, 0u, 0u);
+      }
+    }
+    __pipeline_commit();
+  }
+};
+
 }  // namespace cupaged
