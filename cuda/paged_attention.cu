@@ -23,9 +23,9 @@
 //                   tz * TPZ .. tz * TPZ + TPZ - 1 of it, with its own online softmax
 //
 //   K and V are staged through a ring of STAGES shared-memory stages with 16-byte cp.async copies
-//   (every thread copies part of every stage; K and V of a stage are separate batches, so the
-//   scores start as soon as K has landed). Each K/V byte is read from global memory once per
-//   block and serves the G query heads of the group. Per stage:
+//   (common.cuh, KvRing with SPLIT_KV: every thread copies part of every stage; K and V of a
+//   stage are separate batches, so the scores start as soon as K has landed). Each K/V byte is
+//   read from global memory once per block and serves the G query heads of the group. Per stage:
 //     1. wait for K of stage i (__pipeline_wait_prior), __syncthreads: every thread's copies have
 //        landed and every thread has finished stage i - 1, whose slot is now free;
 //     2. refill that slot with stage i + STAGES - 1 (its block ids were loaded one stage ago) and
@@ -65,9 +65,6 @@ struct DecodeLayout {
   static constexpr int kHeadsPerThread = (GROUP + BDY - 1) / BDY;
   static constexpr int kThreads = BDX * BDY * BDZ;
   static constexpr int kTile = BDZ * TPZ;                     // tokens per stage
-  static constexpr int kStageVectors = kTile * kRowVectors;   // 16-byte copies per K stage
-  static constexpr int kLoads = (kStageVectors + kThreads - 1) / kThreads;  // per thread
-  static constexpr bool kLoadsExact = kStageVectors % kThreads == 0;
   static_assert(HEAD_DIM % kVec == 0, "a row is whole 16-byte vectors");
   static_assert(BDX >= 1 && BDX <= 32 && (BDX & (BDX - 1)) == 0, "BDX: a power of two <= 32");
   static_assert(kThreads % 32 == 0, "whole warps: the shuffles name all 32 lanes");
@@ -100,7 +97,6 @@ __global__ void __launch_bounds__(BDX* BDY* BDZ)
   constexpr int NE = L::kLaneElems;
   constexpr int HPT = L::kHeadsPerThread;
   constexpr int TILE = L::kTile;
-  constexpr int LOADS = L::kLoads;
   constexpr int THREADS = L::kThreads;
   (void)group_size;
 
@@ -159,83 +155,21 @@ __global__ void __launch_bounds__(BDX* BDY* BDZ)
   }
 
   CUPAGED_DYNAMIC_SHARED(T, smem);
-  T* k_s = smem;                             // [STAGES, TILE, HEAD_DIM]
-  T* v_s = smem + STAGES * TILE * HEAD_DIM;  // [STAGES, TILE, HEAD_DIM]
+  using Ring = KvRing<T, HEAD_DIM, BLOCK_SIZE, TILE, STAGES, THREADS, true>;
 
   if (begin < end) {
-    // This thread's copies of a stage: vectors tid + k * THREADS, at row load_row[k], element
-    // load_col[k] of the row. Fixed for the whole loop: per stage, only the block ids change.
-    int load_row[LOADS], load_col[LOADS];
-#pragma unroll
-    for (int k = 0; k < LOADS; ++k) {
-      const int j = tid + k * THREADS;
-      load_row[k] = j / L::kRowVectors;  // a constant divisor: a multiply and a shift
-      load_col[k] = j % L::kRowVectors * VEC;
-    }
-    const int* table = block_tables + static_cast<long long>(seq) * max_blocks;
-    // Offsets of the cache: an unsigned 32 x 32 -> 64-bit multiply per row, no 64 x 64 one.
-    // A block holds num_kv_heads * BLOCK_SIZE * HEAD_DIM < 2^32 elements (num_kv_heads < 65,536).
-    const unsigned block_stride = static_cast<unsigned>(num_kv_heads) * BLOCK_SIZE * HEAD_DIM;
-    const unsigned head_offset = static_cast<unsigned>(kv_head) * BLOCK_SIZE * HEAD_DIM;
-    const int num_stages = (end - begin + TILE - 1) / TILE;
-
-    // Block ids of this thread's rows of stage `stage`; -1 past the item's end (never read).
-    auto fetch = [&](int stage, int (&block)[LOADS]) {
-#pragma unroll
-      for (int k = 0; k < LOADS; ++k) {
-        const int pos = begin + stage * TILE + load_row[k];
-        const bool mine = L::kLoadsExact || k < LOADS - 1 || tid + k * THREADS < L::kStageVectors;
-        block[k] = mine && pos < end ? __ldg(table + static_cast<unsigned>(pos) / BLOCK_SIZE) : -1;
-      }
-    };
-    // K then V of stage `stage` into its slot, each one committed batch (empty past the last).
-    auto issue = [&](int stage, const int (&block)[LOADS]) {
-      const int slot = stage % STAGES;
-      unsigned long long offset[LOADS];
-      T* dst[LOADS];
-#pragma unroll
-      for (int k = 0; k < LOADS; ++k) {
-        const unsigned pos = static_cast<unsigned>(begin + stage * TILE + load_row[k]);
-        offset[k] = static_cast<unsigned long long>(block[k] < 0 ? 0 : block[k]) * block_stride +
-                    head_offset + (pos % BLOCK_SIZE) * HEAD_DIM + load_col[k];
-        dst[k] = k_s + (slot * TILE + load_row[k]) * HEAD_DIM + load_col[k];
-      }
-      const bool live = stage < num_stages;  // uniform over the block
-#pragma unroll
-      for (int k = 0; k < LOADS; ++k) {
-        if (live && (L::kLoadsExact || k < LOADS - 1 || tid + k * THREADS < L::kStageVectors)) {
-          copy16_async(dst[k], k_cache + offset[k], block[k] >= 0);
-        }
-      }
-      __pipeline_commit();
-#pragma unroll
-      for (int k = 0; k < LOADS; ++k) {
-        if (live && (L::kLoadsExact || k < LOADS - 1 || tid + k * THREADS < L::kStageVectors)) {
-          copy16_async(dst[k] + (v_s - k_s), v_cache + offset[k], block[k] >= 0);
-        }
-      }
-      __pipeline_commit();
-    };
-
-    int block[LOADS];
-#pragma unroll
-    for (int stage = 0; stage < STAGES - 1; ++stage) {
-      fetch(stage, block);
-      issue(stage, block);
-    }
-    fetch(STAGES - 1, block);
-
-    for (int stage = 0; stage < num_stages; ++stage) {
-      // Batches committed so far: K, V of stages 0 .. stage + STAGES - 2; K of `stage` is the
-      // oldest but 2 * STAGES - 3 of them.
-      __pipeline_wait_prior(2 * STAGES - 3);
+    // K stages [STAGES, TILE, HEAD_DIM], then V stages the same (common.cuh, KvRing).
+    Ring ring(smem, smem + STAGES * TILE * HEAD_DIM, k_cache, v_cache,
+              block_tables + static_cast<long long>(seq) * max_blocks, num_kv_heads, kv_head,
+              begin, end, tid);
+    ring.start();
+    for (int stage = 0; stage < ring.num_stages; ++stage) {
+      Ring::wait_k();
       __syncthreads();  // all of K of `stage` is in; every thread is done with stage - 1
-      issue(stage + STAGES - 1, block);
-      fetch(stage + STAGES, block);  // lands while this stage computes
+      ring.refill(stage);  // stage + STAGES - 1 into that slot; block ids of stage + STAGES
 
-      const int slot = stage % STAGES;
       const int first = begin + stage * TILE + tz * TPZ;  // this thread's first token
-      const T* k_rows = k_s + (slot * TILE + tz * TPZ) * HEAD_DIM + tx * VEC;
+      const T* k_rows = ring.k_row(stage, tz * TPZ) + tx * VEC;
       float s[HPT][TPZ];
 #pragma unroll
       for (int t = 0; t < TPZ; ++t) {
@@ -288,10 +222,9 @@ __global__ void __launch_bounds__(BDX* BDY* BDZ)
         m[h] = m_new;
       }
 
-      // Batches now: two more (the refill); V of `stage` is the oldest but 2 * STAGES - 2.
-      __pipeline_wait_prior(2 * STAGES - 2);
+      Ring::wait_v();
       __syncthreads();  // all of V of `stage` is in
-      const T* v_rows = v_s + (slot * TILE + tz * TPZ) * HEAD_DIM + tx * VEC;
+      const T* v_rows = ring.v_row(stage, tz * TPZ) + tx * VEC;
 #pragma unroll
       for (int h = 0; h < HPT; ++h) {
 #pragma unroll
@@ -452,8 +385,7 @@ struct DecodeMmaLayout {
   static constexpr int kLdp = kTile + 8;       // P row, elements
   static constexpr int kLdo = 16 + 4;          // a warp's O tile row, floats
   static constexpr int kRowVectors = HEAD_DIM * 2 / 16;  // 16-byte copies per K/V row
-  static constexpr int kStageVectors = kTile * kRowVectors;
-  static constexpr int kLoads = kStageVectors / kThreads;   // per thread and stage (exact)
+  static constexpr int kStageVectors = kTile * kRowVectors;  // 16-byte copies per K stage
   // Byte offsets of the dynamic shared memory (each a multiple of 32: WMMA tiles are 256-bit
   // aligned): k_s, v_s [STAGES, TILE, kLdk] T; q_s [16, kLdk] T; s_s [16, kLds] float, whose
   // bytes o_s [WARPS, 16, kLdo] float shares (the scores are read before the barrier that
@@ -474,7 +406,8 @@ struct DecodeMmaLayout {
   static_assert(HEAD_DIM % 16 == 0, "head_dim in k-steps and output slices of 16");
   static_assert(HEAD_DIM <= 128, "above 128, q's fragments and the accumulators outgrow the "
                                  "registers: the launch table keeps paged_decode there");
-  static_assert(kStageVectors % kThreads == 0 && kRowTokens == 8, "the stage splits evenly");
+  static_assert(kStageVectors % kThreads == 0 && kRowTokens == 8,
+                "the stage splits evenly (the ring's copies, the softmax threads)");
   static_assert(kStageBytes % 32 == 0 && kS % 32 == 0 && kP % 32 == 0 && kO % 32 == 0,
                 "WMMA tiles are 32-byte aligned");
   static_assert(STAGES >= 2 && 2 * STAGES - 2 <= 8, "the waits below count at most 8 batches");
@@ -498,9 +431,9 @@ __global__ void __launch_bounds__(32 * WARPS)
   using L = DecodeMmaLayout<T, HEAD_DIM, GROUP, WARPS, STAGES>;
   constexpr int TILE = L::kTile;
   constexpr int THREADS = L::kThreads;
-  constexpr int LOADS = L::kLoads;
   constexpr int LDK = L::kLdk;
   constexpr int RT = L::kRowThreads;
+  using Ring = KvRing<T, HEAD_DIM, BLOCK_SIZE, TILE, STAGES, THREADS, true, true, LDK>;
   (void)group_size;
 
   const int4 item = work[blockIdx.y];
@@ -565,74 +498,25 @@ __global__ void __launch_bounds__(32 * WARPS)
       *reinterpret_cast<uint4*>(q_s + g * LDK + col) = value;
     }
 
-    int load_row[LOADS], load_col[LOADS];
-#pragma unroll
-    for (int k = 0; k < LOADS; ++k) {
-      const int j = tid + k * THREADS;
-      load_row[k] = j / L::kRowVectors;
-      load_col[k] = j % L::kRowVectors * 8;
-    }
-    const int* table = block_tables + static_cast<long long>(seq) * max_blocks;
-    // 32 x 32 -> 64-bit offsets, as in paged_decode (a block holds < 2^32 elements).
-    const unsigned block_stride = static_cast<unsigned>(num_kv_heads) * BLOCK_SIZE * HEAD_DIM;
-    const unsigned head_offset = static_cast<unsigned>(kv_head) * BLOCK_SIZE * HEAD_DIM;
-    const int num_stages = (end - begin + TILE - 1) / TILE;
-
-    auto fetch = [&](int stage, int (&block)[LOADS]) {
-#pragma unroll
-      for (int k = 0; k < LOADS; ++k) {
-        const int pos = begin + stage * TILE + load_row[k];
-        block[k] = pos < end ? __ldg(table + static_cast<unsigned>(pos) / BLOCK_SIZE) : -1;
-      }
-    };
-    auto issue = [&](int stage, const int (&block)[LOADS]) {
-      const int slot = stage % STAGES;
-      unsigned long long offset[LOADS];
-      T* dst[LOADS];
-#pragma unroll
-      for (int k = 0; k < LOADS; ++k) {
-        const unsigned pos = static_cast<unsigned>(begin + stage * TILE + load_row[k]);
-        offset[k] = static_cast<unsigned long long>(block[k] < 0 ? 0 : block[k]) * block_stride +
-                    head_offset + (pos % BLOCK_SIZE) * HEAD_DIM + load_col[k];
-        dst[k] = k_s + (slot * TILE + load_row[k]) * LDK + load_col[k];
-      }
-      const bool live = stage < num_stages;  // uniform over the block
-#pragma unroll
-      for (int k = 0; k < LOADS; ++k) {
-        if (live) copy16_async(dst[k], k_cache + offset[k], block[k] >= 0);
-      }
-      __pipeline_commit();
-#pragma unroll
-      for (int k = 0; k < LOADS; ++k) {
-        if (live) copy16_async(dst[k] + (v_s - k_s), v_cache + offset[k], block[k] >= 0);
-      }
-      __pipeline_commit();
-    };
-
-    int block[LOADS];
-#pragma unroll
-    for (int stage = 0; stage < STAGES - 1; ++stage) {
-      fetch(stage, block);
-      issue(stage, block);
-    }
-    fetch(STAGES - 1, block);
+    // K stages [STAGES, TILE, LDK], then V stages the same (common.cuh, KvRing).
+    Ring ring(k_s, v_s, k_cache, v_cache, block_tables + static_cast<long long>(seq) * max_blocks,
+              num_kv_heads, kv_head, begin, end, tid);
+    ring.start();
 
     __syncthreads();  // q_s is complete
     wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> qa[L::kSteps];
 #pragma unroll
     for (int kk = 0; kk < L::kSteps; ++kk) wmma::load_matrix_sync(qa[kk], q_s + kk * 16, LDK);
 
-    for (int stage = 0; stage < num_stages; ++stage) {
-      __pipeline_wait_prior(2 * STAGES - 3);  // K of `stage` (as in paged_decode)
+    for (int stage = 0; stage < ring.num_stages; ++stage) {
+      Ring::wait_k();
       __syncthreads();  // all of K of `stage` is in; every thread is done with stage - 1
-      issue(stage + STAGES - 1, block);
-      fetch(stage + STAGES, block);
+      ring.refill(stage);
 
-      const int slot = stage % STAGES;
       {  // 2. scores of the warp's 16 tokens
         wmma::fragment<wmma::accumulator, 16, 16, 16, float> s;
         wmma::fill_fragment(s, 0.0f);
-        const T* k_tile = k_s + (slot * TILE + warp * 16) * LDK;
+        const T* k_tile = ring.k_row(stage, warp * 16);
 #pragma unroll
         for (int kk = 0; kk < L::kSteps; ++kk) {
           wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> kb;
@@ -678,7 +562,7 @@ __global__ void __launch_bounds__(32 * WARPS)
         if (sub == 0) alpha_s[row] = alpha;
       }
 
-      __pipeline_wait_prior(2 * STAGES - 2);  // V of `stage`
+      Ring::wait_v();
       __syncthreads();  // all of V of `stage`, P and alpha are in
 
       {  // 4. O = alpha O + P V over the warp's output slices
@@ -688,7 +572,7 @@ __global__ void __launch_bounds__(32 * WARPS)
           wmma::load_matrix_sync(pa[kt], p_s + kt * 16, L::kLdp);
         }
         const float alpha = alpha_s[out_row];
-        const T* v_tile = v_s + slot * TILE * LDK;
+        const T* v_tile = ring.v_row(stage, 0);
 #pragma unroll
         for (int j = 0; j < L::kSlices; ++j) {
           const int slice = warp + j * WARPS;
