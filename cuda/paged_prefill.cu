@@ -21,7 +21,8 @@
 //   rows past either are padding), so each K/V element a tile reaches is read from global memory
 //   once for the whole chunk and the whole query tile. The block walks its KV range (all of it,
 //   or one split's partition_tokens tokens of it) in tiles of TILE tokens through a ring of
-//   STAGES shared-memory stages, each holding one tile's K and V:
+//   STAGES shared-memory stages, each holding one tile's K and V (common.cuh, KvRing without
+//   SPLIT_KV):
 //     0. before the loop, tiles 0 .. STAGES - 2 are issued as cp.async copies (16 bytes each,
 //        one batch per tile); the block ids they need were loaded into registers the tile before
 //        (per thread, the tokens its own copies cover), so no table read waits on a barrier;
@@ -230,13 +231,14 @@ __global__ void __launch_bounds__(THREADS, 4)
   constexpr int ROW_LANES = 32 / TILE;         // rows a warp scores at once
   constexpr int ROW_STEP = WARPS * ROW_LANES;  // rows the block scores at once
   constexpr int SCORE_ROWS = ROWS / ROW_STEP;  // rows each thread scores
-  constexpr int COPIES = (TILE * PARTS + THREADS - 1) / THREADS;  // per thread, tensor and tile
   constexpr int ITEMS = (ROWS * PARTS + THREADS - 1) / THREADS;   // (row, part) outputs per thread
   constexpr bool ONE_PART = THREADS % PARTS == 0;  // every item of a thread has the same part
   static_assert(HEAD_DIM % VEC == 0, "a token's head vector is whole 16-byte parts");
   static_assert(TILE % 4 == 0 && TILE <= 32 && 32 % TILE == 0, "a tile is one row group of lanes");
   static_assert(ROWS % ROW_STEP == 0, "every thread scores the same number of rows");
   static_assert(THREADS % 32 == 0 && STAGES >= 2, "whole warps; a ring of at least two stages");
+  using Ring = KvRing<T, HEAD_DIM, BLOCK_SIZE, TILE, STAGES, THREADS, false, true, STRIDE,
+                     2 * TILE * STRIDE>;
 
   const int split = blockIdx.x % num_splits;
   const int head_chunks = ceil_div(group_size, heads_per_block);
@@ -288,59 +290,13 @@ __global__ void __launch_bounds__(THREADS, 4)
   float* l_s = alpha_s + ROWS;
   T* kv_s = reinterpret_cast<T*>(l_s + ROWS);
 
-  // ---- this thread's copies: (token of the tile, part) for u = 0 .. COPIES - 1, hoisted ----
-  // Offsets into the cache are 64-bit: one layer can exceed 2^31 elements (see common.cuh).
-  const long long block_stride = static_cast<long long>(num_kv_heads) * BLOCK_SIZE * HEAD_DIM;
-  const long long head_offset = static_cast<long long>(kv_head) * BLOCK_SIZE * HEAD_DIM;
-  const int* table = block_tables + static_cast<long long>(seq) * max_blocks;
-  int copy_token[COPIES];  // -1: no copy (the tile has fewer parts than THREADS * COPIES)
-  int copy_part[COPIES];
-#pragma unroll
-  for (int u = 0; u < COPIES; ++u) {
-    const int i = tid + u * THREADS;
-    copy_token[u] = i < TILE * PARTS ? i / PARTS : -1;
-    copy_part[u] = i % PARTS;
-  }
-  int ids[COPIES];  // block ids of the next tile to issue, loaded one tile ahead
-  auto fetch_ids = [&](int first) {
-#pragma unroll
-    for (int u = 0; u < COPIES; ++u) {
-      const int pos = first + copy_token[u];
-      ids[u] = copy_token[u] >= 0 && pos < kv_end ? table[pos / BLOCK_SIZE] : 0;
-    }
-  };
-  // Issues tile `first`'s K and V into `stage` as one batch; tokens past the range are zeros.
-  auto issue = [&](int first, int stage) {
-    T* k_dst = kv_s + stage * 2 * TILE * STRIDE;
-    T* v_dst = k_dst + TILE * STRIDE;
-#pragma unroll
-    for (int u = 0; u < COPIES; ++u) {
-      if (copy_token[u] < 0) continue;
-      const int pos = first + copy_token[u];
-      const int dst = copy_token[u] * STRIDE + copy_part[u] * VEC;
-      if (pos < kv_end) {
-        const long long src = ids[u] * block_stride + head_offset +
-                              static_cast<long long>(pos % BLOCK_SIZE) * HEAD_DIM +
-                              copy_part[u] * VEC;
-        __pipeline_memcpy_async(k_dst + dst, k_cache + src, 16);
-        __pipeline_memcpy_async(v_dst + dst, v_cache + src, 16);
-      } else {
-        *reinterpret_cast<uint4*>(k_dst + dst) = make_uint4(0u, 0u, 0u, 0u);
-        *reinterpret_cast<uint4*>(v_dst + dst) = make_uint4(0u, 0u, 0u, 0u);
-      }
-    }
-  };
-
+  // ---- step 0: the ring (common.cuh, KvRing), K and V of a stage side by side in kv_s ----
+  Ring ring(kv_s, kv_s + TILE * STRIDE, k_cache, v_cache,
+            block_tables + static_cast<long long>(seq) * max_blocks, num_kv_heads, kv_head,
+            kv_begin, kv_end, tid);
+  ring.start();
+  // ring.num_stages; computed here again, as NVRTC compiles the loop best (registers)
   const int num_tiles = ceil_div(kv_end - kv_begin, TILE);
-#pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) {  // step 0
-    if (s < num_tiles) {
-      fetch_ids(kv_begin + s * TILE);
-      issue(kv_begin + s * TILE, s);
-    }
-    __pipeline_commit();
-  }
-  if (STAGES - 1 < num_tiles) fetch_ids(kv_begin + (STAGES - 1) * TILE);
 
   // Row r of the tile is query token first_query + r / heads, query head first_head + r % heads.
   const long long first_row = static_cast<long long>(q_begin) + first_query;
@@ -395,17 +351,12 @@ __global__ void __launch_bounds__(THREADS, 4)
   for (int tile = 0; tile < num_tiles; ++tile) {
     const int first = kv_begin + tile * TILE;
     const int count = min(TILE, kv_end - first);
-    __pipeline_wait_prior(STAGES - 2);  // step 1: this thread's copies of this tile have landed
-    __syncthreads();                    // everyone's; and the stage of tile - 1 is free
-    const int ahead = tile + STAGES - 1;
-    if (ahead < num_tiles) {
-      issue(kv_begin + ahead * TILE, ahead % STAGES);
-      if (ahead + 1 < num_tiles) fetch_ids(kv_begin + (ahead + 1) * TILE);
-    }
-    __pipeline_commit();  // one batch per tile (empty near the end), so the wait count holds
+    Ring::wait_kv();    // step 1: this thread's copies of this tile (K and V) have landed
+    __syncthreads();    // everyone's; and the stage of tile - 1 is free
+    ring.refill(tile);  // tile + STAGES - 1 into it; block ids of tile + STAGES
 
-    const T* k_tile = kv_s + tile % STAGES * 2 * TILE * STRIDE;
-    const T* v_tile = k_tile + TILE * STRIDE;
+    const T* k_tile = ring.k_row(tile, 0);
+    const T* v_tile = ring.v_row(tile, 0);
 
     // Step 2: scores of token `key` against this thread's rows, then the online softmax.
     float dot[SCORE_ROWS];
@@ -599,7 +550,10 @@ __global__ void __launch_bounds__(THREADS, kPrefillMmaBlocks)
   constexpr int FRAGS = HEAD_DIM / 16;  // output fragments of a warp (16 columns each)
   constexpr int KEYS = TILE / 16;       // 16-token column blocks of S
   constexpr int HALF = TILE / 2;        // scores per lane in the softmax (two lanes per row)
-  constexpr int COPIES = (TILE * PARTS + THREADS - 1) / THREADS;
+  // The ring's copies are recomputed from tid where used (no HOIST): this kernel is at its
+  // register limit, and no registers are held across the loop for them.
+  using Ring = KvRing<T, HEAD_DIM, BLOCK_SIZE, TILE, STAGES, THREADS, false, false, STRIDE,
+                     2 * TILE * STRIDE>;
   static_assert(sizeof(T) == 2, "tensor cores serve the 16-bit types; float32 has paged_prefill");
   static_assert(ROWS == 16 * WARPS && THREADS % 32 == 0, "one 16-row MMA tile per warp");
   static_assert(TILE % 16 == 0 && TILE <= 64 && HEAD_DIM % 16 == 0, "whole 16 x 16 tiles");
@@ -657,51 +611,13 @@ __global__ void __launch_bounds__(THREADS, kPrefillMmaBlocks)
   T* p_s = reinterpret_cast<T*>(s_s + ROWS * S_STRIDE);
   unsigned char* special_s = reinterpret_cast<unsigned char*>(p_s + ROWS * P_STRIDE);
 
-  // ---- the ring: this thread's copies (token of the tile, part), as in paged_prefill ----
-  const long long block_stride = static_cast<long long>(num_kv_heads) * BLOCK_SIZE * HEAD_DIM;
-  const long long head_offset = static_cast<long long>(kv_head) * BLOCK_SIZE * HEAD_DIM;
-  const int* table = block_tables + static_cast<long long>(seq) * max_blocks;
-  // (Copy u of this thread: item tid + u * THREADS = (token, part), recomputed where used: no
-  // registers held across the loop for it.)
-  int ids[COPIES];
-  auto fetch_ids = [&](int first) {
-#pragma unroll
-    for (int u = 0; u < COPIES; ++u) {
-      const int i = tid + u * THREADS;
-      const int pos = first + i / PARTS;
-      ids[u] = i < TILE * PARTS && pos < kv_end ? table[pos / BLOCK_SIZE] : 0;
-    }
-  };
-  auto issue = [&](int first, int stage) {
-    T* k_dst = kv_s + stage * 2 * TILE * STRIDE;
-    T* v_dst = k_dst + TILE * STRIDE;
-#pragma unroll
-    for (int u = 0; u < COPIES; ++u) {
-      const int i = tid + u * THREADS;
-      if (i >= TILE * PARTS) continue;
-      const int pos = first + i / PARTS;
-      const int dst = i / PARTS * STRIDE + i % PARTS * VEC;
-      if (pos < kv_end) {
-        const long long src = ids[u] * block_stride + head_offset +
-                              static_cast<long long>(pos % BLOCK_SIZE) * HEAD_DIM + i % PARTS * VEC;
-        __pipeline_memcpy_async(k_dst + dst, k_cache + src, 16);
-        __pipeline_memcpy_async(v_dst + dst, v_cache + src, 16);
-      } else {
-        *reinterpret_cast<uint4*>(k_dst + dst) = make_uint4(0u, 0u, 0u, 0u);
-        *reinterpret_cast<uint4*>(v_dst + dst) = make_uint4(0u, 0u, 0u, 0u);
-      }
-    }
-  };
+  // ---- the ring (common.cuh, KvRing), as in paged_prefill ----
+  Ring ring(kv_s, kv_s + TILE * STRIDE, k_cache, v_cache,
+            block_tables + static_cast<long long>(seq) * max_blocks, num_kv_heads, kv_head,
+            kv_begin, kv_end, tid);
+  ring.start();
+  // ring.num_stages, computed again as in paged_prefill
   const int num_tiles = ceil_div(kv_end - kv_begin, TILE);
-#pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < num_tiles) {
-      fetch_ids(kv_begin + s * TILE);
-      issue(kv_begin + s * TILE, s);
-    }
-    __pipeline_commit();
-  }
-  if (STAGES - 1 < num_tiles) fetch_ids(kv_begin + (STAGES - 1) * TILE);
 
   // Queries as T, unscaled; padding rows zero (their scores are masked anyway).
   const long long first_row = static_cast<long long>(q_begin) + first_query;
@@ -741,17 +657,12 @@ __global__ void __launch_bounds__(THREADS, kPrefillMmaBlocks)
   for (int tile = 0; tile < num_tiles; ++tile) {
     const int first = kv_begin + tile * TILE;
     const int count = min(TILE, kv_end - first);
-    __pipeline_wait_prior(STAGES - 2);
+    Ring::wait_kv();
     __syncthreads();
-    const int ahead = tile + STAGES - 1;
-    if (ahead < num_tiles) {
-      issue(kv_begin + ahead * TILE, ahead % STAGES);
-      if (ahead + 1 < num_tiles) fetch_ids(kv_begin + (ahead + 1) * TILE);
-    }
-    __pipeline_commit();
+    ring.refill(tile);
 
-    T* k_tile = kv_s + tile % STAGES * 2 * TILE * STRIDE;
-    T* v_tile = k_tile + TILE * STRIDE;
+    T* k_tile = ring.k_row(tile, 0);
+    T* v_tile = ring.v_row(tile, 0);
 
     // A tile that crosses the first row's position (causal): tokens from `hidden` on are masked
     // for some row. Does any of their V elements hold an Inf or NaN?
