@@ -408,7 +408,7 @@ class BlockManager(StepPlanner):
         elif needed == 1:
             slots = self._offsets[: n - cached] + new.item(0) * bs  # int32: slots fit (init)
         else:
-            slots = (new[:, None] * bs + self._offsets).reshape(-1)[: n - cached].astype(np.int32)
+            slots = ((new * bs).astype(np.int32)[:, None] + self._offsets).reshape(-1)[: n - cached]
         return Admission(sid, cached, slots if self._xp is np else self._xp.asarray(slots))
 
     def fork(self, sid: int) -> int:

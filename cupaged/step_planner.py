@@ -223,7 +223,10 @@ class StepPlanner:
         if registering:  # the chains that commit or fill a block: few rows of the batch
             touched = table.pending[rows] | (offset == bs - 1)
             self._atomic.undo.append(self._chains_restorer(rows[touched].tolist()))
-        new = self._commit_and_take(rows, offset == 0, crossing.size)  # (see _plan_rows)
+        if self.prefix_caching:
+            new = self._commit_and_take(rows, offset == 0, crossing.size)  # (see _plan_rows)
+        elif crossing.size:
+            new = pool.take(crossing.size)
         if crossing.size:
             table.flat[at] = new
             table.version[rows[crossing]] = table.clock
@@ -472,7 +475,9 @@ class StepPlanner:
         is registered after the take, as it would have been at row ``j``'s turn.
         """
         pool = self._pool
-        if not self.prefix_caching or total <= pool._top:
+        if not self.prefix_caching:
+            return pool.take(total) if total else None
+        if total <= pool._top:
             self._commit_rows(rows)
             return pool.take(total) if total else None
         top, skipped, evicted = pool._top, [], []
