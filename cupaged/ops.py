@@ -106,9 +106,18 @@ def _checked_shapes(memo: dict[tuple, tuple], check: Any, *arrays: Any) -> tuple
     return shapes
 
 
-# Shapes and dtypes of write_kv / copy_blocks calls whose checks passed -> what the checks return.
+# Shapes and dtypes of write_kv / copy_blocks / paged_prefill calls whose checks passed -> what
+# the checks return.
 _write_shapes: dict[tuple, tuple[str, int, int, int, int, int]] = {}
 _copy_shapes: dict[tuple, tuple[str, int, int]] = {}
+_prefill_shapes: dict[tuple, Any] = {}
+
+
+def _check_prefill_shapes(*arrays: Any) -> Any:
+    """The shape and dtype checks of ``paged_prefill``: its ``AttentionDims``."""
+    dims = check_prefill_args(*arrays)
+    _launch.check_decode_shape(dims.dtype, dims.head_dim, dims.block_size)
+    return dims
 
 
 def _check_write_shapes(
@@ -371,8 +380,16 @@ def paged_prefill(
             bad context lengths or block ids.
     """
     xp = array_module(q, k_cache, v_cache, block_tables, context_lens, query_start_loc)
-    dims = check_prefill_args(q, k_cache, v_cache, block_tables, context_lens, query_start_loc)
-    _launch.check_decode_shape(dims.dtype, dims.head_dim, dims.block_size)
+    dims = _checked_shapes(  # (a mixed step's layers repeat one combination)
+        _prefill_shapes,
+        _check_prefill_shapes,
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens,
+        query_start_loc,
+    )
     _check_contiguous(k_cache=k_cache, v_cache=v_cache)
     for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
         if _address(x) % 16:
