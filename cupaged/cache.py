@@ -323,6 +323,8 @@ class PagedCache(BlockManager):
 
     def _release(self, sids: list[int], rows: list[int]) -> None:
         super()._release(sids, rows)
+        if not self._swapped:  # mostly: no host copy to drop
+            return
         dropped = {sid: self._swapped.pop(sid) for sid in sids if sid in self._swapped}
         if dropped:
             self._atomic.undo.append(lambda: self._swapped.update(dropped))
