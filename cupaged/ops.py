@@ -111,6 +111,9 @@ def _checked_shapes(memo: dict[tuple, tuple], check: Any, *arrays: Any) -> tuple
 _write_shapes: dict[tuple, tuple[str, int, int, int, int, int]] = {}
 _copy_shapes: dict[tuple, tuple[str, int, int]] = {}
 _prefill_shapes: dict[tuple, Any] = {}
+# (dims, lengths' bytes, ...) -> the PrefillLaunch of a paged_prefill call whose lengths passed
+# their check (bounded: cleared when full).
+_prefill_plans: dict[tuple, Any] = {}
 
 
 def _check_prefill_shapes(*arrays: Any) -> Any:
@@ -379,17 +382,9 @@ def paged_prefill(
             ``query_start_loc``, ``n_i > context_lens[i]``, a read-only ``out``, or (checked)
             bad context lengths or block ids.
     """
-    xp = array_module(q, k_cache, v_cache, block_tables, context_lens, query_start_loc)
-    dims = _checked_shapes(  # (a mixed step's layers repeat one combination)
-        _prefill_shapes,
-        _check_prefill_shapes,
-        q,
-        k_cache,
-        v_cache,
-        block_tables,
-        context_lens,
-        query_start_loc,
-    )
+    arrays = (q, k_cache, v_cache, block_tables, context_lens, query_start_loc)
+    xp = array_module(*arrays)
+    dims = _checked_shapes(_prefill_shapes, _check_prefill_shapes, *arrays)  # (a step's layers)
     _check_contiguous(k_cache=k_cache, v_cache=v_cache)
     for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
         if _address(x) % 16:
@@ -401,7 +396,15 @@ def paged_prefill(
     # Host copies of two [num_seqs]-sized arrays: the grid needs the longest query run, and the
     # split-K plan the tiles' KV ranges (no other read back from the device).
     host_starts, host_lens = to_numpy(query_start_loc), to_numpy(context_lens)
-    max_query_len = check_query_start_loc(host_starts, host_lens, total)
+    device = _device(xp)
+    group = dims.num_q_heads // dims.num_kv_heads
+    # Every layer of a step passes the same lengths: their check and the launch plan are kept
+    # per (shapes, the lengths' bytes), the values of the last few steps.
+    key = (dims, total, bool(causal), num_splits, device, _device_id(xp), host_starts.dtype,
+           host_lens.dtype, host_starts.tobytes(), host_lens.tobytes())  # fmt: skip
+    launch = _prefill_plans.get(key) if num_splits is None or type(num_splits) is int else None
+    if launch is None:
+        max_query_len = check_query_start_loc(host_starts, host_lens, total)
     if out is None:
         out = xp.empty(q.shape, q.dtype)  # q's dtype object: bfloat16 in, bfloat16 out
     else:
@@ -415,13 +418,16 @@ def paged_prefill(
         return out
     if checked:  # on the caller's arrays, before they are narrowed to int32
         check_decode_tables(block_tables, context_lens, dims.block_size, dims.num_blocks)
-    group = dims.num_q_heads // dims.num_kv_heads
-    device = _device(xp)
-    launch = _launch.prefill_launch(
-        dims.dtype, dims.num_seqs, dims.num_kv_heads, group, dims.head_dim, dims.block_size,
-        max_query_len, host_starts, np.minimum(host_lens.astype(np.int64), MAX_CONTEXT_LEN),
-        bool(causal), _sm_count(device), num_splits, total,
-    )  # fmt: skip
+    if launch is None:
+        launch = _launch.prefill_launch(
+            dims.dtype, dims.num_seqs, dims.num_kv_heads, group, dims.head_dim, dims.block_size,
+            max_query_len, host_starts, np.minimum(host_lens.astype(np.int64), MAX_CONTEXT_LEN),
+            bool(causal), _sm_count(device), num_splits, total,
+        )  # fmt: skip
+        if len(_prefill_plans) >= 8:
+            _prefill_plans.clear()
+        if num_splits is None or type(num_splits) is int:
+            _prefill_plans[key] = launch
     kernel = _attention_kernel(device, "paged_prefill.cu", launch, group, dims.head_dim)
     tables = xp.ascontiguousarray(block_tables, dtype=np.int32)
     lens = xp.ascontiguousarray(context_lens, dtype=np.int32)
