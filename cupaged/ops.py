@@ -67,16 +67,12 @@ def write_kv(
         ValueError: wrong shapes, a cache that is not C-contiguous or is read-only, or (checked)
             a slot out of range or repeated.
     """
-    xp = array_module(k_cache, v_cache, k, v, slot_mapping)
+    xp = _array_module(k_cache, v_cache, k, v, slot_mapping)
     shapes = _checked_shapes(
         _write_shapes, _check_write_shapes, k_cache, v_cache, k, v, slot_mapping
     )
     elem, num_blocks, num_kv_heads, block_size, head_dim, num_tokens = shapes
-    if not (k_cache.flags.c_contiguous and v_cache.flags.c_contiguous):
-        _check_contiguous(k_cache=k_cache, v_cache=v_cache)
-    check_writable("k_cache", k_cache)
-    check_writable("v_cache", v_cache)
-    check_num_blocks(num_blocks)
+    _check_target_caches(k_cache, v_cache, num_blocks)
     if checked and num_tokens:
         check_slots(slot_mapping, num_blocks * block_size)
     if num_tokens == 0:
@@ -192,11 +188,7 @@ def copy_blocks(k_cache: Any, v_cache: Any, src: Any, dst: Any, *, checked: bool
     elem, num_blocks, num_copies = _checked_shapes(
         _copy_shapes, _check_copy_shapes, k_cache, v_cache, src, dst
     )
-    if not (k_cache.flags.c_contiguous and v_cache.flags.c_contiguous):
-        _check_contiguous(k_cache=k_cache, v_cache=v_cache)
-    check_writable("k_cache", k_cache)
-    check_writable("v_cache", v_cache)
-    check_num_blocks(num_blocks)
+    _check_target_caches(k_cache, v_cache, num_blocks)
     if checked and num_copies:
         check_copy_pairs(src, dst, num_blocks)
     if num_copies == 0:
@@ -517,6 +509,16 @@ def _address(x: Any) -> int:
         except (TypeError, ValueError, BufferError):  # read-only, empty or strided
             return int(x.ctypes.data)
     return int(x.data.ptr)
+
+
+def _check_target_caches(k_cache: Any, v_cache: Any, num_blocks: int) -> None:
+    """The per-call checks of a cache that a kernel writes (its flags can change between calls
+    with the same shape): C-contiguous, writable, block ids that fit the kernels' int32."""
+    if not (k_cache.flags.c_contiguous and v_cache.flags.c_contiguous):
+        _check_contiguous(k_cache=k_cache, v_cache=v_cache)
+    check_writable("k_cache", k_cache)
+    check_writable("v_cache", v_cache)
+    check_num_blocks(num_blocks)
 
 
 def _check_contiguous(**arrays: Any) -> None:
