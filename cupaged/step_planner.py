@@ -131,8 +131,9 @@ class StepPlanner:
             (lambda: self._undo_rows(plans, shared, tails), self._chains_restorer(rows))
         )
         # This step of theirs: the last step's K/V were written.
-        new_blocks = self._commit_and_take(rows, [plan[4] - plan[3] + plan[5] for plan in plans],
-                                           total)  # fmt: skip
+        new_blocks = self._commit_and_take(
+            rows, lambda: [after - held + copy for _, _, _, held, after, copy, _ in plans], total
+        )
         if total:
             new = new_blocks.tolist()
             table.ensure_width(widest + 1)  # one spare column: see _plan_decode
@@ -223,8 +224,8 @@ class StepPlanner:
         if registering:  # the chains that commit or fill a block: few rows of the batch
             touched = table.pending[rows] | (offset == bs - 1)
             self._atomic.undo.append(self._chains_restorer(rows[touched].tolist()))
-        if self.prefix_caching:
-            new = self._commit_and_take(rows, offset == 0, crossing.size)  # (see _plan_rows)
+        if self.prefix_caching:  # (a decode step without it skips the call: 64 a W3b scenario)
+            new = self._commit_and_take(rows, lambda: offset == 0, crossing.size)  # see _plan_rows
         elif crossing.size:
             new = pool.take(crossing.size)
         if crossing.size:
@@ -307,7 +308,7 @@ class StepPlanner:
         self._atomic.undo.extend(
             (lambda: table.restore(rows, saved), self._chains_restorer(rows.tolist()))
         )
-        new = self._commit_and_take(rows, need, total)  # (see _plan_rows)
+        new = self._commit_and_take(rows, lambda: need, total)  # (see _plan_rows)
         src = dst = _NO_COPIES
         if total:
             table.ensure_width(int((held + grow).max()) + 1)  # one spare column: see _plan_decode
@@ -463,10 +464,12 @@ class StepPlanner:
                 chain.digests += new_digests
             self._seqs.pending[row] = True
 
-    def _commit_and_take(self, rows: Any, needs: Any, total: int) -> np.ndarray | None:
+    def _commit_and_take(
+        self, rows: Any, needs: Callable[[], Any], total: int
+    ) -> np.ndarray | None:
         """Register the pending blocks of ``rows`` (their last step's K/V were written), then take
-        the ``total`` new blocks of the step, ``needs[i]`` for ``rows[i]`` in order; ``None``
-        when ``total`` is 0.
+        the ``total`` new blocks of the step, ``needs()[i]`` for ``rows[i]`` in order (asked for
+        only when the take evicts); ``None`` when ``total`` is 0.
 
         Exactly what the same steps one sequence at a time do, where each row's blocks are
         registered just before its own are taken. The two orders differ only when the take
@@ -475,16 +478,14 @@ class StepPlanner:
         is registered after the take, as it would have been at row ``j``'s turn.
         """
         pool = self._pool
-        if not self.prefix_caching:
-            return pool.take(total) if total else None
-        if total <= pool._top:
+        if not (self.prefix_caching and total > pool._top):  # no eviction: one commit, one take
             self._commit_rows(rows)
             return pool.take(total) if total else None
         top, skipped, evicted = pool._top, [], []
         self._commit_rows(rows, skipped)
         new = pool.take(total, evicted)
         if skipped and evicted:
-            self._register_freed(rows, needs, top, skipped, evicted)
+            self._register_freed(rows, needs(), top, skipped, evicted)
         return new
 
     def _register_freed(self, rows, needs, top, skipped, evicted) -> None:
