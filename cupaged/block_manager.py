@@ -379,30 +379,19 @@ class BlockManager(StepPlanner):
             raise OutOfBlocksError(
                 needed, pool.num_free - (n_hits - in_use), f"admitting a {n}-token prompt"
             )
-        # What _attach and a reserve of the rest do, in one pass over the row.
-        sid = self._next_id
-        row = table.acquire(sid)
-        self._atomic.undo.append(lambda: self._unattach([sid], [row]))
-        if n_hits:
-            pool.acquire_unchecked(hits, held=held, in_use=in_use)
-        new = pool.take(needed) if needed else _NO_BLOCKS
-        table.ensure_width(n_hits + needed + 1)  # one spare column: see _plan_decode
-        table.tables[row, : n_hits + needed] = np.concatenate((hits, new)) if n_hits else new
-        table.lens[row] = n
+        # The hits and the blocks for the rest of the prompt, in one pass over the row.
+        sid, row, new = self._attach(hits, chain, needed, n, held, in_use)
         if self.prefix_caching:
-            self._chains[row] = chain
-            rest_keys, rest_digests = keys  # of the full blocks after the hits, hashed by the
-            if rest_keys:  # match; registered at commit
+            # The keys of the full blocks after the hits, hashed by the match: registered at
+            # commit, once their K/V are written.
+            rest_keys, rest_digests = keys
+            if rest_keys:
                 chain.keys += rest_keys
                 chain.digests += rest_digests
                 table.pending[row] = True
             full = n_hits + len(rest_keys)
             if n > full * bs:  # the tokens of a last, partly filled block
                 table.tail[row, : n - full * bs] = prompt[full * bs :]
-        self._rows[sid] = row
-        if n_hits:
-            self._cached[sid] = cached
-        self._next_id += 1
         if n == cached:
             slots = _NO_COPIES
         elif needed == 1:
@@ -734,7 +723,8 @@ class BlockManager(StepPlanner):
 
     def _add(self, prompt: np.ndarray, salt: bytes | None) -> tuple[int, int]:
         hits, chain, _ = self._match(prompt, salt)
-        return self._attach(hits, chain)
+        sid, row, _ = self._attach(hits, chain)
+        return sid, row
 
     def _match(
         self, prompt: np.ndarray, salt: bytes | None
@@ -743,26 +733,42 @@ class BlockManager(StepPlanner):
             return [], None, ([], [])
         return self._prefix.match_unchecked(prompt, salt)
 
-    def _attach(self, hits: Any, chain: PrefixChain | None) -> tuple[int, int]:
-        """A new sequence holding the cached blocks ``hits`` (full; a list or an intp array)
-        and nothing else."""
+    def _attach(
+        self,
+        hits: Any,
+        chain: PrefixChain | None,
+        needed: int = 0,
+        length: int | None = None,
+        held: np.ndarray | None = None,
+        in_use: int | None = None,
+    ) -> tuple[int, int, np.ndarray]:
+        """A new sequence holding the cached blocks ``hits`` (full; a list or an intp array), then
+        ``needed`` fresh blocks, ``length`` tokens long (``len(hits) * block_size`` when
+        ``None``); ``held``, ``in_use``: the hits' refcounts and their nonzero count, if known.
+
+        Returns:
+            ``(sid, row, fresh blocks)``.
+        """
         sid = self._next_id
-        table = self._seqs
+        table, pool = self._seqs, self._pool
         row = table.acquire(sid)
         self._atomic.undo.append(lambda: self._unattach([sid], [row]))
-        if len(hits):
-            blocks = np.asarray(hits, np.intp)
-            self._pool.acquire_unchecked(blocks)
-            table.ensure_width(len(hits) + 1)
-            table.tables[row, : len(hits)] = blocks
-            table.lens[row] = len(hits) * self._block_size
+        n_hits = len(hits)
+        if n_hits:
+            hits = np.asarray(hits, np.intp)
+            pool.acquire_unchecked(hits, held=held, in_use=in_use)
+        new = pool.take(needed) if needed else _NO_BLOCKS
+        if n_hits or needed:
+            table.ensure_width(n_hits + needed + 1)  # one spare column: see _plan_decode
+            table.tables[row, : n_hits + needed] = np.concatenate((hits, new)) if n_hits else new
+            table.lens[row] = n_hits * self._block_size if length is None else length
         if self.prefix_caching:
             self._chains[row] = chain
         self._rows[sid] = row
-        if len(hits):
-            self._cached[sid] = len(hits) * self._block_size
+        if n_hits:
+            self._cached[sid] = n_hits * self._block_size
         self._next_id += 1
-        return sid, row
+        return sid, row, new
 
     def _unattach(self, sids: list[int], rows: list[int]) -> None:
         """Undo of :meth:`_attach` / :meth:`_fork`: forget new sequences, give their rows back."""
