@@ -22,10 +22,14 @@ MAX_BLOCK_SIZE = 256
 
 WRITE_THREADS = 128
 COPY_THREADS = 256
-# The CPU backend runs a block's threads one after another as fibers, so a copy or a KV write
-# gains nothing from more than one warp there and pays a fiber start per thread (about 50 ns): it
-# runs them with one.
+# The CPU backend runs a block's threads one after another as fibers and pays a fiber start per
+# thread (about 8 ns, against about 1 ns per word a thread's loop copies): a kernel whose threads
+# split a loop among them (the decode planner, the split-K merge) runs with one warp there...
 CPU_COPY_THREADS = 32
+# ... and a copy or a KV write, whose threads only stride over the words, with one thread per block
+# (a launch of 16 blocks: 5 µs instead of 9). tests/test_ops.py runs both kernels on the CPU backend
+# with the GPU's thread counts too.
+CPU_STRIDE_THREADS = 1
 # Split-K: a split holds at least this many tokens, so that its fixed cost (loading the queries,
 # writing a partial row and its log-sum-exp) stays small against the K/V it reads.
 MIN_SPLIT_TOKENS = 256
@@ -530,13 +534,14 @@ def write_kv_launch(
     """``(name, grid, block)`` of ``write_kv``; 16-byte vectors when rows and pointers allow.
 
     A token's block has one thread per vector of its ``num_kv_heads`` rows (whole warps, at most
-    ``WRITE_THREADS``, or ``CPU_COPY_THREADS`` on the CPU backend): more would only start and stop.
+    ``WRITE_THREADS``; ``CPU_STRIDE_THREADS`` on the CPU backend): more would only start and stop.
     """
     vec = 16 // itemsize(dtype) if aligned and row_bytes % 16 == 0 else 1
     name = f"cupaged::write_kv<{C_TYPES[dtype]}, {SLOT_C_TYPES[np.dtype(slot_dtype)]}, {vec}>"
     vectors = num_kv_heads * row_bytes // (vec * itemsize(dtype))
-    most = CPU_COPY_THREADS if device == "cpu" else WRITE_THREADS
-    return name, (num_tokens,), (_whole_warps(vectors, most),)
+    if device == "cpu":
+        return name, (num_tokens,), (CPU_STRIDE_THREADS,)
+    return name, (num_tokens,), (_whole_warps(vectors, WRITE_THREADS),)
 
 
 def _whole_warps(items: int, most: int) -> int:
@@ -552,18 +557,16 @@ def copy_blocks_launch(
 ) -> tuple[str, tuple[int, int, int], tuple[int], int]:
     """``(name, grid, block, word_bytes)`` of ``copy_blocks``: the widest word that divides a block.
 
-    One thread per word of a block (whole warps, at most ``COPY_THREADS``, each striding; at most
-    ``CPU_COPY_THREADS`` on the CPU backend).
+    One thread per word of a block (whole warps, at most ``COPY_THREADS``, each striding;
+    ``CPU_STRIDE_THREADS`` on the CPU backend).
     """
-    most = CPU_COPY_THREADS if device == "cpu" else COPY_THREADS
     for word, c_type in _COPY_WORDS:
         if block_bytes % word == 0 and (aligned or word <= 2):
-            return (
-                f"cupaged::copy_blocks<{c_type}>",
-                (num_pairs, num_layers, 2),
-                (_whole_warps(block_bytes // word, most),),
-                word,
-            )
+            if device == "cpu":
+                threads = CPU_STRIDE_THREADS
+            else:
+                threads = _whole_warps(block_bytes // word, COPY_THREADS)
+            return f"cupaged::copy_blocks<{c_type}>", (num_pairs, num_layers, 2), (threads,), word
     raise ValueError(f"expected a block of an even number of bytes, got {block_bytes}")
 
 

@@ -51,6 +51,43 @@ def test_copy_blocks_copies_every_layer(rng, xp, dtype, layers):
     np.testing.assert_array_equal(got_v, expected_v)
 
 
+@pytest.mark.parametrize("threads", [32, 96])
+def test_stride_kernels_with_several_threads_on_the_cpu_backend(rng, monkeypatch, threads):
+    """The CPU backend runs write_kv and copy_blocks with one thread per block (a fiber start costs
+    more than the loop it saves); the GPU runs warps that stride over the words. Both kernels are
+    run here on the CPU backend with several threads too (each thread striding over 2-16 words), so
+    that the GPU's partition of the words is checked there."""
+    shape = (6, 4, 16, 64)  # a block of 8 KiB: 512 16-byte words; a token's row: 64 float4
+    from cupaged import _launch, ops
+
+    def clear_plans():
+        ops._write_plan.cache_clear()
+        ops._copy_plan.cache_clear()
+
+    monkeypatch.setattr(_launch, "CPU_STRIDE_THREADS", threads)
+    clear_plans()
+    try:
+        k_cache, v_cache = poison(shape, "float32"), poison(shape, "float32")
+        k, v = random_array(rng, (3, 4, 64), "float32"), random_array(rng, (3, 4, 64), "float32")
+        slots = np.array([37, 0, 95], np.int32)
+        expected_k, expected_v = k_cache.copy(), v_cache.copy()
+        for t, slot in enumerate(slots):
+            expected_k[slot // 16, :, slot % 16], expected_v[slot // 16, :, slot % 16] = k[t], v[t]
+        cupaged.write_kv(k_cache, v_cache, k, v, slots)
+        np.testing.assert_array_equal(k_cache.view(np.uint8), expected_k.view(np.uint8))
+        np.testing.assert_array_equal(v_cache.view(np.uint8), expected_v.view(np.uint8))
+
+        k_cache, v_cache = random_array(rng, shape, "float16"), random_array(rng, shape, "float16")
+        src, dst = np.array([4, 0], np.int32), np.array([1, 5], np.int32)
+        expected_k, expected_v = k_cache.copy(), v_cache.copy()
+        expected_k[dst], expected_v[dst] = k_cache[src], v_cache[src]
+        cupaged.copy_blocks(k_cache, v_cache, src, dst)
+        np.testing.assert_array_equal(k_cache, expected_k)
+        np.testing.assert_array_equal(v_cache, expected_v)
+    finally:
+        clear_plans()  # the plans made with these thread counts must not outlive the test
+
+
 def test_empty_inputs_are_no_ops(rng):
     k_cache = random_array(rng, SHAPE, "float16")
     before = k_cache.copy()
