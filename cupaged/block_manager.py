@@ -783,20 +783,20 @@ class BlockManager(StepPlanner):
         if len(rows) == 1:
             self._release_one(sids[0], rows[0])
             return
-        table = self._seqs
+        table, rows_of, cached, chains = self._seqs, self._rows, self._cached, self._chains
         row_array = np.array(rows, np.intp)
-        # What an interrupt must put back: the rows and the dictionary entries.
+        # What an interrupt must put back: the rows and the dictionary entries (mostly there are
+        # no cached-token counts or chains: no prefix caching, or sequences that matched nothing).
         saved = table.snapshot(row_array), table.free_rows_mark()
-        kept = [
-            (sid, row, self._cached.get(sid), self._chains.get(row))
-            for sid, row in zip(sids, rows, strict=True)
-        ]
+        kept_cached = {sid: cached[sid] for sid in sids if sid in cached} if cached else {}
+        kept_chains = {row: chains[row] for row in rows if row in chains} if chains else {}
 
         def undo() -> None:
             table.unrelease(saved[1])
             table.restore(row_array, saved[0])
-            for entry in kept:
-                self._restore_entry(*entry)
+            rows_of.update(zip(sids, rows, strict=True))
+            cached.update(kept_cached)
+            chains.update(kept_chains)
 
         self._atomic.undo.append(undo)
         # Each row's blocks, last first, row after row (views of the flat table, joined once).
@@ -812,10 +812,14 @@ class BlockManager(StepPlanner):
             entries = np.concatenate(runs) if len(runs) > 1 else runs[0]
             self._pool.release_entries(entries.astype(np.intp), len(runs) > 1)
         table.release(row_array)
-        for sid, row in zip(sids, rows, strict=True):
-            del self._rows[sid]
-            self._cached.pop(sid, None)
-            self._chains.pop(row, None)
+        for sid in sids:
+            del rows_of[sid]
+        if kept_cached:
+            for sid in kept_cached:
+                del cached[sid]
+        if kept_chains:
+            for row in kept_chains:
+                del chains[row]
 
     def _restore_entry(self, sid: int, row: int, cached: Any, chain: Any) -> None:
         """Put back a released sequence's id, row, cached-token count and prefix chain (undo)."""

@@ -88,7 +88,10 @@ class BlockPool:
         self._free = np.arange(num_blocks - 1, -1, -1, dtype=np.intp)
         self._top = num_blocks
         self._refcount = np.zeros(num_blocks, np.int32)
-        self._last_entry = np.empty(num_blocks, np.int32)  # scratch of release_entries
+        # release_entries' scratch: for each block, the position of its last entry in a call,
+        # numbered on across calls (so that what earlier calls left is always smaller).
+        self._last_entry = np.full(num_blocks, -1, np.int64)
+        self._entries_seen = 0
         # Prefix cache: block -> its key and content while registered, and key -> block.
         self._key_of: list[Hashable | None] = [None] * num_blocks
         self._content_of: list[object] = [None] * num_blocks
@@ -301,9 +304,10 @@ class BlockPool:
         if not np.count_nonzero(gone):
             return
         if repeats:  # a block of several runs goes at its last entry, as one run after another
-            order = np.arange(entries.size, dtype=np.int32)
+            seen = self._entries_seen
+            order = np.arange(seen, seen + entries.size, dtype=np.int64)
+            self._entries_seen = seen + entries.size
             last = self._last_entry
-            last[entries] = -1
             np.maximum.at(last, entries, order)
             gone &= last[entries] == order
         gone = entries[gone]
