@@ -522,9 +522,8 @@ class BlockManager(StepPlanner):
         rows = self._resident_rows(sid_list)
         if len(set(rows)) != len(rows):
             raise ValueError(f"expected distinct sequence ids, got {sid_list}")
-        return SequenceBatch(
-            self, np.array(sid_list, dtype=np.int64), np.array(rows, dtype=np.intp), self._xp
-        )
+        sid_array, row_array = np.array(sid_list, np.int64), np.array(rows, np.intp)
+        return SequenceBatch(self, sid_array, row_array, self._xp, self._seqs.epoch)  # all resident
 
     def step(
         self,
@@ -566,8 +565,8 @@ class BlockManager(StepPlanner):
         else:
             single = isinstance(sids, (int, np.integer))
             new_tokens = self._check_tokens(single, rows.size, counts, tokens)
-        bases = None
-        if type(sids) is SequenceBatch:
+        bases = None  # each row's first flat entry: what the decode planner reads
+        if type(sids) is SequenceBatch and type(counts) is int and counts == 1:
             width = self._seqs.width
             bases = sids._bases if sids._bases_width == width else sids.flat_bases(width)
         with self._atomic:

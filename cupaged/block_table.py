@@ -206,7 +206,9 @@ class SequenceBatch:
         sids: ``[len(batch)]`` int64 sequence ids, in the order of the query rows (read-only).
     """
 
-    def __init__(self, manager: BlockManager, sids: np.ndarray, rows: np.ndarray, xp: ModuleType):
+    def __init__(
+        self, manager: BlockManager, sids: np.ndarray, rows: np.ndarray, xp: ModuleType, epoch: int
+    ):
         self._manager = manager
         self._sids = sids
         self._members = set(sids.tolist())  # the ids, for replace's check that they stay distinct
@@ -217,7 +219,7 @@ class SequenceBatch:
         self._device: Any = None  # [len, width] int32 block tables on the device
         self._synced = 0  # the table clock when the device copy was last refreshed
         self._replaced: list[int] = []  # positions to refresh whatever their version
-        self._epoch = -1  # the table epoch at the last check that every sequence is resident
+        self._epoch = epoch  # the table epoch at the last check that every sequence is resident
         self._bases = rows  # rows * _bases_width: where each row starts in the flat table
         self._bases_width = 0
 
