@@ -45,7 +45,7 @@ def _grouped(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     if not ids.size:
         return ids, ids
     ordered = np.sort(ids)
-    bounds = np.flatnonzero(ordered[1:] != ordered[:-1]) + 1
+    bounds = (ordered[1:] != ordered[:-1]).nonzero()[0] + 1
     bounds = np.concatenate(([0], bounds, [ordered.size]))
     return ordered[bounds[:-1]], bounds[1:] - bounds[:-1]
 
@@ -261,8 +261,8 @@ class BlockPool:
             if np.count_nonzero(left == 0):
                 # Each gone block at its last entry, in release order: a stable sort of the
                 # entries of gone blocks puts a block's last entry at the end of its run.
-                entries = np.flatnonzero(self._refcount[blocks] == 0)
-                order = np.argsort(blocks[entries], kind="stable")
+                entries = (self._refcount[blocks] == 0).nonzero()[0]
+                order = blocks[entries].argsort(kind="stable")
                 ranked = blocks[entries[order]]
                 ends = np.append(ranked[1:] != ranked[:-1], True)
                 gone = blocks[np.sort(entries[order[ends]])]
@@ -396,9 +396,10 @@ class BlockPool:
             self._journal.append(("acquire", blocks, held))
         self._refcount[blocks] = held + n
 
-    def unshare(self, blocks: np.ndarray, counts: np.ndarray) -> None:
+    def unshare(self, blocks: np.ndarray | int, counts: np.ndarray | int) -> None:
         """Drop ``counts[i]`` references from ``blocks[i]`` (distinct ids, each keeping at least
-        one, unchecked): the sources of copy-on-write copies, whose other holders stay."""
+        one, unchecked; or one id and its count): the sources of copy-on-write copies, whose other
+        holders stay."""
         if self._journal is not None:
             self._journal.append(("acquire", blocks, self._refcount[blocks]))
         self._refcount[blocks] -= counts
@@ -555,7 +556,7 @@ class BlockPool:
         window = max(64, 4 * n)
         while n:
             end = min(self._tail, self._head + window)
-            live = np.flatnonzero(self._live_entries(end))[:n]
+            live = self._live_entries(end).nonzero()[0][:n]
             taken.append(self._queue[self._head + live])
             self._head = self._head + int(live[-1]) + 1 if live.size == n else end
             n -= live.size

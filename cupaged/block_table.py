@@ -269,7 +269,7 @@ class SequenceBatch:
             if self._replaced:
                 stale[self._replaced] = True
                 self._replaced.clear()
-            positions = np.flatnonzero(stale)
+            positions = stale.nonzero()[0]
             if positions.size:
                 rows = table.tables[self._rows[positions]]
                 if xp is np:

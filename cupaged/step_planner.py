@@ -15,6 +15,10 @@ on the arrays of a step, a Python iteration less than that):
   the flat table and a batch's row offsets;
 - :meth:`StepPlanner._plan_batch`: any batch, copy-on-write included, fully vectorised.
 
+The planners call NumPy's array methods (``x.nonzero()[0]``, ``x.repeat(n)``, ``x.cumsum()``)
+rather than the functions of the same name (``np.flatnonzero``, ``np.repeat``, ``np.cumsum``):
+the functions' Python wrappers cost 0.4-1 µs more per call, as much as the work on these arrays.
+
 ``tests/test_step_api.py`` checks the vectorised planners against the scalar one on twin managers
 after every operation of seeded random walks.
 """
@@ -169,13 +173,16 @@ class StepPlanner:
         if sources:
             src, dst = np.array(sources, np.int32), np.array(copies, np.int32)
             # Never a last reference (see `released`): no block goes back to the pool.
-            pool.unshare(np.array(list(released), np.intp), np.array(list(released.values())))
+            if len(released) == 1:  # forks of one sequence: one source
+                pool.unshare(*next(iter(released.items())))
+            else:
+                pool.unshare(np.array(list(released), np.intp), np.array(list(released.values())))
         if len(slots) == len(rows):  # one token each
             return np.array(slots, np.int32), src, dst
         # Every slot of every row's written blocks, then each row's n tokens cut out of its
         # stretch: a handful of array operations for the whole batch.
         every = (np.concatenate(runs)[:, None] * bs + self._offsets).reshape(-1)
-        index = np.repeat(shifts, counts)
+        index = np.array(shifts).repeat(counts)  # (the method: np.repeat of a list is slower)
         index += np.arange(ahead)
         return every[index], src, dst
 
@@ -312,7 +319,7 @@ class StepPlanner:
         src = dst = _NO_COPIES
         if total:
             table.ensure_width(int((held + grow).max()) + 1)  # one spare column: see _plan_decode
-            changed = np.flatnonzero(need)
+            changed = need.nonzero()[0]
             table.touch(rows[changed])
             base = rows * table.width
             if copy is None and grow.max() == 1:  # a decode step: at most one block each
@@ -326,12 +333,12 @@ class StepPlanner:
             slots = _NO_COPIES
         else:
             if uniform:
-                pos = np.repeat(lens, counts) + np.arange(counts * rows.size) % counts
-                first = np.repeat(rows * table.width, counts)
+                pos = lens.repeat(counts) + np.arange(counts * rows.size) % counts
+                first = (rows * table.width).repeat(counts)
             else:
-                ahead = np.cumsum(counts) - counts  # tokens of the rows before
-                pos = np.repeat(lens - ahead, counts) + np.arange(int(ahead[-1] + counts[-1]))
-                first = np.repeat(rows * table.width, counts)
+                ahead = counts.cumsum() - counts  # tokens of the rows before
+                pos = (lens - ahead).repeat(counts) + np.arange(int(ahead[-1] + counts[-1]))
+                first = (rows * table.width).repeat(counts)
             slots = flat[first + pos // bs] * bs + pos % bs
         table.lens[rows] = ends
         table.shared[rows[writing]] = False  # each writer's last block is its own now
@@ -349,7 +356,7 @@ class StepPlanner:
         references, the first ``r - 1`` writers (in batch order) copy, and a last writer from the
         batch writes in place once the others have let go.
         """
-        partial = np.flatnonzero(writing & (lens % self._block_size != 0))
+        partial = (writing & (lens % self._block_size != 0)).nonzero()[0]
         if not partial.size:
             return None
         table = self._seqs
@@ -364,12 +371,12 @@ class StepPlanner:
         if np.count_nonzero(writers < self._pool._refcount[blocks]) == blocks.size:
             copy[partial] = 1  # a holder outside the batch stays for every block: all copy
             return copy
-        order = np.argsort(last, kind="stable")
+        order = last.argsort(kind="stable")
         ranked = last[order]
-        starts = np.flatnonzero(np.concatenate(([True], ranked[1:] != ranked[:-1])))
-        runs = np.diff(np.append(starts, order.size))
+        starts = np.concatenate(([True], ranked[1:] != ranked[:-1])).nonzero()[0]
+        runs = np.concatenate((starts[1:], [order.size])) - starts
         rank = np.empty_like(order)
-        rank[order] = np.arange(order.size) - np.repeat(starts, runs)
+        rank[order] = np.arange(order.size) - starts.repeat(runs)
         copy[partial[rank < refs - 1]] = 1
         return copy if np.count_nonzero(copy) else None
 
@@ -385,10 +392,10 @@ class StepPlanner:
         """Write the new blocks into the tables (``base``: each row's first flat entry): each
         row's copy (if any) first, then its growth."""
         flat = self._seqs.flat
-        offsets = np.cumsum(need) - need
+        offsets = need.cumsum() - need
         src = dst = _NO_COPIES
         if copy is not None:
-            copied = np.flatnonzero(copy)
+            copied = copy.nonzero()[0]
             at = base[copied] + held[copied] - 1
             dst = new[offsets[copied]]
             src = flat[at]  # a copy (fancy indexing)
@@ -397,8 +404,8 @@ class StepPlanner:
             self._pool.unshare(blocks, times)  # never the last reference: see _copies
             dst = dst.astype(np.int32)
             offsets = offsets + copy  # the growth of a row that copies follows its copy
-        grown = np.repeat(np.arange(base.size), grow)
-        within = np.arange(grown.size) - np.repeat(np.cumsum(grow) - grow, grow)
+        grown = np.arange(base.size).repeat(grow)
+        within = np.arange(grown.size) - (grow.cumsum() - grow).repeat(grow)
         flat[base[grown] + held[grown] + within] = new[offsets[grown] + within]
         return src, dst
 
