@@ -56,6 +56,27 @@ _NO_BLOCKS.flags.writeable = False
 SequenceIds = "int | Iterable[int] | SequenceBatch"
 
 
+class _OneSlots:
+    """The one-element slot arrays of the per-token calls, cut from a preallocated int32 buffer:
+    each a view of its own element, never reused (a full buffer is replaced, not rewritten), for
+    0.1 µs against 0.34 for ``np.array([slot], np.int32)``."""
+
+    __slots__ = ("_buffer", "_next")
+
+    def __init__(self, size: int = 4096) -> None:
+        self._buffer = np.empty(size, np.int32)
+        self._next = 0
+
+    def cut(self, slot: int) -> np.ndarray:
+        i, buffer = self._next, self._buffer
+        if i == buffer.size:
+            buffer = self._buffer = np.empty(buffer.size, np.int32)
+            i = 0
+        buffer[i] = slot
+        self._next = i + 1
+        return buffer[i : i + 1]
+
+
 class StepPlan:
     """What a step of the block manager planned: where to write, and which blocks to copy first.
 
@@ -154,7 +175,7 @@ class _Atomic:
         if self._owner == me:
             self._depth += 1
             return self
-        if not self._lock.acquire(blocking=False):
+        if not self._lock.acquire(False):  # (not blocking; positional: a keyword costs more)
             raise CupagedError(
                 "expected one thread at a time in a PagedCache/BlockManager, got a call while "
                 "another thread is inside one (guard the cache with your own lock)"
@@ -254,6 +275,7 @@ class BlockManager(StepPlanner):
         self._prefix = PrefixCache(self._pool, block_size, block_hasher)
         self._seqs = SequenceTable(tail_width=block_size if self.prefix_caching else 0)
         self._offsets = np.arange(block_size, dtype=np.int32)  # slot offsets within a block
+        self._one_slot = _OneSlots()
         self._rows: dict[int, int] = {}  # live sequence id -> row
         self._chains: dict[int, PrefixChain] = {}  # row -> prefix chain (prefix caching only)
         self._cached: dict[int, int] = {}  # live sequence id -> prompt tokens found cached
@@ -595,9 +617,9 @@ class BlockManager(StepPlanner):
             return self._step_one_block(row, length)
         if table.shared.item(row):
             return None
-        slot = np.array([table.tables.item(row, length // bs) * bs + offset], np.int32)
+        slot = self._one_slot.cut(table.tables.item(row, length // bs) * bs + offset)
         lock = self._atomic._lock
-        if not lock.acquire(blocking=False):
+        if not lock.acquire(False):  # (not blocking)
             return None  # another call is inside: the general path joins it or refuses
         try:
             table.lens[row] = length + 1
@@ -625,7 +647,7 @@ class BlockManager(StepPlanner):
             table.tables[row, held] = block
             table.version[row] = table.clock
             table.lens[row] = length + 1
-        slot = np.array([block * self._block_size], np.int32)
+        slot = self._one_slot.cut(block * self._block_size)
         return slot if self._xp is np else self._xp.asarray(slot)
 
     def block_tables(self, sids: Iterable[int] | SequenceBatch) -> tuple[Any, Any]:

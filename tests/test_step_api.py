@@ -421,6 +421,24 @@ def test_the_per_token_fast_path_equals_the_general_path():
     assert [c.seq_len(sids[0]) for c in caches] == [caches[1].seq_len(sids[0])] * 2
 
 
+def test_per_token_slots_are_arrays_of_their_own():
+    """The per-token calls cut their one-element slot arrays from a shared buffer: each must keep
+    its value, stay unchanged when another is written, and survive the buffer's replacement."""
+    m = manager(num_blocks=2048)
+    sids = [m.admit([0]).sid for _ in range(4)]
+    kept = []
+    for i in range(5000):  # past one buffer of block_manager._OneSlots
+        sid = sids[i % 4]
+        kept.append((m.step(sid).slots, m.block_table(sid), m.seq_len(sid) - 1))
+    for slots, table, position in kept:
+        assert slots.shape == (1,) and slots.dtype == np.int32
+        assert slots.item() == table[position // BS] * BS + position % BS
+    first, second = kept[0][0], kept[1][0]
+    before = second.item()
+    first[0] = -7
+    assert second.item() == before and m.step(sids[2]).slots.item() != -7
+
+
 # ------------------------------------------------------------------------------- the pool in bulk
 
 
