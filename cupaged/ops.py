@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import operator
 from typing import Any
 
 import numpy as np
@@ -87,12 +88,15 @@ def write_kv(
     kernel(grid, block, (k, v, k_cache, v_cache, slots, *scalars))
 
 
+_shape_and_dtype = operator.attrgetter("shape", "dtype")
+
+
 def _checked_shapes(memo: dict[tuple, tuple], check: Any, *arrays: Any) -> tuple:
     """``check(*arrays)`` (the checks of a call that read only shapes and dtypes), run once per
     combination of the arrays' shapes and dtypes and then remembered in ``memo`` (bounded: cleared
     when full): a step repeats the same combination, and the checks cost as much as a small
     launch. A failing check raises on every call."""
-    key = tuple(attribute for x in arrays for attribute in (x.shape, x.dtype))
+    key = tuple(map(_shape_and_dtype, arrays))
     shapes = memo.get(key)
     if shapes is None:
         shapes = check(*arrays)
