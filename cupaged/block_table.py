@@ -211,9 +211,10 @@ class SequenceBatch:
     ):
         self._manager = manager
         self._sids = sids
-        self._members = set(sids.tolist())  # the ids, for replace's check that they stay distinct
-        self._sids_view = sids.view()  # follows replace(); callers cannot write through it
-        self._sids_view.flags.writeable = False
+        # Made at first use (a batch made for one step needs neither): the ids as a set, for
+        # replace's check that they stay distinct; a read-only view that follows replace().
+        self._members: set[int] | None = None
+        self._sids_view: np.ndarray | None = None
         self._rows = rows
         self._xp = xp
         self._device: Any = None  # [len, width] int32 block tables on the device
@@ -225,6 +226,9 @@ class SequenceBatch:
 
     @property
     def sids(self) -> np.ndarray:
+        if self._sids_view is None:
+            self._sids_view = self._sids.view()  # callers cannot write through it
+            self._sids_view.flags.writeable = False
         return self._sids_view
 
     def __len__(self) -> int:
@@ -240,6 +244,8 @@ class SequenceBatch:
             raise IndexError(f"expected a position in [0, {len(self)}), got {position}")
         row = self._manager._resident_row(sid)
         old = self._sids.item(position)
+        if self._members is None:
+            self._members = set(self._sids.tolist())
         if old != sid and sid in self._members:
             raise ValueError(f"expected distinct sequence ids, got {sid} twice in the batch")
         self._members.discard(old)

@@ -159,9 +159,11 @@ class PagedCache(BlockManager):
             slot = None if tokens is not None else self._step_one(sids)
             if slot is not None:
                 return StepPlan(slot, _NO_COPIES, _NO_COPIES, 1, 1)
+        if not apply_copies:  # the manager's step as it is (its own transaction)
+            return super().step(sids, num_tokens, tokens, tables=tables)
         with self._atomic as atomic:  # a failed copy undoes the plan too
             plan = super().step(sids, num_tokens, tokens, tables=tables)
-            if apply_copies and plan.copy_src.size:
+            if plan.copy_src.size:
                 atomic.kv_written = True
                 self._copy(plan.copy_src, plan.copy_dst, checked=False)  # its own plan: valid
                 plan.copies_applied = True
