@@ -617,11 +617,11 @@ class BlockManager(StepPlanner):
             return self._step_one_block(row, length)
         if table.shared.item(row):
             return None
-        slot = self._one_slot.cut(table.tables.item(row, length // bs) * bs + offset)
         lock = self._atomic._lock
         if not lock.acquire(False):  # (not blocking)
             return None  # another call is inside: the general path joins it or refuses
-        try:
+        try:  # (the slot is cut under the lock: two threads must never get the same element)
+            slot = self._one_slot.cut(table.tables.item(row, length // bs) * bs + offset)
             table.lens[row] = length + 1
         finally:  # an interrupt here must not leave the cache locked
             lock.release()
@@ -647,7 +647,7 @@ class BlockManager(StepPlanner):
             table.tables[row, held] = block
             table.version[row] = table.clock
             table.lens[row] = length + 1
-        slot = self._one_slot.cut(block * self._block_size)
+            slot = self._one_slot.cut(block * self._block_size)
         return slot if self._xp is np else self._xp.asarray(slot)
 
     def block_tables(self, sids: Iterable[int] | SequenceBatch) -> tuple[Any, Any]:
