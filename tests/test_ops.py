@@ -7,6 +7,7 @@ import pytest
 from helpers import DTYPES, poison, random_array
 
 import cupaged
+from cupaged._checks import check_slots
 
 SHAPE = (6, 2, 4, 16)  # [num_blocks, num_kv_heads, block_size, head_dim]
 
@@ -220,14 +221,28 @@ def test_int64_slots_are_checked_before_they_are_narrowed(rng, bad):
     np.testing.assert_array_equal(args["k_cache"], before)
 
 
-@pytest.mark.parametrize("n", [3, 40])  # the Python path for a few ids, the array path for many
+@pytest.mark.parametrize("n", [5, 200])  # the Python path for a few slots, the array path for many
+def test_slot_checks_refuse_the_same_slots_on_both_paths(rng, n):
+    capacity = 6 * 4 * 16  # 6 blocks of 16 tokens, times 4: room for 200 distinct slots
+    slots = rng.permutation(capacity)[:n].astype(np.int64)
+    slots[0] = -1  # padding passes
+    check_slots(slots, capacity)
+    for bad, message in [(capacity, "expected slot_mapping values in"), (-2, "values in"),
+                         (2**32 + 3, "values in"), (int(slots[1]), "written twice")]:  # fmt: skip
+        wrong = slots.copy()
+        wrong[-1] = bad
+        with pytest.raises(ValueError, match=message):
+            check_slots(wrong, capacity)
+
+
+@pytest.mark.parametrize("n", [3, 150])  # the Python path for a few ids, the array path for many
 def test_int64_copy_pairs_are_checked_before_they_are_narrowed(rng, n):
-    k_cache = random_array(rng, (128, 2, 4, 16), "float16")
+    k_cache = random_array(rng, (320, 2, 4, 16), "float16")
     before = k_cache.copy()
     src = np.arange(n, dtype=np.int64)
     dst = np.arange(n, 2 * n, dtype=np.int64)
     src[1] = 2**32 + 1  # would be block 1 after a cast to int32
-    with pytest.raises(ValueError, match=r"expected block ids in \[0, 128\)"):
+    with pytest.raises(ValueError, match=r"expected block ids in \[0, 320\)"):
         cupaged.copy_blocks(k_cache, k_cache.copy(), src, dst)
     src[1], dst[-1] = 1, 2  # 2 is also a source
     with pytest.raises(ValueError, match="expected no block both a source and a destination"):
