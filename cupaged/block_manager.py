@@ -605,42 +605,45 @@ class BlockManager(StepPlanner):
         undo record; at a block boundary one free block is taken. ``None`` when the general path
         must run (a shared block, an eviction, prefix caching, an unknown or swapped id, or
         another call inside)."""
-        row = self._rows.get(sid)
-        if row is None or self.prefix_caching:
-            return None
-        table, bs = self._seqs, self._block_size
-        length = table.lens.item(row)
-        offset = length % bs
-        if table.live.item(row) < 0:
-            return None
-        if not offset:
-            return self._step_one_block(row, length)
-        if table.shared.item(row):
+        if self.prefix_caching:
             return None
         lock = self._atomic._lock
         if not lock.acquire(False):  # (not blocking)
             return None  # another call is inside: the general path joins it or refuses
-        try:  # (the slot is cut under the lock: two threads must never get the same element)
-            slot = self._one_slot.cut(table.tables.item(row, length // bs) * bs + offset)
-            table.lens[row] = length + 1
+        try:  # every read and the store under the lock: another thread's call never interleaves
+            row = self._rows.get(sid)
+            if row is None:
+                return None
+            table, bs = self._seqs, self._block_size
+            length = table.lens.item(row)
+            offset = length % bs
+            if table.live.item(row) < 0 or (offset and table.shared.item(row)):
+                return None
+            if offset:
+                slot = self._one_slot.cut(table.tables.item(row, length // bs) * bs + offset)
+                table.lens[row] = length + 1
+                return slot if self._xp is np else self._xp.asarray(slot)
         finally:  # an interrupt here must not leave the cache locked
             lock.release()
-        return slot if self._xp is np else self._xp.asarray(slot)
+        return self._step_one_block(sid, row, length)
 
-    def _step_one_block(self, row: int, length: int) -> Any:
+    def _step_one_block(self, sid: int, row: int, length: int) -> Any:
         """:meth:`_step_one` at a block boundary: the token opens a new block, taken from the free
-        list (``None`` when that would evict: the general path runs then)."""
+        list (``None`` when that would evict, or when the sequence changed since ``_step_one``
+        read it: the general path runs then)."""
         pool, table = self._pool, self._seqs
-        if not pool._top or self._atomic._owner is not None:
-            return None
         held = length // self._block_size
-        version = table.version.item(row)
-
-        def undo() -> None:
-            table.tables[row, held] = 0  # it was padding
-            table.lens[row], table.version[row] = length, version
-
         with self._atomic as atomic:
+            if not pool._top or atomic._depth > 1:
+                return None  # an eviction, or a call of this thread inside: the general path
+            if self._rows.get(sid) != row or table.lens.item(row) != length:
+                return None
+            version = table.version.item(row)
+
+            def undo() -> None:
+                table.tables[row, held] = 0  # it was padding
+                table.lens[row], table.version[row] = length, version
+
             atomic.undo.append(undo)
             block = pool.take(1).item(0)
             table.ensure_width(held + 2)  # one spare column: see _plan_decode

@@ -267,6 +267,38 @@ def test_a_second_thread_inside_the_cache_is_refused_not_corrupting():
     cache.check_invariants()
 
 
+@pytest.mark.parametrize("start", [3, 4])  # inside a block, and at a block boundary
+def test_the_per_token_path_reads_the_sequence_under_the_lock(start):
+    """Another thread's call that ends just before this one takes the lock must be seen: the
+    per-token path reads the length under the lock, so the two calls get consecutive slots and
+    the length grows by two (read before the lock, both would take one position)."""
+    cache = PagedCache(8, block_size=BS, num_layers=1, num_kv_heads=1, head_dim=HEAD_DIM,
+                       dtype="float32", device="cpu")  # fmt: skip
+    sid = cache.admit(list(range(start - 1))).sid
+    cache.reserve(sid, 1)  # the fast path's state is warm: length start
+    real = cache._atomic._lock
+    other, started = [], []
+
+    class Interleaved:  # the other call runs between this call's first look and its lock
+        def acquire(self, blocking=True, timeout=-1):
+            if not started:
+                started.append(True)
+                other.append(cache.step(np.int64(sid)).slots.item())  # (np.int64: the general path)
+            return real.acquire(blocking, timeout)
+
+        def release(self):
+            real.release()
+
+    cache._atomic._lock = Interleaved()
+    mine = cache.reserve(sid, 1).item()
+    cache._atomic._lock = real
+    table = cache.block_table(sid)
+    assert other == [table[start // BS] * BS + start % BS]
+    assert mine == table[(start + 1) // BS] * BS + (start + 1) % BS
+    assert cache.seq_len(sid) == start + 2
+    cache.check_invariants()
+
+
 def test_a_freed_sequence_never_serves_its_unwritten_blocks():
     """Tenant A's prompt is cached and freed; B gets A's old block, never writes it, frees it:
     a later request with B's tokens must not hit A's K/V."""
