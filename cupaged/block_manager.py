@@ -438,11 +438,9 @@ class BlockManager(StepPlanner):
         n = as_int(n, "n")
         if n < 0:
             raise ValueError(f"expected n >= 0 forks, got {n}")
-        parent = self._resident_row(sid)
-        if not n:
-            return []
-        with self._atomic as atomic:
-            return self._fork(parent, n, atomic)
+        with self._atomic as atomic:  # (the lookups too: no other thread's call in between)
+            parent = self._resident_row(sid)
+            return self._fork(parent, n, atomic) if n else []
 
     def _fork(self, parent: int, n: int, atomic: _Atomic) -> list[int]:
         table = self._seqs
@@ -474,22 +472,22 @@ class BlockManager(StepPlanner):
         Cached full blocks are not wiped: they become evictable, last block first, so that a
         prompt's head survives eviction longest.
         """
-        row = self._rows.get(sid) if type(sid) is int else None
-        if row is None:
-            row = self._row(sid)  # raises the KeyError
-        with self._atomic:
+        with self._atomic:  # (the lookup too: no other thread's call in between)
+            row = self._rows.get(sid) if type(sid) is int else None
+            if row is None:
+                row = self._row(sid)  # raises the KeyError
             self._release([sid], [row])
 
     def free_many(self, sids: Iterable[int]) -> None:
         """End several sequences at once (as :meth:`free` one after the other, vectorised)."""
         sid_list = list(sids)
-        get = self._rows.get
-        rows = [(get(sid) if type(sid) is int else None) for sid in sid_list]
-        if None in rows:
-            rows = [self._row(sid) for sid in sid_list]  # raises for an unknown one
-        if len(set(rows)) != len(rows):
-            raise ValueError(f"expected distinct sequence ids, got {sid_list}")
-        with self._atomic:
+        with self._atomic:  # (the lookups too: no other thread's call in between)
+            get = self._rows.get
+            rows = [(get(sid) if type(sid) is int else None) for sid in sid_list]
+            if None in rows:
+                rows = [self._row(sid) for sid in sid_list]  # raises for an unknown one
+            if len(set(rows)) != len(rows):
+                raise ValueError(f"expected distinct sequence ids, got {sid_list}")
             self._release(sid_list, rows)
 
     def commit(self, sids: int | Iterable[int] | SequenceBatch) -> None:
@@ -504,13 +502,14 @@ class BlockManager(StepPlanner):
         caching it does nothing.
         """
         table = self._seqs
-        row = self._rows.get(sids) if type(sids) is int else None
-        if row is not None and table.live.item(row) >= 0:  # one resident sequence: admission's
-            if not table.pending.item(row):
-                return  # nothing to register (or no prefix caching)
-            chain = self._chains[row]
-            committed, end = chain.committed, len(chain.keys)
-            with self._atomic as atomic:  # registering changes no key or digest of the chain
+        with self._atomic as atomic:  # (the lookups too: no other thread's call in between)
+            row = self._rows.get(sids) if type(sids) is int else None
+            if row is not None and table.live.item(row) >= 0:  # one resident sequence (admission's)
+                if not table.pending.item(row):
+                    return  # nothing to register (or no prefix caching)
+                chain = self._chains[row]
+                committed, end = chain.committed, len(chain.keys)
+                # Registering changes no key or digest of the chain.
                 atomic.undo.append(lambda: self._uncommit_one(row, chain, committed))
                 self._pool.register_many(  # what _commit_rows does, for one row
                     table.tables[row, committed:end].tolist(),
@@ -519,15 +518,14 @@ class BlockManager(StepPlanner):
                 )
                 chain.committed = end
                 table.pending[row] = False
-            return
-        if isinstance(sids, (int, np.integer)):
-            rows = self._resident_rows([sids])
-        else:
-            rows = self._batch_rows(sids).tolist()
-        pending = table.pending
-        if not self.prefix_caching or not any(pending.item(row) for row in rows):
-            return  # nothing to register
-        with self._atomic as atomic:
+                return
+            if isinstance(sids, (int, np.integer)):
+                rows = self._resident_rows([sids])
+            else:
+                rows = self._batch_rows(sids).tolist()
+            pending = table.pending
+            if not self.prefix_caching or not any(pending.item(row) for row in rows):
+                return  # nothing to register
             atomic.undo.append(self._chains_restorer(rows))
             self._commit_rows(rows)
 
@@ -580,23 +578,23 @@ class BlockManager(StepPlanner):
             slot = None if tokens is not None else self._step_one(sids)
             if slot is not None:
                 return StepPlan(slot, _NO_COPIES, _NO_COPIES, 1, 1)
-        rows = self._batch_rows(sids)
-        counts = self._counts(num_tokens, rows.size)
-        if tokens is None and not self.prefix_caching:
-            new_tokens = None  # what _check_tokens gives: nothing to check
-        else:
-            single = isinstance(sids, (int, np.integer))
-            new_tokens = self._check_tokens(single, rows.size, counts, tokens)
-        bases = None  # each row's first flat entry: what the decode planner reads
-        if type(sids) is SequenceBatch and type(counts) is int and counts == 1:
-            width = self._seqs.width
-            bases = sids._bases if sids._bases_width == width else sids.flat_bases(width)
-        with self._atomic:
+        with self._atomic:  # (the lookups too: no other thread's call in between)
+            rows = self._batch_rows(sids)
+            counts = self._counts(num_tokens, rows.size)
+            if tokens is None and not self.prefix_caching:
+                new_tokens = None  # what _check_tokens gives: nothing to check
+            else:
+                single = isinstance(sids, (int, np.integer))
+                new_tokens = self._check_tokens(single, rows.size, counts, tokens)
+            bases = None  # each row's first flat entry: what the decode planner reads
+            if type(sids) is SequenceBatch and type(counts) is int and counts == 1:
+                width = self._seqs.width
+                bases = sids._bases if sids._bases_width == width else sids.flat_bases(width)
             slots, src, dst = self._plan(rows, counts, new_tokens, None, bases)
-        plan = StepPlan(slots if self._xp is np else self._xp.asarray(slots), src, dst, counts,
-                        rows.size)  # fmt: skip
-        if tables:
-            plan.block_tables, plan.context_lens = self._tables(rows, sids)
+            plan = StepPlan(slots if self._xp is np else self._xp.asarray(slots), src, dst,
+                            counts, rows.size)  # fmt: skip
+            if tables:
+                plan.block_tables, plan.context_lens = self._tables(rows, sids)
         return plan
 
     def _step_one(self, sid: int) -> Any:

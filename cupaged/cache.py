@@ -116,14 +116,14 @@ class PagedCache(BlockManager):
             tokens: the appended tokens' ids, ``n_tokens`` of them; required with prefix caching
                 (full blocks are registered under keys of their token ids).
         """
-        row = self._resident_row(sid)
-        k, v = self._check_kv(k, v)
-        n = int(k.shape[1])
-        new_tokens = self._check_tokens(True, 1, n, tokens)
-        if n == 0:
-            return
-        rows = np.array([row], np.intp)
         with self._atomic as atomic:  # a failed copy or write undoes the plan too
+            row = self._resident_row(sid)  # (inside: no other thread's call in between)
+            k, v = self._check_kv(k, v)
+            n = int(k.shape[1])
+            new_tokens = self._check_tokens(True, 1, n, tokens)
+            if n == 0:
+                return
+            rows = np.array([row], np.intp)
             slots, src, dst = self._plan(
                 rows, n, new_tokens, f"appending {n} token(s) to sequence {sid}"
             )
@@ -263,20 +263,20 @@ class PagedCache(BlockManager):
         appended to, reserved for, forked or attended to (``CupagedError``); ``seq_len``, ``free``
         and ``swap_in`` work.
         """
-        row = self._resident_row(sid)
-        blocks = self._seqs.tables[row, : self._held(row)]
-        index = self._xp.asarray(blocks.astype(np.intp))
-        host = []
-        for pages in (self.k, self.v):
-            gathered = pages[:, index]  # [num_layers, n_blocks, heads, block_size, head_dim]
-            buffer = _host_empty(self._xp, gathered.shape, gathered.dtype)
-            if self._xp is np:
-                buffer[...] = gathered
-            else:
-                gathered.get(out=buffer)
-            host.append(buffer)
         table = self._seqs
-        with self._atomic as atomic:
+        with self._atomic as atomic:  # (the copy too: no other thread's call in between)
+            row = self._resident_row(sid)
+            blocks = table.tables[row, : self._held(row)]
+            index = self._xp.asarray(blocks.astype(np.intp))
+            host = []
+            for pages in (self.k, self.v):
+                gathered = pages[:, index]  # [num_layers, n_blocks, heads, block_size, head_dim]
+                buffer = _host_empty(self._xp, gathered.shape, gathered.dtype)
+                if self._xp is np:
+                    buffer[...] = gathered
+                else:
+                    gathered.get(out=buffer)
+                host.append(buffer)
             saved = table.snapshot(row)
             atomic.undo.append(lambda: (table.restore(row, saved), self._swapped.pop(sid, None)))
             self._pool.release(blocks[::-1].copy())
@@ -294,13 +294,13 @@ class PagedCache(BlockManager):
         cache again unless their key is taken. All or nothing: :class:`OutOfBlocksError` changes
         nothing and the sequence stays swapped out.
         """
-        row = self._row(sid)
-        if sid not in self._swapped:
-            raise CupagedError(f"sequence {sid} is not swapped out")
-        k_host, v_host = self._swapped[sid]
-        n_blocks = k_host.shape[1]
         table = self._seqs
-        with self._atomic as atomic:
+        with self._atomic as atomic:  # (the lookups too: no other thread's call in between)
+            row = self._row(sid)
+            if sid not in self._swapped:
+                raise CupagedError(f"sequence {sid} is not swapped out")
+            k_host, v_host = self._swapped[sid]
+            n_blocks = k_host.shape[1]
             blocks = self._pool.allocate(n_blocks)  # raises before any change
             saved = table.snapshot(row)
             atomic.undo.append(

@@ -299,6 +299,51 @@ def test_the_per_token_path_reads_the_sequence_under_the_lock(start):
     cache.check_invariants()
 
 
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda cache, sid, other: cache.free(sid),
+        lambda cache, sid, other: cache.free_many([other, sid]),
+        lambda cache, sid, other: cache.fork_many(sid, 2),
+        lambda cache, sid, other: cache.step([other, sid], 3),
+        lambda cache, sid, other: cache.step([other, sid], 3, apply_copies=False),
+        lambda cache, sid, other: cache.commit(sid),
+        lambda cache, sid, other: cache.swap_out(sid),
+        lambda cache, sid, other: cache.append(
+            sid, *(np.ones((LAYERS, 1, 1, HEAD_DIM), np.float32),) * 2, tokens=[7]
+        ),
+    ],
+    ids=["free", "free_many", "fork_many", "step", "step_deferred", "commit", "swap_out", "append"],
+)
+def test_a_sequence_freed_just_before_a_call_takes_the_lock_is_refused(call):
+    """Each call looks its sequences up under the lock: when another thread's call frees one
+    between this call's start and its lock, this call refuses it (KeyError) and changes nothing,
+    instead of acting on the freed row (a double free, a step into a reused row)."""
+    cache = PagedCache(16, block_size=BS, num_layers=LAYERS, num_kv_heads=1, head_dim=HEAD_DIM,
+                       dtype="float32", device="cpu", enable_prefix_caching=True)  # fmt: skip
+    sid, other = cache.admit([1, 2, 3, 4, 5]).sid, cache.admit([9, 8, 7]).sid
+    real, started = cache._atomic._lock, []
+
+    class Interleaved:  # the other thread's free runs just before this call takes the lock
+        def acquire(self, blocking=True, timeout=-1):
+            if not started:
+                started.append(True)
+                cache.free(sid)
+            return real.acquire(blocking, timeout)
+
+        def release(self):
+            real.release()
+
+    cache._atomic._lock = Interleaved()
+    try:
+        with pytest.raises(KeyError, match="already freed"):
+            call(cache, sid, other)
+    finally:
+        cache._atomic._lock = real
+    assert started and sid not in cache.sequence_ids and cache.seq_len(other) == 3
+    cache.check_invariants()
+
+
 def test_a_freed_sequence_never_serves_its_unwritten_blocks():
     """Tenant A's prompt is cached and freed; B gets A's old block, never writes it, frees it:
     a later request with B's tokens must not hit A's K/V."""
