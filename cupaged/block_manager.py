@@ -539,11 +539,14 @@ class BlockManager(StepPlanner):
     def batch(self, sids: Iterable[int]) -> SequenceBatch:
         """A persistent handle on a batch of resident sequences (ids resolved once)."""
         sid_list = list(sids)
+        # The epoch before the lookups (this call takes no lock): a sequence that another thread
+        # frees meanwhile moves it on, and the batch's first use checks every sequence again.
+        epoch = self._seqs.epoch
         rows = self._resident_rows(sid_list)
         if len(set(rows)) != len(rows):
             raise ValueError(f"expected distinct sequence ids, got {sid_list}")
         sid_array, row_array = np.array(sid_list, np.int64), np.array(rows, np.intp)
-        return SequenceBatch(self, sid_array, row_array, self._xp, self._seqs.epoch)  # all resident
+        return SequenceBatch(self, sid_array, row_array, self._xp, epoch)  # all resident then
 
     def step(
         self,

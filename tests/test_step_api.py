@@ -245,6 +245,28 @@ def test_batch_handles_refuse_freed_swapped_and_duplicate_sequences():
     cache.check_invariants()
 
 
+def test_a_batch_whose_sequence_is_freed_while_it_is_made_checks_again_at_first_use():
+    """batch() takes no lock: a free by another thread right after its lookups must still be
+    caught by the batch's first step (the batch keeps the epoch from before the lookups)."""
+    m = manager()
+    a, b = m.admit([1, 2, 3]).sid, m.admit([4, 5]).sid
+    lookups = m._resident_rows
+
+    def then_freed(sids):  # the other thread's free lands just after the lookups
+        rows = lookups(sids)
+        m.free(a)
+        return rows
+
+    m._resident_rows = then_freed
+    batch = m.batch([a, b])
+    del m._resident_rows
+    before = state(m)
+    with pytest.raises(KeyError, match=f"sequence {a} was already freed"):
+        m.step(batch)
+    assert state(m) == before
+    m.check_invariants()
+
+
 # ------------------------------------------------------------------------------- admission
 
 
