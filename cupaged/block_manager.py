@@ -637,13 +637,16 @@ class BlockManager(StepPlanner):
         with self._atomic as atomic:
             if not pool._top or atomic._depth > 1:
                 return None  # an eviction, or a call of this thread inside: the general path
-            if self._rows.get(sid) != row or table.lens.item(row) != length:
+            if (
+                self._rows.get(sid) != row
+                or table.lens.item(row) != length
+                or table.live.item(row) < 0
+            ):  # another thread's call since the look under the lock: the general path decides
                 return None
-            version = table.version.item(row)
 
             def undo() -> None:
                 table.tables[row, held] = 0  # it was padding
-                table.lens[row], table.version[row] = length, version
+                table.lens[row], table.version[row] = length, table.clock  # (changed)
 
             atomic.undo.append(undo)
             block = pool.take(1).item(0)
@@ -864,17 +867,17 @@ class BlockManager(StepPlanner):
         # What an interrupt must put back: what release_one clears (not the tail: it keeps it),
         # the free-row list and the dictionary entries.
         state = (length, resident, table.shared.item(row), table.pending.item(row),
-                 table.version.item(row), len(table._free_rows), self._cached.get(sid),
-                 self._chains.get(row))  # fmt: skip
+                 len(table._free_rows), self._cached.get(sid), self._chains.get(row))  # fmt: skip
 
         def undo() -> None:
-            length, resident, shared, pending, version, mark, cached, chain = state
+            length, resident, shared, pending, mark, cached, chain = state
             table.unrelease(mark)
-            table.epoch += 1
             table.tables[row] = 0
             table.tables[row, :held] = blocks[::-1]
             table.lens[row], table.sids[row], table.live[row] = length, sid, sid if resident else -1
-            table.shared[row], table.pending[row], table.version[row] = shared, pending, version
+            table.shared[row], table.pending[row] = shared, pending
+            table.version[row] = table.clock  # changed (as in SequenceTable.restore)
+            table.epoch += 1  # after the change (see SequenceTable.epoch)
             self._restore_entry(sid, row, cached, chain)
 
         self._atomic.undo.append(undo)

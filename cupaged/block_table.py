@@ -55,8 +55,10 @@ class SequenceTable:
         # An upper bound on the blocks any row holds: a decode step raises it by one without a
         # reduction over the batch, and only when it reaches the width is the true maximum taken.
         self.held_bound = 0
-        # Bumped whenever a resident sequence stops being one (freed, swapped out): a batch
-        # checked at the same epoch needs no new check.
+        # Bumped whenever a resident sequence stops being one (freed, swapped out), always after
+        # the change: a batch checked at the same epoch needs no new check, and a batch made
+        # (without a lock) while another thread frees one of its sequences keeps the earlier
+        # epoch, so its first use checks again.
         self.epoch = 0
         self._free_rows: list[int] = list(range(rows - 1, -1, -1))
 
@@ -85,23 +87,23 @@ class SequenceTable:
 
     def release(self, rows: np.ndarray) -> None:
         """Give rows back, zeroed."""
-        self.epoch += 1
         self.tables[rows] = 0
         self.lens[rows] = 0
         self.sids[rows] = self.live[rows] = -1
         self.shared[rows] = self.pending[rows] = False
         self.version[rows] = self.clock
         self._free_rows.extend(rows.tolist()[::-1])
+        self.epoch += 1  # after the change (see `epoch`)
 
     def release_one(self, row: int) -> None:
         """:meth:`release` for one row."""
-        self.epoch += 1
         self.tables[row] = 0
         self.lens[row] = 0
         self.sids[row] = self.live[row] = -1
         self.shared[row] = self.pending[row] = False
         self.version[row] = self.clock
         self._free_rows.append(row)
+        self.epoch += 1  # after the change (see `epoch`)
 
     def snapshot(self, rows: Any) -> tuple:
         """Everything stored for ``rows`` (an index or an index array), for :meth:`restore`."""
@@ -110,14 +112,16 @@ class SequenceTable:
         return tuple(array[rows].copy() for array in self._row_arrays())
 
     def restore(self, rows: Any, snapshot: tuple) -> None:
-        """Put back what :meth:`snapshot` saved (a rollback)."""
-        self.epoch += 1  # residency may change back
+        """Put back what :meth:`snapshot` saved (a rollback); the rows count as changed now (a
+        batch may have copied the rolled-back tables to its device already)."""
         for array, saved in zip(self._row_arrays(), snapshot, strict=True):
             if array.ndim == 2 and saved.shape[-1] != array.shape[1]:  # the table grew since
                 array[rows, saved.shape[-1] :] = 0
                 array[rows, : saved.shape[-1]] = saved
             else:
                 array[rows] = saved
+        self.version[rows] = self.clock
+        self.epoch += 1  # residency may change back (after the change: see `epoch`)
 
     def free_rows_mark(self) -> int:
         return len(self._free_rows)

@@ -187,7 +187,8 @@ class StepPlanner:
         return every[index], src, dst
 
     def _undo_rows(self, plans: list[tuple], shared: list[bool], tails: list | None) -> None:
-        """Undo of :meth:`_plan_rows`: the entries it filled were padding, or the copied block."""
+        """Undo of :meth:`_plan_rows`: the entries it filled were padding, or the copied block.
+        The rows count as changed (a batch may have copied the undone tables to its device)."""
         table = self._seqs
         for i, (row, _, length, held, after, copy, last) in enumerate(plans):
             table.tables[row, held:after] = 0
@@ -195,6 +196,7 @@ class StepPlanner:
                 table.tables[row, held - 1] = last
             table.lens[row] = length
             table.shared[row] = shared[i]
+            table.version[row] = table.clock
             if tails is not None:
                 table.tail[row] = tails[i]
 
@@ -253,8 +255,10 @@ class StepPlanner:
 
     def _undo_decode(self, rows, lens, at, width) -> None:
         table = self._seqs
-        # The entries a decode step fills were padding (flat indices at the step's width).
+        # The entries a decode step fills were padding (flat indices at the step's width); their
+        # rows count as changed (a batch may have copied the undone tables to its device).
         table.tables[at // width, at % width] = 0
+        table.version[at // width] = table.clock
         table.lens[rows] = lens
 
     def _chains_restorer(self, rows: list[int]) -> Callable[[], None]:

@@ -344,6 +344,61 @@ def test_a_sequence_freed_just_before_a_call_takes_the_lock_is_refused(call):
     cache.check_invariants()
 
 
+def test_a_swap_out_between_the_per_token_paths_two_looks_is_refused():
+    """At a block boundary the per-token path looks under the lock, lets it go and takes the
+    cache again to take a block: a sequence swapped out in between must be refused (the
+    general path's error), not given a block in a row that holds none."""
+    cache = PagedCache(8, block_size=BS, num_layers=LAYERS, num_kv_heads=1, head_dim=HEAD_DIM,
+                       dtype="float32", device="cpu")  # fmt: skip
+    sid = cache.admit(list(range(BS))).sid  # a full last block: the next token opens one
+    real, takes = cache._atomic._lock, []
+
+    class Interleaved:
+        def acquire(self, blocking=True, timeout=-1):
+            takes.append(True)
+            if len(takes) == 2:  # the path's second take: another thread's swap-out first
+                cache.swap_out(sid)
+            return real.acquire(blocking, timeout)
+
+        def release(self):
+            real.release()
+
+    cache._atomic._lock = Interleaved()
+    try:
+        with pytest.raises(CupagedError, match=f"sequence {sid} is swapped out"):
+            cache.reserve(sid, 1)
+    finally:
+        cache._atomic._lock = real
+    assert cache.is_swapped(sid) and cache.seq_len(sid) == BS
+    cache.check_invariants()
+    cache.free(sid)
+    assert cache.num_free_blocks == cache.num_blocks
+
+
+def test_a_rolled_back_step_leaves_no_stale_device_tables():
+    """A step that built the batch's device tables and then failed (its copy) is undone: the
+    batch's tables must follow the undone host tables, not keep the blocks of the failed step."""
+    cache = PagedCache(16, block_size=16, num_layers=1, num_kv_heads=1, head_dim=HEAD_DIM,
+                       dtype="float32", device="cpu")  # fmt: skip
+    a = cache.admit(list(range(5))).sid
+    b = cache.fork(a)  # a shared, partly filled block: the step copies it
+    batch = cache.batch([a, b])
+    cache.block_tables(batch)
+    real = cache._copy
+
+    def failing_copy(*args, **kwargs):
+        raise RuntimeError("injected copy failure")
+
+    cache._copy = failing_copy
+    with pytest.raises(RuntimeError, match="injected copy failure"):
+        cache.step(batch, tables=True)
+    cache._copy = real
+    tables, lens = cache.block_tables(batch)
+    assert [row[:1] for row in tables.tolist()] == [cache.block_table(a), cache.block_table(b)]
+    assert lens.tolist() == [5, 5]
+    cache.check_invariants()
+
+
 def test_a_freed_sequence_never_serves_its_unwritten_blocks():
     """Tenant A's prompt is cached and freed; B gets A's old block, never writes it, frees it:
     a later request with B's tokens must not hit A's K/V."""

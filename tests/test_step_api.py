@@ -267,6 +267,34 @@ def test_a_batch_whose_sequence_is_freed_while_it_is_made_checks_again_at_first_
     m.check_invariants()
 
 
+def test_a_batch_made_just_after_the_epoch_moves_sees_the_freed_sequence():
+    """The epoch moves only after a sequence stops being resident: a batch() that another
+    thread runs right after a free moved it must find the sequence gone (or check at its
+    first use), never keep the new epoch with the freed row in it."""
+    m = manager()
+    a, b = m.admit([1, 2, 3]).sid, m.admit([4, 5]).sid
+    table, made = m._seqs, []
+
+    class Watched(type(table)):  # runs batch() just after every change of the epoch
+        def __setattr__(self, name, value):
+            object.__setattr__(self, name, value)
+            if name == "epoch":
+                try:
+                    made.append(m.batch([a, b]))
+                except (KeyError, CupagedError) as error:
+                    made.append(error)
+
+    table.__class__ = Watched
+    m.free(a)
+    table.__class__ = type(table).__mro__[1]
+    assert made
+    for batch in made:
+        if not isinstance(batch, Exception):
+            with pytest.raises(KeyError, match=f"sequence {a} was already freed"):
+                m.step(batch)
+    m.check_invariants()
+
+
 # ------------------------------------------------------------------------------- admission
 
 
