@@ -10,7 +10,7 @@
 
 namespace cupaged {
 
-// Grid: (num_pairs, num_layers, 2), z = 0 copies keys, z = 1 values. Block: any multiple of 32.
+// Grid: (num_pairs, num_layers, 2), z = 0 copies keys, z = 1 values. Block: any size.
 template <typename W>
 __global__ void copy_blocks(W* __restrict__ k_cache,  // [num_layers, num_blocks, words_per_block]
                             W* __restrict__ v_cache,  // [num_layers, num_blocks, words_per_block]

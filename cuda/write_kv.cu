@@ -10,7 +10,7 @@
 
 namespace cupaged {
 
-// Grid: (num_tokens). Block: any multiple of 32 threads; each thread strides over the token's
+// Grid: (num_tokens). Block: any number of threads; each thread strides over the token's
 // num_kv_heads * head_dim / VEC vectors.
 template <typename T, typename Slot, int VEC>
 __global__ void write_kv(const T* __restrict__ k,        // [num_tokens, num_kv_heads, head_dim]

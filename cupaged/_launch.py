@@ -26,9 +26,12 @@ COPY_THREADS = 256
 # thread (about 8 ns, against about 1 ns per word a thread's loop copies): a kernel whose threads
 # split a loop among them (the decode planner, the split-K merge) runs with one warp there...
 CPU_COPY_THREADS = 32
-# ... and a copy or a KV write, whose threads only stride over the words, with one thread per block
-# (a launch of 16 blocks: 5 µs instead of 9). tests/test_ops.py runs both kernels on the CPU backend
-# with the GPU's thread counts too.
+# ... and so do a copy and a KV write, whose threads only stride over the words, when the launch is
+# large enough for the runtime's helper threads (which it decides by CUDA threads: from
+# CPU_POOL_MIN_THREADS on); a smaller one runs on the calling thread anyway, one thread per block
+# there (a launch of 16 blocks: 5 µs instead of 9). tests/test_ops.py runs both kernels on the CPU
+# backend with several threads too.
+CPU_POOL_MIN_THREADS = 4096
 CPU_STRIDE_THREADS = 1
 # Split-K: a split holds at least this many tokens, so that its fixed cost (loading the queries,
 # writing a partial row and its log-sum-exp) stays small against the K/V it reads.
@@ -534,14 +537,23 @@ def write_kv_launch(
     """``(name, grid, block)`` of ``write_kv``; 16-byte vectors when rows and pointers allow.
 
     A token's block has one thread per vector of its ``num_kv_heads`` rows (whole warps, at most
-    ``WRITE_THREADS``; ``CPU_STRIDE_THREADS`` on the CPU backend): more would only start and stop.
+    ``WRITE_THREADS``; on the CPU backend see :func:`_cpu_stride_threads`): more would only start
+    and stop.
     """
     vec = 16 // itemsize(dtype) if aligned and row_bytes % 16 == 0 else 1
     name = f"cupaged::write_kv<{C_TYPES[dtype]}, {SLOT_C_TYPES[np.dtype(slot_dtype)]}, {vec}>"
     vectors = num_kv_heads * row_bytes // (vec * itemsize(dtype))
     if device == "cpu":
-        return name, (num_tokens,), (CPU_STRIDE_THREADS,)
+        return name, (num_tokens,), (_cpu_stride_threads(num_tokens),)
     return name, (num_tokens,), (_whole_warps(vectors, WRITE_THREADS),)
+
+
+def _cpu_stride_threads(num_blocks: int) -> int:
+    """Threads per block of ``copy_blocks`` / ``write_kv`` on the CPU backend: one warp when the
+    launch is large enough for the runtime's helper threads, else ``CPU_STRIDE_THREADS``."""
+    if num_blocks * CPU_COPY_THREADS >= CPU_POOL_MIN_THREADS:
+        return CPU_COPY_THREADS
+    return CPU_STRIDE_THREADS
 
 
 def _whole_warps(items: int, most: int) -> int:
@@ -557,13 +569,13 @@ def copy_blocks_launch(
 ) -> tuple[str, tuple[int, int, int], tuple[int], int]:
     """``(name, grid, block, word_bytes)`` of ``copy_blocks``: the widest word that divides a block.
 
-    One thread per word of a block (whole warps, at most ``COPY_THREADS``, each striding;
-    ``CPU_STRIDE_THREADS`` on the CPU backend).
+    One thread per word of a block (whole warps, at most ``COPY_THREADS``, each striding; on the
+    CPU backend see :func:`_cpu_stride_threads`).
     """
     for word, c_type in _COPY_WORDS:
         if block_bytes % word == 0 and (aligned or word <= 2):
             if device == "cpu":
-                threads = CPU_STRIDE_THREADS
+                threads = _cpu_stride_threads(num_pairs * num_layers * 2)
             else:
                 threads = _whole_warps(block_bytes // word, COPY_THREADS)
             return f"cupaged::copy_blocks<{c_type}>", (num_pairs, num_layers, 2), (threads,), word

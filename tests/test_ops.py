@@ -89,6 +89,22 @@ def test_stride_kernels_with_several_threads_on_the_cpu_backend(rng, monkeypatch
         clear_plans()  # the plans made with these thread counts must not outlive the test
 
 
+def test_large_stride_launches_keep_warps_for_the_cpu_runtimes_helper_threads():
+    """One thread per block only where the launch runs on the calling thread anyway: a large
+    copy or write keeps whole warps, so that the CPU runtime (which decides by CUDA threads)
+    still spreads it over its helper threads."""
+    from cupaged import _launch
+
+    most = _launch.CPU_POOL_MIN_THREADS // _launch.CPU_COPY_THREADS  # blocks of a warp each
+    for blocks, threads in [(1, 1), (most - 1, 1), (most, 32), (4 * most, 32)]:
+        *_, block = _launch.write_kv_launch("float16", np.int32, blocks, 256, True, 2, "cpu")
+        assert block == (threads,)
+        *_, block, _ = _launch.copy_blocks_launch(4096, True, blocks, 1, "cpu")
+        assert block == ((1,) if 2 * blocks < most else (32,))
+    *_, block = _launch.write_kv_launch("float16", np.int32, 1, 256, True, 2, "cuda")
+    assert block == (32,)  # the GPU's warps whatever the size
+
+
 def test_empty_inputs_are_no_ops(rng):
     k_cache = random_array(rng, SHAPE, "float16")
     before = k_cache.copy()

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from .._launch import CPU_POOL_MIN_THREADS
 from ..errors import CupagedError, KernelError
 from . import toolchain
 from .options import SCHEDULES, current_options
@@ -71,7 +72,7 @@ def _cpu_count() -> int:
 
 # A launch with fewer CUDA threads than this, in all its blocks, runs on the calling thread alone:
 # waking a helper thread of the pool costs about as much as a few thousand fiber switches.
-_POOL_MIN_THREADS = 4096
+_POOL_MIN_THREADS = CPU_POOL_MIN_THREADS
 
 
 def _default_workers(num_blocks: int, block: tuple[int, int, int]) -> int:
