@@ -618,7 +618,7 @@ class BlockManager(StepPlanner):
             table, bs = self._seqs, self._block_size
             length = table.lens.item(row)
             offset = length % bs
-            if table.live.item(row) < 0 or (offset and table.shared.item(row)):
+            if table.live.item(row) != sid or (offset and table.shared.item(row)):
                 return None
             if offset:
                 slot = self._one_slot.cut(table.tables.item(row, length // bs) * bs + offset)
@@ -640,7 +640,7 @@ class BlockManager(StepPlanner):
             if (
                 self._rows.get(sid) != row
                 or table.lens.item(row) != length
-                or table.live.item(row) < 0
+                or table.live.item(row) != sid
             ):  # another thread's call since the look under the lock: the general path decides
                 return None
 
@@ -672,7 +672,8 @@ class BlockManager(StepPlanner):
             is the batch's longest table (at least 1); for a :class:`SequenceBatch` it is at
             least that, and the array is the batch's own, refreshed in place by the next call.
         """
-        return self._tables(self._batch_rows(sids), sids)
+        with self._atomic:  # it refreshes a batch's device tables and moves the table clock
+            return self._tables(self._batch_rows(sids), sids)
 
     def _tables(self, rows: np.ndarray, sids: Any) -> tuple[Any, Any]:
         table = self._seqs
@@ -895,12 +896,13 @@ class BlockManager(StepPlanner):
         if type(sids) is SequenceBatch or isinstance(sids, SequenceBatch):
             rows = sids._rows
             table = self._seqs
-            if sids._epoch != table.epoch or sids._manager is not self:
+            epoch = table.epoch  # (before the check: see SequenceTable.epoch)
+            if sids._epoch != epoch or sids._manager is not self:
                 if np.count_nonzero(table.live[rows] != sids._sids):
                     for sid in sids._sids.tolist():
                         self._resident_row(sid)  # raises for the first gone or swapped one
                 if sids._manager is self:  # no sequence stopped being resident since: no check
-                    sids._epoch = table.epoch
+                    sids._epoch = epoch
             return rows
         if isinstance(sids, (int, np.integer)):
             return np.array([self._resident_row(sids)], np.intp)
@@ -915,7 +917,7 @@ class BlockManager(StepPlanner):
         get, live, rows = self._rows.get, self._seqs.live, []
         for sid in sids:
             row = get(sid) if type(sid) is int else None
-            if row is None or live.item(row) < 0:
+            if row is None or live.item(row) != sid:
                 row = self._resident_row(sid)  # raises, or takes the slow path of an np.integer
             rows.append(row)
         return rows
@@ -990,7 +992,10 @@ class BlockManager(StepPlanner):
         row = self._rows.get(sid) if type(sid) is int else None
         if row is None:
             row = self._row(sid)  # raises, or takes the slow path of an np.integer
-        if self._seqs.live.item(row) < 0:
+        live = self._seqs.live.item(row)
+        if live != sid:  # (ids are never reused: the row's own sequence, resident, or neither)
+            if live >= 0:  # the row went to another sequence: read while another thread freed it
+                raise KeyError(f"sequence {sid} was already freed")
             raise CupagedError(f"sequence {sid} is swapped out; call swap_in({sid}) first")
         return row
 

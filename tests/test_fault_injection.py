@@ -259,6 +259,8 @@ def test_a_second_thread_inside_the_cache_is_refused_not_corrupting():
     assert cache.seq_len(ids["c"]) % BS  # the per-token fast path would apply: it refuses too
     with pytest.raises(CupagedError, match="expected one thread at a time"):
         cache.reserve(ids["c"], 1)
+    with pytest.raises(CupagedError, match="expected one thread at a time"):
+        cache.block_tables([ids["c"]])  # it refreshes a batch's device tables: refused too
     assert observe(cache)["seqs"][ids["c"]] == before["seqs"][ids["c"]]
     leave.set()
     worker.join(5)

@@ -295,6 +295,54 @@ def test_a_batch_made_just_after_the_epoch_moves_sees_the_freed_sequence():
     m.check_invariants()
 
 
+def test_a_batch_check_that_a_free_overtakes_is_made_again(monkeypatch):
+    """A batch's residency check runs at the epoch it read first: a free that lands between the
+    check and the batch's new epoch must leave the batch to be checked again at its next use."""
+    m = manager()
+    a, b, c = m.admit([1, 2, 3]).sid, m.admit([4, 5, 6]).sid, m.admit([7]).sid
+    batch = m.batch([a, b])
+    m.free(c)  # the epoch moves: the batch's next use checks its sequences
+    check, fired = block_manager.np.count_nonzero, []
+
+    def then_freed(x, *args, **kwargs):  # the residency check, then another call's free
+        result = check(x, *args, **kwargs)
+        if not fired and getattr(x, "shape", None) == (2,) and x.dtype == bool:
+            fired.append(True)
+            m.free(b)
+            m.admit([9, 9, 9])  # takes b's old row
+        return result
+
+    monkeypatch.setattr(block_manager.np, "count_nonzero", then_freed)
+    m.block_tables(batch)  # its check passed before the free
+    monkeypatch.undo()
+    assert fired
+    before = state(m)
+    with pytest.raises(KeyError, match=f"sequence {b} was already freed"):
+        m.step(batch)
+    assert state(m) == before
+    m.check_invariants()
+
+
+def test_an_id_whose_row_went_to_another_sequence_is_refused():
+    """Ids are never reused: a lookup that finds a row now holding another sequence (read while
+    another thread freed the id and an admission took its row) refuses the id."""
+    m = manager()
+    a, b = m.admit([1, 2, 3]).sid, m.admit([4, 5]).sid
+    row = m._rows[b]
+    m.free(b)
+    d = m.admit([9, 9]).sid
+    assert m._rows[d] == row
+    m._rows[b] = row  # what a lock-free lookup can still read in the middle of the free
+    try:
+        with pytest.raises(KeyError, match=f"sequence {b} was already freed"):
+            m.batch([a, b])
+        with pytest.raises(KeyError, match=f"sequence {b} was already freed"):
+            m.step(b)
+    finally:
+        del m._rows[b]
+    m.check_invariants()
+
+
 # ------------------------------------------------------------------------------- admission
 
 
