@@ -11,6 +11,7 @@ and gives the result it gives on an untouched cache.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import numpy as np
@@ -269,6 +270,29 @@ def test_a_second_thread_inside_the_cache_is_refused_not_corrupting():
     cache.check_invariants()
 
 
+@contextlib.contextmanager
+def another_call_at_take(cache, n, call):
+    """Inside the block, run ``call()`` (another thread's call, finished) just before this
+    thread's ``n``-th take of the cache (1-based): the interleaving a race would give, forced."""
+    real, takes = cache._atomic._lock, []
+
+    class Interleaved:
+        def acquire(self, blocking=True, timeout=-1):
+            takes.append(True)
+            if len(takes) == n:  # (the call's own takes come after: they run nothing)
+                call()
+            return real.acquire(blocking, timeout)
+
+        def release(self):
+            real.release()
+
+    cache._atomic._lock = Interleaved()
+    try:
+        yield takes
+    finally:
+        cache._atomic._lock = real
+
+
 @pytest.mark.parametrize("start", [3, 4])  # inside a block, and at a block boundary
 def test_the_per_token_path_reads_the_sequence_under_the_lock(start):
     """Another thread's call that ends just before this one takes the lock must be seen: the
@@ -278,22 +302,11 @@ def test_the_per_token_path_reads_the_sequence_under_the_lock(start):
                        dtype="float32", device="cpu")  # fmt: skip
     sid = cache.admit(list(range(start - 1))).sid
     cache.reserve(sid, 1)  # the fast path's state is warm: length start
-    real = cache._atomic._lock
-    other, started = [], []
-
-    class Interleaved:  # the other call runs between this call's first look and its lock
-        def acquire(self, blocking=True, timeout=-1):
-            if not started:
-                started.append(True)
-                other.append(cache.step(np.int64(sid)).slots.item())  # (np.int64: the general path)
-            return real.acquire(blocking, timeout)
-
-        def release(self):
-            real.release()
-
-    cache._atomic._lock = Interleaved()
-    mine = cache.reserve(sid, 1).item()
-    cache._atomic._lock = real
+    other = []
+    with another_call_at_take(  # (np.int64: the general path)
+        cache, 1, lambda: other.append(cache.step(np.int64(sid)).slots.item())
+    ):
+        mine = cache.reserve(sid, 1).item()
     table = cache.block_table(sid)
     assert other == [table[start // BS] * BS + start % BS]
     assert mine == table[(start + 1) // BS] * BS + (start + 1) % BS
@@ -324,25 +337,10 @@ def test_a_sequence_freed_just_before_a_call_takes_the_lock_is_refused(call):
     cache = PagedCache(16, block_size=BS, num_layers=LAYERS, num_kv_heads=1, head_dim=HEAD_DIM,
                        dtype="float32", device="cpu", enable_prefix_caching=True)  # fmt: skip
     sid, other = cache.admit([1, 2, 3, 4, 5]).sid, cache.admit([9, 8, 7]).sid
-    real, started = cache._atomic._lock, []
-
-    class Interleaved:  # the other thread's free runs just before this call takes the lock
-        def acquire(self, blocking=True, timeout=-1):
-            if not started:
-                started.append(True)
-                cache.free(sid)
-            return real.acquire(blocking, timeout)
-
-        def release(self):
-            real.release()
-
-    cache._atomic._lock = Interleaved()
-    try:
+    with another_call_at_take(cache, 1, lambda: cache.free(sid)) as takes:
         with pytest.raises(KeyError, match="already freed"):
             call(cache, sid, other)
-    finally:
-        cache._atomic._lock = real
-    assert started and sid not in cache.sequence_ids and cache.seq_len(other) == 3
+    assert takes and sid not in cache.sequence_ids and cache.seq_len(other) == 3
     cache.check_invariants()
 
 
@@ -353,24 +351,10 @@ def test_a_swap_out_between_the_per_token_paths_two_looks_is_refused():
     cache = PagedCache(8, block_size=BS, num_layers=LAYERS, num_kv_heads=1, head_dim=HEAD_DIM,
                        dtype="float32", device="cpu")  # fmt: skip
     sid = cache.admit(list(range(BS))).sid  # a full last block: the next token opens one
-    real, takes = cache._atomic._lock, []
-
-    class Interleaved:
-        def acquire(self, blocking=True, timeout=-1):
-            takes.append(True)
-            if len(takes) == 2:  # the path's second take: another thread's swap-out first
-                cache.swap_out(sid)
-            return real.acquire(blocking, timeout)
-
-        def release(self):
-            real.release()
-
-    cache._atomic._lock = Interleaved()
-    try:
+    # The path's second take: another thread's swap-out just before it.
+    with another_call_at_take(cache, 2, lambda: cache.swap_out(sid)):
         with pytest.raises(CupagedError, match=f"sequence {sid} is swapped out"):
             cache.reserve(sid, 1)
-    finally:
-        cache._atomic._lock = real
     assert cache.is_swapped(sid) and cache.seq_len(sid) == BS
     cache.check_invariants()
     cache.free(sid)

@@ -245,6 +245,15 @@ def test_batch_handles_refuse_freed_swapped_and_duplicate_sequences():
     cache.check_invariants()
 
 
+def assert_step_refuses_the_freed(m, batch, sid):
+    """Stepping ``batch`` refuses its freed sequence ``sid`` and changes nothing."""
+    before = state(m)
+    with pytest.raises(KeyError, match=f"sequence {sid} was already freed"):
+        m.step(batch)
+    assert state(m) == before
+    m.check_invariants()
+
+
 def test_a_batch_whose_sequence_is_freed_while_it_is_made_checks_again_at_first_use():
     """batch() takes no lock: a free by another thread right after its lookups must still be
     caught by the batch's first step (the batch keeps the epoch from before the lookups)."""
@@ -260,11 +269,7 @@ def test_a_batch_whose_sequence_is_freed_while_it_is_made_checks_again_at_first_
     m._resident_rows = then_freed
     batch = m.batch([a, b])
     del m._resident_rows
-    before = state(m)
-    with pytest.raises(KeyError, match=f"sequence {a} was already freed"):
-        m.step(batch)
-    assert state(m) == before
-    m.check_invariants()
+    assert_step_refuses_the_freed(m, batch, a)
 
 
 def test_a_batch_made_just_after_the_epoch_moves_sees_the_freed_sequence():
@@ -290,8 +295,7 @@ def test_a_batch_made_just_after_the_epoch_moves_sees_the_freed_sequence():
     assert made
     for batch in made:
         if not isinstance(batch, Exception):
-            with pytest.raises(KeyError, match=f"sequence {a} was already freed"):
-                m.step(batch)
+            assert_step_refuses_the_freed(m, batch, a)
     m.check_invariants()
 
 
@@ -316,11 +320,7 @@ def test_a_batch_check_that_a_free_overtakes_is_made_again(monkeypatch):
     m.block_tables(batch)  # its check passed before the free
     monkeypatch.undo()
     assert fired
-    before = state(m)
-    with pytest.raises(KeyError, match=f"sequence {b} was already freed"):
-        m.step(batch)
-    assert state(m) == before
-    m.check_invariants()
+    assert_step_refuses_the_freed(m, batch, b)
 
 
 def test_an_id_whose_row_went_to_another_sequence_is_refused():
