@@ -51,6 +51,7 @@ from .step_planner import _NO_COPIES, StepPlanner
 
 _INT32_MAX = 2**31 - 1
 _NO_BLOCKS = np.zeros(0, np.intp)
+_get_ident = threading.get_ident
 _NO_BLOCKS.flags.writeable = False
 
 SequenceIds = "int | Iterable[int] | SequenceBatch"
@@ -171,7 +172,7 @@ class _Atomic:
         self.kv_written = False  # K/V were written into taken blocks: evictions stay evicted
 
     def __enter__(self) -> _Atomic:
-        me = threading.get_ident()
+        me = _get_ident()
         if self._owner == me:
             self._depth += 1
             return self
@@ -380,8 +381,6 @@ class BlockManager(StepPlanner):
             return self._admit(prompt, salt)
 
     def _admit(self, prompt: np.ndarray, salt: bytes | None) -> Admission:
-        stats = self._prefix.stats
-        counters = (stats.hits, stats.misses, stats.cached_tokens)
         bs, pool, table = self._block_size, self._pool, self._seqs
         if self.prefix_caching:
             hits, chain, keys = self._prefix.match_unchecked(prompt, salt)
@@ -396,8 +395,8 @@ class BlockManager(StepPlanner):
         else:
             held, in_use = None, 0
         needed = -(-n // bs) - n_hits
+        # Too few blocks: the transaction puts the match's counters back.
         if needed > pool._top + pool._num_evictable - (n_hits - in_use):
-            stats.hits, stats.misses, stats.cached_tokens = counters
             raise OutOfBlocksError(
                 needed, pool.num_free - (n_hits - in_use), f"admitting a {n}-token prompt"
             )

@@ -383,9 +383,11 @@ class BlockPool:
             block_of[key] = block
             key_of[block] = key
             content_of[block] = content
-        if len(registered) == 1:
-            self._registered[registered[0]] = True
-        elif registered:
+        if len(registered) <= 8:  # a few (an admission's own blocks, a decode step's)
+            flags = self._registered
+            for block in registered:
+                flags[block] = True
+        else:
             self._registered[registered] = True
 
     def share(self, blocks: np.ndarray, n: int) -> None:
