@@ -51,8 +51,8 @@ from .step_planner import _NO_COPIES, StepPlanner
 
 _INT32_MAX = 2**31 - 1
 _NO_BLOCKS = np.zeros(0, np.intp)
-_get_ident = threading.get_ident
 _NO_BLOCKS.flags.writeable = False
+_get_ident = threading.get_ident
 
 SequenceIds = "int | Iterable[int] | SequenceBatch"
 
@@ -202,8 +202,11 @@ class _Atomic:
                 self._lock.release()
             return
         try:
-            for action in reversed(self.undo):
-                action()
+            if self.undo:  # a batch may have copied the tables being undone to its device
+                table = self._manager._seqs
+                for action in reversed(self.undo):
+                    action()
+                table.touch(slice(None))  # every row counts as changed: batches refresh
             self._pool.rollback(self._mark, keep_evicted=not self.kv_written)
             stats = self._stats
             self._manager._next_id, stats.hits, stats.misses, stats.cached_tokens = self._saved
@@ -472,10 +475,7 @@ class BlockManager(StepPlanner):
         prompt's head survives eviction longest.
         """
         with self._atomic:  # (the lookup too: no other thread's call in between)
-            row = self._rows.get(sid) if type(sid) is int else None
-            if row is None:
-                row = self._row(sid)  # raises the KeyError
-            self._release([sid], [row])
+            self._release([sid], [self._row(sid)])
 
     def free_many(self, sids: Iterable[int]) -> None:
         """End several sequences at once (as :meth:`free` one after the other, vectorised)."""
@@ -645,7 +645,7 @@ class BlockManager(StepPlanner):
 
             def undo() -> None:
                 table.tables[row, held] = 0  # it was padding
-                table.lens[row], table.version[row] = length, table.clock  # (changed)
+                table.lens[row] = length
 
             atomic.undo.append(undo)
             block = pool.take(1).item(0)
@@ -876,7 +876,6 @@ class BlockManager(StepPlanner):
             table.tables[row, :held] = blocks[::-1]
             table.lens[row], table.sids[row], table.live[row] = length, sid, sid if resident else -1
             table.shared[row], table.pending[row] = shared, pending
-            table.version[row] = table.clock  # changed (as in SequenceTable.restore)
             table.epoch += 1  # after the change (see SequenceTable.epoch)
             self._restore_entry(sid, row, cached, chain)
 
@@ -988,9 +987,7 @@ class BlockManager(StepPlanner):
         return cdiv(int(self._seqs.lens[row]), self._block_size)
 
     def _resident_row(self, sid: int) -> int:
-        row = self._rows.get(sid) if type(sid) is int else None
-        if row is None:
-            row = self._row(sid)  # raises, or takes the slow path of an np.integer
+        row = self._row(sid)
         live = self._seqs.live.item(row)
         if live != sid:  # (ids are never reused: the row's own sequence, resident, or neither)
             if live >= 0:  # the row went to another sequence: read while another thread freed it
@@ -999,6 +996,9 @@ class BlockManager(StepPlanner):
         return row
 
     def _row(self, sid: int) -> int:
+        row = self._rows.get(sid) if type(sid) is int else None
+        if row is not None:  # a live plain int: mostly
+            return row
         is_id = isinstance(sid, (int, np.integer)) and not isinstance(sid, (bool, np.bool_))
         if is_id:
             row = self._rows.get(int(sid))

@@ -112,15 +112,13 @@ class SequenceTable:
         return tuple(array[rows].copy() for array in self._row_arrays())
 
     def restore(self, rows: Any, snapshot: tuple) -> None:
-        """Put back what :meth:`snapshot` saved (a rollback); the rows count as changed now (a
-        batch may have copied the rolled-back tables to its device already)."""
+        """Put back what :meth:`snapshot` saved (a rollback)."""
         for array, saved in zip(self._row_arrays(), snapshot, strict=True):
             if array.ndim == 2 and saved.shape[-1] != array.shape[1]:  # the table grew since
                 array[rows, saved.shape[-1] :] = 0
                 array[rows, : saved.shape[-1]] = saved
             else:
                 array[rows] = saved
-        self.version[rows] = self.clock
         self.epoch += 1  # residency may change back (after the change: see `epoch`)
 
     def free_rows_mark(self) -> int:

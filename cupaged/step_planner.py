@@ -187,8 +187,7 @@ class StepPlanner:
         return every[index], src, dst
 
     def _undo_rows(self, plans: list[tuple], shared: list[bool], tails: list | None) -> None:
-        """Undo of :meth:`_plan_rows`: the entries it filled were padding, or the copied block.
-        The rows count as changed (a batch may have copied the undone tables to its device)."""
+        """Undo of :meth:`_plan_rows`: the entries it filled were padding, or the copied block."""
         table = self._seqs
         for i, (row, _, length, held, after, copy, last) in enumerate(plans):
             table.tables[row, held:after] = 0
@@ -196,7 +195,6 @@ class StepPlanner:
                 table.tables[row, held - 1] = last
             table.lens[row] = length
             table.shared[row] = shared[i]
-            table.version[row] = table.clock
             if tails is not None:
                 table.tail[row] = tails[i]
 
@@ -255,10 +253,8 @@ class StepPlanner:
 
     def _undo_decode(self, rows, lens, at, width) -> None:
         table = self._seqs
-        # The entries a decode step fills were padding (flat indices at the step's width); their
-        # rows count as changed (a batch may have copied the undone tables to its device).
+        # The entries a decode step fills were padding (flat indices at the step's width).
         table.tables[at // width, at % width] = 0
-        table.version[at // width] = table.clock
         table.lens[rows] = lens
 
     def _chains_restorer(self, rows: list[int]) -> Callable[[], None]:
@@ -338,11 +334,10 @@ class StepPlanner:
         else:
             if uniform:
                 pos = lens.repeat(counts) + np.arange(counts * rows.size) % counts
-                first = (rows * table.width).repeat(counts)
             else:
                 ahead = counts.cumsum() - counts  # tokens of the rows before
                 pos = (lens - ahead).repeat(counts) + np.arange(int(ahead[-1] + counts[-1]))
-                first = (rows * table.width).repeat(counts)
+            first = (rows * table.width).repeat(counts)
             slots = flat[first + pos // bs] * bs + pos % bs
         table.lens[rows] = ends
         table.shared[rows[writing]] = False  # each writer's last block is its own now

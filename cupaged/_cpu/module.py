@@ -72,7 +72,7 @@ def _cpu_count() -> int:
 
 # A launch with fewer CUDA threads than this, in all its blocks, runs on the calling thread alone:
 # waking a helper thread of the pool costs about as much as a few thousand fiber switches.
-_POOL_MIN_THREADS = CPU_POOL_MIN_THREADS
+_POOL_MIN_THREADS = CPU_POOL_MIN_THREADS  # (set beside the launch shapes that depend on it)
 
 
 def _default_workers(num_blocks: int, block: tuple[int, int, int]) -> int:
