@@ -7,6 +7,7 @@ import pytest
 from helpers import DTYPES, poison, random_array
 
 import cupaged
+from cupaged import _checks
 from cupaged._checks import check_slots
 
 SHAPE = (6, 2, 4, 16)  # [num_blocks, num_kv_heads, block_size, head_dim]
@@ -237,9 +238,10 @@ def test_int64_slots_are_checked_before_they_are_narrowed(rng, bad):
     np.testing.assert_array_equal(args["k_cache"], before)
 
 
-@pytest.mark.parametrize("n", [5, 200])  # the Python path for a few slots, the array path for many
+# The Python path for a few slots, the array path past _checks._SMALL.
+@pytest.mark.parametrize("n", [5, _checks._SMALL + 1])
 def test_slot_checks_refuse_the_same_slots_on_both_paths(rng, n):
-    capacity = 6 * 4 * 16  # 6 blocks of 16 tokens, times 4: room for 200 distinct slots
+    capacity = 6 * 4 * 16  # 6 blocks of 16 tokens, times 4: room for the array path's slots
     slots = rng.permutation(capacity)[:n].astype(np.int64)
     slots[0] = -1  # padding passes
     check_slots(slots, capacity)
@@ -251,7 +253,8 @@ def test_slot_checks_refuse_the_same_slots_on_both_paths(rng, n):
             check_slots(wrong, capacity)
 
 
-@pytest.mark.parametrize("n", [3, 150])  # the Python path for a few ids, the array path for many
+# The Python path for a few ids, the array path past _checks._SMALL.
+@pytest.mark.parametrize("n", [3, _checks._SMALL + 1])
 def test_int64_copy_pairs_are_checked_before_they_are_narrowed(rng, n):
     k_cache = random_array(rng, (320, 2, 4, 16), "float16")
     before = k_cache.copy()
