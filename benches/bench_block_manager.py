@@ -19,7 +19,8 @@ v1's and nano-vllm's block managers measured the same way:
   runs them (CPU backend, one layer). ``per_step`` appends one token per beam per step (64
   steps), ``bulk`` the 64 tokens in one step.
 - the per-token calls of W1a (``step(sid)`` and ``reserve(sid, 1)``, one call per sequence),
-  against which the batched step is judged.
+  against which the batched step is judged, and :class:`MinimalReserve`, the least any per-token
+  call can do in Python (without and with a lock): the floor under every per-token API here.
 
 Times are per step, request or scenario (``extra_info``: ``us_per_step`` etc.; W3b also gives
 ``us_copy``, the copy's median share), medians of the rounds. The harness (finding finished sequences, drawing lengths) is included, as it was for the
@@ -28,6 +29,7 @@ other block managers.
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -98,36 +100,81 @@ def test_decode_step(benchmark, workload):
         state.manager.check_invariants()
 
 
-@pytest.mark.parametrize("api", ["step", "reserve"])
+class MinimalReserve:
+    """The least a per-token reservation can do in Python: a lower bound, not a block manager.
+
+    One token for one sequence: find its row, read its length, take a block when the token starts
+    one, store the length, return the slot as a Python int. No argument checks, no capacity
+    check, no undo, no copy-on-write, no version for the device tables, and (unless ``locked``)
+    no thread guard: everything ``reserve(sid, 1)`` must do beyond this is left out, so its time
+    per call bounds every per-token API from below on the machine that runs it.
+    """
+
+    def __init__(self, num_blocks: int, sids: list[int], max_tokens: int, locked: bool) -> None:
+        self._rows = {sid: row for row, sid in enumerate(sids)}
+        self._lens = np.zeros(len(sids), np.int32)
+        self._tables = np.zeros((len(sids), -(-max_tokens // BLOCK_SIZE)), np.int32)
+        self._free = list(range(num_blocks - 1, -1, -1))
+        self._lock = threading.Lock()
+        self.reserve = self._reserve_locked if locked else self._reserve
+
+    def _reserve(self, sid: int, n: int) -> int:
+        row = self._rows[sid]
+        length = self._lens.item(row)
+        if length % BLOCK_SIZE == 0:
+            self._tables[row, length // BLOCK_SIZE] = self._free.pop()
+        self._lens[row] = length + 1
+        return self._tables.item(row, length // BLOCK_SIZE) * BLOCK_SIZE + length % BLOCK_SIZE
+
+    def _reserve_locked(self, sid: int, n: int) -> int:
+        with self._lock:
+            return self._reserve(sid, n)
+
+
+@pytest.mark.parametrize("api", ["step", "reserve", "floor", "floor_locked"])
 def test_decode_step_per_token(benchmark, api):
     """W1a with one call per sequence: what the batched step is judged against.
 
     ``step``: ``BlockManager.step(sid)``; ``reserve``: ``PagedCache.reserve(sid, 1)`` (the
-    per-token call of the issue), both for an int id, one token each.
+    per-token call of the issue), both for an int id, one token each. ``floor`` and
+    ``floor_locked``: :class:`MinimalReserve`, the lower bound of any per-token call in Python
+    (without and with a lock).
     """
-    steps = 200
+    steps, rounds = 200, 5
     if api == "step":
         state = DecodeWorkload(prefix_caching=False, steps=steps)
         call, sids = state.manager.step, state.batch.sids.tolist()
+    elif api.startswith("floor"):
+        sids = list(range(BATCH))
+        floor = MinimalReserve(NUM_BLOCKS, sids, rounds * steps, locked=api == "floor_locked")
+        call = floor.reserve
     else:
         cache = PagedCache(NUM_BLOCKS, block_size=BLOCK_SIZE, num_layers=1, num_kv_heads=1,
                            head_dim=64, dtype="float16", device="cpu")  # fmt: skip
         sids = [cache.admit([token]).sid for token in range(BATCH)]
         call = cache.reserve
 
+    runs = []
+
     def run():
+        runs.append(steps)
         for _ in range(steps):
             for sid in sids:
                 call(sid, 1)
 
-    benchmark.pedantic(run, rounds=5, iterations=1)
+    benchmark.pedantic(run, rounds=rounds, iterations=1)
     median = benchmark.stats.stats.median
     benchmark.extra_info.update(
         workload=f"W1a per token ({api})", batch=BATCH, steps=steps,
         us_per_step=round(median * 1e6 / steps, 1),
         us_per_sequence=round(median * 1e6 / steps / BATCH, 3),
     )  # fmt: skip
-    (state.manager if api == "step" else cache).check_invariants()
+    if api == "step":
+        state.manager.check_invariants()
+    elif api == "reserve":
+        cache.check_invariants()
+    else:  # every call took its token
+        assert floor._lens.tolist() == [sum(runs)] * BATCH
 
 
 @pytest.mark.parametrize("num_blocks", [NUM_BLOCKS, 4 * NUM_BLOCKS])
