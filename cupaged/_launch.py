@@ -26,13 +26,21 @@ COPY_THREADS = 256
 # thread (about 8 ns, against about 1 ns per word a thread's loop copies): a kernel whose threads
 # split a loop among them (the decode planner, the split-K merge) runs with one warp there...
 CPU_COPY_THREADS = 32
-# ... and so do a copy and a KV write, whose threads only stride over the words, when the launch is
-# large enough for the runtime's helper threads (which it decides by CUDA threads: from
-# CPU_POOL_MIN_THREADS on); a smaller one runs on the calling thread anyway, one thread per block
-# there (a launch of 16 blocks: 5 µs instead of 9). tests/test_ops.py runs both kernels on the CPU
-# backend with several threads too.
+# ... but a copy and a KV write, whose threads only stride over the words, run one thread per block
+# there whatever the size: their helper threads cost more than they save on launches of small
+# blocks (a copy of 64 pairs of 2 KiB blocks: 83 µs with warps and two OS threads, 18 with one
+# thread per block on one). The runtime decides its helper threads by CUDA threads
+# (CPU_POOL_MIN_THREADS); for these two the launch table decides by bytes instead (see
+# cpu_stride_workers). tests/test_ops.py runs both kernels on the CPU backend with several threads
+# too.
 CPU_POOL_MIN_THREADS = 4096
 CPU_STRIDE_THREADS = 1
+# A stride launch takes the runtime's helper threads when it moves at least this many bytes in all,
+# in blocks of at least this many each: below either, one OS thread is faster (measured on two
+# cores: a write of 1,024 tokens of 4 KiB, 4.2 MB, 622 µs alone and 484 with a helper; 4 MB of copies
+# in 2 KiB blocks 260 alone and 425 with one).
+CPU_POOL_MIN_BYTES = 4 << 20
+CPU_POOL_MIN_BLOCK_BYTES = 4096
 # Split-K: a split holds at least this many tokens, so that its fixed cost (loading the queries,
 # writing a partial row and its log-sum-exp) stays small against the K/V it reads.
 MIN_SPLIT_TOKENS = 256
@@ -537,23 +545,25 @@ def write_kv_launch(
     """``(name, grid, block)`` of ``write_kv``; 16-byte vectors when rows and pointers allow.
 
     A token's block has one thread per vector of its ``num_kv_heads`` rows (whole warps, at most
-    ``WRITE_THREADS``; on the CPU backend see :func:`_cpu_stride_threads`): more would only start
-    and stop.
+    ``WRITE_THREADS``; on the CPU backend ``CPU_STRIDE_THREADS``): more would only start and
+    stop.
     """
     vec = 16 // itemsize(dtype) if aligned and row_bytes % 16 == 0 else 1
     name = f"cupaged::write_kv<{C_TYPES[dtype]}, {SLOT_C_TYPES[np.dtype(slot_dtype)]}, {vec}>"
     vectors = num_kv_heads * row_bytes // (vec * itemsize(dtype))
     if device == "cpu":
-        return name, (num_tokens,), (_cpu_stride_threads(num_tokens),)
+        return name, (num_tokens,), (CPU_STRIDE_THREADS,)
     return name, (num_tokens,), (_whole_warps(vectors, WRITE_THREADS),)
 
 
-def _cpu_stride_threads(num_blocks: int) -> int:
-    """Threads per block of ``copy_blocks`` / ``write_kv`` on the CPU backend: one warp when the
-    launch is large enough for the runtime's helper threads, else ``CPU_STRIDE_THREADS``."""
-    if num_blocks * CPU_COPY_THREADS >= CPU_POOL_MIN_THREADS:
-        return CPU_COPY_THREADS
-    return CPU_STRIDE_THREADS
+def cpu_stride_workers(num_blocks: int, block_bytes: int) -> int:
+    """At most how many OS threads run a ``copy_blocks`` / ``write_kv`` launch on the CPU backend
+    whose ``num_blocks`` blocks move ``block_bytes`` each: 1 for a small launch or small blocks,
+    else one per block (the runtime caps it at its CPUs). The launch options' ``workers``, when
+    set, win."""
+    if num_blocks * block_bytes >= CPU_POOL_MIN_BYTES and block_bytes >= CPU_POOL_MIN_BLOCK_BYTES:
+        return num_blocks
+    return 1
 
 
 def _whole_warps(items: int, most: int) -> int:
@@ -570,12 +580,12 @@ def copy_blocks_launch(
     """``(name, grid, block, word_bytes)`` of ``copy_blocks``: the widest word that divides a block.
 
     One thread per word of a block (whole warps, at most ``COPY_THREADS``, each striding; on the
-    CPU backend see :func:`_cpu_stride_threads`).
+    CPU backend ``CPU_STRIDE_THREADS``).
     """
     for word, c_type in _COPY_WORDS:
         if block_bytes % word == 0 and (aligned or word <= 2):
             if device == "cpu":
-                threads = _cpu_stride_threads(num_pairs * num_layers * 2)
+                threads = CPU_STRIDE_THREADS
             else:
                 threads = _whole_warps(block_bytes // word, COPY_THREADS)
             return f"cupaged::copy_blocks<{c_type}>", (num_pairs, num_layers, 2), (threads,), word

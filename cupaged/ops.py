@@ -161,6 +161,10 @@ def _write_plan(
         elem, slot_dtype, num_tokens, head_dim * ITEMSIZES[elem], aligned, num_kv_heads, device
     )
     kernel = get_kernel(device, "write_kv.cu", name)
+    if device == "cpu":  # one OS thread unless the launch is large (see cpu_stride_workers)
+        token_bytes = 2 * num_kv_heads * head_dim * ITEMSIZES[elem]
+        workers = _launch.cpu_stride_workers(num_tokens, token_bytes)
+        kernel = functools.partial(kernel, workers=workers)
     return kernel, grid, block, (np.int32(num_kv_heads), np.int32(block_size), np.int32(head_dim))
 
 
@@ -242,6 +246,9 @@ def _copy_plan(
         block_bytes, aligned, num_copies, num_layers, device
     )
     kernel = get_kernel(device, "copy_blocks.cu", name)
+    if device == "cpu":  # one OS thread unless the launch is large (see cpu_stride_workers)
+        workers = _launch.cpu_stride_workers(grid[0] * grid[1] * grid[2], block_bytes)
+        kernel = functools.partial(kernel, workers=workers)
     return kernel, grid, block, (np.int32(num_blocks), np.int64(block_bytes // word))
 
 

@@ -12,6 +12,7 @@ import logging
 import os
 import platform
 import shutil
+import struct
 import subprocess
 import sys
 import time
@@ -299,6 +300,44 @@ def test_several_workers_give_the_same_result_as_one(basics, rng):
         results.append(out)
     np.testing.assert_array_equal(results[0], results[1])
     np.testing.assert_array_equal(results[0], results[2])
+
+
+def _launched_workers(kernel, *call, **hint) -> int:
+    """The ``workers`` field of the request that ``kernel(*call, **hint)`` sends to the runtime."""
+    launch, sent = kernel._launch, []
+
+    def spy(request, *rest):
+        sent.append(struct.unpack_from(cpu_module._HEADER, request))
+        return launch(request, *rest)
+
+    kernel._launch = spy
+    try:
+        kernel(*call, **hint)
+    finally:
+        kernel._launch = launch
+    (header,) = sent
+    return header[8]  # kernel index, grid (3), block (3), schedule, workers
+
+
+def test_a_launch_caps_its_workers_and_the_launch_options_win(basics, rng):
+    """``workers=`` (the launch table's choice for copies and writes) caps a launch's OS threads at
+    the CPUs; ``launch_options(workers=...)`` wins over it; a bad one is refused before a launch."""
+    x = rng.standard_normal((300, 128)).astype(np.float32)
+    kernel = basics.get_function("cpu_test::two_level_sum<128>")
+    out = np.full_like(x, np.nan)
+    cpus = cpu_module._cpu_count()
+    assert _launched_workers(kernel, 300, 128, (out, x)) == cpus  # 38,400 CUDA threads
+    assert _launched_workers(kernel, 300, 128, (out, x), workers=1) == 1
+    assert _launched_workers(kernel, 300, 128, (out, x), workers=10_000) == cpus
+    with launch_options(workers=3):
+        assert _launched_workers(kernel, 300, 128, (out, x), workers=1) == 3
+    expected = x.astype(np.float64).sum(axis=1, keepdims=True)
+    np.testing.assert_allclose(out[:, :1], expected, rtol=1e-4, atol=1e-4)
+    for bad in (0, -1, True, 2.0, "2"):
+        out = np.full_like(x, np.nan)
+        with pytest.raises(ValueError, match=r"expected workers a positive int or None, got"):
+            kernel(300, 128, (out, x), workers=bad)
+        assert np.isnan(out).all()  # nothing ran
 
 
 def _os_threads() -> int:

@@ -90,20 +90,59 @@ def test_stride_kernels_with_several_threads_on_the_cpu_backend(rng, monkeypatch
         clear_plans()  # the plans made with these thread counts must not outlive the test
 
 
-def test_large_stride_launches_keep_warps_for_the_cpu_runtimes_helper_threads():
-    """One thread per block only where the launch runs on the calling thread anyway: a large
-    copy or write keeps whole warps, so that the CPU runtime (which decides by CUDA threads)
-    still spreads it over its helper threads."""
+def test_stride_launches_take_helper_threads_by_bytes_on_the_cpu_backend():
+    """On the CPU backend a copy or a write runs one thread per block whatever its size, and takes
+    the runtime's helper threads only for a launch of many bytes in large blocks (helpers cost more
+    than they save on small blocks; the runtime's own rule counts CUDA threads, not bytes)."""
     from cupaged import _launch
 
-    most = _launch.CPU_POOL_MIN_THREADS // _launch.CPU_COPY_THREADS  # blocks of a warp each
-    for blocks, threads in [(1, 1), (most - 1, 1), (most, 32), (4 * most, 32)]:
-        *_, block = _launch.write_kv_launch("float16", np.int32, blocks, 256, True, 2, "cpu")
-        assert block == (threads,)
-        *_, block, _ = _launch.copy_blocks_launch(4096, True, blocks, 1, "cpu")
-        assert block == ((1,) if 2 * blocks < most else (32,))
-    *_, block = _launch.write_kv_launch("float16", np.int32, 1, 256, True, 2, "cuda")
-    assert block == (32,)  # the GPU's warps whatever the size
+    enough, block = _launch.CPU_POOL_MIN_BYTES, _launch.CPU_POOL_MIN_BLOCK_BYTES
+    for blocks in (1, 64, 4096, 1 << 16):
+        *_, threads = _launch.write_kv_launch("float16", np.int32, blocks, 256, True, 2, "cpu")
+        assert threads == (_launch.CPU_STRIDE_THREADS,) == (1,)
+        *_, threads, _ = _launch.copy_blocks_launch(4096, True, blocks, 1, "cpu")
+        assert threads == (1,)
+    assert _launch.cpu_stride_workers(enough // block, block) == enough // block
+    assert _launch.cpu_stride_workers(enough // block - 1, block) == 1  # too few bytes
+    assert _launch.cpu_stride_workers(enough, block // 2) == 1  # blocks too small
+    assert _launch.cpu_stride_workers(1, enough) == 1  # one block: one thread anyway
+    *_, threads = _launch.write_kv_launch("float16", np.int32, 1, 256, True, 2, "cuda")
+    assert threads == (32,)  # the GPU's warps whatever the size
+
+
+def test_large_stride_launches_run_on_helper_threads_and_stay_exact(rng):
+    """A write and a copy at the byte threshold (4 MiB in 4 KiB and 32 KiB blocks): the plan asks
+    for helper threads, and the result is bit-exact against plain loops."""
+    from cupaged import _launch, ops
+
+    heads, block_size, head_dim = 8, 16, 128  # a token's K and V rows: 4 KiB
+    tokens = _launch.CPU_POOL_MIN_BYTES // (2 * heads * head_dim * 2)
+    block_bytes = heads * block_size * head_dim * 2  # 32 KiB
+    pairs = _launch.CPU_POOL_MIN_BYTES // (2 * block_bytes)  # K and V: 4 MiB in all
+    shape = (2 * pairs + 8, heads, block_size, head_dim)  # room for the tokens and the pairs
+    k_cache, v_cache = poison(shape, "float16"), poison(shape, "float16")
+    k = random_array(rng, (tokens, heads, head_dim), "float16")
+    v = random_array(rng, (tokens, heads, head_dim), "float16")
+    slots = rng.permutation(shape[0] * block_size)[:tokens].astype(np.int32)
+    plan = ops._write_plan("cpu", 0, "float16", np.dtype(np.int32), (heads, block_size, head_dim,
+                           tokens), True)  # fmt: skip
+    assert plan[0].keywords["workers"] == tokens
+    expected_k, expected_v = k_cache.copy(), v_cache.copy()
+    expected_k[slots // block_size, :, slots % block_size] = k
+    expected_v[slots // block_size, :, slots % block_size] = v
+    cupaged.write_kv(k_cache, v_cache, k, v, slots)
+    np.testing.assert_array_equal(k_cache.view(np.uint16), expected_k.view(np.uint16))
+    np.testing.assert_array_equal(v_cache.view(np.uint16), expected_v.view(np.uint16))
+
+    src = rng.permutation(shape[0])[:pairs].astype(np.int32)
+    dst = np.setdiff1d(np.arange(shape[0]), src)[rng.permutation(shape[0] - pairs)[:pairs]]
+    dst = dst.astype(np.int32)
+    expected_k[dst], expected_v[dst] = k_cache[src], v_cache[src]
+    cupaged.copy_blocks(k_cache, v_cache, src, dst)
+    np.testing.assert_array_equal(k_cache.view(np.uint16), expected_k.view(np.uint16))
+    np.testing.assert_array_equal(v_cache.view(np.uint16), expected_v.view(np.uint16))
+    plan = ops._copy_plan("cpu", 0, shape, "float16", True, pairs)
+    assert plan[0].keywords["workers"] == 2 * pairs  # K and V of every pair: a block each
 
 
 def test_empty_inputs_are_no_ops(rng):

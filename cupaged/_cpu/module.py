@@ -379,6 +379,8 @@ class CpuKernel:
         block: int | tuple[int, ...],
         args: tuple,
         shared_mem: int = 0,
+        *,
+        workers: int | None = None,
     ) -> None:
         """Run the kernel over ``grid`` blocks of ``block`` threads and wait for it.
 
@@ -388,6 +390,10 @@ class CpuKernel:
             args: one value per kernel parameter: NumPy arrays for pointers, NumPy scalars of
                 the exact C type for values.
             shared_mem: bytes of dynamic shared memory per block (filled with NaN bytes).
+            workers: at most this many OS threads for this launch (and at most one per CPU),
+                when the launch options leave them open: the launch table's choice, which knows
+                the bytes a block moves. ``None``: one per CPU for a launch of at least
+                ``CPU_POOL_MIN_THREADS`` CUDA threads, else one.
 
         Raises:
             TypeError: wrong number of arguments, or an argument whose kind or byte size differs
@@ -419,9 +425,14 @@ class CpuKernel:
                 f"expected shared_mem from 0 to {_MAX_SHARED_MEM} bytes, got {shared_mem}"
             )
         options = current_options()
-        workers = options.workers
-        if workers is None:
+        if options.workers is not None:
+            workers = options.workers
+        elif workers is None:
             workers = _default_workers(grid3[0] * grid3[1] * grid3[2], block3)
+        elif type(workers) is int and workers >= 1:
+            workers = min(workers, _cpu_count())
+        else:
+            raise ValueError(f"expected workers a positive int or None, got {workers!r}")
         request = self._request.pack(
             self._index, *grid3, *block3, _SCHEDULE_INDEX[options.schedule], workers,
             int(options.strict), shared_mem, self._value_bytes, *self._values(args),
