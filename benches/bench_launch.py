@@ -90,6 +90,49 @@ def test_copy_one_block(benchmark, xp, cache, checked):
     )  # fmt: skip
 
 
+# Copies and writes of many blocks or tokens: where the CPU backend's helper threads start to pay
+# (cupaged/_launch.py, cpu_stride_workers). Blocks of 2 KiB (one head of 64) and 32 KiB (8 of 128).
+SIZES = {"small_blocks": (1, 64), "gqa_blocks": (8, 128)}
+
+
+@pytest.mark.parametrize("count", [64, 1024])
+@pytest.mark.parametrize("op", ["copy_blocks", "write_kv"])
+@pytest.mark.parametrize("heads", sorted(SIZES))
+def test_many_blocks_or_tokens(benchmark, xp, heads, op, count):
+    """``copy_blocks`` of ``count`` pairs (``4 * count`` tokens written for ``write_kv``), unchecked:
+    the time, and the bandwidth of the bytes read and written (decimal GB/s)."""
+    num_kv_heads, head_dim = SIZES[heads]
+    tokens = 4 * count
+    blocks = max(2 * count, tokens // 16) + 8
+    k_cache, v_cache = make_cache(xp, (blocks, num_kv_heads, 16, head_dim))
+    rng = np.random.default_rng(3)
+    if op == "copy_blocks":
+        ids = rng.permutation(blocks)[: 2 * count].astype(np.int32)
+        src, dst = xp.asarray(ids[:count]), xp.asarray(ids[count:])
+        call = synchronized(
+            xp, lambda: cupaged.copy_blocks(k_cache, v_cache, src, dst, checked=False)
+        )
+        moved = 2 * 2 * count * k_cache[0].nbytes  # K and V, read and written
+        what = f"{count} pairs"
+    else:
+        new = from_float(rng.standard_normal((tokens, num_kv_heads, head_dim), dtype=np.float32),
+                         "float16")  # fmt: skip
+        k, v = xp.asarray(new), xp.asarray(new.copy())
+        slots = xp.asarray(rng.permutation(blocks * 16)[:tokens].astype(np.int32))
+        call = synchronized(xp, lambda: cupaged.write_kv(k_cache, v_cache, k, v, slots,
+                                                          checked=False))  # fmt: skip
+        moved = 2 * 2 * k.nbytes + slots.nbytes  # K and V, read and written; the slots
+        what = f"{tokens} tokens"
+    calls = max(2, 2000 // count)
+    benchmark.pedantic(call, rounds=7, iterations=calls, warmup_rounds=1)
+    us = benchmark.stats.stats.median * 1e6
+    benchmark.extra_info.update(
+        op=op, workload=what, us_per_call=round(us, 1), gb_per_s=round(moved / us / 1e3, 2),
+        block_bytes=k_cache[0].nbytes, cache_shape=tuple(k_cache.shape), dtype="float16",
+        device=device(xp),
+    )  # fmt: skip
+
+
 def _copy_case(xp):
     k, v = make_cache(xp, CACHES["gqa"])
     src, dst = xp.asarray(np.array([3], np.int32)), xp.asarray(np.array([7], np.int32))
