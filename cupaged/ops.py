@@ -163,8 +163,7 @@ def _write_plan(
     kernel = get_kernel(device, "write_kv.cu", name)
     if device == "cpu":  # one OS thread unless the launch is large (see cpu_stride_workers)
         token_bytes = 2 * num_kv_heads * head_dim * ITEMSIZES[elem]
-        workers = _launch.cpu_stride_workers(num_tokens, token_bytes)
-        kernel = functools.partial(kernel, workers=workers)
+        kernel = kernel.with_workers(_launch.cpu_stride_workers(num_tokens, token_bytes))
     return kernel, grid, block, (np.int32(num_kv_heads), np.int32(block_size), np.int32(head_dim))
 
 
@@ -247,8 +246,8 @@ def _copy_plan(
     )
     kernel = get_kernel(device, "copy_blocks.cu", name)
     if device == "cpu":  # one OS thread unless the launch is large (see cpu_stride_workers)
-        workers = _launch.cpu_stride_workers(grid[0] * grid[1] * grid[2], block_bytes)
-        kernel = functools.partial(kernel, workers=workers)
+        kernel = kernel.with_workers(_launch.cpu_stride_workers(grid[0] * grid[1] * grid[2],
+                                                                block_bytes))  # fmt: skip
     return kernel, grid, block, (np.int32(num_blocks), np.int64(block_bytes // word))
 
 

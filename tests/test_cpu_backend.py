@@ -320,8 +320,9 @@ def _launched_workers(kernel, *call, **hint) -> int:
 
 
 def test_a_launch_caps_its_workers_and_the_launch_options_win(basics, rng):
-    """``workers=`` (the launch table's choice for copies and writes) caps a launch's OS threads at
-    the CPUs; ``launch_options(workers=...)`` wins over it; a bad one is refused before a launch."""
+    """``workers=`` and ``with_workers`` (the launch table's choice for copies and writes) cap a
+    launch's OS threads, at most one per CPU; ``launch_options(workers=...)`` wins over both; a
+    bad one is refused before a launch."""
     x = rng.standard_normal((300, 128)).astype(np.float32)
     kernel = basics.get_function("cpu_test::two_level_sum<128>")
     out = np.full_like(x, np.nan)
@@ -329,8 +330,14 @@ def test_a_launch_caps_its_workers_and_the_launch_options_win(basics, rng):
     assert _launched_workers(kernel, 300, 128, (out, x)) == cpus  # 38,400 CUDA threads
     assert _launched_workers(kernel, 300, 128, (out, x), workers=1) == 1
     assert _launched_workers(kernel, 300, 128, (out, x), workers=10_000) == cpus
+    capped = kernel.with_workers(1)  # the launch table's cap: the kernel's own default
+    assert _launched_workers(capped, 300, 128, (out, x)) == 1
+    assert _launched_workers(capped, 300, 128, (out, x), workers=2) == min(2, cpus)
+    assert _launched_workers(kernel.with_workers(10_000), 300, 128, (out, x)) == cpus
+    assert _launched_workers(kernel, 300, 128, (out, x)) == cpus  # the original keeps no cap
     with launch_options(workers=3):
         assert _launched_workers(kernel, 300, 128, (out, x), workers=1) == 3
+        assert _launched_workers(capped, 300, 128, (out, x)) == 3
     expected = x.astype(np.float64).sum(axis=1, keepdims=True)
     np.testing.assert_allclose(out[:, :1], expected, rtol=1e-4, atol=1e-4)
     for bad in (0, -1, True, 2.0, "2"):
@@ -338,6 +345,8 @@ def test_a_launch_caps_its_workers_and_the_launch_options_win(basics, rng):
         with pytest.raises(ValueError, match=r"expected workers a positive int or None, got"):
             kernel(300, 128, (out, x), workers=bad)
         assert np.isnan(out).all()  # nothing ran
+        with pytest.raises(ValueError, match=r"expected workers a positive int or None, got"):
+            kernel.with_workers(bad)
 
 
 def _os_threads() -> int:

@@ -114,6 +114,7 @@ def test_large_stride_launches_run_on_helper_threads_and_stay_exact(rng):
     """A write and a copy at the byte threshold (4 MiB in 4 KiB and 32 KiB blocks): the plan asks
     for helper threads, and the result is bit-exact against plain loops."""
     from cupaged import _launch, ops
+    from cupaged._cpu import module as cpu_module
 
     heads, block_size, head_dim = 8, 16, 128  # a token's K and V rows: 4 KiB
     tokens = _launch.CPU_POOL_MIN_BYTES // (2 * heads * head_dim * 2)
@@ -126,7 +127,7 @@ def test_large_stride_launches_run_on_helper_threads_and_stay_exact(rng):
     slots = rng.permutation(shape[0] * block_size)[:tokens].astype(np.int32)
     plan = ops._write_plan("cpu", 0, "float16", np.dtype(np.int32), (heads, block_size, head_dim,
                            tokens), True)  # fmt: skip
-    assert plan[0].keywords["workers"] == tokens
+    assert plan[0]._workers == min(tokens, cpu_module._cpu_count())
     expected_k, expected_v = k_cache.copy(), v_cache.copy()
     expected_k[slots // block_size, :, slots % block_size] = k
     expected_v[slots // block_size, :, slots % block_size] = v
@@ -142,7 +143,7 @@ def test_large_stride_launches_run_on_helper_threads_and_stay_exact(rng):
     np.testing.assert_array_equal(k_cache.view(np.uint16), expected_k.view(np.uint16))
     np.testing.assert_array_equal(v_cache.view(np.uint16), expected_v.view(np.uint16))
     plan = ops._copy_plan("cpu", 0, shape, "float16", True, pairs)
-    assert plan[0].keywords["workers"] == 2 * pairs  # K and V of every pair: a block each
+    assert plan[0]._workers == min(2 * pairs, cpu_module._cpu_count())  # K and V: a block each
 
 
 def test_empty_inputs_are_no_ops(rng):

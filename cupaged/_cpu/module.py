@@ -14,6 +14,7 @@ the launch, and a Python ``int``/``float`` is refused: its C type would be a gue
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import functools
 import os
@@ -80,6 +81,13 @@ def _default_workers(num_blocks: int, block: tuple[int, int, int]) -> int:
     if num_blocks < 2 or num_blocks * block[0] * block[1] * block[2] < _POOL_MIN_THREADS:
         return 1
     return min(_cpu_count(), num_blocks)
+
+
+def _capped_workers(workers: Any) -> int:
+    """A launch's cap on OS threads, checked, and at most one per CPU."""
+    if type(workers) is not int or workers < 1:
+        raise ValueError(f"expected workers a positive int or None, got {workers!r}")
+    return min(workers, _cpu_count())
 
 
 def _stamps(paths: Sequence[Path]) -> tuple:
@@ -369,9 +377,19 @@ class CpuKernel:
             _scalar_packers(kind, size) for size, kind in zip(sizes, kinds, strict=True)
         ]
         self._last_dims: tuple = ()
+        self._workers: int | None = None
 
     def __repr__(self) -> str:
         return f"CpuKernel({self.name!r})"
+
+    def with_workers(self, workers: int) -> CpuKernel:
+        """This kernel with its launches capped at ``workers`` OS threads (and one per CPU) unless
+        a call or the launch options say otherwise: the launch table's choice for a kernel whose
+        blocks' bytes it knows (a copy, a KV write). Shares everything else with this one."""
+        kernel = copy.copy(self)
+        kernel._workers = _capped_workers(workers)
+        kernel._last_dims = ()
+        return kernel
 
     def __call__(
         self,
@@ -391,9 +409,9 @@ class CpuKernel:
                 the exact C type for values.
             shared_mem: bytes of dynamic shared memory per block (filled with NaN bytes).
             workers: at most this many OS threads for this launch (and at most one per CPU),
-                when the launch options leave them open: the launch table's choice, which knows
-                the bytes a block moves. ``None``: one per CPU for a launch of at least
-                ``CPU_POOL_MIN_THREADS`` CUDA threads, else one.
+                when the launch options leave them open. ``None``: the kernel's own cap (see
+                :meth:`with_workers`), else one per CPU for a launch of at least
+                ``CPU_POOL_MIN_THREADS`` CUDA threads and one for a smaller one.
 
         Raises:
             TypeError: wrong number of arguments, or an argument whose kind or byte size differs
@@ -427,12 +445,12 @@ class CpuKernel:
         options = current_options()
         if options.workers is not None:
             workers = options.workers
-        elif workers is None:
-            workers = _default_workers(grid3[0] * grid3[1] * grid3[2], block3)
-        elif type(workers) is int and workers >= 1:
-            workers = min(workers, _cpu_count())
+        elif workers is not None:
+            workers = _capped_workers(workers)
+        elif self._workers is not None:  # this kernel's own cap (with_workers)
+            workers = self._workers
         else:
-            raise ValueError(f"expected workers a positive int or None, got {workers!r}")
+            workers = _default_workers(grid3[0] * grid3[1] * grid3[2], block3)
         request = self._request.pack(
             self._index, *grid3, *block3, _SCHEDULE_INDEX[options.schedule], workers,
             int(options.strict), shared_mem, self._value_bytes, *self._values(args),
