@@ -50,6 +50,11 @@ def kv_write_bytes(num_tokens: int, num_kv_heads: int, head_dim: int, dtype: str
     return 2 * 2 * num_tokens * num_kv_heads * head_dim * itemsize(dtype)
 
 
+def block_copy_bytes(num_pairs: int, num_layers: int, block_bytes: int) -> int:
+    """The K and V blocks of every pair and layer, read from the source and written to the copy."""
+    return 2 * 2 * num_pairs * num_layers * block_bytes
+
+
 def gb_per_s(nbytes: int, seconds: float) -> float:
     """Decimal gigabytes (1e9 bytes) per second."""
     return nbytes / seconds / 1e9

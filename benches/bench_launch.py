@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
-from bandwidth import synchronized
+from bandwidth import block_copy_bytes, gb_per_s, kv_write_bytes, synchronized
 
 import cupaged
 from cupaged._checks import check_copy_pairs, check_decode_tables, check_slots
@@ -112,7 +112,7 @@ def test_many_blocks_or_tokens(benchmark, xp, heads, op, count):
         call = synchronized(
             xp, lambda: cupaged.copy_blocks(k_cache, v_cache, src, dst, checked=False)
         )
-        moved = 2 * 2 * count * k_cache[0].nbytes  # K and V, read and written
+        moved = block_copy_bytes(count, 1, k_cache[0].nbytes)
         what = f"{count} pairs"
     else:
         new = from_float(rng.standard_normal((tokens, num_kv_heads, head_dim), dtype=np.float32),
@@ -121,13 +121,14 @@ def test_many_blocks_or_tokens(benchmark, xp, heads, op, count):
         slots = xp.asarray(rng.permutation(blocks * 16)[:tokens].astype(np.int32))
         call = synchronized(xp, lambda: cupaged.write_kv(k_cache, v_cache, k, v, slots,
                                                           checked=False))  # fmt: skip
-        moved = 2 * 2 * k.nbytes + slots.nbytes  # K and V, read and written; the slots
+        moved = kv_write_bytes(tokens, num_kv_heads, head_dim, "float16")
         what = f"{tokens} tokens"
     calls = max(2, 2000 // count)
     benchmark.pedantic(call, rounds=7, iterations=calls, warmup_rounds=1)
     us = benchmark.stats.stats.median * 1e6
     benchmark.extra_info.update(
-        op=op, workload=what, us_per_call=round(us, 1), gb_per_s=round(moved / us / 1e3, 2),
+        op=op, workload=what, us_per_call=round(us, 1),
+        gb_per_s=round(gb_per_s(moved, us / 1e6), 2),
         block_bytes=k_cache[0].nbytes, cache_shape=tuple(k_cache.shape), dtype="float16",
         device=device(xp),
     )  # fmt: skip
