@@ -566,6 +566,22 @@ def cpu_stride_workers(num_blocks: int, block_bytes: int) -> int:
     return 1
 
 
+def cpu_attention_workers(grid: tuple[int, ...]) -> int:
+    """At most how many OS threads run an attention launch (decode, prefill) on the CPU backend:
+    one per thread block, capped by the runtime at its CPUs.
+
+    Their blocks are heavy there (a block's fibers switch at every barrier of every tile: 0.3 ms
+    for one sequence of 16 tokens), so the runtime's helper threads pay from two blocks on, far
+    below its own threshold in CUDA threads (measured on two cores, 8 query heads on 2 KV heads,
+    head_dim 128: a batch of 8 x 256 tokens 21.9 ms on one thread, 11.3 on two; one sequence of
+    64 tokens 1.0 and 0.6; of 16 tokens 0.3 either way).
+    """
+    blocks = 1
+    for size in grid:
+        blocks *= size
+    return max(blocks, 1)
+
+
 def _whole_warps(items: int, most: int) -> int:
     """Threads for ``items`` parallel items: whole warps of 32, at least one, at most ``most``."""
     return min(most, max(32, cdiv(items, 32) * 32))

@@ -492,6 +492,8 @@ def _attention_kernel(device: str, source: str, launch: Any, group: int, head_di
     kernel = get_kernel(device, source, launch.name)
     if device == "cuda" and launch.shared_mem > _launch.DEFAULT_SHARED_MEMORY:
         kernel.max_dynamic_shared_size_bytes = launch.shared_mem
+    if device == "cpu":  # heavy blocks: helper threads from two on (see cpu_attention_workers)
+        kernel = kernel.with_workers(_launch.cpu_attention_workers(launch.grid))
     return kernel
 
 

@@ -146,6 +146,53 @@ def test_large_stride_launches_run_on_helper_threads_and_stay_exact(rng):
     assert plan[0]._workers == min(2 * pairs, cpu_module._cpu_count())  # K and V: a block each
 
 
+def test_attention_launches_take_helper_threads_from_two_blocks_on_the_cpu_backend(rng):
+    """Attention blocks are heavy on the CPU backend: a decode or prefill launch may use one OS
+    thread per block (the runtime caps it at its CPUs), and the result does not depend on it."""
+    from cupaged import _launch, ops
+    from cupaged._cpu import launch_options
+    from cupaged._cpu import module as cpu_module
+
+    assert _launch.cpu_attention_workers((2, 3)) == 6
+    assert _launch.cpu_attention_workers((1, 1, 1)) == 1
+    for source, launch in (
+        ("paged_attention.cu", _launch.decode_launch("float16", 2, 4, 128, 16, 8)),
+        (
+            "paged_prefill.cu",
+            _launch.prefill_launch(
+                "float16",
+                2,
+                2,
+                4,
+                128,
+                16,
+                8,
+                np.array([0, 8, 16]),
+                np.array([8, 8]),
+                True,
+                132,
+                None,
+                16,
+            ),
+        ),  # fmt: skip
+    ):
+        kernel = ops._attention_kernel("cpu", source, launch, 4, 128)
+        blocks = int(np.prod(launch.grid))
+        assert kernel._workers == min(blocks, cpu_module._cpu_count()), source
+    batch, context, block_size = 4, 64, 16
+    blocks = batch * context // block_size
+    k_cache = random_array(rng, (blocks, 2, block_size, 128), "float16")
+    v_cache = random_array(rng, (blocks, 2, block_size, 128), "float16")
+    q = random_array(rng, (batch, 8, 128), "float16")
+    tables = rng.permutation(blocks).astype(np.int32).reshape(batch, -1)
+    lens = rng.integers(1, context + 1, batch).astype(np.int32)
+    outs = []
+    for workers in (None, 1):  # the launch table's choice, then one thread forced
+        with launch_options(workers=workers):
+            outs.append(cupaged.paged_attention(q, k_cache, v_cache, tables, lens))
+    np.testing.assert_array_equal(outs[0], outs[1])
+
+
 def test_empty_inputs_are_no_ops(rng):
     k_cache = random_array(rng, SHAPE, "float16")
     before = k_cache.copy()

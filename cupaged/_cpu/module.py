@@ -378,6 +378,7 @@ class CpuKernel:
         ]
         self._last_dims: tuple = ()
         self._workers: int | None = None
+        self._capped: dict[int, CpuKernel] = {}  # with_workers' kernels, shared by all of them
 
     def __repr__(self) -> str:
         return f"CpuKernel({self.name!r})"
@@ -385,10 +386,15 @@ class CpuKernel:
     def with_workers(self, workers: int) -> CpuKernel:
         """This kernel with its launches capped at ``workers`` OS threads (and one per CPU) unless
         a call or the launch options say otherwise: the launch table's choice for a kernel whose
-        blocks' bytes it knows (a copy, a KV write). Shares everything else with this one."""
-        kernel = copy.copy(self)
-        kernel._workers = _capped_workers(workers)
-        kernel._last_dims = ()
+        blocks' work it knows (a copy's bytes, an attention launch's heavy blocks). Shares
+        everything else with this one; made once per cap."""
+        workers = _capped_workers(workers)
+        kernel = self._capped.get(workers)
+        if kernel is None:
+            kernel = copy.copy(self)
+            kernel._workers = workers
+            kernel._last_dims = ()
+            self._capped[workers] = kernel
         return kernel
 
     def __call__(
