@@ -7,6 +7,7 @@ and says what is supported.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -576,10 +577,7 @@ def cpu_attention_workers(grid: tuple[int, ...]) -> int:
     head_dim 128: a batch of 8 x 256 tokens 21.9 ms on one thread, 11.3 on two; one sequence of
     64 tokens 1.0 and 0.6; of 16 tokens 0.3 either way).
     """
-    blocks = 1
-    for size in grid:
-        blocks *= size
-    return max(blocks, 1)
+    return max(math.prod(grid), 1)
 
 
 def _whole_warps(items: int, most: int) -> int:
