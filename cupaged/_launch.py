@@ -36,12 +36,15 @@ CPU_COPY_THREADS = 32
 # too.
 CPU_POOL_MIN_THREADS = 4096
 CPU_STRIDE_THREADS = 1
-# A stride launch takes the runtime's helper threads when it moves at least this many bytes in all,
-# in blocks of at least this many each: below either, one OS thread is faster (measured on two
-# cores: a write of 1,024 tokens of 4 KiB, 4.2 MB, 622 µs alone and 484 with a helper; 4 MB of copies
-# in 2 KiB blocks 260 alone and 425 with one).
+# A stride launch takes the runtime's helper threads when it moves at least CPU_POOL_MIN_BYTES in
+# all in blocks of at least CPU_POOL_MIN_BLOCK_BYTES each, or at least CPU_POOL_LARGE_BYTES in any
+# blocks (past the caches a second thread pays even for small blocks); below, one OS thread is
+# faster. Measured on two cores: a write of 1,024 tokens of 4 KiB (4 MiB) 622 µs alone, 484 with a
+# helper; copies of 4 MiB in 2 KiB blocks 260 alone, 425 with one; writes of 256-byte tokens, 8 MiB
+# 2.7 ms alone and 3.8 with one, 16 MiB 14.9 and 9.5.
 CPU_POOL_MIN_BYTES = 4 << 20
 CPU_POOL_MIN_BLOCK_BYTES = 4096
+CPU_POOL_LARGE_BYTES = 16 << 20
 # Split-K: a split holds at least this many tokens, so that its fixed cost (loading the queries,
 # writing a partial row and its log-sum-exp) stays small against the K/V it reads.
 MIN_SPLIT_TOKENS = 256
@@ -559,17 +562,20 @@ def write_kv_launch(
 
 def cpu_stride_workers(num_blocks: int, block_bytes: int) -> int:
     """At most how many OS threads run a ``copy_blocks`` / ``write_kv`` launch on the CPU backend
-    whose ``num_blocks`` blocks move ``block_bytes`` each: 1 for a small launch or small blocks,
-    else one per block (the runtime caps it at its CPUs). The launch options' ``workers``, when
-    set, win."""
-    if num_blocks * block_bytes >= CPU_POOL_MIN_BYTES and block_bytes >= CPU_POOL_MIN_BLOCK_BYTES:
+    whose ``num_blocks`` blocks move ``block_bytes`` each: one per block for a large launch (see
+    ``CPU_POOL_MIN_BYTES``; ``CpuKernel.with_workers`` caps it at the CPUs), else 1. The launch
+    options' ``workers``, when set, win."""
+    total = num_blocks * block_bytes
+    if total >= CPU_POOL_LARGE_BYTES or (
+        total >= CPU_POOL_MIN_BYTES and block_bytes >= CPU_POOL_MIN_BLOCK_BYTES
+    ):
         return num_blocks
     return 1
 
 
 def cpu_attention_workers(grid: tuple[int, ...]) -> int:
     """At most how many OS threads run an attention launch (decode, prefill) on the CPU backend:
-    one per thread block, capped by the runtime at its CPUs.
+    one per thread block (``CpuKernel.with_workers`` caps it at the CPUs).
 
     Their blocks are heavy there (a block's fibers switch at every barrier of every tile: 0.3 ms
     for one sequence of 16 tokens), so the runtime's helper threads pay from two blocks on, far

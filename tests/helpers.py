@@ -6,6 +6,7 @@ Imported as ``from helpers import ...`` (pytest puts ``tests/`` on ``sys.path``)
 from __future__ import annotations
 
 import contextlib
+import struct
 import time
 
 import ml_dtypes
@@ -124,3 +125,33 @@ def kernel_error(kernel, *launch, **kwargs) -> str:
         kernel(*launch, **kwargs)
     assert time.perf_counter() - start < 5.0  # detected, not timed out
     return str(info.value)
+
+
+@contextlib.contextmanager
+def recorded_cpu_launches():
+    """Every CPU-backend launch made inside, as ``(kernel name, OS threads)``: the ``workers`` field
+    of the request each one sends to the runtime."""
+    import pytest
+
+    from cupaged._cpu import module as cpu_module
+
+    launches: list[tuple[str, int]] = []
+    real_call = cpu_module.CpuKernel.__call__
+
+    def recording_call(kernel, *args, **kwargs):
+        launch = kernel._launch
+
+        def spy(request, *rest):
+            header = struct.unpack_from(cpu_module._HEADER, request)
+            launches.append((kernel.name, header[8]))  # index, grid (3), block (3), schedule
+            return launch(request, *rest)
+
+        kernel._launch = spy
+        try:
+            return real_call(kernel, *args, **kwargs)
+        finally:
+            kernel._launch = launch
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cpu_module.CpuKernel, "__call__", recording_call)
+        yield launches

@@ -12,7 +12,6 @@ import logging
 import os
 import platform
 import shutil
-import struct
 import subprocess
 import sys
 import time
@@ -21,7 +20,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import DTYPES, TOLERANCES, cpu_toolchain_missing, kernel_error
+from helpers import DTYPES, TOLERANCES, cpu_toolchain_missing, kernel_error, recorded_cpu_launches
 
 from cupaged._backend import kernel_dir
 from cupaged._cpu import (
@@ -303,20 +302,11 @@ def test_several_workers_give_the_same_result_as_one(basics, rng):
 
 
 def _launched_workers(kernel, *call, **hint) -> int:
-    """The ``workers`` field of the request that ``kernel(*call, **hint)`` sends to the runtime."""
-    launch, sent = kernel._launch, []
-
-    def spy(request, *rest):
-        sent.append(struct.unpack_from(cpu_module._HEADER, request))
-        return launch(request, *rest)
-
-    kernel._launch = spy
-    try:
+    """The OS threads that ``kernel(*call, **hint)`` asks the runtime for."""
+    with recorded_cpu_launches() as launches:
         kernel(*call, **hint)
-    finally:
-        kernel._launch = launch
-    (header,) = sent
-    return header[8]  # kernel index, grid (3), block (3), schedule, workers
+    ((_, workers),) = launches
+    return workers
 
 
 def test_a_launch_caps_its_workers_and_the_launch_options_win(basics, rng):

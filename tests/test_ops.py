@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import DTYPES, poison, random_array
+from helpers import DTYPES, poison, random_array, recorded_cpu_launches
 
 import cupaged
 from cupaged import _checks
@@ -92,8 +92,9 @@ def test_stride_kernels_with_several_threads_on_the_cpu_backend(rng, monkeypatch
 
 def test_stride_launches_take_helper_threads_by_bytes_on_the_cpu_backend():
     """On the CPU backend a copy or a write runs one thread per block whatever its size, and takes
-    the runtime's helper threads only for a launch of many bytes in large blocks (helpers cost more
-    than they save on small blocks; the runtime's own rule counts CUDA threads, not bytes)."""
+    the runtime's helper threads only for a launch of many bytes in large blocks, or of very many
+    bytes in any (helpers cost more than they save on small launches; the runtime's own rule counts
+    CUDA threads, not bytes)."""
     from cupaged import _launch
 
     enough, block = _launch.CPU_POOL_MIN_BYTES, _launch.CPU_POOL_MIN_BLOCK_BYTES
@@ -104,7 +105,10 @@ def test_stride_launches_take_helper_threads_by_bytes_on_the_cpu_backend():
         assert threads == (1,)
     assert _launch.cpu_stride_workers(enough // block, block) == enough // block
     assert _launch.cpu_stride_workers(enough // block - 1, block) == 1  # too few bytes
-    assert _launch.cpu_stride_workers(enough, block // 2) == 1  # blocks too small
+    assert _launch.cpu_stride_workers(2 * enough // block, block // 2) == 1  # blocks too small
+    large = _launch.CPU_POOL_LARGE_BYTES
+    assert _launch.cpu_stride_workers(large // 256, 256) == large // 256  # past the caches
+    assert _launch.cpu_stride_workers(large // 256 - 1, 256) == 1
     assert _launch.cpu_stride_workers(1, enough) == 1  # one block: one thread anyway
     *_, threads = _launch.write_kv_launch("float16", np.int32, 1, 256, True, 2, "cuda")
     assert threads == (32,)  # the GPU's warps whatever the size
@@ -186,8 +190,12 @@ def test_attention_launches_take_helper_threads_from_two_blocks_on_the_cpu_backe
     q = random_array(rng, (batch, 8, 128), "float16")
     tables = rng.permutation(blocks).astype(np.int32).reshape(batch, -1)
     lens = rng.integers(1, context + 1, batch).astype(np.int32)
+    with recorded_cpu_launches() as launches:  # the launch table's choice
+        cupaged.paged_attention(q, k_cache, v_cache, tables, lens)
+    decode = [workers for name, workers in launches if name.startswith("cupaged::paged_decode<")]
+    assert decode == [min(2 * batch, cpu_module._cpu_count())]  # 2 KV heads x >= 1 item each
     outs = []
-    for workers in (None, 1):  # the launch table's choice, then one thread forced
+    for workers in (2, 1):  # two OS threads forced (whatever the CPUs), then one
         with launch_options(workers=workers):
             outs.append(cupaged.paged_attention(q, k_cache, v_cache, tables, lens))
     np.testing.assert_array_equal(outs[0], outs[1])

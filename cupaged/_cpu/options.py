@@ -5,7 +5,7 @@ variables, read once per process (at the first launch), so a whole test run can 
 without touching code::
 
     CUPAGED_CPU_SCHEDULE=reverse pytest tests/      # forward (default) | reverse | warp_ahead
-    CUPAGED_CPU_WORKERS=1                           # worker OS threads (default: one per CPU)
+    CUPAGED_CPU_WORKERS=1                           # worker OS threads (default: see below)
     CUPAGED_CPU_STRICT=0                            # let two __syncthreads call sites meet
 
 The scheduling order decides which CUDA thread of a block runs first; a thread runs until it
@@ -37,8 +37,11 @@ class LaunchOptions:
 
     Attributes:
         schedule: one of :data:`SCHEDULES`.
-        workers: OS threads that share a launch's blocks; ``None`` means one per usable CPU
-            (never more than the number of blocks).
+        workers: OS threads that share a launch's blocks (never more than the number of
+            blocks). ``None``: the launch's own choice, at most one per usable CPU: the launch
+            table's for copies, KV writes and attention (by bytes, by blocks: see
+            ``cpu_stride_workers`` and ``cpu_attention_workers`` in ``cupaged/_launch.py``), else
+            one per CPU from 4,096 CUDA threads on and one below.
         strict: a ``__syncthreads`` reached at two different call sites by one block is a
             :class:`~cupaged.errors.KernelError` (hardware would let them meet).
     """
