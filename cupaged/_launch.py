@@ -30,11 +30,10 @@ CPU_COPY_THREADS = 32
 # ... but a copy and a KV write, whose threads only stride over the words, run one thread per block
 # there whatever the size: their helper threads cost more than they save on launches of small
 # blocks (a copy of 64 pairs of 2 KiB blocks: 83 µs with warps and two OS threads, 18 with one
-# thread per block on one). The runtime decides its helper threads by CUDA threads
-# (CPU_POOL_MIN_THREADS); for these two the launch table decides by bytes instead (see
-# cpu_stride_workers). tests/test_ops.py runs both kernels on the CPU backend with several threads
-# too.
-CPU_POOL_MIN_THREADS = 4096
+# thread per block on one). The runtime decides its helper threads by CUDA threads (from 4,096 on:
+# _POOL_MIN_THREADS in cupaged/_cpu/module.py); for these two the launch table decides by bytes
+# instead (see cpu_stride_workers). tests/test_ops.py runs both kernels on the CPU backend with
+# several threads too.
 CPU_STRIDE_THREADS = 1
 # A stride launch takes the runtime's helper threads when it moves at least CPU_POOL_MIN_BYTES in
 # all in blocks of at least CPU_POOL_MIN_BLOCK_BYTES each, or at least CPU_POOL_LARGE_BYTES in any

@@ -26,7 +26,6 @@ from typing import Any
 
 import numpy as np
 
-from .._launch import CPU_POOL_MIN_THREADS
 from ..errors import CupagedError, KernelError
 from . import toolchain
 from .options import SCHEDULES, current_options
@@ -73,7 +72,7 @@ def _cpu_count() -> int:
 
 # A launch with fewer CUDA threads than this, in all its blocks, runs on the calling thread alone:
 # waking a helper thread of the pool costs about as much as a few thousand fiber switches.
-_POOL_MIN_THREADS = CPU_POOL_MIN_THREADS  # (set beside the launch shapes that depend on it)
+_POOL_MIN_THREADS = 4096
 
 
 def _default_workers(num_blocks: int, block: tuple[int, int, int]) -> int:
@@ -393,7 +392,6 @@ class CpuKernel:
         if kernel is None:
             kernel = copy.copy(self)
             kernel._workers = workers
-            kernel._last_dims = ()
             self._capped[workers] = kernel
         return kernel
 
@@ -417,7 +415,7 @@ class CpuKernel:
             workers: at most this many OS threads for this launch (and at most one per CPU),
                 when the launch options leave them open. ``None``: the kernel's own cap (see
                 :meth:`with_workers`), else one per CPU for a launch of at least
-                ``CPU_POOL_MIN_THREADS`` CUDA threads and one for a smaller one.
+                4,096 CUDA threads and one for a smaller one.
 
         Raises:
             TypeError: wrong number of arguments, or an argument whose kind or byte size differs
