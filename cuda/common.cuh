@@ -8,22 +8,47 @@
 #include <cuda_fp16.h>
 #include <cuda_pipeline_primitives.h>  // cp.async; the CPU backend emulates it (docs/cpu_backend.md)
 
-// Dynamic shared memory, declared inside a kernel body: `CUPAGED_DYNAMIC_SHARED(float, smem);`.
-// On the GPU it is the launch's `extern __shared__` buffer; the CPU backend hands out a per-worker
-// buffer, poisoned with NaNs before each thread block, so reading what nothing wrote shows up.
+// Dynamic shared memory, declared inside a kernel body: `CUPAGED_DYNAMIC_SHARED(float, smem);`,
+// 16-byte aligned (cp.async, 16-byte vectors); `CUPAGED_DYNAMIC_SHARED_ALIGNED(T, smem, 32)` for
+// WMMA, whose fragment loads and stores take 256-bit aligned tiles. On the GPU it is the launch's
+// `extern __shared__` buffer; the CPU backend hands out a per-worker buffer (128-byte aligned),
+// poisoned with NaNs before each thread block, so reading what nothing wrote shows up.
 #ifdef CUPAGED_CPU
-#define CUPAGED_DYNAMIC_SHARED(type, name) \
+#define CUPAGED_DYNAMIC_SHARED_ALIGNED(type, name, alignment) \
   type* name = reinterpret_cast<type*>(cupaged_cpu_dynamic_shared())
 #else
-#define CUPAGED_DYNAMIC_SHARED(type, name)                    \
-  extern __shared__ __align__(16) unsigned char name##_bytes[]; \
+#define CUPAGED_DYNAMIC_SHARED_ALIGNED(type, name, alignment)            \
+  extern __shared__ __align__(alignment) unsigned char name##_bytes[]; \
   type* name = reinterpret_cast<type*>(name##_bytes)
 #endif
+#define CUPAGED_DYNAMIC_SHARED(type, name) CUPAGED_DYNAMIC_SHARED_ALIGNED(type, name, 16)
 
 namespace cupaged {
 
-// Integer division rounding up: blocks for n tokens, thread blocks for n items.
+// Integer division rounding up: blocks for n tokens, thread blocks for n items. The int form
+// needs n + d - 1 < 2^31; lengths that may come near it (a decode plan's unchecked lengths) take
+// the 64-bit one.
 __host__ __device__ __forceinline__ int ceil_div(int n, int d) { return (n + d - 1) / d; }
+__host__ __device__ __forceinline__ long long ceil_div(long long n, long long d) {
+  return (n + d - 1) / d;
+}
+
+// The query heads of one decode thread block. A GQA group of G heads is cut into head_chunks =
+// ceil(G / CHUNK) chunks of CHUNK heads (the last may be short), one thread block each, so that a
+// block's q rows and accumulators fit its registers whatever G is; gridDim.x enumerates
+// (KV head, chunk) pairs, x = kv_head * head_chunks + chunk. With G <= CHUNK: one chunk, x = kv_head.
+struct DecodeChunk {
+  int kv_head;     // the KV head the block reads
+  int first_head;  // its first query head, kv_head * G + chunk * CHUNK
+  int heads;       // the chunk's query heads, min(CHUNK, G - chunk * CHUNK)
+  __device__ __forceinline__ DecodeChunk(int block_x, int group, int chunk_heads) {
+    const int chunks = ceil_div(group, chunk_heads);
+    kv_head = block_x / chunks;
+    const int first = block_x % chunks * chunk_heads;
+    first_head = kv_head * group + first;
+    heads = min(chunk_heads, group - first);
+  }
+};
 
 // Element offset of (block, head, slot, 0) in one layer of the cache,
 //   [num_blocks, num_kv_heads, block_size, head_dim]  (HND: a head's tokens of a block are contiguous).

@@ -17,7 +17,8 @@
 // cut into as many pieces as it needs, whatever the others' lengths: the split is balanced by
 // tokens, not by sequences, and capacity does not depend on the lengths' values. With
 // capacity == num_seqs no sequence is split. A length below 0 counts as 0 (the checked path of
-// the Python API refuses them first).
+// the Python API refuses them first). Item counts and bounds are computed in 64 bits: an unchecked
+// length near 2^31 plus chunk - 1 would wrap in int and cut the attention short.
 //
 // One thread block; thread t owns the sequences [t * per, (t + 1) * per), per = ceil(num_seqs /
 // blockDim.x): it sums their lengths and item counts, thread 0 adds the per-thread sums up (an
@@ -28,6 +29,14 @@
 namespace cupaged {
 
 constexpr int kPlanMaxThreads = 256;  // the launch table (cupaged/_launch.py) uses at most this
+constexpr long long kWholeSequence = 2147483647;  // a chunk no int length exceeds: 2^31 - 1
+
+// Items of a sequence of `len` tokens (at least 1; below 0 counts as 0), at most 2^31 / chunk + 1.
+__device__ __forceinline__ int item_count(int len, int chunk) {
+  const long long n = ceil_div(static_cast<long long>(len > 0 ? len : 0),
+                               static_cast<long long>(chunk));
+  return n > 1 ? static_cast<int>(n) : 1;
+}
 
 __global__ void __launch_bounds__(kPlanMaxThreads)
     plan_decode(int4* __restrict__ work,               // [capacity]
@@ -50,17 +59,19 @@ __global__ void __launch_bounds__(kPlanMaxThreads)
     long long total = 0;
     for (int t = 0; t < threads; ++t) total += sums[t];
     const long long spare = static_cast<long long>(capacity) - num_seqs;
-    // No spare items: one item per sequence, whatever its length (2^30 bounds every length).
-    long long chunk = spare > 0 ? (total + spare - 1) / spare : (1LL << 30);
+    // No spare items, or a chunk past any int length: one item per sequence, whatever its
+    // length (kWholeSequence bounds every length; never capped lower, which would cut some
+    // sequence into more items than the list holds).
+    long long chunk = spare > 0 ? (total + spare - 1) / spare : kWholeSequence;
     chunk = max(chunk, static_cast<long long>(min_chunk));
     chunk = (chunk + tile - 1) / tile * tile;
-    chunk_s = static_cast<int>(min(chunk, 1LL << 30));
+    chunk_s = static_cast<int>(min(chunk, kWholeSequence));
   }
   __syncthreads();
   const int chunk = chunk_s;
 
   long long items = 0;
-  for (int s = first_seq; s < last_seq; ++s) items += max(1, ceil_div(max(context_lens[s], 0), chunk));
+  for (int s = first_seq; s < last_seq; ++s) items += item_count(context_lens[s], chunk);
   __syncthreads();  // everyone has read sums[] above (thread 0's loop) before it is reused
   sums[tid] = items;
   __syncthreads();
@@ -77,11 +88,12 @@ __global__ void __launch_bounds__(kPlanMaxThreads)
   int item = static_cast<int>(sums[tid]);
   for (int s = first_seq; s < last_seq; ++s) {
     const int len = max(context_lens[s], 0);
-    const int count = max(1, ceil_div(len, chunk));
+    const int count = item_count(len, chunk);
     seq_items[s] = make_int2(item, count);
     for (int j = 0; j < count && item + j < capacity; ++j) {  // the bound above: never cut short
-      const int begin = j * chunk;
-      work[item + j] = make_int4(s, begin, min(len, begin + chunk), count);
+      const long long begin = static_cast<long long>(j) * chunk;
+      const long long end = begin + chunk < len ? begin + chunk : len;
+      work[item + j] = make_int4(s, static_cast<int>(begin), static_cast<int>(end), count);
     }
     item += count;
   }

@@ -12,20 +12,24 @@
 // count}: tokens [begin, end) of sequence seq, which has count items in all. The item bounds are
 // the whole truth: the kernel never reads the context lengths.
 //
-// paged_decode: one thread block per (KV head, item), a 3-D block of BDX x BDY x BDZ threads:
+// paged_decode: one thread block per (KV head, head chunk, item), a 3-D block of BDX x BDY x BDZ
+// threads. A chunk is CHUNK query heads of the KV head's group (the whole group up to 16 heads; a
+// larger group is cut into ceil(G / CHUNK) chunks, each block reading the KV head once for its
+// chunk, so that a thread's q rows and accumulators stay in registers for any G):
 //
 //   tx (BDX lanes)  across the head vector: lane tx owns the 16-byte vectors tx, tx + BDX, ... of
 //                   a row (8 or 16 elements: 1 or 2 vectors of a 16-bit type, 2 or 4 of float);
 //                   in a padded layout (head_dim 80 at fp16: 10 vectors on 16 lanes) some idle
-//   ty (BDY)        over the group: thread ty serves query heads ty * HPT .. ty * HPT + HPT - 1
-//                   (HPT = ceil(G / BDY)), its scaled q rows and accumulators in registers
+//   ty (BDY)        over the chunk: thread ty serves query heads ty * HPT .. ty * HPT + HPT - 1
+//                   of it (HPT = ceil(CHUNK / BDY)), its scaled q rows and accumulators in
+//                   registers
 //   tz (BDZ)        over tokens: a stage of TILE = BDZ * TPZ tokens, tz takes tokens
 //                   tz * TPZ .. tz * TPZ + TPZ - 1 of it, with its own online softmax
 //
 //   K and V are staged through a ring of STAGES shared-memory stages with 16-byte cp.async copies
 //   (common.cuh, KvRing with SPLIT_KV: every thread copies part of every stage; K and V of a
 //   stage are separate batches, so the scores start as soon as K has landed). Each K/V byte is
-//   read from global memory once per block and serves the G query heads of the group. Per stage:
+//   read from global memory once per block and serves the query heads of the chunk. Per stage:
 //     1. wait for K of stage i (__pipeline_wait_prior), __syncthreads: every thread's copies have
 //        landed and every thread has finished stage i - 1, whose slot is now free;
 //     2. refill that slot with stage i + STAGES - 1 (its block ids were loaded one stage ago) and
@@ -55,31 +59,30 @@ namespace cupaged {
 // The thread-block layout of one instantiation (see the header); the launch table
 // (cupaged/_launch.py, decode_launch) picks BDX, BDY, BDZ, TPZ and STAGES and passes them as
 // template arguments, so nothing is kept equal by hand between Python and CUDA.
-template <typename T, int HEAD_DIM, int GROUP, int BDX, int BDY, int BDZ, int TPZ, int STAGES>
+template <typename T, int HEAD_DIM, int CHUNK, int BDX, int BDY, int BDZ, int TPZ, int STAGES>
 struct DecodeLayout {
   static constexpr int kVec = Vec16<T>::kElems;               // elements per 16-byte vector
   static constexpr int kRowVectors = HEAD_DIM / kVec;         // 16-byte vectors per K/V row
   static constexpr int kLaneVectors = (kRowVectors + BDX - 1) / BDX;  // per lane
   static constexpr int kLaneElems = kLaneVectors * kVec;
   static constexpr bool kEveryLaneFull = kRowVectors == kLaneVectors * BDX;
-  static constexpr int kHeadsPerThread = (GROUP + BDY - 1) / BDY;
+  static constexpr int kHeadsPerThread = (CHUNK + BDY - 1) / BDY;
   static constexpr int kThreads = BDX * BDY * BDZ;
   static constexpr int kTile = BDZ * TPZ;                     // tokens per stage
   static_assert(HEAD_DIM % kVec == 0, "a row is whole 16-byte vectors");
   static_assert(BDX >= 1 && BDX <= 32 && (BDX & (BDX - 1)) == 0, "BDX: a power of two <= 32");
   static_assert(kThreads % 32 == 0, "whole warps: the shuffles name all 32 lanes");
-  static_assert(BDY * kHeadsPerThread >= GROUP && BDY * (kHeadsPerThread - 1) < GROUP,
+  static_assert(BDY * kHeadsPerThread >= CHUNK && BDY * (kHeadsPerThread - 1) < CHUNK,
                 "every thread row serves at least one query head");
   static_assert(STAGES >= 2 && 2 * STAGES - 2 <= 8, "the waits below count at most 8 batches");
 };
 
-// Grid: (num_kv_heads, capacity). Block: (BDX, BDY, BDZ).
+// Grid: (num_kv_heads * head_chunks, capacity), x = kv_head * head_chunks + chunk, head_chunks =
+// ceil(group_size / CHUNK) (DecodeChunk, common.cuh). Block: (BDX, BDY, BDZ).
 // Dynamic shared memory: k_s [STAGES, TILE, HEAD_DIM] of T, then v_s [STAGES, TILE, HEAD_DIM] of T;
 // after the loop, when BDZ > 1, the same bytes hold the BDZ partial results of the block's heads
 // (float32: m_l [BDZ, BDY * HPT, 2], then acc [BDZ, BDY * HPT, HEAD_DIM]).
-// group_size must equal GROUP: it stays a parameter so that every instantiation takes the same
-// arguments.
-template <typename T, int HEAD_DIM, int BLOCK_SIZE, int GROUP, int BDX, int BDY, int BDZ, int TPZ,
+template <typename T, int HEAD_DIM, int BLOCK_SIZE, int CHUNK, int BDX, int BDY, int BDZ, int TPZ,
           int STAGES>
 __global__ void __launch_bounds__(BDX* BDY* BDZ)
     paged_decode(T* __restrict__ out,                  // [num_seqs, num_q_heads, HEAD_DIM]
@@ -91,14 +94,13 @@ __global__ void __launch_bounds__(BDX* BDY* BDZ)
                  const int* __restrict__ block_tables,  // [num_seqs, max_blocks]
                  const int4* __restrict__ work,         // [capacity] {seq, begin, end, count}
                  int num_kv_heads, int group_size, int max_blocks, float scale) {
-  using L = DecodeLayout<T, HEAD_DIM, GROUP, BDX, BDY, BDZ, TPZ, STAGES>;
+  using L = DecodeLayout<T, HEAD_DIM, CHUNK, BDX, BDY, BDZ, TPZ, STAGES>;
   constexpr int VEC = L::kVec;
   constexpr int NV = L::kLaneVectors;
   constexpr int NE = L::kLaneElems;
   constexpr int HPT = L::kHeadsPerThread;
   constexpr int TILE = L::kTile;
   constexpr int THREADS = L::kThreads;
-  (void)group_size;
 
   const int4 item = work[blockIdx.y];
   if (item.x < 0) return;  // an unused entry of the work list (uniform over the block)
@@ -106,20 +108,22 @@ __global__ void __launch_bounds__(BDX* BDY* BDZ)
   const int begin = item.y;
   const int end = item.z;
   const bool direct = item.w == 1;
-  const int kv_head = blockIdx.x;
+  const DecodeChunk chunk(blockIdx.x, group_size, CHUNK);
+  const int kv_head = chunk.kv_head;
   const int tx = threadIdx.x;
   const int ty = threadIdx.y;
   const int tz = threadIdx.z;
   const int tid = (tz * BDY + ty) * BDX + tx;
-  const int num_q_heads = num_kv_heads * GROUP;
-  const long long head_row = static_cast<long long>(seq) * num_q_heads + kv_head * GROUP;
+  const int num_q_heads = num_kv_heads * group_size;
+  const long long head_row = static_cast<long long>(seq) * num_q_heads + chunk.first_head;
 
   // Lane tx's vectors: tx + v * BDX; in a padded layout the last ones may lie past the row.
   bool lane_ok[NV];
 #pragma unroll
   for (int v = 0; v < NV; ++v) lane_ok[v] = L::kEveryLaneFull || tx + v * BDX < L::kRowVectors;
 
-  // q in registers, scaled; a head past the group (GROUP not a multiple of BDY) is zeros.
+  // q in registers, scaled; a head past the chunk (CHUNK not a multiple of BDY, or the group's
+  // last chunk short) is zeros.
   float qf[HPT][NE];
   const bool q_aligned = (reinterpret_cast<unsigned long long>(q) & 15u) == 0;
 #pragma unroll
@@ -129,7 +133,7 @@ __global__ void __launch_bounds__(BDX* BDY* BDZ)
     for (int v = 0; v < NV; ++v) {
       float* dst = qf[h] + v * VEC;
       const T* src = q + (head_row + g) * HEAD_DIM + (tx + v * BDX) * VEC;
-      if (g < GROUP && lane_ok[v]) {
+      if (g < chunk.heads && lane_ok[v]) {
         if (q_aligned) {
           load16_as_float(src, dst);
         } else {
@@ -317,10 +321,10 @@ __global__ void __launch_bounds__(BDX* BDY* BDZ)
 #pragma unroll
   for (int h = 0; h < HPT; ++h) {
     const int g = ty * HPT + h;
-    if (g >= GROUP) continue;
+    if (g >= chunk.heads) continue;
     const long long out_row = direct ? head_row + g
                                      : static_cast<long long>(blockIdx.y) * num_q_heads +
-                                           kv_head * GROUP + g;
+                                           chunk.first_head + g;
 #pragma unroll
     for (int v = 0; v < NV; ++v) {
       if (!lane_ok[v]) continue;
@@ -344,13 +348,13 @@ __global__ void __launch_bounds__(BDX* BDY* BDZ)
 }
 
 // ---- The tensor-core path: paged_decode_mma ------------------------------------------------
-// For 16-bit caches and groups of 8 to 16 query heads (the launch table's choice, where the
-// CUDA-core loop above is bound by instruction issue): the group's query heads are the 16 rows of
-// WMMA m16n16k16 products with float32 accumulators (rows past the group are zero queries whose
-// results are never written), so that the dot products and P V run on tensor cores, with no
-// conversions and no reduction shuffles. The same work items, K/V ring, partial rows and merge as
-// paged_decode; one thread block per (KV head, item) of WARPS warps, TILE = 16 * WARPS tokens per
-// stage. Per stage:
+// For 16-bit caches and groups of 8 query heads or more (the launch table's choice, where the
+// CUDA-core loop above is bound by instruction issue): a chunk's query heads (the group up to 16,
+// chunks of 16 or fewer above) are the 16 rows of WMMA m16n16k16 products with float32
+// accumulators (rows past the chunk are zero queries whose results are never written), so that
+// the dot products and P V run on tensor cores, with no conversions and no reduction shuffles.
+// The same work items, K/V ring, partial rows and merge as paged_decode; one thread block per
+// (KV head, head chunk, item) of WARPS warps, TILE = 16 * WARPS tokens per stage. Per stage:
 //   1. wait for K of stage i, __syncthreads; refill the slot of stage i - 1, prefetch block ids;
 //   2. scores: warp w computes S[:, 16w .. 16w + 15] = Q K^T over head_dim in steps of 16 (Q as
 //      row-major A fragments kept in registers; K as column-major B, straight from the stage) and
@@ -372,7 +376,7 @@ __global__ void __launch_bounds__(BDX* BDY* BDZ)
 // Precision: S and O accumulate in float32 with exact products of T values, as on the CUDA
 // cores; P is rounded to T (relative 2^-11 for fp16, 2^-8 for bf16) before P V, which the float32
 // path does not do: docs/kernels.md, "Tensor cores".
-template <typename T, int HEAD_DIM, int GROUP, int WARPS, int STAGES>
+template <typename T, int HEAD_DIM, int CHUNK, int WARPS, int STAGES>
 struct DecodeMmaLayout {
   static constexpr int kThreads = 32 * WARPS;
   static constexpr int kTile = 16 * WARPS;                   // tokens per stage
@@ -402,7 +406,7 @@ struct DecodeMmaLayout {
   static constexpr int kL = kAlpha + 16 * 4;
   static constexpr int kBytes = kL + 16 * 4;  // the launch table's shared_mem
   static_assert(sizeof(T) == 2, "tensor cores take the 16-bit types (fp32 keeps paged_decode)");
-  static_assert(GROUP >= 1 && GROUP <= 16, "the group's heads are the 16 rows of the MMA");
+  static_assert(CHUNK >= 1 && CHUNK <= 16, "the chunk's heads are the 16 rows of the MMA");
   static_assert(HEAD_DIM % 16 == 0, "head_dim in k-steps and output slices of 16");
   static_assert(HEAD_DIM <= 128, "above 128, q's fragments and the accumulators outgrow the "
                                  "registers: the launch table keeps paged_decode there");
@@ -413,10 +417,10 @@ struct DecodeMmaLayout {
   static_assert(STAGES >= 2 && 2 * STAGES - 2 <= 8, "the waits below count at most 8 batches");
 };
 
-// Grid: (num_kv_heads, capacity). Block: (32, WARPS, 1).
-// Dynamic shared memory: DecodeMmaLayout::kBytes (the layout above).
+// Grid: as paged_decode's, chunks of CHUNK <= 16 heads. Block: (32, WARPS, 1).
+// Dynamic shared memory: DecodeMmaLayout::kBytes (the layout above), 32-byte aligned.
 // Parameters as paged_decode's (one launch interface for both paths).
-template <typename T, int HEAD_DIM, int BLOCK_SIZE, int GROUP, int WARPS, int STAGES>
+template <typename T, int HEAD_DIM, int BLOCK_SIZE, int CHUNK, int WARPS, int STAGES>
 __global__ void __launch_bounds__(32 * WARPS)
     paged_decode_mma(T* __restrict__ out,                  // [num_seqs, num_q_heads, HEAD_DIM]
                      float* __restrict__ partial_out,      // [capacity, num_q_heads, HEAD_DIM]
@@ -428,13 +432,12 @@ __global__ void __launch_bounds__(32 * WARPS)
                      const int4* __restrict__ work,         // [capacity] {seq, begin, end, count}
                      int num_kv_heads, int group_size, int max_blocks, float scale) {
   using namespace nvcuda;
-  using L = DecodeMmaLayout<T, HEAD_DIM, GROUP, WARPS, STAGES>;
+  using L = DecodeMmaLayout<T, HEAD_DIM, CHUNK, WARPS, STAGES>;
   constexpr int TILE = L::kTile;
   constexpr int THREADS = L::kThreads;
   constexpr int LDK = L::kLdk;
   constexpr int RT = L::kRowThreads;
   using Ring = KvRing<T, HEAD_DIM, BLOCK_SIZE, TILE, STAGES, THREADS, true, true, LDK>;
-  (void)group_size;
 
   const int4 item = work[blockIdx.y];
   if (item.x < 0) return;  // an unused entry of the work list (uniform over the block)
@@ -442,14 +445,15 @@ __global__ void __launch_bounds__(32 * WARPS)
   const int begin = item.y;
   const int end = item.z;
   const bool direct = item.w == 1;
-  const int kv_head = blockIdx.x;
+  const DecodeChunk chunk(blockIdx.x, group_size, CHUNK);
+  const int kv_head = chunk.kv_head;
   const int lane = threadIdx.x;
   const int warp = threadIdx.y;
   const int tid = warp * 32 + lane;
-  const int num_q_heads = num_kv_heads * GROUP;
-  const long long head_row = static_cast<long long>(seq) * num_q_heads + kv_head * GROUP;
+  const int num_q_heads = num_kv_heads * group_size;
+  const long long head_row = static_cast<long long>(seq) * num_q_heads + chunk.first_head;
 
-  CUPAGED_DYNAMIC_SHARED(unsigned char, smem);
+  CUPAGED_DYNAMIC_SHARED_ALIGNED(unsigned char, smem, 32);  // WMMA tiles: 256-bit aligned
   T* k_s = reinterpret_cast<T*>(smem);                       // [STAGES, TILE, LDK]
   T* v_s = reinterpret_cast<T*>(smem + L::kStageBytes);      // [STAGES, TILE, LDK]
   T* q_s = reinterpret_cast<T*>(smem + L::kQ);               // [16, LDK]
@@ -474,7 +478,7 @@ __global__ void __launch_bounds__(32 * WARPS)
   }
 
   if (begin < end) {
-    // q rows of the group into q_s as they are (16-bit); rows past the group are zeros.
+    // q rows of the chunk into q_s as they are (16-bit); rows past the chunk are zeros.
     const bool q_aligned = (reinterpret_cast<unsigned long long>(q) & 15u) == 0;
     // Unrolled: the stage loop stays the only loop that loads from global memory.
 #pragma unroll
@@ -484,7 +488,7 @@ __global__ void __launch_bounds__(32 * WARPS)
       const int g = j / L::kRowVectors;
       const int col = j % L::kRowVectors * 8;
       uint4 value = make_uint4(0u, 0u, 0u, 0u);
-      if (g < GROUP) {
+      if (g < chunk.heads) {
         const T* src = q + (head_row + g) * HEAD_DIM + col;
         if (q_aligned) {
           value = *reinterpret_cast<const uint4*>(src);
@@ -603,11 +607,11 @@ __global__ void __launch_bounds__(32 * WARPS)
   __syncthreads();  // l of every row is in
 
   const bool empty = end <= begin;
-  if (out_row < GROUP) {
+  if (out_row < chunk.heads) {
     const float l_row = l_s[out_row];
     const long long row_index = direct ? head_row + out_row
                                        : static_cast<long long>(blockIdx.y) * num_q_heads +
-                                             kv_head * GROUP + out_row;
+                                             chunk.first_head + out_row;
 #pragma unroll
     for (int j = 0; j < L::kSlices; ++j) {
       const int slice = warp + j * WARPS;
@@ -624,9 +628,9 @@ __global__ void __launch_bounds__(32 * WARPS)
       }
     }
   }
-  if (!direct && sub == 0 && row < GROUP) {
+  if (!direct && sub == 0 && row < chunk.heads) {
     const float base = m == neg_inf() ? 0.0f : m;
-    partial_lse[static_cast<long long>(blockIdx.y) * num_q_heads + kv_head * GROUP + row] =
+    partial_lse[static_cast<long long>(blockIdx.y) * num_q_heads + chunk.first_head + row] =
         empty ? neg_inf() : base + logf(l);
   }
 }

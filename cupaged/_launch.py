@@ -52,6 +52,59 @@ MIN_SPLIT_TOKENS = 256
 NOMINAL_SM_COUNT = 132
 # Shared memory a kernel may use without opting in (cudaFuncAttributeMaxDynamicSharedMemorySize).
 DEFAULT_SHARED_MEMORY = 48 * 1024
+# Dynamic shared memory one thread block may opt into, by compute capability (CUDA C++
+# Programming Guide, "Technical Specifications per Compute Capability"): V100 96 KB, T4 64 KB,
+# A100 163 KB, the sm_86/89 parts 99 KB, H100/H200 227 KB. A GPU reports its own
+# (MaxSharedMemoryPerBlockOptin); this table is for planning without one (the CPU backend, the
+# kernel report).
+ARCH_SHARED_MEMORY = {70: 96 * 1024, 75: 64 * 1024, 80: 163 * 1024, 86: 99 * 1024,
+                      87: 163 * 1024, 89: 99 * 1024, 90: 227 * 1024}  # fmt: skip
+# WMMA on 16-bit types: fp16 from Volta (sm_70), bf16 from Ampere (sm_80; below it the bf16
+# fragments do not exist and the tensor-core kernels do not compile).
+WMMA_MIN_ARCH = {"float16": 70, "bfloat16": 80}
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """The GPU a launch is planned for: what the kernel choice and the split plan depend on.
+
+    Attributes:
+        arch: compute capability as ``10 * major + minor`` (75: T4, 80: A100, 90: H100/H200).
+        sm_count: multiprocessors.
+        shared_memory: dynamic shared memory one thread block may opt into, in bytes.
+
+    A GPU's own is read from the device (``cupaged.ops``); :data:`NOMINAL_TARGET` (an H100) is
+    what the CPU backend plans for, so that it runs the kernels a GPU would pick.
+
+    >>> Target.of_arch(75).shared_memory // 1024, NOMINAL_TARGET.arch
+    (64, 90)
+    """
+
+    arch: int
+    sm_count: int
+    shared_memory: int
+
+    @classmethod
+    def of_arch(cls, arch: int, sm_count: int = NOMINAL_SM_COUNT) -> Target:
+        """The published limits of an architecture (the nearest one below, if not listed)."""
+        known = [a for a in ARCH_SHARED_MEMORY if a <= arch]
+        if not known:
+            raise ValueError(
+                f"expected a compute capability of at least {min(ARCH_SHARED_MEMORY)} (sm_70), "
+                f"got {arch}"
+            )
+        return cls(arch, sm_count, ARCH_SHARED_MEMORY[max(known)])
+
+    def fits(self, shared_mem: int) -> bool:
+        """Whether a thread block of ``shared_mem`` bytes of dynamic shared memory can run."""
+        return shared_mem <= self.shared_memory
+
+    def has_wmma(self, dtype: str) -> bool:
+        """Whether the tensor-core kernels compile and run for ``dtype`` here."""
+        return dtype in WMMA_MIN_ARCH and self.arch >= WMMA_MIN_ARCH[dtype]
+
+
+NOMINAL_TARGET = Target(90, NOMINAL_SM_COUNT, ARCH_SHARED_MEMORY[90])
 
 
 # paged_decode (cuda/paged_attention.cu): a ring of DECODE_STAGES shared-memory stages of K and V,
@@ -68,7 +121,11 @@ MERGE_THREADS = 128  # paged_decode_merge: any block size works (it strides by b
 # query head per thread (G = 1), 72-128 with two (a few padded head_dims or odd groups take more).
 H100_SM = dict(regs=65536, threads=2048, ctas=32, smem=228 * 1024, smem_reserved=1024)
 DECODE_REGISTER_BUDGET = {1: 64, 2: 128}  # by query heads per thread (at most 2 up to G = 16)
-# The tensor-core path (paged_decode_mma): fp16/bf16 groups of DECODE_MMA_MIN_GROUP to 16 query
+# Query heads of one decode thread block: a larger GQA group is cut into chunks of at most this
+# many (DecodeChunk in cuda/common.cuh), so that a thread's q rows and accumulators stay in
+# registers (a group of 48 in one block took 255 registers and spilled 596 bytes; of 128, 25 KB).
+DECODE_MAX_CHUNK = 16
+# The tensor-core path (paged_decode_mma): fp16/bf16 chunks of DECODE_MMA_MIN_GROUP to 16 query
 # heads, the rows of WMMA m16n16k16 products, where the CUDA-core loop is issue-bound (the issue
 # model of scripts/kernel-report: docs/kernels.md, "Tensor cores"). DECODE_MMA_WARPS warps per
 # block, a stage of 16 tokens per warp, DECODE_MMA_STAGES stages (a 64-token stage is 4x the
@@ -76,7 +133,6 @@ DECODE_REGISTER_BUDGET = {1: 64, 2: 128}  # by query heads per thread (at most 2
 # the registers (with 2 warps: 168-255 registers and spills at 192 and 256; with 4, stages of
 # 150 KB at 256, one block per SM), so those head_dims keep the CUDA-core kernel.
 DECODE_MMA_MIN_GROUP = 8
-DECODE_MMA_MAX_GROUP = 16
 DECODE_MMA_MAX_HEAD_DIM = 128
 DECODE_MMA_WARPS = 4
 DECODE_MMA_STAGES = 2
@@ -84,13 +140,35 @@ DECODE_MMA_REGISTER_BUDGET = 168  # what scripts/kernel-report finds (sm_90: 86-
 DECODE_MMA_DTYPES = ("float16", "bfloat16")
 
 
-def uses_decode_mma(dtype: str, group: int, head_dim: int) -> bool:
-    """Whether decode runs on tensor cores (``paged_decode_mma``) for this shape."""
-    return (
+def decode_chunk(group: int) -> int:
+    """Query heads per decode thread block: the group up to ``DECODE_MAX_CHUNK``, else the
+    group cut into ``ceil(group / DECODE_MAX_CHUNK)`` chunks as even as whole heads allow (71:
+    5 chunks of 15, the last 11).
+
+    >>> decode_chunk(8), decode_chunk(48), decode_chunk(71), decode_chunk(128)
+    (8, 16, 15, 16)
+    """
+    if group < 1:
+        raise ValueError(f"expected a GQA group of at least 1 query head per KV head, got {group}")
+    return cdiv(group, cdiv(group, DECODE_MAX_CHUNK))
+
+
+def uses_decode_mma(dtype: str, group: int, head_dim: int, target: Target = NOMINAL_TARGET) -> bool:
+    """Whether decode runs on tensor cores (``paged_decode_mma``) for this shape and GPU.
+
+    fp16/bf16 groups of ``DECODE_MMA_MIN_GROUP`` heads or more up to head_dim 128, where the
+    target has WMMA for the dtype (bf16 from sm_80) and grants the kernel's shared memory (a T4's
+    64 KB do not hold head_dim 128's stages); elsewhere the CUDA-core kernel, which fits all.
+    """
+    if not (
         dtype in DECODE_MMA_DTYPES
-        and DECODE_MMA_MIN_GROUP <= group <= DECODE_MMA_MAX_GROUP
+        and group >= DECODE_MMA_MIN_GROUP
         and head_dim <= DECODE_MMA_MAX_HEAD_DIM
-    )
+        and target.has_wmma(dtype)
+    ):
+        return False
+    mma = DecodeGeometry(32, DECODE_MMA_WARPS, 1, 16, DECODE_MMA_STAGES, 16, True)
+    return target.fits(decode_shared_memory(dtype, head_dim, mma))
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,10 +181,12 @@ class DecodeGeometry:
         bdz: token lanes; each takes ``tokens_per_thread`` consecutive tokens of a stage.
         tokens_per_thread: TPZ.
         stages: shared-memory stages of the ``cp.async`` ring.
-        heads_per_thread: ``ceil(group / bdy)``.
+        heads_per_thread: ``ceil(chunk / bdy)``.
         mma: the tensor-core kernel, ``paged_decode_mma``: then ``bdx`` is 32 (a warp), ``bdy``
             the warps, ``bdz`` 1, ``tokens_per_thread`` 16 (the tokens of a warp's score tile)
-            and ``heads_per_thread`` 16 (the rows of the MMA: the group, padded).
+            and ``heads_per_thread`` 16 (the rows of the MMA: the chunk, padded).
+        chunk: query heads per thread block (:func:`decode_chunk`).
+        head_chunks: thread blocks per KV head and work item, ``ceil(group / chunk)``.
     """
 
     bdx: int
@@ -116,6 +196,8 @@ class DecodeGeometry:
     stages: int
     heads_per_thread: int
     mma: bool = False
+    chunk: int = 1
+    head_chunks: int = 1
 
     @property
     def tile(self) -> int:
@@ -136,7 +218,8 @@ class DecodeLaunch:
     Attributes:
         name: ``paged_decode`` instantiation (a RawModule name expression).
         merge_name: ``paged_decode_merge`` instantiation.
-        grid: ``(num_kv_heads, capacity)``: one thread block per (KV head, work item).
+        grid: ``(num_kv_heads * head_chunks, capacity)``: one thread block per (KV head, head
+            chunk, work item).
         block: ``(bdx, bdy, bdz)``.
         shared_mem: dynamic shared memory in bytes.
         tile: tokens per pipeline stage (work items are whole stages but a sequence's last).
@@ -179,8 +262,11 @@ def _next_power_of_two(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def decode_geometry(dtype: str, head_dim: int, group: int) -> DecodeGeometry:
-    """The ``paged_decode`` layout for a shape (see cuda/paged_attention.cu's header).
+def decode_geometry(
+    dtype: str, head_dim: int, group: int, target: Target = NOMINAL_TARGET
+) -> DecodeGeometry:
+    """The ``paged_decode`` layout for a shape (see cuda/paged_attention.cu's header), over the
+    chunk of query heads one thread block serves (:func:`decode_chunk`).
 
     - ``bdx``: a lane owns 8 elements of a row (16 bytes of a 16-bit type, 2 x 16 of float32),
       16 from G = 4 (``DECODE_WIDE_LANE_GROUP``: half the shuffles and the redundant softmax per
@@ -192,25 +278,30 @@ def decode_geometry(dtype: str, head_dim: int, group: int) -> DecodeGeometry:
     - tokens per thread: a stage of about ``DECODE_STAGE_BYTES`` of K, at most
       ``DECODE_MAX_TOKENS_PER_THREAD`` per thread.
 
-    fp16/bf16 groups of 8 to 16 up to head_dim 128 (``uses_decode_mma``) take the tensor-core
-    kernel's layout instead: ``DECODE_MMA_WARPS`` warps, 16 tokens per warp and stage.
+    fp16/bf16 groups of 8 or more up to head_dim 128 where the target has the tensor cores and
+    the shared memory for them (``uses_decode_mma``) take the tensor-core kernel's layout
+    instead: ``DECODE_MMA_WARPS`` warps, 16 tokens per warp and stage.
     """
-    if group < 1:
-        raise ValueError(f"expected a GQA group of at least 1 query head per KV head, got {group}")
-    if uses_decode_mma(dtype, group, head_dim):
-        return DecodeGeometry(32, DECODE_MMA_WARPS, 1, 16, DECODE_MMA_STAGES, 16, True)
+    chunk = decode_chunk(group)
+    chunks = cdiv(group, chunk)
+    if uses_decode_mma(dtype, group, head_dim, target):
+        return DecodeGeometry(
+            32, DECODE_MMA_WARPS, 1, 16, DECODE_MMA_STAGES, 16, True, chunk, chunks
+        )
     size = itemsize(dtype)
     row_vectors = head_dim * size // 16
-    lane_vectors = (1 if size == 2 else 2) * (2 if group >= DECODE_WIDE_LANE_GROUP else 1)
+    lane_vectors = (1 if size == 2 else 2) * (2 if chunk >= DECODE_WIDE_LANE_GROUP else 1)
     bdx = min(32, _next_power_of_two(cdiv(row_vectors, lane_vectors)))
-    heads_per_thread = 1 if group == 1 else max(2, cdiv(group, 8))
-    bdy = cdiv(group, heads_per_thread)
+    heads_per_thread = 1 if chunk == 1 else max(2, cdiv(chunk, 8))
+    bdy = cdiv(chunk, heads_per_thread)
     bdz = 1
     while bdx * bdy * bdz < DECODE_TARGET_THREADS or (bdx * bdy * bdz) % 32:
         bdz *= 2
     tile_target = max(1, DECODE_STAGE_BYTES // (head_dim * size))
     tokens = min(DECODE_MAX_TOKENS_PER_THREAD, max(1, tile_target // bdz))
-    return DecodeGeometry(bdx, bdy, bdz, tokens, DECODE_STAGES, heads_per_thread)
+    return DecodeGeometry(
+        bdx, bdy, bdz, tokens, DECODE_STAGES, heads_per_thread, False, chunk, chunks
+    )
 
 
 def decode_shared_memory(dtype: str, head_dim: int, geometry: DecodeGeometry) -> int:
@@ -228,9 +319,16 @@ def decode_shared_memory(dtype: str, head_dim: int, geometry: DecodeGeometry) ->
 
 
 def decode_launch(
-    dtype: str, num_kv_heads: int, group: int, head_dim: int, block_size: int, capacity: int
+    dtype: str,
+    num_kv_heads: int,
+    group: int,
+    head_dim: int,
+    block_size: int,
+    capacity: int,
+    target: Target = NOMINAL_TARGET,
 ) -> DecodeLaunch:
-    """The launch of ``paged_decode`` (and its merge) over a work list of ``capacity`` items.
+    """The launch of ``paged_decode`` (and its merge) over a work list of ``capacity`` items, on
+    ``target`` (the kernel that compiles and fits there).
 
     Nothing here depends on the context lengths: the work list carries them.
     """
@@ -242,24 +340,47 @@ def decode_launch(
             f"expected num_kv_heads * block_size * head_dim < 2**32 (the elements of one block), "
             f"got {num_kv_heads} * {block_size} * {head_dim}"
         )
-    geo = decode_geometry(dtype, head_dim, group)
+    geo = decode_geometry(dtype, head_dim, group, target)
+    if num_kv_heads * geo.head_chunks > MAX_GRID_X:
+        raise ValueError(
+            f"expected num_kv_heads * ceil(group / {geo.chunk}) <= {MAX_GRID_X} (one grid axis), "
+            f"got {num_kv_heads} * {geo.head_chunks}"
+        )
     c_type = C_TYPES[dtype]
+    shape = f"{c_type}, {head_dim}, {block_size}, {geo.chunk}"
     if geo.mma:
-        layout = f"{geo.bdy}, {geo.stages}"
-        name = f"cupaged::paged_decode_mma<{c_type}, {head_dim}, {block_size}, {group}, {layout}>"
+        name = f"cupaged::paged_decode_mma<{shape}, {geo.bdy}, {geo.stages}>"
     else:
         layout = f"{geo.bdx}, {geo.bdy}, {geo.bdz}, {geo.tokens_per_thread}, {geo.stages}"
-        name = f"cupaged::paged_decode<{c_type}, {head_dim}, {block_size}, {group}, {layout}>"
+        name = f"cupaged::paged_decode<{shape}, {layout}>"
     return DecodeLaunch(
         name=name,
         merge_name=f"cupaged::paged_decode_merge<{c_type}, {head_dim}>",
-        grid=(num_kv_heads, capacity),
+        grid=(num_kv_heads * geo.head_chunks, capacity),
         block=(geo.bdx, geo.bdy, geo.bdz),
         shared_mem=decode_shared_memory(dtype, head_dim, geo),
         tile=geo.tile,
         merge_block=(MERGE_THREADS,),
         geometry=geo,
     )
+
+
+def decode_may_split(
+    capacity: int, num_seqs: int, min_chunk: int, tile: int, max_context: int | None
+) -> bool:
+    """Whether the decode planner (cuda/decode_plan.cu) can cut any sequence into several items.
+
+    Its items hold ``chunk >= round_up(min_chunk, tile)`` tokens, so a step whose longest
+    context (known on the host: ``max_context``) is at most that splits nothing, and one with no
+    spare items (``capacity == num_seqs``) never does. ``max_context=None`` (unknown without a
+    read-back): it may.
+
+    >>> decode_may_split(40, 8, 256, 64, 256), decode_may_split(40, 8, 256, 64, 257)
+    (False, True)
+    """
+    if capacity <= num_seqs:
+        return False
+    return max_context is None or max_context > cdiv(min_chunk, tile) * tile
 
 
 def decode_ctas_per_sm(dtype: str, head_dim: int, group: int, block_size: int) -> int:
@@ -367,19 +488,34 @@ def prefill_tile(dtype: str, head_dim: int) -> int:
     return tile
 
 
-def uses_prefill_mma(dtype: str, head_dim: int) -> bool:
-    """Whether ``paged_prefill`` runs on tensor cores (``paged_prefill_mma``) for this shape."""
-    return dtype in PREFILL_MMA_DTYPES and head_dim <= PREFILL_MMA_MAX_HEAD_DIM
+def uses_prefill_mma(dtype: str, head_dim: int, target: Target = NOMINAL_TARGET) -> bool:
+    """Whether ``paged_prefill`` runs on tensor cores (``paged_prefill_mma``) for this shape and
+    GPU: fp16/bf16 up to head_dim 128 where the target has WMMA for the dtype (bf16 from sm_80)
+    and grants the kernel's shared memory (a T4's 64 KB hold head_dim 64 only); elsewhere the
+    CUDA-core kernel."""
+    if not (
+        dtype in PREFILL_MMA_DTYPES
+        and head_dim <= PREFILL_MMA_MAX_HEAD_DIM
+        and target.has_wmma(dtype)
+    ):
+        return False
+    return target.fits(_prefill_shared_memory(True, dtype, head_dim, prefill_tile(dtype, head_dim)))
 
 
-def prefill_rows(dtype: str, head_dim: int) -> int:
+def prefill_rows(dtype: str, head_dim: int, target: Target = NOMINAL_TARGET) -> int:
     """Rows (query tokens x query heads) of one prefill thread block."""
-    return PREFILL_MMA_ROWS if uses_prefill_mma(dtype, head_dim) else PREFILL_ROWS
+    return PREFILL_MMA_ROWS if uses_prefill_mma(dtype, head_dim, target) else PREFILL_ROWS
 
 
-def prefill_shared_memory(dtype: str, head_dim: int, tile: int) -> int:
+def prefill_shared_memory(
+    dtype: str, head_dim: int, tile: int, target: Target = NOMINAL_TARGET
+) -> int:
     """Bytes of dynamic shared memory of ``paged_prefill`` (layout: see cuda/paged_prefill.cu)."""
-    if uses_prefill_mma(dtype, head_dim):  # paged_prefill_mma: q_s, the ring, s_s, p_s, special_s
+    return _prefill_shared_memory(uses_prefill_mma(dtype, head_dim, target), dtype, head_dim, tile)
+
+
+def _prefill_shared_memory(mma: bool, dtype: str, head_dim: int, tile: int) -> int:
+    if mma:  # paged_prefill_mma: q_s, the ring, s_s, p_s, special_s
         rows, row = PREFILL_MMA_ROWS, 2 * (head_dim + 8)
         return (rows * row + PREFILL_STAGES * 2 * tile * row + rows * (tile + 4) * 4
                 + rows * (tile + 8) * 2 + rows * head_dim)  # fmt: skip
@@ -468,9 +604,10 @@ def prefill_launch(
     query_start_loc: np.ndarray | None = None,
     context_lens: np.ndarray | None = None,
     causal: bool = True,
-    sm_count: int = NOMINAL_SM_COUNT,
+    sm_count: int | None = None,
     splits: int | None = None,
     total_query_tokens: int = 0,
+    target: Target = NOMINAL_TARGET,
 ) -> PrefillLaunch:
     """The launch of ``paged_prefill`` (and its merge) for one batch shape.
 
@@ -482,10 +619,13 @@ def prefill_launch(
         context_lens: host copy of the lengths: the split-K decision's input (``prefill_work``);
             no split when ``None``.
         causal: whether the tiles' KV ranges end at their last query (the split-K input too).
-        sm_count: multiprocessors of the device.
+        sm_count: multiprocessors of the device; ``target.sm_count`` when ``None``.
         splits: force about this many splits (tests); the heuristic decides when ``None``.
         total_query_tokens: rows of ``q``; sizes the grid and the merge grid.
+        target: the GPU planned for: the kernel that compiles and fits there.
     """
+    if sm_count is None:
+        sm_count = target.sm_count
     check_decode_shape(dtype, head_dim, block_size)
     num_q_heads = num_kv_heads * group
     if num_seqs < 1:
@@ -494,7 +634,8 @@ def prefill_launch(
         if not 1 <= value <= MAX_GRID_YZ:
             raise ValueError(f"expected {what} in 1..{MAX_GRID_YZ} (one launch), got {value}")
     tile = prefill_tile(dtype, head_dim)
-    rows_per_block = prefill_rows(dtype, head_dim)
+    mma = uses_prefill_mma(dtype, head_dim, target)
+    rows_per_block = PREFILL_MMA_ROWS if mma else PREFILL_ROWS
     heads = min(group, PREFILL_ROWS)
     chunks = cdiv(group, heads)
     query_rows = max(1, rows_per_block // heads)
@@ -517,7 +658,7 @@ def prefill_launch(
             f"{tiles * chunks * num_splits}"
         )
     c_type = C_TYPES[dtype]
-    kernel = "paged_prefill_mma" if uses_prefill_mma(dtype, head_dim) else "paged_prefill"
+    kernel = "paged_prefill_mma" if mma else "paged_prefill"
     return PrefillLaunch(
         name=(
             f"cupaged::{kernel}<{c_type}, {head_dim}, {block_size}, {tile}, {rows_per_block}, "
@@ -526,7 +667,7 @@ def prefill_launch(
         merge_name=f"cupaged::paged_prefill_merge<{c_type}, {head_dim}, {PREFILL_MERGE_THREADS}>",
         grid=(tiles * chunks * num_splits, num_kv_heads, 1),
         block=(PREFILL_THREADS,),
-        shared_mem=prefill_shared_memory(dtype, head_dim, tile),
+        shared_mem=_prefill_shared_memory(mma, dtype, head_dim, tile),
         query_rows=query_rows,
         heads_per_block=heads,
         tile=tile,

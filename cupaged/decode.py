@@ -38,7 +38,15 @@ from ._checks import (
 from ._kernels import get_kernel
 from ._util import cdiv
 from .dtypes import as_storage, storage_dtype
-from .ops import _address, _attention_kernel, _check_contiguous, _device, _sm_count
+from .ops import (
+    _address,
+    _attention_kernel,
+    _check_contiguous,
+    _ctas_per_sm,
+    _device,
+    _device_id,
+    _target,
+)
 
 _LAYER_AXES = ("num_blocks", "num_kv_heads", "block_size", "head_dim")
 
@@ -73,6 +81,7 @@ class DecodePlan:
     __slots__ = (
         "_block", "_capacity", "_device", "_dtype", "_grid", "_kernel", "_layout", "_lens",
         "_merge", "_merge_block", "_merge_grid", "_min_chunk", "_partial_lse", "_partial_out",
+        "_device_id",
         "_planner", "_planner_block", "_q_shape", "_scalars", "_seq_items", "_shared_mem", "_split", "_array_type", "_storage", "_strides",
         "_q_strides", "_num_q_heads",
         "_tables", "_tile", "_work", "_xp", "checked", "num_seqs",
@@ -118,12 +127,22 @@ class DecodePlan:
         splits = None if num_splits is None else as_int(num_splits, "num_splits")
         if splits is not None and splits < 1:
             raise ValueError(f"expected num_splits >= 1, got {splits}")
-        tile = _launch.decode_geometry(dtype, head_dim, group).tile  # pieces are whole stages
+        target = _target(device)
+        # The kernel and its layout depend on the shape and the GPU, not on the work list's
+        # length: planned (and, with sequences, loaded) first, so that its occupancy can size it.
+        launch = _launch.decode_launch(dtype, num_kv_heads, group, head_dim, block_size, 1, target)
+        tile = launch.tile  # pieces are whole stages
+        kernel = None
+        if num_seqs:
+            kernel = _attention_kernel(device, "paged_attention.cu", launch, group, head_dim)
         if splits is None:
             # Items that fill the device: thread blocks per multiprocessor x multiprocessors,
-            # over the KV heads (each item is one thread block per KV head).
-            ctas = _launch.decode_ctas_per_sm(dtype, head_dim, group, block_size)
-            capacity = num_seqs + cdiv(ctas * _sm_count(device), num_kv_heads)
+            # over the thread blocks of one item (KV heads x head chunks).
+            if kernel is None:
+                ctas = _launch.decode_ctas_per_sm(dtype, head_dim, group, block_size)
+            else:
+                ctas = _ctas_per_sm(device, kernel, launch, dtype, head_dim, group, block_size)
+            capacity = num_seqs + cdiv(ctas * target.sm_count, launch.grid[0])
             min_chunk = _launch.MIN_SPLIT_TOKENS
         elif splits == 1:
             capacity, min_chunk = num_seqs, tile
@@ -143,9 +162,12 @@ class DecodePlan:
                 f"expected at most {_launch.MAX_GRID_YZ - (capacity - num_seqs)} sequences in one "
                 f"decode plan (the work list is one grid axis), got {num_seqs}"
             )
-        launch = _launch.decode_launch(dtype, num_kv_heads, group, head_dim, block_size, capacity)
+        launch = _launch.decode_launch(
+            dtype, num_kv_heads, group, head_dim, block_size, capacity, target
+        )
         self._xp = xp
         self._device = device
+        self._device_id = _device_id(xp)
         self._dtype = dtype
         self._layout = tuple(k_cache.shape)
         self._q_shape = (num_seqs, num_q_heads, head_dim)
@@ -165,7 +187,7 @@ class DecodePlan:
         self._num_q_heads = np.int32(num_q_heads)
         if num_seqs == 0:
             return
-        self._kernel = _attention_kernel(device, "paged_attention.cu", launch, group, head_dim)
+        self._kernel = kernel
         self._grid, self._block, self._shared_mem = launch.grid, launch.block, launch.shared_mem
         self._merge = get_kernel(device, "paged_attention.cu", launch.merge_name)
         self._merge_grid = (num_q_heads, num_seqs)
@@ -183,9 +205,11 @@ class DecodePlan:
         self._scalars = (
             np.int32(num_kv_heads), np.int32(group), np.int32(max_blocks), np.float32(scale),
         )  # fmt: skip
-        self._plan()
+        self._plan(max_context if checked else None)
 
-    def _plan(self) -> None:
+    def _plan(self, max_context: int | None) -> None:
+        """Plan the work list on the device; ``max_context``, the longest length when the
+        checks read it on the host, lets a GPU skip the merge of a step that splits nothing."""
         self._planner(
             (1,),
             self._planner_block,
@@ -202,7 +226,9 @@ class DecodePlan:
             self._grid = (self._grid[0], items)
             self._split = items > self.num_seqs
         else:
-            self._split = self._capacity > self.num_seqs
+            self._split = _launch.decode_may_split(
+                self._capacity, self.num_seqs, self._min_chunk, self._tile, max_context
+            )
 
     @property
     def num_items(self) -> int:
@@ -229,13 +255,15 @@ class DecodePlan:
         check_index_array("block_tables", block_tables)
         check_index_array("context_lens", context_lens)
         array_module(block_tables, context_lens, self._tables)
+        max_context = None
         if self.checked:
             _, _, block_size, _ = self._layout
-            check_decode_tables(block_tables, context_lens, block_size, self._layout[0])
+            max_context = check_decode_tables(block_tables, context_lens, block_size,
+                                              self._layout[0])  # fmt: skip
         self._tables[...] = block_tables
         self._lens[...] = context_lens
         if self.num_seqs:
-            self._plan()
+            self._plan(max_context)
 
     def run(self, q: Any, k_cache: Any, v_cache: Any, *, out: Any = None) -> Any:
         """Decode attention of one layer: what :func:`cupaged.paged_attention` computes.
@@ -275,6 +303,13 @@ class DecodePlan:
                 raise ValueError(f"expected {name} 16-byte aligned, got address {_address(x):#x}")
         if self.num_seqs == 0:
             return out
+        if self._device_id != _device_id(xp):
+            raise ValueError(
+                f"expected the device this plan was made on (CUDA device {self._device_id}), got "
+                f"device {_device_id(xp)} current: its kernels and their shared-memory opt-in "
+                f"are that device's; make the plan under `with cupy.cuda.Device(...)` there"
+            )
+        split = self._split or (self._device == "cuda" and self._capturing())
         self._kernel(
             self._grid,
             self._block,
@@ -282,7 +317,7 @@ class DecodePlan:
              self._tables, self._work, *self._scalars),
             shared_mem=self._shared_mem,
         )  # fmt: skip
-        if self._split:
+        if split:
             self._merge(
                 self._merge_grid,
                 self._merge_block,
@@ -290,6 +325,15 @@ class DecodePlan:
                  self._num_q_heads),
             )  # fmt: skip
         return out
+
+    def _capturing(self) -> bool:
+        """Whether a CUDA graph is being captured on the current stream (on a GPU, while the
+        host knows that no sequence is split): the graph must hold the merge, for later
+        ``update`` calls may split."""
+        if self._capacity == self.num_seqs:  # no spare items: never split, whatever the lengths
+            return False
+        cupy = self._xp
+        return bool(cupy.cuda.runtime.streamIsCapturing(cupy.cuda.get_current_stream().ptr))
 
     def _check_run(self, q: Any, k_cache: Any, v_cache: Any, out: Any) -> tuple[Any, ...]:
         """The full checks of ``run``'s arguments against the plan, naming what was expected

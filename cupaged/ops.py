@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 import operator
 from typing import Any
 
@@ -424,7 +425,7 @@ def paged_prefill(
         launch = _launch.prefill_launch(
             dims.dtype, dims.num_seqs, dims.num_kv_heads, group, dims.head_dim, dims.block_size,
             max_query_len, host_starts, np.minimum(host_lens.astype(np.int64), MAX_CONTEXT_LEN),
-            bool(causal), _sm_count(device), num_splits, total,
+            bool(causal), None, num_splits, total, _target(device),
         )  # fmt: skip
         if len(_prefill_plans) >= 8:
             _prefill_plans.clear()
@@ -482,12 +483,13 @@ def _device_id(xp: Any) -> int:
 
 def _attention_kernel(device: str, source: str, launch: Any, group: int, head_dim: int) -> Any:
     """The kernel of an attention launch plan, with the dynamic shared memory it asks for
-    (opted into above the default; refused above what the device grants)."""
-    if device == "cuda" and launch.shared_mem > _device_shared_memory_limit():
+    (opted into above the default). The launch table picked it for this device's target
+    (:func:`_target`), so it fits; the check stays as the last guard before a launch."""
+    if device == "cuda" and not _target(device).fits(launch.shared_mem):
         raise ValueError(
-            f"expected at most {_device_shared_memory_limit()} bytes of shared memory per block, "
-            f"got {launch.shared_mem} for {group} query heads per KV head at head_dim "
-            f"{head_dim}; split the query heads into several calls"
+            f"expected at most {_target(device).shared_memory} bytes of shared memory per block "
+            f"on this GPU, got {launch.shared_mem} for {launch.name} ({group} query heads per KV "
+            f"head, head_dim {head_dim})"
         )
     kernel = get_kernel(device, source, launch.name)
     if device == "cuda" and launch.shared_mem > _launch.DEFAULT_SHARED_MEMORY:
@@ -497,20 +499,44 @@ def _attention_kernel(device: str, source: str, launch: Any, group: int, head_di
     return kernel
 
 
-def _device_shared_memory_limit() -> int:
-    cupy = device_module("cuda")
-    return _device_attribute(cupy.cuda.Device().id, "MaxSharedMemoryPerBlockOptin")
+def _ctas_per_sm(device: str, kernel: Any, launch: Any, dtype: str, head_dim: int,
+                 group: int, block_size: int) -> int:  # fmt: skip
+    """Decode thread blocks resident per multiprocessor: on a GPU, CUDA's occupancy calculator
+    on the loaded kernel (its real registers and shared memory); on the CPU backend, which plans
+    as :data:`cupaged._launch.NOMINAL_TARGET` would, the launch table's model of it."""
+    if device == "cpu":
+        return _launch.decode_ctas_per_sm(dtype, head_dim, group, block_size)
+    driver = device_module("cuda").cuda.driver
+    threads = math.prod(launch.block)
+    ctas = driver.occupancyMaxActiveBlocksPerMultiprocessor(
+        kernel.kernel.ptr, threads, launch.shared_mem
+    )
+    return max(1, int(ctas))
+
+
+def _target(device: str) -> _launch.Target:
+    """The GPU that launches are planned for: the current CUDA device's architecture, its
+    multiprocessors and the shared memory a block may opt into; the nominal H100 for the CPU
+    backend."""
+    if device == "cpu":
+        return _launch.NOMINAL_TARGET
+    return _cuda_target(device_module("cuda").cuda.runtime.getDevice())
 
 
 @functools.cache
-def _device_attribute(device_id: int, name: str) -> int:
-    return int(device_module("cuda").cuda.Device(device_id).attributes[name])
+def _cuda_target(device_id: int) -> _launch.Target:
+    device = device_module("cuda").cuda.Device(device_id)
+    attributes = device.attributes
+    return _launch.Target(
+        int(device.compute_capability),  # "90" on an H100
+        int(attributes["MultiProcessorCount"]),
+        int(attributes["MaxSharedMemoryPerBlockOptin"]),
+    )
 
 
 def _sm_count(device: str) -> int:
-    if device == "cpu":
-        return _launch.NOMINAL_SM_COUNT
-    return _device_attribute(device_module("cuda").cuda.Device().id, "MultiProcessorCount")
+    """Multiprocessors of the device launches are planned for (see :func:`_target`)."""
+    return _target(device).sm_count
 
 
 def _address(x: Any) -> int:

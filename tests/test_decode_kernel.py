@@ -94,13 +94,15 @@ CASES = [
     ("float32", 256, 256, 1),
     ("float16", 256, 5, 5),
     ("bfloat16", 96, 16, 6),
-    ("float32", 64, 16, 24),  # past 16: three query heads per thread
+    ("float32", 64, 16, 24),  # past 16: two chunks of 12 heads, one thread block each
     ("float16", 256, 16, 16),  # one token lane (BDZ = 1): no merge of lanes
     # The tensor-core path (paged_decode_mma): fp16/bf16, groups 8 to 16, head_dim up to 128.
     ("float16", 128, 16, 8),
     ("float16", 80, 7, 12),  # 12 of the 16 rows; 5 output slices over 4 warps
     ("bfloat16", 112, 1, 9),  # 7 output slices over 4 warps
     ("float16", 64, 256, 16),
+    ("float16", 96, 16, 40),  # three chunks of 14, 14 and 12 heads on tensor cores
+    ("bfloat16", 64, 3, 17),  # two chunks, 9 and 8 heads: the last chunk's padded rows
 ]
 MMA_CASES = [c for c in CASES if _launch.uses_decode_mma(c[0], c[3], c[1])]
 
@@ -136,15 +138,23 @@ def test_any_chunk_of_whole_stages_gives_the_same_result(rng, chunk_tiles):
 NAN_CASES = ("nan_q", "nan_k", "pos_inf_k", "neg_inf_k", "all_neg_inf_k", "inf_v", "nan_scale")
 
 
-def test_the_launch_table_takes_tensor_cores_for_16_bit_groups_8_to_16_to_head_dim_128():
-    assert len(MMA_CASES) == 6
+def test_the_launch_table_takes_tensor_cores_for_16_bit_groups_of_8_or_more_to_head_dim_128():
+    assert len(MMA_CASES) == 8
     for dtype in DTYPES:
-        for group in (1, 4, 7, 8, 12, 16, 17, 24):
+        for group in (1, 4, 7, 8, 12, 16, 17, 24, 48, 71, 128):
             for head_dim in (64, 128, 144, 256):
-                name = _launch.decode_launch(dtype, NUM_KV_HEADS, group, head_dim, 16, 1).name
-                mma = dtype != "float32" and 8 <= group <= 16 and head_dim <= 128
+                launch = _launch.decode_launch(dtype, NUM_KV_HEADS, group, head_dim, 16, 1)
+                mma = dtype != "float32" and 8 <= group and head_dim <= 128
                 prefix = "cupaged::paged_decode_mma<" if mma else "cupaged::paged_decode<"
-                assert name.startswith(prefix), name
+                assert launch.name.startswith(prefix), launch.name
+                # The group in chunks of at most 16 heads, a thread block each, as even as
+                # whole heads allow; the chunk is the 4th template argument.
+                geo = launch.geometry
+                assert geo.chunk <= 16 and geo.head_chunks == -(-group // geo.chunk)
+                assert geo.chunk * (geo.head_chunks - 1) < group <= geo.chunk * geo.head_chunks
+                assert geo.head_chunks == -(-group // 16)
+                assert launch.grid == (NUM_KV_HEADS * geo.head_chunks, 1)
+                assert launch.name.split(", ")[3] == str(geo.chunk)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])

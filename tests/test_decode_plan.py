@@ -260,3 +260,84 @@ def test_the_cache_plans_its_own_batch(rng):
     for layer in range(2):
         expected = reference(q, cache.k[layer], cache.v[layer], tables, lens)
         assert_close(plan.run(q, cache.k[layer], cache.v[layer]), expected, "float32")
+
+
+@pytest.mark.parametrize("length", [2**31 - 1, 2**31 - 200, 2**30 + 1])
+def test_lengths_near_2_31_are_cut_in_full(xp, length):
+    """An unchecked length near 2^31: the item counts and bounds are 64-bit in the planner (an
+    int ceil-division wrapped and left one truncated item)."""
+    for spare, min_chunk in ((4, 256), (0, 256), (1, 2**30)):
+        work, seq_items = run_planner(xp, [length, 3], 2 + spare, min_chunk, 64)
+        check_plan(work, seq_items, [length, 3], 2 + spare, min_chunk, 64)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    lens=st.lists(st.integers(0, 5000), min_size=1, max_size=40),
+    spare=st.integers(0, 80),
+    min_chunk=st.sampled_from([16, 256, 300]),
+    tile=st.sampled_from([8, 16, 64]),
+)
+def test_the_host_knows_when_nothing_is_split(lens, spare, min_chunk, tile):
+    """decode_may_split, which lets a GPU skip the merge of a step that splits nothing without a
+    read-back, never says no where the planner splits (and says no wherever it can)."""
+    capacity = len(lens) + spare
+    work, _ = run_planner(np, lens, capacity, min_chunk, tile)
+    split = bool((work[:, 0] >= 0).sum() > len(lens))
+    may = _launch.decode_may_split(capacity, len(lens), min_chunk, tile, max(lens))
+    assert may or not split
+    assert not may or spare == 0 or max(lens) > cdiv(min_chunk, tile) * tile
+    assert _launch.decode_may_split(capacity, len(lens), min_chunk, tile, None) == (spare > 0)
+
+
+def test_a_plan_runs_only_on_the_device_it_was_made_on(rng, monkeypatch):
+    """Its kernels (and their shared-memory opt-in) belong to that device: run elsewhere is
+    refused with the device named, nothing launched."""
+    import cupaged.decode as decode
+
+    (q, k, v, tables, lens), _ = batch(rng, np, "float32", [5, 40])
+    plan = cupaged.DecodePlan(tables, lens, k, q.shape[1])
+    out = np.full(q.shape, np.nan, np.float32)
+    monkeypatch.setattr(decode, "_device_id", lambda xp: 1)
+    with pytest.raises(ValueError, match=r"expected the device this plan was made on \(CUDA "
+                                         r"device 0\), got device 1"):  # fmt: skip
+        plan.run(q, k, v, out=out)
+    assert np.isnan(out).all()
+
+
+@pytest.mark.parametrize("dtype, ratio", [("float16", 48), ("float32", 71), ("bfloat16", 17)])
+def test_groups_past_16_heads_run_in_chunks_and_match_the_reference(rng, xp, dtype, ratio):
+    """A group of more than 16 query heads is cut into chunks, a thread block each (so that no
+    kernel spills): split-K and not, a zero-length context, heads of every chunk checked."""
+    lengths = [0, 1, 97, 1100]
+    (q, k, v, tables, lens), expected = batch(rng, xp, dtype, lengths, ratio=ratio)
+    for splits in (None, 1, 3):
+        plan = cupaged.DecodePlan(tables, lens, k, q.shape[1], num_splits=splits)
+        got = plan.run(q, k, v, out=poisoned(xp, q, dtype))
+        assert_close(got, expected, dtype)
+
+
+@pytest.mark.gpu
+def test_a_graph_captured_while_nothing_splits_still_merges_after_an_update(rng):
+    """A checked plan whose step splits nothing skips the merge launch on a GPU; a CUDA graph
+    captured then must still hold the merge, for a later update (longer contexts) splits."""
+    from cupaged._backend import cuda_available, cupy_module
+
+    if not cuda_available():
+        pytest.skip("needs a CUDA GPU (CuPy sees none)")
+    cupy = cupy_module()
+    (q, k, v, tables, lens), _ = batch(rng, cupy, "float16", [3000, 5])
+    short = cupy.asarray([40, 5], np.int32)
+    plan = cupaged.DecodePlan(tables, short, k, q.shape[1])
+    out = poisoned(cupy, q, "float16")
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        plan.run(q, k, v, out=out)  # compiled and loaded before the capture
+        stream.begin_capture()
+        plan.run(q, k, v, out=out)
+        graph = stream.end_capture()
+        plan.update(tables, lens)  # 3000 tokens: split over the device
+        graph.launch()
+    stream.synchronize()
+    expected = reference(*(x.get() for x in (q, k, v, tables, lens)))
+    assert_close(out, expected, "float16")

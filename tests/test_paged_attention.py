@@ -174,14 +174,14 @@ def test_the_decode_launch_table():
     assert launch.shared_mem == 24_576 and launch.merge_block == (128,)
     for dtype in DTYPES:
         for head_dim in _launch.HEAD_DIMS:
-            for group in range(1, 17):
+            for group in (*range(1, 18), 24, 48, 71, 128):
                 geo = _launch.decode_geometry(dtype, head_dim, group)
                 hpt = geo.heads_per_thread
-                if geo.mma:  # paged_decode_mma: the group's heads are the 16 rows of the MMA
-                    assert dtype != "float32" and 8 <= group <= 16 == hpt and head_dim <= 128
+                if geo.mma:  # paged_decode_mma: the chunk's heads are the 16 rows of the MMA
+                    assert dtype != "float32" and 8 <= group and 16 == hpt and head_dim <= 128
                     assert (geo.bdx, geo.bdz, geo.tile) == (32, 1, 16 * geo.bdy)
-                else:
-                    assert geo.bdy * hpt >= group > geo.bdy * (hpt - 1)  # no idle thread row
+                else:  # no idle thread row
+                    assert geo.bdy * hpt >= geo.chunk > geo.bdy * (hpt - 1)
                 assert geo.bdx in (4, 8, 16, 32) and geo.threads % 32 == 0
                 assert geo.threads <= 256
                 assert 1 <= _launch.decode_ctas_per_sm(dtype, head_dim, group, 16) <= 32
