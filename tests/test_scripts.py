@@ -1,14 +1,27 @@
-"""The GPU check's benchmark script runs end to end (on tiny shapes, through the CPU backend)."""
+"""The GPU check's scripts run end to end here (tiny shapes, through the CPU backend), catch wrong
+results, and fail loudly where no GPU is visible."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import numpy as np
+import pytest
 from helpers import TOLERANCES
 
-SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+import cupaged
+from cupaged.dtypes import array_dtype_name
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPTS = ROOT / "scripts"
+NO_GPU = dict(os.environ, CUDA_VISIBLE_DEVICES="")  # hides any GPU from CuPy
+
+sys.path.insert(0, str(SCRIPTS))
+import gpu_smoke  # noqa: E402
 
 
 def test_gpu_bench_smoke_on_the_cpu_backend(tmp_path):
@@ -28,3 +41,115 @@ def test_gpu_bench_smoke_on_the_cpu_backend(tmp_path):
         cells = [c.strip() for c in row.strip("|").split("|")]
         tol = TOLERANCES[cells[0]]
         assert float(cells[-1]) <= 2 * (tol["atol"] + tol["rtol"]), row
+
+
+def table_rows(text: str) -> list[list[str]]:
+    """The cells of a markdown table's body rows (``| 0 | ...``)."""
+    rows = [line for line in text.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    return [[cell.strip() for cell in line.strip("|").split("|")] for line in rows]
+
+
+def test_gpu_smoke_passes_on_the_cpu_backend(tmp_path):
+    report = tmp_path / "smoke.md"
+    start = time.perf_counter()
+    result = subprocess.run(
+        [sys.executable, str(SCRIPTS / "gpu_smoke.py"), "--device", "cpu", "--report", str(report)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert time.perf_counter() - start < 120
+    rows = table_rows(report.read_text())
+    assert len(rows) == len(gpu_smoke.CPU_CASES)
+    assert all(row[-1].startswith("pass") for row in rows), rows
+    assert {row[1] for row in rows} == {"decode", "decode_plan", "prefill"}
+    assert {row[2] for row in rows} == {"float32", "float16", "bfloat16"}
+    assert "gpu_smoke: PASS: 4 of 4 cases passed" in report.read_text().splitlines()[-1]
+
+
+def test_gpu_smoke_cases_cover_every_pair_of_values():
+    cases = gpu_smoke.gpu_cases()
+    rows = [vars(case) for case in cases]
+    assert gpu_smoke.uncovered_pairs(rows, gpu_smoke.FACTORS) == set()
+    # Near the lower bound (the two largest factors, 5 x 4 pairs), far below the cross product.
+    assert 20 <= len(cases) <= 25
+    for name, values in gpu_smoke.FACTORS.items():
+        assert {row[name] for row in rows} == set(values), name
+    # The sanitizer runs only kernels the smoke compiled before it.
+    assert cases[: len(gpu_smoke.SANITIZER_CASES)] == list(gpu_smoke.SANITIZER_CASES)
+    assert gpu_smoke.gpu_cases() == cases  # deterministic
+    # A value that no row holds leaves its pairs uncovered.
+    assert gpu_smoke.uncovered_pairs([r for r in rows if r["group"] != 64], gpu_smoke.FACTORS)
+
+
+def test_gpu_smoke_comparison_rejects_wrong_and_unwritten_outputs():
+    rng = np.random.default_rng(0)
+    expected = rng.standard_normal((3, 4, 64))
+    for dtype in ("float32", "float16", "bfloat16"):
+        good = cupaged.from_float(expected.astype(np.float32), dtype)
+        assert gpu_smoke.compare(good, expected, dtype).ok, dtype
+        wrong = good.copy()
+        wrong.reshape(-1)[77] = cupaged.from_float(np.array([5.0], np.float32), dtype)[0]
+        check = gpu_smoke.compare(wrong, expected, dtype)
+        assert not check.ok and check.worst_ratio > 1, dtype
+        unwritten = good.copy()
+        unwritten[1] = gpu_smoke.poisoned(np, unwritten[1].shape, dtype, "bits")
+        check = gpu_smoke.compare(unwritten, expected, dtype)
+        assert not check.ok and check.nans == 4 * 64, dtype
+    wrong_shape = np.zeros((3, 4), np.float32)
+    assert not gpu_smoke.compare(wrong_shape, expected, "float32").ok
+
+
+def test_gpu_smoke_reports_a_wrong_kernel_result_and_runs_every_case(tmp_path, monkeypatch):
+    real = cupaged.paged_prefill
+
+    def off_by_a_little(*args, **kwargs):  # one element of the kernel's output off by 0.5
+        out = real(*args, **kwargs)
+        values = cupaged.to_float(out).copy()
+        values[0, 0, 0] += 0.5
+        out[...] = cupaged.from_float(values, array_dtype_name(out), like=out)
+        return out
+
+    monkeypatch.setattr(cupaged, "paged_prefill", off_by_a_little)
+    report = tmp_path / "smoke.md"
+    assert gpu_smoke.main(["--device", "cpu", "--report", str(report)]) == 1
+    rows = table_rows(report.read_text())
+    assert len(rows) == len(gpu_smoke.CPU_CASES)  # every case ran
+    for row in rows:
+        assert row[-1].startswith("**FAIL**" if row[1] == "prefill" else "pass"), row
+    assert "gpu_smoke: FAIL" in report.read_text().splitlines()[-1]
+
+
+def test_gpu_smoke_on_cuda_without_a_gpu_fails_with_a_message(tmp_path):
+    report = tmp_path / "smoke.md"
+    result = subprocess.run(
+        [sys.executable, str(SCRIPTS / "gpu_smoke.py"), "--device", "cuda", "--report", str(report)],
+        capture_output=True, text=True, timeout=120, env=NO_GPU,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "no GPU is visible" in result.stdout
+    assert "FAIL" in report.read_text()
+
+
+def test_gpu_check_is_valid_bash():
+    result = subprocess.run(["bash", "-n", str(SCRIPTS / "gpu-check")], capture_output=True,
+                            text=True)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the check runs on the Linux device image")
+def test_gpu_check_without_a_gpu_fails_quickly_and_still_writes_its_summary(tmp_path):
+    out = tmp_path / "out"
+    start = time.perf_counter()
+    result = subprocess.run(
+        ["bash", str(SCRIPTS / "gpu-check")], capture_output=True, text=True, timeout=120,
+        env=dict(NO_GPU, OUT=str(out), PYTHON=sys.executable),
+    )  # fmt: skip
+    assert time.perf_counter() - start < 60  # bails out: no stage waits for a GPU
+    assert result.returncode != 0
+    assert "no GPU is visible" in result.stdout
+    summary = (out / "gpu-check.md").read_text()
+    assert summary.startswith("# GPU check: FAIL")
+    assert "| device | FAIL: no GPU is visible |" in summary
+    for stage in ("smoke", "sanitizers", "tests", "bench"):
+        assert f"| {stage} | skipped: no GPU is visible |" in summary
+    assert len(list(out.iterdir())) <= 8  # what the device tool brings back
