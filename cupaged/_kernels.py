@@ -15,6 +15,7 @@ import threading
 from typing import Any
 
 from ._backend import cupy_module, kernel_dir
+from ._cuda_headers import find_nvrtc_headers, nvrtc_include_dirs
 
 _lock = threading.Lock()
 _cuda_functions: dict[tuple[int, str, str], Any] = {}
@@ -74,51 +75,31 @@ def _cpu_kernel(source: str, name: str) -> Any:
 
 
 def nvrtc_options() -> tuple[str, ...]:
-    """NVRTC options: C++17, the kernel folder, and a digest of every header in it.
+    """NVRTC options: C++17, the kernel folder, a digest of every header in it, the CUDA headers.
 
     CuPy's on-disk cache keys a module by its source text and options only; the digest makes an
-    edited ``common.cuh`` recompile the files that include it.
+    edited ``common.cuh`` recompile the files that include it. The CUDA headers are the folder
+    with ``cuda_fp16.h`` and the one with ``crt/mma.h``, found by ``cupaged._cuda_headers``
+    (NVIDIA's wheels of NVRTC's CUDA version first, then the CUDA toolkits).
+
+    Raises:
+        CupagedError: no folder has ``crt/mma.h``; the message names the wheel to install.
     """
     folder = kernel_dir()
     digest = hashlib.sha256()
     for header in sorted(folder.glob("*.cuh")):
         digest.update(header.read_bytes())
     options = ["--std=c++17", f"-I{folder}", f"-DCUPAGED_HEADERS={digest.hexdigest()[:16]}"]
-    include = wheel_include_dir()
-    if include:
-        options.append(f"-I{include}")
-    crt = crt_include_dir()
-    if crt and crt != include:
-        options.append(f"-I{crt}")
+    options += [f"-I{include}" for include in nvrtc_include_dirs()]
     return tuple(options)
 
 
 def crt_include_dir() -> str | None:
-    """Headers holding ``crt/mma.h`` (what ``mma.h``, the WMMA API, includes), when installed.
+    """The folder :func:`nvrtc_options` takes ``crt/mma.h`` from, or None when none has it.
 
-    The CUDA 12 runtime wheel ships ``mma.h`` but not ``crt/mma.h``: that comes with the
-    ``nvidia-cuda-nvcc-cu12`` wheel (``nvidia/cuda_nvcc/include``); CUDA 13 keeps it under
-    ``nvidia/cu13/include`` (the ``nvidia-cuda-crt`` wheel).
+    ``mma.h`` (the WMMA API) includes ``crt/mma.h``, which neither CUDA runtime wheel has: it
+    comes with ``nvidia-cuda-nvcc-cu12`` (``nvidia/cuda_nvcc/include``), ``nvidia-cuda-crt``
+    (``nvidia/cu13/include``) or a CUDA toolkit's ``include``.
     """
-    import importlib.util
-    from pathlib import Path
-
-    spec = importlib.util.find_spec("nvidia")
-    for root in (spec.submodule_search_locations or []) if spec else []:
-        for sub in ("cuda_nvcc/include", "cu13/include", "cuda_runtime/include"):
-            if (Path(root) / sub / "crt" / "mma.h").is_file():
-                return str(Path(root) / sub)
-    return None
-
-
-def wheel_include_dir() -> str | None:
-    """Headers of NVIDIA's CUDA runtime wheel (``cuda_fp16.h``), when one is installed."""
-    import importlib.util
-    from pathlib import Path
-
-    spec = importlib.util.find_spec("nvidia")
-    for root in (spec.submodule_search_locations or []) if spec else []:
-        for sub in ("cuda_runtime/include", "cu13/include"):
-            if (Path(root) / sub / "cuda_fp16.h").is_file():
-                return str(Path(root) / sub)
-    return None
+    crt = find_nvrtc_headers().crt
+    return None if crt is None else str(crt)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import importlib.util
 import logging
 import os
 import platform
@@ -37,6 +36,7 @@ import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
+from .. import _cuda_headers
 from .._backend import kernel_dir
 from .._util import sha256_file
 from ..errors import CupagedError
@@ -53,7 +53,7 @@ _RUNTIME_SOURCES = (
 )
 ABI_VERSION = 2
 # Where CUDA toolkits install by default (a symlink to the versioned folder).
-DEFAULT_TOOLKIT = Path("/usr/local/cuda")
+DEFAULT_TOOLKIT = _cuda_headers.DEFAULT_TOOLKIT
 
 BASE_FLAGS = (
     "-std=c++17",
@@ -86,43 +86,27 @@ def check_platform() -> None:
 
 
 def _wheel_include_dirs() -> list[Path]:
-    """Header folders of the CUDA runtime wheels, if installed (no import of the packages)."""
-    spec = importlib.util.find_spec("nvidia")
-    if spec is None or spec.submodule_search_locations is None:
-        return []
-    found = []
-    for root in spec.submodule_search_locations:
-        # nvidia-cuda-runtime-cu12: nvidia/cuda_runtime/include; CUDA 13 wheels: nvidia/cu13/include
-        for sub in ("cuda_runtime/include", "cu13/include", "cu12/include"):
-            found.append(Path(root) / sub)
-    return found
+    """Header folders of NVIDIA's CUDA wheels, if installed (no import of the packages)."""
+    return _cuda_headers.wheel_include_dirs()
 
 
 def cuda_include_dir() -> Path:
     """The folder with ``cuda_fp16.h`` and ``cuda_bf16.h`` that CPU builds compile against.
 
-    Searched in order: ``$CUDA_PATH/include``; the toolkit of the ``nvcc`` on ``PATH`` (symlinks
-    resolved); ``$CUPAGED_CUDA_TOOLKIT/include``, by default ``/usr/local/cuda/include`` (an
-    empty ``CUPAGED_CUDA_TOOLKIT`` folder hides the system toolkit); the ``nvidia-cuda-runtime-cu12`` wheel
-    (``nvidia/cuda_runtime/include``); the CUDA 13 runtime wheel (``nvidia/cu13/include``).
-    The wheels lack the compiler-internal ``crt/`` and ``nv/`` headers; the shim brings host-only
-    stand-ins for those.
+    Searched in order (``cupaged._cuda_headers``): ``$CUDA_PATH/include``; the toolkit of the
+    ``nvcc`` on ``PATH`` (symlinks resolved); ``$CUPAGED_CUDA_TOOLKIT/include``, by default
+    ``/usr/local/cuda/include`` (an empty ``CUPAGED_CUDA_TOOLKIT`` folder hides the system
+    toolkit); the ``nvidia-cuda-runtime-cu12`` wheel (``nvidia/cuda_runtime/include``); the CUDA
+    13 runtime wheel (``nvidia/cu13/include``). The wheels lack the compiler-internal ``crt/`` and
+    ``nv/`` headers; the shim brings host-only stand-ins for those.
 
     Raises:
         CupagedError: none of them has the headers.
     """
-    candidates: list[Path] = []
-    cuda_path = os.environ.get("CUDA_PATH")
-    if cuda_path:
-        candidates.append(Path(cuda_path) / "include")
-    nvcc = shutil.which("nvcc")
-    if nvcc:
-        candidates.append(Path(nvcc).resolve().parent.parent / "include")
-    candidates.append(Path(os.environ.get("CUPAGED_CUDA_TOOLKIT") or DEFAULT_TOOLKIT) / "include")
-    candidates.extend(_wheel_include_dirs())
-    for folder in candidates:
-        if (folder / "cuda_fp16.h").is_file() and (folder / "cuda_bf16.h").is_file():
-            return folder.resolve()
+    candidates = [*_cuda_headers.toolkit_include_dirs(DEFAULT_TOOLKIT), *_wheel_include_dirs()]
+    found = _cuda_headers.include_dir_with(("cuda_fp16.h", "cuda_bf16.h"), candidates)
+    if found is not None:
+        return found.resolve()
     searched = ", ".join(str(c) for c in candidates)
     raise CupagedError(
         f"the CPU backend needs the CUDA headers cuda_fp16.h and cuda_bf16.h, found in none of: "
