@@ -116,11 +116,8 @@ DECODE_TARGET_THREADS = 128
 DECODE_MAX_TOKENS_PER_THREAD = 8  # TPZ: scores a thread keeps in registers per head and stage
 DECODE_WIDE_LANE_GROUP = 4  # from this GQA group on, a lane owns 16 elements of a row, not 8
 MERGE_THREADS = 128  # paged_decode_merge: any block size works (it strides by blockDim.x)
-# decode_ctas_per_sm: an H100's per-SM limits, and a fixed register budget per thread: what
-# scripts/kernel-report finds for the fp16/bf16 instantiations (sm_90), rounded up: 56-64 with one
-# query head per thread (G = 1), 72-128 with two (a few padded head_dims or odd groups take more).
+# decode_ctas_per_sm: an H100's per-SM limits (CUDA C++ Programming Guide, compute capability 9.0).
 H100_SM = dict(regs=65536, threads=2048, ctas=32, smem=228 * 1024, smem_reserved=1024)
-DECODE_REGISTER_BUDGET = {1: 64, 2: 128}  # by query heads per thread (at most 2 up to G = 16)
 # Query heads of one decode thread block: a larger GQA group is cut into chunks of at most this
 # many (DecodeChunk in cuda/common.cuh), so that a thread's q rows and accumulators stay in
 # registers (a group of 48 in one block took 255 registers and spilled 596 bytes; of 128, 25 KB).
@@ -136,7 +133,6 @@ DECODE_MMA_MIN_GROUP = 8
 DECODE_MMA_MAX_HEAD_DIM = 128
 DECODE_MMA_WARPS = 4
 DECODE_MMA_STAGES = 2
-DECODE_MMA_REGISTER_BUDGET = 168  # what scripts/kernel-report finds (sm_90: 86-168)
 DECODE_MMA_DTYPES = ("float16", "bfloat16")
 
 
@@ -384,37 +380,87 @@ def decode_may_split(
 
 
 def decode_ctas_per_sm(dtype: str, head_dim: int, group: int, block_size: int) -> int:
-    """Theoretical ``paged_decode`` thread blocks per multiprocessor of an H100.
+    """Theoretical ``paged_decode`` thread blocks per multiprocessor of an H100, as the cubins
+    of :data:`NOMINAL_TARGET`'s kernels give it.
 
-    From the block's threads, ``DECODE_REGISTER_BUDGET`` registers per thread (allocated per
-    warp in units of 256) and its shared memory (plus the 1 KiB the system reserves per block,
-    in units of 128 bytes). ``block_size`` does not change the layout; it is taken for symmetry
-    with the launch. :class:`cupaged.DecodePlan` sizes its work list with it on every device:
-    the CPU backend plans as an H100 would, and on another GPU it is an estimate (only the work
-    list's length depends on it, never a result).
+    From the block's threads, the registers ptxas gives the instantiation for sm_90
+    (``DECODE_REGISTERS``) and its shared memory, by the occupancy calculator's rules
+    (:func:`ctas_per_sm`). The CPU backend plans its splits with it, as an H100 would; a GPU asks
+    CUDA's occupancy calculator about the loaded kernel instead (``DecodePlan``). The table is
+    of block size 16: other block sizes change the address arithmetic by a few registers, and
+    the blocks per multiprocessor by one at most (tests/test_kernel_report.py holds both against
+    fresh cubins). Only the work list's length depends on it, never a result.
 
     >>> decode_ctas_per_sm("float16", 128, 1, 16), decode_ctas_per_sm("float16", 128, 8, 16)
-    (8, 4)
+    (8, 2)
     """
     check_decode_shape(dtype, head_dim, block_size)
     geo = decode_geometry(dtype, head_dim, group)
-    warps = cdiv(geo.threads, 32)
-    if geo.mma:
-        budget = DECODE_MMA_REGISTER_BUDGET
-    else:
-        budget = DECODE_REGISTER_BUDGET[min(geo.heads_per_thread, 2)]
-    regs_per_warp = cdiv(budget * 32, 256) * 256
-    smem = decode_shared_memory(dtype, head_dim, geo) + H100_SM["smem_reserved"]
-    smem = cdiv(smem, 128) * 128
-    return max(
-        1,
-        min(
-            H100_SM["ctas"],
-            H100_SM["threads"] // geo.threads,
-            H100_SM["regs"] // (regs_per_warp * warps),
-            H100_SM["smem"] // smem,
-        ),
-    )
+    registers = DECODE_REGISTERS[(dtype, head_dim)][geo.chunk - 1]
+    return max(1, ctas_per_sm(geo.threads, registers, decode_shared_memory(dtype, head_dim, geo)))
+
+
+def ctas_per_sm(threads: int, registers: int, shared_mem: int, sm: dict = H100_SM) -> int:
+    """Thread blocks of ``threads`` threads, ``registers`` registers each and ``shared_mem``
+    bytes of dynamic shared memory that fit one multiprocessor (``sm``: its limits).
+
+    The occupancy calculator's rules: registers allocated per warp in units of 256, shared
+    memory per block in units of 128 bytes plus the 1 KiB the system reserves (sm_80 on).
+    """
+    warps = cdiv(threads, 32)
+    regs_per_warp = cdiv(registers * 32, 256) * 256
+    smem = cdiv(shared_mem + sm["smem_reserved"], 128) * 128
+    return min(sm["ctas"], sm["threads"] // (32 * warps), sm["regs"] // (regs_per_warp * warps),
+               sm["smem"] // smem)  # fmt: skip
+
+
+# Registers per thread of the decode kernel NOMINAL_TARGET picks (paged_decode, or
+# paged_decode_mma for fp16/bf16 chunks of 8 or more heads up to head_dim 128), by (dtype,
+# head_dim) and chunk = 1 .. 16 heads, at block size 16: ptxas of NVRTC 12.9 for sm_90, from
+# `scripts/kernel-report --decode-register-table` (which prints this table anew).
+# fmt: off
+DECODE_REGISTERS = {
+    ("float32", 64): (66, 102, 79, 140, 138, 138, 128, 128, 125, 125, 144, 144, 126, 126, 128, 128),
+    ("float32", 80): (68, 80, 95, 110, 104, 104, 111, 111, 111, 111, 111, 111, 110, 110, 127, 127),
+    ("float32", 96): (68, 80, 80, 100, 96, 96, 116, 116, 116, 116, 96, 96, 112, 112, 128, 128),
+    ("float32", 112): (68, 80, 80, 122, 142, 142, 125, 125, 125, 125, 141, 141, 126, 126, 140, 140),
+    ("float32", 128): (60, 64, 71, 126, 129, 129, 124, 124, 126, 126, 143, 143, 124, 124, 128, 128),
+    ("float32", 144): (64, 80, 95, 96, 96, 96, 111, 111, 111, 111, 111, 111, 108, 108, 127, 127),
+    ("float32", 160): (64, 80, 95, 96, 96, 96, 111, 111, 111, 111, 111, 111, 107, 107, 127, 127),
+    ("float32", 176): (64, 80, 80, 96, 96, 96, 111, 111, 111, 111, 96, 96, 110, 110, 111, 111),
+    ("float32", 192): (64, 80, 80, 100, 96, 96, 116, 116, 116, 116, 96, 96, 112, 112, 128, 128),
+    ("float32", 208): (64, 80, 80, 124, 137, 137, 125, 125, 125, 125, 141, 141, 123, 123, 128, 128),
+    ("float32", 224): (64, 80, 80, 124, 135, 135, 125, 125, 125, 125, 141, 141, 126, 126, 128, 128),
+    ("float32", 240): (64, 80, 80, 124, 135, 135, 125, 125, 125, 125, 141, 141, 128, 128, 128, 128),
+    ("float32", 256): (56, 64, 72, 126, 129, 129, 124, 124, 126, 126, 143, 143, 124, 124, 127, 127),
+    ("float16", 64): (66, 100, 87, 137, 147, 147, 128, 106, 106, 106, 106, 106, 106, 106, 106, 106),
+    ("float16", 80): (64, 87, 95, 128, 148, 148, 128, 128, 128, 128, 128, 128, 128, 128, 128, 128),
+    ("float16", 96): (63, 89, 91, 126, 135, 135, 128, 143, 143, 143, 143, 143, 143, 143, 143, 143),
+    ("float16", 112): (63, 89, 94, 126, 143, 143, 128, 151, 151, 151, 151, 151, 151, 151, 151, 151),
+    ("float16", 128): (63, 76, 80, 128, 147, 147, 128, 168, 168, 168, 168, 168, 168, 168, 168, 168),
+    ("float16", 144): (64, 80, 92, 128, 145, 145, 128, 128, 128, 128, 168, 168, 128, 128, 128, 128),
+    ("float16", 160): (64, 80, 95, 128, 145, 145, 128, 128, 128, 128, 168, 168, 128, 128, 128, 128),
+    ("float16", 176): (60, 72, 91, 128, 135, 135, 128, 128, 128, 128, 150, 150, 128, 128, 128, 128),
+    ("float16", 192): (60, 72, 91, 128, 137, 137, 128, 128, 128, 128, 150, 150, 128, 128, 128, 128),
+    ("float16", 208): (60, 72, 80, 128, 141, 141, 126, 126, 126, 126, 147, 147, 128, 128, 128, 128),
+    ("float16", 224): (60, 72, 80, 128, 141, 141, 126, 126, 126, 126, 147, 147, 128, 128, 128, 128),
+    ("float16", 240): (60, 72, 80, 128, 141, 141, 126, 126, 126, 126, 147, 147, 125, 125, 128, 128),
+    ("float16", 256): (62, 72, 80, 124, 146, 146, 128, 128, 126, 126, 138, 138, 128, 128, 128, 128),
+    ("bfloat16", 64): (66, 100, 92, 132, 134, 134, 128, 90, 90, 90, 90, 90, 90, 90, 90, 90),
+    ("bfloat16", 80): (64, 87, 91, 128, 146, 146, 128, 128, 128, 128, 128, 128, 128, 128, 128, 128),
+    ("bfloat16", 96): (63, 89, 91, 125, 129, 129, 127, 145, 145, 145, 145, 145, 145, 145, 145, 145),
+    ("bfloat16", 112): (63, 89, 94, 125, 143, 143, 126, 168, 168, 168, 168, 168, 168, 168, 168, 168),
+    ("bfloat16", 128): (63, 76, 80, 128, 130, 130, 128, 168, 168, 168, 168, 168, 168, 168, 168, 168),
+    ("bfloat16", 144): (64, 80, 92, 128, 145, 145, 128, 128, 128, 128, 168, 168, 128, 128, 128, 128),
+    ("bfloat16", 160): (64, 80, 91, 128, 145, 145, 128, 128, 128, 128, 168, 168, 128, 128, 128, 128),
+    ("bfloat16", 176): (60, 72, 91, 127, 133, 133, 127, 127, 127, 127, 150, 150, 128, 128, 128, 128),
+    ("bfloat16", 192): (60, 72, 91, 127, 133, 133, 127, 127, 127, 127, 150, 150, 128, 128, 128, 128),
+    ("bfloat16", 208): (60, 72, 80, 127, 139, 139, 128, 128, 128, 128, 149, 149, 128, 128, 128, 128),
+    ("bfloat16", 224): (60, 72, 80, 127, 139, 139, 128, 128, 128, 128, 149, 149, 128, 128, 128, 128),
+    ("bfloat16", 240): (60, 72, 80, 127, 139, 139, 128, 128, 128, 128, 149, 149, 124, 124, 128, 128),
+    ("bfloat16", 256): (61, 72, 80, 124, 140, 140, 128, 128, 128, 128, 151, 151, 128, 128, 128, 128),
+}
+# fmt: on
 
 
 PREFILL_THREADS = 128  # a template argument of paged_prefill: no constant to keep equal
