@@ -205,12 +205,20 @@ __device__ __forceinline__ int sequence_of(const int* __restrict__ query_start_l
 //   q_s [ROWS, HEAD_DIM] (scaled queries), p_s [ROWS, TILE + 4] (weights), alpha_s [ROWS],
 //   l_s [ROWS], kv_s [STAGES, 2 (K, V), TILE, HEAD_DIM + 16 / sizeof(T)] of T.
 // partial_out and partial_lse are read only with num_splits > 1 (then the merge writes out).
-// __launch_bounds__(THREADS, 4): 4 blocks per SM, at most 128 registers. Without the second
-// argument ptxas settles near 96 registers and spills a few bytes in the tile loop; with 1 it
-// takes up to 135 and 3 blocks fit. With 4, NVRTC 12 spills nothing (sm_80, sm_90; every dtype,
-// head_dim 64-256), and shared memory (about 45 KiB at fp16, head_dim 128) would allow 5.
+// __launch_bounds__(THREADS, kPrefillBlocks): 4 blocks per SM up to head_dim 192, at most 128
+// registers. Without the second argument ptxas settles near 96 registers and spills a few bytes
+// in the tile loop; with 1 it takes up to 135 and 3 blocks fit. Above head_dim 192 a thread's
+// share of the output rows outgrows 128 registers (NVRTC 12.9 spilled 20-220 bytes at head_dim
+// 208-256), so 3 blocks (168 registers) there, and 2 for float32 from head_dim 240 (24 bytes
+// still spilled at 168). scripts/kernel-report (NVRTC 12.9) then shows no spill on sm_80 and
+// sm_90 for every dtype and head_dim; on sm_75, which runs this kernel where the tensor-core one
+// does not fit or has no bf16, 8-16 bytes at head_dim 80-128 of the 16-bit types. Shared memory
+// (about 45 KiB at fp16, head_dim 128) would allow 5 blocks.
+template <typename T, int HEAD_DIM>
+constexpr int kPrefillBlocks = HEAD_DIM <= 192 ? 4 : (sizeof(T) == 4 && HEAD_DIM >= 240 ? 2 : 3);
+
 template <typename T, int HEAD_DIM, int BLOCK_SIZE, int TILE, int ROWS, int STAGES, int THREADS>
-__global__ void __launch_bounds__(THREADS, 4)
+__global__ void __launch_bounds__(THREADS, kPrefillBlocks<T, HEAD_DIM>)
     paged_prefill(T* __restrict__ out,                     // [total_query_tokens, num_q_heads, HEAD_DIM]
                   float* __restrict__ partial_out,         // [total_query_tokens, num_q_heads, num_splits, HEAD_DIM]
                   float* __restrict__ partial_lse,         // [total_query_tokens, num_q_heads, num_splits]
@@ -515,7 +523,8 @@ __global__ void __launch_bounds__(THREADS, 4)
 // Stage rows are padded by 16 bytes as in paged_prefill: the 8 rows of each 8 x 16-byte phase of
 // a fragment load start 4 banks apart (conflict-free).
 // __launch_bounds__: as many blocks per SM as shared memory holds at head_dim 128 (sm_90: 3;
-// sm_80: 2), so at most 168 registers on sm_90. O alone takes HEAD_DIM / 4 registers: head_dim
+// sm_80: 2), so at most 168 registers on sm_90, where head_dim 112 spills 4 (fp16) and 12 (bf16)
+// bytes (NVRTC 12.9; none at the other head_dims). O alone takes HEAD_DIM / 4 registers: head_dim
 // 256 (128 of them) would leave too few for the rest, and stays on paged_prefill.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 constexpr int kPrefillMmaBlocks = 3;  // per SM: what 228 KiB of shared memory hold at head_dim 128
