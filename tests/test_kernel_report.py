@@ -1,10 +1,11 @@
 """scripts/kernel-report: the static performance report, and the properties it pins (issue 11).
 
 The report compiles with NVRTC (no GPU) and disassembles with nvdisasm. One ``--quick`` run (head_dim
-128, block 16, groups 1/4/8, every kernel and dtype, sm_80 and sm_90) feeds every test here. Three
+128, block 16, groups 1/4/8, every kernel and dtype, sm_80 and sm_90) feeds most tests here. Three
 of them were strict expected failures on the decode kernel before issue 11's (16-bit shared loads in
 its loops, modelled shared time above DRAM time from G = 4, spills on sm_80 with NVRTC 12.9); they
-pass on today's.
+pass on today's. A second run, one compile of decode for T4 (sm_75) at G = 8 and 128, pins what the
+launch table picks there and that a large group cut into chunks does not spill (issue 21).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from cupaged import _launch
 
 nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
 
@@ -47,6 +50,20 @@ def quick(tmp_path_factory):
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout, json.loads(path.read_text())["rows"]
+
+
+@pytest.fixture(scope="module")
+def t4(tmp_path_factory):
+    """Rows of one decode compile for T4 (sm_75): fp16/bf16, head_dim 64 and 128, G = 8 and 128."""
+    path = tmp_path_factory.mktemp("t4") / "report.json"
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--kernel", "paged_decode", "--dtype", "float16,bfloat16",
+         "--head-dim", "64,128", "--block-size", "16", "--group", "8,128", "--arch", "sm_75",
+         "--json", str(path)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(path.read_text())["rows"]
 
 
 def decode_rows(rows, gpu=None, dtypes=HALF_DTYPES):
@@ -201,13 +218,14 @@ def test_the_issue_model_counts_the_stage_loop(quick):
         )
 
 
-def test_occupancy_is_the_most_ctas_every_limit_allows(quick):
-    _, rows = quick
+def assert_occupancy_is_the_most_ctas_every_limit_allows(rows):
     for row in rows:
         lim = kr.SM_LIMITS[row["arch"]]
         warps = -(-row["threads"] // 32)
         regs = -(-row["registers"] * 32 // 256) * 256 * warps  # per CTA, allocated per warp
-        smem = -(-(row["static_smem"] + row["dynamic_smem"] + 1024) // 128) * 128
+        unit = lim["smem_alloc_unit"]
+        smem = -(-(row["static_smem"] + row["dynamic_smem"] + lim["smem_reserved_per_cta"])
+                 // unit) * unit  # fmt: skip
 
         def fits(ctas, lim=lim, warps=warps, regs=regs, smem=smem):
             return (
@@ -223,16 +241,32 @@ def test_occupancy_is_the_most_ctas_every_limit_allows(quick):
         assert row["model_bytes_in_flight_per_sm"] % row["warps_per_sm"] == 0
 
 
+def test_occupancy_is_the_most_ctas_every_limit_allows(quick, t4):
+    assert_occupancy_is_the_most_ctas_every_limit_allows(quick[1] + t4)
+
+
 def test_the_published_limits():
+    assert kr.SM_LIMITS["sm_75"]["smem_per_sm"] == 64 * 1024
     assert kr.SM_LIMITS["sm_80"]["smem_per_sm"] == 164 * 1024
     assert kr.SM_LIMITS["sm_90"]["smem_per_sm"] == 228 * 1024
-    for lim in kr.SM_LIMITS.values():
+    for arch, lim in kr.SM_LIMITS.items():
+        threads_ctas = (1024, 16) if arch == "sm_75" else (2048, 32)
         assert (lim["regs_per_sm"], lim["max_threads_per_sm"], lim["max_ctas_per_sm"]) == (
-            65536, 2048, 32,
+            65536, *threads_ctas,
         )  # fmt: skip
+        assert lim["max_warps_per_sm"] * 32 == lim["max_threads_per_sm"]
+        # Reserved per CTA from 8.0 on; allocated in 256-byte units before it, 128 from it.
+        assert (lim["smem_reserved_per_cta"], lim["smem_alloc_unit"]) == (
+            (0, 256) if arch == "sm_75" else (1024, 128)
+        )
+        # The launch table plans for the same shared memory per CTA.
+        assert kr.target_of(arch).shared_memory == lim["smem_per_cta_max"], arch
     assert {g: (v["arch"], v["sms"]) for g, v in kr.GPUS.items()} == {
-        "A100": ("sm_80", 108), "H100": ("sm_90", 132), "H200": ("sm_90", 132),
+        "T4": ("sm_75", 40), "A100": ("sm_80", 108), "H100": ("sm_90", 132),
+        "H200": ("sm_90", 132),
     }  # fmt: skip
+    for table in (kr.HMMA_FMA_PER_CYCLE, kr.FP32_FMA_LANES_PER_CYCLE, kr.TENSOR_FLOP_PER_CYCLE):
+        assert set(table) == set(kr.SM_LIMITS)
 
 
 def test_dram_cycles_per_tile_from_the_published_bandwidth(quick):
@@ -368,3 +402,79 @@ def test_prefill_tile_model_before_and_after_the_tensor_cores(quick):
         assert row["ctas_per_sm"] == 3
     for row in prefill_rows(rows, dtypes=("float32",)):
         assert row["model_prefill_tile"]["mma"] is None
+
+
+# ---- T4 and large GQA groups (issue 21) --------------------------------------------------------
+
+
+def test_the_group_takes_1_to_128():
+    assert kr.parse_args(["--group", "1,71,128"]).groups == [1, 71, 128]
+    with pytest.raises(SystemExit):
+        kr.parse_args(["--group", "129"])
+
+
+def test_t4_rows_are_what_the_launch_table_picks_there(t4):
+    """On sm_75 bf16 has no WMMA and takes the CUDA-core kernel; fp16 takes the tensor-core one
+    where its stages fit a T4's 64 KiB (head_dim 64), not at head_dim 128."""
+    assert {(r["gpu"], r["arch"]) for r in t4} == {("T4", "sm_75")}
+    assert sorted((r["dtype"], r["head_dim"], r["group"]) for r in t4) == sorted(
+        (d, h, g) for d in HALF_DTYPES for h in (64, 128) for g in (8, 128)
+    )
+    for row in t4:
+        mma = row["dtype"] == "float16" and row["head_dim"] == 64
+        assert ("paged_decode_mma<" in row["name"]) == mma, row["name"]
+        assert row["note"].startswith("tensor cores") == mma, row["note"]
+        assert row["dynamic_smem"] + row["static_smem"] <= kr.SM_LIMITS["sm_75"]["smem_per_cta_max"]
+
+
+def test_a_group_of_128_runs_in_chunks_of_16_that_do_not_spill(t4):
+    """G = 128 in one thread block ran from local memory (9 KB of stack); cut into 8 chunks of
+    16 heads, neither decode kernel spills more than 16 bytes."""
+    large = [r for r in t4 if r["group"] == 128]
+    assert len(large) == 4
+    for row in large:
+        assert (row["chunk"], row["head_chunks"]) == (16, 8), row["name"]
+        assert "16-head chunks x 8" in row["note"], row["note"]
+        assert row["spill_stores"] <= 16 and row["spill_loads"] <= 16, row["name"]
+        assert row["stack"] <= 16, row["name"]
+
+
+def test_t4_copies_k_and_v_synchronously_128_bit(t4):
+    """sm_75 has no cp.async in hardware: the stage loop's K/V copies are the synchronous
+    fallback, 128-bit global loads and 128-bit shared stores, and no LDGSTS anywhere."""
+    for row in t4:
+        assert not any(k.startswith("LDGSTS") for k in row["memory_ops_whole_kernel"]), row["name"]
+        (fills,) = row["tile_fill_loops"]
+        assert fills.get("LDG.128", 0) >= 2 and fills.get("STS.128", 0) >= 2, (row["name"], fills)
+
+
+# ---- the split planner's occupancy (issue 21) --------------------------------------------------
+
+# The NVRTC whose sm_90 cubins _launch.DECODE_REGISTERS records (its comment); another one's
+# ptxas allocates differently, and `scripts/kernel-report --decode-register-table` prints the
+# table anew.
+TABLE_NVRTC = (12, 9)
+
+
+def test_the_planners_occupancy_is_the_cubins(quick):
+    """``decode_ctas_per_sm`` (the CPU backend plans its splits with it) gives what the cubins'
+    registers and shared memory give on an H100, for the quick subset's decode kernels; the
+    table's registers are those of the cubins."""
+    if nvrtc.getVersion() != TABLE_NVRTC:
+        pytest.skip(f"DECODE_REGISTERS is of NVRTC {TABLE_NVRTC}, this is {nvrtc.getVersion()}")
+    _, rows = quick
+    decode = decode_rows(rows, "H100", kr.DTYPES)
+    assert len(decode) == 9
+    for row in decode:
+        shape = (row["dtype"], row["head_dim"], row["group"], row["block_size"])
+        table = _launch.DECODE_REGISTERS[row["dtype"], row["head_dim"]][row["chunk"] - 1]
+        assert table == row["registers"], (row["name"], table)
+        assert _launch.decode_ctas_per_sm(*shape) == row["ctas_per_sm"], row["name"]
+
+
+def test_the_register_table_prints_as_the_launch_table_writes_it():
+    text = kr.format_register_table(_launch.DECODE_REGISTERS)
+    namespace: dict = {}
+    exec(text, namespace)
+    assert namespace["DECODE_REGISTERS"] == _launch.DECODE_REGISTERS
+    assert text.splitlines()[0] == "# fmt: off" and text.splitlines()[-1] == "# fmt: on"
