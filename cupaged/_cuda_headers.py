@@ -200,15 +200,18 @@ def find_nvrtc_headers() -> NvrtcHeaders:
     return NvrtcHeaders(runtime, crt, tuple(searched), major)
 
 
-def nvrtc_include_dirs() -> list[Path]:
+def nvrtc_include_dirs(require_crt: bool = True) -> list[Path]:
     """The ``-I`` folders for NVRTC: the runtime headers, then ``crt/mma.h`` when elsewhere.
 
+    Args:
+        require_crt: the source includes ``mma.h``: a missing ``crt/mma.h`` is an error.
+
     Raises:
-        CupagedError: no folder has ``crt/mma.h``; the message names the folders searched and the
-            wheel to install.
+        CupagedError: ``require_crt`` and no folder has ``crt/mma.h``; the message names the
+            folders searched and the wheel to install.
     """
     found = find_nvrtc_headers()
-    if found.crt is None:
+    if found.crt is None and require_crt:
         raise CupagedError(missing_crt_message(found))
     return list(dict.fromkeys(folder for folder in (found.runtime, found.crt) if folder))
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import re
 import threading
 from typing import Any
 
@@ -44,9 +45,10 @@ def get_kernel(device: str, source: str, name: str) -> Any:
     key = (cupy.cuda.Device().id, source, name)
     with _lock:
         if key not in _cuda_functions:
+            code = (kernel_dir() / source).read_text()
             module = cupy.RawModule(
-                code=(kernel_dir() / source).read_text(),
-                options=nvrtc_options(),
+                code=code,
+                options=nvrtc_options(wmma=uses_wmma(code)),
                 name_expressions=(name,),
             )
             _cuda_functions[key] = module.get_function(name)
@@ -74,7 +76,15 @@ def _cpu_kernel(source: str, name: str) -> Any:
         return kernel
 
 
-def nvrtc_options() -> tuple[str, ...]:
+def uses_wmma(code: str) -> bool:
+    """Whether a kernel source includes ``mma.h`` (the WMMA API), which needs ``crt/mma.h``."""
+    return _MMA_INCLUDE.search(code) is not None
+
+
+_MMA_INCLUDE = re.compile(r"^\s*#\s*include\s*<mma\.h>", re.MULTILINE)
+
+
+def nvrtc_options(wmma: bool = True) -> tuple[str, ...]:
     """NVRTC options: C++17, the kernel folder, a digest of every header in it, the CUDA headers.
 
     CuPy's on-disk cache keys a module by its source text and options only; the digest makes an
@@ -82,15 +92,21 @@ def nvrtc_options() -> tuple[str, ...]:
     with ``cuda_fp16.h`` and the one with ``crt/mma.h``, found by ``cupaged._cuda_headers``
     (NVIDIA's wheels of NVRTC's CUDA version first, then the CUDA toolkits).
 
+    Args:
+        wmma: the source includes ``mma.h`` (:func:`uses_wmma`): ``crt/mma.h`` must be found.
+            Without it (``write_kv``, ``copy_blocks``, the planner) a missing ``crt/`` is no
+            error.
+
     Raises:
-        CupagedError: no folder has ``crt/mma.h``; the message names the wheel to install.
+        CupagedError: ``wmma`` and no folder has ``crt/mma.h``; the message names the wheel to
+            install.
     """
     folder = kernel_dir()
     digest = hashlib.sha256()
     for header in sorted(folder.glob("*.cuh")):
         digest.update(header.read_bytes())
     options = ["--std=c++17", f"-I{folder}", f"-DCUPAGED_HEADERS={digest.hexdigest()[:16]}"]
-    options += [f"-I{include}" for include in nvrtc_include_dirs()]
+    options += [f"-I{include}" for include in nvrtc_include_dirs(require_crt=wmma)]
     return tuple(options)
 
 

@@ -163,8 +163,16 @@ def uses_decode_mma(dtype: str, group: int, head_dim: int, target: Target = NOMI
         and target.has_wmma(dtype)
     ):
         return False
-    mma = DecodeGeometry(32, DECODE_MMA_WARPS, 1, 16, DECODE_MMA_STAGES, 16, True)
-    return target.fits(decode_shared_memory(dtype, head_dim, mma))
+    return target.fits(decode_shared_memory(dtype, head_dim, _decode_mma_geometry(group)))
+
+
+def _decode_mma_geometry(group: int) -> DecodeGeometry:
+    """``paged_decode_mma``'s layout: every chunk is the 16 rows of the MMA (padded), so one
+    instantiation, ``CHUNK = 16``, serves every group of 8 heads or more."""
+    chunks = cdiv(group, DECODE_MAX_CHUNK)
+    return DecodeGeometry(
+        32, DECODE_MMA_WARPS, 1, 16, DECODE_MMA_STAGES, 16, True, DECODE_MAX_CHUNK, chunks
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -278,12 +286,10 @@ def decode_geometry(
     the shared memory for them (``uses_decode_mma``) take the tensor-core kernel's layout
     instead: ``DECODE_MMA_WARPS`` warps, 16 tokens per warp and stage.
     """
+    if uses_decode_mma(dtype, group, head_dim, target):
+        return _decode_mma_geometry(group)
     chunk = decode_chunk(group)
     chunks = cdiv(group, chunk)
-    if uses_decode_mma(dtype, group, head_dim, target):
-        return DecodeGeometry(
-            32, DECODE_MMA_WARPS, 1, 16, DECODE_MMA_STAGES, 16, True, chunk, chunks
-        )
     size = itemsize(dtype)
     row_vectors = head_dim * size // 16
     lane_vectors = (1 if size == 2 else 2) * (2 if chunk >= DECODE_WIDE_LANE_GROUP else 1)
@@ -539,7 +545,7 @@ def prefill_tile(dtype: str, head_dim: int) -> int:
 def uses_prefill_mma(dtype: str, head_dim: int, target: Target = NOMINAL_TARGET) -> bool:
     """Whether ``paged_prefill`` runs on tensor cores (``paged_prefill_mma``) for this shape and
     GPU: fp16/bf16 up to head_dim 128 where the target has WMMA for the dtype (bf16 from sm_80)
-    and grants the kernel's shared memory (a T4's 64 KB hold head_dim 64 only); elsewhere the
+    and grants the kernel's shared memory (a T4's 64 KB hold it up to head_dim 96); elsewhere the
     CUDA-core kernel."""
     if not (
         dtype in PREFILL_MMA_DTYPES

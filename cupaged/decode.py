@@ -70,7 +70,10 @@ class DecodePlan:
         checked: check, once here, that every length is in ``[0, max_blocks * block_size]`` and
             every block id a length reaches is in ``[0, num_blocks)`` (one synchronisation on a
             GPU). ``checked=False`` *trusts* the caller (``PagedCache`` passes it for its own
-            tables): a bad id or length reads outside the cache.
+            tables): a bad id or length reads outside the cache. Lengths up to 2^30 (what the
+            checks admit) are what the kernels are built for: the planner cuts any int length
+            in full, but the kernels' token positions are 32-bit and a length within a stage
+            of 2^31 would wrap in the last one.
 
     Raises:
         TypeError: arrays on different devices, or wrong dtypes.
@@ -133,7 +136,7 @@ class DecodePlan:
         launch = _launch.decode_launch(dtype, num_kv_heads, group, head_dim, block_size, 1, target)
         tile = launch.tile  # pieces are whole stages
         kernel = None
-        if num_seqs:
+        if num_seqs and device == "cuda":  # its occupancy sizes the work list
             kernel = _attention_kernel(device, "paged_attention.cu", launch, group, head_dim)
         if splits is None:
             # Items that fill the device: thread blocks per multiprocessor x multiprocessors,
@@ -187,7 +190,8 @@ class DecodePlan:
         self._num_q_heads = np.int32(num_q_heads)
         if num_seqs == 0:
             return
-        self._kernel = kernel
+        # Of the final launch: the CPU backend caps its helper threads by the launch's blocks.
+        self._kernel = _attention_kernel(device, "paged_attention.cu", launch, group, head_dim)
         self._grid, self._block, self._shared_mem = launch.grid, launch.block, launch.shared_mem
         self._merge = get_kernel(device, "paged_attention.cu", launch.merge_name)
         self._merge_grid = (num_q_heads, num_seqs)
@@ -305,9 +309,9 @@ class DecodePlan:
             return out
         if self._device_id != _device_id(xp):
             raise ValueError(
-                f"expected the device this plan was made on (CUDA device {self._device_id}), got "
-                f"device {_device_id(xp)} current: its kernels and their shared-memory opt-in "
-                f"are that device's; make the plan under `with cupy.cuda.Device(...)` there"
+                f"expected the device this plan was made on (CUDA device {self._device_id}) to be "
+                f"current, got device {_device_id(xp)}: the plan's kernels and their "
+                f"shared-memory opt-in are that device's; make a plan on each device"
             )
         split = self._split or (self._device == "cuda" and self._capturing())
         self._kernel(

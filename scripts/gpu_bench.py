@@ -27,7 +27,7 @@ import numpy as np
 
 import cupaged
 from cupaged import _launch
-from cupaged._kernels import nvrtc_options
+from cupaged._kernels import nvrtc_options, uses_wmma
 from cupaged._util import cdiv
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -126,7 +126,8 @@ class OldKernel:
             module = CpuModule(BASELINE, names)
         else:
             module = xp.RawModule(
-                code=BASELINE.read_text(), options=nvrtc_options(), name_expressions=names
+                code=(code := BASELINE.read_text()), options=nvrtc_options(wmma=uses_wmma(code)),
+                name_expressions=names,
             )
         self.kernel, self.merge = (module.get_function(n) for n in names)
         if device != "cpu" and self.shared_mem > _launch.DEFAULT_SHARED_MEMORY:

@@ -112,15 +112,10 @@ def covering_array(factors: dict[str, tuple], seeds=(), *, tries: int = 40, seed
     rows built greedily (AETG: from an uncovered pair, each other factor takes the value that
     covers most new pairs; the best of ``tries`` random orders is kept). Deterministic."""
     names = list(factors)
-    uncovered = {
-        ((a, va), (b, vb))
-        for a, b in itertools.combinations(names, 2)
-        for va in factors[a]
-        for vb in factors[b]
-    }
+    uncovered = value_pairs(factors)
 
     def pairs(row):
-        return {((a, row[a]), (b, row[b])) for a, b in itertools.combinations(names, 2)}
+        return row_pairs(row, names)
 
     rows = [dict(row) for row in seeds]
     for row in rows:
@@ -146,17 +141,26 @@ def covering_array(factors: dict[str, tuple], seeds=(), *, tries: int = 40, seed
     return rows
 
 
-def uncovered_pairs(rows, factors: dict[str, tuple]) -> set:
-    """Pairs of factor values that no row holds (empty for a covering array)."""
-    names = list(factors)
-    wanted = {
+def value_pairs(factors: dict[str, tuple]) -> set:
+    """Every pair of values of two different factors, ``((a, va), (b, vb))`` with ``a`` first."""
+    return {
         ((a, va), (b, vb))
-        for a, b in itertools.combinations(names, 2)
+        for a, b in itertools.combinations(list(factors), 2)
         for va in factors[a]
         for vb in factors[b]
     }
+
+
+def row_pairs(row: dict, names: list[str]) -> set:
+    """The pairs of values one row holds, in the order of ``value_pairs``."""
+    return {((a, row[a]), (b, row[b])) for a, b in itertools.combinations(names, 2)}
+
+
+def uncovered_pairs(rows, factors: dict[str, tuple]) -> set:
+    """Pairs of factor values that no row holds (empty for a covering array)."""
+    wanted = value_pairs(factors)
     for row in rows:
-        wanted -= {((a, row[a]), (b, row[b])) for a, b in itertools.combinations(names, 2)}
+        wanted -= row_pairs(row, list(factors))
     return wanted
 
 

@@ -18,7 +18,7 @@ import pytest
 from cupaged import CupagedError, _cuda_headers, _launch
 from cupaged._backend import kernel_dir
 from cupaged._cpu import toolchain
-from cupaged._kernels import nvrtc_options
+from cupaged._kernels import nvrtc_options, uses_wmma
 
 ROOT = Path(__file__).resolve().parents[1]
 SYSTEM_TOOLKIT = Path("/usr/local/cuda")
@@ -90,6 +90,19 @@ def test_without_crt_mma_h_anywhere_the_error_names_the_wheel(
     assert "CUDA_PATH" in message
     assert str(hidden / "cuda_runtime" / "include") in message  # what was searched
     assert str(tmp_path / "empty" / "include") in message
+
+
+def test_only_the_sources_that_include_mma_h_need_crt(hidden, tmp_path, monkeypatch):
+    """write_kv, copy_blocks and the planner compile without crt/mma.h (a cache still appends
+    and forks); the attention kernels, which include mma.h, are refused by name."""
+    runtime = write(hidden / "cuda_runtime" / "include", *RUNTIME, "mma.h", cuda=12)
+    monkeypatch.setattr(_cuda_headers, "nvrtc_cuda_major", lambda: 12)
+    assert f"-I{runtime}" in nvrtc_options(wmma=False)
+    with pytest.raises(CupagedError, match="nvidia-cuda-nvcc-cu12"):
+        nvrtc_options(wmma=True)
+    wmma = {source.name: uses_wmma(source.read_text()) for source in kernel_dir().glob("*.cu")}
+    assert wmma == {"paged_attention.cu": True, "paged_prefill.cu": True, "write_kv.cu": False,
+                    "copy_blocks.cu": False, "decode_plan.cu": False}  # fmt: skip
 
 
 def test_wheels_come_before_toolkits_and_cuda_path_first_among_toolkits(

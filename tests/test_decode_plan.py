@@ -300,7 +300,7 @@ def test_a_plan_runs_only_on_the_device_it_was_made_on(rng, monkeypatch):
     out = np.full(q.shape, np.nan, np.float32)
     monkeypatch.setattr(decode, "_device_id", lambda xp: 1)
     with pytest.raises(ValueError, match=r"expected the device this plan was made on \(CUDA "
-                                         r"device 0\), got device 1"):  # fmt: skip
+                                         r"device 0\) to be current, got device 1"):  # fmt: skip
         plan.run(q, k, v, out=out)
     assert np.isnan(out).all()
 
