@@ -126,7 +126,8 @@ class OldKernel:
             module = CpuModule(BASELINE, names)
         else:
             module = xp.RawModule(
-                code=(code := BASELINE.read_text()), options=nvrtc_options(wmma=uses_wmma(code)),
+                code=(code := BASELINE.read_text()),
+                options=nvrtc_options(wmma=uses_wmma(code)),
                 name_expressions=names,
             )
         self.kernel, self.merge = (module.get_function(n) for n in names)

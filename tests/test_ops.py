@@ -197,7 +197,9 @@ def test_attention_launches_take_helper_threads_from_two_blocks_on_the_cpu_backe
     # One KV head (MQA): the helper threads come from the items too, not the heads alone.
     with recorded_cpu_launches() as launches:
         cupaged.paged_attention(q, k_cache[:, :1].copy(), v_cache[:, :1].copy(), tables, lens)
-    decode = [workers for name, workers in launches if name.startswith("cupaged::paged_decode_mma<")]
+    decode = [
+        workers for name, workers in launches if name.startswith("cupaged::paged_decode_mma<")
+    ]
     assert decode == [min(batch, cpu_module._cpu_count())]
     outs = []
     for workers in (2, 1):  # two OS threads forced (whatever the CPUs), then one
