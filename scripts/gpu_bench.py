@@ -25,14 +25,16 @@ from pathlib import Path
 
 import numpy as np
 
-import cupaged
-from cupaged import _launch
-from cupaged._kernels import nvrtc_options, uses_wmma
-from cupaged._util import cdiv
-
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benches"))
+# The checkout's cupaged (as scripts/gpu-check and kernel-report run it), not an installed copy.
+sys.path[:0] = [str(ROOT), str(ROOT / "benches")]
+
 from bandwidth import decode_attention_bytes  # noqa: E402
+
+import cupaged  # noqa: E402
+from cupaged import _launch  # noqa: E402
+from cupaged._kernels import nvrtc_options, uses_wmma  # noqa: E402
+from cupaged._util import cdiv  # noqa: E402
 
 BASELINE = ROOT / "benches" / "baseline" / "paged_attention_v1.cu"
 NUM_KV_HEADS, HEAD_DIM = 8, 128
