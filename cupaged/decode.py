@@ -144,7 +144,7 @@ class DecodePlan:
             if kernel is None:
                 ctas = _launch.decode_ctas_per_sm(dtype, head_dim, group, block_size)
             else:
-                ctas = _ctas_per_sm(device, kernel, launch, dtype, head_dim, group, block_size)
+                ctas = _ctas_per_sm(kernel, launch)
             capacity = num_seqs + cdiv(ctas * target.sm_count, launch.grid[0])
             min_chunk = _launch.MIN_SPLIT_TOKENS
         elif splits == 1:

@@ -499,17 +499,13 @@ def _attention_kernel(device: str, source: str, launch: Any, group: int, head_di
     return kernel
 
 
-def _ctas_per_sm(device: str, kernel: Any, launch: Any, dtype: str, head_dim: int,
-                 group: int, block_size: int) -> int:  # fmt: skip
-    """Decode thread blocks resident per multiprocessor: on a GPU, CUDA's occupancy calculator
-    on the loaded kernel (its real registers and shared memory); on the CPU backend, which plans
-    as :data:`cupaged._launch.NOMINAL_TARGET` would, the launch table's model of it."""
-    if device == "cpu":
-        return _launch.decode_ctas_per_sm(dtype, head_dim, group, block_size)
+def _ctas_per_sm(kernel: Any, launch: Any) -> int:
+    """Thread blocks of a loaded CUDA kernel's launch resident per multiprocessor: CUDA's
+    occupancy calculator on its real registers and shared memory (the CPU backend, which has no
+    cubin, takes ``_launch.decode_ctas_per_sm``: what an H100 would)."""
     driver = device_module("cuda").cuda.driver
-    threads = math.prod(launch.block)
     ctas = driver.occupancyMaxActiveBlocksPerMultiprocessor(
-        kernel.kernel.ptr, threads, launch.shared_mem
+        kernel.kernel.ptr, math.prod(launch.block), launch.shared_mem
     )
     return max(1, int(ctas))
 
