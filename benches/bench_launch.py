@@ -91,7 +91,7 @@ def test_copy_one_block(benchmark, xp, cache, checked):
 
 
 # Copies and writes of many blocks or tokens: where the CPU backend's helper threads start to pay
-# (cupaged/_launch.py, cpu_stride_workers). Blocks of 2 KiB (one head of 64) and 32 KiB (8 of 128).
+# (cupaged/_cpu/threads.py, stride_workers). Blocks of 2 KiB (one head of 64) and 32 KiB (8 of 128).
 SIZES = {"small_blocks": (1, 64), "gqa_blocks": (8, 128)}
 
 

@@ -107,6 +107,11 @@ def array_module(*arrays: Any) -> ModuleType:
     Raises:
         TypeError: an argument is not an array, or NumPy and CuPy arrays are mixed.
     """
+    for x in arrays:  # the common case on the CPU backend first: plain NumPy arrays only
+        if type(x) is not np.ndarray:
+            break
+    else:
+        return np
     kinds = set()
     for x in arrays:
         if is_cupy_array(x):
@@ -118,11 +123,6 @@ def array_module(*arrays: Any) -> ModuleType:
     if len(kinds) > 1:
         raise TypeError("expected all arrays on one device, got a mix of NumPy and CuPy arrays")
     return device_module("cuda") if kinds == {"cupy"} else np
-
-
-def array_device(x: Any) -> str:
-    """``"cuda"`` for a CuPy array, ``"cpu"`` for a NumPy array."""
-    return "cuda" if array_module(x) is not np else "cpu"
 
 
 def to_numpy(x: Any) -> np.ndarray:

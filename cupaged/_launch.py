@@ -2,20 +2,26 @@
 
 This is the only module that computes launch configurations; the functions in ``ops`` ask it and
 never compute a grid themselves. An unsupported shape raises here, before anything is compiled,
-and says what is supported.
+and says what is supported. A launch is the same on both backends, but for the two stride kernels
+(``CPU_STRIDE_THREADS``); how the CPU backend spreads a launch's blocks over its OS threads is its
+own policy (``cupaged/_cpu/threads.py``). What the table knows of the GPU it plans for (shared
+memory per architecture, WMMA, occupancy) is ``cupaged/_gpu_target.py``.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
 
-from ._util import cdiv
-from .dtypes import itemsize
+from ._gpu_target import DECODE_REGISTERS, NOMINAL_TARGET, Target, ctas_per_sm
 
-C_TYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}
+# Unused here: the launch table's users (ops, tests, scripts) read these two limits from it.
+from ._gpu_target import DEFAULT_SHARED_MEMORY as DEFAULT_SHARED_MEMORY
+from ._gpu_target import NOMINAL_SM_COUNT as NOMINAL_SM_COUNT
+from ._util import cdiv
+from .dtypes import C_TYPES, itemsize
+
 SLOT_C_TYPES = {np.dtype(np.int32): "int", np.dtype(np.int64): "long long"}
 
 HEAD_DIMS = tuple(range(64, 257, 16))  # 64, 80, 96, ..., 256
@@ -23,88 +29,17 @@ MAX_BLOCK_SIZE = 256
 
 WRITE_THREADS = 128
 COPY_THREADS = 256
-# The CPU backend runs a block's threads one after another as fibers and pays a fiber start per
-# thread (about 8 ns, against about 1 ns per word a thread's loop copies): a kernel whose threads
-# split a loop among them (the decode planner, the split-K merge) runs with one warp there...
-CPU_COPY_THREADS = 32
-# ... but a copy and a KV write, whose threads only stride over the words, run one thread per block
-# there whatever the size: their helper threads cost more than they save on launches of small
-# blocks (a copy of 64 pairs of 2 KiB blocks: 83 µs with warps and two OS threads, 18 with one
-# thread per block on one). The runtime decides its helper threads by CUDA threads (from 4,096 on:
-# _POOL_MIN_THREADS in cupaged/_cpu/module.py); for these two the launch table decides by bytes
-# instead (see cpu_stride_workers). tests/test_ops.py runs both kernels on the CPU backend with
-# several threads too.
+# The one block shape that differs between the backends (DecodePlan also launches only the work
+# items it planned there, not the capacity). The CPU backend runs a block's threads one after
+# another, each started by a call that costs many words of a copy loop, so copy_blocks and
+# write_kv, whose threads only stride over the words they move, run one thread per block there
+# whatever the size; every other kernel launches as on the GPU (the numbers: docs/benchmarks.md,
+# "One launch geometry and the helper threads of the CPU backend"). tests/test_ops.py runs both
+# on the CPU backend with several threads too, as the GPU splits the words.
 CPU_STRIDE_THREADS = 1
-# A stride launch takes the runtime's helper threads when it moves at least CPU_POOL_MIN_BYTES in
-# all in blocks of at least CPU_POOL_MIN_BLOCK_BYTES each, or at least CPU_POOL_LARGE_BYTES in any
-# blocks (past the caches a second thread pays even for small blocks); below, one OS thread is
-# faster. Measured on two cores: a write of 1,024 tokens of 4 KiB (4 MiB) 622 µs alone, 484 with a
-# helper; copies of 4 MiB in 2 KiB blocks 260 alone, 425 with one; writes of 256-byte tokens, 8 MiB
-# 2.7 ms alone and 3.8 with one, 16 MiB 14.9 and 9.5.
-CPU_POOL_MIN_BYTES = 4 << 20
-CPU_POOL_MIN_BLOCK_BYTES = 4096
-CPU_POOL_LARGE_BYTES = 16 << 20
 # Split-K: a split holds at least this many tokens, so that its fixed cost (loading the queries,
 # writing a partial row and its log-sum-exp) stays small against the K/V it reads.
 MIN_SPLIT_TOKENS = 256
-# The CPU backend plans splits as an H100/H200 (132 multiprocessors) would, so that the CPU runs
-# the same split decisions that the GPU makes.
-NOMINAL_SM_COUNT = 132
-# Shared memory a kernel may use without opting in (cudaFuncAttributeMaxDynamicSharedMemorySize).
-DEFAULT_SHARED_MEMORY = 48 * 1024
-# Dynamic shared memory one thread block may opt into, by compute capability (CUDA C++
-# Programming Guide, "Technical Specifications per Compute Capability"): V100 96 KB, T4 64 KB,
-# A100 163 KB, the sm_86/89 parts 99 KB, H100/H200 227 KB. A GPU reports its own
-# (MaxSharedMemoryPerBlockOptin); this table is for planning without one (the CPU backend, the
-# kernel report).
-ARCH_SHARED_MEMORY = {70: 96 * 1024, 75: 64 * 1024, 80: 163 * 1024, 86: 99 * 1024,
-                      87: 163 * 1024, 89: 99 * 1024, 90: 227 * 1024}  # fmt: skip
-# WMMA on 16-bit types: fp16 from Volta (sm_70), bf16 from Ampere (sm_80; below it the bf16
-# fragments do not exist and the tensor-core kernels do not compile).
-WMMA_MIN_ARCH = {"float16": 70, "bfloat16": 80}
-
-
-@dataclass(frozen=True, slots=True)
-class Target:
-    """The GPU a launch is planned for: what the kernel choice and the split plan depend on.
-
-    Attributes:
-        arch: compute capability as ``10 * major + minor`` (75: T4, 80: A100, 90: H100/H200).
-        sm_count: multiprocessors.
-        shared_memory: dynamic shared memory one thread block may opt into, in bytes.
-
-    A GPU's own is read from the device (``cupaged.ops``); :data:`NOMINAL_TARGET` (an H100) is
-    what the CPU backend plans for, so that it runs the kernels a GPU would pick.
-
-    >>> Target.of_arch(75).shared_memory // 1024, NOMINAL_TARGET.arch
-    (64, 90)
-    """
-
-    arch: int
-    sm_count: int
-    shared_memory: int
-
-    @classmethod
-    def of_arch(cls, arch: int, sm_count: int = NOMINAL_SM_COUNT) -> Target:
-        """The published limits of an architecture (the nearest one below, if not listed)."""
-        known = [a for a in ARCH_SHARED_MEMORY if a <= arch]
-        if not known:
-            raise ValueError(
-                f"expected a compute capability of at least {min(ARCH_SHARED_MEMORY)} (sm_70), "
-                f"got {arch}"
-            )
-        return cls(arch, sm_count, ARCH_SHARED_MEMORY[max(known)])
-
-    def fits(self, shared_mem: int) -> bool:
-        """Whether a thread block of ``shared_mem`` bytes of dynamic shared memory can run."""
-        return shared_mem <= self.shared_memory
-
-    def has_wmma(self, dtype: str) -> bool:
-        """Whether the tensor-core kernels compile and run for ``dtype`` here."""
-        return dtype in WMMA_MIN_ARCH and self.arch >= WMMA_MIN_ARCH[dtype]
-
-
-NOMINAL_TARGET = Target(90, NOMINAL_SM_COUNT, ARCH_SHARED_MEMORY[90])
 
 
 # paged_decode (cuda/paged_attention.cu): a ring of DECODE_STAGES shared-memory stages of K and V,
@@ -116,8 +51,6 @@ DECODE_TARGET_THREADS = 128
 DECODE_MAX_TOKENS_PER_THREAD = 8  # TPZ: scores a thread keeps in registers per head and stage
 DECODE_WIDE_LANE_GROUP = 4  # from this GQA group on, a lane owns 16 elements of a row, not 8
 MERGE_THREADS = 128  # paged_decode_merge: any block size works (it strides by blockDim.x)
-# decode_ctas_per_sm: an H100's per-SM limits (CUDA C++ Programming Guide, compute capability 9.0).
-H100_SM = dict(regs=65536, threads=2048, ctas=32, smem=228 * 1024, smem_reserved=1024)
 # Query heads of one decode thread block: a larger GQA group is cut into chunks of at most this
 # many (DecodeChunk in cuda/common.cuh), so that a thread's q rows and accumulators stay in
 # registers (a group of 48 in one block took 255 registers and spilled 596 bytes; of 128, 25 KB).
@@ -254,14 +187,6 @@ def check_decode_shape(dtype: str, head_dim: int, block_size: int) -> None:
         raise ValueError(f"expected block_size in 1..{MAX_BLOCK_SIZE}, got {block_size}")
 
 
-def decode_tile(dtype: str, head_dim: int) -> int:
-    """Tokens per shared-memory tile of ``paged_prefill``: about 16 KiB of K or V, 8 to 64."""
-    tile = 64
-    while tile > 8 and tile * head_dim * itemsize(dtype) > 16 * 1024:
-        tile //= 2
-    return tile
-
-
 def _next_power_of_two(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
@@ -312,8 +237,13 @@ def decode_shared_memory(dtype: str, head_dim: int, geometry: DecodeGeometry) ->
     if geometry.mma:  # DecodeMmaLayout::kBytes in cuda/paged_attention.cu
         tile, ldk = geometry.tile, head_dim + 8
         scores = max(16 * (tile + 4) * 4, geometry.bdy * 16 * 20 * 4)  # the O tiles share it
-        return (2 * geometry.stages * tile * ldk * 2 + 16 * ldk * 2 + scores
-                + 16 * (tile + 8) * 2 + 2 * 16 * 4)  # fmt: skip
+        return (
+            2 * geometry.stages * tile * ldk * 2
+            + 16 * ldk * 2
+            + scores
+            + 16 * (tile + 8) * 2
+            + 2 * 16 * 4
+        )
     stages = 2 * geometry.stages * geometry.tile * head_dim * itemsize(dtype)
     heads = geometry.bdy * geometry.heads_per_thread
     merge = 4 * geometry.bdz * heads * (head_dim + 2) if geometry.bdz > 1 else 0
@@ -408,69 +338,6 @@ def decode_ctas_per_sm(dtype: str, head_dim: int, group: int, block_size: int) -
     return max(1, ctas_per_sm(geo.threads, registers, decode_shared_memory(dtype, head_dim, geo)))
 
 
-def ctas_per_sm(threads: int, registers: int, shared_mem: int, sm: dict = H100_SM) -> int:
-    """Thread blocks of ``threads`` threads, ``registers`` registers each and ``shared_mem``
-    bytes of dynamic shared memory that fit one multiprocessor (``sm``: its limits).
-
-    The occupancy calculator's rules: registers allocated per warp in units of 256, shared
-    memory per block in units of 128 bytes plus the 1 KiB the system reserves (sm_80 on).
-    """
-    warps = cdiv(threads, 32)
-    regs_per_warp = cdiv(registers * 32, 256) * 256
-    smem = cdiv(shared_mem + sm["smem_reserved"], 128) * 128
-    return min(sm["ctas"], sm["threads"] // (32 * warps), sm["regs"] // (regs_per_warp * warps),
-               sm["smem"] // smem)  # fmt: skip
-
-
-# Registers per thread of the decode kernel NOMINAL_TARGET picks (paged_decode, or
-# paged_decode_mma for fp16/bf16 chunks of 8 or more heads up to head_dim 128), by (dtype,
-# head_dim) and chunk = 1 .. 16 heads, at block size 16: ptxas of NVRTC 12.9 for sm_90, from
-# `scripts/kernel-report --decode-register-table` (which prints this table anew).
-# fmt: off
-DECODE_REGISTERS = {
-    ("float32", 64): (66, 102, 79, 140, 138, 138, 128, 128, 125, 125, 144, 144, 126, 126, 128, 128),
-    ("float32", 80): (68, 80, 95, 110, 104, 104, 111, 111, 111, 111, 111, 111, 110, 110, 127, 127),
-    ("float32", 96): (68, 80, 80, 100, 96, 96, 116, 116, 116, 116, 96, 96, 112, 112, 128, 128),
-    ("float32", 112): (68, 80, 80, 122, 142, 142, 125, 125, 125, 125, 141, 141, 126, 126, 140, 140),
-    ("float32", 128): (60, 64, 71, 126, 129, 129, 124, 124, 126, 126, 143, 143, 124, 124, 128, 128),
-    ("float32", 144): (64, 80, 95, 96, 96, 96, 111, 111, 111, 111, 111, 111, 108, 108, 127, 127),
-    ("float32", 160): (64, 80, 95, 96, 96, 96, 111, 111, 111, 111, 111, 111, 107, 107, 127, 127),
-    ("float32", 176): (64, 80, 80, 96, 96, 96, 111, 111, 111, 111, 96, 96, 110, 110, 111, 111),
-    ("float32", 192): (64, 80, 80, 100, 96, 96, 116, 116, 116, 116, 96, 96, 112, 112, 128, 128),
-    ("float32", 208): (64, 80, 80, 124, 137, 137, 125, 125, 125, 125, 141, 141, 123, 123, 128, 128),
-    ("float32", 224): (64, 80, 80, 124, 135, 135, 125, 125, 125, 125, 141, 141, 126, 126, 128, 128),
-    ("float32", 240): (64, 80, 80, 124, 135, 135, 125, 125, 125, 125, 141, 141, 128, 128, 128, 128),
-    ("float32", 256): (56, 64, 72, 126, 129, 129, 124, 124, 126, 126, 143, 143, 124, 124, 127, 127),
-    ("float16", 64): (66, 100, 87, 137, 147, 147, 128, 106, 106, 106, 106, 106, 106, 106, 106, 106),
-    ("float16", 80): (64, 87, 95, 128, 148, 148, 128, 128, 128, 128, 128, 128, 128, 128, 128, 128),
-    ("float16", 96): (63, 89, 91, 126, 135, 135, 128, 143, 143, 143, 143, 143, 143, 143, 143, 143),
-    ("float16", 112): (63, 89, 94, 126, 143, 143, 128, 151, 151, 151, 151, 151, 151, 151, 151, 151),
-    ("float16", 128): (63, 76, 80, 128, 147, 147, 128, 168, 168, 168, 168, 168, 168, 168, 168, 168),
-    ("float16", 144): (64, 80, 92, 128, 145, 145, 128, 128, 128, 128, 168, 168, 128, 128, 128, 128),
-    ("float16", 160): (64, 80, 95, 128, 145, 145, 128, 128, 128, 128, 168, 168, 128, 128, 128, 128),
-    ("float16", 176): (60, 72, 91, 128, 135, 135, 128, 128, 128, 128, 150, 150, 128, 128, 128, 128),
-    ("float16", 192): (60, 72, 91, 128, 137, 137, 128, 128, 128, 128, 150, 150, 128, 128, 128, 128),
-    ("float16", 208): (60, 72, 80, 128, 141, 141, 126, 126, 126, 126, 147, 147, 128, 128, 128, 128),
-    ("float16", 224): (60, 72, 80, 128, 141, 141, 126, 126, 126, 126, 147, 147, 128, 128, 128, 128),
-    ("float16", 240): (60, 72, 80, 128, 141, 141, 126, 126, 126, 126, 147, 147, 125, 125, 128, 128),
-    ("float16", 256): (62, 72, 80, 124, 146, 146, 128, 128, 126, 126, 138, 138, 128, 128, 128, 128),
-    ("bfloat16", 64): (66, 100, 92, 132, 134, 134, 128, 90, 90, 90, 90, 90, 90, 90, 90, 90),
-    ("bfloat16", 80): (64, 87, 91, 128, 146, 146, 128, 128, 128, 128, 128, 128, 128, 128, 128, 128),
-    ("bfloat16", 96): (63, 89, 91, 125, 129, 129, 127, 145, 145, 145, 145, 145, 145, 145, 145, 145),
-    ("bfloat16", 112): (63, 89, 94, 125, 143, 143, 126, 168, 168, 168, 168, 168, 168, 168, 168, 168),
-    ("bfloat16", 128): (63, 76, 80, 128, 130, 130, 128, 168, 168, 168, 168, 168, 168, 168, 168, 168),
-    ("bfloat16", 144): (64, 80, 92, 128, 145, 145, 128, 128, 128, 128, 168, 168, 128, 128, 128, 128),
-    ("bfloat16", 160): (64, 80, 91, 128, 145, 145, 128, 128, 128, 128, 168, 168, 128, 128, 128, 128),
-    ("bfloat16", 176): (60, 72, 91, 127, 133, 133, 127, 127, 127, 127, 150, 150, 128, 128, 128, 128),
-    ("bfloat16", 192): (60, 72, 91, 127, 133, 133, 127, 127, 127, 127, 150, 150, 128, 128, 128, 128),
-    ("bfloat16", 208): (60, 72, 80, 127, 139, 139, 128, 128, 128, 128, 149, 149, 128, 128, 128, 128),
-    ("bfloat16", 224): (60, 72, 80, 127, 139, 139, 128, 128, 128, 128, 149, 149, 128, 128, 128, 128),
-    ("bfloat16", 240): (60, 72, 80, 127, 139, 139, 128, 128, 128, 128, 149, 149, 124, 124, 128, 128),
-    ("bfloat16", 256): (61, 72, 80, 124, 140, 140, 128, 128, 128, 128, 151, 151, 128, 128, 128, 128),
-}
-# fmt: on
-
-
 PREFILL_THREADS = 128  # a template argument of paged_prefill: no constant to keep equal
 # Rows of a prefill thread block (query tokens x the query heads of one KV head's group, a
 # template argument): a tile of max(1, PREFILL_ROWS // G) query tokens, so that a KV tile loaded
@@ -518,6 +385,7 @@ class PrefillLaunch:
         num_splits: thread blocks per (query tile, head chunk); 1 means no split-K.
         partition_tokens: KV tokens per split (a multiple of the tile).
         merge_grid: ``(total_query_tokens, num_q_heads)``.
+        merge_block: ``(PREFILL_MERGE_THREADS,)``.
     """
 
     name: str
@@ -531,6 +399,7 @@ class PrefillLaunch:
     num_splits: int
     partition_tokens: int
     merge_grid: tuple[int, int]
+    merge_block: tuple[int]
 
 
 def prefill_tile(dtype: str, head_dim: int) -> int:
@@ -571,8 +440,13 @@ def prefill_shared_memory(
 def _prefill_shared_memory(mma: bool, dtype: str, head_dim: int, tile: int) -> int:
     if mma:  # paged_prefill_mma: q_s, the ring, s_s, p_s, special_s
         rows, row = PREFILL_MMA_ROWS, 2 * (head_dim + 8)
-        return (rows * row + PREFILL_STAGES * 2 * tile * row + rows * (tile + 4) * 4
-                + rows * (tile + 8) * 2 + rows * head_dim)  # fmt: skip
+        return (
+            rows * row
+            + PREFILL_STAGES * 2 * tile * row
+            + rows * (tile + 4) * 4
+            + rows * (tile + 8) * 2
+            + rows * head_dim
+        )
     floats = PREFILL_ROWS * head_dim + PREFILL_ROWS * (tile + 4) + 2 * PREFILL_ROWS
     padded_row = head_dim * itemsize(dtype) + 16
     return 4 * floats + PREFILL_STAGES * 2 * tile * padded_row
@@ -728,6 +602,7 @@ def prefill_launch(
         num_splits=num_splits,
         partition_tokens=partition,
         merge_grid=(max(total_query_tokens, 1), num_q_heads),
+        merge_block=(PREFILL_MERGE_THREADS,),
     )
 
 
@@ -752,32 +627,6 @@ def write_kv_launch(
     if device == "cpu":
         return name, (num_tokens,), (CPU_STRIDE_THREADS,)
     return name, (num_tokens,), (_whole_warps(vectors, WRITE_THREADS),)
-
-
-def cpu_stride_workers(num_blocks: int, block_bytes: int) -> int:
-    """At most how many OS threads run a ``copy_blocks`` / ``write_kv`` launch on the CPU backend
-    whose ``num_blocks`` blocks move ``block_bytes`` each: one per block for a large launch (see
-    ``CPU_POOL_MIN_BYTES``; ``CpuKernel.with_workers`` caps it at the CPUs), else 1. The launch
-    options' ``workers``, when set, win."""
-    total = num_blocks * block_bytes
-    if total >= CPU_POOL_LARGE_BYTES or (
-        total >= CPU_POOL_MIN_BYTES and block_bytes >= CPU_POOL_MIN_BLOCK_BYTES
-    ):
-        return num_blocks
-    return 1
-
-
-def cpu_attention_workers(grid: tuple[int, ...]) -> int:
-    """At most how many OS threads run an attention launch (decode, prefill) on the CPU backend:
-    one per thread block (``CpuKernel.with_workers`` caps it at the CPUs).
-
-    Their blocks are heavy there (a block's fibers switch at every barrier of every tile: 0.3 ms
-    for one sequence of 16 tokens), so the runtime's helper threads pay from two blocks on, far
-    below its own threshold in CUDA threads (measured on two cores, 8 query heads on 2 KV heads,
-    head_dim 128: a batch of 8 x 256 tokens 21.9 ms on one thread, 11.3 on two; one sequence of
-    64 tokens 1.0 and 0.6; of 16 tokens 0.3 either way).
-    """
-    return max(math.prod(grid), 1)
 
 
 def _whole_warps(items: int, most: int) -> int:
@@ -807,19 +656,18 @@ def copy_blocks_launch(
 
 
 # The decode step's planner (cuda/decode_plan.cu): one thread block, one thread per run of
-# sequences. A GPU takes kPlanMaxThreads; the CPU backend runs threads as fibers, and a thread
-# costs more to start there than a few more sequences' lengths cost to add up.
+# sequences, up to kPlanMaxThreads.
 PLAN_NAME = "cupaged::plan_decode"
 PLAN_MAX_THREADS = 256  # kPlanMaxThreads in cuda/decode_plan.cu
 
 
 def plan_threads(num_seqs: int, device: str = "cuda") -> int:
-    """Threads of the decode planner for a batch: whole warps, at most ``PLAN_MAX_THREADS``."""
-    most = CPU_COPY_THREADS if device == "cpu" else PLAN_MAX_THREADS
-    return _whole_warps(num_seqs, most)
+    """Threads of the decode planner for a batch: whole warps, at most ``PLAN_MAX_THREADS``, on
+    both backends (``device`` is accepted for the callers that still pass it)."""
+    return _whole_warps(num_seqs, PLAN_MAX_THREADS)
 
 
 def decode_merge_block(launch: DecodeLaunch, device: str = "cuda") -> tuple[int]:
-    """Threads of ``paged_decode_merge``: the launch's, or one warp on the CPU backend (its loop
-    strides over head_dim with any block; fibers cost a start each there)."""
-    return (CPU_COPY_THREADS,) if device == "cpu" else launch.merge_block
+    """Threads of ``paged_decode_merge``: ``launch.merge_block``, on both backends (``device`` is
+    accepted for the callers that still pass it)."""
+    return launch.merge_block

@@ -7,6 +7,7 @@ accepted too, and ``int16`` arrives from PyTorch or JAX through DLPack; both are
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import ml_dtypes
@@ -14,15 +15,53 @@ import numpy as np
 
 from ._backend import array_module
 
-DTYPE_NAMES = ("float32", "float16", "bfloat16")
 
-_STORAGE = {
-    "float32": np.dtype(np.float32),
-    "float16": np.dtype(np.float16),
-    "bfloat16": np.dtype(np.uint16),
+@dataclass(frozen=True, slots=True)
+class ElementType:
+    """One element type of the cache: how arrays store it and how the kernels name it.
+
+    Attributes:
+        name: ``"float32"``, ``"float16"`` or ``"bfloat16"``.
+        storage: the array dtype that stores it (``uint16`` for bfloat16: CuPy has none).
+        c_type: the kernels' template argument for it (``__half``).
+        carriers: array dtypes whose elements hold it (for bfloat16 also ``int16``, which
+            arrives from PyTorch or JAX through DLPack, and ``ml_dtypes.bfloat16``).
+    """
+
+    name: str
+    storage: np.dtype
+    c_type: str
+    carriers: tuple[np.dtype, ...]
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per element."""
+        return self.storage.itemsize
+
+
+# The one element-type table; everything below, and the launch table's C types, read it.
+ELEMENT_TYPES = {
+    t.name: t
+    for t in (
+        ElementType("float32", np.dtype(np.float32), "float", (np.dtype(np.float32),)),
+        ElementType("float16", np.dtype(np.float16), "__half", (np.dtype(np.float16),)),
+        ElementType(
+            "bfloat16",
+            np.dtype(np.uint16),
+            "__nv_bfloat16",
+            (np.dtype(np.uint16), np.dtype(np.int16), np.dtype(ml_dtypes.bfloat16)),
+        ),
+    )
 }
-# Array dtypes that hold bfloat16 bit patterns.
-_BF16_CARRIERS = (np.dtype(np.uint16), np.dtype(np.int16), np.dtype(ml_dtypes.bfloat16))
+DTYPE_NAMES = tuple(ELEMENT_TYPES)
+# Views of the table that the launch path reads with one dictionary lookup.
+C_TYPES = {t.name: t.c_type for t in ELEMENT_TYPES.values()}
+ITEMSIZES = {t.name: t.itemsize for t in ELEMENT_TYPES.values()}
+_BY_ARRAY_DTYPE = {c: t.name for t in ELEMENT_TYPES.values() for c in t.carriers}
+# Carriers viewed as their storage dtype (int16 and ml_dtypes.bfloat16 as uint16).
+_STORAGE_VIEWS = {
+    c: t.storage for t in ELEMENT_TYPES.values() for c in t.carriers if c != t.storage
+}
 
 
 def dtype_name(dtype: Any) -> str:
@@ -42,19 +81,19 @@ def dtype_name(dtype: Any) -> str:
         np_dtype = None
     if np_dtype == np.dtype(ml_dtypes.bfloat16):
         return "bfloat16"
-    if np_dtype is not None and np_dtype.name in ("float32", "float16"):
+    if np_dtype is not None and np_dtype.name in ELEMENT_TYPES:
         return np_dtype.name
     raise TypeError(f"expected dtype one of {DTYPE_NAMES}, got {dtype!r}")
 
 
 def storage_dtype(name: str) -> np.dtype:
     """The array dtype that stores elements of type ``name`` (``uint16`` for bfloat16)."""
-    return _STORAGE[dtype_name(name)]
+    return ELEMENT_TYPES[dtype_name(name)].storage
 
 
 def itemsize(name: str) -> int:
     """Bytes per element of type ``name``."""
-    return storage_dtype(name).itemsize
+    return ELEMENT_TYPES[dtype_name(name)].itemsize
 
 
 def array_dtype_name(x: Any) -> str:
@@ -63,9 +102,10 @@ def array_dtype_name(x: Any) -> str:
     Raises:
         TypeError: ``x`` holds none of float32, float16 or bfloat16 patterns.
     """
-    if x.dtype in _BF16_CARRIERS:
-        return "bfloat16"
-    if x.dtype.name in ("float32", "float16"):
+    name = _BY_ARRAY_DTYPE.get(x.dtype)
+    if name is not None:
+        return name
+    if x.dtype.name in ELEMENT_TYPES:  # float32 or float16 in the other byte order
         return x.dtype.name
     raise TypeError(
         f"expected an array of float32, float16 or bfloat16 (stored as uint16), got dtype {x.dtype}"
@@ -74,9 +114,8 @@ def array_dtype_name(x: Any) -> str:
 
 def as_storage(x: Any) -> Any:
     """View ``x`` in its storage dtype (bfloat16 carriers become ``uint16``); no copy."""
-    if x.dtype in _BF16_CARRIERS and x.dtype != np.uint16:
-        return x.view(np.uint16)
-    return x
+    storage = _STORAGE_VIEWS.get(x.dtype)
+    return x if storage is None else x.view(storage)
 
 
 def to_float(x: Any, dtype: Any = np.float32) -> Any:
@@ -149,6 +188,6 @@ def from_float(x: Any, name: Any, like: Any = None) -> Any:
     if name != "bfloat16":
         return x.astype(name)
     bits = float32_to_bfloat16_bits(x.astype(np.float32))
-    if like is not None and like.dtype in _BF16_CARRIERS:
+    if like is not None and _BY_ARRAY_DTYPE.get(like.dtype) == "bfloat16":
         return bits.view(like.dtype)
     return bits

@@ -32,9 +32,10 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benches")]
 from bandwidth import decode_attention_bytes  # noqa: E402
 
 import cupaged  # noqa: E402
-from cupaged import _launch  # noqa: E402
+from cupaged import _gpu_target  # noqa: E402
 from cupaged._kernels import nvrtc_options, uses_wmma  # noqa: E402
 from cupaged._util import cdiv  # noqa: E402
+from cupaged.dtypes import C_TYPES  # noqa: E402
 
 BASELINE = ROOT / "benches" / "baseline" / "paged_attention_v1.cu"
 NUM_KV_HEADS, HEAD_DIM = 8, 128
@@ -117,7 +118,7 @@ class OldKernel:
         self.tile = tile
         floats = 2 * group * HEAD_DIM + group * tile + (3 * group + 3) // 4 * 4
         self.shared_mem = 4 * floats + tile * HEAD_DIM * itemsize
-        c_type = _launch.C_TYPES[dtype]
+        c_type = C_TYPES[dtype]
         names = (
             f"cupaged::paged_decode<{c_type}, {HEAD_DIM}, {page}, {tile}>",
             f"cupaged::paged_decode_merge<{c_type}, {HEAD_DIM}>",
@@ -133,9 +134,12 @@ class OldKernel:
                 name_expressions=names,
             )
         self.kernel, self.merge = (module.get_function(n) for n in names)
-        if device != "cpu" and self.shared_mem > _launch.DEFAULT_SHARED_MEMORY:
+        if device != "cpu" and self.shared_mem > _gpu_target.DEFAULT_SHARED_MEMORY:
             self.kernel.max_dynamic_shared_size_bytes = self.shared_mem
-        self.sm_count = cupaged.ops._sm_count(device)
+        if device == "cpu":  # the CPU backend plans as an H100 would
+            self.sm_count = _gpu_target.NOMINAL_SM_COUNT
+        else:
+            self.sm_count = int(xp.cuda.Device().attributes["MultiProcessorCount"])
 
     def prepare(self, q, tables, lens, context):
         xp = self.xp
@@ -150,18 +154,31 @@ class OldKernel:
         partial_out = xp.empty((*shape, HEAD_DIM), np.float32)
         partial_lse = xp.empty(shape, np.float32)
         out = xp.empty_like(q)
-        args = (out, partial_out, partial_lse, q, None, None, tables, lens,
-                np.int32(NUM_KV_HEADS), np.int32(self.group), np.int32(tables.shape[1]),
-                np.int32(partition), np.float32(HEAD_DIM**-0.5))  # fmt: skip
+        args = (
+            out,
+            partial_out,
+            partial_lse,
+            q,
+            None,
+            None,
+            tables,
+            lens,
+            np.int32(NUM_KV_HEADS),
+            np.int32(self.group),
+            np.int32(tables.shape[1]),
+            np.int32(partition),
+            np.float32(HEAD_DIM**-0.5),
+        )
 
         def run(k_cache, v_cache):
             full = args[:4] + (k_cache, v_cache) + args[6:]
             self.kernel((NUM_KV_HEADS, batch, splits), (128,), full, shared_mem=self.shared_mem)
             if splits > 1:
                 self.merge(
-                    (q.shape[1], batch), (128,),
+                    (q.shape[1], batch),
+                    (128,),
                     (out, partial_out, partial_lse, lens, np.int32(splits)),
-                )  # fmt: skip
+                )
             return out
 
         return run, splits
@@ -178,8 +195,9 @@ def measure(xp, device, row, repeats, copy_gbs):
     for name, tables in (("paged", paged), ("contiguous", identity)):
         plan = cupaged.DecodePlan(tables, lens, k_cache, num_q_heads, checked=False)
         out = xp.empty_like(q)
-        seconds = timer(xp, lambda plan=plan, out=out: plan.run(q, k_cache, v_cache, out=out),
-                        repeats)  # fmt: skip
+        seconds = timer(
+            xp, lambda plan=plan, out=out: plan.run(q, k_cache, v_cache, out=out), repeats
+        )
         outs[name] = out
         cells.append(seconds)
         if name == "paged":
@@ -218,8 +236,12 @@ def main(argv=None):
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--quick", action="store_true", help="tiny shapes (smoke test)")
     parser.add_argument("--report", default="gpu-check.md", help="markdown table to write")
-    parser.add_argument("--budget", type=float, default=420.0,
-                        help="stop adding rows after this many seconds (the table says so)")  # fmt: skip
+    parser.add_argument(
+        "--budget",
+        type=float,
+        default=420.0,
+        help="stop adding rows after this many seconds (the table says so)",
+    )
     args = parser.parse_args(argv)
     if args.device == "cuda":
         import cupy as xp
@@ -241,8 +263,10 @@ def main(argv=None):
     planned = rows(args.quick)
     for i, row in enumerate(planned):
         if time.perf_counter() - start > args.budget:
-            lines.append(f"\n(stopped after {i} of {len(planned)} rows: the time budget of "
-                         f"{args.budget:.0f} s ran out)")  # fmt: skip
+            lines.append(
+                f"\n(stopped after {i} of {len(planned)} rows: the time budget of "
+                f"{args.budget:.0f} s ran out)"
+            )
             break
         lines.append(measure(xp, args.device, row, repeats, copy_gbs))
         print(lines[-1], flush=True)

@@ -51,6 +51,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # the checkout's cupaged, and t
 from helpers import TOLERANCES  # noqa: E402  (DESIGN.md §6: the suite's one table)
 
 import cupaged  # noqa: E402
+from cupaged._util import cdiv  # noqa: E402
 
 FACTORS: dict[str, tuple] = {
     "group": (1, 4, 8, 16, 64),
@@ -129,8 +130,11 @@ def covering_array(factors: dict[str, tuple], seeds=(), *, tries: int = 40, seed
             for name in rng.sample([n for n in names if n not in row], len(names) - 2):
                 scores = []
                 for value in factors[name]:
-                    gain = sum(((f, row[f]), (name, value)) in uncovered
-                               or ((name, value), (f, row[f])) in uncovered for f in row)  # fmt: skip
+                    gain = sum(
+                        ((f, row[f]), (name, value)) in uncovered
+                        or ((name, value), (f, row[f])) in uncovered
+                        for f in row
+                    )
                     scores.append((gain, rng.random(), value))
                 row[name] = max(scores)[2]
             gain = len(pairs(row) & uncovered)
@@ -225,7 +229,7 @@ def build(xp, case: Case, scale: str, carrier: str, rng: np.random.Generator) ->
     seqs = [seqs[i] for i in rng.permutation(len(seqs))]  # the zero-length row is not always last
     bs, hkv, d = case.block_size, case.num_kv_heads, case.head_dim
     num_q_heads = hkv * case.group
-    per_seq = [-(-n // bs) for n, _ in seqs]
+    per_seq = [cdiv(n, bs) for n, _ in seqs]
     num_blocks = sum(per_seq) + 3
     layers = 2 if case.op == "decode_plan" else 1
     shape = (layers, num_blocks, hkv, bs, d)
@@ -237,11 +241,20 @@ def build(xp, case: Case, scale: str, carrier: str, rng: np.random.Generator) ->
         tables[i, :n] = [free.pop() for _ in range(n)]
     lens = np.array([n for n, _ in seqs], np.int32)
     rows = len(seqs) if case.op != "prefill" else sum(q for _, q in seqs)
-    q = to_device(xp, rng.standard_normal((rows, num_q_heads, d), dtype=np.float32), case.dtype,
-                  carrier)  # fmt: skip
+    q = to_device(
+        xp, rng.standard_normal((rows, num_q_heads, d), dtype=np.float32), case.dtype, carrier
+    )
     starts = np.concatenate([[0], np.cumsum([q for _, q in seqs])]).astype(np.int32)
-    return dict(q=q, k=k, v=v, tables=xp.asarray(tables), lens=xp.asarray(lens),
-                starts=xp.asarray(starts), seqs=seqs, layers=layers)  # fmt: skip
+    return dict(
+        q=q,
+        k=k,
+        v=v,
+        tables=xp.asarray(tables),
+        lens=xp.asarray(lens),
+        starts=xp.asarray(starts),
+        seqs=seqs,
+        layers=layers,
+    )
 
 
 # --- the comparison ---------------------------------------------------------------------------
@@ -276,8 +289,12 @@ def compare(got, expected: np.ndarray, dtype: str) -> Check:
 
 
 def merge_checks(checks: list[Check]) -> Check:
-    return Check(all(c.ok for c in checks), max(c.max_abs_err for c in checks),
-                 max(c.worst_ratio for c in checks), sum(c.nans for c in checks))  # fmt: skip
+    return Check(
+        all(c.ok for c in checks),
+        max(c.max_abs_err for c in checks),
+        max(c.worst_ratio for c in checks),
+        sum(c.nans for c in checks),
+    )
 
 
 # --- running ----------------------------------------------------------------------------------
@@ -292,17 +309,26 @@ def run_case(xp, case: Case, scale: str, carrier: str, seed: int) -> tuple[Check
     checks, detail = [], ""
     if case.op == "prefill":
         out = poisoned(xp, q.shape, case.dtype, carrier)
-        result = cupaged.paged_prefill(q, a["k"][0], a["v"][0], tables, lens, starts, out=out,
-                                       num_splits=case.num_splits)  # fmt: skip
-        ref = cupaged.reference_prefill(host["q"], host["k"][0], host["v"][0], host["tables"],
-                                        host["lens"], host["starts"], compute_dtype="float64",
-                                        out_dtype="float64")  # fmt: skip
+        result = cupaged.paged_prefill(
+            q, a["k"][0], a["v"][0], tables, lens, starts, out=out, num_splits=case.num_splits
+        )
+        ref = cupaged.reference_prefill(
+            host["q"],
+            host["k"][0],
+            host["v"][0],
+            host["tables"],
+            host["lens"],
+            host["starts"],
+            compute_dtype="float64",
+            out_dtype="float64",
+        )
         outs = [(out, result, ref)]
     else:
         outs = []
         if case.op == "decode_plan":
-            plan = cupaged.DecodePlan(tables, lens, a["k"][0], q.shape[1],
-                                      num_splits=case.num_splits)  # fmt: skip
+            plan = cupaged.DecodePlan(
+                tables, lens, a["k"][0], q.shape[1], num_splits=case.num_splits
+            )
             work = plan.work()
             detail = f"{int((work[:, 0] >= 0).sum())} work items"
         for layer in range(a["layers"]):
@@ -311,11 +337,18 @@ def run_case(xp, case: Case, scale: str, carrier: str, seed: int) -> tuple[Check
             if case.op == "decode_plan":
                 result = plan.run(q, k, v, out=out)
             else:
-                result = cupaged.paged_attention(q, k, v, tables, lens, out=out,
-                                                 num_splits=case.num_splits)  # fmt: skip
-            ref = cupaged.reference_attention(host["q"], host["k"][layer], host["v"][layer],
-                                              host["tables"], host["lens"],
-                                              compute_dtype="float64", out_dtype="float64")  # fmt: skip
+                result = cupaged.paged_attention(
+                    q, k, v, tables, lens, out=out, num_splits=case.num_splits
+                )
+            ref = cupaged.reference_attention(
+                host["q"],
+                host["k"][layer],
+                host["v"][layer],
+                host["tables"],
+                host["lens"],
+                compute_dtype="float64",
+                out_dtype="float64",
+            )
             outs.append((out, result, ref))
     if xp is not np:
         xp.cuda.Device().synchronize()  # an asynchronous launch error belongs to this case
@@ -350,8 +383,10 @@ def device_line(xp) -> str:
     dev = xp.cuda.Device()
     props = xp.cuda.runtime.getDeviceProperties(dev.id)
     cc = dev.compute_capability
-    return (f"{props['name'].decode()} (sm_{cc}, {props['multiProcessorCount']} SMs), CuPy "
-            f"{xp.__version__}, CUDA runtime {xp.cuda.runtime.runtimeGetVersion()}")  # fmt: skip
+    return (
+        f"{props['name'].decode()} (sm_{cc}, {props['multiProcessorCount']} SMs), CuPy "
+        f"{xp.__version__}, CUDA runtime {xp.cuda.runtime.runtimeGetVersion()}"
+    )
 
 
 HEADER = (
@@ -360,24 +395,30 @@ HEADER = (
 )
 
 
-def row(i: int, case: Case, carrier: str, seqs: str, new: Any, ms: str, check: Check | None,
-        result: str) -> str:  # fmt: skip
+def row(
+    i: int, case: Case, carrier: str, seqs: str, new: Any, ms: str, check: Check | None, result: str
+) -> str:
     err = "-" if check is None else f"{check.max_abs_err:.1e}"
     ratio = "-" if check is None else f"{check.worst_ratio:.2f}"
     bf16 = carrier if case.dtype == "bfloat16" else "-"
     split = case.split if case.num_splits is None else f"forced {case.num_splits}"
-    return (f"| {i} | {case.op} | {case.dtype} | {case.head_dim} | {case.group} | "
-            f"{case.block_size} | {split} | {'yes' if case.zero_len else 'no'} | {bf16} | {seqs} "
-            f"| {new} | {ms} | {err} | {ratio} | {result} |")  # fmt: skip
+    return (
+        f"| {i} | {case.op} | {case.dtype} | {case.head_dim} | {case.group} | "
+        f"{case.block_size} | {split} | {'yes' if case.zero_len else 'no'} | {bf16} | {seqs} "
+        f"| {new} | {ms} | {err} | {ratio} | {result} |"
+    )
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    parser.add_argument("--sanitizer-subset", action="store_true",
-                        help=f"only the {len(SANITIZER_CASES)} cases run under compute-sanitizer, "
-                             "with short contexts and without CuPy's memory pool (so that "
-                             "memcheck sees every allocation's bounds)")  # fmt: skip
+    parser.add_argument(
+        "--sanitizer-subset",
+        action="store_true",
+        help=f"only the {len(SANITIZER_CASES)} cases run under compute-sanitizer, "
+        "with short contexts and without CuPy's memory pool (so that "
+        "memcheck sees every allocation's bounds)",
+    )
     parser.add_argument("--report", help="write the markdown table here too")
     parser.add_argument("--list", action="store_true", help="print the cases; run nothing")
     parser.add_argument("--seed", type=int, default=0, help="of the random inputs")
@@ -447,9 +488,11 @@ def main(argv=None) -> int:
     seconds = time.perf_counter() - start
     lines += ["", *table, ""]
     verdict = "PASS" if not failed and run == len(cases) else "FAIL"
-    summary = (f"gpu_smoke: {verdict}: {run - len([f for f in failed if f != 'interrupted'])} "
-               f"of {len(cases)} cases passed, {count} kernel instantiations loaded, "
-               f"{seconds:.1f} s")  # fmt: skip
+    summary = (
+        f"gpu_smoke: {verdict}: {run - len([f for f in failed if f != 'interrupted'])} "
+        f"of {len(cases)} cases passed, {count} kernel instantiations loaded, "
+        f"{seconds:.1f} s"
+    )
     if failed:
         summary += f"; failed: {', '.join(map(str, failed))}"
     lines.append(f"**{summary}**")

@@ -13,9 +13,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cupaged import _launch
+from cupaged import _gpu_target, _launch
 from cupaged._backend import kernel_dir
 from cupaged._kernels import nvrtc_options
+from cupaged.dtypes import DTYPE_NAMES
 
 # Decode shapes: every head_dim at one block size, and a spread of block sizes (the extremes, odd
 # ones) at two head_dims; every dtype for each. About 0.6 s of NVRTC per instantiation and arch.
@@ -37,10 +38,14 @@ SOURCES = ["write_kv.cu", "copy_blocks.cu", "paged_attention.cu", "paged_prefill
 def requested_names(arch: str = "sm_90") -> dict[str, list[str]]:
     """Every instantiation name that the launch table produces for the shapes above, planned
     for ``arch``."""
-    target = _launch.Target.of_arch(int(arch[3:]))
-    names: dict[str, set[str]] = {"write_kv.cu": set(), "copy_blocks.cu": set(),
-                                  "paged_attention.cu": set(), "paged_prefill.cu": set()}  # fmt: skip
-    for dtype in _launch.C_TYPES:
+    target = _gpu_target.Target.of_arch(int(arch[3:]))
+    names: dict[str, set[str]] = {
+        "write_kv.cu": set(),
+        "copy_blocks.cu": set(),
+        "paged_attention.cu": set(),
+        "paged_prefill.cu": set(),
+    }
+    for dtype in DTYPE_NAMES:
         for slot in (np.int32, np.int64):
             for aligned in (True, False):
                 name, _, _ = _launch.write_kv_launch(dtype, np.dtype(slot), 1, 256, aligned)

@@ -29,9 +29,11 @@ from cupaged._cpu import (
     cuda_include_dir,
     launch_options,
     schedule,
+    threads,
     toolchain,
 )
 from cupaged._cpu import module as cpu_module
+from cupaged._util import cdiv
 from cupaged.errors import CupagedError
 
 KERNELS = Path(__file__).parent / "cpu_kernels"
@@ -115,7 +117,7 @@ def test_add3d_over_a_3d_grid_matches_numpy(basics, rng, order, dtype):
     b = rng.standard_normal((nz, ny, nx)).astype(STORAGE[dtype])
     out = np.full((nz, ny, nx), np.nan, STORAGE[dtype])
     block = (8, 4, 2)
-    grid = (-(-nx // 8), -(-ny // 4), -(-nz // 2))
+    grid = (cdiv(nx, 8), cdiv(ny, 4), cdiv(nz, 2))
     kernel = basics.get_function(f"cpu_test::add3d<{CTYPE[dtype]}>")
     kernel(grid, block, (out, a, b, np.int32(nx), np.int32(ny), np.int32(nz)))
     expected = a.astype(np.float64) + b.astype(np.float64)
@@ -310,17 +312,19 @@ def _launched_workers(kernel, *call, **hint) -> int:
 
 
 def test_a_launch_caps_its_workers_and_the_launch_options_win(basics, rng):
-    """``workers=`` and ``with_workers`` (the launch table's choice for copies and writes) cap a
-    launch's OS threads, at most one per CPU; ``launch_options(workers=...)`` wins over both; a
-    bad one is refused before a launch."""
+    """``workers=`` and ``with_workers`` (the thread policy's cap for copies, writes and
+    attention) cap a launch's OS threads, at most one per CPU; ``launch_options(workers=...)``
+    wins over both; a bad one is refused before a launch."""
     x = rng.standard_normal((300, 128)).astype(np.float32)
     kernel = basics.get_function("cpu_test::two_level_sum<128>")
     out = np.full_like(x, np.nan)
-    cpus = cpu_module._cpu_count()
+    cpus = threads.cpu_count()
     assert _launched_workers(kernel, 300, 128, (out, x)) == cpus  # 38,400 CUDA threads
     assert _launched_workers(kernel, 300, 128, (out, x), workers=1) == 1
     assert _launched_workers(kernel, 300, 128, (out, x), workers=10_000) == cpus
-    capped = kernel.with_workers(1)  # the launch table's cap: the kernel's own default
+    capped = kernel.with_workers(1)  # the kernel's own default from now on
+    assert (capped.workers, kernel.workers) == (1, None)
+    assert capped.with_workers(1) is capped and kernel.with_workers(1) is capped
     assert _launched_workers(capped, 300, 128, (out, x)) == 1
     assert _launched_workers(capped, 300, 128, (out, x), workers=2) == min(2, cpus)
     assert _launched_workers(kernel.with_workers(10_000), 300, 128, (out, x)) == cpus
@@ -337,6 +341,23 @@ def test_a_launch_caps_its_workers_and_the_launch_options_win(basics, rng):
         assert np.isnan(out).all()  # nothing ran
         with pytest.raises(ValueError, match=r"expected workers a positive int or None, got"):
             kernel.with_workers(bad)
+
+
+def test_the_thread_policy_decides_in_order_and_by_cuda_threads_by_default():
+    """The launch options win, then the call's ``workers=``, then the kernel's cap; without any, a
+    launch of ``POOL_MIN_THREADS`` CUDA threads or more in two blocks or more takes one OS thread
+    per CPU, a smaller one the caller alone."""
+    cpus, most = threads.cpu_count(), threads.POOL_MIN_THREADS
+    block = (128, 1, 1)
+    grid = (most // 128, 1, 1)
+    assert threads.default_workers(grid[0], block) == min(cpus, grid[0])
+    assert threads.default_workers(grid[0] - 1, block) == 1  # too few CUDA threads
+    assert threads.default_workers(1, (1024, 1, 1)) == threads.default_workers(1, block) == 1
+    assert threads.launch_workers(3, 1, 2, grid, block) == 3
+    assert threads.launch_workers(None, 1, 2, grid, block) == 1
+    assert threads.launch_workers(None, 10_000, 2, grid, block) == cpus
+    assert threads.launch_workers(None, None, 2, grid, block) == 2
+    assert threads.launch_workers(None, None, None, grid, block) == min(cpus, grid[0])
 
 
 def _os_threads() -> int:
@@ -419,8 +440,12 @@ sys.exit(1 if failures else 0)
 def test_many_concurrent_launches_never_hang(basics):
     """Closers of several launches wait at once: each must wake when its own helpers are done
     (a single shared counter and one signal hung this about once in a few thousand launches)."""
-    result = subprocess.run([sys.executable, "-c", _CONCURRENT_LAUNCHES, str(KERNELS / "basics.cu")],
-                            capture_output=True, text=True, timeout=240)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-c", _CONCURRENT_LAUNCHES, str(KERNELS / "basics.cu")],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
 
 
@@ -630,9 +655,11 @@ def _run_child(code: str, **env: str) -> subprocess.CompletedProcess:
 
 def test_options_nest_and_come_from_the_environment_read_once():
     result = _run_child(
-        _OPTIONS_CHILD, CUPAGED_CPU_SCHEDULE="reverse", CUPAGED_CPU_WORKERS="3",
+        _OPTIONS_CHILD,
+        CUPAGED_CPU_SCHEDULE="reverse",
+        CUPAGED_CPU_WORKERS="3",
         CUPAGED_CPU_STRICT="0",
-    )  # fmt: skip
+    )
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
 
 

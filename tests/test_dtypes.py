@@ -7,10 +7,17 @@ import numpy as np
 import pytest
 
 from cupaged.dtypes import (
+    C_TYPES,
+    DTYPE_NAMES,
+    ELEMENT_TYPES,
+    ITEMSIZES,
     array_dtype_name,
+    as_storage,
     dtype_name,
     float32_to_bfloat16_bits,
     from_float,
+    itemsize,
+    storage_dtype,
     to_float,
 )
 
@@ -67,6 +74,22 @@ def test_from_float_keeps_the_carrier_dtype(rng):
     assert from_float(x, "float16").dtype == np.float16
 
 
+def test_one_element_type_table_and_its_views():
+    """Storage dtype, item size, the kernels' C type and the array dtypes that carry each element
+    type come from one table; every lookup agrees with it."""
+    assert DTYPE_NAMES == ("float32", "float16", "bfloat16")
+    assert C_TYPES == {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}
+    assert ITEMSIZES == {"float32": 4, "float16": 2, "bfloat16": 2}
+    for name, element in ELEMENT_TYPES.items():
+        assert storage_dtype(name) == element.storage
+        assert itemsize(name) == element.itemsize == element.storage.itemsize
+        for carrier in element.carriers:
+            x = np.zeros(3, carrier)
+            assert array_dtype_name(x) == name
+            assert as_storage(x).dtype == element.storage
+    assert as_storage(np.zeros(3, ml_dtypes.bfloat16)).dtype == np.uint16
+
+
 def test_names():
     assert array_dtype_name(np.zeros(1, np.int16)) == "bfloat16"
     assert dtype_name("BF16") == "bfloat16"
@@ -89,8 +112,9 @@ def test_public_bfloat16_helpers_round_trip_on_numpy_and_cupy(xp, rng):
     back = cupaged.to_float(bits)
     assert back.dtype == np.float32
     np.testing.assert_array_equal(cupaged.to_numpy(back), want.astype(np.float32))
-    np.testing.assert_array_equal(cupaged.to_numpy(cupaged.from_float(back, "bfloat16")),
-                                  cupaged.to_numpy(bits))  # fmt: skip
+    np.testing.assert_array_equal(
+        cupaged.to_numpy(cupaged.from_float(back, "bfloat16")), cupaged.to_numpy(bits)
+    )
     assert cupaged.from_float(xp.asarray(values), "float16").dtype == np.float16
     with pytest.raises(TypeError, match=r"expected dtype one of .*got 'int8'"):
         cupaged.from_float(xp.asarray(values), "int8")

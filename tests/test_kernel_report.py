@@ -20,7 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from cupaged import _launch
+from cupaged import _gpu_target, _launch
+from cupaged._util import cdiv
+from cupaged.dtypes import ITEMSIZES
 
 nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
 
@@ -46,8 +48,10 @@ def quick(tmp_path_factory):
     path = tmp_path_factory.mktemp("report") / "report.json"
     result = subprocess.run(
         [sys.executable, str(SCRIPT), "--quick", "--json", str(path)],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout, json.loads(path.read_text())["rows"]
 
@@ -97,11 +101,25 @@ def test_the_table_has_its_columns_and_labels_every_model(quick):
     body = [line for line in markdown.splitlines() if line.startswith("| ") and "---" not in line]
     assert len(body) == 1 + len(rows)
     required = {
-        "gpu", "arch", "kernel", "name", "dtype", "head_dim", "block_size", "group", "registers",
-        "spill_stores", "spill_loads", "static_smem", "dynamic_smem", "ctas_per_sm",
-        "warps_per_sm", "memory_ops_in_loops", "memory_ops_whole_kernel",
+        "gpu",
+        "arch",
+        "kernel",
+        "name",
+        "dtype",
+        "head_dim",
+        "block_size",
+        "group",
+        "registers",
+        "spill_stores",
+        "spill_loads",
+        "static_smem",
+        "dynamic_smem",
+        "ctas_per_sm",
+        "warps_per_sm",
+        "memory_ops_in_loops",
+        "memory_ops_whole_kernel",
         "model_bytes_in_flight_per_sm",
-    }  # fmt: skip
+    }
     for row in rows:
         assert required <= set(row), required - set(row)
         assert all(not k.startswith(("model", "modelled")) or k.startswith("model_") for k in row)
@@ -113,8 +131,11 @@ def test_no_spills_for_fp16_bf16_on_sm90(quick):
     _, rows = quick
     half = [r for r in rows if r["arch"] == "sm_90" and r["dtype"] in HALF_DTYPES]
     assert half
-    spilling = [(r["name"], r["spill_stores"], r["spill_loads"]) for r in half
-                if r["spill_stores"] or r["spill_loads"]]  # fmt: skip
+    spilling = [
+        (r["name"], r["spill_stores"], r["spill_loads"])
+        for r in half
+        if r["spill_stores"] or r["spill_loads"]
+    ]
     assert not spilling
 
 
@@ -135,8 +156,11 @@ def test_decode_kv_global_loads_are_16_byte_async_copies(quick):
         counts = fills[0]
         copies = counts.get("LDGSTS.128", 0)
         assert copies >= 2, (row["name"], counts)  # K and V
-        other = {k: n for k, n in counts.items() if k.split(".")[0] in ("LDG", "LDGSTS")
-                 and k not in ("LDGSTS.128", "LDG.32")}  # fmt: skip
+        other = {
+            k: n
+            for k, n in counts.items()
+            if k.split(".")[0] in ("LDG", "LDGSTS") and k not in ("LDGSTS.128", "LDG.32")
+        }
         assert not other, (row["name"], counts)
         assert counts.get("LDG.32", 0) <= copies // 2, (row["name"], counts)
 
@@ -221,11 +245,11 @@ def test_the_issue_model_counts_the_stage_loop(quick):
 def assert_occupancy_is_the_most_ctas_every_limit_allows(rows):
     for row in rows:
         lim = kr.SM_LIMITS[row["arch"]]
-        warps = -(-row["threads"] // 32)
-        regs = -(-row["registers"] * 32 // 256) * 256 * warps  # per CTA, allocated per warp
+        warps = cdiv(row["threads"], 32)
+        regs = cdiv(row["registers"] * 32, 256) * 256 * warps  # per CTA, allocated per warp
         unit = lim["smem_alloc_unit"]
-        smem = -(-(row["static_smem"] + row["dynamic_smem"] + lim["smem_reserved_per_cta"])
-                 // unit) * unit  # fmt: skip
+        used = row["static_smem"] + row["dynamic_smem"] + lim["smem_reserved_per_cta"]
+        smem = cdiv(used, unit) * unit
 
         def fits(ctas, lim=lim, warps=warps, regs=regs, smem=smem):
             return (
@@ -252,8 +276,9 @@ def test_the_published_limits():
     for arch, lim in kr.SM_LIMITS.items():
         threads_ctas = (1024, 16) if arch == "sm_75" else (2048, 32)
         assert (lim["regs_per_sm"], lim["max_threads_per_sm"], lim["max_ctas_per_sm"]) == (
-            65536, *threads_ctas,
-        )  # fmt: skip
+            65536,
+            *threads_ctas,
+        )
         assert lim["max_warps_per_sm"] * 32 == lim["max_threads_per_sm"]
         # Reserved per CTA from 8.0 on; allocated in 256-byte units before it, 128 from it.
         assert (lim["smem_reserved_per_cta"], lim["smem_alloc_unit"]) == (
@@ -262,19 +287,24 @@ def test_the_published_limits():
         # The launch table plans for the same shared memory per CTA.
         assert kr.target_of(arch).shared_memory == lim["smem_per_cta_max"], arch
     assert {g: (v["arch"], v["sms"]) for g, v in kr.GPUS.items()} == {
-        "T4": ("sm_75", 40), "A100": ("sm_80", 108), "H100": ("sm_90", 132),
+        "T4": ("sm_75", 40),
+        "A100": ("sm_80", 108),
+        "H100": ("sm_90", 132),
         "H200": ("sm_90", 132),
-    }  # fmt: skip
+    }
     for table in (kr.HMMA_FMA_PER_CYCLE, kr.FP32_FMA_LANES_PER_CYCLE, kr.TENSOR_FLOP_PER_CYCLE):
         assert set(table) == set(kr.SM_LIMITS)
 
 
 def test_dram_cycles_per_tile_from_the_published_bandwidth(quick):
     _, rows = quick
-    per_cycle = {"A100": 1.555e12 / (108 * 1.41e9), "H100": 3.35e12 / (132 * 1.98e9),
-                 "H200": 4.8e12 / (132 * 1.98e9)}  # fmt: skip
+    per_cycle = {
+        "A100": 1.555e12 / (108 * 1.41e9),
+        "H100": 3.35e12 / (132 * 1.98e9),
+        "H200": 4.8e12 / (132 * 1.98e9),
+    }
     for row in decode_rows(rows, dtypes=kr.DTYPES):
-        size = {"float32": 4, "float16": 2, "bfloat16": 2}[row["dtype"]]
+        size = ITEMSIZES[row["dtype"]]
         tile_bytes = 2 * row["tile"] * 128 * size  # K and V of one tile
         assert row["model_dram_cycles_per_tile"] == round(tile_bytes / per_cycle[row["gpu"]])
 
@@ -333,8 +363,11 @@ def test_a_missing_tool_is_one_line_and_exit_1(tmp_path):
     env = dict(os.environ, CUPAGED_NVDISASM=str(tmp_path / "no-nvdisasm"))
     result = subprocess.run(
         [sys.executable, str(SCRIPT), "--quick", "--kernel", "copy_blocks"],
-        capture_output=True, text=True, timeout=60, env=env,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
     assert result.returncode == 1
     assert result.stdout == ""
     lines = result.stderr.strip().splitlines()
@@ -392,8 +425,9 @@ def test_prefill_tile_model_before_and_after_the_tensor_cores(quick):
         assert m["hmma"] == 2 * 2 * 8 * 2  # per warp: 2 products x 8 x 2 mma_sync x 2 HMMA
         assert m["hmma_pipe"] == 64 * 2048 * 4 / 1024
         assert m["issue"] == m["instructions"] * 4 / 4
-        assert m["bound"] == max(m["issue"], m["hmma_pipe"], m["mufu_pipe"], m["shfl_pipe"],
-                                 m["smem"])  # fmt: skip
+        assert m["bound"] == max(
+            m["issue"], m["hmma_pipe"], m["mufu_pipe"], m["shfl_pipe"], m["smem"]
+        )
         assert m["per_16_rows"] * 5 < (1800 if row["dtype"] == "float16" else 1992), m
         assert m["smem"] == row["model_smem_cycles_per_tile"] > 0
         assert m["dram"] == row["model_dram_cycles_per_tile"] == 1278
@@ -450,7 +484,7 @@ def test_t4_copies_k_and_v_synchronously_128_bit(t4):
 
 # ---- the split planner's occupancy (issue 21) --------------------------------------------------
 
-# The NVRTC whose sm_90 cubins _launch.DECODE_REGISTERS records (its comment); another one's
+# The NVRTC whose sm_90 cubins _gpu_target.DECODE_REGISTERS records (its comment); another one's
 # ptxas allocates differently, and `scripts/kernel-report --decode-register-table` prints the
 # table anew.
 TABLE_NVRTC = (12, 9)
@@ -467,14 +501,14 @@ def test_the_planners_occupancy_is_the_cubins(quick):
     assert len(decode) == 9
     for row in decode:
         shape = (row["dtype"], row["head_dim"], row["group"], row["block_size"])
-        table = _launch.DECODE_REGISTERS[row["dtype"], row["head_dim"]][row["chunk"] - 1]
+        table = _gpu_target.DECODE_REGISTERS[row["dtype"], row["head_dim"]][row["chunk"] - 1]
         assert table == row["registers"], (row["name"], table)
         assert _launch.decode_ctas_per_sm(*shape) == row["ctas_per_sm"], row["name"]
 
 
 def test_the_register_table_prints_as_the_launch_table_writes_it():
-    text = kr.format_register_table(_launch.DECODE_REGISTERS)
+    text = kr.format_register_table(_gpu_target.DECODE_REGISTERS)
     namespace: dict = {}
     exec(text, namespace)
-    assert namespace["DECODE_REGISTERS"] == _launch.DECODE_REGISTERS
+    assert namespace["DECODE_REGISTERS"] == _gpu_target.DECODE_REGISTERS
     assert text.splitlines()[0] == "# fmt: off" and text.splitlines()[-1] == "# fmt: on"

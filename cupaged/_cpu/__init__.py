@@ -10,7 +10,8 @@ No installable package runs CUDA C on a CPU, so cupaged carries a small one (DES
   deadlocks, failed asserts and divergent barriers become :class:`~cupaged.errors.KernelError`;
 - :mod:`.toolchain` generates the launch table, runs g++ and caches the library;
 - :mod:`.module` is the Python face, CuPy's ``RawModule``/``RawKernel`` calling convention;
-- :mod:`.options` picks the scheduling order, worker threads and strict barriers.
+- :mod:`.options` picks the scheduling order, worker threads and strict barriers;
+- :mod:`.threads` decides how many OS threads a launch takes when the options leave it open.
 
 Example (not a doctest: it compiles for a second or two)::
 

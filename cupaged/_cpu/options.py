@@ -38,10 +38,9 @@ class LaunchOptions:
     Attributes:
         schedule: one of :data:`SCHEDULES`.
         workers: OS threads that share a launch's blocks (never more than the number of
-            blocks). ``None``: the launch's own choice, at most one per usable CPU: the launch
-            table's for copies, KV writes and attention (by bytes, by blocks: see
-            ``cpu_stride_workers`` and ``cpu_attention_workers`` in ``cupaged/_launch.py``), else
-            one per CPU from 4,096 CUDA threads on and one below.
+            blocks). ``None``: the thread policy's choice, at most one per usable CPU (copies
+            and KV writes by bytes, attention by blocks, other launches by CUDA threads: see
+            :mod:`cupaged._cpu.threads`).
         strict: a ``__syncthreads`` reached at two different call sites by one block is a
             :class:`~cupaged.errors.KernelError` (hardware would let them meet).
     """
