@@ -27,7 +27,12 @@ Invariants of the CSR form, for sequence ``i`` with ``n = indptr[i + 1] - indptr
 Both conversions run on NumPy and CuPy arrays alike, with whole-array operations only (no Python
 loop over sequences or blocks), and return int32 arrays on the inputs' device. Sizing the output
 reads one scalar back from the device (``indptr[-1]`` in :func:`~cupaged.to_csr`, the longest run in
-:func:`~cupaged.from_csr`), so each call synchronises once; ``checked=True`` adds a copy of the lengths.
+:func:`~cupaged.from_csr`), so each call synchronises once. By default (``checked=True``) they
+also check the values above, as everything public in cupaged does, on host copies of the
+per-sequence arrays (and, for int64 block ids, a minimum and maximum read back from the device)
+before any arithmetic that they bound and before any narrowing to int32: a negative length would
+give a decreasing ``indptr``, a huge ``indptr`` a table of terabytes, an int64 id of
+``2**32 + 1`` block 1. ``checked=False`` skips them and trusts the arrays.
 """
 
 from __future__ import annotations
@@ -37,11 +42,13 @@ from typing import Any
 import numpy as np
 
 from ._backend import array_module, to_numpy
-from ._checks import as_int, check_context_lens, check_index_array, check_shape
+from ._checks import INT32_MAX, as_int, check_context_lens, check_index_array, check_shape
+
+INT32_MIN = -(2**31)
 
 
 def to_csr(
-    block_tables: Any, context_lens: Any, block_size: int, *, checked: bool = False
+    block_tables: Any, context_lens: Any, block_size: int, *, checked: bool = True
 ) -> tuple[Any, Any, Any]:
     """Convert a dense, padded page table to the CSR form (FlashInfer's ``paged_kv_*`` arrays).
 
@@ -51,10 +58,15 @@ def to_csr(
     Args:
         block_tables: ``[num_seqs, max_blocks]`` int32 or int64 physical block ids.
         context_lens: ``[num_seqs]`` int32 or int64, each in ``[0, max_blocks * block_size]``.
-        block_size: tokens per block, a positive int.
-        checked: also check, at the cost of a copy to the host, that every context length is in
-            ``[0, max_blocks * block_size]``. Unchecked lengths outside that range give an
-            undefined result (or an ``IndexError`` on NumPy).
+        block_size: tokens per block, a positive int (at most ``2**31 - 1``).
+        checked: check, at the cost of a copy of the lengths to the host, that every context
+            length is in ``[0, max_blocks * block_size]``, that the used block ids fit int32
+            (an int64 table's are read back as a minimum and a maximum; padding may hold
+            anything) and that there are at most ``2**31 - 1`` of them. ``False`` trusts the
+            caller: a length outside that range gives an undefined result (an ``indptr`` that
+            decreases, or an allocation as large as the length asks), an id outside int32 is
+            narrowed to another block. Pass it only for tables that cupaged built, or that you
+            checked once and reuse unchanged.
 
     Returns:
         ``(indptr, indices, last_page_len)`` on the inputs' device:
@@ -67,7 +79,8 @@ def to_csr(
     Raises:
         TypeError: arrays on different devices, a dtype other than int32/int64, or a block size
             that is not an int.
-        ValueError: wrong shapes, a block size below 1, or (checked) a context length out of range.
+        ValueError: wrong shapes, a block size out of range, or (checked) a context length out of
+            range, a used block id outside int32, or more than ``2**31 - 1`` used blocks.
 
     Example:
         >>> import numpy as np
@@ -92,15 +105,22 @@ def to_csr(
     indptr = xp.zeros(num_seqs + 1, np.int64)
     indptr[1:] = xp.cumsum(n_blocks)
     nnz = int(indptr[-1])  # the one synchronisation: the size of `indices`
+    if checked and nnz > INT32_MAX:
+        raise ValueError(
+            f"expected at most {INT32_MAX} used blocks in all (indptr is int32), got {nnz}"
+        )
     row, col = _coordinates(xp, indptr, nnz)
-    indices = block_tables[row, col].astype(np.int32)
+    indices = block_tables[row, col]
+    if checked:
+        _check_int32_ids("the used entries of block_tables", indices)
+    indices = indices.astype(np.int32)
     # An empty sequence has n_blocks == 0, so the clamp gives last_page_len == len == 0.
     last_page_len = lens - block_size * xp.maximum(n_blocks - 1, 0)
     return indptr.astype(np.int32), indices, last_page_len.astype(np.int32)
 
 
 def from_csr(
-    indptr: Any, indices: Any, last_page_len: Any, block_size: int, *, checked: bool = False
+    indptr: Any, indices: Any, last_page_len: Any, block_size: int, *, checked: bool = True
 ) -> tuple[Any, Any]:
     """Convert a CSR page table (FlashInfer's ``paged_kv_*`` arrays) to the dense, padded form.
 
@@ -114,9 +134,14 @@ def from_csr(
             ``indices[indptr[i]:indptr[i + 1]]``, in logical order.
         last_page_len: ``[num_seqs]`` int32 or int64 tokens in each sequence's last block: in
             ``[1, block_size]``, or 0 for a sequence without blocks.
-        block_size: tokens per block, a positive int.
-        checked: also check, at the cost of a copy to the host, the invariants just listed.
-            Unchecked arrays that break them give an undefined result.
+        block_size: tokens per block, a positive int (at most ``2**31 - 1``).
+        checked: check, at the cost of a copy of ``indptr`` and ``last_page_len`` to the host,
+            the invariants just listed, that the block ids fit int32 (int64 ones are read back
+            as a minimum and a maximum) and that every sequence length does. ``False`` trusts
+            the caller: arrays that break them give an undefined result (an ``indptr`` entry
+            of ``2**40`` asks for a table of terabytes, an id outside int32 is narrowed to
+            another block). Pass it only for arrays that cupaged built, or that you checked
+            once and reuse unchanged.
 
     Returns:
         ``(block_tables, context_lens)`` on the inputs' device:
@@ -128,7 +153,8 @@ def from_csr(
     Raises:
         TypeError: arrays on different devices, a dtype other than int32/int64, or a block size
             that is not an int.
-        ValueError: wrong shapes, a block size below 1, or (checked) a broken invariant.
+        ValueError: wrong shapes, a block size out of range, or (checked) a broken invariant, a
+            block id outside int32 or a sequence longer than ``2**31 - 1`` tokens.
 
     Example:
         >>> import numpy as np
@@ -151,6 +177,7 @@ def from_csr(
     check_index_array("last_page_len", last_page_len)
     if checked:
         _check_csr_values(to_numpy(indptr), nnz, to_numpy(last_page_len), block_size)
+        _check_int32_ids("indices", indices)
     offsets = indptr.astype(np.int64)
     n_blocks = offsets[1:] - offsets[:-1]
     width = max(1, int(n_blocks.max())) if num_seqs else 1  # the one synchronisation
@@ -180,7 +207,26 @@ def _check_block_size(block_size: Any) -> int:
     block_size = as_int(block_size, "block_size")
     if block_size < 1:
         raise ValueError(f"expected block_size to be a positive int, got {block_size}")
+    if block_size > INT32_MAX:  # lengths and offsets are int32, and int64 arithmetic must not wrap
+        raise ValueError(f"expected block_size at most {INT32_MAX}, got {block_size}")
     return block_size
+
+
+def _check_int32_ids(name: str, ids: Any) -> None:
+    """Check that block ids fit int32 before they are narrowed to it (one read-back for int64).
+
+    Raises:
+        ValueError: naming the range that arrived.
+    """
+    if ids.dtype == np.int32 or ids.size == 0:
+        return
+    xp = array_module(ids)
+    low, high = (int(v) for v in to_numpy(xp.stack((ids.min(), ids.max()))))
+    if low < INT32_MIN or high > INT32_MAX:
+        raise ValueError(
+            f"expected block ids in [{INT32_MIN}, {INT32_MAX}] (int32) in {name}, got values in "
+            f"[{low}, {high}]"
+        )
 
 
 def _check_csr_values(
@@ -215,4 +261,17 @@ def _check_csr_values(
         raise ValueError(
             f"expected last_page_len 0 for a sequence without blocks, got {last_page_len[i]} "
             f"for sequence {i}"
+        )
+    # A sequence of more blocks than `longest` cannot fit int32; capping the count first keeps
+    # `block_size * (n - 1)` below 2**31, so the int64 arithmetic cannot wrap.
+    longest = INT32_MAX // block_size + 1
+    capped = np.minimum(n_blocks, longest)
+    lens = np.where(n_blocks > 0, block_size * (capped - 1) + last_page_len.astype(np.int64), 0)
+    too_long = (n_blocks > longest) | (lens > INT32_MAX)
+    if too_long.any():
+        i = int(np.argmax(too_long))
+        length = block_size * (int(n_blocks[i]) - 1) + int(last_page_len[i])
+        raise ValueError(
+            f"expected sequences of at most {INT32_MAX} tokens (context_lens is int32), got "
+            f"{length} for sequence {i}"
         )

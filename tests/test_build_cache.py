@@ -3,7 +3,11 @@
 A library in the cache is code that the next process runs, so (issue 10, DESIGN.md §8): a folder
 that belongs to another user or that group/others may write is refused; a library is loaded only
 when it matches the SHA-256 recorded beside it (a planted or truncated ``.so`` is rebuilt); builds
-left half-way are cleaned up; an unusable folder gives way to a private temporary one.
+left half-way are cleaned up; an unusable folder gives way to a private temporary one. And (issue
+23): a folder on the way to the cache that another user may change is refused; a library or
+digest that is not a small regular file of this user's, writable by no one else (a FIFO, a link
+to /dev/zero, a sparse 1 TiB file, another user's) is rebuilt without being read; a foreign
+library with a matching digest is a CupagedError.
 
 Each scenario runs in a child process, so that a crash (a planted constructor, a SIGBUS on a
 truncated library) fails the test instead of killing the run, and so that the child starts with no
@@ -61,15 +65,26 @@ def _toolchain_missing() -> str | None:
 pytestmark = pytest.mark.skipif(_toolchain_missing() is not None, reason="no CPU toolchain")
 
 
-def run_child(source: Path, cache_root: Path, **env: str) -> subprocess.CompletedProcess:
+def run_child(
+    source: Path, cache_root: Path, timeout: float = 300, memory: int | None = None, **env: str
+) -> subprocess.CompletedProcess:
+    """Run CHILD against ``cache_root``; ``memory`` caps the child's address space (bytes), so
+    that a check reading without bound fails the test instead of exhausting the machine."""
     environment = dict(os.environ, CUPAGED_CACHE_DIR=str(cache_root), **env)
     environment["PYTHONPATH"] = os.pathsep.join([str(ROOT), environment.get("PYTHONPATH", "")])
+
+    def limit_memory() -> None:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
+
     return subprocess.run(
         [sys.executable, "-c", CHILD, str(source)],
         capture_output=True,
         text=True,
         env=environment,
-        timeout=300,
+        timeout=timeout,
+        preexec_fn=limit_memory if memory else None,
     )
 
 
@@ -239,3 +254,177 @@ def test_a_build_that_cannot_be_written_is_a_cupaged_error(tmp_path, source, mon
     monkeypatch.setattr(toolchain, "_write_atomically", full_disk)
     with pytest.raises(CupagedError, match="No space left on device"):
         CpuModule(source, ["cpu_test::fill"])
+
+
+# -- issue 23: what the check reads, who owns it, and the path to it -----------------------------
+
+# A child that reads without bound would take the machine's memory with it: this caps its
+# address space well above what a build and a launch need.
+CHILD_MEMORY = 4 << 30
+
+
+def run_bounded(source: Path, root: Path, **env: str) -> subprocess.CompletedProcess:
+    """run_child that fails the test, instead of hanging the suite, when the check never ends."""
+    try:
+        return run_child(source, root, timeout=120, memory=CHILD_MEMORY, **env)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the build-cache check did not finish: it read a file without bound")
+
+
+def plant(evil: Path, library: Path) -> None:
+    """Put ``evil`` at ``library`` with its own, matching digest beside it."""
+    import hashlib
+
+    library.unlink(missing_ok=True)
+    shutil.copy(evil, library)
+    Path(f"{library}.sha256").write_text(hashlib.sha256(evil.read_bytes()).hexdigest() + "\n")
+
+
+@pytest.mark.parametrize(
+    "entry, kind",
+    [
+        ("library", "fifo"),
+        ("library", "link to /dev/zero"),
+        ("library", "sparse file of 1 TiB"),
+        ("digest", "fifo"),
+        ("digest", "link to /dev/zero"),
+    ],
+)
+def test_a_cache_entry_that_is_not_a_small_regular_file_is_rebuilt_without_reading_it(
+    tmp_path, source, entry, kind
+):
+    library = built_library(source, tmp_path / "cache")
+    path = library if entry == "library" else Path(f"{library}.sha256")
+    path.unlink()
+    try:
+        if kind == "fifo":
+            os.mkfifo(path, 0o600)
+        elif kind == "link to /dev/zero":
+            path.symlink_to("/dev/zero")
+        else:
+            with open(path, "wb") as f:
+                f.truncate(1 << 40)
+    except OSError as error:  # a file system without FIFOs or sparse files this large
+        pytest.skip(f"cannot make {kind} here: {error}")
+    result = run_bounded(source, tmp_path / "cache")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.startswith("ran 280"), result.stdout + result.stderr[-2000:]
+    assert "rebuilding it" in result.stderr, result.stderr[-2000:]
+    assert stat.S_ISREG(path.lstat().st_mode) and path.lstat().st_size < 1 << 30
+
+
+def test_a_library_owned_by_another_user_is_rebuilt_not_loaded(tmp_path, source, evil_library):
+    if os.geteuid() != 0:
+        pytest.skip("needs root to hand a file to another user")
+    evil, marker = evil_library
+    library = built_library(source, tmp_path / "cache")
+    plant(evil, library)  # with a digest that matches: only the owner gives it away
+    os.chown(library, 65534, 65534)
+    result = run_bounded(source, tmp_path / "cache")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.startswith("ran 280"), result.stdout + result.stderr[-2000:]
+    assert "belongs to user id 65534" in result.stderr, result.stderr[-2000:]
+    assert not marker.exists(), "the other user's library was loaded"
+    assert library.stat().st_uid == os.geteuid()
+
+
+def test_a_library_that_others_may_write_is_rebuilt_not_loaded(tmp_path, source, evil_library):
+    evil, marker = evil_library
+    library = built_library(source, tmp_path / "cache")
+    plant(evil, library)
+    os.chmod(library, 0o666)
+    result = run_bounded(source, tmp_path / "cache")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.startswith("ran 280"), result.stdout + result.stderr[-2000:]
+    assert "writable by group or others" in result.stderr, result.stderr[-2000:]
+    assert not marker.exists(), "a library that others may write was loaded"
+    assert not library.stat().st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+
+
+def test_a_foreign_library_with_a_matching_digest_is_a_cupaged_error(
+    tmp_path, source, evil_library
+):
+    # The user's own private folder vouches for it (its digest matches), so it is loaded; what
+    # is wrong with it must then be a CupagedError, not an AttributeError from ctypes.
+    evil, _ = evil_library
+    library = built_library(source, tmp_path / "cache")
+    plant(evil, library)
+    result = run_bounded(source, tmp_path / "cache")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.startswith("refused:"), result.stdout + result.stderr[-2000:]
+    assert "not a library of the CPU backend" in result.stdout
+    assert "cupaged_cpu_stack_bytes" in result.stdout and "delete it" in result.stdout
+
+
+@pytest.mark.parametrize("how", ["world-writable parent", "group-writable parent", "link"])
+def test_a_path_to_the_cache_that_others_may_change_is_refused(tmp_path, source, evil_library, how):
+    evil, marker = evil_library
+    name = built_library(source, tmp_path / "good").name
+    shared = tmp_path / "shared"
+    private = shared / "mine" / "cpu"  # private itself: only the way to it is open
+    private.mkdir(parents=True)
+    os.chmod(private, 0o700)
+    plant(evil, private / name)
+    os.chmod(shared, 0o770 if how == "group-writable parent" else 0o777)
+    root = shared / "mine"
+    if how == "link":  # the configured path looks private; the folder it leads to is not
+        (tmp_path / "link").symlink_to(root)
+        root = tmp_path / "link"
+    result = run_bounded(source, root)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.startswith("refused:"), result.stdout + result.stderr[-2000:]
+    assert f"{shared} on the way to it" in result.stdout
+    assert "writable by group or others" in result.stdout and "no sticky bit" in result.stdout
+    assert "CUPAGED_CACHE_DIR" in result.stdout
+    assert not marker.exists(), "a library below an open folder was loaded"
+
+
+def test_a_sticky_shared_parent_is_accepted(tmp_path, source):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o1777)  # like /tmp: others create entries, but cannot move ours
+    result = run_bounded(source, shared / "mine")
+    assert result.stdout.startswith("ran 280"), result.stdout + result.stderr[-2000:]
+
+
+def test_a_parent_owned_by_another_user_is_refused(tmp_path, source):
+    if os.geteuid() != 0:
+        pytest.skip("needs root to hand a folder to another user")
+    theirs = tmp_path / "theirs"
+    (theirs / "mine" / "cpu").mkdir(parents=True, mode=0o700)
+    os.chmod(theirs, 0o755)
+    os.chown(theirs, 65534, 65534)
+    result = run_bounded(source, theirs / "mine")
+    assert result.stdout.startswith("refused:"), result.stdout + result.stderr[-2000:]
+    assert f"{theirs} on the way to it belongs to user id 65534" in result.stdout
+
+
+def test_the_temporary_fallback_below_an_open_folder_is_refused(tmp_path, source):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    result = run_bounded(source, blocker, TMPDIR=str(shared))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.startswith("refused:"), result.stdout + result.stderr[-2000:]
+    assert f"{shared} on the way to it" in result.stdout and "TMPDIR" in result.stdout
+
+
+def test_a_build_of_other_kernels_under_a_builds_name_is_a_cupaged_error(
+    tmp_path, source, monkeypatch
+):
+    from cupaged._cpu import CpuModule
+
+    library = built_library(source, tmp_path / "cache")
+    other = source.with_name("other.cu")
+    other.write_text(source.read_text().replace("void fill(", "void fill_other("))
+    monkeypatch.setenv("CUPAGED_CACHE_DIR", str(tmp_path / "other"))
+    built = CpuModule(other, ["cpu_test::fill_other"])._library.path
+    shutil.copy(built, library)  # a real build, and its digest, under the name of another one
+    shutil.copy(f"{built}.sha256", f"{library}.sha256")
+    result = run_bounded(source, tmp_path / "cache")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.startswith("refused:"), result.stdout + result.stderr[-2000:]
+    assert "lacks the kernels ['cpu_test::fill']" in result.stdout
+    assert "cpu_test::fill_other" in result.stdout and "delete it" in result.stdout

@@ -253,10 +253,18 @@ def example_csr():
         (dict(block_size=0), ValueError, r"expected block_size to be a positive int, got 0"),
         (dict(block_size=4.0), TypeError, r"expected block_size to be an int, got float"),
         (dict(block_size=True), TypeError, r"expected block_size to be an int, got True"),
-        (dict(lens=np.array([7, 13], np.int32), checked=True), ValueError,
+        (dict(block_size=2**31), ValueError, r"expected block_size at most 2147483647, got 2147483648"),
+        (dict(block_size=2**70), ValueError, r"expected block_size at most 2147483647"),
+        # the value checks, on by default
+        (dict(lens=np.array([7, 13], np.int32)), ValueError,
          r"expected context_lens in \[0, 12\] \(max_blocks \* block_size\), got values in \[7, 13\]"),
-        (dict(lens=np.array([-1, 9], np.int32), checked=True), ValueError,
-         r"expected context_lens in \[0, 12\]"),
+        (dict(lens=np.array([-1, 9], np.int32)), ValueError,
+         r"expected context_lens in \[0, 12\] .*got values in \[-1, 9\]"),
+        (dict(lens=np.array([7, 2**40], np.int64)), ValueError,
+         r"expected context_lens in \[0, 12\] .*got values in \[7, 1099511627776\]"),
+        (dict(tables=np.array([[5, 2**32 + 1, 0], [1, 3, 0]], np.int64)), ValueError,
+         r"expected block ids in \[-2147483648, 2147483647\] \(int32\) in the used entries of "
+         r"block_tables, got values in \[0, 4294967297\]"),
     ],
 )  # fmt: skip
 def test_to_csr_errors(change, error, message):
@@ -266,7 +274,6 @@ def test_to_csr_errors(change, error, message):
             change.get("tables", tables),
             change.get("lens", lens),
             change.get("block_size", EXAMPLE_BLOCK_SIZE),
-            checked=change.get("checked", False),
         )
 
 
@@ -301,23 +308,57 @@ def test_to_csr_errors(change, error, message):
          r"expected last_page_len in \[1, 4\] .* got 5 for sequence 0"),
         (dict(indptr=np.array([0, 0, 5], np.int32), last=np.array([2, 1], np.int32)), ValueError,
          r"expected last_page_len 0 for a sequence without blocks, got 2 for sequence 0"),
+        (dict(block_size=2**31), ValueError, r"expected block_size at most 2147483647"),
+        # an indptr that would size a table of terabytes
+        (dict(indptr=np.array([0, 2**40, 5], np.int64)), ValueError,
+         r"expected indptr non-decreasing, got indptr\[1\] = 1099511627776 > indptr\[2\] = 5"),
+        (dict(indptr=np.array([0, 2, 2**40], np.int64)), ValueError,
+         r"expected indptr\[-1\] == len\(indices\) = 5, got 1099511627776"),
+        (dict(indices=np.array([5, 2, 1, 2**32 + 1, -(2**31) - 1], np.int64)), ValueError,
+         r"expected block ids in \[-2147483648, 2147483647\] \(int32\) in indices, got values "
+         r"in \[-2147483649, 4294967297\]"),
+        # 2**30 * (3 - 1) + 1 tokens in sequence 1
+        (dict(block_size=2**30, last=np.array([3, 1], np.int32)), ValueError,
+         r"expected sequences of at most 2147483647 tokens \(context_lens is int32\), got "
+         r"2147483649 for sequence 1"),
     ],
 )  # fmt: skip
 def test_from_csr_errors(change, error, message):
     indptr, indices, last = example_csr()
-    checked = error is ValueError  # value checks need checked=True; shape checks never do
     with pytest.raises(error, match=message):
         from_csr(
             change.get("indptr", indptr),
             change.get("indices", indices),
             change.get("last", last),
             change.get("block_size", EXAMPLE_BLOCK_SIZE),
-            checked=checked,
         )
 
 
-def test_value_checks_are_opt_in():
-    """Without ``checked`` no value is read back for validation: a bad last_page_len passes."""
+def test_to_csr_refuses_more_used_blocks_than_int32_holds(monkeypatch):
+    # The real bound, 2**31 - 1 used blocks, needs a table of 8 GiB: lowered to the example's.
+    monkeypatch.setattr(cupaged.page_table, "INT32_MAX", 4)
+    tables, lens = example_dense()
+    with pytest.raises(ValueError, match=r"expected at most 4 used blocks in all .*got 5"):
+        to_csr(tables, lens, EXAMPLE_BLOCK_SIZE)
+
+
+def test_padding_and_int32_ids_pass_the_default_checks():
+    """Only the used entries are checked: padding may hold anything, an int64 id that fits int32
+    (the -1 of a released block, say) passes."""
+    tables = np.array([[5, -1, 2**40], [1, 3, -(2**40)]], np.int64)
+    indptr, indices, last = to_csr(tables, np.array([7, 5], np.int64), EXAMPLE_BLOCK_SIZE)
+    assert (indptr.tolist(), indices.tolist(), last.tolist()) == ([0, 2, 4], [5, -1, 1, 3], [3, 1])
+
+
+def test_checked_false_is_an_explicit_opt_out():
+    """``checked=False`` reads nothing back for validation and trusts the arrays: a bad
+    last_page_len and a negative length pass, with the undefined result the docstring warns of."""
     indptr, indices, _ = example_csr()
-    _, lens = from_csr(indptr, indices, np.array([3, 0], np.int32), EXAMPLE_BLOCK_SIZE)
+    bad_last = np.array([3, 0], np.int32)
+    with pytest.raises(ValueError, match="last_page_len"):
+        from_csr(indptr, indices, bad_last, EXAMPLE_BLOCK_SIZE)
+    _, lens = from_csr(indptr, indices, bad_last, EXAMPLE_BLOCK_SIZE, checked=False)
     assert lens.tolist() == [7, 8]
+    tables, _ = example_dense()
+    indptr, _, _ = to_csr(tables, np.array([-1, 5], np.int32), EXAMPLE_BLOCK_SIZE, checked=False)
+    assert indptr.tolist() == [0, 0, 2]

@@ -14,9 +14,7 @@ the launch, and a Python ``int``/``float`` is refused: its C type would be a gue
 
 from __future__ import annotations
 
-import copy
 import ctypes
-import functools
 import os
 import struct
 import threading
@@ -29,6 +27,7 @@ import numpy as np
 from ..errors import CupagedError, KernelError
 from . import toolchain
 from .options import SCHEDULES, current_options
+from .threads import capped, launch_workers
 
 _ERROR_BYTES = 4096
 _MAX_THREADS_PER_BLOCK = 1024
@@ -56,37 +55,6 @@ _BUILDS: dict[tuple, tuple[tuple, _Library]] = {}
 _LOCK = threading.Lock()
 # Environment variables that change where headers or the cache are found.
 _ENVIRONMENT = ("CUDA_PATH", "PATH", "CUPAGED_CACHE_DIR", "XDG_CACHE_HOME")
-
-
-@functools.cache
-def _cpu_count() -> int:
-    """CPUs this process may run on (its affinity mask, which containers and taskset narrow).
-
-    Read once per process, at the first launch.
-    """
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
-# A launch with fewer CUDA threads than this, in all its blocks, runs on the calling thread alone:
-# waking a helper thread of the pool costs about as much as a few thousand fiber switches.
-_POOL_MIN_THREADS = 4096
-
-
-def _default_workers(num_blocks: int, block: tuple[int, int, int]) -> int:
-    """Worker threads of a launch when the options leave it open: one per CPU, except small ones."""
-    if num_blocks < 2 or num_blocks * block[0] * block[1] * block[2] < _POOL_MIN_THREADS:
-        return 1
-    return min(_cpu_count(), num_blocks)
-
-
-def _capped_workers(workers: Any) -> int:
-    """A launch's cap on OS threads, checked, and at most one per CPU."""
-    if type(workers) is not int or workers < 1:
-        raise ValueError(f"expected workers a positive int or None, got {workers!r}")
-    return min(workers, _cpu_count())
 
 
 def _stamps(paths: Sequence[Path]) -> tuple:
@@ -123,8 +91,29 @@ def _share_stacks(lib: ctypes.CDLL) -> None:
             lib.cupaged_cpu_share_stacks(*_stack_pools[size])
 
 
+# What every build of runtime.h exports. A library that lacks one is not a build, whatever its
+# name and digest say, and is refused before any of them is called.
+_RUNTIME_SYMBOLS = (
+    "cupaged_cpu_abi_version",
+    "cupaged_cpu_stack_bytes",
+    "cupaged_cpu_stack_pool_acquire",
+    "cupaged_cpu_stack_pool_release",
+    "cupaged_cpu_share_stacks",
+    "cupaged_cpu_kernel_count",
+    "cupaged_cpu_kernel_name",
+    "cupaged_cpu_param_count",
+    "cupaged_cpu_param_sizes",
+    "cupaged_cpu_param_kinds",
+    "cupaged_cpu_launch",
+)
+
+
 class _Library:
-    """One loaded build: the ctypes handle and the parameter list of each kernel."""
+    """One loaded build: the ctypes handle and the parameter list of each kernel.
+
+    Loaded by path once :func:`toolchain.build` has checked it (the comment above
+    ``toolchain.distrust`` says why by path and not through a checked descriptor).
+    """
 
     def __init__(self, path: Path, source: Path) -> None:
         self.path = path
@@ -133,6 +122,13 @@ class _Library:
             lib = ctypes.CDLL(str(path))
         except OSError as error:
             raise CupagedError(f"could not load {path} ({error}); delete it to rebuild") from error
+        missing = [name for name in _RUNTIME_SYMBOLS if not hasattr(lib, name)]
+        if missing:
+            raise CupagedError(
+                f"{path} is not a library of the CPU backend: it lacks {', '.join(missing)}, "
+                f"though its name and recorded SHA-256 are a build's (a file copied in by hand?); "
+                f"delete it to rebuild"
+            )
         lib.cupaged_cpu_abi_version.restype = ctypes.c_int
         abi = lib.cupaged_cpu_abi_version()
         if abi != toolchain.ABI_VERSION:
@@ -176,6 +172,12 @@ def _load(
         library = _LIBRARIES.get(path)
         if library is None:
             library = _Library(path, source)
+            missing = [name for name in names if name not in library.kernels]
+            if missing:
+                raise CupagedError(
+                    f"{path} is not the build of {source.name} that its name says: it lacks the "
+                    f"kernels {missing} (it has {sorted(library.kernels)}); delete it to rebuild"
+                )
             _LIBRARIES[path] = library
         _BUILDS[key] = (_stamps(inputs), library)
         return library
@@ -354,10 +356,20 @@ class CpuKernel:
         param_sizes: byte size of each parameter.
         param_kinds: one letter per parameter: ``p`` pointer, ``f`` floating point, ``i`` signed
             integer, ``u`` unsigned integer, ``b`` bool, ``o`` other (a struct, ``__half``).
+        workers: this kernel's own cap on a launch's OS threads (:meth:`with_workers`), or
+            ``None``: the default rule of :mod:`.threads`.
     """
 
     def __init__(
-        self, library: _Library, name: str, index: int, sizes: tuple[int, ...], kinds: str
+        self,
+        library: _Library,
+        name: str,
+        index: int,
+        sizes: tuple[int, ...],
+        kinds: str,
+        *,
+        workers: int | None = None,
+        family: dict[int, CpuKernel] | None = None,
     ) -> None:
         self._library = library
         self._launch = library.lib.cupaged_cpu_launch
@@ -376,23 +388,35 @@ class CpuKernel:
             _scalar_packers(kind, size) for size, kind in zip(sizes, kinds, strict=True)
         ]
         self._last_dims: tuple = ()
-        self._workers: int | None = None
-        self._capped: dict[int, CpuKernel] = {}  # with_workers' kernels, shared by all of them
+        self._workers = workers
+        # with_workers' kernels by cap, one dictionary shared by all of them
+        self._family: dict[int, CpuKernel] = {} if family is None else family
 
     def __repr__(self) -> str:
         return f"CpuKernel({self.name!r})"
 
+    @property
+    def workers(self) -> int | None:
+        return self._workers
+
     def with_workers(self, workers: int) -> CpuKernel:
         """This kernel with its launches capped at ``workers`` OS threads (and one per CPU) unless
-        a call or the launch options say otherwise: the launch table's choice for a kernel whose
-        blocks' work it knows (a copy's bytes, an attention launch's heavy blocks). Shares
+        a call or the launch options say otherwise: the cap for a kernel whose blocks' work the
+        caller knows (``stride_workers`` and ``attention_workers`` in :mod:`.threads`). Shares
         everything else with this one; made once per cap."""
-        workers = _capped_workers(workers)
-        kernel = self._capped.get(workers)
+        workers = capped(workers)
+        kernel = self._family.get(workers)
         if kernel is None:
-            kernel = copy.copy(self)
-            kernel._workers = workers
-            self._capped[workers] = kernel
+            kernel = CpuKernel(
+                self._library,
+                self.name,
+                self._index,
+                self.param_sizes,
+                self.param_kinds,
+                workers=workers,
+                family=self._family,
+            )
+            self._family[workers] = kernel
         return kernel
 
     def __call__(
@@ -414,8 +438,8 @@ class CpuKernel:
             shared_mem: bytes of dynamic shared memory per block (filled with NaN bytes).
             workers: at most this many OS threads for this launch (and at most one per CPU),
                 when the launch options leave them open. ``None``: the kernel's own cap (see
-                :meth:`with_workers`), else one per CPU for a launch of at least
-                4,096 CUDA threads and one for a smaller one.
+                :meth:`with_workers`), else the default of :mod:`.threads` (one per CPU for a
+                large launch, one for a small one).
 
         Raises:
             TypeError: wrong number of arguments, or an argument whose kind or byte size differs
@@ -447,18 +471,18 @@ class CpuKernel:
                 f"expected shared_mem from 0 to {_MAX_SHARED_MEM} bytes, got {shared_mem}"
             )
         options = current_options()
-        if options.workers is not None:
-            workers = options.workers
-        elif workers is not None:
-            workers = _capped_workers(workers)
-        elif self._workers is not None:  # this kernel's own cap (with_workers)
-            workers = self._workers
-        else:
-            workers = _default_workers(grid3[0] * grid3[1] * grid3[2], block3)
+        workers = launch_workers(options.workers, workers, self._workers, grid3, block3)
         request = self._request.pack(
-            self._index, *grid3, *block3, _SCHEDULE_INDEX[options.schedule], workers,
-            int(options.strict), shared_mem, self._value_bytes, *self._values(args),
-        )  # fmt: skip
+            self._index,
+            *grid3,
+            *block3,
+            _SCHEDULE_INDEX[options.schedule],
+            workers,
+            int(options.strict),
+            shared_mem,
+            self._value_bytes,
+            *self._values(args),
+        )
         error = _error_buffer()
         # The arrays stay referenced by ``args`` (the caller's) for the whole call.
         status = self._launch(request, len(request), error, _ERROR_BYTES)

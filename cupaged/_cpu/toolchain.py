@@ -10,11 +10,14 @@ name expressions, the flags, the CUDA headers and the compiler version. A build 
 temporary name, syncs it to disk and renames it into place, so parallel processes never see half
 a file, and records the library's SHA-256 beside it (``<key>.so.sha256``).
 
-The cache is code that this process will run, so it is guarded (:func:`build_dir`): the folder
-must belong to the current user and be writable by no one else (a new one is made 0700), and a
-library is loaded only when its bytes match the recorded digest; a damaged or mismatched one is
-rebuilt. A folder that cannot be used at all (read-only, HOME unusable, a file in the way) gives
-way to a private temporary folder for the process, with a warning.
+The cache is code that this process will run, so it is guarded. The folder (:func:`build_dir`)
+must belong to the current user and be writable by no one else (a new one is made 0700), and so
+must the way to it: every folder from the root down belongs to this user or to root, and one that
+others may write has the sticky bit (:func:`unsafe_step`). A library is loaded only when it is a
+regular file of this user's that no one else may write, no larger than a build ever is, and its
+bytes match the recorded digest (:func:`distrust`); anything else is rebuilt, without reading a
+FIFO, a device or a link. A folder that cannot be used at all (read-only, HOME unusable, a file in
+the way) gives way to a private temporary folder for the process, with a warning.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import tempfile
 import threading
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from .. import _cuda_headers
@@ -178,6 +181,15 @@ def cache_dir() -> Path:
 
 # A temporary file older than this is left over from a build that died (SIGKILL, power loss).
 STALE_SECONDS = 600
+# No build is larger than this (an AddressSanitizer one is a few MiB): a larger library is rebuilt
+# without being read, so that checking a sparse or growing file ends.
+MAX_LIBRARY_BYTES = 256 << 20
+_MAX_DIGEST_BYTES = 128  # 64 hex digits and a newline
+# Opening a FIFO blocks until a writer comes, and a link may lead anywhere (/dev/zero never ends):
+# cache files are opened without following links and without blocking, after an lstat.
+_OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+# Links followed on the way to the cache before giving up, as the kernel does (ELOOP).
+_MAX_LINKS = 40
 _fallbacks: dict[str, Path] = {}
 _fallback_lock = threading.Lock()
 
@@ -187,7 +199,8 @@ def build_dir() -> Path:
 
     Raises:
         CupagedError: the folder belongs to another user, or group or others may write it:
-            anyone who can write it can plant a library that runs inside this process. The
+            anyone who can write it can plant a library that runs inside this process; or a
+            folder on the way to it lets another user swap it (:func:`unsafe_step`). The
             message says how to fix it.
     """
     try:
@@ -217,7 +230,75 @@ def build_dir() -> Path:
         )
     if not os.access(folder, os.W_OK | os.X_OK):
         return _fallback_dir(str(folder), PermissionError(f"{folder} is not writable"))
+    try:
+        step = unsafe_step(folder)
+    except OSError as error:  # a link loop, a folder removed meanwhile
+        return _fallback_dir(str(folder), error)
+    if step is not None:
+        raise CupagedError(
+            f"refusing the CPU backend's build cache {folder}: {step}, so another user could "
+            f"swap the cache for a folder of their own between the check and the load. Point "
+            f"CUPAGED_CACHE_DIR at a folder below ones that only you (or root) can change, such "
+            f"as your home folder"
+        )
     return folder
+
+
+def unsafe_step(folder: Path) -> str | None:
+    """The first folder or link on the way to ``folder`` (itself included) that another user may
+    change, said as a clause ("/x on the way to it is ..."); None when there is none.
+
+    The path is walked from the root one name at a time, following links as the kernel does, so
+    that every folder the path passes through and every link on the way is checked: each must
+    belong to this user or to root, and a folder that group or others may write must have the
+    sticky bit (as ``/tmp`` does: others may add entries there, but not rename or delete this
+    user's). A folder that others may change lets them rename what is below it and put their
+    own in its place.
+
+    Raises:
+        OSError: a name on the way is missing or unreadable, or there are too many links.
+    """
+    me = os.geteuid()
+    parts = Path(os.path.join(os.getcwd(), folder)).parts
+    current = Path(parts[0])
+    pending = list(reversed(parts[1:]))
+    problem = _folder_problem(os.lstat(current), me)
+    links = 0
+    while problem is None and pending:
+        name = pending.pop()
+        if name == "..":
+            current = current.parent
+            continue
+        path = current / name
+        info = os.lstat(path)
+        if stat.S_ISLNK(info.st_mode):
+            if info.st_uid not in (0, me):
+                return f"the link {path} on the way to it belongs to user id {info.st_uid}"
+            links += 1
+            if links > _MAX_LINKS:
+                raise OSError(f"too many links on the way to {folder}")
+            target = Path(os.readlink(path))
+            if target.is_absolute():
+                current = Path(target.parts[0])
+                pending.extend(reversed(target.parts[1:]))
+            else:
+                pending.extend(reversed(target.parts))
+            continue
+        problem = _folder_problem(info, me)
+        current = path
+    return None if problem is None else f"{current} on the way to it {problem}"
+
+
+def _folder_problem(info: os.stat_result, me: int) -> str | None:
+    """How another user may change a folder on the way to the cache, or None."""
+    if info.st_uid not in (0, me):
+        return f"belongs to user id {info.st_uid} (neither this user, {me}, nor root)"
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not info.st_mode & stat.S_ISVTX:
+        return (
+            f"is writable by group or others and has no sticky bit "
+            f"(mode {stat.S_IMODE(info.st_mode):04o})"
+        )
+    return None
 
 
 def _fallback_dir(what: str, error: BaseException) -> Path:
@@ -227,11 +308,20 @@ def _fallback_dir(what: str, error: BaseException) -> Path:
         if folder is None:
             try:
                 folder = Path(tempfile.mkdtemp(prefix="cupaged-cpu-"))  # mode 0700
+                step = unsafe_step(folder)
             except OSError as temp_error:
                 raise CupagedError(
                     f"the CPU backend cannot use its build cache ({what}: {error}) nor a "
                     f"temporary folder ({temp_error}); set CUPAGED_CACHE_DIR to a writable folder"
                 ) from temp_error
+            if step is not None:
+                folder.rmdir()
+                raise CupagedError(
+                    f"the CPU backend cannot use its build cache ({what}: {error}), and refuses "
+                    f"the temporary folder {folder}: {step}, so another user could swap it "
+                    f"for one of their own. Point TMPDIR at a private folder, or "
+                    f"CUPAGED_CACHE_DIR at a usable one"
+                )
             _fallbacks[what] = folder
             warnings.warn(
                 f"cupaged: cannot use the CPU backend's build cache ({what}: {error}); building "
@@ -247,16 +337,112 @@ def _digest_path(library: Path) -> Path:
     return library.with_name(library.name + ".sha256")
 
 
-def verified(library: Path) -> bool:
-    """True when ``library`` exists and its bytes match the SHA-256 recorded beside it.
+class _Distrusted(Exception):
+    """A cache file that must not be read; the message says why."""
 
-    A missing or unreadable digest, a truncated or replaced library: False (it is rebuilt).
+
+# Why the library is checked here and then loaded by its path (by :mod:`.module`), not through the
+# descriptor that was checked: dlopen takes a path, and loading `/proc/self/fd/N` would tie the load
+# to the check but breaks two things. glibc matches a later dlopen by name, so another library
+# opened later at the same descriptor number would come back as this one; and AddressSanitizer and
+# debuggers read the file back by that name to say where a fault is. Loading by path is safe once
+# the checks pass because no other user can change what the path names in between: every folder
+# from the root down is this user's or root's, sticky where others may write (`unsafe_step`), the
+# cache folder is this user's and private, and the library is this user's and writable by no one
+# else. Only this user's own processes could replace it meanwhile, and they only rename complete
+# builds into place.
+def distrust(library: Path) -> tuple[int, str] | None:
+    """Why ``library`` must not be loaded, and the log level to say it at; None when it may be.
+
+    It may be when it and its digest file (``<library>.sha256``) are regular files of this user's,
+    writable by no one else, the library at most :data:`MAX_LIBRARY_BYTES`, and its SHA-256 is
+    the recorded one. Each is ``lstat``-ed before it is opened, so a FIFO, a device or a link is
+    never read, and the descriptor's ``fstat`` must show the same file; reads are bounded. A
+    missing library (not built yet) is said at DEBUG, one without a digest at INFO, anything
+    else at WARNING; every case is rebuilt.
     """
     try:
-        recorded = _digest_path(library).read_text(encoding="ascii").strip()
-        return len(recorded) == 64 and sha256_file(library) == recorded
-    except (OSError, UnicodeDecodeError):
-        return False
+        os.lstat(library)
+    except FileNotFoundError:
+        return logging.DEBUG, f"{library.name} is not built yet"
+    except OSError as error:
+        return logging.WARNING, f"{library} cannot be checked ({error})"
+    recorded = bytearray()
+    try:
+        _read_private(_digest_path(library), _MAX_DIGEST_BYTES, recorded.extend)
+    except FileNotFoundError:
+        return logging.INFO, f"{library.name} has no recorded SHA-256"
+    except _Distrusted as error:
+        return logging.WARNING, str(error)
+    except OSError as error:
+        return logging.WARNING, f"{_digest_path(library)} cannot be read ({error})"
+    digest = hashlib.sha256()
+    try:
+        _read_private(library, MAX_LIBRARY_BYTES, digest.update)
+    except _Distrusted as error:
+        return logging.WARNING, str(error)
+    except OSError as error:  # gone meanwhile, unreadable
+        return logging.WARNING, f"{library} cannot be checked ({error})"
+    if recorded.decode("ascii", errors="replace").strip() != digest.hexdigest():
+        return logging.WARNING, (
+            f"{library} does not match its recorded SHA-256 (damaged, truncated or replaced)"
+        )
+    return None
+
+
+def _read_private(path: Path, limit: int, sink: Callable[[bytes], object]) -> None:
+    """Feed the bytes of the cache file ``path`` to ``sink``, once it is shown safe to read.
+
+    Raises:
+        FileNotFoundError: no such file.
+        _Distrusted: not a regular file, another user's, writable by group or others, larger
+            than ``limit`` bytes, or replaced between the ``lstat`` and the ``open``.
+        OSError: it could not be read.
+    """
+    info = os.lstat(path)
+    problem = _file_problem(info, limit)
+    if problem is not None:
+        raise _Distrusted(f"{path} {problem}")
+    fd = os.open(path, _OPEN_FLAGS)
+    try:
+        opened = os.fstat(fd)
+        problem = _file_problem(opened, limit)
+        if problem is None and (opened.st_dev, opened.st_ino) != (info.st_dev, info.st_ino):
+            problem = "was replaced while it was being checked"
+        if problem is not None:
+            raise _Distrusted(f"{path} {problem}")
+        total = 0
+        while chunk := os.read(fd, 1 << 22):
+            total += len(chunk)
+            if total > limit:  # it grew since the fstat
+                raise _Distrusted(f"{path} is larger than {limit} bytes")
+            sink(chunk)
+    finally:
+        os.close(fd)
+
+
+_FILE_KINDS = (
+    (stat.S_ISLNK, "a symbolic link"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISDIR, "a folder"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
+def _file_problem(info: os.stat_result, limit: int) -> str | None:
+    """Why a cache file with this ``stat`` must not be read, or None."""
+    if not stat.S_ISREG(info.st_mode):
+        kind = next((name for test, name in _FILE_KINDS if test(info.st_mode)), "unknown")
+        return f"is not a regular file (it is {kind})"
+    if info.st_uid != os.geteuid():
+        return f"belongs to user id {info.st_uid}, not to this user ({os.geteuid()})"
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"is writable by group or others (mode {stat.S_IMODE(info.st_mode):04o})"
+    if info.st_size > limit:
+        return f"is {info.st_size} bytes, more than a build ever is ({limit})"
+    return None
 
 
 def _remove_stale_temporaries(folder: Path) -> None:
@@ -410,17 +596,17 @@ def build(
         ) from error
     folder = build_dir()
     library = folder / f"{source.stem}-{key}.so"
-    if verified(library):
+    distrusted = distrust(library)
+    if distrusted is None:
         logger.debug("cupaged cpu: cached %s for %s", library.name, source.name)
         return library, [source, *headers]
-    if library.exists() and _digest_path(library).exists():
-        logger.warning(
-            "cupaged cpu: %s does not match its recorded SHA-256 (damaged, truncated or "
-            "replaced); rebuilding it",
-            library,
-        )
-    elif library.exists():
-        logger.info("cupaged cpu: %s has no recorded SHA-256; rebuilding it", library.name)
+    level, reason = distrusted
+    logger.log(
+        level,
+        "cupaged cpu: %s; %s",
+        reason,
+        "building it" if level == logging.DEBUG else "rebuilding it",
+    )
     try:
         _compile(source, name_expressions, cxx, flags, folder, library)
     except OSError as error:
@@ -456,6 +642,9 @@ def _compile(
                 f"g++ failed to build {source} for the CPU backend (exit {result.returncode}).\n"
                 f"command: {' '.join(command)}\n{result.stderr.strip()}"
             )
+        # The linker gives the output the mode its umask allows (0775 under a umask of 002): the
+        # library must be writable by no one else, or the next process would not load it.
+        os.chmod(temporary, 0o700)
         _sync(temporary)
         digest = sha256_file(Path(temporary))
         os.replace(temporary, library)
