@@ -34,8 +34,8 @@ def make(xp, shape):
     per_seq = -(-context // block_size)
     num_blocks = num_seqs * per_seq
     layout = (num_blocks, num_kv_heads, block_size, head_dim)
-    k, v = (xp.asarray(from_float(rng.standard_normal(layout, dtype=np.float32), "float16"))
-            for _ in range(2))  # fmt: skip
+    k, v = (from_float(rng.standard_normal(layout, dtype=np.float32), "float16") for _ in "kv")
+    k, v = xp.asarray(k), xp.asarray(v)
     q = xp.asarray(
         rng.standard_normal((num_seqs, num_kv_heads * group, head_dim)).astype(np.float16)
     )
@@ -52,9 +52,9 @@ def test_decode_plan_host_cost(benchmark, xp, shape):
     out = xp.empty_like(q)
     run = synchronized(xp, lambda: plan.run(q, k, v, out=out))
 
-    args = (out, plan._partial_out, plan._partial_lse, q, k, v, plan._tables, plan._work,
-            *plan._scalars)  # fmt: skip
-    merge_args = (out, plan._partial_out, plan._partial_lse, plan._seq_items, np.int32(heads))
+    partials = (plan._partial_out, plan._partial_lse)
+    args = (out, *partials, q, k, v, plan._tables, plan._work, *plan._scalars)
+    merge_args = (out, *partials, plan._seq_items, np.int32(heads))
 
     def bare():
         plan._kernel(plan._grid, plan._block, args, shared_mem=plan._shared_mem)
@@ -66,16 +66,11 @@ def test_decode_plan_host_cost(benchmark, xp, shape):
         xp, lambda: cupaged.paged_attention(q, k, v, tables, lens, out=out, checked=False)
     )
     planning = synchronized(xp, lambda: cupaged.DecodePlan(tables, lens, k, heads, checked=False))
-    times = {}
-    for name, fn in (("launches", launches), ("run", run), ("one_call", one_call),
-                     ("plan", planning)):  # fmt: skip
-        times[name] = per_call_us(fn, calls=200, rounds=7)
+    calls = {"launches": launches, "run": run, "one_call": one_call, "plan": planning}
+    times = {name: per_call_us(fn, calls=200, rounds=7) for name, fn in calls.items()}
     benchmark.extra_info.update(
         {f"{name}_us": round(t, 2) for name, t in times.items()}
-        | {
-            "run_overhead_us": round(times["run"] - times["launches"], 2),
-            "shape": shape,
-            "device": device(xp),
-        }  # fmt: skip
+        | {"run_overhead_us": round(times["run"] - times["launches"], 2)}
+        | {"shape": shape, "device": device(xp)}
     )
     benchmark(run)

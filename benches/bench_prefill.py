@@ -31,6 +31,7 @@ from bandwidth import gb_per_s, prefill_attention_bytes, prefill_attention_flops
 
 import cupaged
 from cupaged import _launch, from_float, to_float
+from cupaged._attention import sm_count
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 8, 2, 128, 16
 ON_GPU = cupaged.resolve_device(None) == "cuda"
@@ -113,11 +114,21 @@ def launches(xp, impl: str, batch, dtype: str) -> str:
     starts = np.concatenate([[0], np.cumsum(counts)])
     lens = np.array([length for length, _ in batch])
     group = NUM_Q_HEADS // NUM_KV_HEADS
-    sm_count = cupaged.ops._sm_count("cpu" if xp is np else "cuda")
     plan = _launch.prefill_launch(
-        dtype, len(batch), NUM_KV_HEADS, group, HEAD_DIM, BLOCK_SIZE, int(counts.max()), starts,
-        lens, True, sm_count, 1 if impl == "one_split" else None, int(counts.sum()),
-    )  # fmt: skip
+        dtype,
+        len(batch),
+        NUM_KV_HEADS,
+        group,
+        HEAD_DIM,
+        BLOCK_SIZE,
+        int(counts.max()),
+        query_start_loc=starts,
+        context_lens=lens,
+        causal=True,
+        sm_count=sm_count("cpu" if xp is np else "cuda"),
+        splits=1 if impl == "one_split" else None,
+        total_query_tokens=int(counts.sum()),
+    )
     kernel = plan.name.split("<")[0].removeprefix("cupaged::")  # paged_prefill(_mma)
     text = f"{kernel} grid {plan.grid}, {plan.num_splits} split(s)"
     if plan.num_splits > 1:
@@ -134,8 +145,8 @@ def sub_batch(xp, arrays, rows):
     first, last = int(starts[rows[0]]), int(starts[rows[-1] + 1])
     counts = np.diff(starts)[rows]
     sub_starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
-    return tuple(xp.asarray(np.ascontiguousarray(x))
-                 for x in (q[first:last], tables[rows], lens[rows], sub_starts))  # fmt: skip
+    arrays = (q[first:last], tables[rows], lens[rows], sub_starts)
+    return tuple(xp.asarray(np.ascontiguousarray(x)) for x in arrays)
 
 
 # impl -> the one workload it is measured on (the others run everywhere)
@@ -175,8 +186,9 @@ def test_prefill(benchmark, xp, on_gpu, impl, workload, dtype):
         assert split == int(host_starts[decode[0]])
 
         def run():
-            cupaged.paged_prefill(q_c, k_cache, v_cache, tables_c, lens_c, starts_c,
-                                  out=out[:split])  # fmt: skip
+            cupaged.paged_prefill(
+                q_c, k_cache, v_cache, tables_c, lens_c, starts_c, out=out[:split]
+            )
             cupaged.paged_attention(q_d, k_cache, v_cache, tables_d, lens_d, out=out[split:])
             return out
     elif impl == "reference":
@@ -192,14 +204,82 @@ def test_prefill(benchmark, xp, on_gpu, impl, workload, dtype):
     benchmark.pedantic(synchronized(xp, run), rounds=rounds, iterations=1, warmup_rounds=1)
     context_lens = [length for length, _ in batch]
     counts = [n for _, n in batch]
-    nbytes = prefill_attention_bytes(context_lens, counts, NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM,
-                                     dtype)  # fmt: skip
+    nbytes = prefill_attention_bytes(
+        context_lens, counts, NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, dtype
+    )
     flops = prefill_attention_flops(context_lens, counts, NUM_Q_HEADS, HEAD_DIM)
     seconds = benchmark.stats.stats.median
     benchmark.extra_info.update(
-        impl=impl, workload=workload, num_seqs=len(batch), launches=launches(xp, impl, batch, dtype), context_lens=sorted(set(context_lens)),
-        query_tokens=sum(counts), dtype=dtype, block_size=BLOCK_SIZE, q_heads=NUM_Q_HEADS,
-        kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, causal=True, bytes=nbytes, flops=flops,
-        gb_per_s=round(gb_per_s(nbytes, seconds), 3), gflop_per_s=round(flops / seconds / 1e9, 3),
+        impl=impl,
+        workload=workload,
+        num_seqs=len(batch),
+        launches=launches(xp, impl, batch, dtype),
+        context_lens=sorted(set(context_lens)),
+        query_tokens=sum(counts),
+        dtype=dtype,
+        block_size=BLOCK_SIZE,
+        q_heads=NUM_Q_HEADS,
+        kv_heads=NUM_KV_HEADS,
+        head_dim=HEAD_DIM,
+        causal=True,
+        bytes=nbytes,
+        flops=flops,
+        gb_per_s=round(gb_per_s(nbytes, seconds), 3),
+        gflop_per_s=round(flops / seconds / 1e9, 3),
         device="gpu" if on_gpu else "cpu backend",
-    )  # fmt: skip
+    )
+
+
+# ---- Host cost per layer: PrefillPlan.run against its bare launches ---------------------------
+
+# (num_seqs, context, query tokens per sequence, num_kv_heads, group): tiny shapes, so that the
+# kernels take little time and the host's share shows.
+HOST_SHAPES = {"tiny": (1, 16, 4, 1, 1), "batch8": (8, 64, 4, 2, 4)}
+
+
+@pytest.mark.parametrize("shape", sorted(HOST_SHAPES))
+def test_prefill_plan_host_cost(benchmark, xp, shape):
+    """What a layer pays on the host (issue 22): ``run`` (``plan.run``, the per-layer call),
+    ``launches`` (the same kernels called with the plan's prebuilt arguments: the floor),
+    ``one_call`` (``paged_prefill(..., checked=False)``, which reads the lengths, plans and runs
+    every time) and ``plan`` (``PrefillPlan(..., checked=False)`` alone, once per step), in
+    ``extra_info`` as ``*_us``; ``run_overhead_us`` = run - launches."""
+    from bench_launch import device, per_call_us
+
+    num_seqs, context, n, num_kv_heads, group = HOST_SHAPES[shape]
+    rng = np.random.default_rng(0)
+    per_seq = -(-context // BLOCK_SIZE)
+    layout = (num_seqs * per_seq, num_kv_heads, BLOCK_SIZE, 64)
+    k, v = (from_float(rng.standard_normal(layout, dtype=np.float32), "float16") for _ in "kv")
+    k, v = xp.asarray(k), xp.asarray(v)
+    heads = num_kv_heads * group
+    q = xp.asarray(from_float(rng.standard_normal((num_seqs * n, heads, 64)), "float16"))
+    tables = xp.asarray(rng.permutation(layout[0]).astype(np.int32).reshape(num_seqs, per_seq))
+    lens = xp.full(num_seqs, context, np.int32)
+    starts = xp.asarray((np.arange(num_seqs + 1) * n).astype(np.int32))
+    out = xp.empty_like(q)
+    plan = cupaged.PrefillPlan(tables, lens, starts, k, heads, checked=False)
+    run = synchronized(xp, lambda: plan.run(q, k, v, out=out))
+    launch, (partials, rest) = plan._launch, plan._args
+    args = (out, *partials, q, k, v, *rest)
+
+    def bare():
+        plan._kernel(launch.grid, launch.block, args, shared_mem=launch.shared_mem)
+
+    assert plan._merge is None  # tiny shapes: no split-K, one launch
+    one_call = synchronized(
+        xp,
+        lambda: cupaged.paged_prefill(q, k, v, tables, lens, starts, out=out, checked=False),
+    )
+    planning = synchronized(
+        xp, lambda: cupaged.PrefillPlan(tables, lens, starts, k, heads, checked=False)
+    )
+    calls = {"launches": synchronized(xp, bare), "run": run, "one_call": one_call}
+    times = {name: per_call_us(fn, calls=100, rounds=7) for name, fn in calls.items()}
+    times["plan"] = per_call_us(planning, calls=100, rounds=7)
+    benchmark.extra_info.update(
+        {f"{name}_us": round(t, 2) for name, t in times.items()}
+        | {"run_overhead_us": round(times["run"] - times["launches"], 2)}
+        | {"shape": shape, "device": device(xp)}
+    )
+    benchmark(run)

@@ -6,10 +6,11 @@ import operator
 from dataclasses import dataclass
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
+from ._backend import array_module
 from ._util import cdiv
+from .dtypes import ITEMSIZES as ITEMSIZES
 from .dtypes import array_dtype_name
 
 
@@ -30,6 +31,14 @@ def as_int(value: Any, what: str) -> int:
         return operator.index(value)
     except TypeError:
         raise TypeError(f"expected {what} to be an int, got {type(value).__name__}") from None
+
+
+def as_bool(value: Any, what: str) -> bool:
+    """``value`` as a Python bool (a NumPy bool included; anything else refused, not tested for
+    truth: ``"no"`` is truthy, ``None`` falsy)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"expected {what} to be a bool, got {type(value).__name__}")
+    return bool(value)
 
 
 def check_shape(name: str, x: Any, dims: list[tuple[str, int | None]]) -> tuple[int, ...]:
@@ -177,30 +186,12 @@ def check_block_ids(tables: np.ndarray, lens: np.ndarray, block_size: int, num_b
 INT32_MAX = 2**31 - 1
 MAX_CONTEXT_LEN = 2**30
 # Index arrays up to this size are checked as Python lists when they live on the host: cheaper
-# than the sort-based array checks below about 200 slots or 300 copy pairs (measured: 64 slots
-# 3.5 µs against 9.7, 128 copy pairs 14 against 30).
+# than the sort-based array checks below up to about 200 slots or 300 copy pairs (the timings:
+# docs/benchmarks.md, "Small index checks").
 _SMALL = 128
 
-# Element types by array dtype (bfloat16 carriers included): one dictionary lookup per array,
-# where ``array_dtype_name`` spends microseconds comparing dtypes on every launch.
-_ELEMENT_TYPES = {
-    np.dtype(np.float32): "float32",
-    np.dtype(np.float16): "float16",
-    np.dtype(np.uint16): "bfloat16",
-    np.dtype(np.int16): "bfloat16",
-    np.dtype(ml_dtypes.bfloat16): "bfloat16",
-}
-ITEMSIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
-
-
-def element_type(x: Any) -> str:
-    """``array_dtype_name(x)`` without its cost: ``"float32"``, ``"float16"`` or ``"bfloat16"``.
-
-    Raises:
-        TypeError: ``x`` holds none of float32, float16 or bfloat16 patterns.
-    """
-    name = _ELEMENT_TYPES.get(x.dtype)
-    return name if name is not None else array_dtype_name(x)
+# The launch path's names for the element-type table's lookups (cupaged/dtypes.py).
+element_type = array_dtype_name
 
 
 def check_writable(name: str, x: Any) -> None:
@@ -243,7 +234,7 @@ def check_slots(slots: Any, capacity: int) -> None:
         used = [s for s in values if s >= 0]
         repeated = len(set(used)) != len(used)
     else:
-        xp = _array_module(slots)
+        xp = array_module(slots)
         out_of_range = (slots < -1) | (slots >= capacity)
         ordered = xp.sort(slots)
         twice = (ordered[1:] == ordered[:-1]) & (ordered[1:] >= 0)
@@ -275,7 +266,7 @@ def check_copy_pairs(src: Any, dst: Any, num_blocks: int) -> None:
         repeated = len(set(targets)) != len(targets)
         both = bool(set(sources) & set(targets))
     else:
-        xp = _array_module(src)
+        xp = array_module(src)
         ids = xp.concatenate([src.astype(np.int64), dst.astype(np.int64)])
         ordered_dst = xp.sort(dst)
         n = src.size
@@ -331,7 +322,7 @@ def check_decode_tables(
     num_seqs, max_blocks = block_tables.shape
     if num_seqs == 0:
         return 0
-    xp = _array_module(block_tables)
+    xp = array_module(block_tables)
     limit = min(max_blocks * block_size, MAX_CONTEXT_LEN)
     lens = context_lens.astype(np.int64, copy=False)
     bad_len = (lens < 0) | (lens > limit)
@@ -356,12 +347,6 @@ def check_decode_tables(
             f"entries its {int(_host(lens[row]))} tokens reach), got {_shown(reached)}"
         )
     return int(summary[2])
-
-
-def _array_module(x: Any) -> Any:
-    from ._backend import array_module
-
-    return array_module(x)
 
 
 def check_prefill_args(

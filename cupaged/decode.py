@@ -1,7 +1,8 @@
 """Decode attention planned once per step and run per layer: :class:`DecodePlan`.
 
 A decode step attends every layer over the same block tables and lengths, so everything that
-depends on them alone is done once: the checks, the int32 tables, the split of the work into
+depends on them alone is done once: the checks, the plan's own int32 copies of the tables and
+lengths (a later write to the caller's arrays cannot reach a kernel), the split of the work into
 items balanced by tokens (planned on the device by ``cuda/decode_plan.cu``, no read-back), the
 scratch buffers of split-K, and the resolved kernels and launch geometry. ``run`` is then the
 decode launch and its merge, nothing else::
@@ -13,7 +14,8 @@ decode launch and its merge, nothing else::
 The launch geometry depends on the batch size and the cache layout, never on the lengths'
 values: :meth:`DecodePlan.update` re-plans a new step into the same buffers, so a CUDA graph
 captured around ``run`` replays for any lengths (pad the batch to a fixed size with zero-length
-rows).
+rows). ``update`` checks the arrays it is given unless told ``checked=False``, whatever the plan
+was built with: a plan from the cache trusts the cache's tables, not later arrays.
 """
 
 from __future__ import annotations
@@ -23,46 +25,45 @@ from typing import Any
 import numpy as np
 
 from . import _launch
+from ._attention import (
+    LAYER_AXES,
+    LayerArrays,
+    attention_kernel,
+    ctas_per_sm,
+    device_of,
+    owned_int32,
+    target,
+)
 from ._backend import array_module, to_numpy
 from ._checks import (
     MAX_CONTEXT_LEN,
     as_int,
     check_decode_tables,
-    check_dtype,
     check_index_array,
     check_num_blocks,
     check_shape,
-    check_writable,
     element_type,
 )
 from ._kernels import get_kernel
 from ._util import cdiv
-from .dtypes import as_storage, storage_dtype
-from .ops import (
-    _address,
-    _attention_kernel,
-    _check_contiguous,
-    _ctas_per_sm,
-    _device,
-    _device_id,
-    _target,
-)
 
-_LAYER_AXES = ("num_blocks", "num_kv_heads", "block_size", "head_dim")
+Q_AXES = ("num_seqs", "num_q_heads", "head_dim")
 
 
 class DecodePlan:
     """The decode attention of one step, planned once and run for every layer.
 
     Args:
-        block_tables: ``[num_seqs, max_blocks]`` int32 or int64 (copied to int32 once).
-        context_lens: ``[num_seqs]`` int32 or int64.
+        block_tables: ``[num_seqs, max_blocks]`` int32 or int64; the plan keeps its own int32
+            copy (a later write to the caller's array does not reach the kernels).
+        context_lens: ``[num_seqs]`` int32 or int64 (copied alike).
         k_cache: one layer of the cache, ``[num_blocks, num_kv_heads, block_size, head_dim]``
             (``cache.k[0]``): the layout, dtype and device every ``run`` must match.
         num_q_heads: query heads, a multiple of ``num_kv_heads``.
         scale: softmax scale; ``head_dim ** -0.5`` when ``None``.
         num_splits: cut every sequence into at most this many pieces of equal length (tests and
-            experiments); ``None`` balances the work by tokens over the device (see
+            experiments; a count above the pieces of whole tiles a context holds gives those
+            pieces); ``None`` balances the work by tokens over the device (see
             ``cuda/decode_plan.cu``).
         max_context_len: the longest context, used only with ``num_splits`` and
             ``checked=False`` to size the pieces without a read-back; a wrong value changes how
@@ -82,13 +83,34 @@ class DecodePlan:
     """
 
     __slots__ = (
-        "_block", "_capacity", "_device", "_dtype", "_grid", "_kernel", "_layout", "_lens",
-        "_merge", "_merge_block", "_merge_grid", "_min_chunk", "_partial_lse", "_partial_out",
-        "_device_id",
-        "_planner", "_planner_block", "_q_shape", "_scalars", "_seq_items", "_shared_mem", "_split", "_array_type", "_storage", "_strides",
-        "_q_strides", "_num_q_heads",
-        "_tables", "_tile", "_work", "_xp", "checked", "num_seqs",
-    )  # fmt: skip
+        "_arrays",
+        "_block",
+        "_capacity",
+        "_device",
+        "_grid",
+        "_kernel",
+        "_layout",
+        "_lens",
+        "_merge",
+        "_merge_block",
+        "_merge_grid",
+        "_min_chunk",
+        "_num_q_heads",
+        "_partial_lse",
+        "_partial_out",
+        "_planner",
+        "_planner_block",
+        "_scalars",
+        "_seq_items",
+        "_shared_mem",
+        "_split",
+        "_tables",
+        "_tile",
+        "_work",
+        "_xp",
+        "checked",
+        "num_seqs",
+    )
 
     def __init__(
         self,
@@ -104,7 +126,7 @@ class DecodePlan:
     ) -> None:
         xp = array_module(block_tables, context_lens, k_cache)
         num_blocks, num_kv_heads, block_size, head_dim = check_shape(
-            "k_cache", k_cache, [(axis, None) for axis in _LAYER_AXES]
+            "k_cache", k_cache, [(axis, None) for axis in LAYER_AXES]
         )
         num_q_heads = as_int(num_q_heads, "num_q_heads")
         if num_kv_heads == 0 or num_q_heads <= 0 or num_q_heads % num_kv_heads:
@@ -122,7 +144,7 @@ class DecodePlan:
         check_index_array("context_lens", context_lens)
         check_num_blocks(num_blocks)
         group = num_q_heads // num_kv_heads
-        device = _device(xp)
+        device = device_of(xp)
 
         max_context = None
         if checked:  # on the caller's arrays, before they are narrowed to int32
@@ -130,22 +152,22 @@ class DecodePlan:
         splits = None if num_splits is None else as_int(num_splits, "num_splits")
         if splits is not None and splits < 1:
             raise ValueError(f"expected num_splits >= 1, got {splits}")
-        target = _target(device)
+        gpu = target(device)
         # The kernel and its layout depend on the shape and the GPU, not on the work list's
         # length: planned (and, with sequences, loaded) first, so that its occupancy can size it.
-        launch = _launch.decode_launch(dtype, num_kv_heads, group, head_dim, block_size, 1, target)
+        launch = _launch.decode_launch(dtype, num_kv_heads, group, head_dim, block_size, 1, gpu)
         tile = launch.tile  # pieces are whole stages
         kernel = None
         if num_seqs and device == "cuda":  # its occupancy sizes the work list
-            kernel = _attention_kernel(device, "paged_attention.cu", launch, group, head_dim)
+            kernel = attention_kernel(device, "paged_attention.cu", launch, group, head_dim)
         if splits is None:
             # Items that fill the device: thread blocks per multiprocessor x multiprocessors,
             # over the thread blocks of one item (KV heads x head chunks).
             if kernel is None:
                 ctas = _launch.decode_ctas_per_sm(dtype, head_dim, group, block_size)
             else:
-                ctas = _ctas_per_sm(kernel, launch)
-            capacity = num_seqs + cdiv(ctas * target.sm_count, launch.grid[0])
+                ctas = ctas_per_sm(kernel, launch)
+            capacity = num_seqs + cdiv(ctas * gpu.sm_count, launch.grid[0])
             min_chunk = _launch.MIN_SPLIT_TOKENS
         elif splits == 1:
             capacity, min_chunk = num_seqs, tile
@@ -156,42 +178,46 @@ class DecodePlan:
                 else:
                     max_context = as_int(max_context_len, "max_context_len")
             max_context = min(max(max_context, 1), max_blocks * block_size, MAX_CONTEXT_LEN)
+            # No more pieces than whole tiles in the longest context: a larger count cuts the
+            # same way, and would only lengthen the work list.
+            splits = min(splits, cdiv(max_context, tile))
             # capacity - num_seqs = num_seqs * splits keeps the planner's bound at or below
             # this chunk, so every sequence of the longest length gets exactly `splits` pieces.
             capacity = num_seqs * (splits + 1)
             min_chunk = cdiv(cdiv(max_context, splits), tile) * tile
         if capacity > _launch.MAX_GRID_YZ:
+            spare = capacity - num_seqs
+            if splits is not None and splits > 1:
+                raise ValueError(
+                    f"expected num_seqs * (num_splits + 1) <= {_launch.MAX_GRID_YZ} (the work "
+                    f"list is one grid axis), got {num_seqs} sequences and {splits} splits; "
+                    f"pass fewer splits, or num_splits=None"
+                )
             raise ValueError(
-                f"expected at most {_launch.MAX_GRID_YZ - (capacity - num_seqs)} sequences in one "
-                f"decode plan (the work list is one grid axis), got {num_seqs}"
+                f"expected at most {_launch.MAX_GRID_YZ - spare} sequences in one decode plan "
+                f"(the work list is one grid axis), got {num_seqs}"
             )
         launch = _launch.decode_launch(
-            dtype, num_kv_heads, group, head_dim, block_size, capacity, target
+            dtype, num_kv_heads, group, head_dim, block_size, capacity, gpu
         )
         self._xp = xp
         self._device = device
-        self._device_id = _device_id(xp)
-        self._dtype = dtype
         self._layout = tuple(k_cache.shape)
-        self._q_shape = (num_seqs, num_q_heads, head_dim)
+        self._arrays = LayerArrays(
+            xp, dtype, self._layout, Q_AXES, (num_seqs, num_q_heads, head_dim)
+        )
         self._capacity = capacity
         self._min_chunk = min_chunk
         self._tile = tile
         self.num_seqs = num_seqs
         self.checked = checked
-        self._tables = xp.ascontiguousarray(block_tables, dtype=np.int32)
-        self._lens = xp.ascontiguousarray(context_lens, dtype=np.int32)
-        # What run's fast path compares with: the exact array type, the storage dtype object
-        # (bfloat16 as uint16), C-contiguous strides of a layer and of q.
-        self._array_type = type(self._tables)
-        self._storage = np.dtype(storage_dtype(dtype))
-        self._strides = _c_strides(self._layout, self._storage.itemsize)
-        self._q_strides = _c_strides(self._q_shape, self._storage.itemsize)
+        self._tables = owned_int32(xp, block_tables)
+        self._lens = owned_int32(xp, context_lens)
         self._num_q_heads = np.int32(num_q_heads)
         if num_seqs == 0:
             return
         # Of the final launch: the CPU backend caps its helper threads by the launch's blocks.
-        self._kernel = _attention_kernel(device, "paged_attention.cu", launch, group, head_dim)
+        self._kernel = attention_kernel(device, "paged_attention.cu", launch, group, head_dim)
         self._grid, self._block, self._shared_mem = launch.grid, launch.block, launch.shared_mem
         self._merge = get_kernel(device, "paged_attention.cu", launch.merge_name)
         self._merge_grid = (num_q_heads, num_seqs)
@@ -207,24 +233,24 @@ class DecodePlan:
             self._partial_out = self._partial_lse = xp.empty(1, np.float32)
         scale = head_dim**-0.5 if scale is None else float(scale)
         self._scalars = (
-            np.int32(num_kv_heads), np.int32(group), np.int32(max_blocks), np.float32(scale),
-        )  # fmt: skip
+            np.int32(num_kv_heads),
+            np.int32(group),
+            np.int32(max_blocks),
+            np.float32(scale),
+        )
         self._plan(max_context if checked else None)
 
     def _plan(self, max_context: int | None) -> None:
         """Plan the work list on the device; ``max_context``, the longest length when the
         checks read it on the host, lets a GPU skip the merge of a step that splits nothing."""
-        self._planner(
-            (1,),
-            self._planner_block,
-            (self._work, self._seq_items, self._lens, np.int32(self.num_seqs),
-             np.int32(self._capacity), np.int32(self._min_chunk), np.int32(self._tile)),
-        )  # fmt: skip
+        args = (self._work, self._seq_items, self._lens, np.int32(self.num_seqs))
+        sizes = (np.int32(self._capacity), np.int32(self._min_chunk), np.int32(self._tile))
+        self._planner((1,), self._planner_block, (*args, *sizes))
         if self._device == "cpu":
             # The CPU backend has run the planner already and the list is in host memory: launch
-            # the items it holds, not the capacity. (Each idle thread block would still start
-            # its threads there, about 6 µs apiece; on a GPU it costs next to nothing and the
-            # fixed grid is what a CUDA graph needs.)
+            # the items it holds, not the capacity (an idle thread block still starts all its
+            # fibers there; on a GPU it costs next to nothing, and the fixed grid is what a CUDA
+            # graph needs).
             first, count = self._seq_items[-1]
             items = int(first) + int(count)
             self._grid = (self._grid[0], items)
@@ -246,26 +272,43 @@ class DecodePlan:
             return np.empty((0, 4), np.int32)
         return to_numpy(self._work)
 
-    def update(self, block_tables: Any, context_lens: Any) -> None:
+    def update(self, block_tables: Any, context_lens: Any, *, checked: bool = True) -> None:
         """Re-plan for a new step of the same batch size into the same buffers (same launch
-        geometry, same device pointers: a captured CUDA graph stays valid).
+        geometry, same device pointers: a captured CUDA graph stays valid). The arrays are
+        copied into the plan's own.
+
+        Args:
+            block_tables: ``[num_seqs, max_blocks]`` int32 or int64, the planned shape.
+            context_lens: ``[num_seqs]`` int32 or int64.
+            checked: check them as the constructor does (lengths within the table, the block
+                ids they reach within the cache, on their own dtypes before the narrowing to
+                int32; one synchronisation on a GPU), whether or not the plan was built
+                checked. ``checked=False`` *trusts* the caller: pass it only for tables and
+                lengths that cupaged built (``PagedCache.block_tables``), as a CUDA graph's
+                replay loop does.
 
         Raises:
-            ValueError: a shape differs from the planned one, or (checked) bad lengths or ids.
+            TypeError: arrays on another device, or of a dtype other than int32 / int64.
+            ValueError: a shape differs from the planned one, or (checked) bad lengths or ids;
+                the plan is unchanged.
         """
-        check_shape("block_tables", block_tables, list(zip(("num_seqs", "max_blocks"),
-                                                           self._tables.shape, strict=True)))  # fmt: skip
+        xp = array_module(block_tables, context_lens)
+        if xp is not self._xp:
+            raise TypeError(
+                f"expected {self._xp.__name__} arrays (the plan's device), got {xp.__name__} arrays"
+            )
+        table_axes = list(zip(("num_seqs", "max_blocks"), self._tables.shape, strict=True))
+        check_shape("block_tables", block_tables, table_axes)
         check_shape("context_lens", context_lens, [("num_seqs", self.num_seqs)])
         check_index_array("block_tables", block_tables)
         check_index_array("context_lens", context_lens)
-        array_module(block_tables, context_lens, self._tables)
         max_context = None
-        if self.checked:
-            _, _, block_size, _ = self._layout
-            max_context = check_decode_tables(block_tables, context_lens, block_size,
-                                              self._layout[0])  # fmt: skip
+        if checked:
+            num_blocks, _, block_size, _ = self._layout
+            max_context = check_decode_tables(block_tables, context_lens, block_size, num_blocks)
         self._tables[...] = block_tables
         self._lens[...] = context_lens
+        self.checked = checked
         if self.num_seqs:
             self._plan(max_context)
 
@@ -286,48 +329,20 @@ class DecodePlan:
         Raises:
             TypeError, ValueError: an argument that does not match the plan (nothing is run).
         """
-        xp = self._xp
-        if out is None:
-            out = xp.empty(q.shape, q.dtype)  # q's dtype object: bfloat16 in, bfloat16 out
-        kind, storage = self._array_type, self._storage
-        if not (  # the common case in a handful of comparisons; anything else takes the long way
-            type(q) is kind and type(k_cache) is kind and type(v_cache) is kind
-            and type(out) is kind and q.dtype == storage and k_cache.dtype == storage
-            and v_cache.dtype == storage and out.dtype == storage and q.shape == self._q_shape
-            and out.shape == self._q_shape and k_cache.strides == self._strides
-            and v_cache.strides == self._strides and q.strides == self._q_strides
-            and out.strides == self._q_strides and k_cache.shape == self._layout
-            and v_cache.shape == self._layout and (kind is not np.ndarray or out.flags.writeable)
-        ):  # fmt: skip
-            q, k_cache, v_cache, out_storage = self._check_run(q, k_cache, v_cache, out)
-        else:
-            out_storage = out
-        for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
-            if _address(x) % 16:
-                raise ValueError(f"expected {name} 16-byte aligned, got address {_address(x):#x}")
+        out, q, k_cache, v_cache, out_storage = self._arrays.views(q, k_cache, v_cache, out)
         if self.num_seqs == 0:
             return out
-        if self._device_id != _device_id(xp):
-            raise ValueError(
-                f"expected the device this plan was made on (CUDA device {self._device_id}) to be "
-                f"current, got device {_device_id(xp)}: the plan's kernels and their "
-                f"shared-memory opt-in are that device's; make a plan on each device"
-            )
         split = self._split or (self._device == "cuda" and self._capturing())
+        partials = (self._partial_out, self._partial_lse)
         self._kernel(
             self._grid,
             self._block,
-            (out_storage, self._partial_out, self._partial_lse, q, k_cache, v_cache,
-             self._tables, self._work, *self._scalars),
+            (out_storage, *partials, q, k_cache, v_cache, self._tables, self._work, *self._scalars),
             shared_mem=self._shared_mem,
-        )  # fmt: skip
+        )
         if split:
-            self._merge(
-                self._merge_grid,
-                self._merge_block,
-                (out_storage, self._partial_out, self._partial_lse, self._seq_items,
-                 self._num_q_heads),
-            )  # fmt: skip
+            args = (out_storage, *partials, self._seq_items, self._num_q_heads)
+            self._merge(self._merge_grid, self._merge_block, args)
         return out
 
     def _capturing(self) -> bool:
@@ -338,31 +353,3 @@ class DecodePlan:
             return False
         cupy = self._xp
         return bool(cupy.cuda.runtime.streamIsCapturing(cupy.cuda.get_current_stream().ptr))
-
-    def _check_run(self, q: Any, k_cache: Any, v_cache: Any, out: Any) -> tuple[Any, ...]:
-        """The full checks of ``run``'s arguments against the plan, naming what was expected
-        (the plan's) and what arrived; the storage views (and a contiguous ``q``) to launch on."""
-        array_module(q, k_cache, v_cache, out, self._tables)
-        check_shape("q", q, list(zip(("num_seqs", "num_q_heads", "head_dim"), self._q_shape,
-                                     strict=True)))  # fmt: skip
-        for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
-            check_shape(name, x, list(zip(_LAYER_AXES, self._layout, strict=True)))
-        for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-            check_dtype(name, x, self._dtype, "the planned dtype")
-        _check_contiguous(k_cache=k_cache, v_cache=v_cache)
-        check_shape("out", out, list(zip(("num_seqs", "num_q_heads", "head_dim"), self._q_shape,
-                                         strict=True)))  # fmt: skip
-        check_dtype("out", out, self._dtype, "q's dtype")
-        _check_contiguous(out=out)
-        check_writable("out", out)
-        q = self._xp.ascontiguousarray(as_storage(q))
-        return q, as_storage(k_cache), as_storage(v_cache), as_storage(out)
-
-
-def _c_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
-    """Byte strides of a C-contiguous array of ``shape``."""
-    strides, step = [], itemsize
-    for size in reversed(shape):
-        strides.append(step)
-        step *= size
-    return tuple(reversed(strides))

@@ -8,23 +8,26 @@ so a rejected call changes nothing. Launch configurations come from ``cupaged._l
 
 from __future__ import annotations
 
-import ctypes
 import functools
-import math
 import operator
 from typing import Any
 
 import numpy as np
 
 from . import _launch
-from ._backend import array_module, device_module, to_numpy
+from ._attention import (
+    LAYER_AXES,
+    address,
+    check_contiguous,
+    cpu_threads,
+    device_id,
+    device_of,
+)
+from ._backend import array_module, to_numpy
 from ._checks import (
-    INT32_MAX,
     ITEMSIZES,
-    MAX_CONTEXT_LEN,
     check_attention_args,
     check_copy_pairs,
-    check_decode_tables,
     check_dtype,
     check_index_array,
     check_num_blocks,
@@ -36,9 +39,9 @@ from ._checks import (
     element_type,
 )
 from ._kernels import get_kernel
+from .decode import DecodePlan
 from .dtypes import as_storage
-
-_LAYER_AXES = ("num_blocks", "num_kv_heads", "block_size", "head_dim")
+from .prefill import PrefillPlan
 
 
 def write_kv(
@@ -69,7 +72,7 @@ def write_kv(
         ValueError: wrong shapes, a cache that is not C-contiguous or is read-only, or (checked)
             a slot out of range or repeated.
     """
-    xp = _array_module(k_cache, v_cache, k, v, slot_mapping)
+    xp = array_module(k_cache, v_cache, k, v, slot_mapping)
     shapes = _checked_shapes(
         _write_shapes, _check_write_shapes, k_cache, v_cache, k, v, slot_mapping
     )
@@ -82,9 +85,9 @@ def write_kv(
     k_cache, v_cache = as_storage(k_cache), as_storage(v_cache)
     k, v = xp.ascontiguousarray(as_storage(k)), xp.ascontiguousarray(as_storage(v))
     slots = xp.ascontiguousarray(slot_mapping)
-    aligned = all(_address(x) % 16 == 0 for x in (k_cache, v_cache, k, v))
+    aligned = all(address(x) % 16 == 0 for x in (k_cache, v_cache, k, v))
     kernel, grid, block, scalars = _write_plan(
-        _device(xp), _device_id(xp), elem, slots.dtype, shapes[2:], aligned
+        device_of(xp), device_id(xp), elem, slots.dtype, shapes[2:], aligned
     )
     kernel(grid, block, (k, v, k_cache, v_cache, slots, *scalars))
 
@@ -107,21 +110,9 @@ def _checked_shapes(memo: dict[tuple, tuple], check: Any, *arrays: Any) -> tuple
     return shapes
 
 
-# Shapes and dtypes of write_kv / copy_blocks / paged_prefill calls whose checks passed -> what
-# the checks return.
+# Shapes and dtypes of write_kv / copy_blocks calls whose checks passed -> what the checks return.
 _write_shapes: dict[tuple, tuple[str, int, int, int, int, int]] = {}
 _copy_shapes: dict[tuple, tuple[str, int, int]] = {}
-_prefill_shapes: dict[tuple, Any] = {}
-# (dims, lengths' bytes, ...) -> the PrefillLaunch of a paged_prefill call whose lengths passed
-# their check (bounded: cleared when full).
-_prefill_plans: dict[tuple, Any] = {}
-
-
-def _check_prefill_shapes(*arrays: Any) -> Any:
-    """The shape and dtype checks of ``paged_prefill``: its ``AttentionDims``."""
-    dims = check_prefill_args(*arrays)
-    _launch.check_decode_shape(dims.dtype, dims.head_dim, dims.block_size)
-    return dims
 
 
 def _check_write_shapes(
@@ -130,9 +121,9 @@ def _check_write_shapes(
     """The shape and dtype checks of ``write_kv``: ``(element type, num_blocks, num_kv_heads,
     block_size, head_dim, num_tokens)``."""
     num_blocks, num_kv_heads, block_size, head_dim = check_shape(
-        "k_cache", k_cache, [(axis, None) for axis in _LAYER_AXES]
+        "k_cache", k_cache, [(axis, None) for axis in LAYER_AXES]
     )
-    check_shape("v_cache", v_cache, list(zip(_LAYER_AXES, k_cache.shape, strict=True)))
+    check_shape("v_cache", v_cache, list(zip(LAYER_AXES, k_cache.shape, strict=True)))
     token_dims = [("num_tokens", None), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)]
     num_tokens, _, _ = check_shape("k", k, token_dims)
     check_shape("v", v, [("num_tokens", num_tokens), *token_dims[1:]])
@@ -149,7 +140,7 @@ def _check_write_shapes(
 @functools.lru_cache(maxsize=256)
 def _write_plan(
     device: str,
-    device_id: int,
+    cuda_device: int,
     elem: str,
     slot_dtype: np.dtype,
     dims: tuple[int, ...],
@@ -162,9 +153,9 @@ def _write_plan(
         elem, slot_dtype, num_tokens, head_dim * ITEMSIZES[elem], aligned, num_kv_heads, device
     )
     kernel = get_kernel(device, "write_kv.cu", name)
-    if device == "cpu":  # one OS thread unless the launch is large (see cpu_stride_workers)
+    if device == "cpu":  # one OS thread unless the launch is large (see _cpu.threads)
         token_bytes = 2 * num_kv_heads * head_dim * ITEMSIZES[elem]
-        kernel = kernel.with_workers(_launch.cpu_stride_workers(num_tokens, token_bytes))
+        kernel = kernel.with_workers(cpu_threads().stride_workers(num_tokens, token_bytes))
     return kernel, grid, block, (np.int32(num_kv_heads), np.int32(block_size), np.int32(head_dim))
 
 
@@ -192,7 +183,7 @@ def copy_blocks(k_cache: Any, v_cache: Any, src: Any, dst: Any, *, checked: bool
         ValueError: wrong shapes, caches that are not C-contiguous or are read-only, or
             (checked) bad block ids.
     """
-    xp = _array_module(k_cache, v_cache, src, dst)
+    xp = array_module(k_cache, v_cache, src, dst)
     elem, num_blocks, num_copies = _checked_shapes(
         _copy_shapes, _check_copy_shapes, k_cache, v_cache, src, dst
     )
@@ -201,9 +192,9 @@ def copy_blocks(k_cache: Any, v_cache: Any, src: Any, dst: Any, *, checked: bool
         check_copy_pairs(src, dst, num_blocks)
     if num_copies == 0:
         return
-    aligned = _address(k_cache) % 16 == 0 and _address(v_cache) % 16 == 0
+    aligned = address(k_cache) % 16 == 0 and address(v_cache) % 16 == 0
     kernel, grid, block, scalars = _copy_plan(
-        _device(xp), _device_id(xp), k_cache.shape, elem, aligned, num_copies
+        device_of(xp), device_id(xp), k_cache.shape, elem, aligned, num_copies
     )
     if src.dtype != np.int32 or not src.flags.c_contiguous:
         src = xp.ascontiguousarray(src, dtype=np.int32)
@@ -220,7 +211,7 @@ def _check_copy_shapes(k_cache: Any, v_cache: Any, src: Any, dst: Any) -> tuple[
             f"head_dim), got {tuple(k_cache.shape)}"
         )
     if v_cache.shape != k_cache.shape:
-        axes = ("num_layers",) * (k_cache.ndim - 4) + _LAYER_AXES
+        axes = ("num_layers",) * (k_cache.ndim - 4) + LAYER_AXES
         check_shape("v_cache", v_cache, list(zip(axes, k_cache.shape, strict=True)))
     elem = element_type(k_cache)
     if element_type(v_cache) != elem:
@@ -235,7 +226,7 @@ def _check_copy_shapes(k_cache: Any, v_cache: Any, src: Any, dst: Any) -> tuple[
 
 @functools.lru_cache(maxsize=256)
 def _copy_plan(
-    device: str, device_id: int, shape: tuple[int, ...], elem: str, aligned: bool, num_copies: int
+    device: str, cuda_device: int, shape: tuple[int, ...], elem: str, aligned: bool, num_copies: int
 ) -> tuple[Any, tuple, tuple, tuple]:
     """Kernel, grid, block and scalar arguments of one ``copy_blocks`` shape (kept: a copy-on-write
     step repeats the same shape, and each lookup would cost as much as a small copy)."""
@@ -246,8 +237,8 @@ def _copy_plan(
         block_bytes, aligned, num_copies, num_layers, device
     )
     kernel = get_kernel(device, "copy_blocks.cu", name)
-    if device == "cpu":  # one OS thread unless the launch is large (see cpu_stride_workers)
-        kernel = kernel.with_workers(_launch.cpu_stride_workers(grid[0] * grid[1] * grid[2],
+    if device == "cpu":  # one OS thread unless the launch is large (see _cpu.threads)
+        kernel = kernel.with_workers(cpu_threads().stride_workers(grid[0] * grid[1] * grid[2],
                                                                 block_bytes))  # fmt: skip
     return kernel, grid, block, (np.int32(num_blocks), np.int64(block_bytes // word))
 
@@ -272,8 +263,9 @@ def paged_attention(
     ``out[i, h] = softmax(scale * K_i q[i, h]) V_i`` over the first ``context_lens[i]`` tokens;
     a sequence with context length 0 gets a zero row. Scores, softmax and sums are float32.
 
-    Build ``block_tables`` and ``context_lens`` once per decode step (``cache.block_tables``) and
-    pass the same arrays, and ``max_context_len``, to every layer.
+    The one-shot form of :class:`DecodePlan`: it plans (and, checked, checks) and runs once. A
+    model that attends every layer over the same tables plans once per step
+    (``cache.decode_plan(batch, num_q_heads)``) and calls ``plan.run`` per layer.
 
     Args:
         q: ``[num_seqs, num_q_heads, head_dim]`` float32, float16 or bfloat16 (``uint16``).
@@ -306,14 +298,18 @@ def paged_attention(
             supported ones), caches not C-contiguous or not 16-byte aligned, a read-only ``out``,
             or (checked) bad context lengths or block ids.
     """
-    from .decode import DecodePlan
-
     array_module(q, k_cache, v_cache, block_tables, context_lens)
     check_attention_args(q, k_cache, v_cache, block_tables, context_lens)
     plan = DecodePlan(
-        block_tables, context_lens, k_cache, q.shape[1], scale=scale, num_splits=num_splits,
-        max_context_len=max_context_len, checked=checked,
-    )  # fmt: skip
+        block_tables,
+        context_lens,
+        k_cache,
+        q.shape[1],
+        scale=scale,
+        num_splits=num_splits,
+        max_context_len=max_context_len,
+        checked=checked,
+    )
     return plan.run(q, k_cache, v_cache, out=out)
 
 
@@ -349,6 +345,10 @@ def paged_prefill(
     ``h`` reads KV head ``h // (num_q_heads // num_kv_heads)``. Scores, softmax and sums are
     float32. A decode batch (every ``n_i = 1``) gives what :func:`paged_attention` gives.
 
+    The one-shot form of :class:`PrefillPlan`: it reads the lengths on the host, checks, plans
+    and runs once. A model that attends every layer over the same rows plans once per step and
+    calls ``plan.run`` per layer.
+
     Args:
         q: ``[total_query_tokens, num_q_heads, head_dim]`` float32, float16 or bfloat16
             (``uint16``).
@@ -362,7 +362,7 @@ def paged_prefill(
             on the host to size the grid), with ``n_i <= context_lens[i]``.
         scale: softmax scale; ``head_dim ** -0.5`` when ``None``.
         causal: mask the tokens after each query's position (``True``, prefill), or attend to
-            the whole context (``False``).
+            the whole context (``False``). A bool (``TypeError`` otherwise).
         out: optional ``[total_query_tokens, num_q_heads, head_dim]`` C-contiguous output,
             ``q``'s dtype.
         num_splits: cut every query tile's KV range into about this many pieces, one thread
@@ -379,183 +379,37 @@ def paged_prefill(
         ``[total_query_tokens, num_q_heads, head_dim]`` in ``q``'s dtype, on the inputs' device.
 
     Raises:
-        TypeError: arrays on different devices, or wrong dtypes.
+        TypeError: arrays on different devices, wrong dtypes, or a ``causal`` that is not a bool.
         ValueError: wrong shapes, an unsupported head_dim or block_size (the message lists the
             supported ones), caches not C-contiguous or not 16-byte aligned, a bad
             ``query_start_loc``, ``n_i > context_lens[i]``, a read-only ``out``, or (checked)
             bad context lengths or block ids.
     """
-    arrays = (q, k_cache, v_cache, block_tables, context_lens, query_start_loc)
-    xp = array_module(*arrays)
-    dims = _checked_shapes(_prefill_shapes, _check_prefill_shapes, *arrays)  # (a step's layers)
-    _check_contiguous(k_cache=k_cache, v_cache=v_cache)
-    for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if _address(x) % 16:
-            raise ValueError(f"expected {name} 16-byte aligned, got address {_address(x):#x}")
-    check_num_blocks(dims.num_blocks)
-    total = q.shape[0]
-    if total > INT32_MAX:
-        raise ValueError(f"expected at most {INT32_MAX} query tokens, got {total}")
-    # Host copies of two [num_seqs]-sized arrays: the grid needs the longest query run, and the
-    # split-K plan the tiles' KV ranges (no other read back from the device).
+    array_module(q, k_cache, v_cache, block_tables, context_lens, query_start_loc)
+    check_prefill_args(q, k_cache, v_cache, block_tables, context_lens, query_start_loc)
+    # Host copies of the lengths (none on the CPU), checked against q's rows; the plan then
+    # reads nothing back.
     host_starts, host_lens = to_numpy(query_start_loc), to_numpy(context_lens)
-    device = _device(xp)
-    group = dims.num_q_heads // dims.num_kv_heads
-    # Every layer of a step passes the same lengths: their check and the launch plan are kept
-    # per (shapes, the lengths' bytes), the values of the last few steps.
-    key = (dims, total, bool(causal), num_splits, device, _device_id(xp), host_starts.dtype,
-           host_lens.dtype, host_starts.tobytes(), host_lens.tobytes())  # fmt: skip
-    launch = _prefill_plans.get(key) if num_splits is None or type(num_splits) is int else None
-    if launch is None:
-        max_query_len = check_query_start_loc(host_starts, host_lens, total)
-    if out is None:
-        out = xp.empty(q.shape, q.dtype)  # q's dtype object: bfloat16 in, bfloat16 out
-    else:
-        array_module(q, out)
-        axes = ("total_query_tokens", "num_q_heads", "head_dim")
-        check_shape("out", out, list(zip(axes, q.shape, strict=True)))
-        check_dtype("out", out, dims.dtype, "q's dtype")
-        _check_contiguous(out=out)
-        check_writable("out", out)
-    if total == 0:
-        return out
-    if checked:  # on the caller's arrays, before they are narrowed to int32
-        check_decode_tables(block_tables, context_lens, dims.block_size, dims.num_blocks)
-    if launch is None:
-        launch = _launch.prefill_launch(
-            dims.dtype, dims.num_seqs, dims.num_kv_heads, group, dims.head_dim, dims.block_size,
-            max_query_len, host_starts, np.minimum(host_lens.astype(np.int64), MAX_CONTEXT_LEN),
-            bool(causal), None, num_splits, total, _target(device),
-        )  # fmt: skip
-        if len(_prefill_plans) >= 8:
-            _prefill_plans.clear()
-        if num_splits is None or type(num_splits) is int:
-            _prefill_plans[key] = launch
-    kernel = _attention_kernel(device, "paged_prefill.cu", launch, group, dims.head_dim)
-    tables = xp.ascontiguousarray(block_tables, dtype=np.int32)
-    lens = xp.ascontiguousarray(context_lens, dtype=np.int32)
-    starts = xp.ascontiguousarray(query_start_loc, dtype=np.int32)
-    if launch.num_splits > 1:
-        split_shape = (total, dims.num_q_heads, launch.num_splits)
-        partial_out = xp.empty((*split_shape, dims.head_dim), np.float32)
-        partial_lse = xp.empty(split_shape, np.float32)
-    else:  # unused by the kernel; real arrays so that no argument is a null pointer
-        partial_out = partial_lse = xp.empty(1, np.float32)
-    scale = dims.head_dim**-0.5 if scale is None else scale
-    out_storage = as_storage(out)
-    args = (
-        out_storage, partial_out, partial_lse, xp.ascontiguousarray(as_storage(q)),
-        as_storage(k_cache), as_storage(v_cache), tables, lens, starts,
-        np.int32(dims.num_kv_heads), np.int32(group), np.int32(launch.heads_per_block),
-        np.int32(dims.max_blocks), np.int32(dims.num_seqs), np.int32(launch.query_rows),
-        np.int32(bool(causal)), np.int32(launch.partition_tokens), np.int32(launch.num_splits),
-        np.float32(scale),
-    )  # fmt: skip
-    kernel(launch.grid, launch.block, args, shared_mem=launch.shared_mem)
-    if launch.num_splits > 1:
-        merge = get_kernel(device, "paged_prefill.cu", launch.merge_name)
-        merge(
-            launch.merge_grid,
-            (_launch.PREFILL_MERGE_THREADS,),
-            (out_storage, partial_out, partial_lse, lens, starts, np.int32(dims.num_seqs),
-             np.int32(bool(causal)), np.int32(launch.partition_tokens),
-             np.int32(launch.num_splits)),
-        )  # fmt: skip
-    return out
-
-
-def _array_module(*arrays: Any) -> Any:
-    """``array_module`` with a shortcut for plain NumPy arrays (the CPU backend's launch path)."""
-    for x in arrays:
-        if type(x) is not np.ndarray:
-            return array_module(*arrays)
-    return np
-
-
-def _device(xp: Any) -> str:
-    return "cpu" if xp is np else "cuda"
-
-
-def _device_id(xp: Any) -> int:
-    """The current device's id on CUDA (kernels are kept per device), 0 on the CPU."""
-    return 0 if xp is np else int(xp.cuda.Device().id)
-
-
-def _attention_kernel(device: str, source: str, launch: Any, group: int, head_dim: int) -> Any:
-    """The kernel of an attention launch plan, with the dynamic shared memory it asks for
-    (opted into above the default). The launch table picked it for this device's target
-    (:func:`_target`), so it fits; the check stays as the last guard before a launch."""
-    if device == "cuda" and not _target(device).fits(launch.shared_mem):
-        raise ValueError(
-            f"expected at most {_target(device).shared_memory} bytes of shared memory per block "
-            f"on this GPU, got {launch.shared_mem} for {launch.name} ({group} query heads per KV "
-            f"head, head_dim {head_dim})"
-        )
-    kernel = get_kernel(device, source, launch.name)
-    if device == "cuda" and launch.shared_mem > _launch.DEFAULT_SHARED_MEMORY:
-        kernel.max_dynamic_shared_size_bytes = launch.shared_mem
-    if device == "cpu":  # heavy blocks: helper threads from two on (see cpu_attention_workers)
-        kernel = kernel.with_workers(_launch.cpu_attention_workers(launch.grid))
-    return kernel
-
-
-def _ctas_per_sm(kernel: Any, launch: Any) -> int:
-    """Thread blocks of a loaded CUDA kernel's launch resident per multiprocessor: CUDA's
-    occupancy calculator on its real registers and shared memory (the CPU backend, which has no
-    cubin, takes ``_launch.decode_ctas_per_sm``: what an H100 would)."""
-    driver = device_module("cuda").cuda.driver
-    ctas = driver.occupancyMaxActiveBlocksPerMultiprocessor(
-        kernel.kernel.ptr, math.prod(launch.block), launch.shared_mem
+    check_query_start_loc(host_starts, host_lens, q.shape[0])
+    plan = PrefillPlan(
+        block_tables,
+        host_lens,
+        host_starts,
+        k_cache,
+        q.shape[1],
+        scale=scale,
+        causal=causal,
+        num_splits=num_splits,
+        checked=checked,
     )
-    return max(1, int(ctas))
-
-
-def _target(device: str) -> _launch.Target:
-    """The GPU that launches are planned for: the current CUDA device's architecture, its
-    multiprocessors and the shared memory a block may opt into; the nominal H100 for the CPU
-    backend."""
-    if device == "cpu":
-        return _launch.NOMINAL_TARGET
-    return _cuda_target(device_module("cuda").cuda.runtime.getDevice())
-
-
-@functools.cache
-def _cuda_target(device_id: int) -> _launch.Target:
-    device = device_module("cuda").cuda.Device(device_id)
-    attributes = device.attributes
-    return _launch.Target(
-        int(device.compute_capability),  # "90" on an H100
-        int(attributes["MultiProcessorCount"]),
-        int(attributes["MaxSharedMemoryPerBlockOptin"]),
-    )
-
-
-def _sm_count(device: str) -> int:
-    """Multiprocessors of the device launches are planned for (see :func:`_target`)."""
-    return _target(device).sm_count
-
-
-def _address(x: Any) -> int:
-    """Address of an array's first element (NumPy or CuPy)."""
-    if isinstance(x, np.ndarray):
-        try:  # a writable array exports its buffer: the cheapest way to its address
-            return ctypes.addressof(ctypes.c_char.from_buffer(x))
-        except (TypeError, ValueError, BufferError):  # read-only, empty or strided
-            return int(x.ctypes.data)
-    return int(x.data.ptr)
+    return plan.run(q, k_cache, v_cache, out=out)
 
 
 def _check_target_caches(k_cache: Any, v_cache: Any, num_blocks: int) -> None:
     """The per-call checks of a cache that a kernel writes (its flags can change between calls
     with the same shape): C-contiguous, writable, block ids that fit the kernels' int32."""
     if not (k_cache.flags.c_contiguous and v_cache.flags.c_contiguous):
-        _check_contiguous(k_cache=k_cache, v_cache=v_cache)
+        check_contiguous(k_cache=k_cache, v_cache=v_cache)
     check_writable("k_cache", k_cache)
     check_writable("v_cache", v_cache)
     check_num_blocks(num_blocks)
-
-
-def _check_contiguous(**arrays: Any) -> None:
-    for name, x in arrays.items():
-        if not x.flags.c_contiguous:
-            raise ValueError(f"expected {name} C-contiguous, got strides {x.strides}")

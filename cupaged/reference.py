@@ -13,6 +13,7 @@ import numpy as np
 
 from ._backend import array_module, to_numpy
 from ._checks import (
+    as_bool,
     check_attention_args,
     check_block_ids,
     check_context_lens,
@@ -129,6 +130,7 @@ def reference_prefill(
             non-decreasing (a sequence may have no query rows).
         scale: softmax scale; ``head_dim ** -0.5`` when ``None``.
         causal: query ``j`` attends to positions ``0 .. L - n + j``; all ``L`` when ``False``.
+            A bool.
         compute_dtype: ``"float32"`` (the default) or ``"float64"``.
         out_dtype: element type of the result; ``q``'s when ``None``. ``"float64"`` is allowed.
 
@@ -138,13 +140,15 @@ def reference_prefill(
     Raises:
         ValueError: wrong shapes, bad ``query_start_loc``, ``n_i > context_lens[i]``, lengths
             past the table or block ids out of range.
-        TypeError: wrong dtypes or arrays on different devices.
+        TypeError: wrong dtypes, arrays on different devices, or a ``causal`` that is not a
+            bool.
     """
     xp = array_module(q, k_cache, v_cache, block_tables, context_lens, query_start_loc)
     compute = np.dtype(compute_dtype)
     if compute not in (np.dtype(np.float32), np.dtype(np.float64)):
         raise ValueError(f"expected compute_dtype float32 or float64, got {compute_dtype!r}")
     dims = check_prefill_args(q, k_cache, v_cache, block_tables, context_lens, query_start_loc)
+    causal = as_bool(causal, "causal")
     total, num_q_heads, head_dim = q.shape
     block_size = dims.block_size
     tables, lens = to_numpy(block_tables), to_numpy(context_lens)

@@ -7,6 +7,12 @@ sequences than the planner has threads), on the CPU backend and on the GPU.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
 import numpy as np
 import pytest
 from helpers import DTYPES, assert_close, poison, random_array, random_paged_batch
@@ -30,9 +36,16 @@ def run_planner(xp, lens, capacity, min_chunk, tile):
     kernel(
         (1,),
         (_launch.plan_threads(num_seqs, device),),
-        (work, seq_items, xp.asarray(np.asarray(lens, np.int32)), np.int32(num_seqs),
-         np.int32(capacity), np.int32(min_chunk), np.int32(tile)),
-    )  # fmt: skip
+        (
+            work,
+            seq_items,
+            xp.asarray(np.asarray(lens, np.int32)),
+            np.int32(num_seqs),
+            np.int32(capacity),
+            np.int32(min_chunk),
+            np.int32(tile),
+        ),
+    )
     to_host = np.asarray if xp is np else xp.asnumpy
     return to_host(work), to_host(seq_items)
 
@@ -172,11 +185,27 @@ def test_forced_splits_and_a_wrong_length_hint_never_change_the_result(
 ):
     (q, k, v, tables, lens), expected = batch(rng, xp, "float16", [3, 700, 1300, 0, 64])
     out = poisoned(xp, q, "float16")
-    cupaged.paged_attention(q, k, v, tables, lens, num_splits=splits,
-                            max_context_len=max_context_len, checked=False, out=out)  # fmt: skip
+    cupaged.paged_attention(
+        q,
+        k,
+        v,
+        tables,
+        lens,
+        num_splits=splits,
+        max_context_len=max_context_len,
+        checked=False,
+        out=out,
+    )
     assert_close(out, expected, "float16")
-    plan = cupaged.DecodePlan(tables, lens, k, q.shape[1], num_splits=splits, checked=False,
-                              max_context_len=max_context_len)  # fmt: skip
+    plan = cupaged.DecodePlan(
+        tables,
+        lens,
+        k,
+        q.shape[1],
+        num_splits=splits,
+        checked=False,
+        max_context_len=max_context_len,
+    )
     counts = plan.work()[:, 3]
     assert counts.max() <= max(splits, 1) or max_context_len == 1
 
@@ -248,8 +277,9 @@ def test_an_empty_batch_plans_and_runs(xp):
 
 
 def test_the_cache_plans_its_own_batch(rng):
-    cache = cupaged.PagedCache(64, block_size=16, num_layers=2, num_kv_heads=2, head_dim=64,
-                               dtype="float32", device="cpu")  # fmt: skip
+    cache = cupaged.PagedCache(
+        64, block_size=16, num_layers=2, num_kv_heads=2, head_dim=64, dtype="float32", device="cpu"
+    )
     sids = [cache.admit(list(range(n))).sid for n in (5, 40, 300)]
     for layer in range(2):
         cache.k[layer][...] = rng.standard_normal(cache.k[layer].shape)
@@ -293,14 +323,17 @@ def test_the_host_knows_when_nothing_is_split(lens, spare, min_chunk, tile):
 def test_a_plan_runs_only_on_the_device_it_was_made_on(rng, monkeypatch):
     """Its kernels (and their shared-memory opt-in) belong to that device: run elsewhere is
     refused with the device named, nothing launched."""
-    import cupaged.decode as decode
+    from cupaged import _attention
 
     (q, k, v, tables, lens), _ = batch(rng, np, "float32", [5, 40])
     plan = cupaged.DecodePlan(tables, lens, k, q.shape[1])
     out = np.full(q.shape, np.nan, np.float32)
-    monkeypatch.setattr(decode, "_device_id", lambda xp: 1)
-    with pytest.raises(ValueError, match=r"expected the device this plan was made on \(CUDA "
-                                         r"device 0\) to be current, got device 1"):  # fmt: skip
+    monkeypatch.setattr(_attention, "device_id", lambda xp: 1)
+    with pytest.raises(
+        ValueError,
+        match=r"expected the device this plan was made on \(CUDA "
+        r"device 0\) to be current, got device 1",
+    ):
         plan.run(q, k, v, out=out)
     assert np.isnan(out).all()
 
@@ -341,3 +374,182 @@ def test_a_graph_captured_while_nothing_splits_still_merges_after_an_update(rng)
     stream.synchronize()
     expected = reference(*(x.get() for x in (q, k, v, tables, lens)))
     assert_close(out, expected, "float16")
+
+
+# ---------------------------------------------------------------------------------- safety (issue 23)
+
+
+def run_in_child(code: str) -> str:
+    """Run ``code`` in a fresh Python process; its stdout. A crash there (SIGSEGV on an
+    unchecked read outside the cache) fails the test instead of killing the run."""
+    root = Path(__file__).resolve().parents[1]
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=root,
+    )
+    assert result.returncode == 0, (
+        f"expected the child to exit 0, got {result.returncode}:\n{result.stderr[-2000:]}"
+    )
+    return result.stdout
+
+
+def cache_batch(rng, lengths=(5, 40, 300)):
+    """A float32 cache of 2 layers with random K/V, sequences of ``lengths`` and a query."""
+    cache = cupaged.PagedCache(
+        64, block_size=16, num_layers=2, num_kv_heads=2, head_dim=64, dtype="float32", device="cpu"
+    )
+    batch = cache.batch([cache.admit(list(range(n))).sid for n in lengths])
+    for layer in range(2):
+        cache.k[layer][...] = rng.standard_normal(cache.k[layer].shape)
+        cache.v[layer][...] = rng.standard_normal(cache.v[layer].shape)
+    q = rng.standard_normal((len(lengths), 8, 64)).astype(np.float32)
+    return cache, batch, q
+
+
+@pytest.mark.parametrize(
+    "what, value, message",
+    [
+        ("block_tables", 10**8, r"expected block ids in \[0, 64\) in row 1"),
+        ("block_tables", -1, r"expected block ids in \[0, 64\) in row 1"),
+        ("block_tables", 2**32 + 1, r"expected block ids in \[0, 64\) in row 1"),  # not block 1
+        ("context_lens", 10**6, r"expected context_lens in \[0, \d+\]"),
+        ("context_lens", -3, r"expected context_lens in \[0, \d+\]"),
+        ("context_lens", 2**32 + 40, r"expected context_lens in \[0, \d+\]"),  # not 40
+    ],
+)
+def test_update_of_a_plan_the_cache_built_is_checked_by_default(rng, what, value, message):
+    """The cache builds its plan unchecked (its own tables), but update() takes arrays the
+    caller made: checked by default, on their own dtypes, and a refused update changes nothing."""
+    cache, batch, q = cache_batch(rng)
+    plan = cache.decode_plan(batch, 8)
+    tables, lens = (x.astype(np.int64) for x in cache.block_tables(batch))
+    work = plan.work().copy()
+    bad = {"block_tables": tables.copy(), "context_lens": lens.copy()}
+    bad[what][(1, 0) if what == "block_tables" else 1] = value
+    with pytest.raises(ValueError, match=message):
+        plan.update(bad["block_tables"], bad["context_lens"])
+    assert np.array_equal(plan.work(), work)
+    expected = reference(q, cache.k[1], cache.v[1], tables, lens)
+    assert_close(plan.run(q, cache.k[1], cache.v[1]), expected, "float32")
+
+
+def test_update_refuses_other_dtypes_and_devices_and_trusts_only_when_asked(rng):
+    cache, batch, q = cache_batch(rng)
+    plan = cache.decode_plan(batch, 8)
+    tables, lens = cache.block_tables(batch)
+    with pytest.raises(
+        TypeError, match="expected block_tables of dtype int32 or int64, got float64"
+    ):
+        plan.update(tables.astype(np.float64), lens)
+    with pytest.raises(TypeError, match="expected a NumPy or CuPy array, got list"):
+        plan.update(tables, lens.tolist())
+    shorter = lens.copy()
+    shorter[2] = 17  # a valid length, trusted as given
+    plan.update(tables, shorter, checked=False)
+    assert not plan.checked
+    expected = reference(q, cache.k[0], cache.v[0], tables, shorter)
+    assert_close(plan.run(q, cache.k[0], cache.v[0]), expected, "float32")
+    plan.update(tables, lens)
+    assert plan.checked
+
+
+def test_the_plan_keeps_its_own_copy_of_the_tables(rng):
+    """Writing into the caller's int32 arrays after planning (or after an update) changes
+    nothing the plan runs: it used to alias them (ascontiguousarray does not copy an int32
+    array). Valid ids are written here, so that the old behaviour fails without a crash."""
+    (q, k, v, tables, lens), expected = batch(rng, np, "float32", [100, 200, 3000])
+    plan = cupaged.DecodePlan(tables, lens, k, q.shape[1])
+    before = tables.copy(), lens.copy()
+    tables[0, 0], tables[2, 5] = tables[1, 0], tables[0, 1]
+    lens[1] = 3
+    assert_close(plan.run(q, k, v), expected, "float32")
+    plan.update(*before)
+    before[0][...] = before[0][::-1]
+    before[1][...] = 1
+    assert_close(plan.run(q, k, v, out=poisoned(np, q, "float32")), expected, "float32")
+
+
+ALIASED_TABLE = """
+    import numpy as np
+    import cupaged
+
+    rng = np.random.default_rng(0)
+    k = rng.standard_normal((8, 1, 16, 64)).astype(np.float32)
+    q = rng.standard_normal((1, 1, 64)).astype(np.float32)
+    tables, lens = np.array([[3, 5]], np.int32), np.array([20], np.int32)
+    plan = cupaged.DecodePlan(tables, lens, k, 1)
+    expected = plan.run(q, k, k)
+    tables[0, 0], lens[0] = 10**8, 10**6  # the caller's arrays, after the check
+    print("same" if np.array_equal(plan.run(q, k, k), expected) else "changed")
+"""
+
+
+def test_writing_a_huge_id_into_the_callers_table_after_planning_cannot_crash():
+    """The crash of issue 23 (item 4), in a child process: it segfaulted."""
+    assert run_in_child(ALIASED_TABLE).split() == ["same"]
+
+
+UPDATE_OF_A_CACHE_PLAN = """
+    import numpy as np
+    import cupaged
+
+    cache = cupaged.PagedCache(8, block_size=16, num_kv_heads=1, head_dim=64, dtype="float32",
+                               device="cpu")
+    batch = cache.batch([cache.admit(list(range(20))).sid])
+    plan = cache.decode_plan(batch, 1)
+    tables, lens = cache.block_tables(batch)
+    q = np.ones((1, 1, 64), np.float32)
+    for bad_tables, bad_lens in ((np.full_like(tables, 10**8), lens),
+                                 (tables, np.full_like(lens, 10**6))):
+        try:
+            plan.update(bad_tables, bad_lens)
+            print("accepted")
+        except ValueError as error:
+            print("refused")
+        plan.run(q, cache.k[0], cache.v[0])
+"""
+
+
+def test_a_bad_update_of_the_caches_plan_is_refused_not_a_crash():
+    """The crash of issue 23 (item 2), in a child process: it segfaulted in run."""
+    assert run_in_child(UPDATE_OF_A_CACHE_PLAN).split() == ["refused", "refused"]
+
+
+def test_forced_splits_past_what_the_contexts_hold_collapse(rng, xp):
+    """num_splits=10**6 used to report "at most -1934465 sequences": a count above the whole
+    tiles of the longest context cuts as that many do; NumPy integers are counts too."""
+    (q, k, v, tables, lens), expected = batch(rng, xp, "float16", [3, 700, 1300, 0, 64])
+    for splits in (10**6, np.int64(3), np.int32(7)):
+        plan = cupaged.DecodePlan(tables, lens, k, q.shape[1], num_splits=splits)
+        assert plan.num_items <= 5 * (cdiv(1300, 16) + 1)
+        assert_close(plan.run(q, k, v, out=poisoned(xp, q, "float16")), expected, "float16")
+    for splits, error in ((np.float64(3), TypeError), (True, TypeError), (-2, ValueError)):
+        with pytest.raises(error, match="num_splits"):
+            cupaged.DecodePlan(tables, lens, k, q.shape[1], num_splits=splits)
+
+
+def test_a_work_list_past_one_grid_axis_is_refused_in_the_callers_terms():
+    sequences = 40_000
+    k = np.zeros((4, 1, 16, 64), np.float16)
+    tables = np.zeros((sequences, 64), np.int32)
+    lens = np.full(sequences, 1000, np.int32)
+    with pytest.raises(
+        ValueError,
+        match=r"expected num_seqs \* \(num_splits \+ 1\) <= 65535 "
+        r"\(the work list is one grid axis\), got 40000 "
+        r"sequences and 2 splits",
+    ):
+        cupaged.DecodePlan(tables, lens, k, 1, num_splits=2, max_context_len=1000, checked=False)
+    many = np.zeros((70_000, 1), np.int32)
+    with pytest.raises(
+        ValueError, match=r"expected at most \d+ sequences in one decode plan"
+    ) as info:
+        cupaged.DecodePlan(many, np.zeros(70_000, np.int32), k, 1, checked=False)
+    assert int(str(info.value).split("at most ")[1].split()[0]) > 0

@@ -1,4 +1,5 @@
-"""write_kv and copy_blocks: bit-exact against plain loops, and every argument check."""
+"""write_kv and copy_blocks: bit-exact against the oracles of ``cupaged.reference`` (themselves
+checked against plain loops), and every argument check."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from helpers import DTYPES, poison, random_array, recorded_cpu_launches
 import cupaged
 from cupaged import _checks
 from cupaged._checks import check_slots
+from cupaged.reference import reference_copy_blocks, reference_write_kv
 
 SHAPE = (6, 2, 4, 16)  # [num_blocks, num_kv_heads, block_size, head_dim]
 
@@ -21,10 +23,7 @@ def test_write_kv_scatters_by_slot_and_skips_minus_one(rng, xp, dtype, slot_dtyp
     v = random_array(rng, (5, 2, 16), dtype)
     slots = np.array([9, -1, 0, 23, 4], slot_dtype)  # blocks 2, -, 0, 5, 1
     expected_k, expected_v = k_cache.copy(), v_cache.copy()
-    for t, slot in enumerate(slots):
-        if slot >= 0:
-            expected_k[slot // 4, :, slot % 4] = k[t]
-            expected_v[slot // 4, :, slot % 4] = v[t]
+    reference_write_kv(expected_k, expected_v, k, v, slots)
 
     caches = xp.asarray(k_cache), xp.asarray(v_cache)
     cupaged.write_kv(*caches, xp.asarray(k), xp.asarray(v), xp.asarray(slots), checked=True)
@@ -41,9 +40,7 @@ def test_copy_blocks_copies_every_layer(rng, xp, dtype, layers):
     v_cache = random_array(rng, (*layers, *SHAPE), dtype)
     src, dst = np.array([4, 0, 2], np.int32), np.array([1, 5, 3], np.int32)
     expected_k, expected_v = k_cache.copy(), v_cache.copy()
-    for s, d in zip(src, dst, strict=True):
-        expected_k[..., d, :, :, :] = k_cache[..., s, :, :, :]
-        expected_v[..., d, :, :, :] = v_cache[..., s, :, :, :]
+    reference_copy_blocks(expected_k, expected_v, src, dst)
 
     caches = xp.asarray(k_cache), xp.asarray(v_cache)
     cupaged.copy_blocks(*caches, xp.asarray(src), xp.asarray(dst), checked=True)
@@ -51,6 +48,30 @@ def test_copy_blocks_copies_every_layer(rng, xp, dtype, layers):
     got_k, got_v = (c.get() if hasattr(c, "get") else c for c in caches)
     np.testing.assert_array_equal(got_k, expected_k)
     np.testing.assert_array_equal(got_v, expected_v)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_oracles_equal_plain_loops(rng, xp, dtype):
+    """reference_write_kv and reference_copy_blocks, on either array module, against a loop over
+    the tokens and the pairs (whole-cache copies over every layer, padding slots skipped)."""
+    k_cache, v_cache = random_array(rng, (3, *SHAPE), dtype), random_array(rng, (3, *SHAPE), dtype)
+    k, v = random_array(rng, (4, 2, 16), dtype), random_array(rng, (4, 2, 16), dtype)
+    slots = np.array([22, -1, 5, 8], np.int64)  # blocks 5, -, 1, 2
+    src, dst = np.array([5, 1], np.int32), np.array([0, 3], np.int32)
+    expected_k, expected_v = k_cache.copy(), v_cache.copy()
+    for t, slot in enumerate(slots):
+        if slot >= 0:
+            expected_k[0, slot // 4, :, slot % 4] = k[t]
+            expected_v[0, slot // 4, :, slot % 4] = v[t]
+    for s, d in zip(src, dst, strict=True):
+        expected_k[:, d], expected_v[:, d] = expected_k[:, s], expected_v[:, s]
+
+    got_k, got_v = xp.asarray(k_cache), xp.asarray(v_cache)
+    reference_write_kv(got_k[0], got_v[0], xp.asarray(k), xp.asarray(v), xp.asarray(slots))
+    reference_copy_blocks(got_k, got_v, xp.asarray(src), xp.asarray(dst))
+    for got, expected in ((got_k, expected_k), (got_v, expected_v)):
+        got = got.get() if hasattr(got, "get") else got
+        np.testing.assert_array_equal(got.view(np.uint8), expected.view(np.uint8))
 
 
 @pytest.mark.parametrize("threads", [32, 96])
@@ -96,20 +117,21 @@ def test_stride_launches_take_helper_threads_by_bytes_on_the_cpu_backend():
     bytes in any (helpers cost more than they save on small launches; the runtime's own rule counts
     CUDA threads, not bytes)."""
     from cupaged import _launch
+    from cupaged._cpu import threads as cpu_threads
 
-    enough, block = _launch.CPU_POOL_MIN_BYTES, _launch.CPU_POOL_MIN_BLOCK_BYTES
+    enough, block = cpu_threads.POOL_MIN_BYTES, cpu_threads.POOL_MIN_BLOCK_BYTES
     for blocks in (1, 64, 4096, 1 << 16):
         *_, threads = _launch.write_kv_launch("float16", np.int32, blocks, 256, True, 2, "cpu")
         assert threads == (_launch.CPU_STRIDE_THREADS,) == (1,)
         *_, threads, _ = _launch.copy_blocks_launch(4096, True, blocks, 1, "cpu")
         assert threads == (1,)
-    assert _launch.cpu_stride_workers(enough // block, block) == enough // block
-    assert _launch.cpu_stride_workers(enough // block - 1, block) == 1  # too few bytes
-    assert _launch.cpu_stride_workers(2 * enough // block, block // 2) == 1  # blocks too small
-    large = _launch.CPU_POOL_LARGE_BYTES
-    assert _launch.cpu_stride_workers(large // 256, 256) == large // 256  # past the caches
-    assert _launch.cpu_stride_workers(large // 256 - 1, 256) == 1
-    assert _launch.cpu_stride_workers(1, enough) == 1  # one block: one thread anyway
+    assert cpu_threads.stride_workers(enough // block, block) == enough // block
+    assert cpu_threads.stride_workers(enough // block - 1, block) == 1  # too few bytes
+    assert cpu_threads.stride_workers(2 * enough // block, block // 2) == 1  # blocks too small
+    large = cpu_threads.POOL_LARGE_BYTES
+    assert cpu_threads.stride_workers(large // 256, 256) == large // 256  # past the caches
+    assert cpu_threads.stride_workers(large // 256 - 1, 256) == 1
+    assert cpu_threads.stride_workers(1, enough) == 1  # one block: one thread anyway
     *_, threads = _launch.write_kv_launch("float16", np.int32, 1, 256, True, 2, "cuda")
     assert threads == (32,)  # the GPU's warps whatever the size
 
@@ -117,21 +139,22 @@ def test_stride_launches_take_helper_threads_by_bytes_on_the_cpu_backend():
 def test_large_stride_launches_run_on_helper_threads_and_stay_exact(rng):
     """A write and a copy at the byte threshold (4 MiB in 4 KiB and 32 KiB blocks): the plan asks
     for helper threads, and the result is bit-exact against plain loops."""
-    from cupaged import _launch, ops
-    from cupaged._cpu import module as cpu_module
+    from cupaged import ops
+    from cupaged._cpu import threads as cpu_threads
 
     heads, block_size, head_dim = 8, 16, 128  # a token's K and V rows: 4 KiB
-    tokens = _launch.CPU_POOL_MIN_BYTES // (2 * heads * head_dim * 2)
+    tokens = cpu_threads.POOL_MIN_BYTES // (2 * heads * head_dim * 2)
     block_bytes = heads * block_size * head_dim * 2  # 32 KiB
-    pairs = _launch.CPU_POOL_MIN_BYTES // (2 * block_bytes)  # K and V: 4 MiB in all
+    pairs = cpu_threads.POOL_MIN_BYTES // (2 * block_bytes)  # K and V: 4 MiB in all
     shape = (2 * pairs + 8, heads, block_size, head_dim)  # room for the tokens and the pairs
     k_cache, v_cache = poison(shape, "float16"), poison(shape, "float16")
     k = random_array(rng, (tokens, heads, head_dim), "float16")
     v = random_array(rng, (tokens, heads, head_dim), "float16")
     slots = rng.permutation(shape[0] * block_size)[:tokens].astype(np.int32)
-    plan = ops._write_plan("cpu", 0, "float16", np.dtype(np.int32), (heads, block_size, head_dim,
-                           tokens), True)  # fmt: skip
-    assert plan[0]._workers == min(tokens, cpu_module._cpu_count())
+    plan = ops._write_plan(
+        "cpu", 0, "float16", np.dtype(np.int32), (heads, block_size, head_dim, tokens), True
+    )
+    assert plan[0].workers == min(tokens, cpu_threads.cpu_count())
     expected_k, expected_v = k_cache.copy(), v_cache.copy()
     expected_k[slots // block_size, :, slots % block_size] = k
     expected_v[slots // block_size, :, slots % block_size] = v
@@ -147,42 +170,37 @@ def test_large_stride_launches_run_on_helper_threads_and_stay_exact(rng):
     np.testing.assert_array_equal(k_cache.view(np.uint16), expected_k.view(np.uint16))
     np.testing.assert_array_equal(v_cache.view(np.uint16), expected_v.view(np.uint16))
     plan = ops._copy_plan("cpu", 0, shape, "float16", True, pairs)
-    assert plan[0]._workers == min(2 * pairs, cpu_module._cpu_count())  # K and V: a block each
+    assert plan[0].workers == min(2 * pairs, cpu_threads.cpu_count())  # K and V: a block each
 
 
 def test_attention_launches_take_helper_threads_from_two_blocks_on_the_cpu_backend(rng):
     """Attention blocks are heavy on the CPU backend: a decode or prefill launch may use one OS
     thread per block (the runtime caps it at its CPUs), and the result does not depend on it."""
-    from cupaged import _launch, ops
+    from cupaged import _attention, _launch
     from cupaged._cpu import launch_options
-    from cupaged._cpu import module as cpu_module
+    from cupaged._cpu import threads as cpu_threads
 
-    assert _launch.cpu_attention_workers((2, 3)) == 6
-    assert _launch.cpu_attention_workers((1, 1, 1)) == 1
+    assert cpu_threads.attention_workers((2, 3)) == 6
+    assert cpu_threads.attention_workers((1, 1, 1)) == 1
+    prefill = _launch.prefill_launch(
+        "float16",
+        2,
+        2,
+        4,
+        128,
+        16,
+        8,
+        query_start_loc=np.array([0, 8, 16]),
+        context_lens=np.array([8, 8]),
+        total_query_tokens=16,
+    )
     for source, launch in (
         ("paged_attention.cu", _launch.decode_launch("float16", 2, 4, 128, 16, 8)),
-        (
-            "paged_prefill.cu",
-            _launch.prefill_launch(
-                "float16",
-                2,
-                2,
-                4,
-                128,
-                16,
-                8,
-                np.array([0, 8, 16]),
-                np.array([8, 8]),
-                True,
-                132,
-                None,
-                16,
-            ),
-        ),  # fmt: skip
+        ("paged_prefill.cu", prefill),
     ):
-        kernel = ops._attention_kernel("cpu", source, launch, 4, 128)
+        kernel = _attention.attention_kernel("cpu", source, launch, 4, 128)
         blocks = int(np.prod(launch.grid))
-        assert kernel._workers == min(blocks, cpu_module._cpu_count()), source
+        assert kernel.workers == min(blocks, cpu_threads.cpu_count()), source
     batch, context, block_size = 4, 64, 16
     blocks = batch * context // block_size
     k_cache = random_array(rng, (blocks, 2, block_size, 128), "float16")
@@ -193,14 +211,14 @@ def test_attention_launches_take_helper_threads_from_two_blocks_on_the_cpu_backe
     with recorded_cpu_launches() as launches:  # the launch table's choice
         cupaged.paged_attention(q, k_cache, v_cache, tables, lens)
     decode = [workers for name, workers in launches if name.startswith("cupaged::paged_decode<")]
-    assert decode == [min(2 * batch, cpu_module._cpu_count())]  # 2 KV heads x >= 1 item each
+    assert decode == [min(2 * batch, cpu_threads.cpu_count())]  # 2 KV heads x >= 1 item each
     # One KV head (MQA): the helper threads come from the items too, not the heads alone.
     with recorded_cpu_launches() as launches:
         cupaged.paged_attention(q, k_cache[:, :1].copy(), v_cache[:, :1].copy(), tables, lens)
     decode = [
         workers for name, workers in launches if name.startswith("cupaged::paged_decode_mma<")
     ]
-    assert decode == [min(batch, cpu_module._cpu_count())]
+    assert decode == [min(batch, cpu_threads.cpu_count())]
     outs = []
     for workers in (2, 1):  # two OS threads forced (whatever the CPUs), then one
         with launch_options(workers=workers):
@@ -347,8 +365,12 @@ def test_slot_checks_refuse_the_same_slots_on_both_paths(rng, n):
     slots = rng.permutation(capacity)[:n].astype(np.int64)
     slots[0] = -1  # padding passes
     check_slots(slots, capacity)
-    for bad, message in [(capacity, "expected slot_mapping values in"), (-2, "values in"),
-                         (2**32 + 3, "values in"), (int(slots[1]), "written twice")]:  # fmt: skip
+    for bad, message in [
+        (capacity, "expected slot_mapping values in"),
+        (-2, "values in"),
+        (2**32 + 3, "values in"),
+        (int(slots[1]), "written twice"),
+    ]:
         wrong = slots.copy()
         wrong[-1] = bad
         with pytest.raises(ValueError, match=message):

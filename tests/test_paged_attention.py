@@ -110,9 +110,14 @@ def test_through_a_paged_cache(rng):
         q = random_array(rng, (4, 8, 64), "bfloat16")
         out = cupaged.paged_attention(q, cache.k[layer], cache.v[layer], tables, lens)
         expected = cupaged.reference_attention(
-            q, cache.k[layer], cache.v[layer], tables, lens, compute_dtype="float64",
+            q,
+            cache.k[layer],
+            cache.v[layer],
+            tables,
+            lens,
+            compute_dtype="float64",
             out_dtype="float64",
-        )  # fmt: skip
+        )
         assert_close(out, expected, "bfloat16")
     cache.check_invariants()
 
@@ -148,8 +153,9 @@ def test_checked_mode_rejects_bad_block_ids_and_lengths(rng):
     with pytest.raises(ValueError, match=r"expected block ids in \[0, \d+\) in row 0"):
         cupaged.paged_attention(q, k_cache, v_cache, bad_tables, lens, checked=True)
     with pytest.raises(ValueError, match=r"expected context_lens in \[0, 32\]"):
-        cupaged.paged_attention(q, k_cache, v_cache, tables, np.array([33, 3], np.int32),
-                                checked=True)  # fmt: skip
+        cupaged.paged_attention(
+            q, k_cache, v_cache, tables, np.array([33, 3], np.int32), checked=True
+        )
 
 
 def test_layout_errors(rng):
@@ -254,8 +260,17 @@ def test_an_understated_max_context_len_changes_nothing(rng, hint, checked):
     )
     for splits in (None, 1, 4):
         out = poison(q.shape, "float32")
-        cupaged.paged_attention(q, k_cache, v_cache, tables, lens, max_context_len=hint,
-                                num_splits=splits, out=out, checked=checked)  # fmt: skip
+        cupaged.paged_attention(
+            q,
+            k_cache,
+            v_cache,
+            tables,
+            lens,
+            max_context_len=hint,
+            num_splits=splits,
+            out=out,
+            checked=checked,
+        )
         assert_close(out, expected, "float32")
 
 

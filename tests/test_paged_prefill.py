@@ -48,11 +48,10 @@ BATCH = ((37, 37), (20, 0), (300, 5), (17, 1), (64, 17), (9, 0))
 _L9 = ((0, 0, 0, 0), (0, 1, 1, 2), (0, 2, 2, 1), (1, 0, 1, 1), (1, 1, 2, 0), (1, 2, 0, 2),
        (2, 0, 2, 2), (2, 1, 0, 1), (2, 2, 1, 0))  # fmt: skip
 MATRIX = [
-    (DTYPES[a], HEAD_DIMS[b], BLOCK_SIZES[c], GQA_RATIOS[d], causal,
-     SCHEDULES[(row + causal) % 2])
+    (DTYPES[a], HEAD_DIMS[b], BLOCK_SIZES[c], GQA_RATIOS[d], causal, SCHEDULES[(row + causal) % 2])
     for row, (a, b, c, d) in enumerate(_L9)
     for causal in (True, False)
-]  # fmt: skip
+]
 
 
 def case_id(case) -> str:
@@ -69,10 +68,12 @@ def prefill_batch(rng, batch, head_dim, ratio, block_size, dtype, num_kv_heads=N
     ``seqs`` each sequence's contiguous ``(k, v)``, ``[L, num_kv_heads, head_dim]``.
     """
     seqs = [
-        (random_array(rng, (length, num_kv_heads, head_dim), dtype),
-         random_array(rng, (length, num_kv_heads, head_dim), dtype))
+        (
+            random_array(rng, (length, num_kv_heads, head_dim), dtype),
+            random_array(rng, (length, num_kv_heads, head_dim), dtype),
+        )
         for length, _ in batch
-    ]  # fmt: skip
+    ]
     num_blocks = sum(-(-length // block_size) for length, _ in batch) + 5
     k_cache, v_cache, tables = scatter_into_pages(rng, seqs, block_size, num_blocks, dtype)
     counts = [n for _, n in batch]
@@ -84,9 +85,17 @@ def prefill_batch(rng, batch, head_dim, ratio, block_size, dtype, num_kv_heads=N
 
 def oracle(q, k_cache, v_cache, tables, lens, starts, scale=None, causal=True):
     return cupaged.reference_prefill(
-        q, k_cache, v_cache, tables, lens, starts, scale, causal,
-        compute_dtype="float64", out_dtype="float64",
-    )  # fmt: skip
+        q,
+        k_cache,
+        v_cache,
+        tables,
+        lens,
+        starts,
+        scale,
+        causal,
+        compute_dtype="float64",
+        out_dtype="float64",
+    )
 
 
 def test_matrix_covers_every_pair():
@@ -123,9 +132,13 @@ MMA_BATCH = ((200, 200), (530, 33), (40, 1))
 
 @pytest.mark.parametrize(
     "dtype, head_dim, ratio, order",
-    [("float16", 80, 1, SCHEDULES[0]), ("bfloat16", 128, 4, SCHEDULES[1]),
-     ("float16", 96, 8, SCHEDULES[1]), ("bfloat16", 64, 1, SCHEDULES[0])],
-)  # fmt: skip
+    [
+        ("float16", 80, 1, SCHEDULES[0]),
+        ("bfloat16", 128, 4, SCHEDULES[1]),
+        ("float16", 96, 8, SCHEDULES[1]),
+        ("bfloat16", 64, 1, SCHEDULES[0]),
+    ],
+)
 def test_tensor_core_path_on_full_tiles_and_a_sharp_softmax(rng, xp, dtype, head_dim, ratio, order):
     if xp is not np and order != SCHEDULES[0]:
         pytest.skip("scheduling orders belong to the CPU backend; the GPU runs once")
@@ -166,9 +179,20 @@ def split_plan(batch, dtype, head_dim, ratio, block_size, causal, splits):
     starts = np.concatenate([[0], np.cumsum(counts)])
     lens = np.array([length for length, _ in batch])
     return _launch.prefill_launch(
-        dtype, len(batch), NUM_KV_HEADS, ratio, head_dim, block_size, int(counts.max()), starts,
-        lens, causal, _launch.NOMINAL_SM_COUNT, splits, int(counts.sum()),
-    )  # fmt: skip
+        dtype,
+        len(batch),
+        NUM_KV_HEADS,
+        ratio,
+        head_dim,
+        block_size,
+        int(counts.max()),
+        starts,
+        lens,
+        causal,
+        _launch.NOMINAL_SM_COUNT,
+        splits,
+        int(counts.sum()),
+    )
 
 
 @pytest.mark.parametrize("case", SPLIT_CASES, ids=case_id)
@@ -205,8 +229,9 @@ def test_split_k_unchecked_and_out_of_range_hint(rng):
     )
     expected = oracle(q, k_cache, v_cache, tables, lens, starts)
     for splits in (3, 1000):
-        out = cupaged.paged_prefill(q, k_cache, v_cache, tables, lens, starts,
-                                    num_splits=splits, checked=False)  # fmt: skip
+        out = cupaged.paged_prefill(
+            q, k_cache, v_cache, tables, lens, starts, num_splits=splits, checked=False
+        )
         assert_close(out, expected, "float32")
     assert split_plan(SPLIT_BATCH, "float32", 64, 2, 16, True, 1000).num_splits == 10  # 32 each
     with pytest.raises(ValueError, match=r"expected num_splits >= 1, got 0"):
@@ -298,9 +323,14 @@ def test_scale_and_int64_metadata(rng):
     )
     expected = oracle(q, k_cache, v_cache, tables, lens, starts, scale=0.05)
     out = cupaged.paged_prefill(
-        q, k_cache, v_cache, tables.astype(np.int64), lens.astype(np.int64),
-        starts.astype(np.int64), scale=0.05,
-    )  # fmt: skip
+        q,
+        k_cache,
+        v_cache,
+        tables.astype(np.int64),
+        lens.astype(np.int64),
+        starts.astype(np.int64),
+        scale=0.05,
+    )
     assert_close(out, expected, "float16")
 
 
@@ -335,8 +365,9 @@ def test_padding_past_a_sequence_may_hold_anything(rng):
     expected = oracle(q, k_cache, v_cache, tables, lens, starts)
     padded = np.concatenate([tables.astype(np.int64), np.full((2, 3), 2**40)], axis=1)
     padded[1, 1:] = -(10**9)
-    assert_close(cupaged.paged_prefill(q, k_cache, v_cache, padded, lens, starts), expected,
-                 "float32")  # fmt: skip
+    assert_close(
+        cupaged.paged_prefill(q, k_cache, v_cache, padded, lens, starts), expected, "float32"
+    )
 
 
 def test_empty_batches(rng):
@@ -380,11 +411,19 @@ def test_reference_equals_contiguous_float64(rng, xp, dtype, causal):
     arrays = [xp.asarray(x) for x in (q, k_cache, v_cache, tables, lens, starts)]
     out = cupaged.reference_prefill(*arrays, causal=causal)
     assert out.shape == q.shape and out.dtype == q.dtype
-    expected = np.concatenate([
-        contiguous_prefill(to_float(q[starts[i]:starts[i + 1]], np.float64),
-                           to_float(k, np.float64), to_float(v, np.float64), n, 64**-0.5, causal)
-        for i, ((_, n), (k, v)) in enumerate(zip(batch, seqs, strict=True))
-    ])  # fmt: skip
+    expected = np.concatenate(
+        [
+            contiguous_prefill(
+                to_float(q[starts[i] : starts[i + 1]], np.float64),
+                to_float(k, np.float64),
+                to_float(v, np.float64),
+                n,
+                64**-0.5,
+                causal,
+            )
+            for i, ((_, n), (k, v)) in enumerate(zip(batch, seqs, strict=True))
+        ]
+    )
     assert_close(out, expected, dtype)
 
 
@@ -397,8 +436,14 @@ def good_args(rng):
     q, k_cache, v_cache, tables, lens, starts, _ = prefill_batch(
         rng, ((20, 4), (3, 3)), 64, 2, 16, "float32"
     )
-    return dict(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=tables, context_lens=lens,
-                query_start_loc=starts)  # fmt: skip
+    return dict(
+        q=q,
+        k_cache=k_cache,
+        v_cache=v_cache,
+        block_tables=tables,
+        context_lens=lens,
+        query_start_loc=starts,
+    )
 
 
 @pytest.mark.parametrize("function", FUNCTIONS, ids=lambda f: f.__name__)
@@ -422,13 +467,13 @@ def good_args(rng):
     ],
 )
 def test_bad_arguments_are_rejected(rng, function, change, error, message):
-    function(**good_args(rng))  # valid shapes first: paged_prefill remembers their checks
+    function(**good_args(rng))  # a good call first: nothing of it may let a bad one through
     args = good_args(rng)
     for name, value in change.items():
         args[name] = value if isinstance(value, np.ndarray) else np.array(value)
         if args[name].dtype == np.int64:
             args[name] = args[name].astype(np.int32)
-    for _ in range(2):  # a failing check is never remembered: it raises every time
+    for _ in range(2):  # a failing call leaves nothing behind: it raises every time
         with pytest.raises(error, match=message):
             function(**args)
 
@@ -522,8 +567,12 @@ def test_nan_and_inf_reach_exactly_the_rows_that_see_them(rng, xp, dtype, case, 
         plan = split_plan(((40, 8), (20, 20)), dtype, 64, 4, 16, causal, splits)
         assert (plan.num_splits, plan.partition_tokens) == (2, 32)
     out = xp.asarray(poison(q.shape, dtype))
-    cupaged.paged_prefill(*(xp.asarray(x) for x in (q, k_cache, v_cache, tables, lens, starts)),
-                          causal=causal, out=out, num_splits=splits)  # fmt: skip
+    cupaged.paged_prefill(
+        *(xp.asarray(x) for x in (q, k_cache, v_cache, tables, lens, starts)),
+        causal=causal,
+        out=out,
+        num_splits=splits,
+    )
     assert_same_specials(out, expected, dtype)
 
 
@@ -559,11 +608,212 @@ def test_launch_plan():
     tiles = {
         (d, hd): _launch.prefill_tile(d, hd) for d in ("float32", "float16") for hd in (64, 256)
     }
-    assert tiles == {("float32", 64): 32, ("float32", 256): 8, ("float16", 64): 32,
-                     ("float16", 256): 16}  # fmt: skip
+    assert tiles == {
+        ("float32", 64): 32,
+        ("float32", 256): 8,
+        ("float16", 64): 32,
+        ("float16", 256): 16,
+    }
     assert _launch.prefill_shared_memory("float32", 128, 16) == 4 * (2048 + 320 + 32) + 4 * 16 * 528
     # paged_prefill_mma: q_s, the ring, s_s, p_s, special_s
     mma_bytes = 64 * 272 + 4 * 32 * 272 + 64 * 36 * 4 + 64 * 40 * 2 + 64 * 128
     assert _launch.prefill_shared_memory("float16", 128, 32) == mma_bytes == 74752
     with pytest.raises(ValueError, match=r"expected num_q_heads in 1..65535"):
         _launch.prefill_launch("float16", 1, 2, 32768, 128, 16, 1)
+
+
+# ---- PrefillPlan: planned once per step, run per layer (issue 22) -------------------------------
+
+
+def plan_args(xp, tables, lens, starts):
+    return [xp.asarray(x) for x in (tables, lens, starts)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_one_plan_serves_every_layer(rng, xp, dtype):
+    """Three layers of fresh K/V and queries over one plan, each against the oracle; the plan
+    made from host lengths (what a caller that counted them passes) gives the same."""
+    q, k_cache, v_cache, tables, lens, starts, _ = prefill_batch(rng, BATCH, 64, 4, 16, dtype)
+    plan = cupaged.PrefillPlan(*plan_args(xp, tables, lens, starts), xp.asarray(k_cache), 8)
+    from_host = cupaged.PrefillPlan(xp.asarray(tables), lens, starts, xp.asarray(k_cache), 8)
+    assert (plan.num_seqs, plan.total_query_tokens, plan.causal) == (len(BATCH), q.shape[0], True)
+    for _ in range(3):
+        k, v = (random_array(rng, k_cache.shape, dtype) for _ in range(2))
+        layer_q = random_array(rng, q.shape, dtype)
+        expected = oracle(layer_q, k, v, tables, lens, starts)
+        for p in (plan, from_host):
+            out = xp.asarray(poison(q.shape, dtype))
+            assert p.run(xp.asarray(layer_q), xp.asarray(k), xp.asarray(v), out=out) is out
+            assert_close(out, expected, dtype)
+
+
+def test_host_lengths_are_not_copied_back(rng, xp, monkeypatch):
+    """Host (NumPy) lengths and query_start_loc: the plan reads nothing from the device."""
+    import cupaged.prefill as prefill
+
+    q, k_cache, v_cache, tables, lens, starts, _ = prefill_batch(rng, BATCH, 64, 2, 16, "float16")
+    read_back = []
+    real = prefill.to_numpy
+    monkeypatch.setattr(prefill, "to_numpy", lambda x: read_back.append(type(x)) or real(x))
+    plan = cupaged.PrefillPlan(
+        xp.asarray(tables), lens, starts, xp.asarray(k_cache), 4, checked=False
+    )
+    assert read_back and all(kind is np.ndarray for kind in read_back)
+    got = plan.run(*(xp.asarray(x) for x in (q, k_cache, v_cache)))
+    assert_close(got, oracle(q, k_cache, v_cache, tables, lens, starts), "float16")
+
+
+def test_the_plan_keeps_its_own_copies(rng):
+    """Writing into the caller's arrays after planning changes nothing the plan runs (valid
+    values here, so that an aliasing plan fails without a crash; the crash is below)."""
+    q, k_cache, v_cache, tables, lens, starts, _ = prefill_batch(rng, BATCH, 64, 2, 16, "float32")
+    expected = oracle(q, k_cache, v_cache, tables, lens, starts)
+    plan = cupaged.PrefillPlan(tables, lens, starts, k_cache, 4)
+    tables[...] = tables[::-1]
+    lens[...] = lens.max()
+    starts[1:-1] = starts[-1]
+    assert_close(plan.run(q, k_cache, v_cache), expected, "float32")
+
+
+ALIASED_PREFILL = """
+    import numpy as np
+    import cupaged
+
+    rng = np.random.default_rng(0)
+    k = rng.standard_normal((8, 1, 16, 64)).astype(np.float32)
+    q = rng.standard_normal((4, 1, 64)).astype(np.float32)
+    tables, lens = np.array([[3, 5]], np.int32), np.array([20], np.int32)
+    starts = np.array([0, 4], np.int32)
+    plan = cupaged.PrefillPlan(tables, lens, starts, k, 1)
+    expected = plan.run(q, k, k)
+    tables[0, 0], lens[0] = 10**8, 10**6  # the caller's arrays, after the check
+    print("same" if np.array_equal(plan.run(q, k, k), expected) else "changed")
+"""
+
+
+def test_writing_a_huge_id_into_the_callers_table_after_planning_cannot_crash():
+    from test_decode_plan import run_in_child
+
+    assert run_in_child(ALIASED_PREFILL).split() == ["same"]
+
+
+@pytest.mark.parametrize("causal", ["no", None, 1, 0.0, np.array([True])])
+def test_causal_is_a_bool(rng, causal):
+    """ "no" ran causal (truthy) and None non-causal: only a bool is taken."""
+    args = good_args(rng)
+    out = np.full(args["q"].shape, np.nan, np.float32)
+    with pytest.raises(TypeError, match=r"expected causal to be a bool, got "):
+        cupaged.paged_prefill(**args, causal=causal, out=out)
+    tables, lens, starts = args["block_tables"], args["context_lens"], args["query_start_loc"]
+    with pytest.raises(TypeError, match=r"expected causal to be a bool"):
+        cupaged.PrefillPlan(tables, lens, starts, args["k_cache"], 4, causal=causal)
+    with pytest.raises(TypeError, match=r"expected causal to be a bool"):
+        cupaged.reference_prefill(**args, causal=causal)
+    assert np.isnan(out).all()
+    expected = oracle(*args.values(), causal=False)
+    assert_close(cupaged.paged_prefill(**args, causal=np.bool_(False)), expected, "float32")
+
+
+def test_numpy_split_counts_and_counts_past_the_contexts(rng):
+    """num_splits=np.int64(3) was refused with an internal "expected workers" message; a count
+    far past what the ranges hold collapses to what they do."""
+    args = good_args(rng)
+    expected = oracle(*args.values())
+    for splits in (np.int64(3), np.int32(2), 10**6):
+        out = cupaged.paged_prefill(**args, num_splits=splits)
+        assert_close(out, expected, "float32")
+    for splits, error in ((np.float32(2), TypeError), (False, TypeError), (0, ValueError)):
+        with pytest.raises(error, match="num_splits"):
+            cupaged.paged_prefill(**args, num_splits=splits)
+
+
+def test_run_refuses_arrays_that_differ_from_the_plan(rng):
+    args = good_args(rng)
+    q, k_cache, v_cache = args["q"], args["k_cache"], args["v_cache"]
+    plan = cupaged.PrefillPlan(
+        args["block_tables"], args["context_lens"], args["query_start_loc"], k_cache, 4
+    )
+    out = np.full(q.shape, np.nan, np.float32)
+    with pytest.raises(ValueError, match=r"expected q of shape \(total_query_tokens=7, "):
+        plan.run(q[:6], k_cache, v_cache, out=out[:6])
+    with pytest.raises(ValueError, match=r"expected k_cache of shape \(num_blocks=\d+, "):
+        plan.run(q, k_cache[:-1], v_cache[:-1], out=out)
+    with pytest.raises(TypeError, match=r"expected q of dtype float32 \(the planned dtype\)"):
+        plan.run(q.astype(np.float16), k_cache, v_cache, out=out)
+    frozen = out.copy()
+    frozen.flags.writeable = False
+    with pytest.raises(ValueError, match="expected out writable"):
+        plan.run(q, k_cache, v_cache, out=frozen)
+    misaligned = np.empty(k_cache.size + 1, np.float32)[1:].reshape(k_cache.shape)
+    misaligned[...] = k_cache
+    with pytest.raises(ValueError, match="expected k_cache 16-byte aligned"):
+        plan.run(q, misaligned, v_cache, out=out)
+    assert np.isnan(out).all()  # nothing ran
+    assert_close(plan.run(q, k_cache, v_cache, out=out), oracle(*args.values()), "float32")
+
+
+def test_the_plan_checks_once_and_trusts_only_when_asked(rng):
+    args = good_args(rng)
+    tables = args["block_tables"].astype(np.int64)
+    tables[1, 0] = 2**32 + 1  # must not become block 1
+    lens, starts, k_cache = args["context_lens"], args["query_start_loc"], args["k_cache"]
+    with pytest.raises(ValueError, match=r"expected block ids in \[0, \d+\) in row 1"):
+        cupaged.PrefillPlan(tables, lens, starts, k_cache, 4)
+    with pytest.raises(ValueError, match=r"expected query_start_loc non-decreasing"):
+        cupaged.PrefillPlan(tables, lens, np.array([0, 8, 7]), k_cache, 4, checked=False)
+    with pytest.raises(TypeError, match="expected a NumPy or CuPy array, got list"):
+        cupaged.PrefillPlan(tables, lens.tolist(), starts, k_cache, 4)
+    with pytest.raises(ValueError, match="positive multiple of num_kv_heads=2"):
+        cupaged.PrefillPlan(args["block_tables"], lens, starts, k_cache, 3)
+    plan = cupaged.PrefillPlan(args["block_tables"], lens, starts, k_cache, 4, checked=False)
+    assert not plan.checked
+    assert_close(plan.run(args["q"], k_cache, args["v_cache"]), oracle(*args.values()), "float32")
+
+
+def test_a_plan_over_a_step_of_the_cache(rng):
+    """What a model does: the step's tables and lengths (the cache's own, unchecked), its host
+    query_start_loc, one plan for every layer."""
+    cache = cupaged.PagedCache(
+        64, block_size=16, num_layers=2, num_kv_heads=2, head_dim=64, dtype="float16", device="cpu"
+    )
+    sids = [cache.add_sequence() for _ in range(3)]
+    kv = random_array(rng, (2, 40, 2, 64), "float16")
+    cache.append(sids[1], kv, kv)
+    step = cache.step(sids, num_tokens=[23, 7, 1], tables=True)
+    plan = cupaged.PrefillPlan(
+        step.block_tables, step.context_lens, step.query_start_loc, cache.k[0], 8, checked=False
+    )
+    assert plan.total_query_tokens == 31
+    for layer in range(2):
+        k = random_array(rng, (31, 2, 64), "float16")
+        cupaged.write_kv(cache.k[layer], cache.v[layer], k, k[::-1].copy(), step.slots)
+        q = random_array(rng, (31, 8, 64), "float16")
+        expected = oracle(
+            q,
+            cache.k[layer],
+            cache.v[layer],
+            step.block_tables,
+            step.context_lens,
+            step.query_start_loc,
+        )
+        assert_close(plan.run(q, cache.k[layer], cache.v[layer]), expected, "float16")
+
+
+@pytest.mark.parametrize("num_q_heads", [1024])
+def test_a_thousand_query_heads_on_one_kv_head(rng, num_q_heads):
+    """1024 query heads over one KV head (chunks of 16 heads, one thread block each) run on the
+    CPU backend, prefill and decode, against the oracle: no internal shared-memory message
+    (issue 23); past one launch's grid the message names the limit in the caller's terms."""
+    batch = ((20, 3), (5, 1))
+    q, k_cache, v_cache, tables, lens, starts, _ = prefill_batch(
+        rng, batch, 64, num_q_heads, 16, "float32", num_kv_heads=1
+    )
+    expected = oracle(q, k_cache, v_cache, tables, lens, starts)
+    out = np.full(q.shape, np.nan, np.float32)
+    cupaged.paged_prefill(q, k_cache, v_cache, tables, lens, starts, out=out)
+    assert_close(out, expected, "float32")
+    rows = starts[1:] - 1  # each sequence's last query: a decode row
+    decode = cupaged.paged_attention(q[rows].copy(), k_cache, v_cache, tables, lens)
+    assert_close(decode, expected[rows], "float32")
+    with pytest.raises(ValueError, match=r"expected num_q_heads in 1\.\.65535 \(one launch\)"):
+        cupaged.PrefillPlan(tables[:1], lens[:1], np.array([0, 1], np.int32), k_cache, 70_000)

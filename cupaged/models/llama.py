@@ -1,8 +1,11 @@
 """A Llama-family decoder in array ops (NumPy on the CPU, CuPy on the GPU) over the paged cache.
 
 Per layer: RMSNorm, Q/K/V projections, rotary positions, GQA attention through cupaged
-(``write_kv`` then ``paged_prefill`` for prompts and mixed steps, ``paged_attention`` for decode
-steps), the output projection, RMSNorm, SwiGLU. The head is the output matrix, or the token
+(``write_kv``, then the ``run`` of the step's plan: a :class:`~cupaged.PrefillPlan` for prompts
+and mixed steps, a :class:`~cupaged.DecodePlan` for decode steps), the output projection,
+RMSNorm, SwiGLU. A step plans its attention once (the checks, the lengths, the launch and the
+kernels) and every layer runs that plan; the tables and slots are the cache's own, so the plans
+and the writes take them unchecked. The head is the output matrix, or the token
 embedding when the GGUF ties them. Every shape comes from the GGUF's metadata.
 :meth:`Llama.forward_full` runs the same layers without any cache (attention in array ops over
 the whole sequence), as the check of the paged paths.
@@ -31,12 +34,12 @@ import numpy as np
 from .. import (
     Admission,
     CupagedError,
+    DecodePlan,
     PagedCache,
+    PrefillPlan,
     SequenceBatch,
     StepPlan,
     from_float,
-    paged_attention,
-    paged_prefill,
     to_float,
     write_kv,
 )
@@ -44,6 +47,8 @@ from .gguf import GGUFFile
 
 # Layer i's attention: (i, q, k, v) -> [n, num_q_heads, head_dim], Q/K/V in the cache's dtype.
 Attend = Callable[[int, Any, Any, Any], Any]
+# A step's attention, planned once: run(q, k_cache, v_cache) is a layer's.
+Plan = DecodePlan | PrefillPlan
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,34 +65,93 @@ class LlamaConfig:
     rms_eps: float
     rope_base: float
 
+    def __post_init__(self) -> None:
+        """Refuse sizes that are not positive integers, constants that are not positive finite
+        numbers, and query heads that do not group evenly over the KV heads.
+
+        Raises:
+            ValueError: the first bad value, named.
+        """
+        heads = ("num_q_heads", "num_kv_heads", "head_dim")
+        for name in ("num_layers", "hidden", *heads, "ffn", "vocab_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
+                raise ValueError(f"expected {name} an integer >= 1, got {value!r}")
+        for name in ("rms_eps", "rope_base"):
+            value = getattr(self, name)
+            number = isinstance(value, int | float | np.number) and not isinstance(value, bool)
+            if not (number and np.isfinite(value) and value > 0):
+                raise ValueError(f"expected {name} a finite number > 0, got {value!r}")
+        if self.num_q_heads % self.num_kv_heads:
+            raise ValueError(
+                f"expected num_q_heads a multiple of num_kv_heads={self.num_kv_heads}, got "
+                f"{self.num_q_heads}"
+            )
+        if self.head_dim % 2:  # rotary positions turn pairs of elements
+            raise ValueError(f"expected an even head_dim, got {self.head_dim}")
+
     @classmethod
     def from_gguf(cls, gguf: GGUFFile) -> LlamaConfig:
+        """The config that a GGUF file's metadata declares, every size checked.
+
+        Raises:
+            CupagedError: not a Llama GGUF, a value missing or of the wrong kind (a size that is
+                not a positive integer, a constant that is not a positive finite number), or sizes
+                that do not fit together (a hidden size that the head count does not divide, ...).
+        """
         arch = gguf.require("general.architecture")
         if arch != "llama":
             raise CupagedError(f"expected a 'llama' architecture GGUF, got {arch!r}")
-        hidden = int(gguf.require("llama.embedding_length"))
-        num_q_heads = int(gguf.require("llama.attention.head_count"))
-        num_kv_heads = int(gguf.metadata("llama.attention.head_count_kv", num_q_heads))
+
+        def size(key: str, default: int | None = None) -> int:
+            value = gguf.require(key) if default is None else gguf.metadata(key, default)
+            if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
+                raise CupagedError(
+                    f"expected {key} a positive integer in {gguf.path.name}, got {value!r}"
+                )
+            return int(value)
+
+        def number(key: str, default: float) -> float:
+            value = gguf.metadata(key, default)
+            ok = isinstance(value, int | float | np.number) and not isinstance(value, bool)
+            if not (ok and np.isfinite(value) and value > 0):
+                raise CupagedError(
+                    f"expected {key} a finite number > 0 in {gguf.path.name}, got {value!r}"
+                )
+            return float(value)
+
+        hidden = size("llama.embedding_length")
+        num_q_heads = size("llama.attention.head_count")
+        num_kv_heads = size("llama.attention.head_count_kv", num_q_heads)
+        if hidden % num_q_heads:
+            raise CupagedError(
+                f"expected llama.embedding_length a multiple of llama.attention.head_count="
+                f"{num_q_heads} in {gguf.path.name}, got {hidden}"
+            )
         head_dim = hidden // num_q_heads
-        rope_dim = int(gguf.metadata("llama.rope.dimension_count", head_dim))
+        rope_dim = size("llama.rope.dimension_count", head_dim)
         if rope_dim != head_dim:
             raise CupagedError(
                 f"expected rotary positions over the whole head ({head_dim}), got {rope_dim}"
             )
-        vocab = gguf.metadata("llama.vocab_size")
-        if vocab is None:
+        if gguf.metadata("llama.vocab_size") is not None:
+            vocab = size("llama.vocab_size")
+        else:
             vocab = len(gguf.require("tokenizer.ggml.tokens"))
-        return cls(
-            num_layers=int(gguf.require("llama.block_count")),
-            hidden=hidden,
-            num_q_heads=num_q_heads,
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
-            ffn=int(gguf.require("llama.feed_forward_length")),
-            vocab_size=int(vocab),
-            rms_eps=float(gguf.metadata("llama.attention.layer_norm_rms_epsilon", 1e-5)),
-            rope_base=float(gguf.metadata("llama.rope.freq_base", 10000.0)),
-        )
+        try:
+            return cls(
+                num_layers=size("llama.block_count"),
+                hidden=hidden,
+                num_q_heads=num_q_heads,
+                num_kv_heads=num_kv_heads,
+                head_dim=head_dim,
+                ffn=size("llama.feed_forward_length"),
+                vocab_size=vocab,
+                rms_eps=number("llama.attention.layer_norm_rms_epsilon", 1e-5),
+                rope_base=number("llama.rope.freq_base", 10000.0),
+            )
+        except ValueError as error:
+            raise CupagedError(f"{gguf.path.name}: {error}") from None
 
 
 def unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
@@ -105,10 +169,10 @@ def load_weights(gguf: GGUFFile, config: LlamaConfig) -> dict[str, np.ndarray]:
 
     Keys are the GGUF tensor names; ``output.weight`` is the token embedding when tied.
     """
+    parts = "attn_norm attn_q attn_k attn_v attn_output ffn_norm ffn_gate ffn_up ffn_down".split()
     names = ["token_embd.weight", "output_norm.weight"]
     for i in range(config.num_layers):
-        names += [f"blk.{i}.{part}.weight" for part in ("attn_norm", "attn_q", "attn_k", "attn_v",
-                  "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")]  # fmt: skip
+        names += [f"blk.{i}.{part}.weight" for part in parts]
     weights = {name: gguf.tensor(name) for name in names}
     tied = "output.weight" not in gguf.tensor_names
     weights["output.weight"] = (
@@ -143,8 +207,9 @@ class Llama:
             CPU only: CuPy launches return before the GPU finishes.
     """
 
-    def __init__(self, config: LlamaConfig, weights: dict[str, np.ndarray], xp: Any,
-                 dtype: str = "float32") -> None:  # fmt: skip
+    def __init__(
+        self, config: LlamaConfig, weights: dict[str, np.ndarray], xp: Any, dtype: str = "float32"
+    ) -> None:
         c = config
         self.config, self.xp, self.dtype = c, xp, dtype
         self.device = "cpu" if xp is np else "cuda"
@@ -165,32 +230,42 @@ class Llama:
             w = {k.split(".")[2]: v for k, v in weights.items() if k.startswith(f"blk.{i}.")}
             wq = unpermute_rope_rows(w["attn_q"], c.num_q_heads)
             wk = unpermute_rope_rows(w["attn_k"], c.num_kv_heads)
-            self.layers.append({
+            layer = {
                 "attn_norm": put(w["attn_norm"]),
                 "qkv": put(np.concatenate([wq, wk, w["attn_v"]]).T),  # [hidden, (Hq + 2 Hkv) D]
                 "out": put(w["attn_output"].T),
                 "ffn_norm": put(w["ffn_norm"]),
                 "gate_up": put(np.concatenate([w["ffn_gate"], w["ffn_up"]]).T),  # [hidden, 2 F]
                 "down": put(w["ffn_down"].T),
-            })  # fmt: skip
+            }
+            self.layers.append(layer)
         half = c.head_dim // 2
         self._inv_freq = xp.asarray(c.rope_base ** (-np.arange(half, dtype=np.float64) / half))
 
     def make_cache(self, num_blocks: int, block_size: int = 16) -> PagedCache:
         """A cache shaped for this model, on its device, prefix caching on."""
         c = self.config
-        return PagedCache(num_blocks, block_size=block_size, num_layers=c.num_layers,
-                          num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, dtype=self.dtype,
-                          device=self.device, enable_prefix_caching=True)  # fmt: skip
+        return PagedCache(
+            num_blocks,
+            block_size=block_size,
+            num_layers=c.num_layers,
+            num_kv_heads=c.num_kv_heads,
+            head_dim=c.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+            enable_prefix_caching=True,
+        )
 
     # ------------------------------------------------------------------------------ forward paths
 
-    def prefill(self, cache: PagedCache, admissions: list[Admission],
-                prompts: list[list[int]]) -> Any:  # fmt: skip
+    def prefill(
+        self, cache: PagedCache, admissions: list[Admission], prompts: list[list[int]]
+    ) -> Any:
         """Compute the uncached rest of several admitted prompts in one batch.
 
         Returns ``[len(prompts), vocab]`` float32 logits after each prompt's last token. Commits
-        the prompts' blocks to the prefix cache.
+        the prompts' blocks to the prefix cache. ``admissions`` are ``cache.admit``'s: their
+        slots are written unchecked (the cache planned them).
         """
         xp = self.xp
         starts = [a.num_cached_tokens for a in admissions]
@@ -199,18 +274,16 @@ class Llama:
         if (counts < 1).any():
             raise ValueError(f"expected at least one uncached token per prompt, got {counts}")
         sids = [a.sid for a in admissions]
-        # Once per batch: positions, slots, tables and the packed query rows.
+        # Once per batch: positions, slots, the packed query rows and the attention plan (over
+        # the cache's own tables and host lengths: nothing read back).
         positions = xp.asarray(
             np.concatenate([np.arange(s, s + n) for s, n in zip(starts, counts, strict=True)])
         )
         slots = xp.concatenate([xp.asarray(a.slots) for a in admissions])
-        tables, lens = cache.block_tables(sids)
-        query_start_loc = xp.asarray(np.concatenate([[0], np.cumsum(counts)]).astype(np.int32))
         tokens = xp.asarray(np.concatenate([np.asarray(ch, np.int64) for ch in chunks]))
+        plan = cache.prefill_plan(sids, self.config.num_q_heads, num_tokens=counts)
 
-        h = self._layers(
-            tokens, positions, self._paged(cache, slots, tables, lens, query_start_loc)
-        )
+        h = self._layers(tokens, positions, self._writing(cache, slots, plan))
         cache.commit(sids)  # the K/V are written: the prompts' full blocks may serve others now
         last = xp.asarray(np.cumsum(counts) - 1)
         return self._logits(h[last])
@@ -224,34 +297,29 @@ class Llama:
         """
         xp = self.xp
         positions = np.array([cache.seq_len(sid) for sid in batch.sids.tolist()], np.int64)
-        # Once per step: slots (copy-on-write applied by the cache), tables, the longest context.
+        # Once per step: slots (copy-on-write applied by the cache), then the attention plan over
+        # the batch's tables (the cache's own: unchecked, planned on the device).
         slots = cache.step(batch, tokens=np.asarray(tokens)).slots
-        tables, lens = cache.block_tables(batch)
-        max_context = int(positions.max()) + 1
-
-        def attend(i: int, q: Any) -> Any:
-            return paged_attention(q, cache.k[i], cache.v[i], tables, lens,
-                                   max_context_len=max_context)  # fmt: skip
-
-        h = self._layers(xp.asarray(np.asarray(tokens, np.int64)), xp.asarray(positions),
-                         self._writing(cache, slots, attend))  # fmt: skip
+        plan = cache.decode_plan(batch, self.config.num_q_heads)
+        tokens = xp.asarray(np.asarray(tokens, np.int64))
+        h = self._layers(tokens, xp.asarray(positions), self._writing(cache, slots, plan))
         return self._logits(h)
 
-    def forward(self, cache: PagedCache, plan: StepPlan, tokens: Any, positions: Any,
-                rows: Any) -> Any:  # fmt: skip
+    def forward(
+        self, cache: PagedCache, plan: StepPlan, tokens: Any, positions: Any, rows: Any
+    ) -> Any:
         """One mixed step: every sequence of a ``step(..., tables=True)`` plan computes its new
         tokens (a prompt chunk, or one decode token) in one pass over the layers.
 
-        Per layer, one ``write_kv`` for every new token, then one ``paged_prefill`` over every
-        row, chunks and decode rows together (the prefill page's decision: one launch for a
-        mixed batch); a step of decode rows only takes ``paged_attention``, the decode kernel.
-        (On the CPU backend, a step of 15 decode rows and one 16-token chunk at SmolLM2's heads
-        and 60-token contexts took 7.4 ms a layer in one ``paged_prefill``, 9.8 + 6.3 ms split
-        over the two kernels.)
+        Planned once for the step: a :class:`~cupaged.PrefillPlan` over every row, chunks and
+        decode rows together (the prefill page's decision: one launch for a mixed batch), or a
+        :class:`~cupaged.DecodePlan` (the decode kernel) for a step of decode rows only. Per
+        layer, one ``write_kv`` for every new token, then the plan's ``run``.
 
         Args:
             plan: ``cache.step(sids, num_tokens, tokens, tables=True)``: slots, tables, lengths
-                (the step's tokens included) and ``query_start_loc``.
+                (the step's tokens included) and ``query_start_loc``, all this cache's own, so
+                written and attended unchecked.
             tokens: ``[sum(num_tokens)]`` int token ids, packed in the plan's order.
             positions: ``[sum(num_tokens)]`` int positions of those tokens in their sequences.
             rows: indices into the packed tokens whose logits are wanted (e.g. each sequence's
@@ -261,15 +329,14 @@ class Llama:
             ``[len(rows), vocab]`` float32 logits.
         """
         xp = self.xp
-        counts, starts = plan.num_tokens, plan.query_start_loc
-        tables, lens = plan.block_tables, plan.context_lens
-        if (counts == 1).all():
-            attend = self._writing(cache, plan.slots, lambda i, q: paged_attention(
-                q, cache.k[i], cache.v[i], tables, lens))  # fmt: skip
+        # Over the step's own tables (the cache refuses another cache's plan).
+        if (plan.num_tokens == 1).all():
+            attention = cache.decode_plan(plan, self.config.num_q_heads)
         else:
-            attend = self._paged(cache, plan.slots, tables, lens, xp.asarray(starts))
-        h = self._layers(xp.asarray(np.asarray(tokens, np.int64)),
-                         xp.asarray(np.asarray(positions, np.int64)), attend)  # fmt: skip
+            attention = cache.prefill_plan(plan, self.config.num_q_heads)
+        tokens = xp.asarray(np.asarray(tokens, np.int64))
+        positions = xp.asarray(np.asarray(positions, np.int64))
+        h = self._layers(tokens, positions, self._writing(cache, plan.slots, attention))
         return self._logits(h[xp.asarray(np.asarray(rows, np.int64))])
 
     def forward_full(self, tokens: list[int]) -> Any:
@@ -298,23 +365,15 @@ class Llama:
     # ------------------------------------------------------------------------------ pieces
 
     @staticmethod
-    def _writing(cache: PagedCache, slots: Any, attend: Callable[[int, Any], Any]) -> Attend:
-        """Attention over the cache: the new K/V written to ``slots``, then ``attend(i, q)``."""
+    def _writing(cache: PagedCache, slots: Any, plan: Plan) -> Attend:
+        """Attention over the cache: the new K/V written to ``slots`` (the cache's own plan of
+        the step: unchecked), then the step's attention ``plan`` run on layer ``i``."""
 
         def run(i: int, q: Any, k: Any, v: Any) -> Any:
-            write_kv(cache.k[i], cache.v[i], k, v, slots)
-            return attend(i, q)
+            write_kv(cache.k[i], cache.v[i], k, v, slots, checked=False)
+            return plan.run(q, cache.k[i], cache.v[i])
 
         return run
-
-    def _paged(self, cache: PagedCache, slots: Any, tables: Any, lens: Any,
-               query_start_loc: Any) -> Attend:  # fmt: skip
-        """``write_kv`` + ``paged_prefill`` (causal) per layer, over packed query rows."""
-
-        def attend(i: int, q: Any) -> Any:
-            return paged_prefill(q, cache.k[i], cache.v[i], tables, lens, query_start_loc)
-
-        return self._writing(cache, slots, attend)
 
     def _layers(self, tokens: Any, positions: Any, attend: Attend) -> Any:
         """The decoder layers over ``tokens`` at ``positions``; ``attend(i, q, k, v)`` is layer
@@ -329,8 +388,9 @@ class Llama:
             t0 = clock()
             qkv = self._rms_norm(h, layer["attn_norm"]) @ layer["qkv"]
             q = self._rope(qkv[:, :q_width].reshape(n, c.num_q_heads, c.head_dim), cos, sin)
-            k = self._rope(qkv[:, q_width : q_width + kv_width].reshape(n, c.num_kv_heads, -1),
-                           cos, sin)  # fmt: skip
+            k = self._rope(
+                qkv[:, q_width : q_width + kv_width].reshape(n, c.num_kv_heads, -1), cos, sin
+            )
             v = qkv[:, q_width + kv_width :].reshape(n, c.num_kv_heads, c.head_dim)
             t1 = clock()
             out = to_float(attend(i, self._store(q), self._store(k), self._store(v)))
@@ -347,8 +407,10 @@ class Llama:
 
     def _rotary(self, positions: Any) -> tuple[Any, Any]:
         angles = positions.astype(np.float64)[:, None] * self._inv_freq[None, :]
-        return (self.xp.cos(angles).astype(np.float32)[:, None, :],
-                self.xp.sin(angles).astype(np.float32)[:, None, :])  # fmt: skip
+        return (
+            self.xp.cos(angles).astype(np.float32)[:, None, :],
+            self.xp.sin(angles).astype(np.float32)[:, None, :],
+        )
 
     def _rope(self, x: Any, cos: Any, sin: Any) -> Any:
         """Rotate halves ``(x[i], x[i + d/2])`` (the rows were un-permuted at load)."""

@@ -1,0 +1,226 @@
+"""What the attention plans share: the device and GPU they plan for, the checks of a layer's
+arrays against a plan, and the loaded kernel of a launch plan.
+
+The layering reads top-down: ``ops`` (the one-shot forms) -> ``decode`` / ``prefill`` (the plans)
+-> this module -> ``_launch`` (the launch table), ``_kernels`` (compiled kernels), ``_backend``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import math
+from typing import Any
+
+import numpy as np
+
+from . import _launch
+from ._backend import array_module, device_module
+from ._checks import check_dtype, check_shape, check_writable
+from ._kernels import get_kernel
+from .dtypes import as_storage, storage_dtype
+
+LAYER_AXES = ("num_blocks", "num_kv_heads", "block_size", "head_dim")
+
+
+def device_of(xp: Any) -> str:
+    """``"cpu"`` for NumPy (the CPU backend), ``"cuda"`` for CuPy."""
+    return "cpu" if xp is np else "cuda"
+
+
+def device_id(xp: Any) -> int:
+    """The current device's id on CUDA (kernels are kept per device), 0 on the CPU."""
+    return 0 if xp is np else int(xp.cuda.Device().id)
+
+
+def target(device: str) -> _launch.Target:
+    """The GPU that launches are planned for: the current CUDA device's architecture, its
+    multiprocessors and the shared memory a block may opt into; the nominal H100 for the CPU
+    backend."""
+    if device == "cpu":
+        return _launch.NOMINAL_TARGET
+    return _cuda_target(device_module("cuda").cuda.runtime.getDevice())
+
+
+@functools.cache
+def _cuda_target(cuda_device: int) -> _launch.Target:
+    device = device_module("cuda").cuda.Device(cuda_device)
+    attributes = device.attributes
+    return _launch.Target(
+        int(device.compute_capability),  # "90" on an H100
+        int(attributes["MultiProcessorCount"]),
+        int(attributes["MaxSharedMemoryPerBlockOptin"]),
+    )
+
+
+def sm_count(device: str) -> int:
+    """Multiprocessors of the device launches are planned for (see :func:`target`)."""
+    return target(device).sm_count
+
+
+def address(x: Any) -> int:
+    """Address of an array's first element (NumPy or CuPy)."""
+    if isinstance(x, np.ndarray):
+        try:  # a writable array exports its buffer: the cheapest way to its address
+            return ctypes.addressof(ctypes.c_char.from_buffer(x))
+        except (TypeError, ValueError, BufferError):  # read-only, empty or strided
+            return int(x.ctypes.data)
+    return int(x.data.ptr)
+
+
+def check_contiguous(**arrays: Any) -> None:
+    """Refuse an array that is not C-contiguous, naming it and its strides."""
+    for name, x in arrays.items():
+        if not x.flags.c_contiguous:
+            raise ValueError(f"expected {name} C-contiguous, got strides {x.strides}")
+
+
+def check_aligned(**arrays: Any) -> None:
+    """Refuse an array whose first element is not 16-byte aligned (the kernels' vector loads)."""
+    for name, x in arrays.items():
+        if address(x) % 16:
+            raise ValueError(f"expected {name} 16-byte aligned, got address {address(x):#x}")
+
+
+def owned_int32(xp: Any, x: Any) -> Any:
+    """A C-contiguous int32 copy of ``x`` on ``xp``'s device that shares no memory with ``x``.
+
+    A plan keeps what it checked: a later write to the caller's array cannot reach a kernel.
+    ``x`` may be a host (NumPy) array when ``xp`` is CuPy: the upload is the copy.
+    """
+    if xp is not np and isinstance(x, np.ndarray):
+        return xp.asarray(np.ascontiguousarray(x, dtype=np.int32))
+    return x.astype(np.int32, order="C")  # astype copies
+
+
+def attention_kernel(device: str, source: str, launch: Any, group: int, head_dim: int) -> Any:
+    """The kernel of an attention launch plan, with the dynamic shared memory it asks for
+    (opted into above the default). The launch table picked it for this device's target
+    (:func:`target`), so it fits; the check stays as the last guard before a launch."""
+    if device == "cuda" and not target(device).fits(launch.shared_mem):
+        raise ValueError(
+            f"expected at most {target(device).shared_memory} bytes of shared memory per block "
+            f"on this GPU, got {launch.shared_mem} for {launch.name} ({group} query heads per KV "
+            f"head, head_dim {head_dim})"
+        )
+    kernel = get_kernel(device, source, launch.name)
+    if device == "cuda" and launch.shared_mem > _launch.DEFAULT_SHARED_MEMORY:
+        kernel.max_dynamic_shared_size_bytes = launch.shared_mem
+    if device == "cpu":  # heavy blocks: helper threads from two on (see _cpu.threads)
+        kernel = kernel.with_workers(cpu_threads().attention_workers(launch.grid))
+    return kernel
+
+
+def ctas_per_sm(kernel: Any, launch: Any) -> int:
+    """Thread blocks of a loaded CUDA kernel's launch resident per multiprocessor: CUDA's
+    occupancy calculator on its real registers and shared memory (the CPU backend, which has no
+    cubin, takes ``_launch.decode_ctas_per_sm``: what an H100 would)."""
+    driver = device_module("cuda").cuda.driver
+    ctas = driver.occupancyMaxActiveBlocksPerMultiprocessor(
+        kernel.kernel.ptr, math.prod(launch.block), launch.shared_mem
+    )
+    return max(1, int(ctas))
+
+
+class LayerArrays:
+    """What every layer's ``run`` of a plan must match, and its checks: the array type, the
+    element type, one layer's cache layout and the query rows, C-contiguous.
+
+    :meth:`views` compares the common case in a handful of comparisons (exact array type,
+    storage dtype, shapes and C strides) and takes the full checks, which name what was expected
+    and what arrived, for anything else.
+    """
+
+    __slots__ = (
+        "_device_id",
+        "_dtypes",
+        "_kinds",
+        "_layout",
+        "_q_axes",
+        "_q_shape",
+        "_shapes",
+        "_strides",
+        "_xp",
+        "dtype",
+    )
+
+    def __init__(
+        self, xp: Any, dtype: str, layout: tuple[int, ...], q_axes: tuple[str, ...], q_shape: tuple
+    ) -> None:
+        self._xp, self.dtype = xp, dtype
+        self._device_id = device_id(xp)
+        self._layout, self._q_axes, self._q_shape = tuple(layout), q_axes, tuple(q_shape)
+        # What the fast path compares (q, out, k_cache, v_cache) with: the exact array type, the
+        # storage dtype object (bfloat16 as uint16), the shapes and the C-contiguous strides.
+        storage = np.dtype(storage_dtype(dtype))
+        q_strides = _c_strides(self._q_shape, storage.itemsize)
+        strides = _c_strides(self._layout, storage.itemsize)
+        self._kinds = (xp.ndarray,) * 4
+        self._dtypes = (storage,) * 4
+        self._shapes = (self._q_shape, self._q_shape, self._layout, self._layout)
+        self._strides = (q_strides, q_strides, strides, strides)
+
+    def views(self, q: Any, k_cache: Any, v_cache: Any, out: Any) -> tuple[Any, ...]:
+        """``(out, q, k_cache, v_cache, out_storage)`` to launch on: ``out`` allocated in
+        ``q``'s dtype when ``None``; storage views (bfloat16 as ``uint16``), ``q`` contiguous.
+
+        Raises:
+            TypeError, ValueError: an argument that does not match the plan (nothing is run).
+        """
+        if out is None:
+            out = self._xp.empty(q.shape, q.dtype)  # q's dtype object: bfloat16 in, bfloat16 out
+        if (  # the common case in a handful of comparisons; anything else takes the long way
+            (type(q), type(out), type(k_cache), type(v_cache)) == self._kinds
+            and (q.dtype, out.dtype, k_cache.dtype, v_cache.dtype) == self._dtypes
+            and (q.shape, out.shape, k_cache.shape, v_cache.shape) == self._shapes
+            and (q.strides, out.strides, k_cache.strides, v_cache.strides) == self._strides
+            and (self._xp is not np or out.flags.writeable)
+        ):
+            out_storage = out
+        else:
+            q, k_cache, v_cache, out_storage = self._checked(q, k_cache, v_cache, out)
+        check_aligned(k_cache=k_cache, v_cache=v_cache)
+        if self._device_id != device_id(self._xp):
+            raise ValueError(
+                f"expected the device this plan was made on (CUDA device {self._device_id}) to "
+                f"be current, got device {device_id(self._xp)}: the plan's kernels and their "
+                f"shared-memory opt-in are that device's; make a plan on each device"
+            )
+        return out, q, k_cache, v_cache, out_storage
+
+    def _checked(self, q: Any, k_cache: Any, v_cache: Any, out: Any) -> tuple[Any, ...]:
+        """The full checks, naming what was expected (the plan's) and what arrived."""
+        xp = array_module(q, k_cache, v_cache, out)
+        if xp is not self._xp:
+            raise TypeError(
+                f"expected {self._xp.__name__} arrays (the plan's device), got {xp.__name__} arrays"
+            )
+        check_shape("q", q, list(zip(self._q_axes, self._q_shape, strict=True)))
+        for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+            check_shape(name, x, list(zip(LAYER_AXES, self._layout, strict=True)))
+        for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+            check_dtype(name, x, self.dtype, "the planned dtype")
+        check_contiguous(k_cache=k_cache, v_cache=v_cache)
+        check_shape("out", out, list(zip(self._q_axes, self._q_shape, strict=True)))
+        check_dtype("out", out, self.dtype, "q's dtype")
+        check_contiguous(out=out)
+        check_writable("out", out)
+        q = self._xp.ascontiguousarray(as_storage(q))
+        return q, as_storage(k_cache), as_storage(v_cache), as_storage(out)
+
+
+def _c_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
+    """Byte strides of a C-contiguous array of ``shape``."""
+    strides, step = [], itemsize
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
+
+
+def cpu_threads() -> Any:
+    """The CPU backend's thread policy (:mod:`cupaged._cpu.threads`), imported on first use: a
+    GPU-only program never loads the CPU backend."""
+    from ._cpu import threads
+
+    return threads
