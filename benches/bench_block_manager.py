@@ -210,17 +210,26 @@ def test_admission(benchmark, num_blocks):
     managers[-1].check_invariants()
 
 
-@pytest.mark.parametrize("mode", ["per_step", "bulk"])
-def test_beam_search(benchmark, mode):
+@pytest.mark.parametrize(
+    "mode, prefix_caching",
+    [("per_step", False), ("per_step", True), ("bulk", False)],
+    ids=["mode=per_step", "mode=per_step-prefix_caching=on", "mode=bulk"],
+)
+def test_beam_search(benchmark, mode, prefix_caching):
     """W3b: fork 8 beams from 1,032 tokens, append 64 tokens each (copy-on-write), free all."""
     beams, new_tokens = 8, 64
-    cache = PagedCache(256, block_size=BLOCK_SIZE, num_layers=1, num_kv_heads=1, head_dim=64,
-                       dtype="float16", device="cpu")  # fmt: skip
+    cache = PagedCache(
+        256, block_size=BLOCK_SIZE, num_layers=1, num_kv_heads=1, head_dim=64, dtype="float16",
+        device="cpu", enable_prefix_caching=prefix_caching,
+    )  # fmt: skip
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(0, 50_000, 1032)
+    steps = rng.integers(0, 50_000, (new_tokens, beams))  # one token per beam per step
     roots = []
 
     def setup():
         roots.append(cache.add_sequence())
-        cache.reserve(roots[-1], 1032)
+        cache.reserve(roots[-1], 1032, prompt if prefix_caching else None)
         return (roots[-1],), {}
 
     copy_times = []  # the copy's own share of each scenario (the CPU backend's kernel)
@@ -238,8 +247,9 @@ def test_beam_search(benchmark, mode):
         if mode == "bulk":
             copied += apply(cache.step(batch, new_tokens, apply_copies=False))
         else:
-            for _ in range(new_tokens):
-                plan = cache.step(batch, 1, apply_copies=False)
+            for step in range(new_tokens):
+                tokens = steps[step] if prefix_caching else None
+                plan = cache.step(batch, 1, tokens, apply_copies=False)
                 if plan.copy_src.size:
                     copied += apply(plan)
         cache.free_many([*children, root])
@@ -251,7 +261,8 @@ def test_beam_search(benchmark, mode):
     cache.check_invariants()
     median = benchmark.stats.stats.median
     benchmark.extra_info.update(
-        workload=f"W3b {mode}", context=1032, beams=beams, new_tokens=new_tokens,
+        workload=f"W3b {mode}{' prefix caching' if prefix_caching else ''}", context=1032,
+        beams=beams, new_tokens=new_tokens,
         block_size=BLOCK_SIZE, us_per_scenario=round(median * 1e6, 1),
         us_copy=round(float(np.median(copy_times)) * 1e6, 1),
     )  # fmt: skip

@@ -7,6 +7,7 @@ Public names::
     PrefixCache, PrefixChain                                prefix caching over a BlockPool
     write_kv, copy_blocks, paged_attention                  fused kernels on raw cache arrays
     DecodePlan                                              decode attention planned once per step
+    PrefillPlan                                             prefill attention planned once per step
     paged_prefill                                           fused attention of many queries per sequence
     to_csr, from_csr                                        dense <-> CSR page tables
     reference_attention, reference_prefill                  the naive oracle attention
@@ -19,9 +20,6 @@ Public names::
 from __future__ import annotations
 
 from ._backend import device_module, resolve_device, to_numpy
-from .block_manager import Admission, BlockManager, StepPlan
-from .block_pool import BlockPool
-from .block_table import SequenceBatch
 from .cache import PagedCache
 from .decode import DecodePlan
 from .dtypes import from_float, to_float
@@ -29,7 +27,12 @@ from .errors import CupagedError, KernelError, OutOfBlocksError
 from .memory import CacheSpec
 from .ops import copy_blocks, paged_attention, paged_prefill, write_kv
 from .page_table import from_csr, to_csr
-from .prefix_cache import PrefixCache, PrefixCacheStats, PrefixChain
+from .paging.manager import BlockManager
+from .paging.pool import BlockPool
+from .paging.prefix import PrefixCache, PrefixCacheStats, PrefixChain
+from .paging.results import Admission, StepPlan
+from .paging.sequences import SequenceBatch
+from .prefill import PrefillPlan
 from .reference import reference_attention, reference_prefill
 
 __version__ = "0.1.0"
@@ -48,6 +51,7 @@ __all__ = [
     "KernelError",
     "OutOfBlocksError",
     "PagedCache",
+    "PrefillPlan",
     "PrefixCacheStats",
     "copy_blocks",
     "device_module",

@@ -3,7 +3,8 @@
 The bookkeeping (tables, refcounts, copy-on-write plans, prefix caching) is the block manager's;
 this class adds the arrays: one ``[num_layers, num_blocks, num_kv_heads, block_size, head_dim]``
 array each for K and V, :meth:`PagedCache.append` (plan + write in one call), copy-on-write copies
-applied by ``copy_blocks``, and swapping a sequence's K/V to host memory and back (preemption).
+applied by ``copy_blocks``, swapping a sequence's K/V to host memory and back (preemption, by a
+:class:`~cupaged.swap.Swapper`), and the attention plans of a step over its own tables.
 """
 
 from __future__ import annotations
@@ -13,16 +14,22 @@ from typing import Any
 
 import numpy as np
 
-from ._backend import array_module
-from ._checks import check_dtype, check_shape, require
+from ._backend import array_module, to_numpy
+from ._checks import check_dtype, check_shape
 from ._launch import check_decode_shape
-from .block_manager import _NO_COPIES, Admission, BlockManager, StepPlan
-from .block_table import SequenceBatch
+from .decode import DecodePlan
 from .dtypes import as_storage, storage_dtype
-from .errors import CupagedError
 from .memory import CacheSpec
 from .ops import copy_blocks, write_kv
-from .prefix_cache import BlockHasher
+from .paging.manager import BlockManager
+from .paging.planner import NO_SLOTS
+from .paging.prefix import BlockHasher
+from .paging.results import Admission, StepPlan
+from .paging.sequences import SequenceBatch
+from .paging.tokens import step_tokens
+from .paging.transaction import atomic, run_atomically
+from .prefill import PrefillPlan
+from .swap import DeferredCopies, Swapper
 
 
 class PagedCache(BlockManager):
@@ -98,10 +105,14 @@ class PagedCache(BlockManager):
         shape = (num_layers, self.num_blocks, num_kv_heads, self.spec.block_size, head_dim)
         self.k = self._xp.zeros(shape, storage_dtype(self.spec.dtype))
         self.v = self._xp.zeros(shape, storage_dtype(self.spec.dtype))
-        self._swapped: dict[int, tuple[Any, Any]] = {}  # sid -> host (k, v) [L, n_blocks, ...]
+        self._swapper = Swapper(
+            self._table, self._pool, self._chains, self._transaction, self.k, self.v, self._xp
+        )
+        self._deferred = DeferredCopies(self._table, self._pool, self._transaction)
 
     # ----------------------------------------------------------------------------- writing
 
+    @atomic
     def append(self, sid: int, k: Any, v: Any, tokens: Sequence[int] | None = None) -> None:
         """Append tokens' keys and values to sequence ``sid``, in every layer.
 
@@ -116,25 +127,26 @@ class PagedCache(BlockManager):
             tokens: the appended tokens' ids, ``n_tokens`` of them; required with prefix caching
                 (full blocks are registered under keys of their token ids).
         """
-        with self._atomic as atomic:  # a failed copy or write undoes the plan too
-            row = self._resident_row(sid)  # (inside: no other thread's call in between)
-            k, v = self._check_kv(k, v)
-            n = int(k.shape[1])
-            new_tokens = self._check_tokens(True, 1, n, tokens)
-            if n == 0:
-                return
-            rows = np.array([row], np.intp)
-            slots, src, dst = self._plan(
-                rows, n, new_tokens, f"appending {n} token(s) to sequence {sid}"
-            )
-            atomic.kv_written = True
-            self._copy(src, dst, checked=False)  # the cache's own plan: valid by construction
-            slots = self._xp.asarray(slots)
-            for layer in range(self.spec.num_layers):
-                # The slots come from this cache's own plan: distinct and in range, so unchecked.
-                write_kv(self.k[layer], self.v[layer], k[layer], v[layer], slots, checked=False)
-            atomic.undo.append(self._chains_restorer([row]))
-            self._commit_rows([row])  # written: its full blocks may serve other sequences now
+        k, v = self._check_kv(k, v)
+        transaction = self._transaction
+        row = self._table.resident_row(sid)  # (inside: no other thread's call in between)
+        n = int(k.shape[1])
+        new_tokens = step_tokens(True, 1, n, tokens, self.prefix_caching)
+        if n == 0:
+            return
+        rows = np.array([row], np.intp)
+        slots, src, dst = self._planner.plan(
+            rows, n, new_tokens, f"appending {n} token(s) to sequence {sid}"
+        )
+        transaction.kv_written = True
+        self._copy(src, dst, checked=False)  # the cache's own plan: valid by construction
+        slots = self._on_device(slots)
+        for layer in range(self.spec.num_layers):
+            # The slots come from this cache's own plan: distinct and in range, so unchecked.
+            write_kv(self.k[layer], self.v[layer], k[layer], v[layer], slots, checked=False)
+        if self._table.pending.item(row):  # written: its full blocks may serve others now
+            self._chains.save([row])
+            self._chains.commit([row])
 
     def step(
         self,
@@ -155,19 +167,12 @@ class PagedCache(BlockManager):
                 batch them with your own launch) before writing this step's K/V.
         """
         if type(sids) is int and type(num_tokens) is int and num_tokens == 1 and not tables:
-            # One token in its own last block: no copy to apply.
-            slot = None if tokens is not None else self._step_one(sids)
+            slot = self._one_token(sids, tokens)  # one token in its own last block: no copy
             if slot is not None:
-                return StepPlan(slot, _NO_COPIES, _NO_COPIES, 1, 1)
-        if not apply_copies:  # the manager's step as it is (its own transaction)
-            return super().step(sids, num_tokens, tokens, tables=tables)
-        with self._atomic as atomic:  # a failed copy undoes the plan too
-            plan = super().step(sids, num_tokens, tokens, tables=tables)
-            if plan.copy_src.size:
-                atomic.kv_written = True
-                self._copy(plan.copy_src, plan.copy_dst, checked=False)  # its own plan: valid
-                plan.copies_applied = True
-        return plan
+                return StepPlan(slot, NO_SLOTS, NO_SLOTS, 1, 1)
+        return run_atomically(
+            self, self._step_and_copy, sids, num_tokens, tokens, apply_copies, tables
+        )
 
     def reserve(
         self,
@@ -195,10 +200,6 @@ class PagedCache(BlockManager):
             ``[sum(num_tokens)]`` int32 slot mapping on the cache's device, sequence after sequence
             in the order of ``sids``: ``slot = block * block_size + offset``.
         """
-        if type(sids) is int and type(num_tokens) is int and num_tokens == 1 and tokens is None:
-            slot = self._step_one(sids)  # the per-token call, in its fewest operations
-            if slot is not None:
-                return slot
         return self.step(sids, num_tokens, tokens).slots
 
     def admit(self, prompt: Sequence[int], cache_salt: str | bytes | None = None) -> Admission:
@@ -206,14 +207,30 @@ class PagedCache(BlockManager):
 
     admit.__doc__ = BlockManager.admit.__doc__
 
+    @atomic
+    def apply_copies(self, src: Any, dst: Any) -> None:
+        """Copy block ``src[i]`` onto block ``dst[i]`` in every layer of ``k`` and ``v``, in one
+        launch: the copy-on-write pairs of a :class:`StepPlan` that this cache's
+        ``step(..., apply_copies=False)`` left to the caller (host or device int32 arrays).
+
+        Raises:
+            ValueError: a pair that is not such a copy still to apply: any other destination may
+                hold another sequence's written tokens, which the copy would overwrite.
+        """
+        self._deferred.take(to_numpy(src).tolist(), to_numpy(dst).tolist())  # refuses others
+        self._transaction.kv_written = True
+        self._copy(src, dst, checked=True)
+
+    # ----------------------------------------------------------------------------- attention
+
     def decode_plan(
         self,
-        sids: Iterable[int] | SequenceBatch,
+        sids: StepPlan | Iterable[int] | SequenceBatch,
         num_q_heads: int,
         *,
         scale: float | None = None,
         num_splits: int | None = None,
-    ) -> Any:
+    ) -> DecodePlan:
         """The decode attention of a batch, planned once for every layer of this step.
 
         ``plan.run(q, cache.k[layer], cache.v[layer])`` then attends each layer (see
@@ -222,17 +239,70 @@ class PagedCache(BlockManager):
         place, which a captured CUDA graph may rely on with :meth:`DecodePlan.update`).
 
         Args:
-            sids: a :class:`SequenceBatch`, or sequence ids in the order of the query rows.
+            sids: a :class:`SequenceBatch`, sequence ids in the order of the query rows, or a
+                :class:`StepPlan` of this cache made with ``step(..., tables=True)``.
             num_q_heads: query heads, a multiple of ``spec.num_kv_heads``.
             scale: softmax scale; ``head_dim ** -0.5`` when ``None``.
             num_splits: see :class:`cupaged.DecodePlan`.
         """
-        from .decode import DecodePlan
-
-        tables, lens = self.block_tables(sids)
+        if isinstance(sids, StepPlan):
+            tables, lens = self._own_tables(sids)
+        else:
+            tables, lens = self.block_tables(sids)
         # The cache's own tables: valid by construction, so the plan trusts them.
-        return DecodePlan(tables, lens, self.k[0], num_q_heads, scale=scale,
-                          num_splits=num_splits, checked=False)  # fmt: skip
+        return DecodePlan(
+            tables, lens, self.k[0], num_q_heads, scale=scale, num_splits=num_splits, checked=False
+        )
+
+    def prefill_plan(
+        self,
+        step: StepPlan | Iterable[int] | SequenceBatch,
+        num_q_heads: int,
+        *,
+        num_tokens: Any = None,
+        scale: float | None = None,
+        causal: bool = True,
+        num_splits: int | None = None,
+    ) -> PrefillPlan:
+        """The attention of a prefill or mixed step, planned once for every layer of the step.
+
+        ``plan.run(q, cache.k[layer], cache.v[layer])`` then attends each layer's packed queries
+        (see :class:`cupaged.PrefillPlan`): sequence ``i``'s new tokens, the last ``n_i`` of
+        its length, are rows ``query_start_loc[i] : query_start_loc[i + 1]`` of ``q``. The
+        tables and lengths are the cache's own, so nothing is checked or read back per step.
+
+        Args:
+            step: a :class:`StepPlan` of this cache made with ``step(..., tables=True)`` (its
+                new tokens are the queries), or sequence ids / a :class:`SequenceBatch` whose
+                last ``num_tokens`` tokens are (an admission's prompt chunk).
+            num_q_heads: query heads, a multiple of ``spec.num_kv_heads``.
+            num_tokens: with ids or a batch: the query tokens per sequence (host ints).
+            scale, causal, num_splits: see :class:`cupaged.PrefillPlan`.
+        """
+        if isinstance(step, StepPlan):
+            tables, _ = self._own_tables(step)
+            lens, starts = step.host_context_lens, step.query_start_loc
+        else:
+            if num_tokens is None:
+                raise TypeError("expected num_tokens= (query tokens per sequence) with ids")
+            tables, _ = self.block_tables(step)
+            rows = self._rows_of(step)
+            lens = self._table.lens[rows]
+            counts = np.asarray(num_tokens)
+            if counts.shape != lens.shape or counts.dtype.kind not in "iu":
+                raise ValueError(
+                    f"expected one int count per sequence ({lens.size}), got {counts!r}"
+                )
+            if counts.size and (counts.min() < 1 or (counts > lens).any()):
+                raise ValueError(
+                    f"expected counts in 1 .. each sequence's length {lens.tolist()}, got "
+                    f"{counts.tolist()}"
+                )
+            starts = np.zeros(lens.size + 1, np.int32)
+            np.cumsum(counts, out=starts[1:])
+        # The cache's own tables and lengths: valid by construction, so the plan trusts them.
+        options = dict(scale=scale, causal=causal, num_splits=num_splits, checked=False)
+        return PrefillPlan(tables, lens, starts, self.k[0], num_q_heads, **options)
 
     def gather_kv(self, sid: int) -> tuple[Any, Any]:
         """Copy a sequence's keys and values out of the pages, in token order.
@@ -241,9 +311,10 @@ class PagedCache(BlockManager):
             ``(k, v)``, each ``[num_layers, seq_len, num_kv_heads, head_dim]`` in the cache's
             storage dtype.
         """
-        row = self._resident_row(sid)
-        length = int(self._seqs.lens[row])
-        blocks = self._xp.asarray(self._seqs.tables[row, : self._held(row)].astype(np.intp))
+        table = self._table
+        row = table.resident_row(sid)
+        length = table.lens.item(row)
+        blocks = self._xp.asarray(table.tables[row, : table.held(row)].astype(np.intp))
         out = []
         for pages in (self.k, self.v):
             layers, _, heads, block_size, head_dim = pages.shape
@@ -254,6 +325,7 @@ class PagedCache(BlockManager):
 
     # ----------------------------------------------------------------------------- swapping
 
+    @atomic
     def swap_out(self, sid: int) -> None:
         """Move sequence ``sid``'s K/V (every layer) to host memory and free its device blocks.
 
@@ -263,30 +335,9 @@ class PagedCache(BlockManager):
         appended to, reserved for, forked or attended to (``CupagedError``); ``seq_len``, ``free``
         and ``swap_in`` work.
         """
-        table = self._seqs
-        with self._atomic as atomic:  # (the copy too: no other thread's call in between)
-            row = self._resident_row(sid)
-            blocks = table.tables[row, : self._held(row)]
-            index = self._xp.asarray(blocks.astype(np.intp))
-            host = []
-            for pages in (self.k, self.v):
-                gathered = pages[:, index]  # [num_layers, n_blocks, heads, block_size, head_dim]
-                buffer = _host_empty(self._xp, gathered.shape, gathered.dtype)
-                if self._xp is np:
-                    buffer[...] = gathered
-                else:
-                    gathered.get(out=buffer)
-                host.append(buffer)
-            saved = table.snapshot(row)
-            atomic.undo.append(lambda: (table.restore(row, saved), self._swapped.pop(sid, None)))
-            self._pool.release(blocks[::-1].copy())
-            table.tables[row] = 0
-            table.live[row] = -1
-            table.epoch += 1  # batches holding it must check again
-            table.shared[row] = False
-            table.touch(row)
-            self._swapped[sid] = (host[0], host[1])
+        self._swapper.swap_out(sid)
 
+    @atomic
     def swap_in(self, sid: int) -> None:
         """Bring a swapped-out sequence back: allocate blocks and copy its K/V in.
 
@@ -294,49 +345,49 @@ class PagedCache(BlockManager):
         cache again unless their key is taken. All or nothing: :class:`OutOfBlocksError` changes
         nothing and the sequence stays swapped out.
         """
-        table = self._seqs
-        with self._atomic as atomic:  # (the lookups too: no other thread's call in between)
-            row = self._row(sid)
-            if sid not in self._swapped:
-                raise CupagedError(f"sequence {sid} is not swapped out")
-            k_host, v_host = self._swapped[sid]
-            n_blocks = k_host.shape[1]
-            blocks = self._pool.allocate(n_blocks)  # raises before any change
-            saved = table.snapshot(row)
-            atomic.undo.append(
-                lambda: (
-                    table.restore(row, saved),
-                    self._swapped.__setitem__(sid, (k_host, v_host)),
-                )
-            )
-            index = self._xp.asarray(np.asarray(blocks, dtype=np.intp))
-            atomic.kv_written = True
-            self.k[:, index] = self._xp.asarray(k_host)
-            self.v[:, index] = self._xp.asarray(v_host)
-            table.ensure_width(n_blocks + 1)
-            table.tables[row, :n_blocks] = blocks
-            table.live[row] = sid
-            table.touch(row)
-            del self._swapped[sid]
-            if self.prefix_caching:
-                self._prefix.register_chain(self._chains[row], blocks)
+        self._swapper.swap_in(sid)
+
+    # ----------------------------------------------------------------------------- checking
+
+    def check_invariants(self) -> None:
+        """Check every invariant of the bookkeeping; O(pool + tables), for tests and debugging.
+
+        :meth:`BlockManager.check_invariants`, and: a swapped-out sequence of ``n`` tokens keeps
+        ``ceil(n / block_size)`` host blocks and holds no device block.
+
+        Raises:
+            AssertionError: naming the first broken invariant.
+        """
+        super().check_invariants()
+        self._swapper.check_invariants(self.block_size)
 
     # ----------------------------------------------------------------------------- internals
 
-    def _release(self, sids: list[int], rows: list[int]) -> None:
-        super()._release(sids, rows)
-        if not self._swapped:  # mostly: no host copy to drop
-            return
-        dropped = {sid: self._swapped.pop(sid) for sid in sids if sid in self._swapped}
-        if dropped:
-            self._atomic.undo.append(lambda: self._swapped.update(dropped))
+    def _before_release(self, rows: list[int]) -> None:
+        if len(self._swapper):  # mostly: no host copy to drop
+            self._swapper.drop([self._table.sids.item(row) for row in rows])
 
-    def apply_copies(self, src: Any, dst: Any) -> None:
-        """Copy block ``src[i]`` onto block ``dst[i]`` in every layer of ``k`` and ``v``, in one
-        launch: a :class:`StepPlan`'s copy-on-write pairs (host or device int32 arrays), checked
-        like any ``copy_blocks`` call."""
-        with self._atomic:
-            self._copy(src, dst, checked=True)
+    def _step_and_copy(
+        self, sids: Any, num_tokens: Any, tokens: Any, apply_copies: bool, tables: bool
+    ) -> StepPlan:
+        plan = self._step(sids, num_tokens, tokens, tables)
+        if plan.copy_src.size:
+            if apply_copies:
+                self._transaction.kv_written = True
+                self._copy(plan.copy_src, plan.copy_dst, checked=False)  # its own plan
+                plan.copies_applied = True
+            else:
+                self._deferred.leave(plan.copy_src.tolist(), plan.copy_dst.tolist())
+        return plan
+
+    def _own_tables(self, step: StepPlan) -> tuple[Any, Any]:
+        """A step plan's device tables and lengths, refused unless this cache made them."""
+        if step.issuer is not self._table or step.block_tables is None:
+            raise ValueError(
+                "expected a StepPlan of this cache made with step(..., tables=True), got "
+                + ("one of another cache" if step.issuer is not self._table else "one without")
+            )
+        return step.block_tables, step.context_lens
 
     def _copy(self, src: Any, dst: Any, checked: bool) -> None:
         if len(src):
@@ -365,39 +416,3 @@ class PagedCache(BlockManager):
         check_dtype("k", k, spec.dtype, "the cache's dtype")
         check_dtype("v", v, spec.dtype, "the cache's dtype")
         return as_storage(k), as_storage(v)
-
-    # ----------------------------------------------------------------------------- checking
-
-    def check_invariants(self) -> None:
-        """Check every invariant of the bookkeeping; O(pool + tables), for tests and debugging.
-
-        :meth:`BlockManager.check_invariants`, and: a swapped-out sequence of ``n`` tokens keeps
-        ``ceil(n / block_size)`` host blocks and holds no device block.
-
-        Raises:
-            AssertionError: naming the first broken invariant.
-        """
-        super().check_invariants()
-        for sid, row in self._rows.items():
-            swapped = sid in self._swapped
-            require(
-                swapped == (self._seqs.live[row] < 0),
-                f"sequence {sid} is {'' if swapped else 'not '}swapped but its row says otherwise",
-            )
-            if swapped:
-                n_blocks = self._swapped[sid][0].shape[1]
-                length = int(self._seqs.lens[row])
-                require(
-                    n_blocks == self.spec.blocks_for(length),
-                    f"swapped sequence {sid} has {length} tokens in {n_blocks} host blocks",
-                )
-        require(self._swapped.keys() <= self._rows.keys(), "a freed sequence kept its host copy")
-
-
-def _host_empty(xp: Any, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
-    """Host memory for a swapped-out sequence: pinned when the cache is on the GPU."""
-    if xp is np:
-        return np.empty(shape, dtype)
-    import cupyx
-
-    return cupyx.empty_pinned(shape, dtype)

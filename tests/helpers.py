@@ -155,3 +155,249 @@ def recorded_cpu_launches():
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(cpu_module.CpuKernel, "__call__", recording_call)
         yield launches
+
+
+# ------------------------------------------------------------------------------- internals
+
+
+class Internals:
+    """A test's view of the state behind the public API of the bookkeeping.
+
+    White-box tests (exact free stacks, a corrupted table that ``check_invariants`` must catch,
+    fault injection, a race forced between two calls) read and change private state here, and
+    only here: no test reaches into a private name itself, so that when the internals change
+    this class (with :func:`inner_calls` and :func:`undo_calls`, the private calls fault
+    injection patches by name) is the one place to follow them. Make one with
+    :func:`internals`; prefer the public API (``block_table``, ``seq_len``, ``pool.refcounts``,
+    ``pool.evictable_blocks()``, ``check_invariants``) wherever it says enough.
+
+    Attributes:
+        manager: the :class:`~cupaged.BlockManager` (or :class:`~cupaged.PagedCache`), or ``None``
+            for a bare pool or prefix cache.
+        transaction: the manager's :class:`~cupaged.paging.transaction.Transaction`.
+        pool: the :class:`~cupaged.BlockPool`.
+        index: the :class:`~cupaged.PrefixCache` (a manager's, or the bare one given).
+        table: the manager's :class:`~cupaged.paging.sequences.SequenceTable`.
+        chains: the manager's :class:`~cupaged.paging.chains.Chains` (row -> prefix chain).
+        swapper: a cache's :class:`~cupaged.swap.Swapper` (``None`` for a manager).
+    """
+
+    def __init__(self, owner) -> None:
+        from cupaged import BlockManager, BlockPool, PrefixCache
+
+        self.manager = self.transaction = self.table = self.chains = self.swapper = None
+        self.index = None
+        if isinstance(owner, BlockManager):
+            self.manager = owner
+            self.transaction, self.pool, self.index = owner._transaction, owner._pool, owner._index
+            self.table, self.chains = owner._table, owner._chains
+            self.swapper = getattr(owner, "_swapper", None)
+        elif isinstance(owner, BlockPool):
+            self.pool = owner
+        elif isinstance(owner, PrefixCache):
+            self.index, self.pool = owner, owner.pool
+        else:
+            raise TypeError(f"expected a BlockManager, BlockPool or PrefixCache, got {owner!r}")
+
+    # -- the manager's sequences
+
+    def row(self, sid: int) -> int:
+        """The table row of live sequence ``sid``."""
+        return self.table.rows[sid]
+
+    def chain(self, sid: int):
+        """The prefix chain of live sequence ``sid``."""
+        return self.chains[self.row(sid)]
+
+    def host_copy(self, sid: int) -> tuple:
+        """``(k, v)`` host arrays of swapped-out sequence ``sid``."""
+        return self.swapper._host[sid]
+
+    @property
+    def unapplied(self) -> dict:
+        """A cache's copy-on-write copies left to the caller: ``dst -> (src, sid, column)``."""
+        return self.manager._deferred._left
+
+    def assert_no_call_inside(self) -> None:
+        """No call is inside the manager: no undo left to run, no claim held."""
+        transaction = self.transaction
+        assert transaction.log == [], f"undo records left: {transaction.log}"
+        assert transaction.owner is None, f"a claim left held by thread {transaction.owner}"
+        assert transaction.depth == 0, "a call is still marked inside"
+
+    @contextlib.contextmanager
+    def before_claim(self, n: int, call):
+        """Inside the block, run ``call()`` (another thread's call, run to its end) just before
+        this thread's ``n``-th claim of the manager (1-based): the interleaving a race would give,
+        forced. Yields the list of claims seen so far (``call``'s own claims come after the
+        ``n``-th and run nothing)."""
+        transaction, claims = self.transaction, []
+        real = transaction._claim
+
+        class Interleaved(dict):
+            def setdefault(self, key, value):
+                claims.append(True)
+                if len(claims) == n:
+                    transaction._claim = real  # call() claims for real
+                    try:
+                        call()
+                    finally:
+                        transaction._claim = self
+                return real.setdefault(key, value)
+
+            def get(self, key, default=None):
+                return real.get(key, default)
+
+            def pop(self, key, default=None):
+                return real.pop(key, default)
+
+        transaction._claim = Interleaved()
+        try:
+            yield claims
+        finally:
+            transaction._claim = real
+
+    # -- the pool
+
+    @property
+    def free_stack(self) -> list[int]:
+        """The pool's free stack, bottom first (the next block taken is the last)."""
+        return self.pool._free[: self.pool.num_stacked].tolist()
+
+    @property
+    def free(self):
+        """The pool's free-stack array, used below :attr:`top` (writable: to corrupt it)."""
+        return self.pool._free
+
+    @property
+    def top(self) -> int:
+        """Entries of :attr:`free` in use (settable: to corrupt the stack)."""
+        return self.pool._top
+
+    @top.setter
+    def top(self, value: int) -> None:
+        self.pool._top = value
+
+    @property
+    def refcount(self):
+        """The pool's ``[num_blocks]`` int32 refcounts, writable (``pool.refcounts`` to read)."""
+        return self.pool._refcount
+
+    @property
+    def lru(self):
+        """The pool's :class:`~cupaged.paging.lru.EvictionQueue` (``lru.count``: evictable)."""
+        return self.pool._lru
+
+    @property
+    def lru_room(self) -> int:
+        """Entries the LRU queue can append before it compacts (drops its stale entries)."""
+        lru = self.pool._lru
+        return lru._queue.size - lru._tail
+
+    @property
+    def lru_stamps(self):
+        """Each block's stamp in the LRU queue (``-1``: not evictable), writable."""
+        return self.pool._lru._stamp
+
+    @property
+    def queue_stamps(self):
+        """The stamp of each LRU queue entry, writable (an entry is live while it equals its
+        block's stamp)."""
+        return self.pool._lru._queue_stamp
+
+    @property
+    def block_of(self) -> dict:
+        """The key map's ``key -> block`` dict, writable (``pool.keys.mapping`` to read)."""
+        return self.pool.keys._block_of
+
+    @property
+    def content_of(self) -> list:
+        """The content registered with each block, writable."""
+        return self.pool.keys._content_of
+
+    # -- the prefix cache's memos
+
+    @property
+    def memo(self) -> dict:
+        """Block hashes remembered from hits: ``(parent digest, block bytes) -> digest``."""
+        return self.index._memo
+
+    @property
+    def runs(self) -> dict:
+        """Prompt heads remembered from hits."""
+        return self.index._runs
+
+    @property
+    def run_lengths(self) -> list[int]:
+        """The lengths (in blocks) of the remembered heads, tried newest first."""
+        return self.index._run_lengths
+
+    @property
+    def run_bytes(self) -> int:
+        """The prompt bytes the remembered heads hold."""
+        return self.index._run_bytes
+
+    @staticmethod
+    def bound_remembered_heads(monkeypatch, nbytes: int) -> None:
+        """Make prefix caches start their remembered heads over past ``nbytes`` of prompts."""
+        from cupaged.paging import prefix
+
+        monkeypatch.setattr(prefix, "_RUN_BYTES", nbytes)
+
+
+def internals(owner) -> Internals:
+    """The :class:`Internals` of a BlockManager or PagedCache, a BlockPool or a PrefixCache."""
+    return Internals(owner)
+
+
+def _named(owner, names: str) -> list[tuple[object, str]]:
+    return [(owner, name) for name in names.split()]
+
+
+def inner_calls() -> list[tuple[object, str]]:
+    """The steps of the bookkeeping's public calls, as ``(owner, name)`` for fault injection:
+    the pool, its key map and LRU queue, the sequence table, the prefix cache and chains, the
+    planner, the lifecycle, the swapper, the copy and write kernels. Patch them before the
+    cache is made (some are bound at construction)."""
+    from cupaged import cache
+    from cupaged.paging import chains, keys, lifecycle, lru, planner, pool, prefix, sequences
+    from cupaged.swap import DeferredCopies, Swapper
+
+    return [
+        *_named(pool.BlockPool, "take release acquire_unchecked add_refs allocate _park _evict"),
+        *_named(keys.KeyMap, "register_many drop"),
+        *_named(lru.EvictionQueue, "push revive drop"),
+        *_named(
+            sequences.SequenceTable,
+            "acquire_many release release_row ensure_width touch save save_row snapshot next_free",
+        ),
+        *_named(prefix.PrefixCache, "keys next_keys match_unchecked"),
+        *_named(
+            chains.Chains,
+            "commit commit_and_take extend add_keys set drop save keys register_again",
+        ),
+        *_named(planner.Planner, "plan plan_rows plan_batch _decode _apply_growth"),
+        *_named(lifecycle.Lifecycle, "admit _attach release _release_one fork"),
+        *_named(Swapper, "swap_out swap_in drop"),
+        *_named(cache, "copy_blocks write_kv"),
+        *_named(DeferredCopies, "leave take"),
+    ]
+
+
+def undo_calls() -> list[tuple[object, str]]:
+    """The undo records and the finishers a rollback runs, as ``(owner, name)`` (patched like
+    :func:`inner_calls`)."""
+    from cupaged.paging import chains, keys, lru, planner, pool, prefix, sequences
+    from cupaged.swap import DeferredCopies, Swapper
+
+    return [
+        *_named(pool.BlockPool, "_restore_refs _restore_stack _restore_evicted _free_lost"),
+        *_named(keys.KeyMap, "_unregister restore"),
+        *_named(lru.EvictionQueue, "_restore _restore_queue restore_dropped"),
+        *_named(sequences.SequenceTable, "restore put unacquire restore_row touch_all"),
+        *_named(prefix.PrefixCache, "restore_stats"),
+        *_named(chains.Chains, "_restore_entries _restore_chains"),
+        *_named(planner.Planner, "_undo_rows _undo_decode"),
+        *_named(Swapper, "_forget"),
+        *_named(DeferredCopies, "_restore"),
+    ]

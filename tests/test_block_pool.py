@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from helpers import internals
 
 from cupaged import BlockPool, CupagedError, OutOfBlocksError
 
@@ -93,15 +94,18 @@ def test_check_invariants_catches_corruption():
     pool.allocate(2)
     with pytest.raises(AssertionError, match="block 1 has refcount 1 but 2 table reference"):
         pool.check_invariants({0: 1, 1: 2})
-    pool._free[pool._top] = 2  # the same block twice on the free stack
-    pool._top += 1
+    view = internals(pool)
+    assert view.free_stack == [2]
+    view.free[view.top] = 2  # the same block twice on the free stack
+    view.top += 1
     with pytest.raises(AssertionError, match="twice on the free stack"):
         pool.check_invariants()
-    pool._top -= 1
-    pool._refcount[2] = 1  # in use and on the free stack at once
+    view.top -= 1
+    view.refcount[2] = 1  # in use and on the free stack at once
     with pytest.raises(AssertionError, match="block 2 has refcount 1 but is free"):
         pool.check_invariants()
-    pool._refcount[2] = 0
+    view.refcount[2] = 0
+    pool.check_invariants({0: 1, 1: 1})
     with pytest.raises(AssertionError, match="outside the pool"):
         pool.check_invariants({0: 1, 1: 1, 7: 1})
 
@@ -208,16 +212,18 @@ def test_check_invariants_catches_a_broken_lru():
     for block in range(3):
         pool.register(block, block)
         pool.decref(block)
-    pool._stamp[1] = -1  # block 1 evictable, but its queue entry stale
+    view = internals(pool)
+    assert pool.evictable_blocks() == [0, 1, 2]
+    view.lru_stamps[1] = -1  # block 1 evictable, but its queue entry stale
     with pytest.raises(AssertionError, match="the LRU queue holds 2 blocks but counts 3"):
         pool.check_invariants()
-    pool._num_evictable -= 1
+    view.lru.count -= 1
     with pytest.raises(AssertionError, match="block 1 has refcount 0 but is used"):
         pool.check_invariants()
-    pool._stamp[1] = pool._queue_stamp[1]
-    pool._num_evictable += 1
+    view.lru_stamps[1] = view.queue_stamps[1]
+    view.lru.count += 1
     pool.check_invariants()
-    pool._block_of[7] = 1
+    view.block_of[7] = 1
     with pytest.raises(AssertionError, match="the prefix map sends 7 to block 1"):
         pool.check_invariants()
 

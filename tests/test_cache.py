@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import DTYPES, random_array
+from helpers import DTYPES, internals, random_array
 
 import cupaged
 from cupaged import OutOfBlocksError, PagedCache
@@ -366,11 +366,12 @@ def test_check_invariants_catches_a_corrupted_table_row(rng):
     cache = make_cache()
     sid = cache.add_sequence()
     cache.append(sid, *kv(cache, rng, 5))
-    row = cache._rows[sid]
-    cache._seqs.tables[row, 1] = 7
+    view = internals(cache)
+    row = view.row(sid)
+    view.table.tables[row, 1] = 7
     with pytest.raises(AssertionError, match="block 1 has refcount 1 but 0 table reference"):
         cache.check_invariants()
-    cache._seqs.tables[row, 1] = 1
-    cache._seqs.tables[row, 3] = 7  # past the sequence's 2 blocks
+    view.table.tables[row, 1] = 1
+    view.table.tables[row, 3] = 7  # past the sequence's 2 blocks
     with pytest.raises(AssertionError, match="non-zero entries past its 2 block"):
         cache.check_invariants()

@@ -15,6 +15,11 @@ import cupaged.block_pool
 import cupaged.cache
 import cupaged.memory
 import cupaged.page_table
+import cupaged.paging.manager
+import cupaged.paging.pool
+import cupaged.paging.prefix
+import cupaged.paging.transaction
+import cupaged.prefix_cache
 
 
 def test_kernel_sources_are_found_at_run_time():
@@ -24,11 +29,30 @@ def test_kernel_sources_are_found_at_run_time():
 
 
 @pytest.mark.parametrize(
-    "module", [cupaged.block_pool, cupaged.cache, cupaged.memory, cupaged.page_table]
+    "module",
+    [
+        cupaged.paging.pool,  # BlockPool's example (cupaged.block_pool re-exports it)
+        cupaged.paging.manager,
+        cupaged.paging.prefix,
+        cupaged.paging.transaction,
+        cupaged.cache,
+        cupaged.memory,
+        cupaged.page_table,
+    ],
 )
 def test_docstring_examples_run(module):
     result = doctest.testmod(module, raise_on_error=False)
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_the_earlier_module_paths_still_import_the_same_names():
+    """``cupaged.block_pool`` and ``cupaged.prefix_cache`` are where the docs and earlier
+    releases import from: they re-export the names of ``cupaged.paging``."""
+    assert cupaged.block_pool.BlockPool is cupaged.paging.pool.BlockPool is cupaged.BlockPool
+    for name in cupaged.prefix_cache.__all__:
+        assert hasattr(cupaged.prefix_cache, name)
+    assert cupaged.prefix_cache.PrefixCache is cupaged.paging.prefix.PrefixCache
+    assert cupaged.prefix_cache.BlockHasher is cupaged.paging.prefix.BlockHasher
 
 
 def test_public_names():

@@ -6,7 +6,7 @@ import hashlib
 
 import numpy as np
 import pytest
-from helpers import random_array
+from helpers import Internals, internals, random_array
 
 import cupaged
 from cupaged import CupagedError, OutOfBlocksError, PagedCache
@@ -73,20 +73,20 @@ def test_two_requests_share_a_prompt_then_a_third_evicts_and_a_fourth_revives():
 
     cache.free(a)  # block 2 was never full: plain free; blocks 0, 1 are still b's
     cache.free(b)  # last block first: 3 (partial) free, then 1, then 0 evictable
-    assert cache._pool.evictable_blocks() == [1, 0]
+    assert cache.pool.evictable_blocks() == [1, 0]
     assert cache.num_free_blocks == 6
     cache.check_invariants()
 
     c = add(cache, [50 + i for i in range(17)])  # 5 blocks: free 3, 2, 4, 5, then evict 1
     assert cache.block_table(c) == [3, 2, 4, 5, 1]
     assert cache.prefix_cache_stats.evictions == 1
-    assert cache._pool.evictable_blocks() == [0]
+    assert cache.pool.evictable_blocks() == [0]
     cache.check_invariants()
 
     d = cache.add_sequence(tokens=PROMPT)  # block 0 (tokens 0-3) is still cached: revived
     assert cache.num_cached_tokens(d) == 4
     assert cache.block_table(d) == [0]
-    assert cache._pool.evictable_blocks() == []
+    assert cache.pool.evictable_blocks() == []
     cache.check_invariants()
 
 
@@ -259,7 +259,8 @@ def test_remembered_heads_and_block_hashes_give_the_keys_of_the_chain_walk():
     for tail in ([1], [2, 3], list(range(BS + 1))):  # the first match remembers the head
         blocks, chain = prefix.match(head + tail)
         assert blocks == own and chain.keys == [key for key, _ in walk]
-    assert prefix._run_lengths == [6] and prefix._memo
+    view = internals(prefix)
+    assert view.run_lengths == [6] and view.memo
     blocks, chain = prefix.match(head[: 3 * BS] + [7])  # shorter than the head remembered
     assert blocks == own[:3] and chain.keys == [key for key, _ in walk[:3]]
     assert prefix.match(head + [1], cache_salt="other")[0] == []  # the salt is in the key
@@ -272,16 +273,19 @@ def test_remembered_heads_and_block_hashes_give_the_keys_of_the_chain_walk():
     prefix.extend(chain, head[4 * BS :], again)
     for _ in range(2):  # found through the chain walk, then remembered where they are now
         assert prefix.match(head + [1])[0] == own[:4] + again
-    pool._content_of[own[2]] = b"not the prefix"  # what a collision would look like; it needs
-    pool.unregistrations += 1  # the block registered anew, so a key lost its block first
+    # What a collision would look like: block own[2] holding another content. Registering it
+    # anew would have unregistered a key first, which the key map counts.
+    internals(pool).content_of[own[2]] = b"not the prefix"
+    pool.keys.unregistrations += 1
     assert prefix.match(head + [1])[0] == own[:2]  # the content check still ends the hits
 
 
 def test_the_remembered_heads_are_bounded(monkeypatch):
-    monkeypatch.setattr(cupaged.prefix_cache, "_RUN_BYTES", 5 * BS * 8)
+    Internals.bound_remembered_heads(monkeypatch, 5 * BS * 8)
     pool, prefix = _bare_prefix()
     for first in (0, 1000):  # two heads of 4 blocks each: the second clears the first
         head = list(range(first, first + 4 * BS))
         prefix.extend(prefix.chain(), head, pool.allocate(4))
         assert len(prefix.match(head + [1])[0]) == 4
-        assert len(prefix._runs) == 1 and prefix._run_bytes == 4 * BS * 8
+        view = internals(prefix)
+        assert len(view.runs) == 1 and view.run_bytes == 4 * BS * 8

@@ -18,7 +18,7 @@ from collections.abc import Callable
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import random_array
+from helpers import internals, random_array
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -421,6 +421,7 @@ class CacheMachine(RuleBasedStateMachine):
     def matches_model(self) -> None:
         cache = self.cache
         cache.check_invariants()
+        internals(cache).assert_no_call_inside()  # failed calls too: no undo left, no claim
         assert cache.sequence_ids == list(self.model), "sequence_ids must list oldest first"
         tables = self.tables()
         for sid, (k, v) in self.model.items():

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
+from helpers import internals
 from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -247,7 +248,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         yield
         assert cache.num_free_blocks == free + len(released)
         # Its cached blocks are now the newest evictable ones, last block first.
-        after = cache._pool.evictable_blocks()
+        after = cache.pool.evictable_blocks()
         assert after[len(after) - len(evictable) :] == evictable, f"{after}, expected ..{evictable}"
 
     def check_allocation(
@@ -312,7 +313,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         return grow + sum(k - (k == refs[block]) for block, k in writers.items())
 
     def snapshot(self) -> dict[str, object]:
-        cache, pool = self.cache, self.cache._pool
+        cache, pool = self.cache, self.cache.pool
         return {
             "num_free_blocks": cache.num_free_blocks,
             "sequence_ids": cache.sequence_ids,
@@ -540,12 +541,12 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         sid = data.draw(st.sampled_from(sorted(self.seqs)), label="sid")
         cache = self.cache
         free = cache.num_free_blocks
-        evictable = cache._pool.evictable_blocks()
+        evictable = cache.pool.evictable_blocks()
         if self.seqs[sid].swapped:
             event("freed a swapped sequence")
             cache.free(sid)
             assert cache.num_free_blocks == free, "a swapped sequence holds no block"
-            assert cache._pool.evictable_blocks() == evictable
+            assert cache.pool.evictable_blocks() == evictable
         else:
             with self.release(sid):
                 cache.free(sid)
@@ -669,6 +670,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
     def matches_model(self) -> None:
         cache = self.cache
         cache.check_invariants()
+        internals(cache).assert_no_call_inside()  # failed calls too: no undo left, no claim
         assert cache.sequence_ids == list(self.seqs), "sequence_ids must list oldest first"
         for sid, seq in self.seqs.items():
             assert cache.is_swapped(sid) == seq.swapped
@@ -694,7 +696,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
             self.tables[sid] + [0] * (width - len(self.tables[sid])) for sid in resident
         ]
         assert lens.tolist() == [len(self.seqs[sid].tokens) for sid in resident]
-        pool = cache._pool
+        pool = cache.pool
         assert pool.evictable_blocks() == self.lru, (
             f"LRU {pool.evictable_blocks()}, model {self.lru}"
         )
@@ -777,10 +779,10 @@ def test_colliding_key_is_refused_by_the_token_check() -> None:
     assert_same_bits(v, want_v, "V")
     # X's block is not registered (the key is Y's), so it is freed outright, not kept.
     x_block = cache.block_table(sid)[0]
-    assert cache._pool.cached_key(x_block) is None
-    free = cache._pool.evictable_blocks()
+    assert cache.pool.cached_key(x_block) is None
+    free = cache.pool.evictable_blocks()
     cache.free(sid)
-    assert cache._pool.evictable_blocks() == free
+    assert cache.pool.evictable_blocks() == free
     cache.check_invariants()
 
 
@@ -813,9 +815,9 @@ def test_swapped_in_block_after_a_kept_head_is_still_a_hit() -> None:
     add_and_fill(cache, [2] * 24)  # 6 full blocks: 1 block left free
     head, tail, _ = cache.block_table(a)
     cache.swap_out(a)
-    assert cache._pool.evictable_blocks() == [tail, head]
+    assert cache.pool.evictable_blocks() == [tail, head]
     cache.swap_in(a)  # the partial block, the free one, then the tail, evicted
-    assert cache._pool.evictable_blocks() == [head]
+    assert cache.pool.evictable_blocks() == [head]
     cache.check_invariants()
     sid = cache.add_sequence(tokens=p[:8] + [0])
     assert cache.num_cached_tokens(sid) == 8  # was 4: only the head was found

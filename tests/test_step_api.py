@@ -11,7 +11,7 @@ import random
 
 import numpy as np
 import pytest
-from helpers import assert_close, random_array
+from helpers import assert_close, internals, random_array
 
 from cupaged import (
     BlockManager,
@@ -20,12 +20,11 @@ from cupaged import (
     OutOfBlocksError,
     PagedCache,
     PrefixCache,
-    block_manager,
     paged_prefill,
     reference_prefill,
-    step_planner,
     write_kv,
 )
+from cupaged.paging import chains, planner, sequences
 
 BS = 4
 
@@ -40,7 +39,7 @@ def state(m: BlockManager):
     """Everything observable: tables, lengths, refcounts, free count, the next ids handed out."""
     seqs = {sid: (m.seq_len(sid), m.block_table(sid)) for sid in m.sequence_ids}
     refs = [m.refcount(b) for b in range(m.num_blocks)]
-    return seqs, refs, m.num_free_blocks, m.pool._free[: m.pool._top].tolist()
+    return seqs, refs, m.num_free_blocks, internals(m).free_stack
 
 
 # ------------------------------------------------------------------------------- one step, exactly
@@ -142,8 +141,8 @@ def _random_walk(seed: int, prefix: bool, monkeypatch, small: int):
             tokens = [[rnd.randrange(3) for _ in range(n)] for n in per]
             try:
                 with monkeypatch.context() as patch:
-                    patch.setattr(step_planner, "_SMALL_BATCH", small)
-                    patch.setattr(step_planner, "_SMALL_DECODE", small)
+                    patch.setattr(planner, "SMALL_BATCH", small)
+                    patch.setattr(planner, "SMALL_DECODE", small)
                     plan = batched.step(batched.batch(sids), counts, tokens if prefix else None)
             except OutOfBlocksError:
                 assert state(batched) == state(scalar)
@@ -197,7 +196,7 @@ def test_batch_tables_follow_every_change_and_never_alias_the_host():
     for _ in range(3):
         m.step(batch)
     tables, lens = m.block_tables(batch)
-    assert not np.shares_memory(tables, m._seqs.tables)
+    assert not np.shares_memory(tables, internals(m).table.tables)
     assert lens.tolist() == [4, 8, 12]
     for i, sid in enumerate(sids):
         table = m.block_table(sid)
@@ -259,16 +258,17 @@ def test_a_batch_whose_sequence_is_freed_while_it_is_made_checks_again_at_first_
     caught by the batch's first step (the batch keeps the epoch from before the lookups)."""
     m = manager()
     a, b = m.admit([1, 2, 3]).sid, m.admit([4, 5]).sid
-    lookups = m._resident_rows
+    table = internals(m).table
+    lookups = table.resident_rows
 
     def then_freed(sids):  # the other thread's free lands just after the lookups
         rows = lookups(sids)
         m.free(a)
         return rows
 
-    m._resident_rows = then_freed
+    table.resident_rows = then_freed
     batch = m.batch([a, b])
-    del m._resident_rows
+    del table.resident_rows
     assert_step_refuses_the_freed(m, batch, a)
 
 
@@ -278,7 +278,7 @@ def test_a_batch_made_just_after_the_epoch_moves_sees_the_freed_sequence():
     first use), never keep the new epoch with the freed row in it."""
     m = manager()
     a, b = m.admit([1, 2, 3]).sid, m.admit([4, 5]).sid
-    table, made = m._seqs, []
+    table, made = internals(m).table, []
 
     class Watched(type(table)):  # runs batch() just after every change of the epoch
         def __setattr__(self, name, value):
@@ -301,12 +301,13 @@ def test_a_batch_made_just_after_the_epoch_moves_sees_the_freed_sequence():
 
 def test_a_batch_check_that_a_free_overtakes_is_made_again(monkeypatch):
     """A batch's residency check runs at the epoch it read first: a free that lands between the
-    check and the batch's new epoch must leave the batch to be checked again at its next use."""
+    check and the batch's new epoch must leave the batch to be checked again at its next use.
+    (``batch.rows()`` takes no claim: another thread's free can land inside it.)"""
     m = manager()
     a, b, c = m.admit([1, 2, 3]).sid, m.admit([4, 5, 6]).sid, m.admit([7]).sid
     batch = m.batch([a, b])
     m.free(c)  # the epoch moves: the batch's next use checks its sequences
-    check, fired = block_manager.np.count_nonzero, []
+    check, fired = sequences.np.count_nonzero, []
 
     def then_freed(x, *args, **kwargs):  # the residency check, then another call's free
         result = check(x, *args, **kwargs)
@@ -316,10 +317,10 @@ def test_a_batch_check_that_a_free_overtakes_is_made_again(monkeypatch):
             m.admit([9, 9, 9])  # takes b's old row
         return result
 
-    monkeypatch.setattr(block_manager.np, "count_nonzero", then_freed)
-    m.block_tables(batch)  # its check passed before the free
+    monkeypatch.setattr(sequences.np, "count_nonzero", then_freed)  # the batch's check
+    rows = batch.rows()  # its check passed before the free
     monkeypatch.undo()
-    assert fired
+    assert fired and rows.tolist() == [0, 1]
     assert_step_refuses_the_freed(m, batch, b)
 
 
@@ -328,18 +329,19 @@ def test_an_id_whose_row_went_to_another_sequence_is_refused():
     another thread freed the id and an admission took its row) refuses the id."""
     m = manager()
     a, b = m.admit([1, 2, 3]).sid, m.admit([4, 5]).sid
-    row = m._rows[b]
+    rows = internals(m).table.rows
+    row = rows[b]
     m.free(b)
     d = m.admit([9, 9]).sid
-    assert m._rows[d] == row
-    m._rows[b] = row  # what a lock-free lookup can still read in the middle of the free
+    assert rows[d] == row
+    rows[b] = row  # what a lock-free lookup can still read in the middle of the free
     try:
         with pytest.raises(KeyError, match=f"sequence {b} was already freed"):
             m.batch([a, b])
         with pytest.raises(KeyError, match=f"sequence {b} was already freed"):
             m.step(b)
     finally:
-        del m._rows[b]
+        del rows[b]
     m.check_invariants()
 
 
@@ -460,7 +462,7 @@ def test_deferred_copies_give_the_same_cache_as_applied_ones(rng):
         caches.append(cache)
     np.testing.assert_array_equal(caches[0].k, caches[1].k)
     np.testing.assert_array_equal(caches[0].v, caches[1].v)
-    for dst in caches[0]._seqs.tables[caches[0]._rows[kids[0]], 1:2].tolist():
+    for dst in caches[0].block_table(kids[0])[1:2]:
         np.testing.assert_array_equal(caches[0].k[:, dst, :, :2], caches[0].k[:, 1, :, :2])
 
 
@@ -525,7 +527,7 @@ def test_per_token_slots_are_arrays_of_their_own():
     m = manager(num_blocks=2048)
     sids = [m.admit([0]).sid for _ in range(4)]
     kept = []
-    for i in range(5000):  # past one buffer of block_manager._OneSlots
+    for i in range(5000):  # past one buffer of cupaged.paging.results.OneSlots
         sid = sids[i % 4]
         kept.append((m.step(sid).slots, m.block_table(sid), m.seq_len(sid) - 1))
     for slots, table, position in kept:
@@ -639,28 +641,31 @@ def test_decode_steps_grow_the_tables_past_their_width():
             table = m.block_table(sid)
             assert len(table) == step + 2 and plan.slots[i] == table[-1]
             assert tables[i, : len(table)].tolist() == table
-    assert m._seqs.width > 101  # one spare column past the longest table
+    assert internals(m).table.width > 101  # one spare column past the longest table
     m.check_invariants()
 
 
 def test_a_decode_step_that_widens_the_tables_and_then_fails_changes_nothing(monkeypatch):
     """The undo of a decode step holds flat indices at the width it planned with; a failure
-    after the tables widened (here: registering the filled blocks) must still restore them."""
+    after the tables widened (here: extending the chains by the filled blocks) must still
+    restore them."""
     m = manager(num_blocks=128, block_size=1, prefix=True)
     sids = [m.admit([7 * s + j for j in range(15)]).sid for s in range(5)]  # 15 blocks each
     batch = m.batch(sids)  # 5 sequences: the vectorised decode path
     m.commit(batch)
-    width = m._seqs.width
-    before = state(m), [m._chains[m._rows[s]].keys[:] for s in sids]
+    view = internals(m)
+    width = view.table.width
+    before = state(m), [view.chain(s).keys[:] for s in sids]
 
     def fail(*args, **kwargs):
-        assert m._seqs.width > width  # the step widened the tables before this call
+        assert view.table.width > width  # the step widened the tables before this call
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(block_manager.BlockManager, "_register", fail)
+    monkeypatch.setattr(chains.Chains, "extend", fail)  # the filled blocks' keys, last
     with pytest.raises(KeyboardInterrupt):
         m.step(batch, 1, np.arange(5))
-    assert (state(m), [m._chains[m._rows[s]].keys[:] for s in sids]) == before
+    view.assert_no_call_inside()
+    assert (state(m), [view.chain(s).keys[:] for s in sids]) == before
     m.check_invariants()
     monkeypatch.undo()
     plan = m.step(batch, 1, np.arange(5))  # and the step then succeeds

@@ -1,0 +1,18 @@
+"""The bookkeeping of a paged KV cache: ids and ints in NumPy, no K/V arrays.
+
+One owner per piece of state, composed by :class:`~cupaged.BlockManager`:
+
+=====================  ===========================================================================
+``transaction``        :class:`Transaction`: the guard and undo log of the call in progress
+``pool``               :class:`~cupaged.BlockPool`: free stack, refcounts, key map; ``lru`` its LRU
+``sequences``          :class:`SequenceTable` (rows, lengths, ids), :class:`~cupaged.SequenceBatch`
+``prefix``             :class:`~cupaged.PrefixCache`: the chain walk, matching a prompt
+``chains``             each sequence's prefix chain and the registration of its full blocks
+``tokens``             token ids and counts, checked at the boundary
+``planner``            a step's slots, new blocks and copy-on-write copies
+``manager``            :class:`~cupaged.BlockManager`: the public lifecycle
+``results``            :class:`~cupaged.StepPlan`, :class:`~cupaged.Admission`
+=====================  ===========================================================================
+
+The device copies of tables and slots are made at the manager's public boundary.
+"""

@@ -1,0 +1,186 @@
+"""How sequences start, fork and end: rows, references and prefix chains, with their undo.
+
+:class:`Lifecycle` changes the table, the pool and the chains for the manager's ``admit``,
+``add_sequence``, ``fork_many`` and ``free_many``, inside the manager's transaction; each change
+records its undo first.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .._util import cdiv
+from ..errors import OutOfBlocksError
+from .chains import Chains
+from .planner import NO_SLOTS, Planner
+from .pool import BlockPool
+from .prefix import PrefixCache, PrefixChain
+from .results import Admission
+from .sequences import SequenceTable
+from .transaction import Transaction
+
+_NO_BLOCKS = np.zeros(0, np.intp)
+_NO_BLOCKS.flags.writeable = False
+
+
+class Lifecycle:
+    """Starts, forks and ends sequences over a table, a pool and prefix chains."""
+
+    def __init__(
+        self,
+        table: SequenceTable,
+        pool: BlockPool,
+        index: PrefixCache,
+        chains: Chains,
+        planner: Planner,
+        transaction: Transaction,
+    ) -> None:
+        self.table, self.pool, self.index, self.chains = table, pool, index, chains
+        self.planner, self.transaction = planner, transaction
+        self._log = transaction.log  # (the same list for the transaction's life)
+        self.block_size = table.block_size
+
+    def admit(self, prompt: np.ndarray, salt: bytes | None, reserve: bool = True) -> Admission:
+        """A new sequence for ``prompt`` (checked int64): its cached prefix attached, and with
+        ``reserve`` the rest of the prompt too (host slots in the admission)."""
+        bs, pool, table = self.block_size, self.pool, self.table
+        hits, chain, keys = self._match(prompt, salt)
+        if not reserve:
+            sid, _, _ = self._attach(hits, chain)
+            return Admission(sid, len(hits) * bs, NO_SLOTS)
+        n_hits, n = len(hits), len(prompt)
+        cached = n_hits * bs
+        if n_hits:
+            hits = np.asarray(hits, np.intp)  # (the prefix memo's array as it is)
+            held = pool.refcounts[hits]
+            in_use = int(np.count_nonzero(held))
+        else:
+            held, in_use = None, 0
+        needed = cdiv(n, bs) - n_hits
+        revived = n_hits - in_use  # evictable hits: reviving them leaves fewer to take
+        if needed > pool.num_free - revived:  # (the transaction puts the match's counters back)
+            raise OutOfBlocksError(needed, pool.num_free - revived, f"admitting a {n}-token prompt")
+        # The hits and the blocks for the rest of the prompt, in one pass over the row.
+        sid, row, new = self._attach(hits, chain, needed, n, held, in_use)
+        if self.chains.enabled:
+            # The keys of the full blocks after the hits, hashed by the match: registered at
+            # commit, once their K/V are written (the new row's undo covers these changes).
+            rest_keys, rest_digests = keys
+            if rest_keys:
+                chain.keys += rest_keys
+                chain.digests += rest_digests
+                table.pending[row] = True
+            full = n_hits + len(rest_keys)
+            if n > full * bs:  # the tokens of a last, partly filled block
+                table.tail[row, : n - full * bs] = prompt[full * bs :]
+        offsets = self.planner.offsets
+        if n == cached:
+            slots = NO_SLOTS
+        elif needed == 1:
+            slots = offsets[: n - cached] + new.item(0) * bs  # int32: slots fit (init)
+        else:
+            slots = ((new * bs).astype(np.int32)[:, None] + offsets).reshape(-1)[: n - cached]
+        return Admission(sid, cached, slots)
+
+    def _match(
+        self, prompt: np.ndarray, salt: bytes | None
+    ) -> tuple[Any, PrefixChain | None, tuple[list[bytes], list[bytes]]]:
+        if not self.chains.enabled:
+            return [], None, ([], [])
+        self._log.append((self.index.restore_stats, self.index.save_stats()))
+        return self.index.match_unchecked(prompt, salt)
+
+    def _attach(
+        self,
+        hits: Any,
+        chain: PrefixChain | None,
+        needed: int = 0,
+        length: int | None = None,
+        held: np.ndarray | None = None,
+        in_use: int | None = None,
+    ) -> tuple[int, int, np.ndarray]:
+        """A new sequence holding the cached blocks ``hits`` (full; a list or an intp array), then
+        ``needed`` fresh blocks, ``length`` tokens long (``len(hits) * block_size`` when
+        ``None``); ``held``, ``in_use``: the hits' refcounts and their nonzero count, if known.
+
+        Returns:
+            ``(sid, row, fresh blocks)``.
+        """
+        table, pool = self.table, self.pool
+        sid = table.next_id
+        row = table.next_free(1).item(0)
+        self._log.append((table.unacquire, row, len(table.free_rows), sid))
+        table.acquire_many([sid])
+        n_hits = len(hits)
+        if n_hits:
+            hits = np.asarray(hits, np.intp)
+            pool.acquire_unchecked(hits, held=held, in_use=in_use)
+        new = pool.take(needed) if needed else _NO_BLOCKS
+        if n_hits or needed:
+            table.ensure_width(n_hits + needed + 1)  # one spare column: see Planner._decode
+            table.tables[row, : n_hits + needed] = np.concatenate((hits, new)) if n_hits else new
+            table.lens[row] = n_hits * self.block_size if length is None else length
+        if self.chains.enabled:
+            self.chains.set([row], [chain])
+        if n_hits:
+            table.cached[sid] = n_hits * self.block_size
+        return sid, row, new
+
+    def fork(self, parent: int, n: int) -> list[int]:
+        """``n`` new sequences sharing every block of row ``parent``."""
+        table = self.table
+        table.check_room(n, f"fork_many(..., {n})")
+        children = list(range(table.next_id, table.next_id + n))
+        rows = table.next_free(n)
+        self._log.append((table.restore, table.save(rows, acquiring=True)))
+        self._log.append((table.shared.__setitem__, parent, table.shared.item(parent)))
+        table.acquire_many(children)
+        length = table.lens.item(parent)
+        table.tables[rows] = table.tables[parent]
+        table.lens[rows] = length
+        self.pool.add_refs(table.tables[parent, : cdiv(length, self.block_size)].astype(np.intp), n)
+        if length % self.block_size:  # a partly filled last block is now shared
+            table.shared[parent] = True
+            table.shared[rows] = True
+        if self.chains.enabled:
+            table.tail[rows] = table.tail[parent]
+            table.pending[rows] = table.pending[parent]
+            chain = self.chains[parent]
+            self.chains.set(rows.tolist(), [chain.copy() for _ in range(n)])
+        return children
+
+    def release(self, rows: list[int]) -> None:
+        """Drop the sequences' references (each one's last block first) and their rows."""
+        table = self.table
+        if len(rows) == 1:
+            return self._release_one(rows[0])
+        row_array = np.array(rows, np.intp)
+        self._log.append((table.restore, table.save(row_array)))
+        # Each row's blocks, last first, row after row (views of the flat table, joined once).
+        width, flat, lens, live = table.width, table.flat, table.lens, table.live
+        runs = []
+        for row in rows:
+            length = lens.item(row)
+            if length and live.item(row) >= 0:  # a swapped-out row holds none
+                start = row * width
+                runs.append(flat[start : start + cdiv(length, self.block_size)][::-1])
+        if runs:
+            entries = np.concatenate(runs) if len(runs) > 1 else runs[0]
+            self.pool.release(entries, repeats=len(runs) > 1)
+        self.chains.drop(rows)
+        table.release(row_array)
+
+    def _release_one(self, row: int) -> None:
+        """:meth:`release` of one sequence (``free``, an engine's finished request): what it
+        does for many rows, in scalar reads and row stores."""
+        table, bs = self.table, self.block_size
+        self._log.append((table.restore_row, table.save_row(row)))
+        length = table.lens.item(row)
+        if length and table.live.item(row) >= 0:  # a swapped-out row holds none
+            start = row * table.width
+            self.pool.release(table.flat[start : start + (length + bs - 1) // bs][::-1])
+        if self.chains.enabled:
+            self.chains.drop([row])
+        table.release_row(row)

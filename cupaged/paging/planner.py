@@ -1,0 +1,397 @@
+"""How a step is planned: the slots to write, the blocks to take and to copy.
+
+:class:`Planner` turns "``counts[i]`` new tokens for sequence ``rows[i]``" into changes of the
+table (:mod:`~cupaged.paging.sequences`), the pool (:mod:`~cupaged.paging.pool`) and the prefix
+chains (:mod:`~cupaged.paging.chains`), each given to it at construction. Every plan is all or
+nothing: whatever can fail (the pool's capacity, a user ``block_hasher``) runs before the first
+change, and each change records its undo in the transaction first.
+
+Two paths compute the same thing, each where it is cheapest (a NumPy call on the short arrays of
+a step costs more than a Python iteration):
+
+- :meth:`Planner.plan_rows`: row by row in scalar arithmetic (one sequence, a small batch);
+- :meth:`Planner.plan_batch`: any batch in a fixed number of array operations, with a decode step
+  (one token each, nothing shared) in the fewest, through the flat table and a batch's row
+  offsets.
+
+They call NumPy's array methods (``x.nonzero()[0]``, ``x.repeat(n)``, ``x.cumsum()``) rather than
+the functions of the same name, whose Python wrappers cost as much as the work on these arrays.
+``tests/test_step_api.py`` checks the two paths against each other on twin managers after every
+operation of seeded random walks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .._util import cdiv
+from ..errors import OutOfBlocksError
+from .chains import Chains
+from .pool import BlockPool, grouped
+from .sequences import SequenceTable
+from .transaction import Transaction
+
+NO_SLOTS = np.zeros(0, np.int32)
+NO_SLOTS.flags.writeable = False
+# Below these batch sizes a step plans row by row: a few dozen array operations cost more than a
+# short Python loop (the W1 and W3b workloads of benches/bench_block_manager.py decide them).
+SMALL_BATCH = 16
+SMALL_DECODE = 4
+
+Plan = tuple[np.ndarray, np.ndarray, np.ndarray]  # (slots, copy_src, copy_dst), host int32
+
+
+class Planner:
+    """Plans steps over a table, a pool and prefix chains, recording undo in a transaction."""
+
+    def __init__(
+        self, table: SequenceTable, pool: BlockPool, chains: Chains, transaction: Transaction
+    ) -> None:
+        self.table, self.pool, self.chains = table, pool, chains
+        self.transaction = transaction
+        self._log = transaction.log  # (the same list for the transaction's life)
+        self.block_size = table.block_size
+        self.offsets = np.arange(table.block_size, dtype=np.int32)  # slot offsets in a block
+
+    def plan(
+        self,
+        rows: np.ndarray,
+        counts: int | np.ndarray,
+        tokens: np.ndarray | list[np.ndarray] | None,
+        what: str | None,
+        bases: np.ndarray | None = None,
+    ) -> Plan:
+        """Allocate, copy-on-write and slot-map ``counts`` new tokens for each of ``rows``.
+
+        ``bases`` is ``rows * width`` when the caller keeps it (a batch). Raises
+        :class:`OutOfBlocksError` (``what`` names the call) before any change.
+        """
+        decode = type(counts) is int and counts == 1
+        if rows.size > SMALL_BATCH or (decode and rows.size > SMALL_DECODE):
+            return self.plan_batch(rows, counts, tokens, what, bases)
+        per_row = [counts] * rows.size if isinstance(counts, int) else counts.tolist()
+        return self.plan_rows(rows.tolist(), per_row, tokens, what)
+
+    def one_token(self, row: int, sid: int) -> int | None:
+        """The slot of one token for ``sid`` in its own, unshared last block: a single store
+        that needs no undo (an interrupt lands before or after it). ``None`` when the general
+        path must run (a new or shared block). Call it holding the transaction's claim."""
+        table, bs = self.table, self.block_size
+        length = table.lens.item(row)
+        offset = length % bs
+        if not offset or table.live.item(row) != sid or table.shared.item(row):
+            return None
+        slot = table.tables.item(row, length // bs) * bs + offset
+        table.lens[row] = length + 1
+        return slot
+
+    # ------------------------------------------------------------------------------ row by row
+
+    def plan_rows(self, rows: list[int], counts: list[int], tokens: Any, what: str | None) -> Plan:
+        """:meth:`plan` row by row in scalar arithmetic: one sequence or a small batch."""
+        table, bs, pool, chains = self.table, self.block_size, self.pool, self.chains
+        refcount, lens, tables = pool.refcounts, table.lens, table.tables
+        plans = []
+        released: dict[int, int] = {}  # copy-on-write references that earlier rows drop
+        total = widest = 0
+        for row, n in zip(rows, counts, strict=True):
+            length = lens.item(row)
+            held, after = cdiv(length, bs), cdiv(length + n, bs)
+            copy = last = 0
+            if n and length % bs:
+                last = tables.item(row, held - 1)
+                if refcount.item(last) - released.get(last, 0) > 1:  # another holder stays: copy
+                    copy, released[last] = 1, released.get(last, 0) + 1
+            plans.append((row, n, length, held, after, copy, last))
+            total += after - held + copy
+            widest = max(widest, after)
+        if total > pool.num_free:
+            what = what or f"reserving {sum(counts)} token(s) for {len(rows)} sequence(s)"
+            raise OutOfBlocksError(total, pool.num_free, what)
+        registering = chains.enabled and tokens is not None
+        keys = []
+        if registering:  # hashed before any change: a user block_hasher may raise
+            for i, (row, n, length, *_) in enumerate(plans):
+                if n and length % bs + n >= bs:  # it fills a block
+                    ids = tokens[i : i + 1] if isinstance(tokens, np.ndarray) else tokens[i]
+                    keys += chains.keys(np.array([row]), np.array([length]), np.array([n]), [ids])
+
+        # -- from here on nothing fails: each change records its undo first
+        row_array = np.array(rows, np.intp)
+        saved = (table.lens[row_array], table.shared[row_array])
+        self._log.append((self._undo_rows, plans, saved, table.tail[row_array]))
+        if chains.enabled:  # the chains this step commits or extends
+            chains.save([row for row in rows if table.pending.item(row)] + [k[0] for k in keys])
+        new_blocks = chains.commit_and_take(
+            rows, lambda: [after - held + copy for _, _, _, held, after, copy, _ in plans], total
+        )  # this step of theirs: the last step's K/V were written
+        if total:
+            new = new_blocks.tolist()
+            table.ensure_width(widest + 1)  # one spare column: see plan_batch
+            tables = table.tables  # maybe grown
+        taken, sources, copies, slots = 0, [], [], []
+        # Each row's written blocks, and where its slots start in their slots less the tokens of
+        # the rows before it.
+        runs, shifts, segment, ahead = [], [], 0, 0
+        for row, n, length, held, after, copy, _ in plans:
+            if after - held + copy:
+                if copy:
+                    sources.append(tables.item(row, held - 1))
+                    copies.append(new[taken])
+                    tables[row, held - 1] = new[taken]
+                tables[row, held:after] = new_blocks[taken + copy : taken + copy + after - held]
+                taken += after - held + copy
+                table.version[row] = table.clock
+            if n == 1:
+                slots.append(tables.item(row, length // bs) * bs + length % bs)
+            first = length // bs
+            runs.append(tables[row, first:after])
+            shifts.append(segment + length - first * bs - ahead)
+            segment += (after - first) * bs
+            ahead += n
+            lens[row] = length + n
+            if n:
+                table.shared[row] = False  # copied, or the last holder: the last block is its own
+        if registering:
+            self._store_tails(plans, tokens, keys)
+        src = dst = NO_SLOTS
+        if sources:
+            src, dst = np.array(sources, np.int32), np.array(copies, np.int32)
+            # Never a last reference (see `released`): no block goes back to the pool.
+            if len(released) == 1:  # forks of one sequence: one source
+                ((block, times),) = released.items()
+                pool.add_refs(block, -times)
+            else:
+                pool.add_refs(np.array(list(released), np.intp), -np.array(list(released.values())))
+        if len(slots) == len(rows):  # one token each
+            return np.array(slots, np.int32), src, dst
+        # Every slot of every row's written blocks, then each row's n tokens cut out of its
+        # stretch: a handful of array operations for the whole batch.
+        every = (np.concatenate(runs)[:, None] * bs + self.offsets).reshape(-1)
+        index = np.array(shifts).repeat(counts)  # (the method: np.repeat of a list is slower)
+        index += np.arange(ahead)
+        return every[index], src, dst
+
+    def _store_tails(self, plans: list[tuple], tokens: Any, keys: list) -> None:
+        """The new tokens of rows that fill no block go into their tails; the others' tails and
+        chains come from their keys."""
+        table, bs = self.table, self.block_size
+        filling = {entry[0] for entry in keys}
+        for i, (row, n, length, *_) in enumerate(plans):
+            if n and row not in filling:
+                offset = length % bs
+                ids = tokens[i : i + 1] if isinstance(tokens, np.ndarray) else tokens[i]
+                table.tail[row, offset : offset + n] = ids
+        if keys:
+            self.chains.add_keys(keys)
+
+    def _undo_rows(self, plans: list[tuple], saved: tuple, tails: np.ndarray) -> None:
+        """Undo of :meth:`plan_rows`: the entries it filled were padding, or the copied block."""
+        table = self.table
+        for row, _, _, held, after, copy, last in plans:
+            table.tables[row, held:after] = 0
+            if copy:
+                table.tables[row, held - 1] = last
+        rows = np.array([plan[0] for plan in plans], np.intp)
+        table.lens[rows], table.shared[rows] = saved
+        table.tail[rows] = tails
+
+    # ------------------------------------------------------------------------------ vectorised
+
+    def plan_batch(
+        self,
+        rows: np.ndarray,
+        counts: int | np.ndarray,
+        tokens: np.ndarray | list[np.ndarray] | None,
+        what: str | None,
+        bases: np.ndarray | None = None,
+    ) -> Plan:
+        """:meth:`plan` for any batch, fully vectorised, copy-on-write included.
+
+        Table entries are addressed in the flat table (``row * width + column``): 1-D gathers
+        and stores, cheaper than 2-D ones on the arrays of a step.
+        """
+        table = self.table
+        if type(counts) is int and counts == 1:
+            # Mostly nothing shared (the global count first: no gather then): the decode step.
+            if not np.count_nonzero(table.shared) or not np.count_nonzero(table.shared[rows]):
+                return self._decode(rows, tokens, what, bases)
+        bs, chains = self.block_size, self.chains
+        lens = table.lens[rows]
+        uniform = isinstance(counts, int)
+        ends = lens + counts
+        if uniform:
+            writing = np.ones(rows.size, bool) if counts else np.zeros(rows.size, bool)
+        else:
+            writing = counts > 0
+        held = (lens + (bs - 1)) // bs
+        grow = (ends + (bs - 1)) // bs - held
+        copy = self._copies(rows, lens, held, writing)
+        need = grow + copy if copy is not None else grow
+        total = int(need.sum())
+        if total > self.pool.num_free:
+            if what is None:
+                tokens_in = counts * rows.size if uniform else int(counts.sum())
+                what = f"reserving {tokens_in} token(s) for {rows.size} sequence(s)"
+            raise OutOfBlocksError(total, self.pool.num_free, what)
+        registering = chains.enabled and tokens is not None
+        keys = chains.keys(rows, lens, counts, tokens) if registering else None
+
+        # -- from here on nothing fails: each change records its undo first
+        self._log.append((table.put, rows, table.snapshot(rows)))
+        chains.save(rows.tolist())
+        new = chains.commit_and_take(rows, lambda: need, total)  # (see plan_rows)
+        src = dst = NO_SLOTS
+        if total:
+            table.ensure_width(int((held + grow).max()) + 1)  # one spare column: see _decode
+            changed = need.nonzero()[0]
+            table.touch(rows[changed])
+            base = rows * table.width
+            if copy is None and grow.max() == 1:  # at most one block each
+                table.flat[base[changed] + held[changed]] = new
+            else:
+                src, dst = self._apply_growth(base, held, grow, copy, need, new)
+        flat = table.flat
+        if uniform and counts == 1:
+            slots = flat[rows * table.width + lens // bs] * bs + lens % bs
+        elif uniform and not counts:
+            slots = NO_SLOTS
+        else:
+            if uniform:
+                pos = lens.repeat(counts) + np.arange(counts * rows.size) % counts
+            else:
+                ahead = counts.cumsum() - counts  # tokens of the rows before
+                pos = (lens - ahead).repeat(counts) + np.arange(int(ahead[-1] + counts[-1]))
+            first = (rows * table.width).repeat(counts)
+            slots = flat[first + pos // bs] * bs + pos % bs
+        table.lens[rows] = ends
+        table.shared[rows[writing]] = False  # each writer's last block is its own now
+        if registering:
+            chains.extend(rows, lens, counts, tokens, keys)
+        return slots.astype(np.int32, copy=False), src, dst
+
+    def _decode(
+        self, rows: np.ndarray, tokens: Any, what: str | None, bases: np.ndarray | None
+    ) -> Plan:
+        """:meth:`plan_batch` of one token per sequence, nothing shared: about 15 array
+        operations, entries read and written in the flat table (``bases``: ``rows * width``)."""
+        table, bs, pool, chains = self.table, self.block_size, self.pool, self.chains
+        lens = table.lens[rows]
+        offset = lens % bs
+        width = table.width
+        # The entry of the block the token goes to (0, padding, where offset is 0: a new block).
+        index = (rows * width if bases is None else bases) + lens // bs
+        blocks = table.flat[index]
+        crossing = (offset == 0).nonzero()[0]
+        if crossing.size > pool.num_free:
+            what = what or f"reserving {rows.size} token(s) for {rows.size} sequence(s)"
+            raise OutOfBlocksError(crossing.size, pool.num_free, what)
+        registering = chains.enabled and tokens is not None
+        # The chains this step commits (pending rows) or extends (rows that fill a block): mostly
+        # none, one step in block_size has some.
+        touched = pending = None
+        if chains.enabled:
+            pending = table.pending[rows]
+            touched = pending | (offset == bs - 1) if registering else pending
+            if not np.count_nonzero(touched):
+                touched = None
+        keys = chains.keys(rows, lens, 1, tokens) if touched is not None and registering else []
+
+        # -- from here on nothing fails: each change records its undo first
+        at = index[crossing]
+        self._log.append((self._undo_decode, rows, lens, at, width))
+        if touched is not None:
+            chains.save(rows[touched].tolist())
+            if np.count_nonzero(pending):  # this step of theirs: the last step's K/V are written
+                new = chains.commit_and_take(rows, lambda: offset == 0, crossing.size)
+            elif crossing.size:
+                new = pool.take(crossing.size)
+        elif crossing.size:
+            new = pool.take(crossing.size)
+        if crossing.size:
+            table.flat[at] = new
+            table.version[rows[crossing]] = table.clock
+            blocks[crossing] = new
+        table.lens[rows] = lens + 1
+        if crossing.size:  # each crossing row holds one block more: keep a spare column
+            table.held_bound += 1
+            if table.held_bound + 1 > width:
+                table.held_bound = 0  # the true maximum over all rows, then grow if needed
+                table.ensure_width(cdiv(int(table.lens.max()), bs) + 1)
+        if registering:
+            chains.extend(rows, lens, 1, tokens, keys)
+        blocks *= bs
+        blocks += offset
+        return blocks, NO_SLOTS, NO_SLOTS
+
+    def _undo_decode(self, rows: np.ndarray, lens: np.ndarray, at: np.ndarray, width: int) -> None:
+        table = self.table
+        # The entries a decode step fills were padding (flat indices at the step's width).
+        table.tables[at // width, at % width] = 0
+        table.lens[rows] = lens
+        table.touch(rows)
+
+    def _copies(
+        self, rows: np.ndarray, lens: np.ndarray, held: np.ndarray, writing: np.ndarray
+    ) -> np.ndarray | None:
+        """Per row, 1 where the write lands in a partly filled last block that another sequence
+        still holds (copy it first), else 0; ``None`` when no row needs a copy.
+
+        Forked siblings of one batch that share a block are counted exactly: with ``r``
+        references, the first ``r - 1`` writers (in batch order) copy, and a last writer from the
+        batch writes in place once the others have let go.
+        """
+        partial = (writing & (lens % self.block_size != 0)).nonzero()[0]
+        if not partial.size:
+            return None
+        table, refcount = self.table, self.pool.refcounts
+        last = table.flat[rows[partial] * table.width + held[partial] - 1]
+        refs = refcount[last]
+        shared = refs > 1
+        if not np.count_nonzero(shared):
+            return None
+        partial, last, refs = partial[shared], last[shared], refs[shared]
+        copy = np.zeros(rows.size, np.int64)
+        blocks, writers = grouped(last)
+        if np.count_nonzero(writers < refcount[blocks]) == blocks.size:
+            copy[partial] = 1  # a holder outside the batch stays for every block: all copy
+            return copy
+        order = last.argsort(kind="stable")
+        ranked = last[order]
+        starts = np.concatenate(([True], ranked[1:] != ranked[:-1])).nonzero()[0]
+        runs = np.concatenate((starts[1:], [order.size])) - starts
+        rank = np.empty_like(order)
+        rank[order] = np.arange(order.size) - starts.repeat(runs)
+        copy[partial[rank < refs - 1]] = 1
+        return copy if np.count_nonzero(copy) else None
+
+    def _apply_growth(
+        self,
+        base: np.ndarray,
+        held: np.ndarray,
+        grow: np.ndarray,
+        copy: np.ndarray | None,
+        need: np.ndarray,
+        new: np.ndarray,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Write the new blocks into the tables (``base``: each row's first flat entry): each
+        row's copy (if any) first, then its growth."""
+        flat = self.table.flat
+        offsets = need.cumsum() - need
+        src = dst = NO_SLOTS
+        if copy is not None:
+            copied = copy.nonzero()[0]
+            at = base[copied] + held[copied] - 1
+            dst = new[offsets[copied]]
+            src = flat[at]  # a copy (fancy indexing)
+            flat[at] = dst
+            blocks, times = grouped(src.astype(np.intp))
+            self.pool.add_refs(blocks, -times)  # never the last reference: see _copies
+            dst = dst.astype(np.int32)
+            offsets = offsets + copy  # the growth of a row that copies follows its copy
+        grown = np.arange(base.size).repeat(grow)
+        within = np.arange(grown.size) - (grow.cumsum() - grow).repeat(grow)
+        flat[base[grown] + held[grown] + within] = new[offsets[grown] + within]
+        return src, dst

@@ -1,0 +1,520 @@
+"""Per-sequence state in NumPy arrays, and persistent batch handles with device block tables.
+
+Every live sequence owns one row of a few arrays (:class:`SequenceTable`), so that a decode step
+for a whole batch is a handful of vectorised operations on those arrays::
+
+    tables[row, j]   physical block of the sequence's tokens j * block_size .. (j + 1) * block_size - 1
+    lens[row]        tokens stored or reserved; the row holds cdiv(lens[row], block_size) blocks
+    sids[row]        the sequence's id (-1: a free row)
+    live[row]        the id again while the sequence is resident, -1 while it is swapped out
+                     (its table row is then all 0) or the row is free: one comparison checks
+                     that a batch's sequences are all alive and resident
+    shared[row]      the partly filled last block may be shared with another sequence (set by a
+                     fork; cleared once the row has a private last block)
+    version[row]     when the row's table last changed (a logical clock)
+    tail[row]        token ids of the unfilled last block (prefix caching only)
+    pending[row]     full blocks wait to be registered until their K/V are known written
+
+Entries past a row's last block are 0 (padding, never read: the lengths say how many count).
+The table also owns the ids: ``rows`` maps each live sequence id to its row, ids are handed out
+in order from ``next_id`` and never reused.
+
+A :class:`SequenceBatch` is an ordered batch of sequences resolved to rows once, so that each step
+skips the id lookups. It keeps the batch's block table on the device and refreshes only the rows
+whose ``version`` moved since its last refresh: a decode step uploads the few rows that took a
+block, not the whole table. On the CPU the "device" table is a second NumPy array, so the same
+path runs in every test.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from .._checks import as_int, require
+from .._util import cdiv
+from ..errors import CupagedError
+
+
+class SequenceTable:
+    """The rows of the live sequences and their ids; grows by doubling (rows and width apart).
+
+    Args:
+        block_size: tokens per block.
+        tail_width: token ids kept per row for its unfilled last block (``block_size`` with
+            prefix caching, else 0).
+    """
+
+    def __init__(self, block_size: int, tail_width: int = 0, rows: int = 16, width: int = 16):
+        self.block_size = block_size
+        self.tables = np.zeros((rows, width), np.int32)
+        self.flat = self.tables.reshape(-1)  # the same memory: entry row * width + j
+        self.lens = np.zeros(rows, np.int32)
+        self.sids = np.full(rows, -1, np.int64)
+        self.live = np.full(rows, -1, np.int64)
+        self.shared = np.zeros(rows, bool)
+        self.version = np.zeros(rows, np.int64)
+        self.tail = np.zeros((rows, tail_width), np.int64)
+        self.pending = np.zeros(rows, bool)
+        self.clock = 1
+        # An upper bound on the blocks any row holds: a decode step raises it by one without a
+        # reduction over the batch, and only when it reaches the width is the true maximum taken.
+        self.held_bound = 0
+        # Bumped whenever a resident sequence stops being one (freed, swapped out), always after
+        # the change: a batch checked at the same epoch needs no new check, and a batch made
+        # (without a lock) while another thread frees one of its sequences keeps the earlier
+        # epoch, so its first use checks again.
+        self.epoch = 0
+        self.free_rows: list[int] = list(range(rows - 1, -1, -1))
+        self.rows: dict[int, int] = {}  # live sequence id -> row
+        self.next_id = 0
+        self.cached: dict[int, int] = {}  # live sequence id -> prompt tokens found cached
+
+    @property
+    def width(self) -> int:
+        return self.tables.shape[1]
+
+    # ------------------------------------------------------------------------------ ids
+
+    def row(self, sid: Any) -> int:
+        """The row of live sequence ``sid`` (resident or swapped out).
+
+        Raises:
+            KeyError: ``sid`` is unknown or was freed.
+        """
+        row = self.rows.get(sid) if type(sid) is int else None
+        if row is not None:  # a live plain int: mostly
+            return row
+        if isinstance(sid, (int, np.integer)) and not isinstance(sid, (bool, np.bool_)):
+            row = self.rows.get(int(sid))
+            if row is not None:
+                return row
+            if 0 <= sid < self.next_id:
+                raise KeyError(f"sequence {sid} was already freed")
+        raise KeyError(f"unknown sequence id {sid!r}")
+
+    def resident_row(self, sid: Any) -> int:
+        """:meth:`row` of a sequence whose blocks are on the device.
+
+        Raises:
+            KeyError: unknown or freed. CupagedError: swapped out.
+        """
+        row = self.row(sid)
+        live = self.live.item(row)
+        if live != sid:  # (ids are never reused: the row's own sequence, resident, or neither)
+            if live >= 0:  # the row went to another sequence: read while another thread freed it
+                raise KeyError(f"sequence {sid} was already freed")
+            raise CupagedError(f"sequence {sid} is swapped out; call swap_in({sid}) first")
+        return row
+
+    def resident_rows(self, sids: list[Any]) -> list[int]:
+        """:meth:`resident_row` of each id (plain resident ints looked up inline)."""
+        get, live, rows = self.rows.get, self.live, []
+        for sid in sids:
+            row = get(sid) if type(sid) is int else None
+            if row is None or live.item(row) != sid:
+                row = self.resident_row(sid)  # raises, or takes the slow path of an np.integer
+            rows.append(row)
+        return rows
+
+    def distinct_rows(self, sids: Iterable[Any]) -> np.ndarray:
+        """Rows of distinct resident sequences, as an ``intp`` array."""
+        if isinstance(sids, (str, bytes)) or not isinstance(sids, Iterable):
+            as_int(sids, "sequence id")  # raises the TypeError
+        sid_list = list(sids)
+        rows = self.resident_rows(sid_list)
+        if len(set(rows)) != len(rows):
+            raise ValueError(f"expected distinct sequence ids, got {sid_list}")
+        return np.array(rows, np.intp)
+
+    def held(self, row: int) -> int:
+        """Blocks held by a resident row."""
+        return cdiv(self.lens.item(row), self.block_size)
+
+    # ------------------------------------------------------------------------------ rows
+
+    def acquire_many(self, sids: list[int]) -> np.ndarray:
+        """Rows for new sequences (ids ``next_id``, ``next_id + 1``, ...): resident, empty."""
+        if len(sids) == 1:  # one sequence (an admission): scalar stores
+            rows = self.next_free(1)
+            row, sid = self.free_rows.pop(), sids[0]
+            self.sids[row] = self.live[row] = sid
+            self.version[row] = self.clock
+            self.rows[sid] = row
+            self.next_id = max(self.next_id, sid + 1)
+            return rows
+        rows = self.next_free(len(sids))
+        del self.free_rows[-len(sids) :]
+        self.sids[rows] = self.live[rows] = sids
+        self.version[rows] = self.clock
+        self.rows.update(zip(sids, rows.tolist(), strict=True))
+        self.next_id = max(self.next_id, sids[-1] + 1)
+        return rows
+
+    def release(self, rows: np.ndarray) -> None:
+        """Give rows back, zeroed, and forget their sequences' ids."""
+        at: Any = rows.item(0) if rows.size == 1 else rows  # (one row: scalar stores)
+        for sid in self.sids[rows].tolist():
+            del self.rows[sid]
+            if self.cached:
+                self.cached.pop(sid, None)
+        self.tables[at] = 0
+        self.lens[at] = 0
+        self.sids[at] = self.live[at] = -1
+        self.shared[at] = self.pending[at] = False
+        self.version[at] = self.clock
+        self.free_rows.extend(rows.tolist()[::-1])
+        self.epoch += 1  # after the change (see `epoch`)
+
+    def save(self, rows: np.ndarray, acquiring: bool = False) -> tuple:
+        """What a change of ``rows`` may overwrite, for :meth:`restore` (its undo): their
+        entries, their ids, the free-row list and ``next_id``. ``acquiring``: the rows are the
+        free ones :meth:`acquire_many` takes next (see :meth:`next_free`): empty, so nothing of
+        them is saved."""
+        mark = len(self.free_rows)
+        if acquiring:
+            return rows, None, mark, self.free_rows[mark - rows.size :], self.next_id, None
+        if rows.size == 1:  # one sequence (a free): scalars and one row's copies
+            row = rows.item(0)
+            snapshot = (
+                self.tables[row].copy(),
+                self.lens.item(row),
+                self.sids.item(row),
+                self.live.item(row),
+                self.shared.item(row),
+                self.pending.item(row),
+                self.tail[row].copy(),
+            )
+        else:
+            snapshot = self.snapshot(rows)
+        cached = self.cached
+        kept = {sid: cached[sid] for sid in self.sids[rows].tolist() if sid in cached}
+        return rows, snapshot, mark, [], self.next_id, kept
+
+    def restore(self, saved: tuple) -> None:
+        """Put back what :meth:`save` saved (a rollback; running it twice changes nothing)."""
+        rows, snapshot, mark, taken, next_id, cached = saved
+        row_list = rows.tolist()
+        for sid, row in zip(self.sids[rows].tolist(), row_list, strict=True):
+            if sid >= 0 and self.rows.get(sid) == row:  # ids the rows hold now
+                del self.rows[sid]
+                self.cached.pop(sid, None)
+        if snapshot is None:  # rows that were free: empty again
+            self.tables[rows] = self.lens[rows] = 0
+            self.sids[rows] = self.live[rows] = -1
+            self.shared[rows] = self.pending[rows] = False
+            self.version[rows] = self.clock
+        else:
+            self.put(rows if rows.size > 1 else rows.item(0), snapshot)
+            for sid, row in zip(self.sids[rows].tolist(), row_list, strict=True):
+                if sid >= 0:
+                    self.rows[sid] = row
+            self.cached.update(cached)
+        del self.free_rows[mark - len(taken) :]
+        self.free_rows += taken
+        self.next_id = next_id
+
+    def unacquire(self, row: int, mark: int, sid: int) -> None:
+        """Undo of :meth:`acquire_many` of the one id ``sid`` into free ``row`` (``mark``: the
+        free-row count before): the row is empty and free again."""
+        if self.rows.get(sid) == row:
+            del self.rows[sid]
+            self.cached.pop(sid, None)
+        self.tables[row] = self.lens[row] = 0
+        self.sids[row] = self.live[row] = -1
+        self.shared[row] = self.pending[row] = False
+        self.version[row] = self.clock
+        del self.free_rows[mark - 1 :]
+        self.free_rows.append(row)
+        self.next_id = sid
+
+    def save_row(self, row: int) -> tuple:
+        """:meth:`save` of one row that holds a sequence, for :meth:`restore_row`."""
+        sid = self.sids.item(row)
+        return (
+            row,
+            self.tables[row].copy(),
+            self.lens.item(row),
+            sid,
+            self.live.item(row),
+            self.shared.item(row),
+            self.pending.item(row),
+            self.tail[row].copy(),
+            len(self.free_rows),
+            self.cached.get(sid),
+        )
+
+    def restore_row(self, saved: tuple) -> None:
+        """Put back what :meth:`save_row` saved (a rollback; running it twice changes nothing)."""
+        row, tables, length, sid, live, shared, pending, tail, mark, cached = saved
+        if tables.size != self.width:  # the table grew since
+            self.tables[row, tables.size :] = 0
+        self.tables[row, : tables.size] = tables
+        self.lens[row], self.sids[row], self.live[row] = length, sid, live
+        self.shared[row], self.pending[row], self.tail[row] = shared, pending, tail
+        self.version[row] = self.clock
+        self.rows[sid] = row
+        if cached is not None:
+            self.cached[sid] = cached
+        del self.free_rows[mark:]
+        self.epoch += 1  # residency may change back (after the change: see `epoch`)
+
+    def release_row(self, row: int) -> None:
+        """:meth:`release` of one row."""
+        sid = self.sids.item(row)
+        del self.rows[sid]
+        if self.cached:
+            self.cached.pop(sid, None)
+        self.tables[row] = 0
+        self.lens[row] = 0
+        self.sids[row] = self.live[row] = -1
+        self.shared[row] = self.pending[row] = False
+        self.version[row] = self.clock
+        self.free_rows.append(row)
+        self.epoch += 1  # after the change (see `epoch`)
+
+    def check_room(self, n: int, what: str) -> None:
+        """Refuse ``n`` new rows that the host's free memory cannot hold, before growing.
+
+        Raises:
+            MemoryError: naming the call, the bytes it needs and the bytes available.
+        """
+        if len(self.free_rows) < n:
+            row_bytes = self.width * 4 + self.tail.shape[1] * 8 + 48  # every array's entries
+            need = (self.tables.shape[0] + n) * row_bytes
+            available = _available_memory()
+            if available is not None and need > available:
+                raise MemoryError(
+                    f"{what}: expected new sequences whose table rows fit in the host's free "
+                    f"memory ({available / 2**30:.1f} GiB), got {n} needing "
+                    f"{need / 2**30:.1f} GiB"
+                )
+
+    def next_free(self, n: int) -> np.ndarray:
+        """The rows :meth:`acquire_many` gives ``n`` new sequences next (the table grows first
+        when too few are free: growing needs no undo)."""
+        while len(self.free_rows) < n:
+            self._grow_rows(2 * self.tables.shape[0])
+        return np.array(self.free_rows[: -n - 1 : -1], dtype=np.intp)
+
+    def snapshot(self, rows: Any) -> tuple:
+        """Every array's entries for ``rows`` (an index or an index array), for :meth:`put`."""
+        if isinstance(rows, np.ndarray):  # fancy indexing copies already
+            return tuple(array[rows] for array in self._row_arrays())
+        return tuple(array[rows].copy() for array in self._row_arrays())
+
+    def put(self, rows: Any, snapshot: tuple) -> None:
+        """Put back what :meth:`snapshot` saved (a rollback)."""
+        for array, saved in zip(self._row_arrays(), snapshot, strict=True):
+            if array.ndim == 2 and saved.shape[-1] != array.shape[1]:  # the table grew since
+                array[rows, saved.shape[-1] :] = 0
+                array[rows, : saved.shape[-1]] = saved
+            else:
+                array[rows] = saved
+        self.version[rows] = self.clock  # batches refresh these rows
+        self.epoch += 1  # residency may change back (after the change: see `epoch`)
+
+    def _row_arrays(self) -> tuple[np.ndarray, ...]:
+        return (self.tables, self.lens, self.sids, self.live, self.shared, self.pending, self.tail)
+
+    def touch(self, rows: Any) -> None:
+        """Record that the tables of ``rows`` changed (batches refresh them)."""
+        self.version[rows] = self.clock
+
+    def touch_all(self) -> None:
+        """:meth:`touch` of every row (after a rollback: batches refresh all of theirs)."""
+        self.version[:] = self.clock
+
+    def ensure_width(self, width: int) -> None:
+        """At least ``width`` columns (the block manager keeps one spare past every table, so
+        ``width - 1`` bounds the blocks of the row it grows). Growing keeps every entry, so it
+        needs no undo."""
+        if width > self.held_bound:
+            self.held_bound = width - 1
+        if width > self.tables.shape[1]:
+            tables = np.zeros(
+                (self.tables.shape[0], max(width, 2 * self.tables.shape[1])), np.int32
+            )
+            tables[:, : self.tables.shape[1]] = self.tables
+            self.tables, self.flat = tables, tables.reshape(-1)
+
+    def check_invariants(self) -> None:
+        """Check rows against ids; raises ``AssertionError`` naming the first break."""
+        rows = self.rows
+        free = set(self.free_rows)
+        require(len(free) == len(self.free_rows), "a table row is on the free list twice")
+        used = set(rows.values())
+        require(len(used) == len(rows), "two sequences share a table row")
+        require(not free & used, f"rows both free and in use: {sorted(free & used)}")
+        require(
+            len(free) + len(used) == self.tables.shape[0],
+            f"{self.tables.shape[0]} table rows but {len(free)} free and {len(used)} in use",
+        )
+        require(self.cached.keys() <= rows.keys(), "a freed sequence kept a cached-token count")
+        for sid, row in rows.items():
+            require(0 <= sid < self.next_id, f"sequence id {sid} was never handed out")
+            require(
+                self.sids[row] == sid,
+                f"row {row} of sequence {sid} names sequence {self.sids[row]}",
+            )
+            resident = self.live[row] == sid
+            require(
+                resident or self.live[row] == -1, f"row {row} of sequence {sid} is live as another"
+            )
+            held = self.held(row) if resident else 0
+            require(
+                not self.tables[row, held:].any(),
+                f"table row {row} (sequence {sid}) has non-zero entries past its {held} block(s)",
+            )
+        for row in free:
+            require(
+                self.sids[row] == -1 and self.lens[row] == 0 and self.live[row] == -1,
+                f"free table row {row} is not empty",
+            )
+            require(not self.tables[row].any(), f"free table row {row} holds block ids")
+
+    def _grow_rows(self, rows: int) -> None:
+        # No undo: growing keeps every row, and the new rows are free. Everything is built
+        # first and then stored with no call in between, so no interrupt splits it.
+        old = self.tables.shape[0]
+
+        def grown(array: np.ndarray, fill: int) -> np.ndarray:
+            out = np.full((rows, *array.shape[1:]), fill, array.dtype)
+            out[:old] = array
+            return out
+
+        tables, lens = grown(self.tables, 0), grown(self.lens, 0)
+        flat = tables.reshape(-1)
+        sids, live = grown(self.sids, -1), grown(self.live, -1)
+        shared, pending = grown(self.shared, False), grown(self.pending, False)
+        version, tail = grown(self.version, 0), grown(self.tail, 0)
+        free = list(range(rows - 1, old - 1, -1))
+        self.tables, self.lens, self.flat, self.sids, self.live = tables, lens, flat, sids, live
+        self.shared, self.pending, self.version, self.tail = shared, pending, version, tail
+        self.free_rows[:0] = free
+
+
+def _available_memory() -> int | None:
+    """Bytes of physical memory free now (``None`` where the OS does not say)."""
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+class SequenceBatch:
+    """An ordered batch of live sequences, resolved once, for the step API.
+
+    Made by :meth:`cupaged.BlockManager.batch`; pass it wherever a list of sequence ids goes
+    (``step``, ``reserve``, ``block_tables``) of the manager that made it (another manager
+    refuses it). Each use checks, in one vectorised comparison, that its sequences are still
+    alive and resident. Replace a finished sequence in place with :meth:`replace`; build a new
+    batch when the batch changes more.
+
+    Attributes:
+        sids: ``[len(batch)]`` int64 sequence ids, in the order of the query rows (read-only).
+        table: the :class:`SequenceTable` the batch's rows belong to.
+    """
+
+    def __init__(
+        self, table: SequenceTable, sids: np.ndarray, rows: np.ndarray, xp: ModuleType, epoch: int
+    ):
+        self.table = table
+        self._sids = sids
+        # Made at first use (a batch made for one step needs neither): the ids as a set, for
+        # replace's check that they stay distinct; a read-only view that follows replace().
+        self._members: set[int] | None = None
+        self._sids_view: np.ndarray | None = None
+        self._rows = rows
+        self._xp = xp
+        self._device: Any = None  # [len, width] int32 block tables on the device
+        self._synced = 0  # the table clock when the device copy was last refreshed
+        self._replaced: list[int] = []  # positions to refresh whatever their version
+        self._epoch = epoch  # the table epoch at the last check that every sequence is resident
+        self._bases = rows  # rows * _bases_width: where each row starts in the flat table
+        self._bases_width = 0
+
+    @property
+    def sids(self) -> np.ndarray:
+        if self._sids_view is None:
+            self._sids_view = self._sids.view()  # callers cannot write through it
+            self._sids_view.flags.writeable = False
+        return self._sids_view
+
+    def __len__(self) -> int:
+        return self._sids.size
+
+    def __repr__(self) -> str:
+        return f"SequenceBatch({self._sids.tolist()})"
+
+    def rows(self) -> np.ndarray:
+        """``[len(batch)]`` intp rows of the table, each checked resident (one comparison when
+        no sequence stopped being resident since the last check).
+
+        Raises:
+            KeyError, CupagedError: as :meth:`SequenceTable.resident_row`, for the first
+            sequence gone or swapped out.
+        """
+        table = self.table
+        epoch = table.epoch  # (before the check: see SequenceTable.epoch)
+        if self._epoch != epoch:
+            if np.count_nonzero(table.live[self._rows] != self._sids):
+                for sid in self._sids.tolist():
+                    table.resident_row(sid)  # raises for the first gone or swapped one
+            self._epoch = epoch
+        return self._rows
+
+    def replace(self, position: int, sid: int) -> None:
+        """Put sequence ``sid`` at ``position`` in place of the one there (O(1) + one scan)."""
+        position = as_int(position, "position")
+        sid = as_int(sid, "sid")
+        if not 0 <= position < len(self):
+            raise IndexError(f"expected a position in [0, {len(self)}), got {position}")
+        row = self.table.resident_row(sid)
+        old = self._sids.item(position)
+        if self._members is None:
+            self._members = set(self._sids.tolist())
+        if old != sid and sid in self._members:
+            raise ValueError(f"expected distinct sequence ids, got {sid} twice in the batch")
+        self._members.discard(old)
+        self._members.add(sid)
+        self._sids[position] = sid
+        self._rows[position] = row
+        if self._bases_width:
+            self._bases[position] = row * self._bases_width
+        self._replaced.append(position)
+
+    def flat_bases(self) -> np.ndarray:
+        """``rows * width`` (intp) at the table's width: each row's first flat entry."""
+        width = self.table.width
+        if self._bases_width != width:
+            self._bases, self._bases_width = self._rows * width, width
+        return self._bases
+
+    def device_tables(self) -> Any:
+        """The batch's ``[len, width]`` int32 block tables on the device, refreshed where stale."""
+        xp, table = self._xp, self.table
+        if self._device is None or self._device.shape[1] != table.width:
+            self._device = xp.asarray(table.tables[self._rows])
+            if xp is np:
+                self._device = self._device.copy()  # never alias the host table
+            self._replaced.clear()
+        else:
+            stale = table.version[self._rows] > self._synced
+            if self._replaced:
+                stale[self._replaced] = True
+                self._replaced.clear()
+            positions = stale.nonzero()[0]
+            if positions.size:
+                rows = table.tables[self._rows[positions]]
+                if xp is np:
+                    self._device[positions] = rows
+                else:
+                    self._device[xp.asarray(positions)] = xp.asarray(rows)
+        self._synced = table.clock
+        table.clock += 1
+        return self._device

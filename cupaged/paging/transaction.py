@@ -1,0 +1,231 @@
+"""The one undo mechanism of the bookkeeping, and the guard that keeps threads out of each other.
+
+Every public call that changes a :class:`~cupaged.BlockManager` runs inside a
+:class:`Transaction`: exclusive (a second thread is refused, never let in to corrupt the tables)
+and all or nothing (an exception anywhere inside, ``KeyboardInterrupt`` included, undoes every
+change the call made).
+
+The rules that make it hold at *any* moment, an interrupt between two bytecodes included:
+
+1. **Undo is recorded before the change it undoes**, and an undo record *restores saved values*
+   rather than reversing an operation: running it when the change did not happen, happened in
+   part, or already was undone once, leaves the same state. So an interrupt between the record
+   and the change, or inside the change, is undone exactly.
+2. **Rollback is resumable.** Records are undone newest first and dropped only once undone; a
+   rollback that an interrupt cuts short leaves the records still to undo in the log, and the
+   next entry (any thread's) finishes it before doing anything else.
+3. **The commit is one C call** (``log.clear()``) in the frame of :func:`atomic`, right after
+   the method returns: an interrupt lands before it (the call is undone) or after it (the
+   call's work stands), never inside.
+4. **The guard is a single atomic claim** (``dict.setdefault``: one C call under the GIL), and
+   ``depth`` says whether a call of the claiming thread is running; :meth:`Transaction.leave`
+   clears ``depth``, then drops the claim, and an interrupt while entering drops both. Python
+   runs a signal's handler where it checks for pending calls: at a function's first
+   instruction and after a call returns. An interrupt between the two steps of ``leave``
+   leaves the claim with the thread it interrupted, which takes it back at its next call; one
+   at the first instruction of ``leave`` leaves ``depth`` set, and the next entry, finding no
+   call of the bookkeeping on its stack, knows that call is over (committed or undone) and
+   goes on.
+
+Masking signals would not be enough: Python runs signal handlers in the main thread whatever
+thread received the signal, and the CPU backend and notebooks run other threads.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from ..errors import CupagedError
+
+_get_ident = threading.get_ident
+_CLAIM = 0  # the one key of the claim dictionary
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The modules whose calls run inside a transaction (their public calls never call each other).
+_BOOKKEEPING = (
+    os.path.join(_PACKAGE, "paging") + os.sep,
+    os.path.join(_PACKAGE, "cache.py"),
+    os.path.join(_PACKAGE, "swap.py"),
+)
+
+
+def _inside_a_call(frame: Any) -> bool:
+    """Whether a frame of the bookkeeping is on the stack below the entering call's own frames
+    (``frame`` and the bookkeeping frames right below it): another call is running, and a
+    signal handler or a callback above it calls in again."""
+    while frame is not None and frame.f_code.co_filename.startswith(_BOOKKEEPING):
+        frame = frame.f_back  # the entering call itself
+    while frame is not None:
+        if frame.f_code.co_filename.startswith(_BOOKKEEPING):
+            return True
+        frame = frame.f_back
+    return False
+
+
+class Transaction:
+    """The scope of one public call: exclusive, all or nothing, safe against interrupts.
+
+    Public calls run as :func:`atomic` methods (``with transaction:`` works too, for code that
+    can afford its ``__exit__``); record undo with :meth:`record` *before* each change. Scopes do not nest: a call from inside a call (a signal
+    handler, or a callback such as a block hasher, that calls the same object) is refused, so
+    the public calls of its owner never call each other.
+
+    Attributes:
+        log: the undo records of the open call, oldest first: ``(function, *args)`` tuples.
+        kv_written: set when K/V were written into blocks the call took; a rollback then leaves
+            evicted blocks out of the prefix cache (their content is gone), as free blocks.
+
+    Example:
+        >>> state = {"n": 0}
+        >>> t = Transaction()
+        >>> try:
+        ...     with t:
+        ...         t.record(state.__setitem__, "n", state["n"])   # saved before the change
+        ...         state["n"] = 5
+        ...         raise ValueError("refused")
+        ... except ValueError:
+        ...     pass
+        >>> state["n"]
+        0
+    """
+
+    __slots__ = ("_claim", "_unfinished", "after_rollback", "depth", "kv_written", "log")
+
+    def __init__(self) -> None:
+        self._claim: dict[int, int] = {}
+        self.depth = 0  # 1 while a call of the claiming thread is inside
+        self.log: list[tuple[Any, ...]] = []
+        self.kv_written = False
+        # Run (each must be idempotent) once a rollback has undone every record.
+        self.after_rollback: list[Callable[[], None]] = []
+        self._unfinished = False  # a rollback began and has not finished
+
+    def record(self, undo: Callable[..., None], *args: Any) -> None:
+        """Record ``undo(*args)``, which restores what the next change overwrites."""
+        self.log.append((undo, *args))
+
+    @property
+    def owner(self) -> int | None:
+        """The thread that holds the claim, or ``None``."""
+        return self._claim.get(_CLAIM)
+
+    def try_claim(self) -> bool:
+        """Take the guard without blocking, for a call that needs no undo (the one-store fast
+        path); ``False`` when any call is inside or a rollback is unfinished. Release it with
+        :meth:`release`."""
+        me = _get_ident()
+        if self._claim.setdefault(_CLAIM, me) != me:
+            return False
+        if self.depth or self.log or self._unfinished:
+            if not self.depth:  # an interrupted call of ours left work: the full path finishes it
+                self._claim.pop(_CLAIM, None)
+            return False
+        return True
+
+    def release(self) -> None:
+        """Give back a claim taken by :meth:`try_claim`."""
+        self._claim.pop(_CLAIM, None)
+
+    def enter(self) -> None:
+        """Take the guard for a call of this thread (refused while another call is inside), and
+        finish first what an interrupted call left to undo."""
+        me = _get_ident()
+        fresh = False  # this entry took the claim: an interrupt from here on must drop it
+        try:
+            owner = self._claim.setdefault(_CLAIM, me)
+            if owner != me:
+                raise CupagedError(
+                    "expected one thread at a time in a PagedCache/BlockManager, got a call while "
+                    "another thread is inside one (guard the cache with your own lock)"
+                )
+            if self.depth and _inside_a_call(sys._getframe(1)):  # private: CPython's frames
+                raise CupagedError(
+                    "expected no call into a PagedCache/BlockManager from inside one of its "
+                    "calls, got one (from a signal handler or a callback such as block_hasher)"
+                )
+            # (A depth left set with no call running: an interrupt at the very start of leave.)
+            fresh = True
+            self.depth = 1
+            if self.log or self._unfinished:  # an interrupted call left changes: undo them
+                self._rollback()
+            self.kv_written = False
+        except BaseException:
+            if fresh:  # an interrupt while entering: leave nothing held
+                self.depth = 0
+                self._claim.pop(_CLAIM, None)
+            raise
+
+    def abort(self) -> None:
+        """Undo every change of the call, newest first (resumable: an interrupt leaves the rest
+        to the next entry)."""
+        self._rollback()
+
+    def leave(self) -> None:
+        """Give the guard back (the call committed or aborted)."""
+        self.depth = 0
+        self._claim.pop(_CLAIM, None)
+
+    def __enter__(self) -> Transaction:
+        self.enter()
+        return self
+
+    def __exit__(self, kind: Any, error: Any, trace: Any) -> None:
+        try:
+            if kind is None:
+                self.log.clear()
+            else:
+                self._rollback()
+        finally:
+            self.leave()
+
+    def _rollback(self) -> None:
+        self._unfinished = True
+        log = self.log
+        while log:
+            undo, *args = log[-1]
+            undo(*args)
+            log.pop()  # only once undone: an interrupted rollback repeats this record
+        for finish in self.after_rollback:
+            finish()
+        self._unfinished = False
+
+
+def run_atomically(owner: Any, function: Callable[..., Any], *args: Any) -> Any:
+    """``function(*args)`` as one transaction of ``owner`` (a public call whose fast path runs
+    before it): what :func:`atomic` does for a whole method."""
+    return _atomic_call(owner, function, *args)
+
+
+def atomic(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Run a public method of an owner of ``self._transaction`` as one transaction.
+
+    The commit is ``log.clear()`` in this frame, right after the method returns: one C call, so
+    an interrupt lands before it (the call is undone) or after it (the call's work stands),
+    never inside. (A ``with`` block would commit in ``__exit__``, and an interrupt at the first
+    instruction of ``__exit__`` would leave the call neither committed nor undone.)
+    """
+
+    @functools.wraps(method)
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        transaction = self._transaction
+        transaction.enter()
+        try:
+            result = method(self, *args, **kwargs)
+            transaction.log.clear()  # the commit
+        except BaseException:
+            transaction.abort()
+            raise
+        finally:
+            transaction.leave()
+        return result
+
+    return call
+
+
+@atomic
+def _atomic_call(owner: Any, function: Callable[..., Any], *args: Any) -> Any:
+    return function(*args)

@@ -1,0 +1,208 @@
+"""Swapping a sequence's K/V to host memory and back (preemption without recomputation).
+
+:class:`Swapper` owns the host copies of swapped-out sequences; :class:`~cupaged.PagedCache`
+composes it with its table, pool, chains and K/V arrays, and calls it inside its transaction. A
+swapped-out sequence keeps its row (length, prefix chain) with an all-zero table and ``live = -1``,
+and holds no device block::
+
+    swap_out:  gather its blocks' K/V (every layer) -> pinned host buffers; release the blocks
+    swap_in:   take fresh blocks; copy the host K/V in; register its committed blocks again
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ._checks import require
+from ._util import cdiv
+from .errors import CupagedError
+from .paging.chains import Chains
+from .paging.pool import BlockPool
+from .paging.sequences import SequenceTable
+from .paging.transaction import Transaction
+
+
+class Swapper:
+    """Host copies of swapped-out sequences, and the moves between device and host.
+
+    Args:
+        table, pool, chains, transaction: the cache's bookkeeping (undo goes to ``transaction``).
+        k, v: the cache's ``[num_layers, num_blocks, num_kv_heads, block_size, head_dim]`` arrays.
+        xp: their array module (NumPy or CuPy).
+    """
+
+    def __init__(
+        self,
+        table: SequenceTable,
+        pool: BlockPool,
+        chains: Chains,
+        transaction: Transaction,
+        k: Any,
+        v: Any,
+        xp: Any,
+    ) -> None:
+        self.table, self.pool, self.chains = table, pool, chains
+        self.transaction = transaction
+        self._log = transaction.log  # (the same list for the transaction's life)
+        self.k, self.v, self.xp = k, v, xp
+        self._host: dict[int, tuple[Any, Any]] = {}  # sid -> host (k, v) [L, n_blocks, ...]
+
+    def __contains__(self, sid: int) -> bool:
+        return sid in self._host
+
+    def __len__(self) -> int:
+        return len(self._host)
+
+    def swap_out(self, sid: int) -> None:
+        """Move ``sid``'s K/V to host memory and free its device blocks (inside a call)."""
+        table, xp = self.table, self.xp
+        row = table.resident_row(sid)
+        blocks = table.tables[row, : table.held(row)]
+        index = xp.asarray(blocks.astype(np.intp))
+        host = []
+        for pages in (self.k, self.v):  # (before any change: a failed copy changes nothing)
+            gathered = pages[:, index]  # [num_layers, n_blocks, heads, block_size, head_dim]
+            buffer = _host_empty(xp, gathered.shape, gathered.dtype)
+            if xp is np:
+                buffer[...] = gathered
+            else:
+                gathered.get(out=buffer)
+            host.append(buffer)
+        self._log.append((table.put, row, table.snapshot(row)))
+        self._log.append((self._forget, sid))
+        self.pool.release(blocks[::-1].copy())
+        table.tables[row] = 0
+        table.live[row] = -1
+        table.epoch += 1  # batches holding it must check again
+        table.shared[row] = False
+        table.touch(row)
+        self._host[sid] = (host[0], host[1])
+
+    def swap_in(self, sid: int) -> None:
+        """Bring a swapped-out sequence back on fresh blocks (inside a call).
+
+        Raises:
+            CupagedError: ``sid`` is not swapped out. OutOfBlocksError: too few blocks (nothing
+            changes).
+        """
+        table, xp = self.table, self.xp
+        row = table.row(sid)
+        if sid not in self._host:
+            raise CupagedError(f"sequence {sid} is not swapped out")
+        k_host, v_host = self._host[sid]
+        n_blocks = k_host.shape[1]
+        blocks = self.pool.allocate(n_blocks)  # raises before any change (its undo recorded)
+        self._log.append((table.put, row, table.snapshot(row)))
+        self._log.append((self._host.__setitem__, sid, (k_host, v_host)))
+        index = xp.asarray(np.asarray(blocks, dtype=np.intp))
+        self.transaction.kv_written = True
+        self.k[:, index] = xp.asarray(k_host)
+        self.v[:, index] = xp.asarray(v_host)
+        table.ensure_width(n_blocks + 1)
+        table.tables[row, :n_blocks] = blocks
+        table.live[row] = sid
+        table.touch(row)
+        del self._host[sid]
+        self.chains.register_again(row, blocks)
+
+    def drop(self, sids: list[int]) -> None:
+        """Forget the host copies of freed sequences (inside a call)."""
+        dropped = {sid: self._host[sid] for sid in sids if sid in self._host}
+        if dropped:
+            self._log.append((self._host.update, dropped))
+            for sid in dropped:
+                del self._host[sid]
+
+    def check_invariants(self, block_size: int) -> None:
+        """A swapped-out sequence of ``n`` tokens keeps ``ceil(n / block_size)`` host blocks."""
+        table = self.table
+        for sid, row in table.rows.items():
+            swapped = sid in self._host
+            require(
+                swapped == (table.live.item(row) < 0),
+                f"sequence {sid} is {'' if swapped else 'not '}swapped but its row says otherwise",
+            )
+            if swapped:
+                n_blocks = self._host[sid][0].shape[1]
+                length = table.lens.item(row)
+                require(
+                    n_blocks == cdiv(length, block_size),
+                    f"swapped sequence {sid} has {length} tokens in {n_blocks} host blocks",
+                )
+        require(self._host.keys() <= table.rows.keys(), "a freed sequence kept its host copy")
+
+    def _forget(self, sid: int) -> None:
+        self._host.pop(sid, None)
+
+
+class DeferredCopies:
+    """Copy-on-write copies a step left to the caller (``step(..., apply_copies=False)``), by
+    destination: the only pairs :meth:`PagedCache.apply_copies` copies. Any other destination
+    may hold another sequence's written tokens (or a cached prefix), which a copy would
+    overwrite.
+
+    Args:
+        table, pool, transaction: the cache's bookkeeping (undo goes to ``transaction``).
+    """
+
+    def __init__(self, table: SequenceTable, pool: BlockPool, transaction: Transaction) -> None:
+        self.table, self.pool = table, pool
+        self._log = transaction.log
+        self._left: dict[int, tuple[int, int, int]] = {}  # dst -> (src, sid, column)
+
+    def leave(self, src: list[int], dst: list[int]) -> None:
+        """Remember a step's pairs, each with the sequence and column its destination serves."""
+        table, left = self.table, self._left
+        if len(left) >= self.pool.num_blocks:  # drop what freed sequences left
+            refcounts = self.pool.refcounts
+            for d in [d for d in left if not refcounts[d]]:
+                del left[d]
+        found = {}
+        for s, d in zip(src, dst, strict=True):
+            rows, columns = (table.tables == d).nonzero()  # its one holder (refcount 1)
+            found[d] = (s, table.sids.item(rows[0]), columns.item(0))
+        self._log.append((self._restore, {d: left.get(d) for d in found}))
+        left.update(found)
+
+    def take(self, src: list[int], dst: list[int]) -> None:
+        """Check that every pair is one left to apply, and forget them (they are applied now).
+
+        Raises:
+            ValueError: naming the first pair that is not.
+        """
+        table, left = self.table, self._left
+        for s, d in zip(src, dst, strict=True):
+            entry = left.get(d)
+            row = None if entry is None else table.rows.get(entry[1])
+            if (
+                entry is None
+                or entry[0] != s
+                or row is None
+                or table.live.item(row) != entry[1]
+                or table.tables.item(row, entry[2]) != d
+            ):
+                raise ValueError(
+                    f"expected copy-on-write pairs that a step(..., apply_copies=False) of "
+                    f"this cache left to apply, got {s} -> {d}"
+                )
+        self._log.append((self._restore, {d: left[d] for d in dst}))
+        for d in dst:
+            del left[d]
+
+    def _restore(self, saved: dict[int, Any]) -> None:
+        for d, entry in saved.items():
+            if entry is None:
+                self._left.pop(d, None)
+            else:
+                self._left[d] = entry
+
+
+def _host_empty(xp: Any, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    """Host memory for a swapped-out sequence: pinned when the cache is on the GPU."""
+    if xp is np:
+        return np.empty(shape, dtype)
+    import cupyx
+
+    return cupyx.empty_pinned(shape, dtype)

@@ -1,0 +1,272 @@
+"""An interrupt at any moment of a public call leaves the cache as before it, or as after it.
+
+Two ways in, as a ``KeyboardInterrupt`` from Ctrl-C (or any exception a signal handler raises)
+would come:
+
+- **every moment**: a profile function raises at the ``k``-th point inside ``cupaged`` where
+  Python may run a signal handler (a function's start, before and after each call it makes),
+  for every ``k`` of one call, on a fresh copy of the same cache each time (deterministic and
+  exhaustive);
+- **random moments**: a real ``SIGALRM`` timer firing 10 µs to 1 ms into calls through thousands
+  of operations of a random walk (what Ctrl-C in a notebook does).
+
+After each interrupted call the cache must pass ``check_invariants()``, not be left locked, and
+hold, for every sequence, the same length, residency and K/V as a twin cache that either did not
+run the call (the call was undone) or ran it in full (it had finished its work).
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+from cupaged import CupagedError, OutOfBlocksError, PagedCache
+
+BS, LAYERS, HEAD_DIM = 4, 2, 64
+PACKAGE = str(__import__("pathlib").Path(__import__("cupaged").__file__).parent)
+
+
+def make_cache(prefix: bool) -> PagedCache:
+    # With prefix caching, a pool that the walk never fills: an interrupted call that evicted
+    # cached blocks and wrote K/V leaves them out of the cache (their content is gone), which
+    # a twin that never ran the call cannot mirror. Eviction's undo is tested in
+    # test_fault_injection.py, with every cached block's bytes.
+    num_blocks = 400 if prefix else 40
+    return PagedCache(
+        num_blocks, BS, num_layers=LAYERS, num_kv_heads=1, head_dim=HEAD_DIM, dtype="float32",
+        device="cpu", enable_prefix_caching=prefix,
+    )  # fmt: skip
+
+
+class Model:
+    """What a cache holds, as its user sees it: per sequence its length, whether it is swapped
+    out, and the K/V of the positions the walk wrote (reserved ones hold whatever)."""
+
+    def __init__(self) -> None:
+        self.written: dict[int, np.ndarray] = {}  # sid -> [len] bool: K/V defined there
+
+    def observe(self, cache: PagedCache) -> dict:
+        state = {}
+        for sid in cache.sequence_ids:
+            swapped = cache.is_swapped(sid)
+            entry = [cache.seq_len(sid), swapped]
+            if not swapped:
+                k, v = cache.gather_kv(sid)
+                mask = np.zeros(k.shape[1], bool)  # (a length the model does not know: no K/V)
+                known = self.written.get(sid, mask)[: mask.size]
+                mask[: known.size] = known
+                entry += [k[:, mask].tobytes(), v[:, mask].tobytes()]
+            state[sid] = entry
+        return state
+
+
+def kv(rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray]:
+    shape = (LAYERS, n, 1, HEAD_DIM)
+    return (rng.standard_normal(shape, dtype=np.float32),
+            rng.standard_normal(shape, dtype=np.float32))  # fmt: skip
+
+
+def random_op(rng: np.random.Generator, twin: PagedCache, model: Model, prefix: bool):
+    """A call drawn for the twin's state: ``(name, function of a cache, what it does to the
+    model when it runs in full)``."""
+    live = twin.sequence_ids
+    resident = [s for s in live if not twin.is_swapped(s)]
+    swapped = [s for s in live if twin.is_swapped(s)]
+    kinds = ["add", "append", "append", "fork", "free", "swap_out", "swap_in", "step", "commit"]
+    kind = kinds[rng.integers(len(kinds))] if live else "add"
+    if live and twin.num_free_blocks < twin.num_blocks // 3 and rng.random() < 0.5:
+        kind = "free"  # keep the pool from filling up (with prefix caching: never evict)
+    if kind == "add" or (kind in ("append", "fork", "step", "commit", "swap_out") and not resident):
+        tokens = rng.integers(0, 3, rng.integers(0, 3 * BS)).tolist()  # few ids: prefixes repeat
+        return (
+            "add",
+            lambda c: c.add_sequence(tokens),
+            lambda sid: model.written.setdefault(
+                sid, np.zeros(twin.seq_len(sid) if sid in twin.sequence_ids else 0, bool)
+            ),
+        )
+    if kind == "append":
+        sid = resident[rng.integers(len(resident))]
+        n = int(rng.integers(1, 2 * BS))
+        k, v = kv(rng, n)
+        tokens = rng.integers(0, 3, n).tolist()
+
+        def done(_):
+            model.written[sid] = np.concatenate([model.written[sid], np.ones(n, bool)])
+
+        return "append", lambda c: c.append(sid, k, v, tokens), done
+    if kind == "fork":
+        sid = resident[rng.integers(len(resident))]
+        n = int(rng.integers(1, 4))
+
+        def forked(children):
+            for child in children:
+                model.written[child] = model.written[sid].copy()
+
+        return "fork_many", lambda c: c.fork_many(sid, n), forked
+    if kind == "free":
+        count = int(rng.integers(1, min(3, len(live)) + 1))
+        sids = [int(s) for s in rng.choice(live, count, replace=False)]
+        return "free_many", lambda c: c.free_many(sids), lambda _: None
+    if kind == "swap_out":
+        sid = resident[rng.integers(len(resident))]
+        return "swap_out", lambda c: c.swap_out(sid), lambda _: None
+    if kind == "swap_in":
+        if not swapped:
+            return "swap_in", lambda c: c.swap_in(live[0]), lambda _: None  # refused
+        sid = swapped[rng.integers(len(swapped))]
+        return "swap_in", lambda c: c.swap_in(sid), lambda _: None
+    if kind == "step":
+        count = int(rng.integers(1, min(6, len(resident)) + 1))
+        sids = [int(s) for s in rng.choice(resident, count, replace=False)]
+        n = int(rng.integers(0, 3))
+        tokens = [rng.integers(0, 3, n).tolist() for _ in sids]
+
+        def stepped(_):
+            for sid in sids:
+                model.written[sid] = np.concatenate([model.written[sid], np.zeros(n, bool)])
+
+        return "step", lambda c: c.step(sids, n, tokens), stepped
+    sid = resident[rng.integers(len(resident))]
+    return "commit", lambda c: c.commit(sid), lambda _: None
+
+
+EXPECTED = (OutOfBlocksError, CupagedError, KeyError, ValueError)
+
+
+def run(function, cache):
+    """``(result, error)`` of a call, an expected refusal counted as its result."""
+    try:
+        return function(cache), None
+    except EXPECTED as error:
+        return None, type(error)
+
+
+def check_after_interrupt(subject, twin, model, function, done, name):
+    """The subject was interrupted inside ``function``: as the twin before it, or after it."""
+    # The next call enters (an empty commit changes nothing): it finishes a rollback that the
+    # interrupt cut short, and it must not find the cache locked.
+    subject.commit([])
+    transaction = subject._transaction
+    assert transaction.depth == 0 and transaction.owner is None, f"{name}: left locked"
+    assert not transaction.log, f"{name}: left undo records"
+    subject.check_invariants()
+    before = model.observe(twin)
+    got = model.observe(subject)
+    if got == before:
+        return False  # undone: the twin does not run it
+    result, error = run(function, twin)
+    assert error is None, f"{name}: the interrupted call changed the cache, its twin refused it"
+    done(result)
+    assert model.observe(subject) == model.observe(twin), f"{name}: left half done"
+    return True
+
+
+def interrupt_at(k: int):
+    """A profile function that raises ``KeyboardInterrupt`` at the ``k``-th moment (counting
+    from 1) where Python may run a signal handler inside cupaged: a function's start, and just
+    before and after each call (Python or C) it makes."""
+    seen = [0]
+
+    def profile(frame, event, arg):
+        if frame.f_code.co_filename.startswith(PACKAGE):
+            seen[0] += 1
+            if seen[0] == k:
+                raise KeyboardInterrupt
+
+    return profile, seen
+
+
+def build(prefix: bool, seed: int, ops: int):
+    """A cache and its twin after the same ``ops`` random calls (no interrupts)."""
+    rng = np.random.default_rng(seed)
+    caches = [make_cache(prefix), make_cache(prefix)]
+    model = Model()
+    for _ in range(ops):
+        _, function, done = random_op(rng, caches[1], model, prefix)
+        results = [run(function, c) for c in caches]
+        assert results[0][1] == results[1][1]
+        if results[0][1] is None:
+            done(results[0][0])
+    return caches, model, rng
+
+
+@pytest.mark.parametrize("prefix", [False, True])
+def test_an_interrupt_at_every_moment_of_a_call_is_undone_or_finished(prefix):
+    """For 6 calls of a walk, every moment of each call in turn raises (on fresh twins)."""
+    for step in range(6):
+        k = 1
+        while True:
+            (subject, twin), model, rng = build(prefix, 3, step + 6)
+            name, function, done = random_op(rng, twin, model, prefix)
+            profile, seen = interrupt_at(k)
+            sys.setprofile(profile)
+            try:
+                function(subject)
+                interrupted = False
+            except KeyboardInterrupt:
+                interrupted = True
+            except EXPECTED:
+                interrupted = False
+            finally:
+                sys.setprofile(None)
+            if not interrupted:
+                break  # the call ran past its last line: every line was tried
+            label = f"{name} interrupted at moment {k}"
+            if not check_after_interrupt(subject, twin, model, function, done, label):
+                # Undone: the cache works on, and the same call now gives the twin's result.
+                result, error = run(function, subject)
+                twin_result, twin_error = run(function, twin)
+                assert error == twin_error, label
+                if error is None:
+                    done(twin_result)
+                subject.check_invariants()
+                assert model.observe(subject) == model.observe(twin), label
+            k += 1
+        assert k > 3, f"{name} had only {k} moments"
+
+
+@pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="needs signal.setitimer (POSIX)")
+@pytest.mark.parametrize("prefix", [False, True])
+def test_interrupts_at_random_moments_through_a_long_walk(prefix, seed=7):
+    """A SIGALRM raising KeyboardInterrupt 10 µs to 1 ms into calls, through 1,500 calls."""
+    assert threading.current_thread() is threading.main_thread()
+    rng = np.random.default_rng(seed + prefix)
+    subject, twin = make_cache(prefix), make_cache(prefix)
+    model = Model()
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, handler)
+    interrupted = finished_anyway = 0
+    try:
+        for i in range(1500):
+            name, function, done = random_op(rng, twin, model, prefix)
+            delay = float(rng.uniform(10e-6, 1e-3))
+            try:
+                try:
+                    signal.setitimer(signal.ITIMER_REAL, delay)
+                    result = run(function, subject)
+                finally:
+                    signal.setitimer(signal.ITIMER_REAL, 0)
+            except KeyboardInterrupt:
+                interrupted += 1
+                finished_anyway += check_after_interrupt(
+                    subject, twin, model, function, done, f"{name} (call {i})"
+                )
+                continue
+            twin_result = run(function, twin)
+            assert result[1] == twin_result[1], f"{name} (call {i}): {result} vs {twin_result}"
+            if result[1] is None:
+                done(result[0])
+            subject.check_invariants()
+            assert model.observe(subject) == model.observe(twin), f"{name} (call {i})"
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert interrupted >= 50, f"only {interrupted} calls were interrupted: the timer is too slow"
