@@ -377,7 +377,7 @@ class PagedCache(BlockManager):
                 self._copy(plan.copy_src, plan.copy_dst, checked=False)  # its own plan
                 plan.copies_applied = True
             else:
-                self._deferred.leave(plan.copy_src.tolist(), plan.copy_dst.tolist())
+                self._deferred.leave(plan.copy_src, plan.copy_dst, self._rows_of(sids))
         return plan
 
     def _own_tables(self, step: StepPlan) -> tuple[Any, Any]:

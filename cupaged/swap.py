@@ -152,17 +152,21 @@ class DeferredCopies:
         self._log = transaction.log
         self._left: dict[int, tuple[int, int, int]] = {}  # dst -> (src, sid, column)
 
-    def leave(self, src: list[int], dst: list[int]) -> None:
-        """Remember a step's pairs, each with the sequence and column its destination serves."""
+    def leave(self, src: np.ndarray, dst: np.ndarray, rows: np.ndarray) -> None:
+        """Remember a step's pairs (``rows``: the step's), each with the sequence and column its
+        destination serves."""
         table, left = self.table, self._left
         if len(left) >= self.pool.num_blocks:  # drop what freed sequences left
             refcounts = self.pool.refcounts
             for d in [d for d in left if not refcounts[d]]:
                 del left[d]
-        found = {}
-        for s, d in zip(src, dst, strict=True):
-            rows, columns = (table.tables == d).nonzero()  # its one holder (refcount 1)
-            found[d] = (s, table.sids.item(rows[0]), columns.item(0))
+        # Each destination's one holder (refcount 1), a row of the step: one comparison.
+        at, columns, pair = (table.tables[rows][:, :, None] == dst).nonzero()
+        sids = table.sids[rows[at]].tolist()
+        found = {
+            dst.item(j): (src.item(j), sid, column)
+            for j, sid, column in zip(pair.tolist(), sids, columns.tolist(), strict=True)
+        }
         self._log.append((self._restore, {d: left.get(d) for d in found}))
         left.update(found)
 

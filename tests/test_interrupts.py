@@ -23,6 +23,7 @@ import threading
 
 import numpy as np
 import pytest
+from helpers import internals
 
 from cupaged import CupagedError, OutOfBlocksError, PagedCache
 
@@ -151,9 +152,7 @@ def check_after_interrupt(subject, twin, model, function, done, name):
     # The next call enters (an empty commit changes nothing): it finishes a rollback that the
     # interrupt cut short, and it must not find the cache locked.
     subject.commit([])
-    transaction = subject._transaction
-    assert transaction.depth == 0 and transaction.owner is None, f"{name}: left locked"
-    assert not transaction.log, f"{name}: left undo records"
+    internals(subject).assert_no_call_inside()  # not locked, no undo left
     subject.check_invariants()
     before = model.observe(twin)
     got = model.observe(subject)

@@ -218,6 +218,8 @@ class Planner:
             # Mostly nothing shared (the global count first: no gather then): the decode step.
             if not np.count_nonzero(table.shared) or not np.count_nonzero(table.shared[rows]):
                 return self._decode(rows, tokens, what, bases)
+            if rows.size <= SMALL_BATCH:  # a few forks sharing a block: row by row
+                return self.plan_rows(rows.tolist(), [1] * rows.size, tokens, what)
         bs, chains = self.block_size, self.chains
         lens = table.lens[rows]
         uniform = isinstance(counts, int)
