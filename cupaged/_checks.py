@@ -188,7 +188,7 @@ MAX_CONTEXT_LEN = 2**30
 # Index arrays up to this size are checked as Python lists when they live on the host: cheaper
 # than the sort-based array checks below up to about 200 slots or 300 copy pairs (the timings:
 # docs/benchmarks.md, "Small index checks").
-_SMALL = 128
+SMALL_INDEX_ARRAY = 128
 
 # The launch path's names for the element-type table's lookups (cupaged/dtypes.py).
 element_type = array_dtype_name
@@ -228,7 +228,7 @@ def check_slots(slots: Any, capacity: int) -> None:
         ValueError: a slot out of range (the message shows the first ones), or one used twice
             (two writes to one slot race).
     """
-    if slots.size <= _SMALL and isinstance(slots, np.ndarray):
+    if slots.size <= SMALL_INDEX_ARRAY and isinstance(slots, np.ndarray):
         values = slots.tolist()
         bad = [s for s in values if s < -1 or s >= capacity]
         used = [s for s in values if s >= 0]
@@ -259,7 +259,11 @@ def check_copy_pairs(src: Any, dst: Any, num_blocks: int) -> None:
     Raises:
         ValueError: naming the offending ids.
     """
-    if src.size <= _SMALL and isinstance(src, np.ndarray) and isinstance(dst, np.ndarray):
+    if (
+        src.size <= SMALL_INDEX_ARRAY
+        and isinstance(src, np.ndarray)
+        and isinstance(dst, np.ndarray)
+    ):
         sources, targets = src.tolist(), dst.tolist()
         ids = sources + targets
         out_of_range = min(ids) < 0 or max(ids) >= num_blocks

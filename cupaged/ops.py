@@ -130,8 +130,11 @@ def _check_write_shapes(
     check_shape("slot_mapping", slot_mapping, [("num_tokens", num_tokens)])
     check_index_array("slot_mapping", slot_mapping)
     elem = element_type(k_cache)
-    for name, x, why in (("v_cache", v_cache, "k_cache's dtype"), ("k", k, "the cache's dtype"),
-                         ("v", v, "the cache's dtype")):  # fmt: skip
+    for name, x, why in (
+        ("v_cache", v_cache, "k_cache's dtype"),
+        ("k", k, "the cache's dtype"),
+        ("v", v, "the cache's dtype"),
+    ):
         if element_type(x) != elem:
             check_dtype(name, x, elem, why)
     return elem, num_blocks, num_kv_heads, block_size, head_dim, num_tokens
@@ -238,8 +241,9 @@ def _copy_plan(
     )
     kernel = get_kernel(device, "copy_blocks.cu", name)
     if device == "cpu":  # one OS thread unless the launch is large (see _cpu.threads)
-        kernel = kernel.with_workers(cpu_threads().stride_workers(grid[0] * grid[1] * grid[2],
-                                                                block_bytes))  # fmt: skip
+        kernel = kernel.with_workers(
+            cpu_threads().stride_workers(grid[0] * grid[1] * grid[2], block_bytes)
+        )
     return kernel, grid, block, (np.int32(num_blocks), np.int64(block_bytes // word))
 
 

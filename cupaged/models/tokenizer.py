@@ -92,9 +92,12 @@ class Tokenizer:
             raise CupagedError("expected a chat template (tokenizer.chat_template), got none")
         env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         template = env.from_string(self.chat_template)
-        return template.render(messages=messages, add_generation_prompt=True,
-                               bos_token=self._token_or_empty(self.bos_id),
-                               eos_token=self._token_or_empty(self.eos_id))  # fmt: skip
+        return template.render(
+            messages=messages,
+            add_generation_prompt=True,
+            bos_token=self._token_or_empty(self.bos_id),
+            eos_token=self._token_or_empty(self.eos_id),
+        )
 
     def _token_or_empty(self, token_id: int | None) -> str:
         return self._tokens[token_id] if token_id is not None else ""
