@@ -109,8 +109,9 @@ def check_attention_args(
     num_seqs, num_q_heads, head_dim = check_shape(
         "q", q, [("num_seqs", None), ("num_q_heads", None), ("head_dim", None)]
     )
-    return _check_paged_kv(q, num_q_heads, head_dim, k_cache, v_cache, block_tables,
-                           context_lens, num_seqs)  # fmt: skip
+    return _check_paged_kv(
+        q, num_q_heads, head_dim, k_cache, v_cache, block_tables, context_lens, num_seqs
+    )
 
 
 def _check_paged_kv(
@@ -274,14 +275,20 @@ def check_copy_pairs(src: Any, dst: Any, num_blocks: int) -> None:
         ids = xp.concatenate([src.astype(np.int64), dst.astype(np.int64)])
         ordered_dst = xp.sort(dst)
         n = src.size
-        ordered_ids = xp.sort(xp.concatenate([xp.unique(src).astype(np.int64),
-                                              xp.unique(dst).astype(np.int64)]))  # fmt: skip
-        summary = _host(xp.stack([
-            ((ids < 0) | (ids >= num_blocks)).any(),
-            (ordered_dst[1:] == ordered_dst[:-1]).any() if n > 1 else xp.asarray(False),
-            (ordered_ids[1:] == ordered_ids[:-1]).any() if ordered_ids.size > 1
-            else xp.asarray(False),
-        ]))  # fmt: skip
+        ordered_ids = xp.sort(
+            xp.concatenate([xp.unique(src).astype(np.int64), xp.unique(dst).astype(np.int64)])
+        )
+        summary = _host(
+            xp.stack(
+                [
+                    ((ids < 0) | (ids >= num_blocks)).any(),
+                    (ordered_dst[1:] == ordered_dst[:-1]).any() if n > 1 else xp.asarray(False),
+                    (ordered_ids[1:] == ordered_ids[:-1]).any()
+                    if ordered_ids.size > 1
+                    else xp.asarray(False),
+                ]
+            )
+        )
         out_of_range, repeated, both = (bool(f) for f in summary)
     if out_of_range:
         raise ValueError(
@@ -368,8 +375,9 @@ def check_prefill_args(
     _, num_q_heads, head_dim = check_shape(
         "q", q, [("total_query_tokens", None), ("num_q_heads", None), ("head_dim", None)]
     )
-    dims = _check_paged_kv(q, num_q_heads, head_dim, k_cache, v_cache, block_tables,
-                           context_lens, None)  # fmt: skip
+    dims = _check_paged_kv(
+        q, num_q_heads, head_dim, k_cache, v_cache, block_tables, context_lens, None
+    )
     check_shape("query_start_loc", query_start_loc, [("num_seqs + 1", dims.num_seqs + 1)])
     check_index_array("query_start_loc", query_start_loc)
     return dims

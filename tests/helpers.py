@@ -157,19 +157,51 @@ def recorded_cpu_launches():
         yield launches
 
 
+def forget_cpu_builds() -> None:
+    """Forget which library this process loaded for each CPU-backend module (the libraries stay
+    loaded): the next :class:`~cupaged._cpu.CpuModule` looks in the build cache again, as a new
+    process would."""
+    from cupaged._cpu import module as cpu_module
+
+    cpu_module._BUILDS.clear()
+
+
+@contextlib.contextmanager
+def cpu_stride_threads(threads: int):
+    """Run ``write_kv`` and ``copy_blocks`` on the CPU backend with ``threads`` threads per block
+    inside (``_launch.CPU_STRIDE_THREADS``, one by default), their launch plans (kept per shape
+    in ``cupaged.ops``) made afresh on the way in and out."""
+    import pytest
+
+    from cupaged import _launch, ops
+
+    def forget_plans():
+        ops._write_plan.cache_clear()
+        ops._copy_plan.cache_clear()
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_launch, "CPU_STRIDE_THREADS", threads)
+        forget_plans()
+        try:
+            yield
+        finally:
+            forget_plans()  # the plans made with these thread counts must not outlive the block
+
+
 # ------------------------------------------------------------------------------- internals
 
 
 class Internals:
-    """A test's view of the state behind the public API of the bookkeeping.
+    """A test's view of the state behind the public API of the bookkeeping and of a decode plan.
 
     White-box tests (exact free stacks, a corrupted table that ``check_invariants`` must catch,
-    fault injection, a race forced between two calls) read and change private state here, and
-    only here: no test reaches into a private name itself, so that when the internals change
-    this class (with :func:`inner_calls` and :func:`undo_calls`, the private calls fault
-    injection patches by name) is the one place to follow them. Make one with
-    :func:`internals`; prefer the public API (``block_table``, ``seq_len``, ``pool.refcounts``,
-    ``pool.evictable_blocks()``, ``check_invariants``) wherever it says enough.
+    fault injection, a race forced between two calls, the buffers a CUDA graph holds) read and
+    change private state here, and only here: no test reaches into a private name itself, so
+    that when the internals change this class (with :func:`inner_calls` and :func:`undo_calls`,
+    the private calls fault injection patches by name) is the one place to follow them. Make one
+    with :func:`internals`; prefer the public API (``block_table``, ``seq_len``,
+    ``pool.refcounts``, ``pool.evictable_blocks()``, ``check_invariants``, ``plan.work()``)
+    wherever it says enough.
 
     Attributes:
         manager: the :class:`~cupaged.BlockManager` (or :class:`~cupaged.PagedCache`), or ``None``
@@ -180,13 +212,14 @@ class Internals:
         table: the manager's :class:`~cupaged.paging.sequences.SequenceTable`.
         chains: the manager's :class:`~cupaged.paging.chains.Chains` (row -> prefix chain).
         swapper: a cache's :class:`~cupaged.swap.Swapper` (``None`` for a manager).
+        plan: the :class:`~cupaged.DecodePlan`, or ``None`` for the bookkeeping.
     """
 
     def __init__(self, owner) -> None:
-        from cupaged import BlockManager, BlockPool, PrefixCache
+        from cupaged import BlockManager, BlockPool, DecodePlan, PrefixCache
 
         self.manager = self.transaction = self.table = self.chains = self.swapper = None
-        self.index = None
+        self.index = self.pool = self.plan = None
         if isinstance(owner, BlockManager):
             self.manager = owner
             self.transaction, self.pool, self.index = owner._transaction, owner._pool, owner._index
@@ -196,8 +229,12 @@ class Internals:
             self.pool = owner
         elif isinstance(owner, PrefixCache):
             self.index, self.pool = owner, owner.pool
+        elif isinstance(owner, DecodePlan):
+            self.plan = owner
         else:
-            raise TypeError(f"expected a BlockManager, BlockPool or PrefixCache, got {owner!r}")
+            raise TypeError(
+                f"expected a BlockManager, BlockPool, PrefixCache or DecodePlan, got {owner!r}"
+            )
 
     # -- the manager's sequences
 
@@ -344,9 +381,20 @@ class Internals:
 
         monkeypatch.setattr(prefix, "_RUN_BYTES", nbytes)
 
+    # -- a decode plan
+
+    @property
+    def plan_buffers(self) -> tuple:
+        """A decode plan's own device arrays, ``(block_tables, context_lens, work)``: its int32
+        copies of the tables and lengths and its ``[num_items, 4]`` work list, the buffers a
+        captured CUDA graph reads (``update`` writes into them)."""
+        plan = self.plan
+        return plan._tables, plan._lens, plan._work
+
 
 def internals(owner) -> Internals:
-    """The :class:`Internals` of a BlockManager or PagedCache, a BlockPool or a PrefixCache."""
+    """The :class:`Internals` of a BlockManager or PagedCache, a BlockPool, a PrefixCache or a
+    DecodePlan."""
     return Internals(owner)
 
 

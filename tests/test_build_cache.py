@@ -22,6 +22,7 @@ import shutil
 import stat
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -244,14 +245,14 @@ def test_an_unusable_cache_folder_falls_back_to_a_private_temporary_one(tmp_path
 
 
 def test_a_build_that_cannot_be_written_is_a_cupaged_error(tmp_path, source, monkeypatch):
-    from cupaged._cpu import CpuModule, toolchain
+    from cupaged._cpu import CpuModule
 
     monkeypatch.setenv("CUPAGED_CACHE_DIR", str(tmp_path / "cache"))
 
     def full_disk(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(toolchain, "_write_atomically", full_disk)
+    monkeypatch.setattr(tempfile, "mkstemp", full_disk)  # the build's first file
     with pytest.raises(CupagedError, match="No space left on device"):
         CpuModule(source, ["cpu_test::fill"])
 
@@ -414,13 +415,13 @@ def test_the_temporary_fallback_below_an_open_folder_is_refused(tmp_path, source
 def test_a_build_of_other_kernels_under_a_builds_name_is_a_cupaged_error(
     tmp_path, source, monkeypatch
 ):
-    from cupaged._cpu import CpuModule
+    from cupaged._cpu import toolchain
 
     library = built_library(source, tmp_path / "cache")
     other = source.with_name("other.cu")
     other.write_text(source.read_text().replace("void fill(", "void fill_other("))
     monkeypatch.setenv("CUPAGED_CACHE_DIR", str(tmp_path / "other"))
-    built = CpuModule(other, ["cpu_test::fill_other"])._library.path
+    built, _ = toolchain.build(other.resolve(), ["cpu_test::fill_other"])
     shutil.copy(built, library)  # a real build, and its digest, under the name of another one
     shutil.copy(f"{built}.sha256", f"{library}.sha256")
     result = run_bounded(source, tmp_path / "cache")

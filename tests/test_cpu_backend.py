@@ -20,8 +20,16 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import DTYPES, TOLERANCES, cpu_toolchain_missing, kernel_error, recorded_cpu_launches
+from helpers import (
+    DTYPES,
+    TOLERANCES,
+    cpu_toolchain_missing,
+    forget_cpu_builds,
+    kernel_error,
+    recorded_cpu_launches,
+)
 
+from cupaged import _cuda_headers
 from cupaged._backend import kernel_dir
 from cupaged._cpu import (
     SCHEDULES,
@@ -32,7 +40,6 @@ from cupaged._cpu import (
     threads,
     toolchain,
 )
-from cupaged._cpu import module as cpu_module
 from cupaged._util import cdiv
 from cupaged.errors import CupagedError
 
@@ -711,7 +718,7 @@ def test_a_build_is_cached_on_disk_and_redone_when_a_file_changes(tmp_path, cach
     assert len(list(cache.glob("cached-*.so"))) == 1
 
     caplog.clear()
-    cpu_module._BUILDS.clear()  # forget this process's builds: the library comes from disk
+    forget_cpu_builds()  # forget this process's builds: the library comes from disk
     assert (_fill(source) == 7).all()
     assert (_fill(source) == 7).all()  # and now from this process's memo
     assert not any("compiling" in r.message for r in caplog.records)
@@ -742,7 +749,7 @@ def test_unsafe_name_expressions_are_refused(bad):
 
 def _header_sets() -> list:
     """Every CUDA header folder on this machine: toolkits and runtime wheels."""
-    folders = {toolchain.DEFAULT_TOOLKIT / "include", *toolchain._wheel_include_dirs()}
+    folders = {toolchain.DEFAULT_TOOLKIT / "include", *_cuda_headers.wheel_include_dirs()}
     if os.environ.get("CUDA_PATH"):
         folders.add(Path(os.environ["CUDA_PATH"]) / "include")
     found = sorted(f.resolve() for f in folders if (f / "cuda_fp16.h").is_file())
@@ -774,7 +781,7 @@ def test_the_include_folder_search_order_and_its_error(tmp_path, monkeypatch):
     monkeypatch.setenv("CUDA_PATH", str(tmp_path / "empty"))
     monkeypatch.setenv("PATH", str(tmp_path))  # no nvcc
     monkeypatch.setattr(toolchain, "DEFAULT_TOOLKIT", tmp_path / "none")
-    monkeypatch.setattr(toolchain, "_wheel_include_dirs", lambda: [])
+    monkeypatch.setattr(_cuda_headers, "wheel_include_dirs", lambda: [])
     with pytest.raises(CupagedError, match="pip install nvidia-cuda-runtime-cu12"):
         cuda_include_dir()
 
@@ -843,7 +850,7 @@ def test_sanitize_build_reports_an_out_of_range_read(tmp_path):
 
 
 def _nvrtc_include() -> Path | None:
-    for folder in toolchain._wheel_include_dirs():
+    for folder in _cuda_headers.wheel_include_dirs():
         if "cuda_runtime" in folder.parts and (folder / "cuda_fp16.h").is_file():
             return folder
     return None

@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 from helpers import cpu_toolchain_missing, kernel_error
 
+from cupaged import _cuda_headers
 from cupaged._backend import kernel_dir
-from cupaged._cpu import SCHEDULES, CpuModule, launch_options, toolchain
+from cupaged._cpu import SCHEDULES, CpuModule, launch_options
 from cupaged.errors import KernelError
 
 KERNELS = Path(__file__).parent / "cpu_kernels"
@@ -247,7 +248,7 @@ def test_pipeline_kernels_compile_with_nvrtc_into_cp_async(arch):
     include = next(
         (
             f
-            for f in toolchain._wheel_include_dirs()
+            for f in _cuda_headers.wheel_include_dirs()
             if (f / "cuda_pipeline_primitives.h").is_file()
         ),
         None,

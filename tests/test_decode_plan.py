@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import DTYPES, assert_close, poison, random_array, random_paged_batch
+from helpers import DTYPES, assert_close, internals, poison, random_array, random_paged_batch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -213,11 +213,11 @@ def test_forced_splits_and_a_wrong_length_hint_never_change_the_result(
 def test_update_replans_into_the_same_buffers(rng, xp):
     (q, k, v, tables, lens), _ = batch(rng, xp, "float32", [100, 200, 3000])
     plan = cupaged.DecodePlan(tables, lens, k, q.shape[1])
-    buffers = (plan._tables, plan._lens, plan._work)
+    buffers = internals(plan).plan_buffers
     new_lens = xp.asarray(np.array([3000, 1, 0], np.int32))
     new_tables = tables[::-1].copy()
     plan.update(new_tables, new_lens)
-    after = (plan._tables, plan._lens, plan._work)
+    after = internals(plan).plan_buffers
     assert all(a is b for a, b in zip(buffers, after, strict=True))
     expected = reference(*(to_host(x) for x in (q, k, v, new_tables, new_lens)))
     assert_close(plan.run(q, k, v), expected, "float32")

@@ -8,7 +8,7 @@ from helpers import random_array
 from test_cache import assert_unchanged, kv, make_cache, snapshot
 
 import cupaged
-from cupaged import CupagedError, PagedCache
+from cupaged import CupagedError, PagedCache, _backend
 
 
 @pytest.fixture
@@ -108,7 +108,10 @@ def test_reserve_argument_errors_change_nothing(cache):
         cache.reserve([0, 1, 0])
     with pytest.raises(ValueError, match=r"expected one token count per sequence \(2\), got 3"):
         cache.reserve([0, 1], [1, 2, 3])
-    with pytest.raises(ValueError, match=r"expected num_tokens in 0 \.\. \d+ \(what the pool can ever hold\), got -1"):
+    with pytest.raises(
+        ValueError,
+        match=r"expected num_tokens in 0 \.\. \d+ \(what the pool can ever hold\), got -1",
+    ):
         cache.reserve([0, 1], [1, -1])
     with pytest.raises(TypeError, match="expected num_tokens to be an int"):
         cache.reserve([0, 1], 1.5)
@@ -160,7 +163,7 @@ def test_constructor_errors(kwargs, error, message):
 
 
 def test_cuda_without_a_gpu_says_so(monkeypatch):
-    monkeypatch.setattr(cupaged._backend, "cuda_available", lambda: False)
+    monkeypatch.setattr(_backend, "cuda_available", lambda: False)
     with pytest.raises(CupagedError, match="device='cuda' was requested but"):
         PagedCache(4, head_dim=64, device="cuda")
     assert PagedCache(4, head_dim=64, device=None).device == "cpu"

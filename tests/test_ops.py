@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import DTYPES, poison, random_array, recorded_cpu_launches
+from helpers import DTYPES, cpu_stride_threads, poison, random_array, recorded_cpu_launches
 
 import cupaged
 from cupaged import _checks
@@ -75,21 +75,13 @@ def test_the_oracles_equal_plain_loops(rng, xp, dtype):
 
 
 @pytest.mark.parametrize("threads", [32, 96])
-def test_stride_kernels_with_several_threads_on_the_cpu_backend(rng, monkeypatch, threads):
+def test_stride_kernels_with_several_threads_on_the_cpu_backend(rng, threads):
     """The CPU backend runs write_kv and copy_blocks with one thread per block (a fiber start costs
     more than the loop it saves); the GPU runs warps that stride over the words. Both kernels are
     run here on the CPU backend with several threads too (each thread striding over 2-16 words), so
     that the GPU's partition of the words is checked there."""
     shape = (6, 4, 16, 64)  # a block of 8 KiB: 512 16-byte words; a token's row: 64 float4
-    from cupaged import _launch, ops
-
-    def clear_plans():
-        ops._write_plan.cache_clear()
-        ops._copy_plan.cache_clear()
-
-    monkeypatch.setattr(_launch, "CPU_STRIDE_THREADS", threads)
-    clear_plans()
-    try:
+    with cpu_stride_threads(threads):
         k_cache, v_cache = poison(shape, "float32"), poison(shape, "float32")
         k, v = random_array(rng, (3, 4, 64), "float32"), random_array(rng, (3, 4, 64), "float32")
         slots = np.array([37, 0, 95], np.int32)
@@ -107,8 +99,6 @@ def test_stride_kernels_with_several_threads_on_the_cpu_backend(rng, monkeypatch
         cupaged.copy_blocks(k_cache, v_cache, src, dst)
         np.testing.assert_array_equal(k_cache, expected_k)
         np.testing.assert_array_equal(v_cache, expected_v)
-    finally:
-        clear_plans()  # the plans made with these thread counts must not outlive the test
 
 
 def test_stride_launches_take_helper_threads_by_bytes_on_the_cpu_backend():
@@ -137,11 +127,12 @@ def test_stride_launches_take_helper_threads_by_bytes_on_the_cpu_backend():
 
 
 def test_large_stride_launches_run_on_helper_threads_and_stay_exact(rng):
-    """A write and a copy at the byte threshold (4 MiB in 4 KiB and 32 KiB blocks): the plan asks
-    for helper threads, and the result is bit-exact against plain loops."""
-    from cupaged import ops
+    """A write and a copy at the byte threshold (4 MiB in 4 KiB and 32 KiB blocks): the launches
+    ask for helper threads, and the result is bit-exact against plain loops."""
+    from cupaged._cpu import current_options
     from cupaged._cpu import threads as cpu_threads
 
+    forced = current_options().workers  # CUPAGED_CPU_WORKERS sets every launch's OS threads
     heads, block_size, head_dim = 8, 16, 128  # a token's K and V rows: 4 KiB
     tokens = cpu_threads.POOL_MIN_BYTES // (2 * heads * head_dim * 2)
     block_bytes = heads * block_size * head_dim * 2  # 32 KiB
@@ -151,14 +142,12 @@ def test_large_stride_launches_run_on_helper_threads_and_stay_exact(rng):
     k = random_array(rng, (tokens, heads, head_dim), "float16")
     v = random_array(rng, (tokens, heads, head_dim), "float16")
     slots = rng.permutation(shape[0] * block_size)[:tokens].astype(np.int32)
-    plan = ops._write_plan(
-        "cpu", 0, "float16", np.dtype(np.int32), (heads, block_size, head_dim, tokens), True
-    )
-    assert plan[0].workers == min(tokens, cpu_threads.cpu_count())
     expected_k, expected_v = k_cache.copy(), v_cache.copy()
     expected_k[slots // block_size, :, slots % block_size] = k
     expected_v[slots // block_size, :, slots % block_size] = v
-    cupaged.write_kv(k_cache, v_cache, k, v, slots)
+    with recorded_cpu_launches() as launches:
+        cupaged.write_kv(k_cache, v_cache, k, v, slots)
+    assert [workers for _, workers in launches] == [forced or min(tokens, cpu_threads.cpu_count())]
     np.testing.assert_array_equal(k_cache.view(np.uint16), expected_k.view(np.uint16))
     np.testing.assert_array_equal(v_cache.view(np.uint16), expected_v.view(np.uint16))
 
@@ -166,11 +155,12 @@ def test_large_stride_launches_run_on_helper_threads_and_stay_exact(rng):
     dst = np.setdiff1d(np.arange(shape[0]), src)[rng.permutation(shape[0] - pairs)[:pairs]]
     dst = dst.astype(np.int32)
     expected_k[dst], expected_v[dst] = k_cache[src], v_cache[src]
-    cupaged.copy_blocks(k_cache, v_cache, src, dst)
+    with recorded_cpu_launches() as launches:
+        cupaged.copy_blocks(k_cache, v_cache, src, dst)
     np.testing.assert_array_equal(k_cache.view(np.uint16), expected_k.view(np.uint16))
     np.testing.assert_array_equal(v_cache.view(np.uint16), expected_v.view(np.uint16))
-    plan = ops._copy_plan("cpu", 0, shape, "float16", True, pairs)
-    assert plan[0].workers == min(2 * pairs, cpu_threads.cpu_count())  # K and V: a block each
+    copies = [forced or min(2 * pairs, cpu_threads.cpu_count())]  # K and V: a block each
+    assert [workers for _, workers in launches] == copies
 
 
 def test_attention_launches_take_helper_threads_from_two_blocks_on_the_cpu_backend(rng):
@@ -358,8 +348,8 @@ def test_int64_slots_are_checked_before_they_are_narrowed(rng, bad):
     np.testing.assert_array_equal(args["k_cache"], before)
 
 
-# The Python path for a few slots, the array path past _checks._SMALL.
-@pytest.mark.parametrize("n", [5, _checks._SMALL + 1])
+# The Python path for a few slots, the array path past _checks.SMALL_INDEX_ARRAY.
+@pytest.mark.parametrize("n", [5, _checks.SMALL_INDEX_ARRAY + 1])
 def test_slot_checks_refuse_the_same_slots_on_both_paths(rng, n):
     capacity = 6 * 4 * 16  # 6 blocks of 16 tokens, times 4: room for the array path's slots
     slots = rng.permutation(capacity)[:n].astype(np.int64)
@@ -377,8 +367,8 @@ def test_slot_checks_refuse_the_same_slots_on_both_paths(rng, n):
             check_slots(wrong, capacity)
 
 
-# The Python path for a few ids, the array path past _checks._SMALL.
-@pytest.mark.parametrize("n", [3, _checks._SMALL + 1])
+# The Python path for a few ids, the array path past _checks.SMALL_INDEX_ARRAY.
+@pytest.mark.parametrize("n", [3, _checks.SMALL_INDEX_ARRAY + 1])
 def test_int64_copy_pairs_are_checked_before_they_are_narrowed(rng, n):
     k_cache = random_array(rng, (320, 2, 4, 16), "float16")
     before = k_cache.copy()

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from cupaged import CupagedError
+from cupaged import CupagedError, _cuda_headers
 from cupaged._cpu import toolchain
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,7 +33,7 @@ def fake_toolkit(root: Path) -> Path:
 def test_cupaged_cuda_toolkit_replaces_the_standard_location(tmp_path, monkeypatch):
     monkeypatch.setenv("CUDA_PATH", str(tmp_path / "empty"))
     monkeypatch.setenv("PATH", str(tmp_path))  # no nvcc
-    monkeypatch.setattr(toolchain, "_wheel_include_dirs", lambda: [])
+    monkeypatch.setattr(_cuda_headers, "wheel_include_dirs", lambda: [])
     monkeypatch.setenv("CUPAGED_CUDA_TOOLKIT", str(fake_toolkit(tmp_path / "toolkit")))
     assert toolchain.cuda_include_dir() == (tmp_path / "toolkit" / "include").resolve()
 
@@ -46,7 +46,7 @@ def test_cupaged_cuda_toolkit_replaces_the_standard_location(tmp_path, monkeypat
 
 
 def test_with_the_toolkit_hidden_the_runtime_wheel_supplies_the_headers(tmp_path, monkeypatch):
-    wheels = [d for d in toolchain._wheel_include_dirs() if (d / "cuda_fp16.h").is_file()]
+    wheels = [d for d in _cuda_headers.wheel_include_dirs() if (d / "cuda_fp16.h").is_file()]
     if not wheels:
         pytest.skip("no nvidia-cuda-runtime wheel installed in this environment")
     monkeypatch.setenv("CUDA_PATH", str(tmp_path))

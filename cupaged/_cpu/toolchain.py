@@ -88,11 +88,6 @@ def check_platform() -> None:
         )
 
 
-def _wheel_include_dirs() -> list[Path]:
-    """Header folders of NVIDIA's CUDA wheels, if installed (no import of the packages)."""
-    return _cuda_headers.wheel_include_dirs()
-
-
 def cuda_include_dir() -> Path:
     """The folder with ``cuda_fp16.h`` and ``cuda_bf16.h`` that CPU builds compile against.
 
@@ -106,7 +101,10 @@ def cuda_include_dir() -> Path:
     Raises:
         CupagedError: none of them has the headers.
     """
-    candidates = [*_cuda_headers.toolkit_include_dirs(DEFAULT_TOOLKIT), *_wheel_include_dirs()]
+    candidates = [
+        *_cuda_headers.toolkit_include_dirs(DEFAULT_TOOLKIT),
+        *_cuda_headers.wheel_include_dirs(),
+    ]
     found = _cuda_headers.include_dir_with(("cuda_fp16.h", "cuda_bf16.h"), candidates)
     if found is not None:
         return found.resolve()
