@@ -110,7 +110,9 @@ class Lifecycle:
         """
         table, pool = self.table, self.pool
         sid = table.next_id
-        row = table.next_free(1).item(0)
+        if not table.free_rows:
+            table.next_free(1)  # grows the table (no undo needed)
+        row = table.free_rows[-1]  # the row acquire_many takes
         self._log.append((table.unacquire, row, len(table.free_rows), sid))
         table.acquire_many([sid])
         n_hits = len(hits)

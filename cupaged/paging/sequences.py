@@ -140,8 +140,11 @@ class SequenceTable:
     def acquire_many(self, sids: list[int]) -> np.ndarray:
         """Rows for new sequences (ids ``next_id``, ``next_id + 1``, ...): resident, empty."""
         if len(sids) == 1:  # one sequence (an admission): scalar stores
-            rows = self.next_free(1)
-            row, sid = self.free_rows.pop(), sids[0]
+            if not self.free_rows:
+                self._grow_rows(2 * self.tables.shape[0])
+            row, sid = self.free_rows[-1], sids[0]
+            rows = np.array([row], np.intp)
+            self.free_rows.pop()
             self.sids[row] = self.live[row] = sid
             self.version[row] = self.clock
             self.rows[sid] = row
