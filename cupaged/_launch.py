@@ -485,7 +485,7 @@ def prefill_work(
     n = np.diff(starts)
     head = np.minimum(-starts[:-1] % query_rows, n)
     rest = n - head
-    tiles = (rest + query_rows - 1) // query_rows
+    tiles = cdiv(rest, query_rows)
     past = lens - n
     if causal:
         short = tiles * query_rows - rest  # rows missing from each sequence's last tile

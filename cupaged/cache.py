@@ -24,7 +24,7 @@ from .ops import copy_blocks, write_kv
 from .paging.manager import BlockManager
 from .paging.planner import NO_SLOTS
 from .paging.prefix import BlockHasher
-from .paging.results import Admission, StepPlan
+from .paging.results import StepPlan
 from .paging.sequences import SequenceBatch
 from .paging.tokens import step_tokens
 from .paging.transaction import atomic, run_atomically
@@ -170,6 +170,8 @@ class PagedCache(BlockManager):
             slot = self._one_token(sids, tokens)  # one token in its own last block: no copy
             if slot is not None:
                 return StepPlan(slot, NO_SLOTS, NO_SLOTS, 1, 1)
+        if not isinstance(sids, (int, np.integer, SequenceBatch)):
+            sids = list(sids)  # (resolved twice: for the plan, for the copies it leaves)
         return run_atomically(
             self, self._step_and_copy, sids, num_tokens, tokens, apply_copies, tables
         )
@@ -201,11 +203,6 @@ class PagedCache(BlockManager):
             in the order of ``sids``: ``slot = block * block_size + offset``.
         """
         return self.step(sids, num_tokens, tokens).slots
-
-    def admit(self, prompt: Sequence[int], cache_salt: str | bytes | None = None) -> Admission:
-        return super().admit(prompt, cache_salt)  # a fresh tail: never a copy to apply
-
-    admit.__doc__ = BlockManager.admit.__doc__
 
     @atomic
     def apply_copies(self, src: Any, dst: Any) -> None:
@@ -285,6 +282,8 @@ class PagedCache(BlockManager):
         else:
             if num_tokens is None:
                 raise TypeError("expected num_tokens= (query tokens per sequence) with ids")
+            if not isinstance(step, SequenceBatch):
+                step = list(step)  # (resolved twice: for the tables, for the lengths)
             tables, _ = self.block_tables(step)
             rows = self._rows_of(step)
             lens = self._table.lens[rows]
@@ -383,9 +382,10 @@ class PagedCache(BlockManager):
     def _own_tables(self, step: StepPlan) -> tuple[Any, Any]:
         """A step plan's device tables and lengths, refused unless this cache made them."""
         if step.issuer is not self._table or step.block_tables is None:
+            foreign = step.issuer is not None and step.issuer is not self._table
             raise ValueError(
                 "expected a StepPlan of this cache made with step(..., tables=True), got "
-                + ("one of another cache" if step.issuer is not self._table else "one without")
+                + ("one of another cache" if foreign else "one without")
             )
         return step.block_tables, step.context_lens
 

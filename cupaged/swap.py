@@ -160,8 +160,12 @@ class DeferredCopies:
             refcounts = self.pool.refcounts
             for d in [d for d in left if not refcounts[d]]:
                 del left[d]
-        # Each destination's one holder (refcount 1), a row of the step: one comparison.
-        at, columns, pair = (table.tables[rows][:, :, None] == dst).nonzero()
+        # Each destination's one holder (refcount 1), a row of the step: one comparison over the
+        # columns that hold blocks (the padding past them is 0, which is a block id too).
+        held = cdiv(table.lens[rows], table.block_size)
+        holding = np.arange(table.width) < held[:, None]
+        matches = (table.tables[rows] == dst[:, None, None]) & holding
+        pair, at, columns = matches.nonzero()
         sids = table.sids[rows[at]].tolist()
         found = {
             dst.item(j): (src.item(j), sid, column)

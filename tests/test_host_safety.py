@@ -262,3 +262,41 @@ def test_prefill_plan_of_ids_checks_its_counts():
             c.prefill_plan([s], 1, num_tokens=np.array(counts))
     plan = c.prefill_plan([s], 1, num_tokens=[5])
     assert plan.total_query_tokens == 5
+
+
+def test_a_copy_onto_block_zero_is_tied_to_its_own_sequence_not_to_padding():
+    """Padding past a row's last block is 0, which is a block id too: a copy whose destination
+    is block 0 must not be matched against padding (it was, and apply_copies then overwrote
+    another sequence's tokens)."""
+    c = cache()
+
+    def ones(n, x):
+        return (np.full((1, n, 1, 64), x, np.float32),) * 2
+
+    a = c.add_sequence()
+    c.append(a, *ones(1, 1.0))  # block 0
+    b = c.add_sequence()
+    c.append(b, *ones(3, 2.0))  # block 1
+    child = c.fork(b)
+    c.free(a)  # block 0 on top of the free stack
+    plan = c.step([b, child], 1, apply_copies=False)  # a copy 1 -> 0 left to the caller
+    assert plan.copy_dst.tolist() == [0]
+    c.free(b)
+    c.free(child)  # never applied: its destination went back to the pool
+    d = c.add_sequence()
+    c.append(d, *ones(2, 9.0))  # block 0 now holds d's tokens
+    with pytest.raises(ValueError, match="left to apply"):
+        c.apply_copies(plan.copy_src, plan.copy_dst)
+    assert c.gather_kv(d)[0][0, :, 0, 0].tolist() == [9.0, 9.0]
+
+
+def test_a_step_over_an_iterator_leaves_copies_that_can_be_applied():
+    c = cache()
+    kv3 = (np.ones((1, 3, 1, 64), np.float32),) * 2
+    a = c.add_sequence()
+    c.append(a, *kv3)
+    b = c.fork(a)
+    plan = c.step(iter([a, b]), 1, apply_copies=False)
+    c.apply_copies(plan.copy_src, plan.copy_dst)
+    c.check_invariants()
+    assert c.prefill_plan(iter([a, b]), 1, num_tokens=[1, 1]).num_seqs == 2

@@ -269,3 +269,152 @@ def test_interrupts_at_random_moments_through_a_long_walk(prefix, seed=7):
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
     assert interrupted >= 50, f"only {interrupted} calls were interrupted: the timer is too slow"
+
+
+# ------------------------------------------------------------------------------ the guard's windows
+
+
+def at_source(function_name: str, source: str, action):
+    """A trace function that runs ``action()`` once, when the line ``source`` of the function
+    ``function_name`` (in cupaged) is about to run: a signal handler's moment, pinned."""
+    import linecache
+
+    fired = []
+
+    def line(frame, event, arg):
+        if (
+            event == "line"
+            and not fired
+            and frame.f_code.co_name == function_name
+            and linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip() == source
+        ):
+            fired.append(True)
+            action()
+        return line
+
+    def call(frame, event, arg):
+        return line if frame.f_code.co_filename.startswith(PACKAGE) else None
+
+    return call, fired
+
+
+def test_a_handler_calling_in_during_the_one_token_fast_path_is_refused():
+    from cupaged import BlockManager
+
+    m = BlockManager(8, 4, device="cpu")
+    a = m.add_sequence()
+    m.step(a)
+    refused = []
+
+    def handler():
+        with pytest.raises(CupagedError, match="from inside one of its calls"):
+            m.free(a)
+        refused.append(True)
+
+    trace, fired = at_source("one_token", "table.lens[row] = length + 1", handler)
+    sys.settrace(trace)
+    try:
+        m.step(a)
+    finally:
+        sys.settrace(None)
+    assert fired and refused
+    m.check_invariants()
+    assert m.seq_len(a) == 2
+    internals(m).assert_no_call_inside()
+
+
+def test_a_handler_calling_in_just_after_the_claim_is_refused_and_keeps_others_out():
+    from cupaged import BlockManager
+
+    m = BlockManager(8, 4, device="cpu")
+    a = m.add_sequence()
+    seen = []
+
+    def handler():  # lands after enter's setdefault, before the call is marked inside
+        with pytest.raises(CupagedError, match="from inside one of its calls"):
+            m.add_sequence()
+        other = []
+
+        def worker():
+            try:
+                m.add_sequence()
+                other.append("got in")
+            except CupagedError:
+                other.append("refused")
+
+        thread = threading.Thread(target=worker)
+        thread.start()
+        thread.join()
+        seen.append(other[0])
+
+    trace, fired = at_source("enter", "if owner is not mine:", handler)
+    sys.settrace(trace)
+    try:
+        children = m.fork_many(a, 1)
+    finally:
+        sys.settrace(None)
+    assert fired and seen == ["refused"]
+    assert len(children) == 1 and m.sequence_ids == [a, *children]
+    m.check_invariants()
+    internals(m).assert_no_call_inside()
+
+
+def test_a_second_interrupt_during_the_rollback_is_finished_before_the_call_returns():
+    """Ctrl-C twice: the rollback that the second interrupt cuts short is taken up again at
+    once, so reads after the call never see a half-undone cache."""
+    c = make_cache(False)
+    a, b = c.add_sequence(), c.add_sequence()
+    c.append(a, *kv(np.random.default_rng(0), 5))
+    c.append(b, *kv(np.random.default_rng(1), 3))
+    before = Model().observe(c), c.num_free_blocks
+
+    def first():
+        raise KeyboardInterrupt
+
+    def second():
+        raise KeyboardInterrupt
+
+    trace_1, fired_1 = at_source("release", "self.chains.drop(rows)", first)
+    trace_2, fired_2 = at_source("restore", "row_list = rows.tolist()", second)
+
+    def both(frame, event, arg):
+        trace_2(frame, event, arg)
+        return trace_1(frame, event, arg)
+
+    sys.settrace(lambda frame, event, arg: both(frame, event, arg))
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            c.free_many([a, b])
+    finally:
+        sys.settrace(None)
+    assert fired_1
+    assert (Model().observe(c), c.num_free_blocks) == before  # without any later call
+    c.check_invariants()
+
+
+def test_an_interrupt_inside_batch_replace_never_lets_a_duplicate_in():
+    from cupaged import BlockManager
+
+    m = BlockManager(32, 4, device="cpu")
+    s = [m.add_sequence() for _ in range(4)]
+    for sid in s:
+        m.step(sid, 3)
+    batch = m.batch(s[:2])
+
+    def boom():
+        raise KeyboardInterrupt
+
+    trace, fired = at_source("replace", "self._sids[position] = sid", boom)
+    sys.settrace(trace)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            batch.replace(0, s[2])
+    finally:
+        sys.settrace(None)
+    assert fired
+    ids = batch.sids.tolist()
+    for sid in ids:  # whatever the batch holds now, a second copy of one is refused
+        with pytest.raises(ValueError, match="twice in the batch"):
+            batch.replace(1 - ids.index(sid), sid)
+    m.step(batch, 1)
+    m.check_invariants()

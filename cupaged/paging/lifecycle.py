@@ -182,7 +182,7 @@ class Lifecycle:
         length = table.lens.item(row)
         if length and table.live.item(row) >= 0:  # a swapped-out row holds none
             start = row * table.width
-            self.pool.release(table.flat[start : start + (length + bs - 1) // bs][::-1])
+            self.pool.release(table.flat[start : start + cdiv(length, bs)][::-1])
         if self.chains.enabled:
             self.chains.drop([row])
         table.release_row(row)

@@ -53,8 +53,6 @@ from .tokens import step_tokens, token_array, token_counts
 from .transaction import Transaction, atomic, run_atomically
 
 _INT32_MAX = 2**31 - 1
-_NO_BLOCKS = np.zeros(0, np.intp)
-_NO_BLOCKS.flags.writeable = False
 
 
 class BlockManager:
@@ -422,7 +420,7 @@ class BlockManager:
             row = self._table.rows.get(sid)
             slot = None if row is None else self._planner.one_token(row, sid)
         finally:
-            transaction.release()
+            transaction.leave()
         return None if slot is None else self._on_device(self._one_slot.cut(slot))
 
     def _rows_of(self, sids: Any) -> np.ndarray:

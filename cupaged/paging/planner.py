@@ -228,8 +228,8 @@ class Planner:
             writing = np.ones(rows.size, bool) if counts else np.zeros(rows.size, bool)
         else:
             writing = counts > 0
-        held = (lens + (bs - 1)) // bs
-        grow = (ends + (bs - 1)) // bs - held
+        held = cdiv(lens, bs)
+        grow = cdiv(ends, bs) - held
         copy = self._copies(rows, lens, held, writing)
         need = grow + copy if copy is not None else grow
         total = int(need.sum())

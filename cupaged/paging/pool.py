@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Hashable, Iterable, Mapping
+from threading import get_ident
 from typing import Any
 
 import numpy as np
@@ -232,7 +233,11 @@ class BlockPool:
         found = self.keys.lookup(key)
         if found is not None:
             return found[0]
-        require(self.keys.key_of(block) is None, f"block {block} is already registered")
+        if self.keys.key_of(block) is not None:
+            raise ValueError(
+                f"expected a block not registered yet, got block {block}, registered under "
+                f"{self.keys.key_of(block)!r}"
+            )
         with self._scope():
             self.keys.register_many([block], [key], [content])
         return block
@@ -381,7 +386,9 @@ class BlockPool:
     def _scope(self) -> Any:
         """The scope of a checked call: the owner's transaction unless a call is inside it."""
         transaction = self._transaction
-        return transaction if transaction is not None and not transaction.depth else _NO_SCOPE
+        if transaction is None or (transaction.depth and transaction.owner == get_ident()):
+            return _NO_SCOPE  # no owner, or a call of this thread is inside: it records
+        return transaction  # enter it (another thread's call inside is refused there)
 
     def _park(self, gone: np.ndarray) -> None:
         """Blocks left without a reference: registered ones evictable, the others free. (The

@@ -381,12 +381,6 @@ class PrefixCache:
         chain.digests += digests
         chain.committed = len(chain.keys)
 
-    def register_chain(self, chain: PrefixChain, blocks: Sequence[int]) -> None:
-        """Register ``blocks[j]`` under ``chain.keys[j]`` again for its committed blocks (fresh
-        blocks after a swap-in)."""
-        done = chain.committed
-        self.pool.keys.register_many(list(blocks[:done]), chain.keys[:done], chain.digests[:done])
-
 
 # Entries of PrefixCache._memo (about 250 bytes each) before it starts over.
 _MEMO_ENTRIES = 1 << 14

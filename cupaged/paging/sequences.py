@@ -211,6 +211,7 @@ class SequenceTable:
             self.sids[rows] = self.live[rows] = -1
             self.shared[rows] = self.pending[rows] = False
             self.version[rows] = self.clock
+            self.epoch += 1  # sequences stopped being ones (after the change: see `epoch`)
         else:
             self.put(rows if rows.size > 1 else rows.item(0), snapshot)
             for sid, row in zip(self.sids[rows].tolist(), row_list, strict=True):
@@ -234,6 +235,7 @@ class SequenceTable:
         del self.free_rows[mark - 1 :]
         self.free_rows.append(row)
         self.next_id = sid
+        self.epoch += 1  # a sequence stopped being one (after the change: see `epoch`)
 
     def save_row(self, row: int) -> tuple:
         """:meth:`save` of one row that holds a sequence, for :meth:`restore_row`."""
@@ -483,13 +485,16 @@ class SequenceBatch:
             self._members = set(self._sids.tolist())
         if old != sid and sid in self._members:
             raise ValueError(f"expected distinct sequence ids, got {sid} twice in the batch")
-        self._members.discard(old)
+        # The id set first grows, then shrinks: an interrupt in between leaves it a superset
+        # (a later replace may refuse an id spuriously, never accept a duplicate).
         self._members.add(sid)
+        self._replaced.append(position)
         self._sids[position] = sid
         self._rows[position] = row
         if self._bases_width:
             self._bases[position] = row * self._bases_width
-        self._replaced.append(position)
+        if old != sid:
+            self._members.discard(old)
 
     def flat_bases(self) -> np.ndarray:
         """``rows * width`` (intp) at the table's width: each row's first flat entry."""

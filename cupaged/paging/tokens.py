@@ -19,8 +19,6 @@ from .._checks import as_int
 
 TOKEN_DTYPE = np.dtype("<i8")  # token ids are hashed as little-endian int64
 _MAX_TOKEN = 2**63 - 1
-NO_TOKENS = np.zeros(0, TOKEN_DTYPE)
-NO_TOKENS.flags.writeable = False
 _ZERO, _ONE = bytes(8), b"\x01" + bytes(7)  # the ids 0 and 1, packed
 
 

@@ -21,7 +21,7 @@ The rules that make it hold at *any* moment, an interrupt between two bytecodes 
    ``depth`` says whether a call of the claiming thread is running; :meth:`Transaction.leave`
    clears ``depth``, then drops the claim, and an interrupt while entering drops both. Python
    runs a signal's handler where it checks for pending calls: at a function's first
-   instruction and after a call returns. An interrupt between the two steps of ``leave``
+   instruction, after a call returns and at a loop's backward jump. An interrupt between the two steps of ``leave``
    leaves the claim with the thread it interrupted, which takes it back at its next call; one
    at the first instruction of ``leave`` leaves ``depth`` set, and the next entry, finding no
    call of the bookkeeping on its stack, knows that call is over (committed or undone) and
@@ -43,7 +43,8 @@ from typing import Any
 from ..errors import CupagedError
 
 _get_ident = threading.get_ident
-_CLAIM = 0  # the one key of the claim dictionary
+_CLAIM = 0  # the one key of the claim dictionary: (thread, token of the entry that took it)
+_ROLLBACK_TRIES = 8
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The modules whose calls run inside a transaction (their public calls never call each other).
 _BOOKKEEPING = (
@@ -75,7 +76,11 @@ class Transaction:
     the public calls of its owner never call each other.
 
     Attributes:
-        log: the undo records of the open call, oldest first: ``(function, *args)`` tuples.
+        log: the undo records of the open call, oldest first: ``(function, *args)`` tuples
+            (owners append to it directly; it is the same list for the transaction's life).
+        depth: 1 while a call of the claiming thread is inside, else 0.
+        after_rollback: functions (each idempotent) run once a rollback has undone every
+            record.
         kv_written: set when K/V were written into blocks the call took; a rollback then leaves
             evicted blocks out of the prefix cache (their content is gone), as free blocks.
 
@@ -96,7 +101,7 @@ class Transaction:
     __slots__ = ("_claim", "_unfinished", "after_rollback", "depth", "kv_written", "log")
 
     def __init__(self) -> None:
-        self._claim: dict[int, int] = {}
+        self._claim: dict[int, tuple[int, object]] = {}
         self.depth = 0  # 1 while a call of the claiming thread is inside
         self.log: list[tuple[Any, ...]] = []
         self.kv_written = False
@@ -111,47 +116,51 @@ class Transaction:
     @property
     def owner(self) -> int | None:
         """The thread that holds the claim, or ``None``."""
-        return self._claim.get(_CLAIM)
+        claim = self._claim.get(_CLAIM)
+        return None if claim is None else claim[0]
 
     def try_claim(self) -> bool:
         """Take the guard without blocking, for a call that needs no undo (the one-store fast
-        path); ``False`` when any call is inside or a rollback is unfinished. Release it with
-        :meth:`release`."""
+        path); ``False`` when any call is inside or a rollback is unfinished (the full path then
+        refuses, or finishes it). Release it with :meth:`leave`."""
         me = _get_ident()
-        if self._claim.setdefault(_CLAIM, me) != me:
+        mine = (me, object())
+        if self._claim.setdefault(_CLAIM, mine) is not mine:
+            return False  # held: another thread's, or this thread's outer call (a re-entry)
+        if self.log or self._unfinished:
+            self._claim.pop(_CLAIM, None)
             return False
-        if self.depth or self.log or self._unfinished:
-            if not self.depth:  # an interrupted call of ours left work: the full path finishes it
-                self._claim.pop(_CLAIM, None)
-            return False
+        self.depth = 1  # a call of this thread is inside: a re-entry is refused
         return True
-
-    def release(self) -> None:
-        """Give back a claim taken by :meth:`try_claim`."""
-        self._claim.pop(_CLAIM, None)
 
     def enter(self) -> None:
         """Take the guard for a call of this thread (refused while another call is inside), and
         finish first what an interrupted call left to undo."""
         me = _get_ident()
+        mine = (me, object())  # this entry's claim: no earlier entry holds the same one
         fresh = False  # this entry took the claim: an interrupt from here on must drop it
         try:
-            owner = self._claim.setdefault(_CLAIM, me)
-            if owner != me:
-                raise CupagedError(
-                    "expected one thread at a time in a PagedCache/BlockManager, got a call while "
-                    "another thread is inside one (guard the cache with your own lock)"
-                )
-            if self.depth and _inside_a_call(sys._getframe(1)):  # private: CPython's frames
-                raise CupagedError(
-                    "expected no call into a PagedCache/BlockManager from inside one of its "
-                    "calls, got one (from a signal handler or a callback such as block_hasher)"
-                )
-            # (A depth left set with no call running: an interrupt at the very start of leave.)
+            owner = self._claim.setdefault(_CLAIM, mine)
+            if owner is not mine:
+                if owner[0] != me:
+                    raise CupagedError(
+                        "expected one thread at a time in a PagedCache/BlockManager, got a call "
+                        "while another thread is inside one (guard the cache with your own lock)"
+                    )
+                # This thread's own claim: a call of the bookkeeping still on the stack (a
+                # signal handler or a callback calling in, however early in that call), or one
+                # an interrupt left (nothing of the bookkeeping on the stack): take it back.
+                if _inside_a_call(sys._getframe(1)):  # private: CPython's frames
+                    raise CupagedError(
+                        "expected no call into a PagedCache/BlockManager from inside one of its "
+                        "calls, got one (from a signal handler or a callback such as "
+                        "block_hasher)"
+                    )
+                self._claim[_CLAIM] = mine
             fresh = True
             self.depth = 1
             if self.log or self._unfinished:  # an interrupted call left changes: undo them
-                self._rollback()
+                self.abort()
             self.kv_written = False
         except BaseException:
             if fresh:  # an interrupt while entering: leave nothing held
@@ -160,9 +169,18 @@ class Transaction:
             raise
 
     def abort(self) -> None:
-        """Undo every change of the call, newest first (resumable: an interrupt leaves the rest
-        to the next entry)."""
-        self._rollback()
+        """Undo every change of the call, newest first. A rollback that an interrupt cuts short
+        is taken up again at once (a few times: then the next entry finishes it), and the first
+        interrupt is raised once it is done."""
+        interrupt = None
+        for _ in range(_ROLLBACK_TRIES):
+            try:
+                self._rollback()
+                break
+            except BaseException as error:  # a second Ctrl-C, or a handler's exception
+                interrupt = interrupt or error
+        if interrupt is not None:
+            raise interrupt
 
     def leave(self) -> None:
         """Give the guard back (the call committed or aborted)."""
