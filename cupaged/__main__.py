@@ -29,9 +29,17 @@ from rich.text import Text
 from . import CacheSpec, CupagedError, PagedCache, __version__, device_module, resolve_device
 from .demo import DemoConfig
 from .demo.real import PROMPTS as DEMO_PROMPTS
-from .models import MODELS, limit_blas_threads
+from .models import (
+    COMMAND_ERRORS,
+    MODELS,
+    error_line,
+    input_file,
+    integer,
+    limit_blas_threads,
+    output_file,
+    real,
+)
 from .models import add_cli_commands as add_model_commands
-from .models.cli import COMMAND_ERRORS, error_line, input_file, integer, output_file, real
 
 MiB = 2**20
 GiB = 2**30

@@ -15,10 +15,9 @@ import pytest
 from cupaged import CacheSpec, resolve_device
 from cupaged.demo import (
     DemoConfig,
-    Engine,
+    LogitsCheck,
     MemoryReport,
     ModelConfig,
-    Request,
     StepRecord,
     TinyDecoder,
     memory_figure,
@@ -27,6 +26,7 @@ from cupaged.demo import (
 from cupaged.demo.engine import CHECK_AT
 from cupaged.demo.report import plot_series
 from cupaged.models import Llama
+from cupaged.serving import Engine, Request
 
 
 @pytest.fixture(scope="module")
@@ -57,20 +57,28 @@ def workload(vocab):
     ]
 
 
+def serve(model, cache, requests, tolerance=(1e-5, 1e-5), **options):
+    """The demo's way to serve: the one engine, with the logits check of every sequence."""
+    check = LogitsCheck(
+        model, every=1, tolerance=tolerance, prefill_chunk=options.get("prefill_chunk")
+    )
+    result = Engine(model, cache, **options).run(requests, on_logits=check)
+    return result, check.checks
+
+
 @pytest.mark.parametrize("num_blocks", [40, 7], ids=["roomy", "preempting"])
 def test_cached_generation_equals_uncached_greedy(model, num_blocks):
     cache = model.make_cache(num_blocks, 8)
     requests = workload(model.config.vocab_size)
-    engine = Engine(model, cache, max_batch=4, temperature=0.0, check_every=1)
-    result = engine.run(requests)
+    result, checks = serve(model, cache, requests, max_batch=4)
     for request in requests:
         expected = generate_uncached(model, request.prompt, request.max_new_tokens)
         for sample in range(request.num_samples):
             assert result.outputs[(request.rid, sample)] == expected, (request.rid, sample)
     assert cache.prefix_cache_stats.hits >= 1  # the second prompt found the shared block
     if num_blocks == 7:
-        assert result.preemptions >= 1  # the small pool forced swapping, and nothing changed
-    assert result.checks and all(ok for _, _, ok in result.checks)
+        assert result.stats.swap_outs >= 1  # the small pool forced swapping, and nothing changed
+    assert checks and all(ok for _, _, ok in checks)
     assert cache.num_blocks - cache.num_free_blocks == 0
     cache.check_invariants()
 
@@ -78,7 +86,6 @@ def test_cached_generation_equals_uncached_greedy(model, num_blocks):
 def test_paged_logits_check_catches_a_wrong_cache(model, monkeypatch):
     """The correctness line can fail: corrupt one cached value and the check reports it."""
     cache = model.make_cache(40, 8)
-    engine = Engine(model, cache, max_batch=4, check_every=1)
     real_decode = model.decode
 
     def corrupting_decode(cache, batch, tokens):
@@ -86,8 +93,8 @@ def test_paged_logits_check_catches_a_wrong_cache(model, monkeypatch):
         return real_decode(cache, batch, tokens)
 
     monkeypatch.setattr(model, "decode", corrupting_decode)
-    result = engine.run([Request(0, list(range(12)), CHECK_AT + 1)])
-    assert result.checks and not any(ok for _, _, ok in result.checks)
+    _, checks = serve(model, cache, [Request(0, list(range(12)), CHECK_AT + 1)], max_batch=4)
+    assert checks and not any(ok for _, _, ok in checks)
 
 
 def test_memory_report_arithmetic_by_hand():
@@ -100,8 +107,9 @@ def test_memory_report_arithmetic_by_hand():
         # a fork shares the 5-token sequence's first block: 3 sequences, 13 tokens, 4 blocks
         StepRecord(2, running=3, swapped=0, tokens=13, blocks_in_use=4, filled_slots=10),
     ]
-    report = MemoryReport.compute(spec, num_blocks=16, max_len=20, steps=steps,
-                                  prefix_blocks_saved=2, fork_blocks_saved=1)  # fmt: skip
+    report = MemoryReport.compute(
+        spec, num_blocks=16, max_len=20, steps=steps, prefix_blocks_saved=2, fork_blocks_saved=1
+    )
     assert report.peak_blocks == 4
     assert report.peak_paged_bytes == 4 * 1024
     assert report.peak_contiguous_bytes == 3 * 20 * 256
@@ -176,8 +184,7 @@ def test_chunked_prefill_generates_what_uncached_greedy_does(model, num_blocks, 
     recorder = RecordingModel(model, monkeypatch)
     cache = model.make_cache(num_blocks, 8)
     requests = chunked_workload(model.config.vocab_size)
-    engine = Engine(model, cache, max_batch=6, temperature=0.0, check_every=1, prefill_chunk=chunk)
-    result = engine.run(requests)
+    result, checks = serve(model, cache, requests, max_batch=6, prefill_chunk=chunk)
     for request in requests:
         expected = generate_uncached(model, request.prompt, request.max_new_tokens)
         for sample in range(request.num_samples):
@@ -189,14 +196,14 @@ def test_chunked_prefill_generates_what_uncached_greedy_does(model, num_blocks, 
     if num_blocks == 40:
         # 23 tokens: 5 chunks; 1, 4, 5: one each; 6: two; the last prompt has 16 of its 19
         # tokens from the prefix cache: one chunk of 3.
-        assert result.prefill_chunks == 5 + 1 + 1 + 1 + 2 + 1, result.prefill_chunks
+        assert result.stats.prefill_chunks == 5 + 1 + 1 + 1 + 2 + 1, result.stats
         assert cache.prefix_cache_stats.hits >= 2
     else:
-        assert result.preemptions >= 1
+        assert result.stats.swap_outs >= 1
     # Every sequence checked at token CHECK_AT; the prompts longer than a chunk after their
     # last chunk too.
-    assert len(result.checks) >= len(result.outputs) + 2
-    assert all(ok for _, _, ok in result.checks), result.checks
+    assert len(checks) >= len(result.outputs) + 2
+    assert all(ok for _, _, ok in checks), checks
     assert cache.num_blocks - cache.num_free_blocks == 0
     cache.check_invariants()
 
@@ -207,18 +214,18 @@ def test_chunked_prefill_with_a_16_bit_cache_passes_its_check(dtype):
 
     model = TinyDecoder(ModelConfig(), np, seed=3, dtype=dtype)
     cache = model.make_cache(40, 8)
-    engine = Engine(model, cache, max_batch=6, check_every=1, prefill_chunk=5,
-                    tolerance=TOLERANCES[dtype])  # fmt: skip
-    result = engine.run(chunked_workload(model.config.vocab_size))
-    assert result.prefill_chunks >= 6 and len(result.checks) >= len(result.outputs) + 2
-    assert all(ok for _, _, ok in result.checks), result.checks
+    requests = chunked_workload(model.config.vocab_size)
+    result, checks = serve(
+        model, cache, requests, tolerance=TOLERANCES[dtype], max_batch=6, prefill_chunk=5
+    )
+    assert result.stats.prefill_chunks >= 6 and len(checks) >= len(result.outputs) + 2
+    assert all(ok for _, _, ok in checks), checks
     cache.check_invariants()
 
 
 def test_chunked_prefill_check_catches_a_wrong_chunk(model, monkeypatch):
     """Corrupt the cache after a prompt's first chunk: the check after its last chunk fails."""
     cache = model.make_cache(40, 8)
-    engine = Engine(model, cache, max_batch=4, check_every=1, prefill_chunk=4)
     real = model.forward
 
     def corrupting_forward(cache, plan, tokens, positions, rows):
@@ -227,14 +234,8 @@ def test_chunked_prefill_check_catches_a_wrong_chunk(model, monkeypatch):
         return out
 
     monkeypatch.setattr(model, "forward", corrupting_forward)
-    result = engine.run([Request(0, list(range(10)), 1)])
-    assert result.checks and not any(ok for _, _, ok in result.checks), result.checks
-
-
-def test_engine_refuses_a_chunk_of_no_tokens(model):
-    cache = model.make_cache(40, 8)
-    with pytest.raises(ValueError, match="--prefill-chunk: expected at least 1 token, got 0"):
-        Engine(model, cache, prefill_chunk=0)
+    _, checks = serve(model, cache, [Request(0, list(range(10)), 1)], max_batch=4, prefill_chunk=4)
+    assert checks and not any(ok for _, _, ok in checks), checks
 
 
 def test_the_readme_main_command_is_the_one_ci_runs():
@@ -248,9 +249,8 @@ def test_the_readme_main_command_is_the_one_ci_runs():
 
 def test_cli_chunked_prefill_run(tmp_path):
     report = tmp_path / "run.json"
-    result = run_cli("--requests", "4", "--new-tokens", "4", "--prompt-len", "30",
-                     "--system-prompt", "20", "--prefill-chunk", "8", "--device", "cpu",
-                     "--json", str(report))  # fmt: skip
+    options = "--requests 4 --new-tokens 4 --prompt-len 30 --system-prompt 20 --prefill-chunk 8"
+    result = run_cli(*options.split(), "--device", "cpu", "--json", str(report))
     assert result.returncode == 0, result.stderr[-2000:]
     assert "chunked prefill" in result.stdout and "equal for" in result.stdout
     summary = json.loads(report.read_text())["summary"]
@@ -259,8 +259,8 @@ def test_cli_chunked_prefill_run(tmp_path):
 
 
 def run_cli(*args, env=None):
-    return subprocess.run([sys.executable, "-m", "cupaged", "demo", *args], capture_output=True,
-                          text=True, timeout=300, env=env)  # fmt: skip
+    command = [sys.executable, "-m", "cupaged", "demo", *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
 
 
 def assert_one_line_error(result, status, message):
@@ -280,7 +280,7 @@ def assert_one_line_error(result, status, message):
         (["--temperature", "-1"], "--temperature: expected >= 0"),
         (["--prefill-chunk", "0"], "--prefill-chunk: expected at least 1 token, got 0"),
         (["--model", "nope"], "invalid choice: 'nope'"),
-        (["--model", "smollm2", "--weights", "w.npz"], "--weights: expected none with --model"),
+        (["--model", "smollm2", "--weights", __file__], "--weights: expected none with --model"),
         (["--dtype", "int8"], "invalid choice: 'int8'"),
         (["--requests", "many"], "invalid int value: 'many'"),
     ],
@@ -315,8 +315,8 @@ def test_cli_help_gives_every_option_a_help_text_and_its_default():
 
 def test_cli_small_run_writes_json_and_plot(tmp_path):
     report, plot = tmp_path / "run.json", tmp_path / "run.png"
-    result = run_cli("--requests", "4", "--new-tokens", "4", "--prompt-len", "20", "--num-blocks", "40",
-                     "--device", "cpu", "--json", str(report), "--plot", str(plot))  # fmt: skip
+    options = "--requests 4 --new-tokens 4 --prompt-len 20 --num-blocks 40 --device cpu".split()
+    result = run_cli(*options, "--json", str(report), "--plot", str(plot))
     assert result.returncode == 0, result.stderr[-2000:]
     assert "paged vs recomputed logits" in result.stdout and "equal for" in result.stdout
     assert "none (the pool never ran short)" in result.stdout

@@ -1,5 +1,6 @@
-"""The demo is an example a user can copy: every module of ``cupaged/demo`` (and the CLI that runs
-it) imports and uses only public names of cupaged, those in ``cupaged.__all__``."""
+"""The demo is an example a user can copy: every module of ``cupaged/demo``, of the serving engine
+it runs on (``cupaged/serving``) and the CLI that runs it imports and uses only public names of
+cupaged, those in ``cupaged.__all__`` and in the ``__all__`` of its public subpackages."""
 
 from __future__ import annotations
 
@@ -14,13 +15,24 @@ import pytest
 import cupaged
 import cupaged.demo
 import cupaged.models
+import cupaged.serving
 
 PUBLIC = set(cupaged.__all__) | {"__version__"}
-# cupaged.models is a public subpackage (docs/api.rst): its own __all__ is public too.
-MODELS_PUBLIC = set(cupaged.models.__all__)
+# cupaged.models and cupaged.serving are public subpackages (docs/api.rst): their own __all__ is
+# public too.
+SUBPACKAGES_PUBLIC = {
+    "cupaged.models": set(cupaged.models.__all__),
+    "cupaged.serving": set(cupaged.serving.__all__),
+}
+# Packages whose modules are checked; each may import its own modules.
+CHECKED = [cupaged.demo, cupaged.serving]
 MODULES = [
-    "cupaged.demo",
-    *(f"cupaged.demo.{m.name}" for m in pkgutil.iter_modules(cupaged.demo.__path__)),
+    *(
+        name
+        for package in CHECKED
+        for name in [package.__name__]
+        + [f"{package.__name__}.{m.name}" for m in pkgutil.iter_modules(package.__path__)]
+    ),
     "cupaged.__main__",
 ]
 
@@ -39,16 +51,20 @@ def private_uses(source: str, module: str, package: str) -> list[str]:
                 target = node.module or ""
             if not (target == "cupaged" or target.startswith("cupaged.")):
                 continue
-            demo_own = target == "cupaged.demo" or target.startswith("cupaged.demo.")
+            # A checked package's modules import each other; anything may import the demo's.
+            own = any(
+                target == home or target.startswith(home + ".")
+                for home in {package, "cupaged.demo"} & {p.__name__ for p in CHECKED}
+            )
             for alias in node.names:
                 if target == "cupaged" and alias.name not in PUBLIC:
                     found.append(f"{module}: from {target} import {alias.name} (not in __all__)")
-                if target == "cupaged.models":
-                    if alias.name not in MODELS_PUBLIC:
+                if target in SUBPACKAGES_PUBLIC and not own:
+                    if alias.name not in SUBPACKAGES_PUBLIC[target]:
                         found.append(
                             f"{module}: from {target} import {alias.name} (not in its __all__)"
                         )
-                elif target != "cupaged" and not demo_own:
+                elif target != "cupaged" and not own:
                     found.append(f"{module}: from {target} import {alias.name} (use cupaged.*)")
             if any(part.startswith("_") for part in target.split(".")):
                 found.append(f"{module}: imports the private module {target}")
@@ -77,10 +93,11 @@ def test_demo_modules_use_only_public_names(name):
     assert not uses, "\n".join(uses)
 
 
-def test_every_demo_file_is_checked():
-    files = {p.stem for p in Path(cupaged.demo.__file__).parent.glob("*.py")}
-    assert {m.rsplit(".", 1)[-1] for m in MODULES} >= files - {"__init__"}
-    assert len(MODULES) >= 5
+@pytest.mark.parametrize("package", CHECKED, ids=lambda p: p.__name__)
+def test_every_demo_and_serving_file_is_checked(package):
+    files = {p.stem for p in Path(package.__file__).parent.glob("*.py")} - {"__init__"}
+    assert {f"{package.__name__}.{f}" for f in files} <= set(MODULES)
+    assert package.__name__ in MODULES and len(files) >= 3
 
 
 @pytest.mark.parametrize(
@@ -94,6 +111,9 @@ def test_every_demo_file_is_checked():
         "import cupaged as cp\ncp.dtypes",
         "from cupaged.models.llama import unpermute_rope_rows",
         "from cupaged.models import unpermute_rope_rows",
+        "from cupaged.serving.engine import Engine",
+        "from ..serving import Queue",
+        "from ..models.generate import Sampling",
     ],
 )
 def test_the_check_catches_private_uses(line):
@@ -104,6 +124,10 @@ def test_the_check_lets_public_and_own_imports_through():
     source = (
         "from .. import PagedCache, to_numpy\nfrom .engine import Engine\nimport cupaged\n"
         "cupaged.paged_attention\nfrom cupaged import __version__\n"
-        "from cupaged.models import load_model"
+        "from cupaged.models import load_model\nfrom ..serving import Engine, Request"
     )
     assert private_uses(source, "cupaged.demo.model", "cupaged.demo") == []
+    assert (
+        private_uses("from .request import Request", "cupaged.serving.engine", "cupaged.serving")
+        == []
+    )

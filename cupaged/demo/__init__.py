@@ -3,8 +3,9 @@
 ``cupaged demo`` (or ``python -m cupaged demo``) runs :func:`run_demo`: by default a tiny
 Llama-shaped decoder with seeded random weights over a seeded stream of token prompts;
 ``--model smollm2`` serves a real model (:mod:`cupaged.models`) over built-in text prompts
-(:mod:`.real`). See :mod:`.model` for the tiny model, :mod:`.engine` for the batching loop and
-:mod:`.report` for the numbers it prints.
+(:mod:`.real`). Both are served by the one engine of :mod:`cupaged.serving` (the loop of
+``cupaged generate`` too); see :mod:`.model` for the tiny model, :mod:`.engine` for the check of
+the paged logits against a recomputation, and :mod:`.report` for the numbers it prints.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import numpy as np
 
 from .. import CacheSpec, PagedCache, device_module, resolve_device
 from ..models import MODELS, load_model
-from .engine import Engine, EngineResult, Request
+from ..serving import Engine, Request, Sampler, ServeResult, StepState
+from .engine import LogitsCheck
 from .model import ModelConfig, TinyDecoder
 from .real import PROMPTS, encode_prompts, make_real_requests
 from .report import MemoryReport, StepRecord, memory_figure, write_json, write_plot
@@ -27,6 +29,7 @@ __all__ = [
     "DemoConfig",
     "DemoRun",
     "Engine",
+    "LogitsCheck",
     "MemoryReport",
     "ModelConfig",
     "Request",
@@ -176,8 +179,8 @@ class Demo:
         self.tokenizer = None
         if config.model:  # fetched (with a message) on the first run, then loaded
             self.model, self.tokenizer = load_model(config.model, self.device, config.dtype)
-            self.requests = make_real_requests(encode_prompts(self.tokenizer), config.requests,
-                                               config.new_tokens, config.max_len, config.seed)  # fmt: skip
+            prompts, c = encode_prompts(self.tokenizer), config
+            self.requests = make_real_requests(prompts, c.requests, c.new_tokens, c.max_len, c.seed)
         elif config.weights:
             self.model = TinyDecoder.load(config.weights, xp, dtype=config.dtype)
         else:
@@ -201,35 +204,50 @@ class Demo:
 
     def run(self, on_step: Callable[[int], None] | None = None) -> DemoRun:
         """Serve the workload. ``on_step(tokens_generated_so_far)`` after each engine step."""
-        config, cache = self.config, self.cache
+        config, cache, chunk = self.config, self.cache, self.config.prefill_chunk
         eos = self.tokenizer.eos_id if self.tokenizer is not None else None
-        engine = Engine(self.model, cache, max_batch=config.max_batch,
-                        temperature=self.temperature, seed=config.seed, check_every=3,
-                        tolerance=TOLERANCES[config.dtype], prefill_chunk=config.prefill_chunk,
-                        eos_id=eos)  # fmt: skip
-        result = engine.run(self.requests, on_step=on_step)
+        sampler = Sampler(temperature=self.temperature, seed=config.seed)
+        engine = Engine(
+            self.model, cache, sampler, max_batch=config.max_batch, prefill_chunk=chunk, eos_id=eos
+        )
+        check = LogitsCheck(
+            self.model, every=3, tolerance=TOLERANCES[config.dtype], prefill_chunk=chunk
+        )
+        steps: list[StepRecord] = []
+
+        def observe(state: StepState) -> None:
+            steps.append(StepRecord.after(cache, state))
+            if on_step is not None:
+                on_step(state.tokens_generated)
+
+        result = engine.run(self.requests, on_step=observe, on_logits=check)
         cache.check_invariants()
         if cache.num_blocks - cache.num_free_blocks != 0:
             raise AssertionError(
                 "blocks leaked: every sequence finished but blocks are still in use"
             )
-        summary, report = summarize(config, cache.spec, self.device, self.requests, result,
-                                    cache.prefix_cache_stats)  # fmt: skip
+        summary, report = summarize(config, cache, self.device, self.requests, result, steps, check)
         summary["model"] = self.describe_model()
         summary["temperature"] = self.temperature
         if self.tokenizer is not None:
             summary["texts"] = [
-                {"request": rid, "sample": sample, "prompt": PROMPTS[rid][1],
-                 "text": self.tokenizer.decode(tokens)}
+                {
+                    "request": rid,
+                    "sample": sample,
+                    "prompt": PROMPTS[rid][1],
+                    "text": self.tokenizer.decode(tokens),
+                }
                 for (rid, sample), tokens in sorted(result.outputs.items())
-            ]  # fmt: skip
-        return DemoRun(summary, report, result.steps, cache.spec, result.outputs)
+            ]
+        return DemoRun(summary, report, steps, cache.spec, result.outputs)
 
     def describe_model(self) -> str:
         """One line: which model served the run, and its shape."""
         c = self.model.config
-        shape = (f"{c.num_layers} layers, {c.num_q_heads} query / {c.num_kv_heads} KV heads of "
-                 f"{c.head_dim}, vocabulary {c.vocab_size:,}")  # fmt: skip
+        shape = (
+            f"{c.num_layers} layers, {c.num_q_heads} query / {c.num_kv_heads} KV heads of "
+            f"{c.head_dim}, vocabulary {c.vocab_size:,}"
+        )
         if self.config.model:
             return f"{self.config.model} (real weights): {shape}"
         source = self.config.weights or f"seeded random weights, seed {self.config.seed}"
@@ -241,40 +259,59 @@ def run_demo(config: DemoConfig, on_step: Callable[[int], None] | None = None) -
     return Demo(config).run(on_step)
 
 
-def summarize(config: DemoConfig, spec: CacheSpec, device: str, requests: list[Request],
-              result: EngineResult, stats: Any) -> tuple[dict[str, Any], MemoryReport]:  # fmt: skip
-    """The run's numbers as one dict (JSON-ready, the memory report included), and the report."""
+def summarize(
+    config: DemoConfig,
+    cache: PagedCache,
+    device: str,
+    requests: list[Request],
+    result: ServeResult,
+    steps: list[StepRecord],
+    check: LogitsCheck,
+) -> tuple[dict[str, Any], MemoryReport]:
+    """The run's numbers as one dict (JSON-ready, the memory report included), and the report.
+
+    Args:
+        cache: the cache the run was served through (its shape, its prefix-caching counters).
+        result: what the engine returned.
+        steps: the record of each of its steps.
+        check: the logits check that observed the run.
+    """
     generated = sum(len(tokens) for tokens in result.outputs.values())
-    report = MemoryReport.compute(spec, config.num_blocks, config.max_len, result.steps,
-                                  prefix_blocks_saved=stats.hits,
-                                  fork_blocks_saved=result.fork_shared_blocks)  # fmt: skip
-    checks_ok = all(ok for _, _, ok in result.checks)
+    stats, prefix = result.stats, cache.prefix_cache_stats
+    report = MemoryReport.compute(
+        cache.spec,
+        config.num_blocks,
+        config.max_len,
+        steps,
+        prefix_blocks_saved=prefix.hits,
+        fork_blocks_saved=stats.fork_shared_blocks,
+    )
     summary = {
         "config": asdict(config),
         "backend": backend_name(device),
         "requests": len(requests),
         "sequences": len(result.outputs),
         "tokens_generated": generated,
-        "steps": len(result.steps),
+        "steps": len(steps),
         "seconds": round(result.wall_seconds, 3),
         "tokens_per_second": round(generated / result.wall_seconds, 1)
         if result.wall_seconds
         else 0.0,
-        "preemptions": result.preemptions,
-        "swap_ins": result.swap_ins,
-        "prefill_chunks": result.prefill_chunks,
+        "preemptions": stats.swap_outs,
+        "swap_ins": stats.swap_ins,
+        "prefill_chunks": stats.prefill_chunks,
         "prefix_cache": {
-            "hits": stats.hits,
-            "misses": stats.misses,
-            "evictions": stats.evictions,
-            "cached_tokens": stats.cached_tokens,
-            "hit_rate": round(stats.hit_rate, 4),
-        },  # fmt: skip
+            "hits": prefix.hits,
+            "misses": prefix.misses,
+            "evictions": prefix.evictions,
+            "cached_tokens": prefix.cached_tokens,
+            "hit_rate": round(prefix.hit_rate, 4),
+        },
         "checks": {
-            "sequences": len(result.checks),
-            "passed": checks_ok,
-            "max_abs_error": max((e for _, e, _ in result.checks), default=0.0),
-        },  # fmt: skip
+            "sequences": len(check.checks),
+            "passed": check.passed,
+            "max_abs_error": max((e for _, e, _ in check.checks), default=0.0),
+        },
         "memory": asdict(report),
     }
     return summary, report

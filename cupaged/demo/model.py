@@ -8,11 +8,11 @@ loaded from a ``.npz``), and the shapes small; the point is the memory traffic, 
 The paths the engine runs, which must agree (all of them :class:`~cupaged.models.Llama`'s):
 
 - ``prefill``: the uncached rest of admitted prompts (``cache.admit``); K/V written with
-  ``write_kv`` to the admissions' slots, then the fused ``paged_prefill`` per layer;
-- ``decode``: one token for each sequence of a ``SequenceBatch``; ``write_kv`` and the fused
-  ``paged_attention`` per layer;
-- ``forward``: a mixed step (prompt chunks and decode tokens together, ``--prefill-chunk``),
-  ``write_kv`` and one ``paged_prefill`` over chunks and decode rows together, per layer;
+  ``write_kv`` to the admissions' slots, then one ``PrefillPlan`` of the step run by every layer;
+- ``decode``: one token for each sequence of a ``SequenceBatch``; ``write_kv``, then one
+  ``DecodePlan`` of the step run by every layer;
+- ``forward``: a mixed step (prompt chunks and decode tokens together, ``--prefill-chunk``) of a
+  ``step(..., tables=True)``, planned once the same way;
 - ``forward_full``: the whole sequence at once, no cache at all (the check).
 """
 

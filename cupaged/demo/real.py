@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from .engine import Request
+from ..serving import Request
 
 SYSTEM = (
     "You are a concise assistant for a museum of science and history. Answer every question in "
@@ -46,8 +46,9 @@ def encode_prompts(tokenizer: Any) -> list[list[int]]:
     return ids
 
 
-def make_real_requests(prompts: list[list[int]], num_requests: int, new_tokens: int,
-                       max_len: int, seed: int) -> list[Request]:  # fmt: skip
+def make_real_requests(
+    prompts: list[list[int]], num_requests: int, new_tokens: int, max_len: int, seed: int
+) -> list[Request]:
     """The first ``num_requests`` prompts (all of them at most) as requests: lognormal lengths
     around ``new_tokens``, every fourth request (from the second) two or three samples, arrivals
     spread over the first steps.

@@ -17,7 +17,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from .. import CacheSpec
+from .. import CacheSpec, PagedCache
+from ..serving import StepState
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +31,25 @@ class StepRecord:
     tokens: int  # tokens stored by the running sequences (a shared prefix counts per sequence)
     blocks_in_use: int  # physical blocks referenced (shared ones once)
     filled_slots: int  # token slots of those blocks that hold a token
+
+    @classmethod
+    def after(cls, cache: PagedCache, state: StepState) -> StepRecord:
+        """The record of the step the engine reports in ``state`` (its ``on_step``)."""
+        sids = [seq.sid for seq in state.running]
+        lengths = [cache.seq_len(sid) for sid in sids]
+        fill: dict[int, int] = {}  # block -> its filled slots (a shared block counted once)
+        for sid, length in zip(sids, lengths, strict=True):
+            for j, block in enumerate(cache.block_table(sid)):
+                filled = min(cache.block_size, length - j * cache.block_size)
+                fill[block] = max(fill.get(block, 0), filled)
+        return cls(
+            step=state.step,
+            running=len(sids),
+            swapped=state.num_swapped,
+            tokens=sum(lengths),
+            blocks_in_use=cache.num_blocks - cache.num_free_blocks,
+            filled_slots=sum(fill.values()),
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,8 +159,8 @@ def memory_figure(spec: CacheSpec, max_len: int, steps: list[StepRecord], num_bl
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 6), sharex=True)
     top.plot(x, series["contiguous"], label="contiguous reservation")
     top.plot(x, series["paged"], label="paged (blocks in use)")
-    top.plot(x, series["stored"], label="K/V of every sequence\n(shared prefixes per sequence)",
-             linestyle="--")  # fmt: skip
+    stored = "K/V of every sequence\n(shared prefixes per sequence)"
+    top.plot(x, series["stored"], label=stored, linestyle="--")
     top.axhline(series["pool"], color="black", linestyle=":", label=f"pool ({num_blocks} blocks)")
     top.set_ylabel("MiB")
     top.set_title("KV-cache memory per step")

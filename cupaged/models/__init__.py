@@ -9,8 +9,11 @@ Public names::
     GGUFFile              metadata and dequantized tensors of a GGUF file
     Tokenizer             byte-level BPE from a GGUF's vocabulary, with its chat template
     Llama, LlamaConfig    the model in array ops; prefill and decode through a PagedCache
-    generate, Sampling    serve several prompts together (batched prefill and decode, swapping)
+    generate, Sampling    serve several prompts together (the engine of cupaged.serving)
     add_cli_commands      the ``generate`` and ``model fetch`` subcommands, on an argparse parser
+    integer, real, input_file, output_file, error_line, COMMAND_ERRORS
+                          the command line's checked option types and its one-line errors
+                          (shared by ``cupaged demo``)
     limit_blas_threads    one OpenBLAS thread on the CPU device (the commands set it; see .threads)
 """
 
@@ -19,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from .. import CupagedError, device_module, resolve_device
+from .cli import COMMAND_ERRORS, error_line, input_file, integer, output_file, real
 from .cli import add_commands as add_cli_commands
 from .fetch import MODELS, fetch
 from .generate import GenerationStats, Sampling, generate
@@ -30,8 +34,12 @@ from .tokenizer import Tokenizer
 DTYPES = ("float32", "float16", "bfloat16")
 
 
-def load_model(name: str, device: str | None = None, dtype: str = "float32",
-               progress: Callable[[str], None] | None = None) -> tuple[Llama, Tokenizer]:  # fmt: skip
+def load_model(
+    name: str,
+    device: str | None = None,
+    dtype: str = "float32",
+    progress: Callable[[str], None] | None = None,
+) -> tuple[Llama, Tokenizer]:
     """Fetch (once) and load a model of :data:`MODELS` on a device.
 
     Args:
@@ -62,6 +70,25 @@ def load_model(name: str, device: str | None = None, dtype: str = "float32",
     return model, Tokenizer(file)
 
 
-__all__ = ["DTYPES", "MODELS", "add_cli_commands", "GGUFFile", "GenerationStats", "Llama", "LlamaConfig", "Sampling",
-           "Tokenizer", "fetch", "generate", "limit_blas_threads", "load_model",
-           "load_weights"]  # fmt: skip
+__all__ = [
+    "COMMAND_ERRORS",
+    "DTYPES",
+    "MODELS",
+    "GGUFFile",
+    "GenerationStats",
+    "Llama",
+    "LlamaConfig",
+    "Sampling",
+    "Tokenizer",
+    "add_cli_commands",
+    "error_line",
+    "fetch",
+    "generate",
+    "input_file",
+    "integer",
+    "limit_blas_threads",
+    "load_model",
+    "load_weights",
+    "output_file",
+    "real",
+]

@@ -358,8 +358,15 @@ def generate_command(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         cache = model.make_cache(num_blocks, block_size)
         stats = GenerationStats()
         start = time.perf_counter()
-        outputs = generate(model, cache, prompt_ids, args.max_new_tokens, sampling,
-                           eos_id=tokenizer.eos_id, stats=stats)  # fmt: skip
+        outputs = generate(
+            model,
+            cache,
+            prompt_ids,
+            args.max_new_tokens,
+            sampling,
+            eos_id=tokenizer.eos_id,
+            stats=stats,
+        )
         seconds = time.perf_counter() - start
     except COMMAND_ERRORS as error:
         return error_line(parser.prog, error)
