@@ -11,21 +11,21 @@ The rules that make it hold at *any* moment, an interrupt between two bytecodes 
    rather than reversing an operation: running it when the change did not happen, happened in
    part, or already was undone once, leaves the same state. So an interrupt between the record
    and the change, or inside the change, is undone exactly.
-2. **Rollback is resumable.** Records are undone newest first and dropped only once undone; a
-   rollback that an interrupt cuts short leaves the records still to undo in the log, and the
-   next entry (any thread's) finishes it before doing anything else.
+2. **Rollback is resumable.** Records are undone newest first and dropped only once undone. A
+   rollback that a second interrupt cuts short is taken up again at once (a few times), and
+   whatever is left then is finished by the next entry (any thread's) before anything else.
 3. **The commit is one C call** (``log.clear()``) in the frame of :func:`atomic`, right after
    the method returns: an interrupt lands before it (the call is undone) or after it (the
    call's work stands), never inside.
-4. **The guard is a single atomic claim** (``dict.setdefault``: one C call under the GIL), and
-   ``depth`` says whether a call of the claiming thread is running; :meth:`Transaction.leave`
-   clears ``depth``, then drops the claim, and an interrupt while entering drops both. Python
-   runs a signal's handler where it checks for pending calls: at a function's first
-   instruction, after a call returns and at a loop's backward jump. An interrupt between the two steps of ``leave``
-   leaves the claim with the thread it interrupted, which takes it back at its next call; one
-   at the first instruction of ``leave`` leaves ``depth`` set, and the next entry, finding no
-   call of the bookkeeping on its stack, knows that call is over (committed or undone) and
-   goes on.
+4. **The guard is one atomic claim** (``dict.setdefault`` of ``(thread, token of the entry)``:
+   one C call under the GIL), and ``depth`` says whether a call of the claiming thread is
+   running. Python runs a signal's handler where it checks for pending calls: at a function's
+   first instruction, after a call returns and at a loop's backward jump. A handler (or a
+   callback) that calls in finds this thread's claim held by another entry and the bookkeeping
+   on its stack: it is refused, however early in the outer call it lands. An interrupt while
+   entering or leaving can leave the claim with the thread it interrupted; that thread's next
+   call, finding no call of the bookkeeping on its stack, takes it back. (Until then another
+   thread is refused, never let in.)
 
 Masking signals would not be enough: Python runs signal handlers in the main thread whatever
 thread received the signal, and the CPU backend and notebooks run other threads.
