@@ -125,11 +125,12 @@ def trace(device: str) -> None:
 
 
 class Parser(argparse.ArgumentParser):
-    """An argument parser whose errors are one line, status 2, no usage block (the demo's usage
-    runs to seven lines; ``--help`` shows it)."""
+    """An argument parser whose errors are one line, status 1 like every other refusal of the
+    command line (not argparse's 2), no usage block (the demo's usage runs to seven lines;
+    ``--help`` shows it)."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        self.exit(1, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 class HelpFormatter(argparse.HelpFormatter):

@@ -73,19 +73,19 @@ def run_main(argv: list[str], capsys) -> tuple[int, str]:
 )
 def test_generate_refuses_a_bad_option_when_parsing(options, message, no_work, capsys):
     status, line = run_main([*GENERATE, *options, "hi"], capsys)
-    assert status == 2, line
+    assert status == 1, line
     assert line.startswith("cupaged generate: error: argument ") and message in line, line
 
 
 def test_generate_refuses_a_prompt_that_is_not_utf8(no_work, capsys):
     status, line = run_main([*GENERATE, NOT_UTF8], capsys)
-    assert status == 2
+    assert status == 1
     assert r"argument PROMPT: expected UTF-8 text, got the bytes b'\xff\xfe'" in line, line
 
 
 def test_generate_refuses_a_folder_as_the_json_file(tmp_path, no_work, capsys):
     status, line = run_main([*GENERATE, "--json", str(tmp_path), "hi"], capsys)
-    assert status == 2 and "--json: expected a file to write, got the folder" in line, line
+    assert status == 1 and "--json: expected a file to write, got the folder" in line, line
     assert list(tmp_path.iterdir()) == []
 
 
@@ -144,17 +144,17 @@ def test_the_registry_records_the_shape_of_the_model_it_pins():
 def test_demo_refuses_an_output_in_a_missing_folder_when_parsing(option, tmp_path, no_work, capsys):
     target = tmp_path / "missing" / "out"
     status, line = run_main(["demo", "--device", "cpu", option, str(target)], capsys)
-    assert status == 2, line
+    assert status == 1, line
     assert f"argument {option}: expected a file in an existing folder" in line, line
     assert list(tmp_path.iterdir()) == []
 
 
 def test_demo_refuses_a_missing_weights_file_or_a_folder_when_parsing(tmp_path, no_work, capsys):
     status, line = run_main(["demo", "--weights", str(tmp_path / "none.npz")], capsys)
-    assert status == 2 and "argument --weights: expected a readable file" in line, line
+    assert status == 1 and "argument --weights: expected a readable file" in line, line
     assert "No such file or directory" in line, line
     status, line = run_main(["demo", "--weights", str(tmp_path)], capsys)
-    assert status == 2 and "(a folder)" in line, line
+    assert status == 1 and "(a folder)" in line, line
 
 
 @pytest.fixture(scope="module")
@@ -270,7 +270,7 @@ def test_the_installed_command_prints_one_line_for_non_utf8_argv_and_bad_weights
         timeout=120,
     )
     err = done.stderr.decode(errors="replace")
-    assert done.returncode == 2 and len(err.strip().splitlines()) == 1, err
+    assert done.returncode == 1 and len(err.strip().splitlines()) == 1, err
     assert "expected UTF-8 text" in err and not (tmp_path / "models").exists(), err
     weights = bad_weights("truncated", saved, tmp_path)
     done = subprocess.run(

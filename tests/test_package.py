@@ -120,7 +120,7 @@ def test_cli_example_prints_memory_math_and_trace():
 )
 def test_cli_bad_options_exit_non_zero_with_a_message(args, message):
     result = run_cli(*args)
-    assert result.returncode == 2
+    assert result.returncode == 1
     assert message in result.stderr and "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr  # no usage block
 

@@ -519,7 +519,7 @@ def test_unknown_model_is_refused(capsys):
         fetch("nope")
     with pytest.raises(SystemExit) as exit_info:
         main(["generate", "--model", "nope", "hi"])
-    assert exit_info.value.code == 2, f"expected exit 2, got {exit_info.value.code}"
+    assert exit_info.value.code == 1, f"expected exit 1, got {exit_info.value.code}"
     assert "invalid choice: 'nope'" in capsys.readouterr().err
 
 
