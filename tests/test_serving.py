@@ -18,7 +18,8 @@ import cupaged.demo.engine
 import cupaged.serving.engine
 import cupaged.serving.sampling
 from cupaged import OutOfBlocksError, PagedCache
-from cupaged.demo import ModelConfig, TinyDecoder
+from cupaged.demo import DemoConfig, ModelConfig, TinyDecoder
+from cupaged.models import Sampling
 from cupaged.serving import Engine, Request, Sampler, ServeStats
 
 VOCAB = 32
@@ -375,3 +376,19 @@ def test_the_demo_and_generate_serve_through_the_one_engine(monkeypatch):
     outputs = generate(model, model.make_cache(40, 16), [[1, 2, 3], [4, 5]], max_new_tokens=3)
     assert runs == [3, 2]
     assert demo.summary["checks"]["passed"] and [len(o[0]) for o in outputs] == [3, 3]
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: Sampler(temperature=float("nan")),
+        lambda: Sampler(temperature=float("inf")),
+        lambda: Sampler(seed=-1),
+        lambda: Sampling(temperature=float("nan")),
+        lambda: DemoConfig(temperature=float("nan")),
+        lambda: DemoConfig(seed=-1),
+    ],
+)
+def test_settings_the_command_line_refuses_are_refused_by_the_library_too(make):
+    with pytest.raises(ValueError, match="expected"):
+        make()

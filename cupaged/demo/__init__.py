@@ -10,6 +10,7 @@ the paged logits against a recomputation, and :mod:`.report` for the numbers it 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -97,8 +98,14 @@ class DemoConfig:
                 f"--prompt-len + --new-tokens: expected at most --max-len={self.max_len}, got "
                 f"{self.prompt_len + self.new_tokens}"
             )
-        if self.temperature is not None and self.temperature < 0:
-            raise ValueError(f"--temperature: expected >= 0, got {self.temperature}")
+        if self.temperature is not None and not (
+            math.isfinite(self.temperature) and self.temperature >= 0
+        ):
+            raise ValueError(
+                f"--temperature: expected a finite number >= 0, got {self.temperature}"
+            )
+        if self.seed < 0:
+            raise ValueError(f"--seed: expected >= 0, got {self.seed}")
         if self.prefill_chunk is not None and self.prefill_chunk < 1:
             raise ValueError(
                 f"--prefill-chunk: expected at least 1 token, got {self.prefill_chunk}"

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .. import CupagedError, PagedCache
+from .. import PagedCache
 from ..serving import Engine, Request, Sampler, Sequence, ServeStats
 from .llama import Llama
 
@@ -89,4 +89,4 @@ def generate(
     return [[result.outputs[(p, s)] for s in range(n)] for p in range(len(prompts))]
 
 
-__all__ = ["CupagedError", "GenerationStats", "Sampling", "generate"]
+__all__ = ["GenerationStats", "Sampling", "generate"]

@@ -9,6 +9,7 @@ other sequences share its batch, or on whether it was swapped out on the way.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,12 +44,14 @@ class Sampler:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"expected temperature >= 0, got {self.temperature}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):  # NaN refused too
+            raise ValueError(f"expected a finite temperature >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"expected 0 < top_p <= 1, got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"expected top_k >= 0 (0: every token), got {self.top_k}")
+        if self.seed < 0:  # (NumPy refuses a negative entropy only at the first draw)
+            raise ValueError(f"expected seed >= 0, got {self.seed}")
 
     def generator(self, rid: int, sample: int) -> np.random.Generator:
         """The random stream of sample ``sample`` of request ``rid``."""
