@@ -331,7 +331,7 @@ def test_top_p_keeps_the_nucleus():
 @pytest.mark.parametrize(
     "options, message",
     [
-        ({"temperature": -0.1}, "expected temperature >= 0"),
+        ({"temperature": -0.1}, "expected a finite temperature >= 0"),
         ({"top_p": 0.0}, r"expected 0 < top_p <= 1"),
         ({"top_p": 1.5}, r"expected 0 < top_p <= 1"),
         ({"top_k": -1}, "expected top_k >= 0"),
