@@ -16,7 +16,7 @@ import numpy as np
 
 from . import _launch
 from ._backend import array_module, device_module
-from ._checks import check_dtype, check_shape, check_writable
+from ._checks import as_int, check_dtype, check_shape, check_writable
 from ._kernels import get_kernel
 from .dtypes import as_storage, storage_dtype
 
@@ -224,3 +224,18 @@ def cpu_threads() -> Any:
     from ._cpu import threads
 
     return threads
+
+
+def check_layer_and_heads(k_cache: Any, num_q_heads: Any) -> tuple[int, int, int, int, int]:
+    """A plan's ``k_cache`` layer (``[num_blocks, num_kv_heads, block_size, head_dim]``) and its
+    ``num_q_heads`` (a positive multiple of ``num_kv_heads``), checked: the five sizes."""
+    num_blocks, num_kv_heads, block_size, head_dim = check_shape(
+        "k_cache", k_cache, [(axis, None) for axis in LAYER_AXES]
+    )
+    num_q_heads = as_int(num_q_heads, "num_q_heads")
+    if num_kv_heads == 0 or num_q_heads <= 0 or num_q_heads % num_kv_heads:
+        raise ValueError(
+            f"expected num_q_heads to be a positive multiple of num_kv_heads={num_kv_heads}, "
+            f"got {num_q_heads}"
+        )
+    return num_blocks, num_kv_heads, block_size, head_dim, num_q_heads

@@ -26,9 +26,9 @@ import numpy as np
 
 from . import _launch
 from ._attention import (
-    LAYER_AXES,
     LayerArrays,
     attention_kernel,
+    check_layer_and_heads,
     ctas_per_sm,
     device_of,
     owned_int32,
@@ -125,15 +125,9 @@ class DecodePlan:
         checked: bool = True,
     ) -> None:
         xp = array_module(block_tables, context_lens, k_cache)
-        num_blocks, num_kv_heads, block_size, head_dim = check_shape(
-            "k_cache", k_cache, [(axis, None) for axis in LAYER_AXES]
+        num_blocks, num_kv_heads, block_size, head_dim, num_q_heads = check_layer_and_heads(
+            k_cache, num_q_heads
         )
-        num_q_heads = as_int(num_q_heads, "num_q_heads")
-        if num_kv_heads == 0 or num_q_heads <= 0 or num_q_heads % num_kv_heads:
-            raise ValueError(
-                f"expected num_q_heads to be a positive multiple of num_kv_heads={num_kv_heads}, "
-                f"got {num_q_heads}"
-            )
         dtype = element_type(k_cache)
         _launch.check_decode_shape(dtype, head_dim, block_size)
         num_seqs, max_blocks = check_shape(

@@ -23,9 +23,9 @@ import numpy as np
 
 from . import _launch
 from ._attention import (
-    LAYER_AXES,
     LayerArrays,
     attention_kernel,
+    check_layer_and_heads,
     device_of,
     owned_int32,
     target,
@@ -138,15 +138,9 @@ class PrefillPlan:
                     f"expected {name} on the cache's device or in host memory, got "
                     f"{type(x).__name__}"
                 )
-        num_blocks, num_kv_heads, block_size, head_dim = check_shape(
-            "k_cache", k_cache, [(axis, None) for axis in LAYER_AXES]
+        num_blocks, num_kv_heads, block_size, head_dim, num_q_heads = check_layer_and_heads(
+            k_cache, num_q_heads
         )
-        num_q_heads = as_int(num_q_heads, "num_q_heads")
-        if num_kv_heads == 0 or num_q_heads <= 0 or num_q_heads % num_kv_heads:
-            raise ValueError(
-                f"expected num_q_heads to be a positive multiple of num_kv_heads={num_kv_heads}, "
-                f"got {num_q_heads}"
-            )
         causal = as_bool(causal, "causal")
         splits = None if num_splits is None else as_int(num_splits, "num_splits")
         if splits is not None and splits < 1:

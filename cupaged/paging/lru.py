@@ -45,17 +45,7 @@ class EvictionQueue:
         """Append ``blocks`` (distinct, not evictable), newest last."""
         if not blocks.size:
             return
-        self._log.append(
-            (
-                self._restore,
-                self._head,
-                self._tail,
-                self._clock,
-                self.count,
-                blocks,
-                self._stamp[blocks],
-            )
-        )
+        self._save(blocks)
         if self._tail + blocks.size > self._queue.size:
             self._log.append(
                 (
@@ -77,17 +67,7 @@ class EvictionQueue:
 
     def revive(self, blocks: np.ndarray) -> None:
         """Take evictable ``blocks`` (distinct) off the queue: their entries turn stale."""
-        self._log.append(
-            (
-                self._restore,
-                self._head,
-                self._tail,
-                self._clock,
-                self.count,
-                blocks,
-                self._stamp[blocks],
-            )
-        )
+        self._save(blocks)
         self._stamp[blocks] = NO_STAMP
         self.count -= blocks.size
 
@@ -152,6 +132,11 @@ class EvictionQueue:
         stamped = set((self._stamp != NO_STAMP).nonzero()[0].tolist())
         require(stamped == found, "stamped blocks and the LRU queue's live entries differ")
         return found
+
+    def _save(self, blocks: np.ndarray) -> None:
+        """Record the undo of a change of the queue's ends, its count and ``blocks``' stamps."""
+        saved = self._head, self._tail, self._clock, self.count, blocks, self._stamp[blocks]
+        self._log.append((self._restore, *saved))
 
     def _restore(
         self, head: int, tail: int, clock: int, count: int, blocks: np.ndarray, stamps: np.ndarray

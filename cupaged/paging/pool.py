@@ -234,10 +234,7 @@ class BlockPool:
         if found is not None:
             return found[0]
         if self.keys.key_of(block) is not None:
-            raise ValueError(
-                f"expected a block not registered yet, got block {block}, registered under "
-                f"{self.keys.key_of(block)!r}"
-            )
+            raise ValueError(f"expected a block not registered yet, got block {block}")
         with self._scope():
             self.keys.register_many([block], [key], [content])
         return block
@@ -262,8 +259,7 @@ class BlockPool:
         """``n`` blocks as an ``intp`` array, refcount 1 each (``n <= num_free``, unchecked);
         ``evicted`` collects the keys of the cached blocks it evicts, in order."""
         top = self._top
-        if n <= top:  # the common case: no eviction
-            # (a copy: the undo record keeps it, and the stack above _top is reused)
+        if n <= top:  # the common case: no eviction (a copy: the undo record keeps it)
             blocks = self._free[top - n : top][::-1].copy()
             self._log.append((self._restore_stack, top, blocks, blocks, _NO_REFS))
             self._top = top - n
@@ -385,10 +381,9 @@ class BlockPool:
 
     def _scope(self) -> Any:
         """The scope of a checked call: the owner's transaction unless a call is inside it."""
-        transaction = self._transaction
-        if transaction is None or (transaction.depth and transaction.owner == get_ident()):
-            return _NO_SCOPE  # no owner, or a call of this thread is inside: it records
-        return transaction  # enter it (another thread's call inside is refused there)
+        transaction = self._transaction  # (entering it refuses another thread's call inside)
+        inside = transaction is None or (transaction.depth and transaction.owner == get_ident())
+        return _NO_SCOPE if inside else transaction  # (no owner, or this thread's call records)
 
     def _park(self, gone: np.ndarray) -> None:
         """Blocks left without a reference: registered ones evictable, the others free. (The
@@ -458,7 +453,7 @@ class BlockPool:
 
     def _free_lost(self) -> None:
         if self._lost:
-            lost = np.array(self._lost, np.intp)
+            lost = np.array(self._lost, np.intp)  # in eviction order: not np.setdiff1d's
             lost = lost[~np.isin(lost, self._free[: self._top])]
             self._free[self._top : self._top + lost.size] = lost
             self._top += lost.size
