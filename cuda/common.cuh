@@ -33,6 +33,33 @@ __host__ __device__ __forceinline__ long long ceil_div(long long n, long long d)
   return (n + d - 1) / d;
 }
 
+// ---- Attention variants (docs/variants.md; cupaged/_variants.py names the same bits) ---------
+// A kernel's VARIANT template argument is a set of these bits; what is off compiles away. For a
+// query at position i, a key at position j and query head h:
+//   s = scale * q.k;  kSoftCap: s = cap * tanh(s / cap);  kAlibi: s += slopes[h] * (j - i);
+//   kWindow: keys j < i - window_left are not attended;
+//   kSinks: the softmax denominator gains exp(sinks[h] - m), m = max(max_j s_j, sinks[h]).
+// A query that sees no key gets a zero row, with or without a sink.
+constexpr int kWindow = 1;
+constexpr int kSoftCap = 2;
+constexpr int kAlibi = 4;
+constexpr int kSinks = 8;
+
+// A kernel with variants takes their values as four trailing arguments, in this order:
+//   int window_left, float soft_cap, const float* alibi_slopes, const float* sinks
+// ([num_q_heads] each); a pointer is read only when its bit is set, and the host passes some
+// valid array otherwise, never null.
+
+// A score after soft-cap and ALiBi (the window is the caller's bound, the sink its merge's).
+// `distance` is j - i (<= 0 for a causal key).
+template <int VARIANT>
+__device__ __forceinline__ float variant_score(float s, float soft_cap, float slope,
+                                               int distance) {
+  if (VARIANT & kSoftCap) s = soft_cap * tanhf(s / soft_cap);
+  if (VARIANT & kAlibi) s += slope * static_cast<float>(distance);
+  return s;
+}
+
 // The query heads of one decode thread block. A GQA group of G heads is cut into head_chunks =
 // ceil(G / CHUNK) chunks of CHUNK heads (the last may be short), one thread block each, so that a
 // block's q rows and accumulators fit its registers whatever G is; gridDim.x enumerates

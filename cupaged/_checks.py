@@ -166,14 +166,24 @@ def check_context_lens(lens: np.ndarray, capacity: int) -> None:
         )
 
 
-def check_block_ids(tables: np.ndarray, lens: np.ndarray, block_size: int, num_blocks: int) -> None:
+def check_block_ids(
+    tables: np.ndarray,
+    lens: np.ndarray,
+    block_size: int,
+    num_blocks: int,
+    first_keys: np.ndarray | None = None,
+) -> None:
     """Check that every block-table entry a sequence uses names a block of the cache.
+
+    Row ``i`` uses the entries of positions ``first_keys[i] .. lens[i] - 1`` (from 0 when
+    ``first_keys`` is ``None``): a sliding window's released entries before it are not read.
 
     Raises:
         ValueError: naming the first row with an out-of-range id.
     """
-    for i, length in enumerate(lens.tolist()):
-        used = tables[i, : cdiv(length, block_size)]
+    firsts = [0] * len(lens) if first_keys is None else first_keys.tolist()
+    for i, (length, first) in enumerate(zip(lens.tolist(), firsts, strict=True)):
+        used = tables[i, min(first, length) // block_size : cdiv(length, block_size)]
         if used.size and (used.min() < 0 or used.max() >= num_blocks):
             raise ValueError(
                 f"expected block ids in [0, {num_blocks}) in row {i} of block_tables, "
@@ -310,18 +320,21 @@ def _shown(x: Any) -> str:
 
 
 def check_decode_tables(
-    block_tables: Any, context_lens: Any, block_size: int, num_blocks: int
+    block_tables: Any, context_lens: Any, block_size: int, num_blocks: int, window_left: int = -1
 ) -> int:
     """Check a decode batch's lengths and the block ids they reach; return the longest context.
 
-    Sequence ``i`` reads entries ``0 .. ceil(context_lens[i] / block_size) - 1`` of row ``i``;
-    those must name blocks of the cache, whatever the entries beyond hold (padding). Runs on the
-    arrays' device with vectorised reductions, on their own dtypes (an int64 ``2**32 + 1`` is out
-    of range, not block 1), and reads back one small summary (one synchronisation on a GPU).
+    Sequence ``i`` reads entries ``0 .. ceil(context_lens[i] / block_size) - 1`` of row ``i``
+    (with a window, from the block of position ``context_lens[i] - 1 - window_left`` on: the
+    entries before it may be released, ``-1``); those must name blocks of the cache, whatever
+    the entries beyond hold (padding). Runs on the arrays' device with vectorised reductions, on
+    their own dtypes (an int64 ``2**32 + 1`` is out of range, not block 1), and reads back one
+    small summary (one synchronisation on a GPU).
 
     Args:
         block_tables: ``[num_seqs, max_blocks]`` int32 or int64.
         context_lens: ``[num_seqs]`` int32 or int64.
+        window_left: the decode query sees positions ``len - 1 - window_left ..``; -1: all.
 
     Returns:
         ``max(context_lens)`` (0 for an empty batch), as a Python int.
@@ -339,6 +352,9 @@ def check_decode_tables(
     bad_len = (lens < 0) | (lens > limit)
     needed = (xp.clip(lens, 0, limit) + (block_size - 1)) // block_size  # entries each row reads
     used = xp.arange(max_blocks)[None, :] < needed[:, None]
+    if window_left >= 0:  # entries before the window's first block are never read
+        first = xp.clip(lens - 1 - window_left, 0, limit) // block_size
+        used &= xp.arange(max_blocks)[None, :] >= first[:, None]
     bad_id = used & ((block_tables < 0) | (block_tables >= num_blocks))
     summary = _host(
         xp.stack([bad_len.any().astype(np.int64), bad_id.any().astype(np.int64), lens.max()])
@@ -352,7 +368,7 @@ def check_decode_tables(
         )
     if summary[1]:
         row = int(_host(xp.argmax(bad_id.any(axis=1))))
-        reached = _host(block_tables[row, : int(_host(needed[row]))])
+        reached = _host(block_tables[row][used[row]])
         raise ValueError(
             f"expected block ids in [0, {num_blocks}) in row {row} of block_tables (the "
             f"entries its {int(_host(lens[row]))} tokens reach), got {_shown(reached)}"

@@ -21,6 +21,7 @@ from ._checks import (
     check_query_start_loc,
 )
 from ._util import cdiv
+from ._variants import Variants, check_sinks, check_variants
 from .dtypes import as_storage, dtype_name, from_float, to_float
 
 
@@ -32,6 +33,10 @@ def reference_attention(
     context_lens: Any,
     scale: float | None = None,
     *,
+    window_left: int = -1,
+    logits_soft_cap: float = 0.0,
+    alibi_slopes: Any = None,
+    sinks: Any = None,
     compute_dtype: str = "float32",
     out_dtype: str | None = None,
 ) -> Any:
@@ -43,7 +48,10 @@ def reference_attention(
         K, V = tokens 0 .. L-1 of KV head h // g, gathered through block_tables[i]
         out[i, h] = softmax(scale * K @ q[i, h]) @ V
 
-    A sequence with ``L == 0`` gets a zero output row.
+    A sequence with ``L == 0`` gets a zero output row. The query sits at position ``L - 1``; the
+    variants (``window_left``, ``logits_soft_cap``, ``alibi_slopes``, ``sinks``) change the
+    scores and the softmax as docs/variants.md defines, and the gather reads only the table
+    entries of the window (a sliding-window cache's released entries before it are ``-1``).
 
     Args:
         q: ``[num_seqs, num_q_heads, head_dim]`` float32, float16 or bfloat16 (as ``uint16``).
@@ -53,6 +61,11 @@ def reference_attention(
             physical block holding tokens ``j * block_size ..`` of sequence ``i``.
         context_lens: ``[num_seqs]`` int32/int64, each in ``[0, max_blocks * block_size]``.
         scale: softmax scale; ``head_dim ** -0.5`` when ``None``.
+        window_left: keys ``j >= L - 1 - window_left`` are attended; -1: all.
+        logits_soft_cap: ``s = cap * tanh(s / cap)`` when above 0.
+        alibi_slopes: ``[num_q_heads]`` float32 on the inputs' device: ``s += slope[h] * (j - i)``.
+        sinks: ``[num_q_heads]`` float32 on the inputs' device: a logit per head in the softmax
+            denominator only.
         compute_dtype: ``"float32"`` (the default) or ``"float64"`` for scores, softmax and sums.
         out_dtype: element type of the result; ``q``'s when ``None``. ``"float64"`` is allowed.
 
@@ -66,27 +79,25 @@ def reference_attention(
     dims = check_attention_args(q, k_cache, v_cache, block_tables, context_lens)
     num_seqs, num_q_heads, head_dim = q.shape
     block_size = dims.block_size
+    variants = check_variants(xp, num_q_heads, window_left, logits_soft_cap, alibi_slopes)
+    sinks = check_sinks(xp, num_q_heads, sinks)
     tables, lens = to_numpy(block_tables), to_numpy(context_lens)
     check_context_lens(lens, dims.max_blocks * block_size)
-    check_block_ids(tables, lens, block_size, dims.num_blocks)
+    firsts = variants.first_key(lens.astype(np.int64) - 1)
+    check_block_ids(tables, lens, block_size, dims.num_blocks, firsts)
     scale = head_dim**-0.5 if scale is None else float(scale)
-    group = num_q_heads // dims.num_kv_heads
-    kv_head_of = xp.arange(num_q_heads) // group
+    kv_head_of = xp.arange(num_q_heads) // (num_q_heads // dims.num_kv_heads)
+    score = _Scores(xp, compute, scale, variants, sinks)
 
     out = xp.zeros((num_seqs, num_q_heads, head_dim), compute)
     for i in range(num_seqs):
         length = int(lens[i])
         if length == 0:
             continue
-        blocks = xp.asarray(tables[i, : cdiv(length, block_size)])
-        k = _gather_sequence(k_cache, blocks, length, compute)[kv_head_of]  # [Hq, L, D]
-        v = _gather_sequence(v_cache, blocks, length, compute)[kv_head_of]
+        base, k, v = _gather_window(k_cache, v_cache, tables[i], int(firsts[i]), length, compute)
+        k, v = k[kv_head_of], v[kv_head_of]  # [Hq, L - base, D]
         qi = to_float(q[i], compute)  # [Hq, D]
-        scores = xp.einsum("hd,hld->hl", qi, k) * compute.type(scale)
-        scores -= scores.max(axis=1, keepdims=True)
-        weights = xp.exp(scores)
-        weights /= weights.sum(axis=1, keepdims=True)
-        out[i] = xp.einsum("hl,hld->hd", weights, v)
+        out[i] = score.attend(qi, k, v, base, length - 1, int(firsts[i]), length)
 
     target = dims.dtype if out_dtype is None else out_dtype
     if target == "float64":
@@ -104,6 +115,10 @@ def reference_prefill(
     scale: float | None = None,
     causal: bool = True,
     *,
+    window_left: int = -1,
+    logits_soft_cap: float = 0.0,
+    alibi_slopes: Any = None,
+    sinks: Any = None,
     compute_dtype: str = "float32",
     out_dtype: str | None = None,
 ) -> Any:
@@ -131,6 +146,9 @@ def reference_prefill(
         scale: softmax scale; ``head_dim ** -0.5`` when ``None``.
         causal: query ``j`` attends to positions ``0 .. L - n + j``; all ``L`` when ``False``.
             A bool.
+        window_left: a query at position ``i`` attends keys ``j >= i - window_left`` only (with
+            ``causal=False`` the window bounds the left side only); -1: no window.
+        logits_soft_cap, alibi_slopes, sinks: as in :func:`reference_attention`.
         compute_dtype: ``"float32"`` (the default) or ``"float64"``.
         out_dtype: element type of the result; ``q``'s when ``None``. ``"float64"`` is allowed.
 
@@ -151,13 +169,18 @@ def reference_prefill(
     causal = as_bool(causal, "causal")
     total, num_q_heads, head_dim = q.shape
     block_size = dims.block_size
+    variants = check_variants(xp, num_q_heads, window_left, logits_soft_cap, alibi_slopes)
+    sinks = check_sinks(xp, num_q_heads, sinks)
     tables, lens = to_numpy(block_tables), to_numpy(context_lens)
     starts = to_numpy(query_start_loc)
     check_query_start_loc(starts, lens, total)
     check_context_lens(lens, dims.max_blocks * block_size)
-    check_block_ids(tables, lens, block_size, dims.num_blocks)
+    rows = np.diff(starts.astype(np.int64))
+    firsts = variants.first_key(lens.astype(np.int64) - rows)  # of each sequence's first query
+    check_block_ids(tables, lens, block_size, dims.num_blocks, firsts)
     scale = head_dim**-0.5 if scale is None else float(scale)
     kv_head_of = xp.arange(num_q_heads) // (num_q_heads // dims.num_kv_heads)
+    score = _Scores(xp, compute, scale, variants, sinks)
 
     out = xp.zeros((total, num_q_heads, head_dim), compute)
     for i in range(dims.num_seqs):
@@ -165,28 +188,79 @@ def reference_prefill(
         n = end - begin
         if n == 0:
             continue
-        blocks = xp.asarray(tables[i, : cdiv(length, block_size)])
-        k = _gather_sequence(k_cache, blocks, length, compute)[kv_head_of]  # [Hq, L, D]
-        v = _gather_sequence(v_cache, blocks, length, compute)[kv_head_of]
-        qi = to_float(q[begin:end], compute)  # [n, Hq, D]
-        scores = xp.einsum("nhd,hld->hnl", qi, k) * compute.type(scale)  # [Hq, n, L]
-        if causal:
-            position = length - n + xp.arange(n)  # of each query token in the sequence
-            future = xp.arange(length)[None, :] > position[:, None]  # [n, L]
-            scores = xp.where(future[None], compute.type(-np.inf), scores)
-        scores -= scores.max(axis=2, keepdims=True)
-        weights = xp.exp(scores)
-        weights /= weights.sum(axis=2, keepdims=True)
-        # Row by row over the tokens each query sees: a masked token's weight is 0, but
-        # 0 * Inf (or NaN) in its V would still reach the row through a full product.
+        base, k, v = _gather_window(k_cache, v_cache, tables[i], int(firsts[i]), length, compute)
+        k, v = k[kv_head_of], v[kv_head_of]  # [Hq, L - base, D]
         for j in range(n):
-            visible = length - n + j + 1 if causal else length
-            out[begin + j] = xp.einsum("hl,hld->hd", weights[:, j, :visible], v[:, :visible])
+            position = length - n + j
+            first = variants.first_key(position)
+            last = position + 1 if causal else length
+            qj = to_float(q[begin + j], compute)  # [Hq, D]
+            out[begin + j] = score.attend(qj, k, v, base, position, first, last)
 
     target = dims.dtype if out_dtype is None else out_dtype
     if target == "float64":
         return out
     return from_float(out, dtype_name(target), like=q)
+
+
+class _Scores:
+    """One query row's attention over its visible keys, with the variants: the scaled scores,
+    soft-capped, ALiBi added, the window's and the causal bound's keys left out (sliced away,
+    not masked, so that a NaN or Inf in an unseen key's V cannot reach the row), and a softmax
+    whose denominator has the sink."""
+
+    def __init__(self, xp: Any, compute: np.dtype, scale: float, variants: Variants, sinks: Any):
+        self.xp, self.compute, self.scale, self.variants = (
+            xp,
+            compute,
+            compute.type(scale),
+            variants,
+        )
+        self.slopes = (
+            None if variants.alibi_slopes is None else variants.alibi_slopes.astype(compute)
+        )
+        self.sinks = None if sinks is None else sinks.astype(compute)
+
+    def attend(
+        self, q: Any, k: Any, v: Any, base: int, position: int, first: int, last: int
+    ) -> Any:
+        """``q`` ``[Hq, D]`` at ``position`` over the keys ``first .. last - 1`` of ``k``/``v``
+        (``[Hq, n, D]``, the keys from position ``base`` on): ``[Hq, D]``."""
+        xp = self.xp
+        k, v = k[:, first - base : last - base], v[:, first - base : last - base]
+        keys = xp.arange(first, last)
+        if k.shape[1] == 0:
+            return xp.zeros(q.shape, self.compute)
+        scores = xp.einsum("hd,hld->hl", q, k) * self.scale  # [Hq, keys]
+        cap = self.variants.logits_soft_cap
+        if cap > 0:
+            scores = self.compute.type(cap) * xp.tanh(scores / self.compute.type(cap))
+        if self.slopes is not None:
+            scores = scores + self.slopes[:, None] * (keys - position).astype(self.compute)[None, :]
+        peak = scores.max(axis=1)
+        if self.sinks is not None:
+            peak = xp.maximum(peak, self.sinks)
+        weights = xp.exp(scores - peak[:, None])
+        total = weights.sum(axis=1)
+        if self.sinks is not None:
+            total = total + xp.exp(self.sinks - peak)
+        return xp.einsum("hl,hld->hd", weights, v) / total[:, None]
+
+
+def _gather_window(
+    k_cache: Any, v_cache: Any, row: np.ndarray, first: int, length: int, dtype: np.dtype
+) -> tuple[int, Any, Any]:
+    """``(base, k, v)``: a sequence's tokens ``base .. length - 1`` of every KV head
+    (``[num_kv_heads, length - base, head_dim]`` as ``dtype``), ``base`` the start of the block
+    holding position ``first``: the table entries before it are not read."""
+    block_size = k_cache.shape[2]
+    first_block = min(first, length) // block_size
+    xp = array_module(k_cache)
+    blocks = xp.asarray(row[first_block : cdiv(length, block_size)])
+    base = first_block * block_size
+    k = _gather_sequence(k_cache, blocks, length - base, dtype)
+    v = _gather_sequence(v_cache, blocks, length - base, dtype)
+    return base, k, v
 
 
 def _gather_sequence(cache: Any, blocks: Any, length: int, dtype: np.dtype) -> Any:
