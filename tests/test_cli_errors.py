@@ -149,6 +149,12 @@ def test_demo_refuses_an_output_in_a_missing_folder_when_parsing(option, tmp_pat
     assert list(tmp_path.iterdir()) == []
 
 
+def test_demo_refuses_more_requests_than_it_can_build_before_the_work(no_work, capsys):
+    status, line = run_main(["demo", "--device", "cpu", "--requests", "1000000000"], capsys)
+    assert status == 1, line
+    assert "--requests: expected at most 100,000" in line and "got 1,000,000,000" in line, line
+
+
 def test_demo_refuses_a_missing_weights_file_or_a_folder_when_parsing(tmp_path, no_work, capsys):
     status, line = run_main(["demo", "--weights", str(tmp_path / "none.npz")], capsys)
     assert status == 1 and "argument --weights: expected a readable file" in line, line

@@ -472,10 +472,10 @@ def test_tokenizer_known_ids(tokenizer):
 
 def _naive_bpe(tokenizer, text: str) -> list[int]:
     """Merge by rank over each pre-tokenized word, one pair at a time (no tokenizers BPE)."""
-    ranks = {tuple(m.split(" ", 1)): r for r, m in enumerate(tokenizer._merges)}
-    vocab = {t: i for i, t in enumerate(tokenizer._tokens)}
+    ranks = {tuple(m.split(" ", 1)): r for r, m in enumerate(tokenizer.merges)}
+    vocab = {tokenizer.token(i): i for i in range(tokenizer.vocab_size)}
     ids = []
-    for word, _ in tokenizer._tok.pre_tokenizer.pre_tokenize_str(text):
+    for word in tokenizer.pre_tokenize(text):
         parts = list(word)
         while len(parts) > 1:
             pairs = [

@@ -45,6 +45,11 @@ __all__ = [
 TOLERANCES = {"float32": (1e-5, 1e-5), "float16": (1e-3, 1e-3), "bfloat16": (1e-2, 1.6e-2)}
 
 
+# The most requests a demo serves: its workload is built up front, so a bound keeps a typo
+# (``--requests 1000000000``) from filling the memory before the first step.
+MAX_REQUESTS = 100_000
+
+
 @dataclass(frozen=True, slots=True)
 class DemoConfig:
     """Every knob of a demo run (the CLI's options), checked once, when it is made.
@@ -91,6 +96,11 @@ class DemoConfig:
                 raise ValueError(
                     f"--{name.replace('_', '-')}: expected a positive number, got {getattr(self, name)}"
                 )
+        if self.requests > MAX_REQUESTS:
+            raise ValueError(
+                f"--requests: expected at most {MAX_REQUESTS:,} (the demo builds every request "
+                f"before it serves one), got {self.requests:,}"
+            )
         if self.system_prompt < 0:
             raise ValueError(f"--system-prompt: expected >= 0 tokens, got {self.system_prompt}")
         if self.prompt_len + self.new_tokens > self.max_len:

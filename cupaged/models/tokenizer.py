@@ -80,6 +80,16 @@ class Tokenizer:
         """The vocabulary entry of one id (byte-level form, e.g. ``'ĠParis'``)."""
         return self._tokens[token_id]
 
+    @property
+    def merges(self) -> tuple[str, ...]:
+        """The BPE merges in rank order, as the GGUF stores them (``"Ġ t"``: merge ``Ġ`` and ``t``)."""
+        return tuple(self._merges)
+
+    def pre_tokenize(self, text: str) -> list[str]:
+        """The words the BPE merges run within: ``text`` split and byte-level mapped, as
+        :meth:`encode` splits it before merging (``"Hi there"`` -> ``["Hi", "Ġthere"]``)."""
+        return [word for word, _ in self._tok.pre_tokenizer.pre_tokenize_str(text)]
+
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
         """The prompt text of a conversation, with the generation prompt of the assistant.
 
