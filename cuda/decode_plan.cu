@@ -8,10 +8,24 @@
 //             and its log-sum-exp, merged by paged_decode_merge). seq = -1: nothing to do.
 //   seq_items[s] = {first, count}: sequence s's items are first .. first + count - 1.
 // Every sequence gets at least one item (a context of length 0 gets {s, 0, 0, 1}: a zero row).
+//
+// The items cover the tokens a sequence's query attends, [first_s, len_s): first_s = 0, or with a
+// sliding window (window_left >= 0; the query sits at len_s - 1 and sees window_left keys before
+// itself) first_s = max(0, len_s - 1 - window_left). The kernels read no table entry before
+// first_s (a sliding-window cache releases them: -1), and a 32k context with a 4k window costs
+// 4k tokens of K/V, split as a 4k context is: every count below is of attended tokens,
+// att_s = len_s - first_s.
+//
+//   len_s = 12, window_left = 4, chunk = 4:  first_s = 12 - 1 - 4 = 7, two items
+//     position   0 1 2 3 4 5 6 | 7 8 9 10     | 11
+//     item       (never read)  | {s, 7, 11, 2} | {s, 11, 12, 2}
+// An item's begin is then any position, not a multiple of a stage or a block: the K/V ring
+// (common.cuh) finds each row's block from its own position.
+//
 // Items hold `chunk` tokens, except each sequence's last:
 //   chunk = round_up(max(min_chunk, ceil(total / (capacity - num_seqs))), tile),
-// where total is the batch's token count. Then the items never outnumber the work list:
-//   sum_s ceil(len_s / chunk) <= sum_s (len_s / chunk + 1) <= (capacity - num_seqs) + num_seqs.
+// where total is the batch's attended token count. Then the items never outnumber the work list:
+//   sum_s ceil(att_s / chunk) <= sum_s (att_s / chunk + 1) <= (capacity - num_seqs) + num_seqs.
 // The caller sizes capacity = target + num_seqs, target being the items that fill the GPU (thread
 // blocks per multiprocessor x multiprocessors / KV heads), so a long sequence among short ones is
 // cut into as many pieces as it needs, whatever the others' lengths: the split is balanced by
@@ -31,18 +45,25 @@ namespace cupaged {
 constexpr int kPlanMaxThreads = 256;  // the launch table (cupaged/_launch.py) uses at most this
 constexpr long long kWholeSequence = 2147483647;  // a chunk no int length exceeds: 2^31 - 1
 
-// Items of a sequence of `len` tokens (at least 1; below 0 counts as 0), at most 2^31 / chunk + 1.
+// Items of a sequence of `len` attended tokens (at least 1), at most 2^31 / chunk + 1.
 __device__ __forceinline__ int item_count(int len, int chunk) {
-  const long long n = ceil_div(static_cast<long long>(len > 0 ? len : 0),
-                               static_cast<long long>(chunk));
+  const long long n = ceil_div(static_cast<long long>(len), static_cast<long long>(chunk));
   return n > 1 ? static_cast<int>(n) : 1;
+}
+
+// The first position that the query of a sequence of `len` tokens (at least 0) attends: 0, or
+// len - 1 - window_left with a window (window_left >= 0), and never below 0.
+__device__ __forceinline__ int first_attended(int len, int window_left) {
+  if (window_left < 0) return 0;
+  const long long first = static_cast<long long>(len) - 1 - window_left;
+  return first > 0 ? static_cast<int>(first) : 0;
 }
 
 __global__ void __launch_bounds__(kPlanMaxThreads)
     plan_decode(int4* __restrict__ work,               // [capacity]
                 int2* __restrict__ seq_items,          // [num_seqs]
                 const int* __restrict__ context_lens,  // [num_seqs]
-                int num_seqs, int capacity, int min_chunk, int tile) {
+                int num_seqs, int capacity, int min_chunk, int tile, int window_left) {
   __shared__ long long sums[kPlanMaxThreads];  // tokens, then items, of each thread's sequences
   __shared__ int chunk_s;
   const int tid = threadIdx.x;
@@ -52,7 +73,10 @@ __global__ void __launch_bounds__(kPlanMaxThreads)
   const int last_seq = min(num_seqs, first_seq + per);
 
   long long tokens = 0;
-  for (int s = first_seq; s < last_seq; ++s) tokens += max(context_lens[s], 0);
+  for (int s = first_seq; s < last_seq; ++s) {
+    const int len = max(context_lens[s], 0);
+    tokens += len - first_attended(len, window_left);
+  }
   sums[tid] = tokens;
   __syncthreads();
   if (tid == 0) {
@@ -71,7 +95,10 @@ __global__ void __launch_bounds__(kPlanMaxThreads)
   const int chunk = chunk_s;
 
   long long items = 0;
-  for (int s = first_seq; s < last_seq; ++s) items += item_count(context_lens[s], chunk);
+  for (int s = first_seq; s < last_seq; ++s) {
+    const int len = max(context_lens[s], 0);
+    items += item_count(len - first_attended(len, window_left), chunk);
+  }
   __syncthreads();  // everyone has read sums[] above (thread 0's loop) before it is reused
   sums[tid] = items;
   __syncthreads();
@@ -88,10 +115,11 @@ __global__ void __launch_bounds__(kPlanMaxThreads)
   int item = static_cast<int>(sums[tid]);
   for (int s = first_seq; s < last_seq; ++s) {
     const int len = max(context_lens[s], 0);
-    const int count = item_count(len, chunk);
+    const int first = first_attended(len, window_left);
+    const int count = item_count(len - first, chunk);
     seq_items[s] = make_int2(item, count);
     for (int j = 0; j < count && item + j < capacity; ++j) {  // the bound above: never cut short
-      const long long begin = static_cast<long long>(j) * chunk;
+      const long long begin = first + static_cast<long long>(j) * chunk;
       const long long end = begin + chunk < len ? begin + chunk : len;
       work[item + j] = make_int4(s, static_cast<int>(begin), static_cast<int>(end), count);
     }

@@ -8,9 +8,27 @@
 // row whose scores are all -Inf is NaN (0 / 0), Inf in V gives Inf (or NaN where it meets 0).
 // Reference: cupaged/reference.py, reference_attention (gather, then an explicit softmax).
 //
+// Attention variants (common.cuh, "Attention variants"; docs/variants.md), bits of the kernels'
+// VARIANT template argument (0, the default: none of them, the kernels as they were), their values
+// in the four trailing arguments. The query of sequence s sits at position i = len_s - 1, head h:
+//   window (kWindow):   keys j < i - window_left are not attended. The work list does it: its
+//                       items cover only [max(0, i - window_left), len_s) (decode_plan.cu), so
+//                       the kernels never read a table entry before the window; the decode
+//                       kernels' VARIANT leaves the bit off (the same instantiation as none);
+//   soft-cap (kSoftCap): s = soft_cap * tanh(s / soft_cap), per score, before ALiBi;
+//   ALiBi (kAlibi):     s += alibi_slopes[h] * (j - i); the only case that reads context_lens
+//                       (for i: an item does not know its sequence's length);
+//   sinks (kSinks):     the softmax denominator gains exp(sinks[h] - m), m = max(max_j s_j,
+//                       sinks[h]), once: at the final normalisation of a single-item sequence,
+//                       else in paged_decode_merge (never in an item's partial row). A context of
+//                       length 0 still gets a zero row.
+// NaN and Inf through them as through the formula: tanh takes +-Inf to +-soft_cap, a NaN sink
+// makes the row NaN, a sink of -Inf weighs 0 (all scores -Inf too: NaN, 0 / 0), +Inf is NaN.
+//
 // The work list (cuda/decode_plan.cu) cuts the step into items, work[i] = {seq, begin, end,
-// count}: tokens [begin, end) of sequence seq, which has count items in all. The item bounds are
-// the whole truth: the kernel never reads the context lengths.
+// count}: tokens [begin, end) of sequence seq, which has count items in all (begin any position,
+// not a multiple of a stage: the ring finds each row's block). The item bounds are the whole
+// truth of which tokens are attended: the kernel reads the context lengths for ALiBi only.
 //
 // paged_decode: one thread block per (KV head, head chunk, item), a 3-D block of BDX x BDY x BDZ
 // threads. A chunk is CHUNK query heads of the KV head's group (the whole group up to 16 heads; a
@@ -41,13 +59,16 @@
 //        while every score so far is -inf, exponents are taken against 0 (-inf - -inf is NaN);
 //        fmaxf skips NaN scores, whose exp is NaN and reaches l and acc;
 //     5. wait for V of stage i, __syncthreads; acc = alpha * acc + p V in registers.
-//   Tokens past the item's end are zero-filled copies with score -inf (weight 0).
+//   Tokens past the item's end are zero-filled copies with score -inf (weight 0); soft-cap and
+//   ALiBi apply to the scores after step 3, before that mask.
 //   At the end the BDZ partial softmaxes of a head are merged exactly through shared memory.
-//   A single-item sequence writes out = acc / l directly; otherwise the item writes its partial
+//   A single-item sequence writes out = acc / l directly (with a sink, acc * f / (l * f +
+//   exp(sink - M)), M = max(m, sink), f = exp(m - M)); otherwise the item writes its partial
 //   row acc / l and its log-sum-exp m + log(l) (-inf when all its scores are -inf; its partial row
 //   is 0 then, so that the merge's weight 0 does not meet 0 / 0).
 // paged_decode_merge: one thread block per (query head, sequence) combines a sequence's items:
-//   out = sum_i exp(lse_i - max) * partial_i / sum_i exp(lse_i - max).
+//   out = sum_i exp(lse_i - M) * partial_i / (sum_i exp(lse_i - M) [+ exp(sink - M)]),
+//   M = max(max_i lse_i [, sink]).
 #ifndef CUPAGED_CPU
 #include <mma.h>  // WMMA; the CPU backend's shim provides nvcuda::wmma itself
 #endif
@@ -55,6 +76,18 @@
 #include "common.cuh"
 
 namespace cupaged {
+
+// A sink folded into a single-item row's softmax (kSinks): the row's sums l and acc are relative
+// to the exponents' base m (0 while m = -inf, step 4 of the header); rescaled to M = max(m, sink),
+// the sink's exp(sink - M) joins l. Returns the factor f = exp(m - M) of acc, so that
+// acc * f / l is the row. m = -inf: f = 0, the sums are 0 and stay 0 (a finite sink gives a zero
+// row; a sink of -inf, 0 / 0 = NaN, as the formula).
+__device__ __forceinline__ float fold_sink(float m, float& l, float sink) {
+  const float top = fmaxf(m, sink);  // a NaN sink: m here, NaN in exp(sink - top)
+  const float f = m == neg_inf() ? 0.0f : expf(m - top);
+  l = l * f + expf(sink - top);
+  return f;
+}
 
 // The thread-block layout of one instantiation (see the header); the launch table
 // (cupaged/_launch.py, decode_launch) picks BDX, BDY, BDZ, TPZ and STAGES and passes them as
@@ -83,7 +116,7 @@ struct DecodeLayout {
 // after the loop, when BDZ > 1, the same bytes hold the BDZ partial results of the block's heads
 // (float32: m_l [BDZ, BDY * HPT, 2], then acc [BDZ, BDY * HPT, HEAD_DIM]).
 template <typename T, int HEAD_DIM, int BLOCK_SIZE, int CHUNK, int BDX, int BDY, int BDZ, int TPZ,
-          int STAGES>
+          int STAGES, int VARIANT = 0>
 __global__ void __launch_bounds__(BDX* BDY* BDZ)
     paged_decode(T* __restrict__ out,                  // [num_seqs, num_q_heads, HEAD_DIM]
                  float* __restrict__ partial_out,      // [capacity, num_q_heads, HEAD_DIM]
@@ -93,7 +126,12 @@ __global__ void __launch_bounds__(BDX* BDY* BDZ)
                  const T* __restrict__ v_cache,        // [num_blocks, num_kv_heads, BLOCK_SIZE, HEAD_DIM]
                  const int* __restrict__ block_tables,  // [num_seqs, max_blocks]
                  const int4* __restrict__ work,         // [capacity] {seq, begin, end, count}
-                 int num_kv_heads, int group_size, int max_blocks, float scale) {
+                 const int* __restrict__ context_lens,  // [num_seqs], read under kAlibi only
+                 int num_kv_heads, int group_size, int max_blocks, float scale,
+                 int window_left,                       // the work list's (the header)
+                 float soft_cap,
+                 const float* __restrict__ alibi_slopes,  // [num_q_heads], read under kAlibi
+                 const float* __restrict__ sinks) {       // [num_q_heads], read under kSinks
   using L = DecodeLayout<T, HEAD_DIM, CHUNK, BDX, BDY, BDZ, TPZ, STAGES>;
   constexpr int VEC = L::kVec;
   constexpr int NV = L::kLaneVectors;
@@ -116,6 +154,16 @@ __global__ void __launch_bounds__(BDX* BDY* BDZ)
   const int tid = (tz * BDY + ty) * BDX + tx;
   const int num_q_heads = num_kv_heads * group_size;
   const long long head_row = static_cast<long long>(seq) * num_q_heads + chunk.first_head;
+
+  // ALiBi: the query's position and each of the thread's heads' slope (0 past the chunk).
+  constexpr bool kHasAlibi = (VARIANT & kAlibi) != 0;
+  const int query_pos = kHasAlibi ? context_lens[seq] - 1 : 0;
+  float slope[HPT];
+#pragma unroll
+  for (int h = 0; h < HPT; ++h) {
+    const int g = ty * HPT + h;
+    slope[h] = kHasAlibi && g < chunk.heads ? alibi_slopes[chunk.first_head + g] : 0.0f;
+  }
 
   // Lane tx's vectors: tx + v * BDX; in a padded layout the last ones may lie past the row.
   bool lane_ok[NV];
@@ -203,6 +251,7 @@ __global__ void __launch_bounds__(BDX* BDY* BDZ)
           for (int width = BDX / 2; width > 0; width /= 2) {
             s[h][t] += __shfl_xor_sync(0xffffffffu, s[h][t], width);
           }
+          s[h][t] = variant_score<VARIANT>(s[h][t], soft_cap, slope[h], first + t - query_pos);
           if (first + t >= end) s[h][t] = neg_inf();  // a zero-filled row past the item
         }
       }
@@ -322,6 +371,13 @@ __global__ void __launch_bounds__(BDX* BDY* BDZ)
   for (int h = 0; h < HPT; ++h) {
     const int g = ty * HPT + h;
     if (g >= chunk.heads) continue;
+    if constexpr ((VARIANT & kSinks) != 0) {
+      if (direct) {
+        const float f = fold_sink(m[h], l[h], sinks[chunk.first_head + g]);
+#pragma unroll
+        for (int e = 0; e < NE; ++e) acc[h][e] *= f;
+      }
+    }
     const long long out_row = direct ? head_row + g
                                      : static_cast<long long>(blockIdx.y) * num_q_heads +
                                            chunk.first_head + g;
@@ -420,7 +476,8 @@ struct DecodeMmaLayout {
 // Grid: as paged_decode's, chunks of CHUNK <= 16 heads. Block: (32, WARPS, 1).
 // Dynamic shared memory: DecodeMmaLayout::kBytes (the layout above), 32-byte aligned.
 // Parameters as paged_decode's (one launch interface for both paths).
-template <typename T, int HEAD_DIM, int BLOCK_SIZE, int CHUNK, int WARPS, int STAGES>
+template <typename T, int HEAD_DIM, int BLOCK_SIZE, int CHUNK, int WARPS, int STAGES,
+          int VARIANT = 0>
 __global__ void __launch_bounds__(32 * WARPS)
     paged_decode_mma(T* __restrict__ out,                  // [num_seqs, num_q_heads, HEAD_DIM]
                      float* __restrict__ partial_out,      // [capacity, num_q_heads, HEAD_DIM]
@@ -430,7 +487,12 @@ __global__ void __launch_bounds__(32 * WARPS)
                      const T* __restrict__ v_cache,        // [num_blocks, num_kv_heads, BLOCK_SIZE, HEAD_DIM]
                      const int* __restrict__ block_tables,  // [num_seqs, max_blocks]
                      const int4* __restrict__ work,         // [capacity] {seq, begin, end, count}
-                     int num_kv_heads, int group_size, int max_blocks, float scale) {
+                     const int* __restrict__ context_lens,  // [num_seqs], read under kAlibi only
+                     int num_kv_heads, int group_size, int max_blocks, float scale,
+                     int window_left,                       // the work list's (the header)
+                     float soft_cap,
+                     const float* __restrict__ alibi_slopes,  // [num_q_heads], read under kAlibi
+                     const float* __restrict__ sinks) {       // [num_q_heads], read under kSinks
   using namespace nvcuda;
   using L = DecodeMmaLayout<T, HEAD_DIM, CHUNK, WARPS, STAGES>;
   constexpr int TILE = L::kTile;
@@ -469,6 +531,11 @@ __global__ void __launch_bounds__(32 * WARPS)
   const int sub = tid % RT;
   const int out_row = lane / 2;
   const int out_col = lane % 2 * 8;
+  // ALiBi: the query's position and the slope of the softmax row's head (0 past the chunk).
+  constexpr bool kHasAlibi = (VARIANT & kAlibi) != 0;
+  const int query_pos = kHasAlibi ? context_lens[seq] - 1 : 0;
+  const float slope =
+      kHasAlibi && row < chunk.heads ? alibi_slopes[chunk.first_head + row] : 0.0f;
   float m = neg_inf(), l = 0.0f;
   float acc[L::kSlices][8];
 #pragma unroll
@@ -539,7 +606,10 @@ __global__ void __launch_bounds__(32 * WARPS)
         float m_new = m;
 #pragma unroll
         for (int e = 0; e < 8; ++e) {
-          sc[e] = first + e < end ? sc[e] * scale : neg_inf();
+          const int distance = first + e - query_pos;  // ALiBi's j - i
+          sc[e] = first + e < end
+                      ? variant_score<VARIANT>(sc[e] * scale, soft_cap, slope, distance)
+                      : neg_inf();
           m_new = fmaxf(m_new, sc[e]);
         }
 #pragma unroll
@@ -604,11 +674,25 @@ __global__ void __launch_bounds__(32 * WARPS)
   }
 
   if (sub == 0) l_s[row] = l;
+  if constexpr ((VARIANT & kSinks) != 0) {
+    __syncthreads();  // every warp is past its last P V: alpha_s is free for the rows' maxima
+    if (sub == 0) alpha_s[row] = m;
+  }
   __syncthreads();  // l of every row is in
 
   const bool empty = end <= begin;
   if (out_row < chunk.heads) {
-    const float l_row = l_s[out_row];
+    float l_row = l_s[out_row];
+    if constexpr ((VARIANT & kSinks) != 0) {
+      if (direct) {
+        const float f = fold_sink(alpha_s[out_row], l_row, sinks[chunk.first_head + out_row]);
+#pragma unroll
+        for (int j = 0; j < L::kSlices; ++j) {
+#pragma unroll
+          for (int e = 0; e < 8; ++e) acc[j][e] *= f;
+        }
+      }
+    }
     const long long row_index = direct ? head_row + out_row
                                        : static_cast<long long>(blockIdx.y) * num_q_heads +
                                              chunk.first_head + out_row;
@@ -639,13 +723,18 @@ __global__ void __launch_bounds__(32 * WARPS)
 // seq_items[s] = {first, count}: sequence s's items. count <= 1: paged_decode wrote the row.
 // An item's log-sum-exp is -inf when all its scores are -inf (weight 0); NaN when a NaN reached
 // it (fmaxf skips it, its weight exp(NaN) makes the row NaN). Every item -inf is 0 / 0: NaN, as in
-// the reference (an empty context has one item and never comes here).
-template <typename T, int HEAD_DIM>
+// the reference (an empty context has one item and never comes here); with a finite sink, 0.
+// VARIANT: only kSinks matters here (the sink's one place in a split sequence's softmax); the
+// trailing arguments are the decode kernel's.
+template <typename T, int HEAD_DIM, int VARIANT = 0>
 __global__ void paged_decode_merge(T* __restrict__ out,                // [num_seqs, num_q_heads, HEAD_DIM]
                                    const float* __restrict__ partial_out,  // [capacity, num_q_heads, HEAD_DIM]
                                    const float* __restrict__ partial_lse,  // [capacity, num_q_heads]
                                    const int2* __restrict__ seq_items,     // [num_seqs] {first, count}
-                                   int num_q_heads) {
+                                   int num_q_heads, int window_left, float soft_cap,
+                                   const float* __restrict__ alibi_slopes,  // unused
+                                   const float* __restrict__ sinks) {  // [num_q_heads], kSinks
+  constexpr bool kHasSinks = (VARIANT & kSinks) != 0;
   const int2 items = seq_items[blockIdx.y];
   if (items.y <= 1) return;
   const int head = blockIdx.x;
@@ -653,10 +742,12 @@ __global__ void paged_decode_merge(T* __restrict__ out,                // [num_s
   for (int i = items.x; i < items.x + items.y; ++i) {
     lse_max = fmaxf(lse_max, partial_lse[static_cast<long long>(i) * num_q_heads + head]);
   }
+  const float sink = kHasSinks ? sinks[head] : 0.0f;
+  if constexpr (kHasSinks) lse_max = fmaxf(lse_max, sink);  // a NaN sink: skipped here, NaN below
   const long long row = static_cast<long long>(blockIdx.y) * num_q_heads + head;
   for (int d = threadIdx.x; d < HEAD_DIM; d += blockDim.x) {
     float numerator = 0.0f;
-    float denominator = 0.0f;
+    float denominator = kHasSinks ? expf(sink - lse_max) : 0.0f;
     for (int i = items.x; i < items.x + items.y; ++i) {
       const long long part = static_cast<long long>(i) * num_q_heads + head;
       const float w = expf(partial_lse[part] - lse_max);

@@ -14,6 +14,25 @@
 // row's position never reaches the row (not even as 0 * Inf).
 // Reference: cupaged/reference.py, reference_prefill (gather, mask, explicit softmax).
 //
+// Attention variants (common.cuh, "Attention variants"; docs/variants.md): the last template
+// argument VARIANT of each kernel is a set of bits (what is off compiles away; 0, the default,
+// is the plain attention above), their values the four trailing arguments window_left,
+// soft_cap, alibi_slopes, sinks. For query j at pos_j and token t:
+//   kSoftCap, kAlibi  s = soft_cap * tanh(s / soft_cap), then s += alibi_slopes[h] * (t - pos_j);
+//   kWindow           tokens t < pos_j - window_left are masked too (causal or not). A query
+//                     tile's KV range starts at its first query's first key,
+//                     max(0, pos_first - window_left): the tiles before it are never loaded and
+//                     their block-table entries never read (a sliding-window cache sets them to
+//                     -1), so a long prompt with a small window reads about window + query_rows
+//                     tokens per query tile. A token before some row's window in a tile that
+//                     another row sees is kept from that row as a causally masked one is (step
+//                     3 below; the special path of paged_prefill_mma);
+//   kSinks            the row's softmax denominator gains exp(sinks[h] - m) once: in the
+//                     epilogue without split-K (l + exp(sink - m)), in paged_prefill_merge with
+//                     it (never in a split's partial row, whose log-sum-exp stays the tokens').
+// A row that sees no token (l = 0, m = -inf) is a zero row with a sink; without one 0 / 0 as
+// before. Every row of a prefill sees at least its own token, so only -inf scores get there.
+//
 // paged_prefill: one thread block per (query tile, head chunk, split; KV head); query tiles are
 //   runs of query_rows packed rows of one sequence (see "Query tiles" below). Its
 //   ROWS rows are the tile's query_rows query tokens times the heads_per_block query heads of a
@@ -53,12 +72,14 @@
 //   With one split the block writes acc / l; with several, each split writes acc / l and its
 //   log-sum-exp m + log(l) per row (0 and -inf where the row saw no token of the split).
 // paged_prefill_merge: one thread block per (query token, query head) combines the splits that
-//   hold a token the row sees: out = sum_i exp(lse_i - max) partial_i / sum_i exp(lse_i - max).
+//   hold a token the row sees: out = sum_i exp(lse_i - max) partial_i / sum_i exp(lse_i - max)
+//   (+ exp(sink - max) in the denominator with kSinks).
 //
 // Split-K: the launch table splits every query tile's KV range into partition_tokens-token
 // pieces (a multiple of TILE) when the batch is too small to fill the GPU, so that one thread
 // block holds at most that many tokens whatever its sequence's length; the last split runs to the
 // end of each range, so a plan made from wrong lengths changes the work split, never the result.
+// The pieces start at the range's start (0, or the window's first key of the tile).
 // Tensor cores: fp16/bf16 up to head_dim 128 run paged_prefill_mma (below): 64-row query tiles,
 // Q K^T and P V on WMMA m16n16k16 with float32 accumulators, the softmax in float32 between them
 // (the static model: scripts/kernel-report, docs/prefill.md). float32 stays on paged_prefill's
@@ -217,7 +238,8 @@ __device__ __forceinline__ int sequence_of(const int* __restrict__ query_start_l
 template <typename T, int HEAD_DIM>
 constexpr int kPrefillBlocks = HEAD_DIM <= 192 ? 4 : (sizeof(T) == 4 && HEAD_DIM >= 240 ? 2 : 3);
 
-template <typename T, int HEAD_DIM, int BLOCK_SIZE, int TILE, int ROWS, int STAGES, int THREADS>
+template <typename T, int HEAD_DIM, int BLOCK_SIZE, int TILE, int ROWS, int STAGES, int THREADS,
+          int VARIANT = 0>
 __global__ void __launch_bounds__(THREADS, kPrefillBlocks<T, HEAD_DIM>)
     paged_prefill(T* __restrict__ out,                     // [total_query_tokens, num_q_heads, HEAD_DIM]
                   float* __restrict__ partial_out,         // [total_query_tokens, num_q_heads, num_splits, HEAD_DIM]
@@ -230,7 +252,12 @@ __global__ void __launch_bounds__(THREADS, kPrefillBlocks<T, HEAD_DIM>)
                   const int* __restrict__ query_start_loc,  // [num_seqs + 1]
                   int num_kv_heads, int group_size, int heads_per_block, int max_blocks,
                   int num_seqs, int query_rows, int causal, int partition_tokens, int num_splits,
-                  float scale) {
+                  float scale, int window_left, float soft_cap,
+                  const float* __restrict__ alibi_slopes,  // [num_q_heads], read with kAlibi
+                  const float* __restrict__ sinks) {       // [num_q_heads], read with kSinks
+  constexpr bool WINDOW = (VARIANT & kWindow) != 0;
+  constexpr bool ALIBI = (VARIANT & kAlibi) != 0;
+  constexpr bool SINKS = (VARIANT & kSinks) != 0;  // only without split-K (the merge's otherwise)
   constexpr int VEC = 16 / sizeof(T);          // elements of a 16-byte part
   constexpr int PARTS = HEAD_DIM / VEC;        // 16-byte parts of a token's head vector
   constexpr int STRIDE = HEAD_DIM + VEC;       // a stage row, padded by 16 bytes (see above)
@@ -280,9 +307,12 @@ __global__ void __launch_bounds__(THREADS, kPrefillBlocks<T, HEAD_DIM>)
   const int context = context_lens[seq];
   const int past = context - num_queries;  // tokens before the sequence's first query token
   const int first_position = past + first_query;  // the tile's first query token's position
-  // Causal: no row of this tile reaches past its last query's position.
+  // Causal: no row of this tile reaches past its last query's position; with a window, none
+  // before its first query's first key (tiles before it are never loaded, their table entries
+  // never read: they may be released, -1).
   const int end = causal ? first_position + rows_here : context;
-  const int kv_begin = split * partition_tokens;
+  const int range_begin = WINDOW ? max(0, first_position - window_left) : 0;
+  const int kv_begin = range_begin + split * partition_tokens;
   const int kv_end = split == num_splits - 1 ? end : min(end, kv_begin + partition_tokens);
   // A split past the tile's range holds no token any of its rows sees; the merge skips it.
   if (kv_begin >= kv_end) return;  // uniform too
@@ -334,6 +364,7 @@ __global__ void __launch_bounds__(THREADS, kPrefillBlocks<T, HEAD_DIM>)
   float m[SCORE_ROWS];
   float l[SCORE_ROWS];
   int position[SCORE_ROWS];  // the row's query position; -1 for a padding row (sees nothing)
+  float slope[ALIBI ? SCORE_ROWS : 1];  // the row's ALiBi slope
 #pragma unroll
   for (int k = 0; k < SCORE_ROWS; ++k) {
     const int r = row_base + k * ROW_STEP;
@@ -341,6 +372,7 @@ __global__ void __launch_bounds__(THREADS, kPrefillBlocks<T, HEAD_DIM>)
     position[k] = real ? first_position + r / heads : -1;
     m[k] = neg_inf();
     l[k] = 0.0f;
+    if (ALIBI) slope[ALIBI ? k : 0] = real ? alibi_slopes[first_head + r % heads] : 0.0f;
   }
   // Accumulating: items tid + u * THREADS, (row, part) = (item / PARTS, item % PARTS).
   float acc[ITEMS][VEC];
@@ -377,8 +409,13 @@ __global__ void __launch_bounds__(THREADS, kPrefillBlocks<T, HEAD_DIM>)
     for (int k = 0; k < SCORE_ROWS; ++k) {
       if (k >= warp_live) break;  // the same for the whole warp: its shuffles stay whole
       const int r = row_base + k * ROW_STEP;
-      const bool valid = position[k] >= 0 && key < count && (!causal || first + key <= position[k]);
-      const float score = valid ? dot[k] : neg_inf();
+      const bool valid = position[k] >= 0 && key < count &&
+                         (!causal || first + key <= position[k]) &&
+                         (!WINDOW || first + key >= position[k] - window_left);
+      const float score =
+          valid ? variant_score<VARIANT>(dot[k], soft_cap, ALIBI ? slope[ALIBI ? k : 0] : 0.0f,
+                                         first + key - position[k])
+                : neg_inf();
       float tile_max = score;
 #pragma unroll
       for (int width = TILE / 2; width > 0; width /= 2) {
@@ -408,13 +445,20 @@ __global__ void __launch_bounds__(THREADS, kPrefillBlocks<T, HEAD_DIM>)
 #pragma unroll
       for (int e = 0; e < VEC; ++e) acc[u][e] *= alpha;
     }
-    // Rows stop inside this tile only when it crosses the first row's position (causal).
+    // Rows stop inside this tile only when it crosses the first row's position (causal), and
+    // start inside it only when it begins before the last row's first key (window).
     const bool crosses = causal && first + count - 1 > first_position;
-    int visible[ITEMS];  // tokens of this tile that the item's row sees
+    const bool opens = WINDOW && first < first_position + rows_here - 1 - window_left;
+    int visible[ITEMS];  // tokens [hidden, visible) of this tile are the item's row's
+    int hidden[WINDOW ? ITEMS : 1];
 #pragma unroll
     for (int u = 0; u < ITEMS; ++u) {
       const int token = item_row[u] / heads;
       visible[u] = crosses ? max(0, min(TILE, first_position + token - first + 1)) : TILE;
+      if (WINDOW) {
+        const int first_key = max(0, first_position + token - window_left);
+        hidden[WINDOW ? u : 0] = opens ? max(0, min(TILE, first_key - first)) : 0;
+      }
     }
     // A thread (a warp, mostly) whose items are all past the live rows skips the loop; a dead
     // item of a live thread is predicated off (its instructions still issue).
@@ -440,6 +484,7 @@ __global__ void __launch_bounds__(THREADS, kPrefillBlocks<T, HEAD_DIM>)
             prefill::unpack(v_tile + (t + j) * STRIDE + (tid + u * THREADS) % PARTS * VEC, vf);
           }
           if (item_row[u] < 0 || t + j >= visible[u]) continue;  // a row stops at its position
+          if (WINDOW && t + j < hidden[WINDOW ? u : 0]) continue;  // and starts at its window
 #pragma unroll
           for (int e = 0; e < VEC; ++e) acc[u][e] += p[u][j] * vf[e];
         }
@@ -454,6 +499,12 @@ __global__ void __launch_bounds__(THREADS, kPrefillBlocks<T, HEAD_DIM>)
     const int r = row_base + k * ROW_STEP;
     if (key != 0) continue;
     l_s[r] = l[k];
+    if (SINKS && num_splits == 1 && position[k] >= 0) {
+      // The sink joins the denominator once: l + exp(sink - m), l taken against m (see the
+      // header); a row whose scores are all -inf (acc = 0) has l = 0 + 1, a zero row.
+      const float sink = sinks[first_head + r % heads];
+      l_s[r] = l[k] + (m[k] == neg_inf() ? 1.0f : expf(sink - m[k]));
+    }
     if (num_splits > 1 && position[k] >= 0) {
       const long long row = (first_row + r / heads) * num_q_heads + first_head + r % heads;
       const float base = m[k] == neg_inf() ? 0.0f : m[k];  // the exponents' reference
@@ -531,7 +582,8 @@ constexpr int kPrefillMmaBlocks = 3;  // per SM: what 228 KiB of shared memory h
 #else
 constexpr int kPrefillMmaBlocks = 2;  // sm_80's 164 KiB
 #endif
-template <typename T, int HEAD_DIM, int BLOCK_SIZE, int TILE, int ROWS, int STAGES, int THREADS>
+template <typename T, int HEAD_DIM, int BLOCK_SIZE, int TILE, int ROWS, int STAGES, int THREADS,
+          int VARIANT = 0>
 __global__ void __launch_bounds__(THREADS, kPrefillMmaBlocks)
     paged_prefill_mma(T* __restrict__ out,                     // [total_query_tokens, num_q_heads, HEAD_DIM]
                       float* __restrict__ partial_out,         // [total_query_tokens, num_q_heads, num_splits, HEAD_DIM]
@@ -544,8 +596,15 @@ __global__ void __launch_bounds__(THREADS, kPrefillMmaBlocks)
                       const int* __restrict__ query_start_loc,  // [num_seqs + 1]
                       int num_kv_heads, int group_size, int heads_per_block, int max_blocks,
                       int num_seqs, int query_rows, int causal, int partition_tokens,
-                      int num_splits, float scale) {
+                      int num_splits, float scale, int window_left, float soft_cap,
+                      const float* __restrict__ alibi_slopes,  // [num_q_heads], with kAlibi
+                      const float* __restrict__ sinks) {       // [num_q_heads], with kSinks
   namespace wmma = nvcuda::wmma;
+  constexpr bool WINDOW = (VARIANT & kWindow) != 0;
+  constexpr bool ALIBI = (VARIANT & kAlibi) != 0;
+  constexpr bool SINKS = (VARIANT & kSinks) != 0;  // only without split-K (the merge's otherwise)
+  // Soft-cap and ALiBi change the scores: the first softmax pass writes them back, scaled.
+  constexpr bool RESCORE = (VARIANT & (kSoftCap | kAlibi)) != 0;
   using Acc = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
   using OperandA = wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major>;
   using KeyB = wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major>;  // K^T
@@ -601,7 +660,8 @@ __global__ void __launch_bounds__(THREADS, kPrefillMmaBlocks)
   const int past = context - num_queries;
   const int first_position = past + first_query;
   const int end = causal ? first_position + rows_here : context;
-  const int kv_begin = split * partition_tokens;
+  const int range_begin = WINDOW ? max(0, first_position - window_left) : 0;  // as paged_prefill
+  const int kv_begin = range_begin + split * partition_tokens;
   const int kv_end = split == num_splits - 1 ? end : min(end, kv_begin + partition_tokens);
   if (kv_begin >= kv_end) return;  // uniform
 
@@ -655,6 +715,8 @@ __global__ void __launch_bounds__(THREADS, kPrefillMmaBlocks)
   const int soft_row = 16 * warp + lane / 2;
   const int soft_half = lane % 2;
   const int soft_position = row_position(soft_row);
+  const float slope =
+      ALIBI && soft_position >= 0 ? alibi_slopes[first_head + soft_row % heads] : 0.0f;
   float m = neg_inf();
   float l = 0.0f;
   Acc o[FRAGS];
@@ -674,15 +736,21 @@ __global__ void __launch_bounds__(THREADS, kPrefillMmaBlocks)
     T* v_tile = ring.v_row(tile, 0);
 
     // A tile that crosses the first row's position (causal): tokens from `hidden` on are masked
-    // for some row. Does any of their V elements hold an Inf or NaN?
+    // for some row; one that begins before the last row's first key (window): tokens before
+    // `opened`. Does any of their V elements hold an Inf or NaN?
     const bool crosses = causal && first + count - 1 > first_position;
-    const int hidden = max(0, first_position + 1 - first);
+    const int hidden = crosses ? max(0, first_position + 1 - first) : count;
+    const int opened =
+        WINDOW ? max(0, min(count, first_position + rows_here - 1 - window_left - first)) : 0;
+    const int after = max(opened, hidden);  // masked for some row: [0, opened) and [after, count)
+    const int masked = opened + count - after;
     bool special = false;
-    if (crosses) {
+    if (masked > 0) {  // uniform
       int found = 0;
-      for (int i = tid; i < (count - hidden) * PARTS; i += THREADS) {
-        const uint4 v = *reinterpret_cast<const uint4*>(v_tile + (hidden + i / PARTS) * STRIDE +
-                                                        i % PARTS * VEC);
+      for (int i = tid; i < masked * PARTS; i += THREADS) {
+        const int j = i / PARTS < opened ? i / PARTS : after + i / PARTS - opened;
+        const uint4 v =
+            *reinterpret_cast<const uint4*>(v_tile + j * STRIDE + i % PARTS * VEC);
         found |= prefill::any_nonfinite(v, static_cast<const T*>(nullptr));
       }
       special = __syncthreads_or(found) != 0;
@@ -718,15 +786,23 @@ __global__ void __launch_bounds__(THREADS, kPrefillMmaBlocks)
       // row's position (a padding row sees none).
       const int seen = soft_position < 0 ? 0
                        : min(count, causal ? soft_position - first + 1 : count);
+      // and, with a window, from the row's first key on (negative: from the tile's start)
+      const int unseen = WINDOW ? max(0, soft_position - window_left) - first : 0;
       float tile_max = neg_inf();
 #pragma unroll
       for (int t = 0; t < HALF; t += 4) {
-        const float4 v = *reinterpret_cast<const float4*>(s_row + t);
-        const float x[4] = {v.x, v.y, v.z, v.w};
+        float4 v = *reinterpret_cast<const float4*>(s_row + t);
+        float x[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-          if (first_key + t + j < seen) tile_max = fmaxf(tile_max, x[j] * scale);
+          const int key = first_key + t + j;
+          x[j] *= scale;
+          if (RESCORE) {
+            x[j] = variant_score<VARIANT>(x[j], soft_cap, slope, first + key - soft_position);
+          }
+          if (key < seen && (!WINDOW || key >= unseen)) tile_max = fmaxf(tile_max, x[j]);
         }
+        if (RESCORE) *reinterpret_cast<float4*>(s_row + t) = make_float4(x[0], x[1], x[2], x[3]);
       }
       tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
       const float m_new = fmaxf(m, tile_max);
@@ -742,7 +818,10 @@ __global__ void __launch_bounds__(THREADS, kPrefillMmaBlocks)
           const float x[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
           for (int j = 0; j < 4; ++j) {
-            p[c + j] = first_key + t + c + j < seen ? expf(x[j] * scale - base) : 0.0f;
+            const int key = first_key + t + c + j;
+            const float score = RESCORE ? x[j] : x[j] * scale;  // scaled already when RESCORE
+            const bool valid = key < seen && (!WINDOW || key >= unseen);
+            p[c + j] = valid ? expf(score - base) : 0.0f;
             sum += p[c + j];
           }
           if (special) {  // the weights in float, for the special elements below
@@ -767,12 +846,14 @@ __global__ void __launch_bounds__(THREADS, kPrefillMmaBlocks)
         __syncthreads();
       }
       for (int d = tid; d < HEAD_DIM; d += THREADS) {  // a column per thread: no races
-        for (int j = hidden; j < count; ++j) {
+        for (int i = 0; i < masked; ++i) {
+          const int j = i < opened ? i : after + i - opened;
           const float v = to_float(v_tile[j * STRIDE + d]);
           if (v - v == 0.0f) continue;  // finite
           for (int r = 0; r < ROWS; ++r) {
             const int position = row_position(r);
-            if (position < first + j) continue;  // masked for this row (or a padding row)
+            if (position < 0 || (causal && position < first + j)) continue;  // masked (or padding)
+            if (WINDOW && first + j < position - window_left) continue;  // before its window
             const float x = s_s[r * S_STRIDE + j] * v;
             special_s[r * HEAD_DIM + d] |= x != x ? 4 : x > 0.0f ? 1 : 2;
           }
@@ -820,6 +901,10 @@ __global__ void __launch_bounds__(THREADS, kPrefillMmaBlocks)
   if (num_splits > 1 && soft_half == 0 && soft_position >= 0) {
     const float base = m == neg_inf() ? 0.0f : m;
     partial_lse[row * num_splits + split] = base + logf(l);  // -inf when l = 0
+  }
+  // The sink joins the denominator once, as in paged_prefill: l + exp(sink - m).
+  if (SINKS && num_splits == 1 && soft_position >= 0) {
+    l += m == neg_inf() ? 1.0f : expf(sinks[first_head + soft_row % heads] - m);
   }
   const bool vector_out = (reinterpret_cast<unsigned long long>(out) & 15u) == 0;
   const float inf = __int_as_float(0x7f800000);
@@ -875,37 +960,61 @@ __global__ void __launch_bounds__(THREADS, kPrefillMmaBlocks)
   }
 }
 
-// Grid: (total_query_tokens, num_q_heads). Block: THREADS.
+// Grid: (total_query_tokens, num_q_heads). Block: THREADS. VARIANT: kWindow and kSinks only.
 // Row (query token) `row` of sequence s at query index j reads the splits that hold a token it
 // sees: the first ceil(visible / partition_tokens) of them (at most num_splits), visible =
 // pos_j + 1 (causal) or context_lens[s]; every one of those was computed by its tile (whose range
-// reaches at least as far). A split's log-sum-exp is -inf when all its scores the row sees are
-// -inf (weight 0), NaN when a NaN reached it (fmaxf skips it, its weight exp(NaN) makes the row
-// NaN); every split -inf is 0 / 0, NaN, as in the reference.
-template <typename T, int HEAD_DIM, int THREADS>
+// reaches at least as far). With a window the splits count from the range start of the row's
+// query tile (from a multiple of query_rows, or the sequence's first row), and the row skips
+// those before the one that holds its first key. A split's log-sum-exp is -inf when all its
+// scores the row sees are -inf (weight 0), NaN when a NaN reached it (fmaxf skips it, its weight
+// exp(NaN) makes the row NaN); every split -inf is 0 / 0, NaN, as in the reference (with a sink:
+// a zero row).
+template <typename T, int HEAD_DIM, int THREADS, int VARIANT = 0>
 __global__ void __launch_bounds__(THREADS)
     paged_prefill_merge(T* __restrict__ out,                     // [total_query_tokens, num_q_heads, HEAD_DIM]
                         const float* __restrict__ partial_out,   // [total_query_tokens, num_q_heads, num_splits, HEAD_DIM]
                         const float* __restrict__ partial_lse,   // [total_query_tokens, num_q_heads, num_splits]
                         const int* __restrict__ context_lens,    // [num_seqs]
                         const int* __restrict__ query_start_loc,  // [num_seqs + 1]
-                        int num_seqs, int causal, int partition_tokens, int num_splits) {
+                        int num_seqs, int causal, int partition_tokens, int num_splits,
+                        int query_rows, int window_left, float soft_cap,
+                        const float* __restrict__ alibi_slopes,  // unused (the scores' variant)
+                        const float* __restrict__ sinks) {       // [num_q_heads], with kSinks
+  constexpr bool WINDOW = (VARIANT & kWindow) != 0;
+  constexpr bool SINKS = (VARIANT & kSinks) != 0;
   const int token = blockIdx.x;
   const int lo = prefill::sequence_of(query_start_loc, num_seqs, token);
-  const int n = query_start_loc[lo + 1] - query_start_loc[lo];
-  const int context = context_lens[lo];
-  const int visible = causal ? context - n + (token - query_start_loc[lo]) + 1 : context;
-  const int used = min(num_splits, max(1, ceil_div(visible, partition_tokens)));
+  const int q_begin = query_start_loc[lo];
+  const int past = context_lens[lo] - (query_start_loc[lo + 1] - q_begin);
+  const int position = past + token - q_begin;
+  const int visible = causal ? position + 1 : context_lens[lo];
+  // With a window, the splits cut the range of the row's query tile, from its first row's first
+  // key (the tile: rows from a multiple of query_rows, or the sequence's head tile), and the row
+  // reads those from the one that holds its own first key.
+  int begin = 0;
+  int skipped = 0;
+  if (WINDOW) {
+    const int tile_begin = max(q_begin, token - token % query_rows);
+    begin = max(0, past + tile_begin - q_begin - window_left);
+    skipped = min(num_splits - 1, (max(0, position - window_left) - begin) / partition_tokens);
+  }
+  const int used = min(num_splits, max(skipped + 1, ceil_div(visible - begin, partition_tokens)));
 
   const long long row = static_cast<long long>(token) * gridDim.y + blockIdx.y;
   const float* lse = partial_lse + row * num_splits;
   float lse_max = neg_inf();
-  for (int s = 0; s < used; ++s) lse_max = fmaxf(lse_max, lse[s]);
+  for (int s = skipped; s < used; ++s) lse_max = fmaxf(lse_max, lse[s]);
+  // The sink joins once, here (the splits' partial rows hold none): as in paged_prefill, the
+  // weights are taken against 0 while every split is -inf, and the sink weighs 1 then.
+  const float base = SINKS && lse_max == neg_inf() ? 0.0f : lse_max;
+  const float sink_weight =
+      !SINKS ? 0.0f : lse_max == neg_inf() ? 1.0f : expf(sinks[blockIdx.y] - lse_max);
   for (int d = threadIdx.x; d < HEAD_DIM; d += THREADS) {
     float numerator = 0.0f;
-    float denominator = 0.0f;
-    for (int s = 0; s < used; ++s) {
-      const float w = expf(lse[s] - lse_max);
+    float denominator = sink_weight;
+    for (int s = skipped; s < used; ++s) {
+      const float w = expf(lse[s] - base);
       numerator += w * partial_out[(row * num_splits + s) * HEAD_DIM + d];
       denominator += w;
     }

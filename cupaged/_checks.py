@@ -376,6 +376,26 @@ def check_decode_tables(
     return int(summary[2])
 
 
+def check_prefill_tables(
+    block_tables: Any,
+    context_lens: Any,
+    block_size: int,
+    num_blocks: int,
+    first_keys: np.ndarray | None = None,
+) -> int:
+    """:func:`check_decode_tables` for a prefill batch whose queries reach keys from
+    ``first_keys[i]`` on (a window: ``max(0, L - n - window_left)``, host int64 ``[num_seqs]``;
+    ``None``: from 0). The entries before a row's first key are never read (they may be
+    released, ``-1``), so they are checked as if they named block 0.
+    """
+    if first_keys is not None and num_blocks > 0:
+        xp = array_module(block_tables)
+        first_block = xp.asarray(first_keys) // block_size
+        before = xp.arange(block_tables.shape[1])[None, :] < first_block[:, None]
+        block_tables = xp.where(before, xp.zeros((), block_tables.dtype), block_tables)
+    return check_decode_tables(block_tables, context_lens, block_size, num_blocks)
+
+
 def check_prefill_args(
     q: Any, k_cache: Any, v_cache: Any, block_tables: Any, context_lens: Any, query_start_loc: Any
 ) -> AttentionDims:

@@ -19,7 +19,10 @@ from ._gpu_target import DECODE_REGISTERS, NOMINAL_TARGET, Target, ctas_per_sm
 # Unused here: the launch table's users (ops, tests, scripts) read these two limits from it.
 from ._gpu_target import DEFAULT_SHARED_MEMORY as DEFAULT_SHARED_MEMORY
 from ._gpu_target import NOMINAL_SM_COUNT as NOMINAL_SM_COUNT
+from ._prefill_work import PrefillWork as PrefillWork
+from ._prefill_work import prefill_work
 from ._util import cdiv
+from ._variants import SINKS, WINDOW
 from .dtypes import C_TYPES, itemsize
 
 SLOT_C_TYPES = {np.dtype(np.int32): "int", np.dtype(np.int64): "long long"}
@@ -162,6 +165,9 @@ class DecodeLaunch:
         tile: tokens per pipeline stage (work items are whole stages but a sequence's last).
         merge_block: threads of ``paged_decode_merge``; its grid is ``(num_q_heads, num_seqs)``.
         geometry: the layout behind ``name`` and ``block``.
+        sinks_name: ``name`` for a run with attention sinks (the sinks bit added to its
+            ``VARIANT``: a single-item sequence's sink joins at its normalisation).
+        sinks_merge_name: the merge for a run with sinks (a split sequence's sink joins there).
     """
 
     name: str
@@ -172,6 +178,8 @@ class DecodeLaunch:
     tile: int
     merge_block: tuple[int]
     geometry: DecodeGeometry
+    sinks_name: str
+    sinks_merge_name: str
 
 
 def check_decode_shape(dtype: str, head_dim: int, block_size: int) -> None:
@@ -258,11 +266,15 @@ def decode_launch(
     block_size: int,
     capacity: int,
     target: Target = NOMINAL_TARGET,
+    variant: int = 0,
 ) -> DecodeLaunch:
     """The launch of ``paged_decode`` (and its merge) over a work list of ``capacity`` items, on
     ``target`` (the kernel that compiles and fits there).
 
-    Nothing here depends on the context lengths: the work list carries them.
+    Nothing here depends on the context lengths: the work list carries them. ``variant``: the
+    attention variants' ``VARIANT`` bits (``cupaged._variants``); the window's and the sinks'
+    are not the kernel's (the planner's work list holds the window, ``sinks_name`` adds the
+    sinks), so a window alone runs the plain kernels.
     """
     check_decode_shape(dtype, head_dim, block_size)
     if not 1 <= capacity <= MAX_GRID_YZ:
@@ -281,19 +293,23 @@ def decode_launch(
     c_type = C_TYPES[dtype]
     shape = f"{c_type}, {head_dim}, {block_size}, {geo.chunk}"
     if geo.mma:
-        name = f"cupaged::paged_decode_mma<{shape}, {geo.bdy}, {geo.stages}>"
+        stem = f"cupaged::paged_decode_mma<{shape}, {geo.bdy}, {geo.stages}"
     else:
         layout = f"{geo.bdx}, {geo.bdy}, {geo.bdz}, {geo.tokens_per_thread}, {geo.stages}"
-        name = f"cupaged::paged_decode<{shape}, {layout}>"
+        stem = f"cupaged::paged_decode<{shape}, {layout}"
+    merge = f"cupaged::paged_decode_merge<{c_type}, {head_dim}"
+    variant &= ~(WINDOW | SINKS)
     return DecodeLaunch(
-        name=name,
-        merge_name=f"cupaged::paged_decode_merge<{c_type}, {head_dim}>",
+        name=_instantiation(stem, variant),
+        merge_name=_instantiation(merge, 0),
         grid=(num_kv_heads * geo.head_chunks, capacity),
         block=(geo.bdx, geo.bdy, geo.bdz),
         shared_mem=decode_shared_memory(dtype, head_dim, geo),
         tile=geo.tile,
         merge_block=(MERGE_THREADS,),
         geometry=geo,
+        sinks_name=_instantiation(stem, variant | SINKS),
+        sinks_merge_name=_instantiation(merge, SINKS),
     )
 
 
@@ -386,6 +402,10 @@ class PrefillLaunch:
         partition_tokens: KV tokens per split (a multiple of the tile).
         merge_grid: ``(total_query_tokens, num_q_heads)``.
         merge_block: ``(PREFILL_MERGE_THREADS,)``.
+        sinks_name: the kernel's instantiation for a run with attention sinks: ``name`` with
+            the sinks bit of its ``VARIANT`` without split-K, ``name`` itself with it (the
+            sink then joins in the merge, once per row).
+        sinks_merge_name: the merge's instantiation for a run with sinks.
     """
 
     name: str
@@ -400,6 +420,8 @@ class PrefillLaunch:
     partition_tokens: int
     merge_grid: tuple[int, int]
     merge_block: tuple[int]
+    sinks_name: str
+    sinks_merge_name: str
 
 
 def prefill_tile(dtype: str, head_dim: int) -> int:
@@ -452,51 +474,6 @@ def _prefill_shared_memory(mma: bool, dtype: str, head_dim: int, tile: int) -> i
     return 4 * floats + PREFILL_STAGES * 2 * tile * padded_row
 
 
-@dataclass(frozen=True, slots=True)
-class PrefillWork:
-    """What the split-K decision needs to know about a batch, from host copies of its metadata.
-
-    Attributes:
-        query_tiles: query tiles of all sequences (thread blocks per KV head and head chunk).
-        kv_tokens: KV tokens those tiles read (causal: each tile up to its last query).
-        max_end: the longest KV range of a tile (tokens).
-    """
-
-    query_tiles: int
-    kv_tokens: int
-    max_end: int
-
-
-def prefill_work(
-    query_start_loc: np.ndarray, context_lens: np.ndarray, query_rows: int, causal: bool
-) -> PrefillWork:
-    """The query tiles of a batch and the KV tokens they read, per KV head and head chunk.
-
-    The tiles are those of cuda/paged_prefill.cu: packed rows of q, ``query_rows`` at a time from
-    a multiple of ``query_rows``, cut at sequence boundaries. Sequence ``i`` (first row ``a``,
-    ``n`` queries after ``past = L - n`` tokens) has a head tile of ``h = min(-a mod query_rows,
-    n)`` rows when ``h > 0``, then ``T = ceil((n - h) / query_rows)`` tiles. Causal, a tile reads
-    the tokens up to its last query; so the head reads ``past + h`` and the others
-    ``T (past + h) + query_rows T (T + 1) / 2 - (T query_rows - (n - h))`` (the last is short
-    by ``T query_rows - (n - h)`` rows). Not causal, every tile reads all ``L`` tokens.
-    """
-    starts = np.asarray(query_start_loc, np.int64)
-    lens = np.asarray(context_lens, np.int64)
-    n = np.diff(starts)
-    head = np.minimum(-starts[:-1] % query_rows, n)
-    rest = n - head
-    tiles = cdiv(rest, query_rows)
-    past = lens - n
-    if causal:
-        short = tiles * query_rows - rest  # rows missing from each sequence's last tile
-        tokens = np.where(head > 0, past + head, 0) + tiles * (past + head)
-        tokens += query_rows * tiles * (tiles + 1) // 2 - short
-    else:
-        tokens = (tiles + (head > 0)) * lens
-    max_end = int(lens[n > 0].max()) if (n > 0).any() else 0
-    return PrefillWork(int((tiles + (head > 0)).sum()), int(tokens.sum()), max_end)
-
-
 def prefill_partition(
     units: int, kv_tokens: int, max_end: int, tile: int, sm_count: int, splits: int | None
 ) -> int:
@@ -536,6 +513,8 @@ def prefill_launch(
     splits: int | None = None,
     total_query_tokens: int = 0,
     target: Target = NOMINAL_TARGET,
+    variant: int = 0,
+    window_left: int = -1,
 ) -> PrefillLaunch:
     """The launch of ``paged_prefill`` (and its merge) for one batch shape.
 
@@ -551,6 +530,10 @@ def prefill_launch(
         splits: force about this many splits (tests); the heuristic decides when ``None``.
         total_query_tokens: rows of ``q``; sizes the grid and the merge grid.
         target: the GPU planned for: the kernel that compiles and fits there.
+        variant: the attention variants' ``VARIANT`` bits (``cupaged._variants``) without the
+            sinks bit, which ``sinks_name`` / ``sinks_merge_name`` add.
+        window_left: the window (with its bit in ``variant``): a tile's KV range, and so the
+            split-K plan, starts at its first query's first key.
     """
     if sm_count is None:
         sm_count = target.sm_count
@@ -572,7 +555,7 @@ def prefill_launch(
     tiles = max(1, cdiv(rows, query_rows) + num_seqs)
     num_splits, partition = 1, NO_SPLIT_PARTITION
     if query_start_loc is not None and context_lens is not None:
-        work = prefill_work(query_start_loc, context_lens, query_rows, causal)
+        work = prefill_work(query_start_loc, context_lens, query_rows, causal, window_left)
         units = work.query_tiles * num_kv_heads * chunks
         partition = prefill_partition(
             units, work.kv_tokens * num_kv_heads * chunks, work.max_end, tile, sm_count, splits
@@ -586,13 +569,18 @@ def prefill_launch(
             f"{tiles * chunks * num_splits}"
         )
     c_type = C_TYPES[dtype]
-    kernel = "paged_prefill_mma" if mma else "paged_prefill"
+    kernel = (
+        f"cupaged::{'paged_prefill_mma' if mma else 'paged_prefill'}<{c_type}, {head_dim}, "
+        f"{block_size}, {tile}, {rows_per_block}, {PREFILL_STAGES}, {PREFILL_THREADS}"
+    )
+    merge = f"cupaged::paged_prefill_merge<{c_type}, {head_dim}, {PREFILL_MERGE_THREADS}"
+    variant &= ~SINKS
+    # With split-K a sink joins in the merge, once per row; the merge reads only the window
+    # (which splits a row takes) and the sinks.
+    sinks_variant = variant | SINKS if num_splits == 1 else variant
     return PrefillLaunch(
-        name=(
-            f"cupaged::{kernel}<{c_type}, {head_dim}, {block_size}, {tile}, {rows_per_block}, "
-            f"{PREFILL_STAGES}, {PREFILL_THREADS}>"
-        ),
-        merge_name=f"cupaged::paged_prefill_merge<{c_type}, {head_dim}, {PREFILL_MERGE_THREADS}>",
+        name=_instantiation(kernel, variant),
+        merge_name=_instantiation(merge, variant & WINDOW),
         grid=(tiles * chunks * num_splits, num_kv_heads, 1),
         block=(PREFILL_THREADS,),
         shared_mem=_prefill_shared_memory(mma, dtype, head_dim, tile),
@@ -603,7 +591,15 @@ def prefill_launch(
         partition_tokens=partition,
         merge_grid=(max(total_query_tokens, 1), num_q_heads),
         merge_block=(PREFILL_MERGE_THREADS,),
+        sinks_name=_instantiation(kernel, sinks_variant),
+        sinks_merge_name=_instantiation(merge, variant & WINDOW | SINKS),
     )
+
+
+def _instantiation(stem: str, variant: int) -> str:
+    """A kernel's name expression: its ``VARIANT`` template argument (last, default 0) is
+    written only when some variant is on, so that the plain kernels keep their names."""
+    return f"{stem}, {variant}>" if variant else f"{stem}>"
 
 
 def write_kv_launch(

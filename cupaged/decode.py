@@ -16,10 +16,18 @@ values: :meth:`DecodePlan.update` re-plans a new step into the same buffers, so 
 captured around ``run`` replays for any lengths (pad the batch to a fixed size with zero-length
 rows). ``update`` checks the arrays it is given unless told ``checked=False``, whatever the plan
 was built with: a plan from the cache trusts the cache's tables, not later arrays.
+
+The attention variants (``cupaged/_variants.py``; docs/variants.md) of a model are fixed when
+planning: ``window_left`` goes to the planner, whose items cover only the tokens the window
+sees (a 32k context with a 4k window reads about 4k tokens' K/V, split as a 4k context is),
+``logits_soft_cap`` and ``alibi_slopes`` to the kernel's ``VARIANT``. ``sinks`` are learned per
+layer, so they are an argument of ``run``; the kernels with the sinks bit are loaded at the
+first run that passes them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -46,6 +54,7 @@ from ._checks import (
 )
 from ._kernels import get_kernel
 from ._util import cdiv
+from ._variants import check_sinks, check_variants
 
 Q_AXES = ("num_seqs", "num_q_heads", "head_dim")
 
@@ -75,11 +84,32 @@ class DecodePlan:
             checks admit) are what the kernels are built for: the planner cuts any int length
             in full, but the kernels' token positions are 32-bit and a length within a stage
             of 2^31 would wrap in the last one.
+        window_left: sliding window: the query (position ``len - 1``) attends the keys from
+            position ``len - 1 - window_left`` on (``window_left + 1`` keys at most); ``-1``,
+            all. The kernels read no table entry before the window, and ``checked`` checks
+            only the entries the window reaches: a sliding-window cache's released ``-1``
+            entries before it are fine::
+
+                window_left = 4, len = 12, block_size = 4:   first key 12 - 1 - 4 = 7
+                position   0 1 2 3 | 4 5 6 7 | 8 9 10 11
+                table      -1      | 17      | 3             entry 0 never read
+
+        logits_soft_cap: ``s = cap * tanh(s / cap)`` on each scaled score (before ALiBi);
+            ``0.0``, none.
+        alibi_slopes: ``[num_q_heads]`` float32 on the plan's device: ``s += slopes[h] * (j -
+            i)`` for key position ``j`` and the query's ``i = len - 1``; copied (the plan keeps
+            its own). ``None``, none.
 
     Raises:
         TypeError: arrays on different devices, or wrong dtypes.
-        ValueError: wrong shapes, an unsupported head_dim or block_size, or (checked) bad
-            lengths or block ids.
+        ValueError: wrong shapes, an unsupported head_dim or block_size, a bad variant
+            (``window_left < -1``, a negative or non-finite soft-cap, slopes of the wrong
+            shape), or (checked) bad lengths or block ids.
+
+    Example::
+
+        plan = DecodePlan(tables, lens, cache.k[0], 32, window_left=4095)  # Mistral's 4096
+        out = plan.run(q, cache.k[0], cache.v[0], sinks=layer_sinks)      # gpt-oss: sinks
     """
 
     __slots__ = (
@@ -91,9 +121,11 @@ class DecodePlan:
         "_kernel",
         "_layout",
         "_lens",
+        "_launch",
         "_merge",
         "_merge_block",
         "_merge_grid",
+        "_merge_scalars",
         "_min_chunk",
         "_num_q_heads",
         "_partial_lse",
@@ -103,9 +135,11 @@ class DecodePlan:
         "_scalars",
         "_seq_items",
         "_shared_mem",
+        "_sink_kernels",
         "_split",
         "_tables",
         "_tile",
+        "_variants",
         "_work",
         "_xp",
         "checked",
@@ -123,6 +157,9 @@ class DecodePlan:
         num_splits: int | None = None,
         max_context_len: int | None = None,
         checked: bool = True,
+        window_left: int = -1,
+        logits_soft_cap: float = 0.0,
+        alibi_slopes: Any = None,
     ) -> None:
         xp = array_module(block_tables, context_lens, k_cache)
         num_blocks, num_kv_heads, block_size, head_dim, num_q_heads = check_layer_and_heads(
@@ -139,17 +176,24 @@ class DecodePlan:
         check_num_blocks(num_blocks)
         group = num_q_heads // num_kv_heads
         device = device_of(xp)
+        variants = check_variants(xp, num_q_heads, window_left, logits_soft_cap, alibi_slopes)
+        window = variants.window_left
 
         max_context = None
         if checked:  # on the caller's arrays, before they are narrowed to int32
-            max_context = check_decode_tables(block_tables, context_lens, block_size, num_blocks)
+            max_context = check_decode_tables(
+                block_tables, context_lens, block_size, num_blocks, window
+            )
         splits = None if num_splits is None else as_int(num_splits, "num_splits")
         if splits is not None and splits < 1:
             raise ValueError(f"expected num_splits >= 1, got {splits}")
         gpu = target(device)
         # The kernel and its layout depend on the shape and the GPU, not on the work list's
         # length: planned (and, with sequences, loaded) first, so that its occupancy can size it.
-        launch = _launch.decode_launch(dtype, num_kv_heads, group, head_dim, block_size, 1, gpu)
+        flags = variants.flags()
+        launch = _launch.decode_launch(
+            dtype, num_kv_heads, group, head_dim, block_size, 1, gpu, flags
+        )
         tile = launch.tile  # pieces are whole stages
         kernel = None
         if num_seqs and device == "cuda":  # its occupancy sizes the work list
@@ -172,6 +216,7 @@ class DecodePlan:
                 else:
                     max_context = as_int(max_context_len, "max_context_len")
             max_context = min(max(max_context, 1), max_blocks * block_size, MAX_CONTEXT_LEN)
+            max_context = _attended(max_context, window)  # the pieces cut what is attended
             # No more pieces than whole tiles in the longest context: a larger count cuts the
             # same way, and would only lengthen the work list.
             splits = min(splits, cdiv(max_context, tile))
@@ -192,7 +237,7 @@ class DecodePlan:
                 f"(the work list is one grid axis), got {num_seqs}"
             )
         launch = _launch.decode_launch(
-            dtype, num_kv_heads, group, head_dim, block_size, capacity, gpu
+            dtype, num_kv_heads, group, head_dim, block_size, capacity, gpu, flags
         )
         self._xp = xp
         self._device = device
@@ -205,14 +250,17 @@ class DecodePlan:
         self._tile = tile
         self.num_seqs = num_seqs
         self.checked = checked
+        self._variants = variants
         self._tables = owned_int32(xp, block_tables)
         self._lens = owned_int32(xp, context_lens)
         self._num_q_heads = np.int32(num_q_heads)
+        self._sink_kernels = None
         if num_seqs == 0:
             return
         # Of the final launch: the CPU backend caps its helper threads by the launch's blocks.
         self._kernel = attention_kernel(device, "paged_attention.cu", launch, group, head_dim)
         self._grid, self._block, self._shared_mem = launch.grid, launch.block, launch.shared_mem
+        self._launch = launch
         self._merge = get_kernel(device, "paged_attention.cu", launch.merge_name)
         self._merge_grid = (num_q_heads, num_seqs)
         self._merge_block = _launch.decode_merge_block(launch, device)
@@ -226,12 +274,20 @@ class DecodePlan:
         else:  # never split: unused by the kernel; real arrays, so that no pointer is null
             self._partial_out = self._partial_lse = xp.empty(1, np.float32)
         scale = head_dim**-0.5 if scale is None else float(scale)
+        # The variants' trailing arguments (cuda/common.cuh): a pointer whose variant is off is
+        # never read, but is a real float32 array (the log-sum-exps), never null; the sinks'
+        # is the last, replaced by a run that passes them.
+        slopes = self._partial_lse if variants.alibi_slopes is None else variants.alibi_slopes
+        tail = (np.int32(window), np.float32(variants.logits_soft_cap), slopes, self._partial_lse)
         self._scalars = (
+            self._lens,
             np.int32(num_kv_heads),
             np.int32(group),
             np.int32(max_blocks),
             np.float32(scale),
+            *tail,
         )
+        self._merge_scalars = (self._num_q_heads, *tail)
         self._plan(max_context if checked else None)
 
     def _plan(self, max_context: int | None) -> None:
@@ -239,7 +295,8 @@ class DecodePlan:
         checks read it on the host, lets a GPU skip the merge of a step that splits nothing."""
         args = (self._work, self._seq_items, self._lens, np.int32(self.num_seqs))
         sizes = (np.int32(self._capacity), np.int32(self._min_chunk), np.int32(self._tile))
-        self._planner((1,), self._planner_block, (*args, *sizes))
+        window = np.int32(self._variants.window_left)
+        self._planner((1,), self._planner_block, (*args, *sizes, window))
         if self._device == "cpu":
             # The CPU backend has run the planner already and the list is in host memory: launch
             # the items it holds, not the capacity (an idle thread block still starts all its
@@ -250,9 +307,21 @@ class DecodePlan:
             self._grid = (self._grid[0], items)
             self._split = items > self.num_seqs
         else:
+            if max_context is not None:
+                max_context = _attended(max_context, self._variants.window_left)
             self._split = _launch.decode_may_split(
                 self._capacity, self.num_seqs, self._min_chunk, self._tile, max_context
             )
+
+    @property
+    def window_left(self) -> int:
+        """The sliding window the plan attends (``-1``: none), read-only."""
+        return self._variants.window_left
+
+    @property
+    def logits_soft_cap(self) -> float:
+        """The soft-cap of the plan's scores (``0.0``: none), read-only."""
+        return self._variants.logits_soft_cap
 
     @property
     def num_items(self) -> int:
@@ -275,8 +344,9 @@ class DecodePlan:
             block_tables: ``[num_seqs, max_blocks]`` int32 or int64, the planned shape.
             context_lens: ``[num_seqs]`` int32 or int64.
             checked: check them as the constructor does (lengths within the table, the block
-                ids they reach within the cache, on their own dtypes before the narrowing to
-                int32; one synchronisation on a GPU), whether or not the plan was built
+                ids they reach within the cache, with the plan's window, on their own dtypes
+                before the narrowing to int32; one synchronisation on a GPU), whether or not
+                the plan was built
                 checked. ``checked=False`` *trusts* the caller: pass it only for tables and
                 lengths that cupaged built (``PagedCache.block_tables``), as a CUDA graph's
                 replay loop does.
@@ -299,21 +369,27 @@ class DecodePlan:
         max_context = None
         if checked:
             num_blocks, _, block_size, _ = self._layout
-            max_context = check_decode_tables(block_tables, context_lens, block_size, num_blocks)
+            max_context = check_decode_tables(
+                block_tables, context_lens, block_size, num_blocks, self._variants.window_left
+            )
         self._tables[...] = block_tables
         self._lens[...] = context_lens
         self.checked = checked
         if self.num_seqs:
             self._plan(max_context)
 
-    def run(self, q: Any, k_cache: Any, v_cache: Any, *, out: Any = None) -> Any:
-        """Decode attention of one layer: what :func:`cupaged.paged_attention` computes.
+    def run(self, q: Any, k_cache: Any, v_cache: Any, *, sinks: Any = None, out: Any = None) -> Any:
+        """Decode attention of one layer: what :func:`cupaged.paged_attention` computes, with
+        the plan's variants.
 
         Args:
             q: ``[num_seqs, num_q_heads, head_dim]``, the cache's element type.
             k_cache: one layer, the planned layout (``cache.k[layer]``), C-contiguous, 16-byte
                 aligned.
             v_cache: same shape and dtype as ``k_cache``.
+            sinks: optional ``[num_q_heads]`` float32 on the plan's device, this layer's learned
+                attention sinks: ``exp(sinks[h] - m)`` joins each row's softmax denominator
+                (never its numerator); a context of length 0 still gets a zero row.
             out: optional ``[num_seqs, num_q_heads, head_dim]`` C-contiguous output, ``q``'s
                 dtype.
 
@@ -321,23 +397,47 @@ class DecodePlan:
             ``out`` (a new array when ``None``), in ``q``'s dtype.
 
         Raises:
-            TypeError, ValueError: an argument that does not match the plan (nothing is run).
+            TypeError, ValueError: an argument that does not match the plan, or sinks of the
+                wrong type, dtype or shape (nothing is run).
         """
         out, q, k_cache, v_cache, out_storage = self._arrays.views(q, k_cache, v_cache, out)
+        if sinks is not None:
+            sinks = check_sinks(self._xp, int(self._num_q_heads), sinks)
         if self.num_seqs == 0:
             return out
+        if sinks is None:
+            kernel, merge = self._kernel, self._merge
+            scalars, merge_scalars = self._scalars, self._merge_scalars
+        else:
+            kernel, merge = self._with_sinks()
+            scalars = (*self._scalars[:-1], sinks)  # the sinks' argument is the last
+            merge_scalars = (*self._merge_scalars[:-1], sinks)
         split = self._split or (self._device == "cuda" and self._capturing())
         partials = (self._partial_out, self._partial_lse)
-        self._kernel(
+        kernel(
             self._grid,
             self._block,
-            (out_storage, *partials, q, k_cache, v_cache, self._tables, self._work, *self._scalars),
+            (out_storage, *partials, q, k_cache, v_cache, self._tables, self._work, *scalars),
             shared_mem=self._shared_mem,
         )
         if split:
-            args = (out_storage, *partials, self._seq_items, self._num_q_heads)
-            self._merge(self._merge_grid, self._merge_block, args)
+            args = (out_storage, *partials, self._seq_items, *merge_scalars)
+            merge(self._merge_grid, self._merge_block, args)
         return out
+
+    def _with_sinks(self) -> tuple[Any, Any]:
+        """The decode kernel and merge with the sinks bit, loaded at the first run with sinks
+        (a plan of a model without them never compiles them)."""
+        if self._sink_kernels is None:
+            launch = self._launch
+            _, num_kv_heads, _, head_dim = self._layout
+            group = int(self._num_q_heads) // num_kv_heads
+            sinks_launch = dataclasses.replace(launch, name=launch.sinks_name)
+            self._sink_kernels = (
+                attention_kernel(self._device, "paged_attention.cu", sinks_launch, group, head_dim),
+                get_kernel(self._device, "paged_attention.cu", launch.sinks_merge_name),
+            )
+        return self._sink_kernels
 
     def _capturing(self) -> bool:
         """Whether a CUDA graph is being captured on the current stream (on a GPU, while the
@@ -347,3 +447,9 @@ class DecodePlan:
             return False
         cupy = self._xp
         return bool(cupy.cuda.runtime.streamIsCapturing(cupy.cuda.get_current_stream().ptr))
+
+
+def _attended(max_context: int, window_left: int) -> int:
+    """The most keys a decode query attends in a batch whose longest context is
+    ``max_context``: all of them, or ``window_left + 1`` with a window."""
+    return max_context if window_left < 0 else min(max_context, window_left + 1)

@@ -39,6 +39,7 @@ from ._checks import (
     element_type,
 )
 from ._kernels import get_kernel
+from ._variants import check_sinks
 from .decode import DecodePlan
 from .dtypes import as_storage
 from .prefill import PrefillPlan
@@ -259,6 +260,10 @@ def paged_attention(
     out: Any = None,
     num_splits: int | None = None,
     checked: bool = True,
+    window_left: int = -1,
+    logits_soft_cap: float = 0.0,
+    alibi_slopes: Any = None,
+    sinks: Any = None,
 ) -> Any:
     """Decode attention over a paged KV cache with the fused kernel (split-K when it pays).
 
@@ -266,6 +271,20 @@ def paged_attention(
     ``h`` (``g = num_q_heads // num_kv_heads`` query heads share KV head ``h // g``),
     ``out[i, h] = softmax(scale * K_i q[i, h]) V_i`` over the first ``context_lens[i]`` tokens;
     a sequence with context length 0 gets a zero row. Scores, softmax and sums are float32.
+
+    With the attention variants (docs/variants.md), for the query at position
+    ``p = context_lens[i] - 1`` and a key at position ``j``::
+
+        s = scale * q.k
+        if logits_soft_cap > 0:  s = logits_soft_cap * tanh(s / logits_soft_cap)
+        if alibi_slopes given:   s += alibi_slopes[h] * (j - p)
+        keys with j < p - window_left are not attended          (window_left = -1: all)
+        out = sum_j exp(s_j - m) v_j / (sum_j exp(s_j - m) + exp(sinks[h] - m)),
+              m = max(max_j s_j, sinks[h])                      (no sink term without sinks)
+
+    The window is planned, not masked: only the ``window_left + 1`` last tokens' K/V are read,
+    and the entries of ``block_tables`` before the window are never read (they may be ``-1``,
+    as a sliding-window :class:`PagedCache` leaves them).
 
     The one-shot form of :class:`DecodePlan`: it plans (and, checked, checks) and runs once. A
     model that attends every layer over the same tables plans once per step
@@ -292,18 +311,28 @@ def paged_attention(
             length are padding and may hold anything). ``checked=False`` skips that and *trusts*
             the caller: a bad id or length reads outside the cache (garbage output or a crash).
             Pass it only for tables and lengths built by cupaged (``PagedCache.block_tables``).
+            With a window, only the entries the window reaches are checked.
+        window_left: sliding window, keys ``j >= p - window_left`` (``window_left + 1`` keys at
+            most: Mistral's ``sliding_window = 4096`` is ``4095``); ``-1``, no window.
+        logits_soft_cap: soft-cap of the scaled scores (Gemma 2: 50.0); ``0.0``, none.
+        alibi_slopes: ``[num_q_heads]`` float32 on the inputs' device (ALiBi); ``None``, none.
+        sinks: ``[num_q_heads]`` float32 on the inputs' device, a learned logit per head in the
+            softmax denominator only (gpt-oss); ``None``, none.
 
     Returns:
         ``[num_seqs, num_q_heads, head_dim]`` in ``q``'s dtype, on the inputs' device.
 
     Raises:
-        TypeError: arrays on different devices, or wrong dtypes.
+        TypeError: arrays on different devices, or wrong dtypes (slopes and sinks: float32
+            arrays of the inputs' device).
         ValueError: wrong shapes, an unsupported head_dim or block_size (the message lists the
             supported ones), caches not C-contiguous or not 16-byte aligned, a read-only ``out``,
-            or (checked) bad context lengths or block ids.
+            ``window_left < -1``, a negative or non-finite ``logits_soft_cap``, slopes or sinks
+            not of shape ``[num_q_heads]``, or (checked) bad context lengths or block ids.
     """
-    array_module(q, k_cache, v_cache, block_tables, context_lens)
+    xp = array_module(q, k_cache, v_cache, block_tables, context_lens)
     check_attention_args(q, k_cache, v_cache, block_tables, context_lens)
+    sinks = check_sinks(xp, q.shape[1], sinks)  # before the plan checks and plans
     plan = DecodePlan(
         block_tables,
         context_lens,
@@ -313,8 +342,11 @@ def paged_attention(
         num_splits=num_splits,
         max_context_len=max_context_len,
         checked=checked,
+        window_left=window_left,
+        logits_soft_cap=logits_soft_cap,
+        alibi_slopes=alibi_slopes,
     )
-    return plan.run(q, k_cache, v_cache, out=out)
+    return plan.run(q, k_cache, v_cache, sinks=sinks, out=out)
 
 
 def paged_prefill(
@@ -330,6 +362,10 @@ def paged_prefill(
     out: Any = None,
     num_splits: int | None = None,
     checked: bool = True,
+    window_left: int = -1,
+    logits_soft_cap: float = 0.0,
+    alibi_slopes: Any = None,
+    sinks: Any = None,
 ) -> Any:
     """Attention of many query tokens per sequence over a paged KV cache, fused.
 
@@ -348,6 +384,17 @@ def paged_prefill(
     With ``causal=False`` every query attends to all ``context_lens[i]`` tokens. Query head
     ``h`` reads KV head ``h // (num_q_heads // num_kv_heads)``. Scores, softmax and sums are
     float32. A decode batch (every ``n_i = 1``) gives what :func:`paged_attention` gives.
+
+    Attention variants (docs/variants.md), for query ``p`` of head ``h`` and key ``j``: the
+    score ``s = scale * q.k`` is soft-capped (``logits_soft_cap * tanh(s / logits_soft_cap)``),
+    then biased by ALiBi (``alibi_slopes[h] * (j - p)``); keys ``j < p - window_left`` are not
+    attended (causal or not); a sink adds ``exp(sinks[h] - m)`` to the softmax denominator once.
+    With a window only the KV tiles a query tile can see are read, and the table entries before
+    ``max(0, context_lens[i] - n_i - window_left)`` are never read (they may be ``-1``)::
+
+        window_left = 2, causal:  query at p = 6 attends 4, 5, 6
+        position   0 1 2 3 4 5 6 7
+        p = 6      . . . . x x x .
 
     The one-shot form of :class:`PrefillPlan`: it reads the lengths on the host, checks, plans
     and runs once. A model that attends every layer over the same rows plans once per step and
@@ -377,20 +424,30 @@ def paged_prefill(
             is in ``[0, max_blocks * block_size]`` and every block id a length reaches is in
             ``[0, num_blocks)``. ``checked=False`` skips that and *trusts* the caller: a bad id
             or length reads outside the cache (garbage output or a crash). Pass it only for
-            tables and lengths built by cupaged (``PagedCache.block_tables``).
+            tables and lengths built by cupaged (``PagedCache.block_tables``). With a window,
+            only the entries from each sequence's first reachable key on are checked.
+        window_left: a query at position ``p`` attends keys ``p - window_left ..`` (``-1``:
+            no window; ``0``: itself alone, causal). An int ``>= -1``.
+        logits_soft_cap: ``> 0`` soft-caps the scores at it (Gemma 2: 50.0); ``0.0``: none.
+        alibi_slopes: ``[num_q_heads]`` float32 on the inputs' device, or ``None``.
+        sinks: ``[num_q_heads]`` float32 on the inputs' device (a learned logit per head in the
+            softmax denominator only, gpt-oss), or ``None``.
 
     Returns:
         ``[total_query_tokens, num_q_heads, head_dim]`` in ``q``'s dtype, on the inputs' device.
 
     Raises:
-        TypeError: arrays on different devices, wrong dtypes, or a ``causal`` that is not a bool.
+        TypeError: arrays on different devices, wrong dtypes, a ``causal`` that is not a bool,
+            or a variant of the wrong type (slopes or sinks not float32 arrays of the device).
         ValueError: wrong shapes, an unsupported head_dim or block_size (the message lists the
             supported ones), caches not C-contiguous or not 16-byte aligned, a bad
-            ``query_start_loc``, ``n_i > context_lens[i]``, a read-only ``out``, or (checked)
-            bad context lengths or block ids.
+            ``query_start_loc``, ``n_i > context_lens[i]``, a read-only ``out``, (checked)
+            bad context lengths or block ids, ``window_left < -1``, a negative or non-finite
+            soft-cap, or slopes or sinks not of shape ``[num_q_heads]``.
     """
-    array_module(q, k_cache, v_cache, block_tables, context_lens, query_start_loc)
+    xp = array_module(q, k_cache, v_cache, block_tables, context_lens, query_start_loc)
     check_prefill_args(q, k_cache, v_cache, block_tables, context_lens, query_start_loc)
+    sinks = check_sinks(xp, q.shape[1], sinks)  # before the plan compiles anything
     # Host copies of the lengths (none on the CPU), checked against q's rows; the plan then
     # reads nothing back.
     host_starts, host_lens = to_numpy(query_start_loc), to_numpy(context_lens)
@@ -405,8 +462,11 @@ def paged_prefill(
         causal=causal,
         num_splits=num_splits,
         checked=checked,
+        window_left=window_left,
+        logits_soft_cap=logits_soft_cap,
+        alibi_slopes=alibi_slopes,
     )
-    return plan.run(q, k_cache, v_cache, out=out)
+    return plan.run(q, k_cache, v_cache, sinks=sinks, out=out)
 
 
 def _check_target_caches(k_cache: Any, v_cache: Any, num_blocks: int) -> None:

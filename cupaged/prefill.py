@@ -17,6 +17,7 @@ from the device.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -36,14 +37,15 @@ from ._checks import (
     MAX_CONTEXT_LEN,
     as_bool,
     as_int,
-    check_decode_tables,
     check_index_array,
     check_num_blocks,
+    check_prefill_tables,
     check_query_start_loc,
     check_shape,
     element_type,
 )
 from ._kernels import get_kernel
+from ._variants import Variants, check_sinks, check_variants
 
 Q_AXES = ("total_query_tokens", "num_q_heads", "head_dim")
 
@@ -58,6 +60,10 @@ class PrefillPlan:
 
         plan = PrefillPlan(tables, lens, starts, cache.k[0], 8)    # checks, host lengths, kernels
         out = plan.run(q, cache.k[layer], cache.v[layer])           # per layer: the launches
+
+    Attention variants (``window_left``, ``logits_soft_cap``, ``alibi_slopes``; docs/variants.md)
+    are fixed when planning and compiled into the kernels (what is off costs nothing); a layer's
+    attention sinks go to ``run(..., sinks=)``, so one plan serves layers with and without them.
 
     Example:
         >>> import numpy as np, cupaged
@@ -96,22 +102,41 @@ class PrefillPlan:
             ``[0, num_blocks)``, on the arrays' own dtypes before they are narrowed to int32
             (one synchronisation on a GPU). ``checked=False`` *trusts* the caller: a bad id or
             length reads outside the cache (garbage output or a crash). Pass it only for tables
-            and lengths built by cupaged (``PagedCache.block_tables``, ``StepPlan``).
+            and lengths built by cupaged (``PagedCache.block_tables``, ``StepPlan``). With a
+            window, only the entries from each sequence's first reachable key,
+            ``max(0, context_lens[i] - n_i - window_left)``, on are checked (and read).
+        window_left: a query at position ``p`` attends keys from ``p - window_left`` on (causal
+            or not); ``-1``: no window. The kernels skip the KV tiles before each query tile's
+            window and never read the table entries before a sequence's first reachable key
+            (a sliding-window cache releases them, ``-1``).
+        logits_soft_cap: ``> 0``: scores soft-capped, ``cap * tanh(s / cap)``; ``0.0``: none.
+        alibi_slopes: ``[num_q_heads]`` float32 on the cache's device (``s += slope[h] * (j -
+            p)``), or ``None``; the plan keeps its own copy. Sinks, learned per layer, go to
+            :meth:`run`.
 
     Raises:
-        TypeError: arrays on different devices, wrong dtypes, or a ``causal`` that is not a bool.
+        TypeError: arrays on different devices, wrong dtypes, a ``causal`` that is not a bool,
+            or a variant of the wrong type.
         ValueError: wrong shapes, an unsupported head_dim or block_size (the message lists the
-            supported ones), a bad ``query_start_loc``, ``n_i > context_lens[i]``, or (checked)
-            bad context lengths or block ids.
+            supported ones), a bad ``query_start_loc``, ``n_i > context_lens[i]``, (checked)
+            bad context lengths or block ids, or a bad variant (``window_left < -1``, a negative
+            or non-finite soft-cap, slopes of the wrong shape).
     """
 
     __slots__ = (
         "_arrays",
         "_args",
+        "_device",
+        "_head_dim",
         "_kernel",
         "_launch",
         "_merge",
         "_merge_args",
+        "_no_sinks",
+        "_num_q_heads",
+        "_sinks_kernels",
+        "_variants",
+        "_xp",
         "causal",
         "checked",
         "num_seqs",
@@ -130,6 +155,9 @@ class PrefillPlan:
         causal: bool = True,
         num_splits: int | None = None,
         checked: bool = True,
+        window_left: int = -1,
+        logits_soft_cap: float = 0.0,
+        alibi_slopes: Any = None,
     ) -> None:
         xp = array_module(block_tables, k_cache)
         for name, x in (("context_lens", context_lens), ("query_start_loc", query_start_loc)):
@@ -142,6 +170,7 @@ class PrefillPlan:
             k_cache, num_q_heads
         )
         causal = as_bool(causal, "causal")
+        variants = check_variants(xp, num_q_heads, window_left, logits_soft_cap, alibi_slopes)
         splits = None if num_splits is None else as_int(num_splits, "num_splits")
         if splits is not None and splits < 1:
             raise ValueError(f"expected num_splits >= 1, got {splits}")
@@ -166,9 +195,13 @@ class PrefillPlan:
         max_query_len = check_query_start_loc(host_starts, host_lens, total)
         lens = xp.asarray(context_lens)  # the device's copy of host lengths, on their own dtype
         if checked:  # on the caller's arrays, before they are narrowed to int32
-            check_decode_tables(block_tables, lens, block_size, num_blocks)
+            first_keys = _first_keys(variants, host_starts, host_lens)
+            check_prefill_tables(block_tables, lens, block_size, num_blocks, first_keys)
         self.num_seqs, self.total_query_tokens = num_seqs, total
         self.causal, self.checked = causal, checked
+        self._xp, self._variants = xp, variants
+        self._num_q_heads, self._head_dim = num_q_heads, head_dim
+        self._sinks_kernels = None
         q_shape = (total, num_q_heads, head_dim)
         self._arrays = LayerArrays(xp, dtype, tuple(k_cache.shape), Q_AXES, q_shape)
         if total == 0:  # nothing to attend: run only checks its arguments
@@ -191,8 +224,10 @@ class PrefillPlan:
             splits=splits,
             total_query_tokens=total,
             target=target(device),
+            variant=variants.flags(),
+            window_left=variants.window_left,
         )
-        self._launch = launch
+        self._launch, self._device = launch, device
         self._kernel = attention_kernel(device, "paged_prefill.cu", launch, group, head_dim)
         tables = owned_int32(xp, block_tables)
         lens, starts = owned_int32(xp, lens), owned_int32(xp, query_start_loc)
@@ -203,6 +238,12 @@ class PrefillPlan:
         else:  # unused by the kernel; real arrays so that no argument is a null pointer
             partial_out = partial_lse = xp.empty(1, np.float32)
         scale = head_dim**-0.5 if scale is None else float(scale)
+        # A pointer whose variant is off is never read; it gets a real array, never null.
+        self._no_sinks = partial_lse
+        slopes = partial_lse if variants.alibi_slopes is None else variants.alibi_slopes
+        # A window wider than MAX_CONTEXT_LEN (no context is longer) is cut to one int32.
+        window_left = min(variants.window_left, MAX_CONTEXT_LEN)
+        window = (np.int32(window_left), np.float32(variants.logits_soft_cap), slopes)
         scalars = (
             num_kv_heads,
             group,
@@ -217,15 +258,15 @@ class PrefillPlan:
         # The kernel's arguments but out, q and the layer's K/V: (before them, after them).
         self._args = (
             (partial_out, partial_lse),
-            (tables, lens, starts, *map(np.int32, scalars), np.float32(scale)),
+            (tables, lens, starts, *map(np.int32, scalars), np.float32(scale), *window),
         )
         self._merge = None
         if launch.num_splits > 1:
             self._merge = get_kernel(device, "paged_prefill.cu", launch.merge_name)
-            splits_of = (launch.partition_tokens, launch.num_splits)
+            splits_of = (launch.partition_tokens, launch.num_splits, launch.query_rows)
             self._merge_args = (
                 (partial_out, partial_lse, lens, starts),
-                tuple(map(np.int32, (num_seqs, int(causal), *splits_of))),
+                (*map(np.int32, (num_seqs, int(causal), *splits_of)), *window),
             )
 
     @property
@@ -233,7 +274,18 @@ class PrefillPlan:
         """Thread blocks per query tile and head chunk (1: no split-K, no merge launch)."""
         return 1 if self._launch is None else self._launch.num_splits
 
-    def run(self, q: Any, k_cache: Any, v_cache: Any, *, out: Any = None) -> Any:
+    @property
+    def window_left(self) -> int:
+        """The sliding window: a query at position ``i`` sees keys from ``i - window_left`` on
+        (``-1``: no window)."""
+        return self._variants.window_left
+
+    @property
+    def logits_soft_cap(self) -> float:
+        """The soft-cap of the scores, ``cap * tanh(s / cap)`` (``0.0``: none)."""
+        return self._variants.logits_soft_cap
+
+    def run(self, q: Any, k_cache: Any, v_cache: Any, *, sinks: Any = None, out: Any = None) -> Any:
         """Prefill attention of one layer: what :func:`cupaged.paged_prefill` computes.
 
         Args:
@@ -241,6 +293,9 @@ class PrefillPlan:
             k_cache: one layer, the planned layout (``cache.k[layer]``), C-contiguous, 16-byte
                 aligned.
             v_cache: same shape and dtype as ``k_cache``.
+            sinks: optional ``[num_q_heads]`` float32 attention sinks of this layer, on the
+                cache's device: a learned logit per query head in each row's softmax
+                denominator only (gpt-oss). The first run with sinks loads their kernels.
             out: optional ``[total_query_tokens, num_q_heads, head_dim]`` C-contiguous output,
                 ``q``'s dtype.
 
@@ -248,21 +303,52 @@ class PrefillPlan:
             ``out`` (a new array when ``None``), in ``q``'s dtype.
 
         Raises:
-            TypeError, ValueError: an argument that does not match the plan (nothing is run).
+            TypeError, ValueError: an argument that does not match the plan, or sinks not a
+                float32 ``[num_q_heads]`` array of the plan's device (nothing is run).
         """
+        if sinks is not None:
+            sinks = check_sinks(self._xp, self._num_q_heads, sinks)
         out, q, k_cache, v_cache, out_storage = self._arrays.views(q, k_cache, v_cache, out)
         launch = self._launch
         if launch is None:
             return out
+        if sinks is None:
+            kernel, merge, sinks = self._kernel, self._merge, self._no_sinks
+        else:
+            kernel, merge = self._sinks_kernels or self._load_sinks_kernels()
         partials, rest = self._args
-        self._kernel(
+        kernel(
             launch.grid,
             launch.block,
-            (out_storage, *partials, q, k_cache, v_cache, *rest),
+            (out_storage, *partials, q, k_cache, v_cache, *rest, sinks),
             shared_mem=launch.shared_mem,
         )
-        if self._merge is not None:
+        if merge is not None:
             threads = (_launch.PREFILL_MERGE_THREADS,)
             arrays, merge_scalars = self._merge_args
-            self._merge(launch.merge_grid, threads, (out_storage, *arrays, *merge_scalars))
+            merge(launch.merge_grid, threads, (out_storage, *arrays, *merge_scalars, sinks))
         return out
+
+    def _load_sinks_kernels(self) -> tuple[Any, Any]:
+        """The kernel and merge of a run with sinks, loaded on the first one (most plans never
+        run with sinks: their kernels are not compiled)."""
+        launch = self._launch
+        group = self._num_q_heads // launch.grid[1]  # grid: (.., num_kv_heads, 1)
+        sinks_launch = dataclasses.replace(launch, name=launch.sinks_name)
+        kernel = attention_kernel(
+            self._device, "paged_prefill.cu", sinks_launch, group, self._head_dim
+        )
+        merge = None
+        if self._merge is not None:
+            merge = get_kernel(self._device, "paged_prefill.cu", launch.sinks_merge_name)
+        self._sinks_kernels = (kernel, merge)
+        return self._sinks_kernels
+
+
+def _first_keys(variants: Variants, host_starts: np.ndarray, host_lens: np.ndarray) -> Any:
+    """The first key position any query of each sequence may see, ``max(0, L - n -
+    window_left)`` (host, int64), or ``None`` without a window (every entry from 0 is read)."""
+    if variants.window_left < 0:
+        return None
+    past = host_lens.astype(np.int64) - np.diff(host_starts.astype(np.int64))
+    return variants.first_key(past)

@@ -58,19 +58,22 @@ def run_decode(xp, q, k_cache, v_cache, tables, lengths, chunk, scale=None, unus
     out = xp.asarray(poison(q.shape, dtype)) if out is None else out
     scale = head_dim**-0.5 if scale is None else scale
     kernel = get_kernel(device, "paged_attention.cu", launch.name)
+    # The variants' trailing arguments, all off (the pointers real arrays, never read).
+    no_variants = (np.int32(-1), np.float32(0.0), partial_lse, partial_lse)
     if device == "cuda" and launch.shared_mem > _launch.DEFAULT_SHARED_MEMORY:
         kernel.max_dynamic_shared_size_bytes = launch.shared_mem
     args = (
         out, partial_out, partial_lse, xp.asarray(q), xp.asarray(k_cache), xp.asarray(v_cache),
-        xp.asarray(tables), xp.asarray(work), np.int32(num_kv_heads), np.int32(group),
-        np.int32(tables.shape[1]), np.float32(scale),
+        xp.asarray(tables), xp.asarray(work), xp.asarray(np.asarray(lengths, np.int32)),
+        np.int32(num_kv_heads), np.int32(group), np.int32(tables.shape[1]), np.float32(scale),
+        *no_variants,
     )  # fmt: skip
     kernel(launch.grid, launch.block, args, shared_mem=launch.shared_mem)
     merge = get_kernel(device, "paged_attention.cu", launch.merge_name)
     merge(
         (num_q_heads, num_seqs),
         launch.merge_block,
-        (out, partial_out, partial_lse, xp.asarray(seq_items), np.int32(num_q_heads)),
+        (out, partial_out, partial_lse, xp.asarray(seq_items), np.int32(num_q_heads), *no_variants),
     )
     return out
 

@@ -44,6 +44,7 @@ def run_planner(xp, lens, capacity, min_chunk, tile):
             np.int32(capacity),
             np.int32(min_chunk),
             np.int32(tile),
+            np.int32(-1),  # window_left: none
         ),
     )
     to_host = np.asarray if xp is np else xp.asnumpy

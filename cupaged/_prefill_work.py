@@ -1,0 +1,93 @@
+"""What the split-K plan of ``paged_prefill`` needs to know about a batch: its query tiles and
+the KV tokens they read, from host copies of the batch's metadata (``cupaged._launch`` decides
+the splits from them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ._util import cdiv
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillWork:
+    """What the split-K decision needs to know about a batch, from host copies of its metadata.
+
+    Attributes:
+        query_tiles: query tiles of all sequences (thread blocks per KV head and head chunk).
+        kv_tokens: KV tokens those tiles read (causal: each tile up to its last query).
+        max_end: the longest KV range of a tile (tokens).
+    """
+
+    query_tiles: int
+    kv_tokens: int
+    max_end: int
+
+
+def prefill_work(
+    query_start_loc: np.ndarray,
+    context_lens: np.ndarray,
+    query_rows: int,
+    causal: bool,
+    window_left: int = -1,
+) -> PrefillWork:
+    """The query tiles of a batch and the KV tokens they read, per KV head and head chunk.
+
+    The tiles are those of cuda/paged_prefill.cu: packed rows of q, ``query_rows`` at a time from
+    a multiple of ``query_rows``, cut at sequence boundaries. Sequence ``i`` (first row ``a``,
+    ``n`` queries after ``past = L - n`` tokens) has a head tile of ``h = min(-a mod query_rows,
+    n)`` rows when ``h > 0``, then ``T = ceil((n - h) / query_rows)`` tiles. Causal, a tile reads
+    the tokens up to its last query; so the head reads ``past + h`` and the others
+    ``T (past + h) + query_rows T (T + 1) / 2 - (T query_rows - (n - h))`` (the last is short
+    by ``T query_rows - (n - h)`` rows). Not causal, every tile reads all ``L`` tokens.
+    With a window (``window_left >= 0``) a tile reads from its first query's first key on,
+    ``max(0, p - window_left)``: ``prefill_window_work``.
+    """
+    if window_left >= 0:
+        return prefill_window_work(query_start_loc, context_lens, query_rows, causal, window_left)
+    starts = np.asarray(query_start_loc, np.int64)
+    lens = np.asarray(context_lens, np.int64)
+    n = np.diff(starts)
+    head = np.minimum(-starts[:-1] % query_rows, n)
+    rest = n - head
+    tiles = cdiv(rest, query_rows)
+    past = lens - n
+    if causal:
+        short = tiles * query_rows - rest  # rows missing from each sequence's last tile
+        tokens = np.where(head > 0, past + head, 0) + tiles * (past + head)
+        tokens += query_rows * tiles * (tiles + 1) // 2 - short
+    else:
+        tokens = (tiles + (head > 0)) * lens
+    max_end = int(lens[n > 0].max()) if (n > 0).any() else 0
+    return PrefillWork(int((tiles + (head > 0)).sum()), int(tokens.sum()), max_end)
+
+
+def prefill_window_work(
+    query_start_loc: np.ndarray,
+    context_lens: np.ndarray,
+    query_rows: int,
+    causal: bool,
+    window_left: int,
+) -> PrefillWork:
+    """``prefill_work`` with a window: tile by tile (vectorised), since a tile of first position
+    ``p`` and ``r`` rows reads ``[max(0, p - window_left), p + r)`` (causal; ``.. L`` not), a
+    length that the closed form of ``prefill_work`` does not sum."""
+    starts = np.asarray(query_start_loc, np.int64)
+    lens = np.asarray(context_lens, np.int64)
+    n = np.diff(starts)
+    head = np.minimum(-starts[:-1] % query_rows, n)
+    rest = n - head
+    tiles = cdiv(rest, query_rows)
+    past = lens - n
+    seq = np.repeat(np.arange(len(n)), tiles)  # the aligned tiles' sequences, then the heads'
+    k = np.arange(len(seq)) - np.repeat(np.cumsum(tiles) - tiles, tiles)
+    heads = np.flatnonzero(head > 0)
+    first = np.concatenate([past[seq] + head[seq] + k * query_rows, past[heads]])
+    rows = np.concatenate([np.minimum(query_rows, rest[seq] - k * query_rows), head[heads]])
+    seq = np.concatenate([seq, heads])
+    end = first + rows if causal else lens[seq]
+    length = end - np.maximum(first - window_left, 0)
+    return PrefillWork(len(seq), int(length.sum()), int(length.max()) if len(seq) else 0)
