@@ -5,6 +5,11 @@ this class adds the arrays: one ``[num_layers, num_blocks, num_kv_heads, block_s
 array each for K and V, :meth:`PagedCache.append` (plan + write in one call), copy-on-write copies
 applied by ``copy_blocks``, swapping a sequence's K/V to host memory and back (preemption, by a
 :class:`~cupaged.swap.Swapper`), and the attention plans of a step over its own tables.
+
+With ``window_left=W`` (a sliding window, :mod:`~cupaged.paging.window`) the cache releases the
+blocks no query can see any more, and its plans attend with that window: a model whose layers
+all use one window (Mistral) has one such cache; one that mixes full and sliding layers
+(Gemma 2/3, gpt-oss) has two, one per kind, and admits, steps and frees each request on both.
 """
 
 from __future__ import annotations
@@ -53,6 +58,9 @@ class PagedCache(BlockManager):
             take (dtype, ``head_dim`` in 64..256 in multiples of 16, ``block_size`` in 1..256),
             rather than at the first ``paged_attention`` hours into a job. ``False`` for a cache
             attended only by :func:`~cupaged.reference_attention` or your own kernels.
+        window_left: a sliding window ``W`` (``-1``: none): the query at ``i`` sees keys
+            ``j >= i - W``; blocks before the window are released (their table entries ``-1``)
+            and the cache's plans attend with ``window_left=W`` (see :class:`BlockManager`).
 
     Attributes:
         k: ``[num_layers, num_blocks, num_kv_heads, block_size, head_dim]`` keys; ``k[layer]`` is
@@ -91,6 +99,7 @@ class PagedCache(BlockManager):
         enable_prefix_caching: bool = False,
         block_hasher: BlockHasher | None = None,
         attention_kernels: bool = True,
+        window_left: int = -1,
     ) -> None:
         self.spec = CacheSpec(num_layers, num_kv_heads, head_dim, dtype, block_size)
         if attention_kernels:
@@ -101,6 +110,7 @@ class PagedCache(BlockManager):
             device=device,
             enable_prefix_caching=enable_prefix_caching,
             block_hasher=block_hasher,
+            window_left=window_left,
         )
         shape = (num_layers, self.num_blocks, num_kv_heads, self.spec.block_size, head_dim)
         self.k = self._xp.zeros(shape, storage_dtype(self.spec.dtype))
@@ -117,7 +127,8 @@ class PagedCache(BlockManager):
         """Append tokens' keys and values to sequence ``sid``, in every layer.
 
         All or nothing: when the pool cannot hold every new token, :class:`OutOfBlocksError` is
-        raised and nothing is allocated or written.
+        raised and nothing is allocated or written. With a window, the blocks before the window
+        of the first new token are released first (and their blocks may take the new tokens).
 
         Args:
             sid: the sequence.
@@ -135,6 +146,8 @@ class PagedCache(BlockManager):
         if n == 0:
             return
         rows = np.array([row], np.intp)
+        if self._window is not None:  # before the plan, which may take the blocks it releases
+            self._window.release(rows, n)
         slots, src, dst = self._planner.plan(
             rows, n, new_tokens, f"appending {n} token(s) to sequence {sid}"
         )
@@ -227,13 +240,16 @@ class PagedCache(BlockManager):
         *,
         scale: float | None = None,
         num_splits: int | None = None,
+        logits_soft_cap: float = 0.0,
+        alibi_slopes: Any = None,
     ) -> DecodePlan:
         """The decode attention of a batch, planned once for every layer of this step.
 
         ``plan.run(q, cache.k[layer], cache.v[layer])`` then attends each layer (see
         :class:`cupaged.DecodePlan`). The plan reads the batch's tables as they are now: make a new
         one after the next ``step`` (a :class:`SequenceBatch`'s device tables are refreshed in
-        place, which a captured CUDA graph may rely on with :meth:`DecodePlan.update`).
+        place, which a captured CUDA graph may rely on with :meth:`DecodePlan.update`). It
+        attends with the cache's :attr:`window_left`, so it never reads a released entry.
 
         Args:
             sids: a :class:`SequenceBatch`, sequence ids in the order of the query rows, or a
@@ -241,15 +257,17 @@ class PagedCache(BlockManager):
             num_q_heads: query heads, a multiple of ``spec.num_kv_heads``.
             scale: softmax scale; ``head_dim ** -0.5`` when ``None``.
             num_splits: see :class:`cupaged.DecodePlan`.
+            logits_soft_cap, alibi_slopes: the model's variants, as :class:`cupaged.DecodePlan`
+                takes them.
         """
         if isinstance(sids, StepPlan):
             tables, lens = self._own_tables(sids)
         else:
             tables, lens = self.block_tables(sids)
         # The cache's own tables: valid by construction, so the plan trusts them.
-        return DecodePlan(
-            tables, lens, self.k[0], num_q_heads, scale=scale, num_splits=num_splits, checked=False
-        )
+        options = _variants(self.window_left, logits_soft_cap, alibi_slopes)
+        options.update(scale=scale, num_splits=num_splits, checked=False)
+        return DecodePlan(tables, lens, self.k[0], num_q_heads, **options)
 
     def prefill_plan(
         self,
@@ -260,13 +278,16 @@ class PagedCache(BlockManager):
         scale: float | None = None,
         causal: bool = True,
         num_splits: int | None = None,
+        logits_soft_cap: float = 0.0,
+        alibi_slopes: Any = None,
     ) -> PrefillPlan:
         """The attention of a prefill or mixed step, planned once for every layer of the step.
 
         ``plan.run(q, cache.k[layer], cache.v[layer])`` then attends each layer's packed queries
         (see :class:`cupaged.PrefillPlan`): sequence ``i``'s new tokens, the last ``n_i`` of
         its length, are rows ``query_start_loc[i] : query_start_loc[i + 1]`` of ``q``. The
-        tables and lengths are the cache's own, so nothing is checked or read back per step.
+        tables and lengths are the cache's own, so nothing is checked or read back per step,
+        and it attends with the cache's :attr:`window_left`.
 
         Args:
             step: a :class:`StepPlan` of this cache made with ``step(..., tables=True)`` (its
@@ -274,7 +295,8 @@ class PagedCache(BlockManager):
                 last ``num_tokens`` tokens are (an admission's prompt chunk).
             num_q_heads: query heads, a multiple of ``spec.num_kv_heads``.
             num_tokens: with ids or a batch: the query tokens per sequence (host ints).
-            scale, causal, num_splits: see :class:`cupaged.PrefillPlan`.
+            scale, causal, num_splits, logits_soft_cap, alibi_slopes: see
+                :class:`cupaged.PrefillPlan`.
         """
         if isinstance(step, StepPlan):
             tables, _ = self._own_tables(step)
@@ -300,7 +322,8 @@ class PagedCache(BlockManager):
             starts = np.zeros(lens.size + 1, np.int32)
             np.cumsum(counts, out=starts[1:])
         # The cache's own tables and lengths: valid by construction, so the plan trusts them.
-        options = dict(scale=scale, causal=causal, num_splits=num_splits, checked=False)
+        options = _variants(self.window_left, logits_soft_cap, alibi_slopes)
+        options.update(scale=scale, causal=causal, num_splits=num_splits, checked=False)
         return PrefillPlan(tables, lens, starts, self.k[0], num_q_heads, **options)
 
     def gather_kv(self, sid: int) -> tuple[Any, Any]:
@@ -308,19 +331,10 @@ class PagedCache(BlockManager):
 
         Returns:
             ``(k, v)``, each ``[num_layers, seq_len, num_kv_heads, head_dim]`` in the cache's
-            storage dtype.
+            storage dtype; ``k[:, pos]`` is position ``pos``. The tokens of blocks that the
+            window released (entries ``-1`` of :meth:`block_table`) are zeros.
         """
-        table = self._table
-        row = table.resident_row(sid)
-        length = table.lens.item(row)
-        blocks = self._xp.asarray(table.tables[row, : table.held(row)].astype(np.intp))
-        out = []
-        for pages in (self.k, self.v):
-            layers, _, heads, block_size, head_dim = pages.shape
-            gathered = pages[:, blocks].transpose(0, 1, 3, 2, 4)  # [L, n, block_size, H, D]
-            tokens = gathered.reshape(layers, blocks.size * block_size, heads, head_dim)
-            out.append(tokens[:, :length].copy())
-        return out[0], out[1]
+        return self._swapper.gather(self._table.resident_row(sid))
 
     # ----------------------------------------------------------------------------- swapping
 
@@ -416,3 +430,16 @@ class PagedCache(BlockManager):
         check_dtype("k", k, spec.dtype, "the cache's dtype")
         check_dtype("v", v, spec.dtype, "the cache's dtype")
         return as_storage(k), as_storage(v)
+
+
+def _variants(window_left: int, logits_soft_cap: Any, alibi_slopes: Any) -> dict[str, Any]:
+    """The variant keywords of a cache's plans: its window, and those the caller gave (the plans
+    check them); a variant left off is not passed."""
+    options: dict[str, Any] = {}
+    if window_left >= 0:
+        options["window_left"] = window_left
+    if not (isinstance(logits_soft_cap, (int, float)) and logits_soft_cap == 0.0):
+        options["logits_soft_cap"] = logits_soft_cap
+    if alibi_slopes is not None:
+        options["alibi_slopes"] = alibi_slopes
+    return options

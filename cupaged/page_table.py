@@ -24,6 +24,13 @@ Invariants of the CSR form, for sequence ``i`` with ``n = indptr[i + 1] - indptr
 - ``n == 0``: ``seq_len == 0`` and ``last_page_len[i] == 0``. This is cupaged's convention for an
   empty sequence (a dense row with ``context_lens[i] == 0``); FlashInfer has no empty sequences.
 
+A sliding-window cache (``PagedCache(..., window_left=W)``) marks the blocks it released ``-1``
+in its dense tables, before the window. Both conversions keep them where they are, as ``-1``:
+entry ``k`` of a sequence's run is still its logical block ``k`` (positions ``k * block_size ..``),
+so the lengths and ``last_page_len`` are unchanged and the round trip is exact. Such a CSR table
+is attended with the same ``window_left``, which never reads them; a consumer that reads every
+entry (FlashInfer without that window) must not be given one.
+
 Both conversions run on NumPy and CuPy arrays alike, with whole-array operations only (no Python
 loop over sequences or blocks), and return int32 arrays on the inputs' device. Sizing the output
 reads one scalar back from the device (``indptr[-1]`` in :func:`~cupaged.to_csr`, the longest run in
@@ -53,7 +60,8 @@ def to_csr(
     """Convert a dense, padded page table to the CSR form (FlashInfer's ``paged_kv_*`` arrays).
 
     Sequence ``i`` keeps the first ``ceil(context_lens[i] / block_size)`` entries of its row, in
-    order; the padding after them is never read.
+    order; the padding after them is never read. Entries a sliding window released (``-1``)
+    stay in place, as ``-1`` (see the module's docstring).
 
     Args:
         block_tables: ``[num_seqs, max_blocks]`` int32 or int64 physical block ids.
@@ -131,7 +139,8 @@ def from_csr(
         indptr: ``[num_seqs + 1]`` int32 or int64; ``indptr[0] == 0``, non-decreasing,
             ``indptr[-1] == len(indices)``.
         indices: ``[nnz]`` int32 or int64 physical block ids; sequence ``i`` owns
-            ``indices[indptr[i]:indptr[i + 1]]``, in logical order.
+            ``indices[indptr[i]:indptr[i + 1]]``, in logical order (``-1`` for a block a
+            sliding window released, kept as it is).
         last_page_len: ``[num_seqs]`` int32 or int64 tokens in each sequence's last block: in
             ``[1, block_size]``, or 0 for a sequence without blocks.
         block_size: tokens per block, a positive int (at most ``2**31 - 1``).

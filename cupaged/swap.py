@@ -2,11 +2,15 @@
 
 :class:`Swapper` owns the host copies of swapped-out sequences; :class:`~cupaged.PagedCache`
 composes it with its table, pool, chains and K/V arrays, and calls it inside its transaction. A
-swapped-out sequence keeps its row (length, prefix chain) with an all-zero table and ``live = -1``,
-and holds no device block::
+swapped-out sequence keeps its row (length, prefix chain, released count) with an all-zero table
+and ``live = -1``, and holds no device block::
 
     swap_out:  gather its blocks' K/V (every layer) -> pinned host buffers; release the blocks
     swap_in:   take fresh blocks; copy the host K/V in; register its committed blocks again
+
+With a sliding window only the blocks it holds travel: the entries the window released (``-1``)
+are ``-1`` again after the swap-in, and the host copy has ``ceil(n / block_size) - released``
+blocks.
 """
 
 from __future__ import annotations
@@ -59,7 +63,7 @@ class Swapper:
         """Move ``sid``'s K/V to host memory and free its device blocks (inside a call)."""
         table, xp = self.table, self.xp
         row = table.resident_row(sid)
-        blocks = table.tables[row, : table.held(row)]
+        blocks = table.tables[row, table.released.item(row) : table.held(row)]
         index = xp.asarray(blocks.astype(np.intp))
         host = []
         for pages in (self.k, self.v):  # (before any change: a failed copy changes nothing)
@@ -100,12 +104,33 @@ class Swapper:
         self.transaction.kv_written = True
         self.k[:, index] = xp.asarray(k_host)
         self.v[:, index] = xp.asarray(v_host)
-        table.ensure_width(n_blocks + 1)
-        table.tables[row, :n_blocks] = blocks
+        start = table.released.item(row)  # entries the window released stay released
+        table.ensure_width(start + n_blocks + 1)
+        table.tables[row, :start] = -1
+        table.tables[row, start : start + n_blocks] = blocks
         table.live[row] = sid
         table.touch(row)
         del self._host[sid]
-        self.chains.register_again(row, blocks)
+        self.chains.register_again(row, blocks, start)
+
+    def gather(self, row: int) -> tuple[Any, Any]:
+        """Copies of a resident row's keys and values, in token order: each ``[num_layers,
+        length, num_kv_heads, head_dim]``, zeros for the tokens of released blocks."""
+        table, xp = self.table, self.xp
+        length, start = table.lens.item(row), table.released.item(row)
+        blocks = xp.asarray(table.tables[row, start : table.held(row)].astype(np.intp))
+        out = []
+        for pages in (self.k, self.v):
+            layers, _, heads, block_size, head_dim = pages.shape
+            gathered = pages[:, blocks].transpose(0, 1, 3, 2, 4)  # [L, n, block_size, H, D]
+            tokens = gathered.reshape(layers, blocks.size * block_size, heads, head_dim)
+            if start:  # the released blocks' tokens first: zeros
+                kept = xp.zeros((layers, length, heads, head_dim), pages.dtype)
+                kept[:, start * block_size :] = tokens[:, : length - start * block_size]
+                out.append(kept)
+            else:
+                out.append(tokens[:, :length].copy())
+        return out[0], out[1]
 
     def drop(self, sids: list[int]) -> None:
         """Forget the host copies of freed sequences (inside a call)."""
@@ -116,7 +141,8 @@ class Swapper:
                 del self._host[sid]
 
     def check_invariants(self, block_size: int) -> None:
-        """A swapped-out sequence of ``n`` tokens keeps ``ceil(n / block_size)`` host blocks."""
+        """A swapped-out sequence of ``n`` tokens keeps ``ceil(n / block_size)`` host blocks,
+        less those the window released."""
         table = self.table
         for sid, row in table.rows.items():
             swapped = sid in self._host
@@ -126,10 +152,11 @@ class Swapper:
             )
             if swapped:
                 n_blocks = self._host[sid][0].shape[1]
-                length = table.lens.item(row)
+                length, released = table.lens.item(row), table.released.item(row)
                 require(
-                    n_blocks == cdiv(length, block_size),
-                    f"swapped sequence {sid} has {length} tokens in {n_blocks} host blocks",
+                    n_blocks == cdiv(length, block_size) - released,
+                    f"swapped sequence {sid} has {length} tokens ({released} blocks released) in "
+                    f"{n_blocks} host blocks",
                 )
         require(self._host.keys() <= table.rows.keys(), "a freed sequence kept its host copy")
 

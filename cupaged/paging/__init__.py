@@ -10,6 +10,7 @@ One owner per piece of state, composed by :class:`~cupaged.BlockManager`:
 ``chains``             each sequence's prefix chain and the registration of its full blocks
 ``tokens``             token ids and counts, checked at the boundary
 ``planner``            a step's slots, new blocks and copy-on-write copies
+``window``             a sliding window's release of the blocks no query can see any more
 ``manager``            :class:`~cupaged.BlockManager`: the public lifecycle
 ``results``            :class:`~cupaged.StepPlan`, :class:`~cupaged.Admission`
 =====================  ===========================================================================

@@ -209,13 +209,14 @@ class Chains:
             self._register_freed(rows, needs(), top, skipped, evicted)
         return new
 
-    def register_again(self, row: int, blocks: list[int]) -> None:
-        """Register the committed blocks of ``row``'s chain again, on fresh ``blocks`` (a
-        swap-in)."""
+    def register_again(self, row: int, blocks: list[int], start: int = 0) -> None:
+        """Register the committed blocks of ``row``'s chain again, on fresh ``blocks``: those of
+        its entries ``start ..`` (a swap-in; the window released the entries before ``start``)."""
         if self.enabled:
             chain = self._chains[row]
             done = chain.committed
-            self.pool.keys.register_many(blocks[:done], chain.keys[:done], chain.digests[:done])
+            keys, digests = chain.keys[start:done], chain.digests[start:done]
+            self.pool.keys.register_many(blocks[: len(keys)], keys, digests)
 
     # ------------------------------------------------------------------------------ checking
 
@@ -239,8 +240,10 @@ class Chains:
             f"sequence {sid} has {chain.committed} of {full} keys committed, "
             f"pending flag {bool(table.pending[row])}",
         )
-        if resident:
+        if resident:  # (entries the window released, -1, hold no block)
             for j, block in enumerate(table.tables[row, :full].tolist()):
+                if block < 0:
+                    continue
                 key = self.pool.cached_key(block)
                 require(
                     key is None or key == chain.keys[j],

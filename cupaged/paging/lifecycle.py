@@ -2,15 +2,19 @@
 
 :class:`Lifecycle` changes the table, the pool and the chains for the manager's ``admit``,
 ``add_sequence``, ``fork_many`` and ``free_many``, inside the manager's transaction; each change
-records its undo first.
+records its undo first. A row references the blocks of its entries ``released[row] ..
+cdiv(lens[row], block_size) - 1``: entries a sliding window released (``-1``) hold nothing, so a
+fork shares only the blocks in the window and a free returns only those.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import numpy as np
 
+from .._checks import require
 from .._util import cdiv
 from ..errors import OutOfBlocksError
 from .chains import Chains
@@ -139,10 +143,12 @@ class Lifecycle:
         self._log.append((table.restore, table.save(rows, acquiring=True)))
         self._log.append((table.shared.__setitem__, parent, table.shared.item(parent)))
         table.acquire_many(children)
-        length = table.lens.item(parent)
-        table.tables[rows] = table.tables[parent]
+        length, released = table.lens.item(parent), table.released.item(parent)
+        table.tables[rows] = table.tables[parent]  # released entries (-1) too
         table.lens[rows] = length
-        self.pool.add_refs(table.tables[parent, : cdiv(length, self.block_size)].astype(np.intp), n)
+        table.released[rows] = released
+        held = table.tables[parent, released : cdiv(length, self.block_size)]
+        self.pool.add_refs(held.astype(np.intp), n)
         if length % self.block_size:  # a partly filled last block is now shared
             table.shared[parent] = True
             table.shared[rows] = True
@@ -167,7 +173,8 @@ class Lifecycle:
             length = lens.item(row)
             if length and live.item(row) >= 0:  # a swapped-out row holds none
                 start = row * width
-                runs.append(flat[start : start + cdiv(length, self.block_size)][::-1])
+                end = start + cdiv(length, self.block_size)
+                runs.append(flat[start + table.released.item(row) : end][::-1])
         if runs:
             entries = np.concatenate(runs) if len(runs) > 1 else runs[0]
             self.pool.release(entries, repeats=len(runs) > 1)
@@ -182,7 +189,41 @@ class Lifecycle:
         length = table.lens.item(row)
         if length and table.live.item(row) >= 0:  # a swapped-out row holds none
             start = row * table.width
-            self.pool.release(table.flat[start : start + cdiv(length, bs)][::-1])
+            end = start + cdiv(length, bs)
+            self.pool.release(table.flat[start + table.released.item(row) : end][::-1])
         if self.chains.enabled:
             self.chains.drop([row])
         table.release_row(row)
+
+    def check(self, window: Any) -> None:
+        """Check every row against the pool: a resident row's held blocks are distinct, its
+        shared last block flagged, and every block's refcount is its number of table entries
+        (``window``: the manager's :class:`~cupaged.paging.window.Window`, or ``None``).
+
+        Raises:
+            AssertionError: naming the first broken invariant.
+        """
+        references: Counter[int] = Counter()
+        table, pool = self.table, self.pool
+        table.check_invariants()
+        for sid, row in table.rows.items():
+            resident = table.live.item(row) >= 0
+            self.chains.check(sid, row, resident)
+            require(
+                window is not None or not table.released.item(row),
+                f"sequence {sid} released blocks without a window",
+            )
+            if window is not None:
+                window.check(sid, row)
+            if not resident:
+                continue
+            blocks = table.tables[row, table.released.item(row) : table.held(row)].tolist()
+            require(len(set(blocks)) == len(blocks), f"sequence {sid} references a block twice")
+            if table.lens.item(row) % self.block_size and pool.refcount(blocks[-1]) > 1:
+                require(
+                    bool(table.shared[row]),
+                    f"sequence {sid} shares its partly filled last block {blocks[-1]} unflagged",
+                )
+            references.update(blocks)
+        self.chains.check_rows(set(table.rows.values()))
+        pool.check_invariants(references)

@@ -25,6 +25,7 @@ The manager composes one owner per piece of state and passes each what it works 
     PrefixCache     the chain walk: keys of full blocks, matching a prompt
     Chains          each sequence's prefix chain, and registering its blocks
     Planner         a step's slots, new blocks and copies
+    Window          with window_left >= 0, releasing the blocks no query can see any more
 
 Every public call that changes state is ``validate -> plan -> apply`` inside the transaction: what
 can fail runs before the first change, and each change records its undo first.
@@ -32,7 +33,6 @@ can fail runs before the first change, and each change records its undo first.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from typing import Any
@@ -51,8 +51,29 @@ from .results import Admission, OneSlots, StepPlan
 from .sequences import SequenceBatch, SequenceTable
 from .tokens import step_tokens, token_array, token_counts
 from .transaction import Transaction, atomic, run_atomically
+from .window import Window, check_window
 
 _INT32_MAX = 2**31 - 1
+
+
+def _checked_sizes(num_blocks: Any, block_size: Any) -> tuple[int, int]:
+    """The pool's sizes, as ints: each at least 1, and slots (``num_blocks * block_size``) int32.
+
+    Raises:
+        TypeError: not ints. ValueError: out of range.
+    """
+    num_blocks = as_int(num_blocks, "num_blocks")
+    block_size = as_int(block_size, "block_size")
+    if num_blocks < 1:
+        raise ValueError(f"expected num_blocks >= 1, got {num_blocks}")
+    if block_size < 1:
+        raise ValueError(f"expected block_size >= 1, got {block_size}")
+    if num_blocks * block_size > _INT32_MAX:
+        raise ValueError(
+            f"expected num_blocks * block_size <= {_INT32_MAX} (slots are int32), "
+            f"got {num_blocks} * {block_size}"
+        )
+    return num_blocks, block_size
 
 
 class BlockManager:
@@ -76,6 +97,9 @@ class BlockManager:
             and checked, in every mode, so callers need no branch).
         block_hasher: the :data:`~cupaged.prefix_cache.BlockHasher` of prefix caching (BLAKE2b by
             default); tests inject colliding ones.
+        window_left: a sliding window ``W``: the query at ``i`` sees keys ``j >= i - W``, and each
+            growing call first releases the blocks before its first query's window (their
+            entries become ``-1``; see :mod:`~cupaged.paging.window`). ``-1``: no window.
 
     Example:
         >>> manager = BlockManager(num_blocks=8, block_size=4, device="cpu")
@@ -96,20 +120,12 @@ class BlockManager:
         device: str | None = None,
         enable_prefix_caching: bool = False,
         block_hasher: BlockHasher | None = None,
+        window_left: int = -1,
     ) -> None:
-        num_blocks = as_int(num_blocks, "num_blocks")
-        block_size = as_int(block_size, "block_size")
-        if num_blocks < 1:
-            raise ValueError(f"expected num_blocks >= 1, got {num_blocks}")
-        if block_size < 1:
-            raise ValueError(f"expected block_size >= 1, got {block_size}")
-        if num_blocks * block_size > _INT32_MAX:
-            raise ValueError(
-                f"expected num_blocks * block_size <= {_INT32_MAX} (slots are int32), "
-                f"got {num_blocks} * {block_size}"
-            )
+        num_blocks, block_size = _checked_sizes(num_blocks, block_size)
         if block_hasher is not None and not enable_prefix_caching:
             raise ValueError("block_hasher= needs enable_prefix_caching=True")
+        window = check_window(window_left)
         self.device = resolve_device(device)
         self.prefix_caching = bool(enable_prefix_caching)
         self._xp = device_module(self.device)
@@ -117,7 +133,8 @@ class BlockManager:
         self._transaction = Transaction()
         self._pool = BlockPool(num_blocks, self._transaction)
         self._index = PrefixCache(self._pool, block_size, block_hasher)
-        self._table = SequenceTable(block_size, block_size if self.prefix_caching else 0)
+        tail = block_size if self.prefix_caching else 0
+        self._table = SequenceTable(block_size, tail, window_left=window)
         self._chains = Chains(
             self._table, self._pool, self._index, self._transaction, self.prefix_caching
         )
@@ -125,7 +142,10 @@ class BlockManager:
         self._lifecycle = Lifecycle(
             self._table, self._pool, self._index, self._chains, self._planner, self._transaction
         )
+        owners = (self._table, self._pool, self._chains, self._transaction)
+        self._window = Window(window, *owners) if window >= 0 else None
         self._one_slot = OneSlots()
+        self._one_token_path = not self.prefix_caching and self._window is None
         # After any rollback every row counts as changed: batches refresh their device tables.
         self._transaction.after_rollback.append(self._table.touch_all)
 
@@ -145,6 +165,11 @@ class BlockManager:
     def num_free_blocks(self) -> int:
         """Blocks not referenced by any sequence (cached but evictable ones included)."""
         return self._pool.num_free
+
+    @property
+    def window_left(self) -> int:
+        """The sliding window (``-1``: none); the plans and tables this manager makes carry it."""
+        return self._table.window_left
 
     @property
     def pool(self) -> BlockPool:
@@ -178,13 +203,15 @@ class BlockManager:
         return self._table.lens.item(self._table.row(sid))
 
     def block_table(self, sid: int) -> list[int]:
-        """Physical block ids of sequence ``sid`` in logical order (a copy)."""
+        """Physical block ids of sequence ``sid`` in logical order (a copy); ``-1`` for a block
+        that the window released (the entries keep their positions)."""
         table = self._table
         row = table.resident_row(sid)
         return table.tables[row, : table.held(row)].tolist()
 
     def refcount(self, block: int) -> int:
-        """Number of sequences whose table references physical block ``block``."""
+        """Number of sequences whose table references physical block ``block`` (a released
+        entry, ``-1``, is no block: ``ValueError``)."""
         return self._pool.refcount(block)
 
     # ----------------------------------------------------------------------------- lifecycle
@@ -232,8 +259,9 @@ class BlockManager:
     def fork(self, sid: int) -> int:
         """Start a sequence that shares every block of ``sid`` (parallel sampling, beam search).
 
-        No K/V is copied: each shared block's refcount goes up by one. Whichever of the two
-        sequences first writes into a shared, partly filled block gets a private copy of it.
+        No K/V is copied: each shared block's refcount goes up by one (with a window, the blocks
+        in it: the child's released entries are ``-1`` too). Whichever of the two sequences
+        first writes into a shared, partly filled block gets a private copy of it.
 
         Returns:
             The child's id.
@@ -254,9 +282,11 @@ class BlockManager:
         """End sequence ``sid``: drop its references; unshared blocks return to the pool.
 
         Cached full blocks are not wiped: they become evictable, last block first, so that a
-        prompt's head survives eviction longest.
+        prompt's head survives eviction longest. Blocks the window released were dropped then.
         """
-        self._release([self._table.row(sid)])
+        rows = [self._table.row(sid)]
+        self._before_release(rows)
+        self._lifecycle.release(rows)
 
     @atomic
     def free_many(self, sids: Iterable[int]) -> None:
@@ -265,7 +295,8 @@ class BlockManager:
         rows = [self._table.row(sid) for sid in sid_list]  # raises for an unknown one
         if len(set(rows)) != len(rows):
             raise ValueError(f"expected distinct sequence ids, got {sid_list}")
-        self._release(rows)
+        self._before_release(rows)
+        self._lifecycle.release(rows)
 
     @atomic
     def commit(self, sids: int | Iterable[int] | SequenceBatch) -> None:
@@ -310,8 +341,10 @@ class BlockManager:
     ) -> StepPlan:
         """Make room for the next tokens of a batch: the slots to write and the blocks to copy.
 
-        The lengths grow at once. All or nothing: if the pool cannot hold every token of every
-        sequence, :class:`OutOfBlocksError` is raised and nothing changes. Apply the plan's copies
+        The lengths grow at once; with a window, each growing sequence first releases the blocks
+        before its first new token's window (the step may take them). All or nothing: if the pool
+        cannot hold every token of every sequence, :class:`OutOfBlocksError` is raised and
+        nothing changes (nothing is released). Apply the plan's copies
         (``copy_blocks(k, v, plan.copy_src, plan.copy_dst)`` over every layer) before writing K/V
         into its slots.
 
@@ -348,9 +381,10 @@ class BlockManager:
 
         Returns:
             ``(block_tables, context_lens)``: ``[len(sids), width]`` int32, padded with 0 past
-            each sequence's last block, and ``[len(sids)]`` int32. For a list of ids ``width``
-            is the batch's longest table (at least 1); for a :class:`SequenceBatch` it is at
-            least that, and the array is the batch's own, refreshed in place by the next call.
+            each sequence's last block (``-1`` for blocks the window released: attend with
+            :attr:`window_left`), and ``[len(sids)]`` int32. For a list of ids ``width`` is the
+            batch's longest table (at least 1); for a :class:`SequenceBatch` it is at least
+            that, and the array is the batch's own, refreshed in place by the next call.
         """
         return self._tables(self._rows_of(sids), sids)
 
@@ -360,29 +394,14 @@ class BlockManager:
         """Check every invariant of the bookkeeping; O(pool + tables), for tests and debugging.
 
         - every block is free or referenced, and its refcount equals its number of table entries;
-        - a resident sequence of ``n`` tokens holds ``ceil(n / block_size)`` distinct blocks;
+        - a resident sequence of ``n`` tokens holds ``ceil(n / block_size)`` distinct blocks,
+          less the leading ones the window released (``-1``, no more than the window allows);
         - rows, ids and padding agree; prefix chains have one key per full block.
 
         Raises:
             AssertionError: naming the first broken invariant.
         """
-        references: Counter[int] = Counter()
-        table = self._table
-        table.check_invariants()
-        for sid, row in table.rows.items():
-            resident = table.live.item(row) >= 0
-            self._chains.check(sid, row, resident)
-            if not resident:
-                continue
-            blocks = table.tables[row, : table.held(row)].tolist()
-            assert len(set(blocks)) == len(blocks), f"sequence {sid} references a block twice"
-            if table.lens.item(row) % self.block_size and self._pool.refcount(blocks[-1]) > 1:
-                assert table.shared[row], (
-                    f"sequence {sid} shares its partly filled last block {blocks[-1]} unflagged"
-                )
-            references.update(blocks)
-        self._chains.check_rows(set(table.rows.values()))
-        self._pool.check_invariants(references)
+        self._lifecycle.check(self._window)
 
     # ----------------------------------------------------------------------------- internals
     # Called inside the transaction; PagedCache builds its calls on them.
@@ -395,6 +414,8 @@ class BlockManager:
         else:
             single = isinstance(sids, (int, np.integer))
             new_tokens = step_tokens(single, rows.size, counts, tokens, self.prefix_caching)
+        if self._window is not None:  # before the plan, which may take the blocks it releases
+            self._window.release(rows, counts)
         bases = None  # each row's first flat entry: what the decode path reads
         if type(counts) is int and counts == 1 and isinstance(sids, SequenceBatch):
             bases = sids.flat_bases()
@@ -407,11 +428,11 @@ class BlockManager:
         return plan
 
     def _one_token(self, sid: int, tokens: Any) -> Any:
-        """``step(sid)`` of one token in the sequence's own last block, without prefix caching:
-        one length grows, under the claim, with no undo to record. ``None`` when the general
-        path must run (a new or shared block, prefix caching, tokens to check, an unknown or
-        swapped id, another call inside)."""
-        if self.prefix_caching or tokens is not None:
+        """``step(sid)`` of one token in the sequence's own last block, without prefix caching
+        or a window: one length grows, under the claim, with no undo to record. ``None`` when
+        the general path must run (a new or shared block, prefix caching, a window, tokens to
+        check, an unknown or swapped id, another call inside)."""
+        if not self._one_token_path or tokens is not None:
             return None
         transaction = self._transaction
         if not transaction.try_claim():
@@ -447,10 +468,6 @@ class BlockManager:
 
     def _on_device(self, host: np.ndarray) -> Any:
         return host if self._xp is np else self._xp.asarray(host)
-
-    def _release(self, rows: list[int]) -> None:
-        self._before_release(rows)
-        self._lifecycle.release(rows)
 
     def _before_release(self, rows: list[int]) -> None:
         """The sequences of ``rows`` are about to be freed: a subclass that keeps state per

@@ -41,7 +41,7 @@ class StepPlan:
         copies_applied: whether :class:`~cupaged.PagedCache` already copied them.
         block_tables: with ``step(..., tables=True)``, the batch's ``[len(batch), width]`` int32
             block tables on the device (as :meth:`BlockManager.block_tables` returns them, the
-            step's tokens included), else ``None``.
+            step's tokens included; ``-1`` where the window released a block), else ``None``.
         context_lens: with ``tables=True``, ``[len(batch)]`` int32 on the device: each
             sequence's length after the step (its new tokens included), else ``None``.
         host_context_lens: the same lengths as a host array (with ``tables=True``).
@@ -75,6 +75,12 @@ class StepPlan:
         self._counts, self._size, self.copies_applied = counts, size, copies_applied
         self.block_tables = self.context_lens = self.host_context_lens = None
         self.issuer: Any = None
+
+    @property
+    def window_left(self) -> int:
+        """The window of the manager that made the plan (``-1``: none): attend its tables with
+        it (entries before it may be ``-1``)."""
+        return -1 if self.issuer is None else self.issuer.window_left
 
     @property
     def num_tokens(self) -> np.ndarray:

@@ -4,7 +4,10 @@ Every live sequence owns one row of a few arrays (:class:`SequenceTable`), so th
 for a whole batch is a handful of vectorised operations on those arrays::
 
     tables[row, j]   physical block of the sequence's tokens j * block_size .. (j + 1) * block_size - 1
-    lens[row]        tokens stored or reserved; the row holds cdiv(lens[row], block_size) blocks
+                     (-1: released by a sliding window, see :mod:`~cupaged.paging.window`)
+    lens[row]        tokens stored or reserved; the row's entries run to cdiv(lens[row], block_size)
+    released[row]    leading entries released by the window (all -1): the row holds the blocks of
+                     entries released[row] .. cdiv(lens[row], block_size) - 1 (0 without a window)
     sids[row]        the sequence's id (-1: a free row)
     live[row]        the id again while the sequence is resident, -1 while it is swapped out
                      (its table row is then all 0) or the row is free: one comparison checks
@@ -16,6 +19,11 @@ for a whole batch is a handful of vectorised operations on those arrays::
     pending[row]     full blocks wait to be registered until their K/V are known written
 
 Entries past a row's last block are 0 (padding, never read: the lengths say how many count).
+With a window, a row of 11 tokens (block_size 4) that released one block::
+
+    entry     0    1    2    3 ...        lens = 11, released = 1: it holds blocks 7 and 3
+    tables   -1    7    3    0 ...        (-1: released; 0 past the last block: padding)
+
 The table also owns the ids: ``rows`` maps each live sequence id to its row, ids are handed out
 in order from ``next_id`` and never reused.
 
@@ -47,13 +55,24 @@ class SequenceTable:
         block_size: tokens per block.
         tail_width: token ids kept per row for its unfilled last block (``block_size`` with
             prefix caching, else 0).
+        window_left: the sliding window whose releases the rows follow (-1: none; read by the
+            plans the table issues).
     """
 
-    def __init__(self, block_size: int, tail_width: int = 0, rows: int = 16, width: int = 16):
+    def __init__(
+        self,
+        block_size: int,
+        tail_width: int = 0,
+        rows: int = 16,
+        width: int = 16,
+        window_left: int = -1,
+    ):
         self.block_size = block_size
+        self.window_left = window_left
         self.tables = np.zeros((rows, width), np.int32)
         self.flat = self.tables.reshape(-1)  # the same memory: entry row * width + j
         self.lens = np.zeros(rows, np.int32)
+        self.released = np.zeros(rows, np.int32)
         self.sids = np.full(rows, -1, np.int64)
         self.live = np.full(rows, -1, np.int64)
         self.shared = np.zeros(rows, bool)
@@ -132,7 +151,8 @@ class SequenceTable:
         return np.array(rows, np.intp)
 
     def held(self, row: int) -> int:
-        """Blocks held by a resident row."""
+        """Entries of a resident row up to its last block (released ones included: the row holds
+        blocks ``tables[row, released[row] : held(row)]``)."""
         return cdiv(self.lens.item(row), self.block_size)
 
     # ------------------------------------------------------------------------------ rows
@@ -166,7 +186,7 @@ class SequenceTable:
             if self.cached:
                 self.cached.pop(sid, None)
         self.tables[at] = 0
-        self.lens[at] = 0
+        self.lens[at] = self.released[at] = 0
         self.sids[at] = self.live[at] = -1
         self.shared[at] = self.pending[at] = False
         self.version[at] = self.clock
@@ -186,6 +206,7 @@ class SequenceTable:
             snapshot = (
                 self.tables[row].copy(),
                 self.lens.item(row),
+                self.released.item(row),
                 self.sids.item(row),
                 self.live.item(row),
                 self.shared.item(row),
@@ -207,7 +228,7 @@ class SequenceTable:
                 del self.rows[sid]
                 self.cached.pop(sid, None)
         if snapshot is None:  # rows that were free: empty again
-            self.tables[rows] = self.lens[rows] = 0
+            self.tables[rows] = self.lens[rows] = self.released[rows] = 0
             self.sids[rows] = self.live[rows] = -1
             self.shared[rows] = self.pending[rows] = False
             self.version[rows] = self.clock
@@ -228,7 +249,7 @@ class SequenceTable:
         if self.rows.get(sid) == row:
             del self.rows[sid]
             self.cached.pop(sid, None)
-        self.tables[row] = self.lens[row] = 0
+        self.tables[row] = self.lens[row] = self.released[row] = 0
         self.sids[row] = self.live[row] = -1
         self.shared[row] = self.pending[row] = False
         self.version[row] = self.clock
@@ -244,6 +265,7 @@ class SequenceTable:
             row,
             self.tables[row].copy(),
             self.lens.item(row),
+            self.released.item(row),
             sid,
             self.live.item(row),
             self.shared.item(row),
@@ -255,11 +277,12 @@ class SequenceTable:
 
     def restore_row(self, saved: tuple) -> None:
         """Put back what :meth:`save_row` saved (a rollback; running it twice changes nothing)."""
-        row, tables, length, sid, live, shared, pending, tail, mark, cached = saved
+        row, tables, length, released, sid, live, shared, pending, tail, mark, cached = saved
         if tables.size != self.width:  # the table grew since
             self.tables[row, tables.size :] = 0
         self.tables[row, : tables.size] = tables
-        self.lens[row], self.sids[row], self.live[row] = length, sid, live
+        self.lens[row], self.released[row] = length, released
+        self.sids[row], self.live[row] = sid, live
         self.shared[row], self.pending[row], self.tail[row] = shared, pending, tail
         self.version[row] = self.clock
         self.rows[sid] = row
@@ -275,7 +298,7 @@ class SequenceTable:
         if self.cached:
             self.cached.pop(sid, None)
         self.tables[row] = 0
-        self.lens[row] = 0
+        self.lens[row] = self.released[row] = 0
         self.sids[row] = self.live[row] = -1
         self.shared[row] = self.pending[row] = False
         self.version[row] = self.clock
@@ -289,7 +312,7 @@ class SequenceTable:
             MemoryError: naming the call, the bytes it needs and the bytes available.
         """
         if len(self.free_rows) < n:
-            row_bytes = self.width * 4 + self.tail.shape[1] * 8 + 48  # every array's entries
+            row_bytes = self.width * 4 + self.tail.shape[1] * 8 + 52  # every array's entries
             need = (self.tables.shape[0] + n) * row_bytes
             available = _available_memory()
             if available is not None and need > available:
@@ -324,7 +347,8 @@ class SequenceTable:
         self.epoch += 1  # residency may change back (after the change: see `epoch`)
 
     def _row_arrays(self) -> tuple[np.ndarray, ...]:
-        return (self.tables, self.lens, self.sids, self.live, self.shared, self.pending, self.tail)
+        t = self
+        return (t.tables, t.lens, t.released, t.sids, t.live, t.shared, t.pending, t.tail)
 
     def touch(self, rows: Any) -> None:
         """Record that the tables of ``rows`` changed (batches refresh them)."""
@@ -375,9 +399,24 @@ class SequenceTable:
                 not self.tables[row, held:].any(),
                 f"table row {row} (sequence {sid}) has non-zero entries past its {held} block(s)",
             )
+            released = self.released.item(row)
+            require(
+                0 <= released <= self.held(row),
+                f"sequence {sid} released {released} of its {self.held(row)} table entries",
+            )
+            if resident:
+                require(
+                    (self.tables[row, :released] == -1).all()
+                    and (self.tables[row, released:held] >= 0).all(),
+                    f"table row {row} (sequence {sid}) is not {released} released entries (-1) "
+                    f"then block ids: {self.tables[row, :held].tolist()}",
+                )
         for row in free:
             require(
-                self.sids[row] == -1 and self.lens[row] == 0 and self.live[row] == -1,
+                self.sids[row] == -1
+                and self.lens[row] == 0
+                and self.live[row] == -1
+                and self.released[row] == 0,
                 f"free table row {row} is not empty",
             )
             require(not self.tables[row].any(), f"free table row {row} holds block ids")
@@ -392,13 +431,14 @@ class SequenceTable:
             out[:old] = array
             return out
 
-        tables, lens = grown(self.tables, 0), grown(self.lens, 0)
+        tables, lens, released = grown(self.tables, 0), grown(self.lens, 0), grown(self.released, 0)
         flat = tables.reshape(-1)
         sids, live = grown(self.sids, -1), grown(self.live, -1)
         shared, pending = grown(self.shared, False), grown(self.pending, False)
         version, tail = grown(self.version, 0), grown(self.tail, 0)
         free = list(range(rows - 1, old - 1, -1))
         self.tables, self.lens, self.flat, self.sids, self.live = tables, lens, flat, sids, live
+        self.released = released
         self.shared, self.pending, self.version, self.tail = shared, pending, version, tail
         self.free_rows[:0] = free
 
