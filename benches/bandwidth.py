@@ -1,9 +1,10 @@
 """The one place that says which bytes a benchmark counts, and turns them into decimal GB/s.
 
-Decode attention must read every K and V element of the batch's contexts once, read Q once and
-write the output once; nothing else is counted (block tables and the split-K partials are small
-and stay in cache). A KV write moves the new tokens' K and V in and the same bytes out. A copy
-moves its size twice (a read and a write).
+Decode attention must read every K and V element of the batch's contexts once (under a sliding
+window, of the tokens in the window only), read Q once and write the output once; nothing else
+is counted (block tables and the split-K partials are small and stay in cache). A KV write moves
+the new tokens' K and V in and the same bytes out. A copy moves its size twice (a read and a
+write).
 """
 
 from __future__ import annotations
@@ -16,10 +17,18 @@ import numpy as np
 from cupaged.dtypes import itemsize
 
 
+def attended_tokens(context: int, window_left: int = -1) -> int:
+    """Keys a decode query (at position ``context - 1``) attends: the whole context, or under a
+    sliding window the last ``window_left + 1`` positions at most."""
+    return context if window_left < 0 else min(context, window_left + 1)
+
+
 def decode_attention_bytes(batch: int, context: int, num_q_heads: int, num_kv_heads: int,
-                           head_dim: int, dtype: str) -> int:  # fmt: skip
-    """K and V read once, Q read once, output written once."""
-    kv = 2 * batch * context * num_kv_heads * head_dim
+                           head_dim: int, dtype: str, window_left: int = -1) -> int:  # fmt: skip
+    """K and V of the attended tokens read once (all ``context`` of them, or the window's), Q read
+    once, output written once. A kernel reads whole blocks, so a window costs it at most
+    ``block_size - 1`` more tokens per sequence than counted here (its first block's head)."""
+    kv = 2 * batch * attended_tokens(context, window_left) * num_kv_heads * head_dim
     q_and_out = 2 * batch * num_q_heads * head_dim
     return (kv + q_and_out) * itemsize(dtype)
 

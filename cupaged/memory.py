@@ -8,6 +8,19 @@ A 32-layer GQA model with 8 KV heads, head_dim 128, in float16 needs 131,072 byt
 contiguous reservation of 4,096 tokens costs 512 MiB per sequence whatever its real length. Paged,
 a sequence of ``n`` tokens holds ``ceil(n / block_size)`` blocks: at most ``block_size - 1`` slots
 are wasted.
+
+Under a sliding window (``PagedCache(..., window_left=W)``, docs/variants.md) a sequence keeps only
+the blocks its next queries can see. After a one-token (decode) step to ``n`` tokens, the query at
+``n - 1`` sees positions ``n - 1 - W .. n - 1``, and every block before the one holding
+``n - 1 - W`` has been released::
+
+    held = (n - 1) // block_size - max(0, n - 1 - W) // block_size + 1     (n >= 1)
+         <= min(ceil(n / block_size), ceil((W + 1) / block_size) + 1)
+
+    block_size 4, W = 5, n = 11: the last query (position 10) sees positions 5 .. 10
+    block  0: [0 1 2 3]   1: [4 5 6 7]   2: [8 9 10 .]
+              released       held           held          -> 2 blocks
+    n = 9 sees 3 .. 8: blocks 0, 1, 2 -> 3 = ceil((5 + 1) / 4) + 1, the most at any length
 """
 
 from __future__ import annotations
@@ -29,6 +42,8 @@ class CacheSpec:
         (131072, 512)
         >>> spec.blocks_for(4096), spec.blocks_for(200)
         (256, 13)
+        >>> spec.blocks_for(32768, window_left=4095), spec.max_blocks_in_window(4095)
+        (256, 257)
     """
 
     num_layers: int
@@ -60,13 +75,34 @@ class CacheSpec:
         """Bytes of one block (``block_size`` tokens) over all layers, K and V."""
         return self.bytes_per_token * self.block_size
 
-    def blocks_for(self, num_tokens: int) -> int:
-        """Blocks a sequence of ``num_tokens`` tokens occupies: ``ceil(num_tokens / block_size)``."""
-        return cdiv(_non_negative(num_tokens, "num_tokens"), self.block_size)
+    def blocks_for(self, num_tokens: int, window_left: int = -1) -> int:
+        """Blocks a sequence of ``num_tokens`` tokens occupies: ``ceil(num_tokens / block_size)``.
 
-    def paged_bytes(self, num_tokens: int) -> int:
-        """Bytes a sequence of ``num_tokens`` tokens holds in a paged cache (whole blocks)."""
-        return self.blocks_for(num_tokens) * self.bytes_per_block
+        With ``window_left=W >= 0`` (a sliding-window cache): the blocks it still holds after a
+        one-token step to ``num_tokens`` tokens, those of positions ``num_tokens - 1 - W ..
+        num_tokens - 1`` (the module docstring has the picture). A step of many tokens from
+        ``n0`` keeps positions from ``n0 - W`` on, so more until the next decode step.
+        """
+        num_tokens = _non_negative(num_tokens, "num_tokens")
+        window = _window(window_left)
+        if window < 0 or num_tokens == 0:
+            return cdiv(num_tokens, self.block_size)
+        last = num_tokens - 1
+        return last // self.block_size - max(0, last - window) // self.block_size + 1
+
+    def max_blocks_in_window(self, window_left: int) -> int:
+        """The most blocks a sequence of a sliding-window cache holds after a one-token step,
+        whatever its length: ``ceil((window_left + 1) / block_size) + 1``, the bound a scheduler
+        reserves per sequence (an upper bound of :meth:`blocks_for` at every length)."""
+        window = _window(window_left)
+        if window < 0:
+            raise ValueError(f"expected window_left >= 0 (a window), got {window}")
+        return cdiv(window + 1, self.block_size) + 1
+
+    def paged_bytes(self, num_tokens: int, window_left: int = -1) -> int:
+        """Bytes a sequence of ``num_tokens`` tokens holds in a paged cache (whole blocks); with
+        ``window_left``, in a sliding-window cache after a one-token step (:meth:`blocks_for`)."""
+        return self.blocks_for(num_tokens, window_left) * self.bytes_per_block
 
     def contiguous_bytes(self, max_len: int) -> int:
         """Bytes a contiguous max-length reservation of ``max_len`` tokens needs per sequence."""
@@ -80,6 +116,13 @@ class CacheSpec:
     def num_blocks_for_memory(self, nbytes: int) -> int:
         """How many whole blocks fit in ``nbytes`` bytes of device memory."""
         return _non_negative(nbytes, "nbytes") // self.bytes_per_block
+
+
+def _window(window_left: int) -> int:
+    window = as_int(window_left, "window_left")
+    if window < -1:
+        raise ValueError(f"expected window_left >= -1 (-1: no window), got {window}")
+    return window
 
 
 def _non_negative(value: int, what: str) -> int:
