@@ -52,6 +52,7 @@ from ._checks import (
     check_shape,
     element_type,
 )
+from ._interop import takes_dlpack
 from ._kernels import get_kernel
 from ._util import cdiv
 from ._variants import check_sinks, check_variants
@@ -146,6 +147,7 @@ class DecodePlan:
         "num_seqs",
     )
 
+    @takes_dlpack
     def __init__(
         self,
         block_tables: Any,
@@ -335,6 +337,7 @@ class DecodePlan:
             return np.empty((0, 4), np.int32)
         return to_numpy(self._work)
 
+    @takes_dlpack
     def update(self, block_tables: Any, context_lens: Any, *, checked: bool = True) -> None:
         """Re-plan for a new step of the same batch size into the same buffers (same launch
         geometry, same device pointers: a captured CUDA graph stays valid). The arrays are
@@ -378,6 +381,7 @@ class DecodePlan:
         if self.num_seqs:
             self._plan(max_context)
 
+    @takes_dlpack
     def run(self, q: Any, k_cache: Any, v_cache: Any, *, sinks: Any = None, out: Any = None) -> Any:
         """Decode attention of one layer: what :func:`cupaged.paged_attention` computes, with
         the plan's variants.

@@ -4,6 +4,10 @@ The array module of the inputs picks the backend: CuPy arrays run the CUDA kerne
 (CuPy ``RawModule``), NumPy arrays run the *same kernel source* on the CPU backend; mixing them is
 a ``TypeError``. Every function checks shapes, dtypes, contiguity and alignment before launching,
 so a rejected call changes nothing. Launch configurations come from ``cupaged._launch``.
+
+Arrays of other frameworks (PyTorch tensors, JAX arrays: anything with ``__dlpack__``) are taken
+without a copy and results handed back as the caller's type (``cupaged._interop.takes_dlpack``,
+docs/interop.md); the arrays of one call come from one framework.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from ._checks import (
     check_writable,
     element_type,
 )
+from ._interop import takes_dlpack
 from ._kernels import get_kernel
 from ._variants import check_sinks
 from .decode import DecodePlan
@@ -45,6 +50,7 @@ from .dtypes import as_storage
 from .prefill import PrefillPlan
 
 
+@takes_dlpack
 def write_kv(
     k_cache: Any, v_cache: Any, k: Any, v: Any, slot_mapping: Any, *, checked: bool = True
 ) -> None:
@@ -163,6 +169,7 @@ def _write_plan(
     return kernel, grid, block, (np.int32(num_kv_heads), np.int32(block_size), np.int32(head_dim))
 
 
+@takes_dlpack
 def copy_blocks(k_cache: Any, v_cache: Any, src: Any, dst: Any, *, checked: bool = True) -> None:
     """Copy block ``src[i]`` onto block ``dst[i]`` in every layer of K and V, in place, in one launch.
 
@@ -248,6 +255,7 @@ def _copy_plan(
     return kernel, grid, block, (np.int32(num_blocks), np.int64(block_bytes // word))
 
 
+@takes_dlpack
 def paged_attention(
     q: Any,
     k_cache: Any,
@@ -349,6 +357,7 @@ def paged_attention(
     return plan.run(q, k_cache, v_cache, sinks=sinks, out=out)
 
 
+@takes_dlpack
 def paged_prefill(
     q: Any,
     k_cache: Any,

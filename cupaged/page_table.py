@@ -50,10 +50,12 @@ import numpy as np
 
 from ._backend import array_module, to_numpy
 from ._checks import INT32_MAX, as_int, check_context_lens, check_index_array, check_shape
+from ._interop import takes_dlpack
 
 INT32_MIN = -(2**31)
 
 
+@takes_dlpack
 def to_csr(
     block_tables: Any, context_lens: Any, block_size: int, *, checked: bool = True
 ) -> tuple[Any, Any, Any]:
@@ -127,6 +129,7 @@ def to_csr(
     return indptr.astype(np.int32), indices, last_page_len.astype(np.int32)
 
 
+@takes_dlpack
 def from_csr(
     indptr: Any, indices: Any, last_page_len: Any, block_size: int, *, checked: bool = True
 ) -> tuple[Any, Any]:

@@ -44,6 +44,7 @@ from ._checks import (
     check_shape,
     element_type,
 )
+from ._interop import takes_dlpack
 from ._kernels import get_kernel
 from ._variants import Variants, check_sinks, check_variants
 
@@ -143,6 +144,7 @@ class PrefillPlan:
         "total_query_tokens",
     )
 
+    @takes_dlpack
     def __init__(
         self,
         block_tables: Any,
@@ -285,6 +287,7 @@ class PrefillPlan:
         """The soft-cap of the scores, ``cap * tanh(s / cap)`` (``0.0``: none)."""
         return self._variants.logits_soft_cap
 
+    @takes_dlpack
     def run(self, q: Any, k_cache: Any, v_cache: Any, *, sinks: Any = None, out: Any = None) -> Any:
         """Prefill attention of one layer: what :func:`cupaged.paged_prefill` computes.
 

@@ -20,11 +20,13 @@ from ._checks import (
     check_prefill_args,
     check_query_start_loc,
 )
+from ._interop import takes_dlpack
 from ._util import cdiv
 from ._variants import Variants, check_sinks, check_variants
 from .dtypes import as_storage, dtype_name, from_float, to_float
 
 
+@takes_dlpack
 def reference_attention(
     q: Any,
     k_cache: Any,
@@ -105,6 +107,7 @@ def reference_attention(
     return from_float(out, dtype_name(target), like=q)
 
 
+@takes_dlpack
 def reference_prefill(
     q: Any,
     k_cache: Any,

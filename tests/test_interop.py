@@ -1,0 +1,227 @@
+"""PyTorch tensors through every public function that takes arrays (issue 26).
+
+Each function gets tensors of fresh random values, and its result, a tensor again, is compared with
+the same function on NumPy copies of them (the NumPy path is tested against float64 oracles
+elsewhere) and, for attention, with a float64 oracle written here. In-place functions must write
+the caller's own memory (same ``data_ptr``). The CUDA variants skip cleanly without a GPU.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from helpers import TOLERANCES
+
+import cupaged
+from cupaged._backend import cuda_available
+
+torch = pytest.importorskip("torch", reason="needs PyTorch (pip install '.[interop]')")
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(
+                not (cuda_available() and torch.cuda.is_available()),
+                reason="needs a CUDA GPU seen by both CuPy and PyTorch",
+            ),
+        ],
+    ),
+]
+NB, H_KV, BS, D, H_Q = 10, 2, 16, 64, 4
+
+
+def as_numpy(t):
+    """A float64 NumPy copy of a tensor (bfloat16 widened exactly)."""
+    return t.detach().to("cpu", torch.float64).numpy()
+
+
+def assert_close(got, expected, dtype):
+    tol = TOLERANCES[NAMES[dtype]]
+    np.testing.assert_allclose(as_numpy(got), expected, atol=tol["atol"], rtol=tol["rtol"])
+
+
+def oracle_decode(q, k_cache, v_cache, tables, lens):
+    """float64 softmax attention of one query per sequence, K/V gathered through the tables."""
+    q, k_cache, v_cache = map(as_numpy, (q, k_cache, v_cache))
+    group = q.shape[1] // k_cache.shape[1]
+    out = np.zeros(q.shape)
+    for i, n in enumerate(lens.tolist()):
+        blocks = tables[i, : -(-n // BS)].tolist()
+        k = np.concatenate([k_cache[b] for b in blocks], axis=1)[:, :n]  # [H_KV, n, D]
+        v = np.concatenate([v_cache[b] for b in blocks], axis=1)[:, :n]
+        for h in range(q.shape[1]):
+            s = k[h // group] @ q[i, h] * D**-0.5
+            w = np.exp(s - s.max())
+            out[i, h] = w @ v[h // group] / w.sum()
+    return out
+
+
+@pytest.fixture
+def problem(device):
+    generator = torch.Generator().manual_seed(1234)
+
+    def make(dtype):
+        def randn(*shape):
+            return torch.randn(*shape, generator=generator).to(dtype).to(device)
+
+        tables = torch.tensor([[3, 7, 1], [0, 5, 9]], dtype=torch.int32, device=device)
+        lens = torch.tensor([37, 20], dtype=torch.int32, device=device)
+        return randn(2, H_Q, D), randn(NB, H_KV, BS, D), randn(NB, H_KV, BS, D), tables, lens
+
+    return make
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=NAMES.get)
+def test_write_kv_and_copy_blocks_write_the_callers_tensors(device, dtype, problem):
+    _, k_cache, v_cache, _, _ = problem(dtype)
+    before = k_cache.clone(), v_cache.clone()
+    pointers = k_cache.data_ptr(), v_cache.data_ptr()
+    k = torch.randn(3, H_KV, D).to(dtype).to(device)
+    v = torch.randn(3, H_KV, D).to(dtype).to(device)
+    slots = torch.tensor([5, 16 * 4 + 2, -1], device=device)
+
+    assert cupaged.write_kv(k_cache, v_cache, k, v, slots) is None
+    assert (
+        cupaged.copy_blocks(
+            k_cache, v_cache, torch.tensor([4], device=device), torch.tensor([8], device=device)
+        )
+        is None
+    )
+
+    assert (k_cache.data_ptr(), v_cache.data_ptr()) == pointers
+    assert torch.equal(k_cache[0, :, 5], k[0]) and torch.equal(v_cache[4, :, 2], v[1])
+    assert torch.equal(k_cache[8], k_cache[4]) and torch.equal(v_cache[8], v_cache[4])
+    untouched = torch.ones(NB, BS, dtype=torch.bool)
+    untouched[0, 5] = untouched[4, 2] = False
+    untouched[8] = False
+    for cache, old in zip((k_cache, v_cache), before, strict=True):
+        keep = untouched.to(device)[:, None, :].expand(NB, H_KV, BS)
+        assert torch.equal(cache[keep], old[keep])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=NAMES.get)
+def test_decode_returns_a_tensor_equal_to_the_oracle(device, dtype, problem):
+    q, k_cache, v_cache, tables, lens = problem(dtype)
+    expected = oracle_decode(q, k_cache, v_cache, tables.cpu().numpy(), lens.cpu().numpy())
+
+    one_shot = cupaged.paged_attention(q, k_cache, v_cache, tables, lens)
+    plan = cupaged.DecodePlan(tables, lens, k_cache, H_Q)
+    out = torch.full_like(q, float("nan"))  # poisoned
+    planned = plan.run(q, k_cache, v_cache, out=out)
+    reference = cupaged.reference_attention(q, k_cache, v_cache, tables, lens)
+
+    for got in (one_shot, planned, reference):
+        assert isinstance(got, torch.Tensor) and got.dtype == dtype and got.device == q.device
+        assert_close(got, expected, dtype)
+    assert planned is out  # the caller's own object back
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=NAMES.get)
+def test_prefill_and_variants_take_tensors(device, dtype, problem):
+    q1, k_cache, v_cache, tables, lens = problem(dtype)
+    starts = torch.tensor([0, 4, 7], dtype=torch.int32, device=device)
+    q = torch.randn(7, H_Q, D).to(dtype).to(device)
+    sinks = torch.randn(H_Q, device=device)
+    slopes = torch.rand(H_Q, device=device)
+    numpy_args = [
+        np.from_dlpack(t.cpu().view(torch.int16)) if t.dtype == torch.bfloat16 else t.cpu().numpy()
+        for t in (q, k_cache, v_cache, tables, lens, starts)
+    ]
+    variants = dict(window_left=9, logits_soft_cap=5.0)
+    expected = cupaged.reference_prefill(
+        *numpy_args, **variants, alibi_slopes=slopes.cpu().numpy(), sinks=sinks.cpu().numpy(),
+        out_dtype="float64",
+    )  # fmt: skip
+
+    one_shot = cupaged.paged_prefill(
+        q, k_cache, v_cache, tables, lens, starts, **variants, alibi_slopes=slopes, sinks=sinks
+    )
+    plan = cupaged.PrefillPlan(tables, lens, starts, k_cache, H_Q, **variants, alibi_slopes=slopes)
+    planned = plan.run(q, k_cache, v_cache, sinks=sinks)
+    for got in (one_shot, planned):
+        assert isinstance(got, torch.Tensor) and got.dtype == dtype
+        assert_close(got, expected, dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_csr_round_trip_of_tensors(device):
+    tables = torch.tensor([[5, 2, 0], [1, 3, 4]], dtype=torch.int32, device=device)
+    lens = torch.tensor([7, 9], dtype=torch.int32, device=device)
+    indptr, indices, last = cupaged.to_csr(tables, lens, 4)
+    assert all(isinstance(x, torch.Tensor) for x in (indptr, indices, last))
+    assert indptr.tolist() == [0, 2, 5] and indices.tolist() == [5, 2, 1, 3, 4]
+    back, back_lens = cupaged.from_csr(indptr, indices, last, 4)
+    assert torch.equal(back, tables) and torch.equal(back_lens, lens)
+
+
+def test_a_cache_is_viewed_by_torch_without_a_copy():
+    cache = cupaged.PagedCache(8, block_size=4, num_kv_heads=1, head_dim=64, dtype="float32",
+                               device="cpu")  # fmt: skip
+    view = torch.from_dlpack(cache.k[0])
+    sid = cache.add_sequence()
+    k = np.random.default_rng(0).standard_normal((1, 3, 1, 64)).astype(np.float32)
+    cache.append(sid, k, k)
+    block = cache.block_table(sid)[0]
+    assert torch.equal(view[block, 0, :3], torch.from_numpy(k[0, :, 0]))
+    assert view.data_ptr() == cache.k[0].ctypes.data
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (
+            lambda a: {**a, "block_tables": a["block_tables"].numpy()},
+            "a mix of numpy/cupy and torch",
+        ),
+        (lambda a: {**a, "k_cache": a["k_cache"].to(torch.int8)}, "torch.int8 on cpu"),
+        (lambda a: {**a, "q": a["q"].to(torch.float64)}, "q torch.float64 on cpu"),
+        (
+            lambda a: {**a, "k_cache": a["k_cache"].transpose(0, 1).contiguous().transpose(0, 1)},
+            "expected k_cache C-contiguous",
+        ),
+    ],
+    ids=["mixed-frameworks", "int8-cache", "float64-q", "non-contiguous"],
+)
+def test_refusals_name_the_frameworks_dtype_and_device(change, message):
+    generator = torch.Generator().manual_seed(7)
+    args = dict(
+        q=torch.randn(2, H_Q, D, generator=generator),
+        k_cache=torch.randn(NB, H_KV, BS, D, generator=generator),
+        v_cache=torch.randn(NB, H_KV, BS, D, generator=generator),
+        block_tables=torch.tensor([[0, 1], [2, 3]], dtype=torch.int32),
+        context_lens=torch.tensor([20, 5], dtype=torch.int32),
+    )
+    with pytest.raises((TypeError, ValueError), match=message):
+        cupaged.paged_attention(**change(args))
+
+
+class ReadOnly:
+    """A DLPack exporter of a read-only array, as JAX's arrays are."""
+
+    def __init__(self, array):
+        self.array = array
+        self.array.flags.writeable = False
+
+    def __dlpack__(self, **kwargs):
+        return self.array.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return self.array.__dlpack_device__()
+
+
+def test_an_immutable_array_is_an_input_but_not_an_in_place_target():
+    rng = np.random.default_rng(3)
+    cache = rng.standard_normal((NB, H_KV, BS, D)).astype(np.float32)
+    k = rng.standard_normal((1, H_KV, D)).astype(np.float32)
+    slots = np.array([0])
+    with pytest.raises(ValueError, match="k_cache.*(read-only|writable)"):
+        cupaged.write_kv(ReadOnly(cache.copy()), ReadOnly(cache.copy()), ReadOnly(k),
+                         ReadOnly(k), ReadOnly(slots))  # fmt: skip
