@@ -441,3 +441,36 @@ def test_bad_variants_are_refused_before_anything_runs(rng, kwargs, error, messa
     else:
         with pytest.raises(error, match=message):
             cupaged.PrefillPlan(tables, lens, starts, k_cache, 8, **kwargs)
+
+
+def test_nvrtc_compiles_the_variant_instantiations():
+    """NVRTC (no GPU needed: CuPy's binding) builds the prefill variants for sm_90 without a
+    warning, both paths (fp16 on tensor cores, fp32 on CUDA cores), split and not: real cubins,
+    so the register and shared-memory limits hold too."""
+    nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
+    from cupaged._backend import kernel_dir
+    from cupaged._kernels import nvrtc_options
+    from cupaged._variants import ALIBI, SOFT_CAP, WINDOW
+
+    target = _launch.Target.of_arch(90)
+    names = set()
+    for dtype, splits in (("float16", 1), ("float32", 3)):
+        launch = _launch.prefill_launch(
+            dtype, 1, 1, 8, 128, 16, 64, splits=splits, target=target,
+            variant=WINDOW | SOFT_CAP | ALIBI, window_left=48,
+        )  # fmt: skip
+        names |= {launch.name, launch.sinks_name, launch.merge_name, launch.sinks_merge_name}
+    names = sorted(names)
+    source = "paged_prefill.cu"
+    program = nvrtc.createProgram((kernel_dir() / source).read_text(), source, [], [])
+    for name in names:
+        nvrtc.addNameExpression(program, name)
+    try:
+        nvrtc.compileProgram(program, ["-arch=sm_90", *nvrtc_options()])
+    except Exception:
+        pytest.fail(f"NVRTC failed on {source}:\n{nvrtc.getProgramLog(program)}")
+    assert not nvrtc.getProgramLog(program).strip()
+    # window | soft-cap | ALiBi = 7, and 15 with the sinks: the variants really are instantiated
+    assert {n.rsplit(", ", 1)[1] for n in names if "merge" not in n} == {"7>", "15>"}
+    for name in names:
+        assert nvrtc.getLoweredName(program, name).startswith("_ZN7cupaged")
