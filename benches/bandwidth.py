@@ -1,4 +1,5 @@
-"""The one place that says which bytes a benchmark counts, and turns them into decimal GB/s.
+"""The one place that says which bytes a benchmark counts, and turns them into decimal GB/s; and
+the decode problem that the attention benchmarks share.
 
 Decode attention must read every K and V element of the batch's contexts once (under a sliding
 window, of the tokens in the window only), read Q once and write the output once; nothing else
@@ -14,7 +15,25 @@ from typing import Any
 
 import numpy as np
 
-from cupaged.dtypes import itemsize
+from cupaged.dtypes import from_float, itemsize
+
+
+def decode_problem(xp, batch, context, block_size, dtype, num_q_heads, num_kv_heads, head_dim,
+                   seed=0):  # fmt: skip
+    """``q``, one layer's K/V caches (blocks in a random order), tables and lengths of a decode
+    step of ``batch`` sequences of ``context`` tokens, fresh normal values, on ``xp``."""
+    rng = np.random.default_rng(seed)
+    blocks_per_seq = -(-context // block_size)
+    num_blocks = batch * blocks_per_seq
+    shape = (num_blocks, num_kv_heads, block_size, head_dim)
+
+    def normal(shape):
+        return xp.asarray(from_float(rng.standard_normal(shape, dtype=np.float32), dtype))
+
+    tables = rng.permutation(num_blocks).astype(np.int32).reshape(batch, blocks_per_seq)
+    lens = np.full(batch, context, np.int32)
+    q = normal((batch, num_q_heads, head_dim))
+    return q, normal(shape), normal(shape), xp.asarray(tables), xp.asarray(lens)
 
 
 def attended_tokens(context: int, window_left: int = -1) -> int:

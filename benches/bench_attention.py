@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from bandwidth import decode_attention_bytes, gb_per_s, kv_write_bytes, synchronized
+from bandwidth import decode_attention_bytes, decode_problem, gb_per_s, kv_write_bytes, synchronized
 
 import cupaged
-from cupaged import from_float, to_float
+from cupaged import to_float
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 8, 2, 128
 ON_GPU = cupaged.resolve_device(None) == "cuda"
@@ -21,19 +21,10 @@ ON_GPU = cupaged.resolve_device(None) == "cuda"
 SHAPES = [(1, 4096), (16, 4096), (64, 4096), (1, 32768)] if ON_GPU else [(1, 512), (8, 256)]
 
 
-def make_problem(xp, batch, context, block_size, dtype, seed=0):
-    rng = np.random.default_rng(seed)
-    blocks_per_seq = -(-context // block_size)
-    num_blocks = batch * blocks_per_seq
-    shape = (num_blocks, NUM_KV_HEADS, block_size, HEAD_DIM)
-
-    def normal(shape):
-        return xp.asarray(from_float(rng.standard_normal(shape, dtype=np.float32), dtype))
-
-    tables = rng.permutation(num_blocks).astype(np.int32).reshape(batch, blocks_per_seq)
-    lens = np.full(batch, context, np.int32)
-    q = normal((batch, NUM_Q_HEADS, HEAD_DIM))
-    return q, normal(shape), normal(shape), xp.asarray(tables), xp.asarray(lens)
+def make_problem(xp, batch, context, block_size, dtype):
+    return decode_problem(
+        xp, batch, context, block_size, dtype, NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM
+    )
 
 
 def contiguous_attention(xp, q, k, v):

@@ -18,10 +18,15 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from bandwidth import attended_tokens, decode_attention_bytes, gb_per_s, synchronized
+from bandwidth import (
+    attended_tokens,
+    decode_attention_bytes,
+    decode_problem,
+    gb_per_s,
+    synchronized,
+)
 
 import cupaged
-from cupaged import from_float
 
 ON_GPU = cupaged.resolve_device(None) == "cuda"
 # (batch, query heads, KV heads): one small GQA group on the CPU backend, Mistral's 32 on 8 on a GPU.
@@ -34,20 +39,10 @@ ROUNDS = 10 if ON_GPU else 3
 VARIANT_ROUNDS = 10 if ON_GPU else 7  # cheaper calls whose differences are small: more rounds
 
 
-def make_problem(xp, batch, context, seed=0):
-    """``q``, one layer's K/V caches (blocks in a random order), tables and lengths."""
-    rng = np.random.default_rng(seed)
-    blocks_per_seq = -(-context // BLOCK_SIZE)
-    num_blocks = batch * blocks_per_seq
-    shape = (num_blocks, NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM)
-
-    def normal(shape):
-        return xp.asarray(from_float(rng.standard_normal(shape, dtype=np.float32), DTYPE))
-
-    tables = rng.permutation(num_blocks).astype(np.int32).reshape(batch, blocks_per_seq)
-    lens = np.full(batch, context, np.int32)
-    q = normal((batch, NUM_Q_HEADS, HEAD_DIM))
-    return q, normal(shape), normal(shape), xp.asarray(tables), xp.asarray(lens)
+def make_problem(xp, batch, context):
+    return decode_problem(
+        xp, batch, context, BLOCK_SIZE, DTYPE, NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM
+    )
 
 
 def head_vector(xp, values):

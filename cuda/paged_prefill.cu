@@ -27,11 +27,15 @@
 //                     tokens per query tile. A token before some row's window in a tile that
 //                     another row sees is kept from that row as a causally masked one is (step
 //                     3 below; the special path of paged_prefill_mma);
-//   kSinks            the row's softmax denominator gains exp(sinks[h] - m) once: in the
-//                     epilogue without split-K (l + exp(sink - m)), in paged_prefill_merge with
-//                     it (never in a split's partial row, whose log-sum-exp stays the tokens').
-// A row that sees no token (l = 0, m = -inf) is a zero row with a sink; without one 0 / 0 as
-// before. Every row of a prefill sees at least its own token, so only -inf scores get there.
+//   kSinks            the row's softmax denominator gains the sink once: in the epilogue
+//                     without split-K (sink_denominator below), in paged_prefill_merge with it
+//                     (never in a split's partial row, whose log-sum-exp stays the tokens').
+//                     Both take the exponents against M = max(m, sink), as the definition does,
+//                     so NaN and Inf go through it as in the reference: a NaN or +Inf sink, or
+//                     a -Inf one over scores that are all -Inf, makes the row NaN.
+// A row whose scores are all -inf (l = 0, m = -inf) is a zero row with a finite sink; without one
+// 0 / 0 as before. Every row of a prefill sees at least its own token, so only -inf scores get
+// there.
 //
 // paged_prefill: one thread block per (query tile, head chunk, split; KV head); query tiles are
 //   runs of query_rows packed rows of one sequence (see "Query tiles" below). Its
@@ -92,6 +96,16 @@
 #include "common.cuh"
 
 namespace cupaged {
+
+// The denominator that the row's acc (summed against its running max m) is divided by once the
+// sink joins: (l * f + exp(sink - M)) / f with M = max(m, sink), f = exp(m - M), so that
+// acc / it = acc f / (l f + exp(sink - M)). m = -inf (every score -inf, acc = 0) gives f = 0: a
+// finite sink makes it +inf (a zero row), a NaN or infinite one NaN, as the definition does.
+__device__ __forceinline__ float sink_denominator(float m, float l, float sink) {
+  const float top = fmaxf(m, sink);  // a NaN sink: m, and NaN in exp(sink - top)
+  const float f = m == neg_inf() ? 0.0f : expf(m - top);
+  return l + expf(sink - top) / f;
+}
 
 namespace prefill {
 
@@ -500,10 +514,8 @@ __global__ void __launch_bounds__(THREADS, kPrefillBlocks<T, HEAD_DIM>)
     if (key != 0) continue;
     l_s[r] = l[k];
     if (SINKS && num_splits == 1 && position[k] >= 0) {
-      // The sink joins the denominator once: l + exp(sink - m), l taken against m (see the
-      // header); a row whose scores are all -inf (acc = 0) has l = 0 + 1, a zero row.
-      const float sink = sinks[first_head + r % heads];
-      l_s[r] = l[k] + (m[k] == neg_inf() ? 1.0f : expf(sink - m[k]));
+      // The sink joins the denominator once (sink_denominator; the header).
+      l_s[r] = sink_denominator(m[k], l[k], sinks[first_head + r % heads]);
     }
     if (num_splits > 1 && position[k] >= 0) {
       const long long row = (first_row + r / heads) * num_q_heads + first_head + r % heads;
@@ -902,9 +914,9 @@ __global__ void __launch_bounds__(THREADS, kPrefillMmaBlocks)
     const float base = m == neg_inf() ? 0.0f : m;
     partial_lse[row * num_splits + split] = base + logf(l);  // -inf when l = 0
   }
-  // The sink joins the denominator once, as in paged_prefill: l + exp(sink - m).
+  // The sink joins the denominator once, as in paged_prefill (sink_denominator).
   if (SINKS && num_splits == 1 && soft_position >= 0) {
-    l += m == neg_inf() ? 1.0f : expf(sinks[first_head + soft_row % heads] - m);
+    l = sink_denominator(m, l, sinks[first_head + soft_row % heads]);
   }
   const bool vector_out = (reinterpret_cast<unsigned long long>(out) & 15u) == 0;
   const float inf = __int_as_float(0x7f800000);
@@ -1005,11 +1017,11 @@ __global__ void __launch_bounds__(THREADS)
   const float* lse = partial_lse + row * num_splits;
   float lse_max = neg_inf();
   for (int s = skipped; s < used; ++s) lse_max = fmaxf(lse_max, lse[s]);
-  // The sink joins once, here (the splits' partial rows hold none): as in paged_prefill, the
-  // weights are taken against 0 while every split is -inf, and the sink weighs 1 then.
-  const float base = SINKS && lse_max == neg_inf() ? 0.0f : lse_max;
-  const float sink_weight =
-      !SINKS ? 0.0f : lse_max == neg_inf() ? 1.0f : expf(sinks[blockIdx.y] - lse_max);
+  // The sink joins once, here (the splits' partial rows hold none), the weights taken against
+  // M = max(lse_max, sink) as the definition does (NaN and Inf as in sink_denominator).
+  const float sink = SINKS ? sinks[blockIdx.y] : 0.0f;
+  const float base = SINKS ? fmaxf(lse_max, sink) : lse_max;
+  const float sink_weight = SINKS ? expf(sink - base) : 0.0f;
   for (int d = threadIdx.x; d < HEAD_DIM; d += THREADS) {
     float numerator = 0.0f;
     float denominator = sink_weight;

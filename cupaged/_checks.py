@@ -320,7 +320,12 @@ def _shown(x: Any) -> str:
 
 
 def check_decode_tables(
-    block_tables: Any, context_lens: Any, block_size: int, num_blocks: int, window_left: int = -1
+    block_tables: Any,
+    context_lens: Any,
+    block_size: int,
+    num_blocks: int,
+    window_left: int = -1,
+    first_keys: Any = None,
 ) -> int:
     """Check a decode batch's lengths and the block ids they reach; return the longest context.
 
@@ -335,6 +340,8 @@ def check_decode_tables(
         block_tables: ``[num_seqs, max_blocks]`` int32 or int64.
         context_lens: ``[num_seqs]`` int32 or int64.
         window_left: the decode query sees positions ``len - 1 - window_left ..``; -1: all.
+        first_keys: instead of ``window_left``, the first position each row's queries reach
+            (host int64 ``[num_seqs]``; a prefill's window, :func:`check_prefill_tables`).
 
     Returns:
         ``max(context_lens)`` (0 for an empty batch), as a Python int.
@@ -352,8 +359,11 @@ def check_decode_tables(
     bad_len = (lens < 0) | (lens > limit)
     needed = (xp.clip(lens, 0, limit) + (block_size - 1)) // block_size  # entries each row reads
     used = xp.arange(max_blocks)[None, :] < needed[:, None]
-    if window_left >= 0:  # entries before the window's first block are never read
-        first = xp.clip(lens - 1 - window_left, 0, limit) // block_size
+    if first_keys is not None or window_left >= 0:  # entries before a window are never read
+        if first_keys is None:
+            first = xp.clip(lens - 1 - window_left, 0, limit) // block_size
+        else:
+            first = xp.asarray(first_keys) // block_size
         used &= xp.arange(max_blocks)[None, :] >= first[:, None]
     bad_id = used & ((block_tables < 0) | (block_tables >= num_blocks))
     summary = _host(
@@ -386,14 +396,11 @@ def check_prefill_tables(
     """:func:`check_decode_tables` for a prefill batch whose queries reach keys from
     ``first_keys[i]`` on (a window: ``max(0, L - n - window_left)``, host int64 ``[num_seqs]``;
     ``None``: from 0). The entries before a row's first key are never read (they may be
-    released, ``-1``), so they are checked as if they named block 0.
+    released, ``-1``), so they are not checked.
     """
-    if first_keys is not None and num_blocks > 0:
-        xp = array_module(block_tables)
-        first_block = xp.asarray(first_keys) // block_size
-        before = xp.arange(block_tables.shape[1])[None, :] < first_block[:, None]
-        block_tables = xp.where(before, xp.zeros((), block_tables.dtype), block_tables)
-    return check_decode_tables(block_tables, context_lens, block_size, num_blocks)
+    return check_decode_tables(
+        block_tables, context_lens, block_size, num_blocks, first_keys=first_keys
+    )
 
 
 def check_prefill_args(

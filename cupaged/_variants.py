@@ -22,7 +22,11 @@ from typing import Any
 import numpy as np
 
 from ._backend import array_module
-from ._checks import as_int
+from ._checks import MAX_CONTEXT_LEN, as_int
+
+# The largest soft-cap: the kernels take it as a float32 (a larger one would be Inf there, and
+# Inf * tanh(s / Inf) is NaN).
+MAX_SOFT_CAP = float(np.finfo(np.float32).max)
 
 # Bits of the kernels' VARIANT template argument; cuda/common.cuh names the same bits.
 WINDOW = 1
@@ -70,24 +74,42 @@ def check_variants(
 ) -> Variants:
     """Check the planning-time variants and return them (the slopes copied, float32, C order).
 
+    A window of ``MAX_CONTEXT_LEN`` (``2**30``) or more is kept as that one: no context is
+    longer, so it attends the same keys.
+
     Raises:
         TypeError: ``window_left`` not an int, ``logits_soft_cap`` not a real number, or slopes
             that are not a float32 array of ``xp``'s device.
-        ValueError: ``window_left < -1``, a negative or non-finite soft-cap, or slopes of a shape
-            other than ``[num_q_heads]``.
+        ValueError: ``window_left < -1``, a negative or non-finite soft-cap (or one past float32),
+            or slopes of a shape other than ``[num_q_heads]``.
     """
-    window = as_int(window_left, "window_left")
-    if window < -1:
-        raise ValueError(f"expected window_left >= -1 (-1: no window), got {window}")
+    # No context is longer than MAX_CONTEXT_LEN: a wider window is that one (and fits an int32).
+    window = min(check_window_left(window_left), MAX_CONTEXT_LEN)
     cap = _as_real(logits_soft_cap, "logits_soft_cap")
-    if not (math.isfinite(cap) and cap >= 0):
-        raise ValueError(f"expected logits_soft_cap finite and >= 0 (0: none), got {cap!r}")
+    if not (math.isfinite(cap) and 0 <= cap <= MAX_SOFT_CAP):
+        raise ValueError(
+            f"expected logits_soft_cap finite, >= 0 (0: none) and at most {MAX_SOFT_CAP:.4g} (a "
+            f"float32), got {cap!r}"
+        )
     slopes = None
     if alibi_slopes is not None:
         slopes = check_head_vector(xp, num_q_heads, alibi_slopes, "alibi_slopes").copy()
     if window == -1 and cap == 0.0 and slopes is None:
         return NO_VARIANTS
     return Variants(window, cap, slopes)
+
+
+def check_window_left(window_left: Any) -> int:
+    """``window_left`` as an int, ``-1`` (no window) or more: the one check of a window, for the
+    attention functions, the plans, the block manager and ``CacheSpec``.
+
+    Raises:
+        TypeError: not an int. ValueError: below -1.
+    """
+    window = as_int(window_left, "window_left")
+    if window < -1:
+        raise ValueError(f"expected window_left >= -1 (-1: no window), got {window}")
+    return window
 
 
 def check_sinks(xp: Any, num_q_heads: int, sinks: Any) -> Any:

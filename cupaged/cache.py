@@ -319,6 +319,18 @@ class PagedCache(BlockManager):
                     f"expected counts in 1 .. each sequence's length {lens.tolist()}, got "
                     f"{counts.tolist()}"
                 )
+            if self.window_left >= 0 and counts.size:  # the queries' keys must still be held
+                held_from = self._table.released[rows].astype(np.int64) * self.spec.block_size
+                # The first query (position L - n) sees from L - n - W: not before held_from.
+                most = np.where(held_from > 0, lens - held_from - self.window_left, lens)
+                short = np.flatnonzero(counts > most)
+                if short.size:
+                    i = int(short[0])
+                    raise ValueError(
+                        f"expected at most {int(most[i])} query tokens for sequence {i} (the "
+                        f"window of {self.window_left} released its positions before "
+                        f"{int(held_from[i])}), got {int(counts[i])}"
+                    )
             starts = np.zeros(lens.size + 1, np.int32)
             np.cumsum(counts, out=starts[1:])
         # The cache's own tables and lengths: valid by construction, so the plan trusts them.

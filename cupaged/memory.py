@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 from ._checks import as_int
 from ._util import cdiv
+from ._variants import check_window_left
 from .dtypes import dtype_name, itemsize
 
 
@@ -84,7 +85,7 @@ class CacheSpec:
         ``n0`` keeps positions from ``n0 - W`` on, so more until the next decode step.
         """
         num_tokens = _non_negative(num_tokens, "num_tokens")
-        window = _window(window_left)
+        window = check_window_left(window_left)
         if window < 0 or num_tokens == 0:
             return cdiv(num_tokens, self.block_size)
         last = num_tokens - 1
@@ -94,7 +95,7 @@ class CacheSpec:
         """The most blocks a sequence of a sliding-window cache holds after a one-token step,
         whatever its length: ``ceil((window_left + 1) / block_size) + 1``, the bound a scheduler
         reserves per sequence (an upper bound of :meth:`blocks_for` at every length)."""
-        window = _window(window_left)
+        window = check_window_left(window_left)
         if window < 0:
             raise ValueError(f"expected window_left >= 0 (a window), got {window}")
         return cdiv(window + 1, self.block_size) + 1
@@ -116,13 +117,6 @@ class CacheSpec:
     def num_blocks_for_memory(self, nbytes: int) -> int:
         """How many whole blocks fit in ``nbytes`` bytes of device memory."""
         return _non_negative(nbytes, "nbytes") // self.bytes_per_block
-
-
-def _window(window_left: int) -> int:
-    window = as_int(window_left, "window_left")
-    if window < -1:
-        raise ValueError(f"expected window_left >= -1 (-1: no window), got {window}")
-    return window
 
 
 def _non_negative(value: int, what: str) -> int:

@@ -243,9 +243,7 @@ class PrefillPlan:
         # A pointer whose variant is off is never read; it gets a real array, never null.
         self._no_sinks = partial_lse
         slopes = partial_lse if variants.alibi_slopes is None else variants.alibi_slopes
-        # A window wider than MAX_CONTEXT_LEN (no context is longer) is cut to one int32.
-        window_left = min(variants.window_left, MAX_CONTEXT_LEN)
-        window = (np.int32(window_left), np.float32(variants.logits_soft_cap), slopes)
+        window = (np.int32(variants.window_left), np.float32(variants.logits_soft_cap), slopes)
         scalars = (
             num_kv_heads,
             group,

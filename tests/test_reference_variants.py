@@ -187,7 +187,7 @@ def test_a_zero_length_context_with_sinks_is_a_zero_row(rng):
     [
         (dict(window_left=-2), ValueError, r"expected window_left >= -1 .*got -2"),
         (dict(window_left=1.5), TypeError, r"expected window_left to be an int, got float"),
-        (dict(logits_soft_cap=-1.0), ValueError, r"expected logits_soft_cap finite and >= 0"),
+        (dict(logits_soft_cap=-1.0), ValueError, r"expected logits_soft_cap finite, >= 0"),
         (dict(logits_soft_cap=math.inf), ValueError, r"expected logits_soft_cap finite"),
         (dict(logits_soft_cap="50"), TypeError, r"logits_soft_cap to be a real number, got str"),
         (dict(alibi_slopes=np.ones(3, np.float32)), ValueError, r"alibi_slopes of shape \(num_q"),

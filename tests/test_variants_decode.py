@@ -176,7 +176,7 @@ def sink_batch(rng, dtype="float32", group=1, head_dim=64, block_size=16, length
     return q, k_cache, v_cache, tables, lens
 
 
-@pytest.mark.parametrize("window", [0, 1, 10**6])
+@pytest.mark.parametrize("window", [0, 1, 10**6, 2**40])
 def test_window_zero_one_and_wider_than_every_context(rng, window):
     """Window 0 attends the query's own token only (its value row); a window wider than every
     context is no window at all."""
@@ -190,7 +190,7 @@ def test_window_zero_one_and_wider_than_every_context(rng, window):
         for s in np.flatnonzero(lens):
             row = v_cache[tables[s, last[s] // 16], :, last[s] % 16]
             np.testing.assert_array_equal(out[s], np.repeat(row, q.shape[1] // 2, axis=0))
-    if window == 10**6:
+    if window >= 10**6:
         assert_close(out, oracle(q, k_cache, v_cache, tables, lens), "float32")
 
 
@@ -278,6 +278,25 @@ def test_released_entries_before_the_window(rng):
     assert np.isnan(out).all()  # refused before anything ran
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+def test_released_entries_on_tensor_cores_split_and_not(rng, splits):
+    """The tensor-core path (fp16, a group of 8) over -1 entries before the window, each
+    sequence in one item or cut in three (the items begin mid-block, after the released ones)."""
+    window, block_size = 200, 16
+    q, k_cache, v_cache, tables, lens = sink_batch(rng, "float16", 8, 64, lengths=(0, 3, 97, 700))
+    assert _launch.uses_decode_mma("float16", 8, 64)
+    released = released_tables(tables, lens, window, block_size)
+    sinks = random_array(rng, q.shape[1], "float32")
+    expected = oracle(q, k_cache, v_cache, tables, lens, window_left=window, sinks=sinks)
+    plan = cupaged.DecodePlan(released, lens, k_cache, q.shape[1], window_left=window,
+                              num_splits=splits)  # fmt: skip
+    if splits > 1:
+        work = plan.work()
+        assert (work[work[:, 0] == 3, 3] > 1).all()  # the 700-token sequence is split
+    out = plan.run(q, k_cache, v_cache, sinks=sinks, out=poison(q.shape, "float16"))
+    assert_close(out, expected, "float16")
+
+
 def test_the_planner_cuts_only_the_attended_tokens(rng):
     """A 32k context with a 4k window: the items cover the window's 4,001 tokens, each item's
     bounds within its sequence's window, split as a 4,001-token context is (the balance counts
@@ -322,10 +341,11 @@ BAD_PLAN_VALUES = [
     (dict(window_left=-2), ValueError, "expected window_left >= -1"),
     (dict(window_left=1.5), TypeError, "window_left"),
     (dict(window_left=True), TypeError, "window_left"),
-    (dict(logits_soft_cap=-1.0), ValueError, "expected logits_soft_cap finite and >= 0"),
+    (dict(logits_soft_cap=-1.0), ValueError, "expected logits_soft_cap finite, >= 0"),
     (dict(logits_soft_cap=float("nan")), ValueError, "expected logits_soft_cap finite"),
     (dict(logits_soft_cap=float("inf")), ValueError, "expected logits_soft_cap finite"),
     (dict(logits_soft_cap="50"), TypeError, "expected logits_soft_cap to be a real number"),
+    (dict(logits_soft_cap=1e39), ValueError, r"at most 3\.403e\+38 \(a float32\), got 1e\+39"),
     (dict(alibi_slopes=np.ones(5, np.float32)), ValueError, "expected alibi_slopes of shape"),
     (dict(alibi_slopes=np.ones((2, 2), np.float32)), ValueError, "alibi_slopes of shape"),
     (dict(alibi_slopes=np.ones(4)), TypeError, "expected alibi_slopes of dtype float32"),

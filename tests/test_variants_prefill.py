@@ -25,7 +25,7 @@ from helpers import DTYPES, TOLERANCES, assert_close, poison, random_array, sche
 
 import cupaged
 from cupaged import _launch
-from cupaged.dtypes import to_float
+from cupaged.dtypes import from_float, to_float
 
 VARIANTS = ("window", "soft_cap", "alibi", "sinks", "gpt-oss", "gemma2", "all")
 HEAD_DIMS = (64, 96, 128, 256)
@@ -161,11 +161,11 @@ def oracle(q, seqs, starts, causal=True, window_left=-1, soft_cap=0.0, slopes=No
             m = s.max(axis=1, keepdims=True)
             if sinks is not None:
                 m = np.maximum(m, float(sinks[h]))
-            with np.errstate(invalid="ignore"):
-                e = np.where(seen, np.exp(s - np.where(np.isfinite(m), m, 0)), 0.0)
+            with np.errstate(invalid="ignore"):  # as written: a NaN or +Inf m is a NaN row
+                e = np.where(seen, np.exp(s - m), 0.0)
                 den = e.sum(axis=1, keepdims=True)
                 if sinks is not None:
-                    den = den + np.exp(float(sinks[h]) - np.where(np.isfinite(m), m, 0))
+                    den = den + np.exp(float(sinks[h]) - m)
                 num = np.where(seen[:, :, None], e[:, :, None] * vh[None], 0.0).sum(axis=1)
             out[rows, h] = np.where(seen.any(axis=1, keepdims=True), num / den, 0.0)
     return out
@@ -264,6 +264,35 @@ def test_window_zero_and_wider_than_every_context(rng, xp, causal):
     for wide in (300, 2**40):
         got = run_prefill(xp, arrays, "float32", causal=causal, window_left=wide)
         assert_close(got, oracle(q, seqs, starts, causal), "float32")
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("shape", [FMA_SHAPE, MMA_SHAPE], ids=["cuda-cores", "tensor-cores"])
+def test_sinks_meet_nan_and_inf_as_the_formula(rng, shape, splits):
+    """As the definition has it, the exponents taken against max(m, sink): a NaN or +Inf sink
+    makes its head's rows NaN, a -Inf one weighs nothing, and a finite sink over scores that
+    are all -Inf gives a zero row; split or not."""
+    dtype, head_dim, block_size = shape
+    batch = ((300, 40), (97, 3))
+    q, k_cache, v_cache, tables, lens, starts, seqs = prefill_batch(
+        rng, batch, head_dim, 4, block_size, dtype
+    )
+    sinks = np.array([np.nan, np.inf, -np.inf, 1.5, 0.5, -2.0, 3.0, 0.0], np.float32)
+    # Sequence 0's rows on KV head 1 (query heads 4..7): every score -inf.
+    q[:40, 4:] = from_float(np.abs(to_float(q[:40, 4:], np.float32)) + 0.1, dtype)
+    k_host = to_float(k_cache, np.float32)
+    for pos in range(300):
+        k_host[tables[0, pos // block_size], 1, pos % block_size] = -np.inf
+    k_cache = from_float(k_host, dtype)
+    k0 = seqs[0][0].copy()
+    k0[:, 1] = -np.inf
+    seqs = [(k0, seqs[0][1]), *seqs[1:]]
+    arrays = (q, k_cache, v_cache, tables, lens, starts)
+    got = run_prefill(np, arrays, dtype, sinks=sinks, num_splits=splits, window_left=64)
+    expected = oracle(q, seqs, starts, window_left=64, sinks=sinks)
+    assert_close(got, expected, dtype)
+    assert np.isnan(got[:, :2]).all() and np.isfinite(got[:, 2:4]).all()
+    assert not got[:40, 4:].any() and np.isfinite(got[40:, 4:]).all()
 
 
 def test_zero_length_queries_and_sequences_with_sinks(rng, xp):
@@ -414,10 +443,11 @@ def test_windowed_work_counts_the_kernels_tiles(causal):
 BAD = [
     (dict(window_left=-2), ValueError, r"expected window_left >= -1 \(-1: no window\), got -2"),
     (dict(window_left=1.5), TypeError, r"window_left"),
-    (dict(logits_soft_cap=-1.0), ValueError, r"expected logits_soft_cap finite and >= 0"),
+    (dict(logits_soft_cap=-1.0), ValueError, r"expected logits_soft_cap finite, >= 0"),
     (dict(logits_soft_cap=float("nan")), ValueError, r"expected logits_soft_cap finite"),
     (dict(logits_soft_cap=float("inf")), ValueError, r"expected logits_soft_cap finite"),
     (dict(logits_soft_cap="50"), TypeError, r"expected logits_soft_cap to be a real number"),
+    (dict(logits_soft_cap=1e39), ValueError, r"at most 3\.403e\+38 \(a float32\), got 1e\+39"),
     (dict(alibi_slopes=np.ones(7, np.float32)), ValueError, r"alibi_slopes of shape"),
     (dict(alibi_slopes=np.ones(8)), TypeError, r"expected alibi_slopes of dtype float32"),
     (dict(alibi_slopes=[1.0] * 8), TypeError, r"expected alibi_slopes to be a float32"),

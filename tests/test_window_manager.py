@@ -17,7 +17,7 @@ import doctest
 
 import numpy as np
 import pytest
-from helpers import inner_calls, internals, undo_calls
+from helpers import assert_close, inner_calls, internals, undo_calls
 from test_fault_injection import (
     Boom,
     Faults,
@@ -270,7 +270,7 @@ def test_a_long_prompt_prefilled_in_chunks_through_a_small_pool():
                 s = keys[first : pos + 1] @ q[j, 0].astype(np.float64) * HEAD_DIM**-0.5
                 p = np.exp(s - s.max())
                 expected = (p / p.sum()) @ values[first : pos + 1]
-                np.testing.assert_allclose(out[j, 0], expected, atol=1e-5, rtol=1e-5)
+                assert_close(out[j, 0], expected, "float32")
     assert cache.seq_len(sid) == n
 
 
@@ -399,7 +399,7 @@ class Walk:
         np.testing.assert_allclose(got, expected, atol=1e-9, rtol=1e-9)
         plan = self.cache.decode_plan(sids, 2)
         out = plan.run(q, self.cache.k[0], self.cache.v[0])
-        np.testing.assert_allclose(out, expected, atol=1e-5, rtol=1e-5)
+        assert_close(out, expected, "float32")
 
     def oracle(self, q, sid):
         """float64 softmax attention of ``q`` [heads, D] over the last W + 1 tokens written."""
@@ -599,9 +599,9 @@ def test_step_plans_and_tables_carry_the_window():
     p = np.exp(s - s.max())
     expected = (p / p.sum()) @ values
     out = cache.decode_plan(plan, 1).run(q, cache.k[0], cache.v[0])
-    np.testing.assert_allclose(out[0, 0], expected, atol=1e-5, rtol=1e-5)
+    assert_close(out[0, 0], expected, "float32")
     pre = cache.prefill_plan(plan, 1).run(q, cache.k[0], cache.v[0])
-    np.testing.assert_allclose(pre[0, 0], expected, atol=1e-5, rtol=1e-5)
+    assert_close(pre[0, 0], expected, "float32")
 
 
 def test_the_plans_forward_the_callers_variants():
@@ -629,11 +629,9 @@ def test_the_plans_forward_the_callers_variants():
             **options,
         )
         out = cache.decode_plan([sid], 2, **options).run(q, cache.k[0], cache.v[0])
-        np.testing.assert_allclose(out, expected, atol=1e-5, rtol=1e-5)
+        assert_close(out, expected, "float32")
         pre = cache.prefill_plan([sid], 2, num_tokens=[1], **options)
-        np.testing.assert_allclose(
-            pre.run(q, cache.k[0], cache.v[0]), expected, atol=1e-5, rtol=1e-5
-        )
+        assert_close(pre.run(q, cache.k[0], cache.v[0]), expected, "float32")
     plain = cupaged.reference_attention(
         q,
         cache.k[0],
@@ -777,3 +775,19 @@ def test_a_step_that_cannot_finish_releases_nothing():
     assert observe(cache) == before
     cache.check_invariants()
     internals(cache).assert_no_call_inside()
+
+
+def test_a_prefill_plan_of_more_queries_than_the_window_still_holds_is_refused():
+    """Queries whose window reaches a released block would attend its -1 entry (zero keys, no
+    error, with the cache's unchecked tables): the plan refuses them, naming the bound."""
+    cache = new_cache(32, 4, 5)
+    rng = np.random.default_rng(5)
+    sid = cache.add_sequence()
+    cache.append(sid, *kv(rng, 30))
+    cache.append(sid, *kv(rng, 1))  # released: the blocks before position 24
+    assert cache.block_table(sid)[:6] == [-1] * 6
+    for n in (1, 2):  # the first query at 31 - n sees from 26 - n >= 24
+        cache.prefill_plan([sid], 1, num_tokens=[n])
+    for n in (3, 10):
+        with pytest.raises(ValueError, match=rf"expected at most 2 query tokens .* got {n}"):
+            cache.prefill_plan([sid], 1, num_tokens=[n])

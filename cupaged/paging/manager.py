@@ -42,6 +42,7 @@ import numpy as np
 from .._backend import device_module, resolve_device
 from .._checks import as_int
 from .._util import cdiv
+from .._variants import check_window_left
 from .chains import Chains
 from .lifecycle import Lifecycle
 from .planner import NO_SLOTS, Planner
@@ -51,7 +52,7 @@ from .results import Admission, OneSlots, StepPlan
 from .sequences import SequenceBatch, SequenceTable
 from .tokens import step_tokens, token_array, token_counts
 from .transaction import Transaction, atomic, run_atomically
-from .window import Window, check_window
+from .window import Window
 
 _INT32_MAX = 2**31 - 1
 
@@ -125,7 +126,7 @@ class BlockManager:
         num_blocks, block_size = _checked_sizes(num_blocks, block_size)
         if block_hasher is not None and not enable_prefix_caching:
             raise ValueError("block_hasher= needs enable_prefix_caching=True")
-        window = check_window(window_left)
+        window = check_window_left(window_left)
         self.device = resolve_device(device)
         self.prefix_caching = bool(enable_prefix_caching)
         self._xp = device_module(self.device)

@@ -28,27 +28,14 @@ next step tells), so a released block that has a key stays findable as an evicta
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 
-from .._checks import INT32_MAX, as_int, require
+from .._checks import INT32_MAX, require
+from .._variants import check_window_left as check_window_left
 from .chains import Chains
 from .pool import BlockPool
 from .sequences import SequenceTable
 from .transaction import Transaction
-
-
-def check_window(window_left: Any) -> int:
-    """``window_left`` as an int, ``-1`` (no window) or more.
-
-    Raises:
-        TypeError: not an int. ValueError: below -1.
-    """
-    window = as_int(window_left, "window_left")
-    if window < -1:
-        raise ValueError(f"expected window_left >= -1 (-1: no window), got {window}")
-    return window
 
 
 class Window:
