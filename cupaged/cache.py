@@ -319,18 +319,9 @@ class PagedCache(BlockManager):
                     f"expected counts in 1 .. each sequence's length {lens.tolist()}, got "
                     f"{counts.tolist()}"
                 )
-            if self.window_left >= 0 and counts.size:  # the queries' keys must still be held
+            if self.window_left >= 0:  # the queries' keys must still be held
                 held_from = self._table.released[rows].astype(np.int64) * self.spec.block_size
-                # The first query (position L - n) sees from L - n - W: not before held_from.
-                most = np.where(held_from > 0, lens - held_from - self.window_left, lens)
-                short = np.flatnonzero(counts > most)
-                if short.size:
-                    i = int(short[0])
-                    raise ValueError(
-                        f"expected at most {int(most[i])} query tokens for sequence {i} (the "
-                        f"window of {self.window_left} released its positions before "
-                        f"{int(held_from[i])}), got {int(counts[i])}"
-                    )
+                _check_held(self.window_left, held_from, lens, counts)
             starts = np.zeros(lens.size + 1, np.int32)
             np.cumsum(counts, out=starts[1:])
         # The cache's own tables and lengths: valid by construction, so the plan trusts them.
@@ -442,6 +433,20 @@ class PagedCache(BlockManager):
         check_dtype("k", k, spec.dtype, "the cache's dtype")
         check_dtype("v", v, spec.dtype, "the cache's dtype")
         return as_storage(k), as_storage(v)
+
+
+def _check_held(window_left: int, held_from: np.ndarray, lens: np.ndarray, counts: np.ndarray):
+    """Refuse query counts whose first query (at ``L - n``, seeing from ``L - n - W``) would
+    reach a position before ``held_from``, where the window released the blocks."""
+    most = np.where(held_from > 0, lens - held_from - window_left, lens)
+    short = np.flatnonzero(counts > most)
+    if short.size:
+        i = int(short[0])
+        raise ValueError(
+            f"expected at most {int(most[i])} query tokens for sequence {i} (the window of "
+            f"{window_left} released its positions before {int(held_from[i])}), got "
+            f"{int(counts[i])}"
+        )
 
 
 def _variants(window_left: int, logits_soft_cap: Any, alibi_slopes: Any) -> dict[str, Any]:
