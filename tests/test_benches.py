@@ -3,6 +3,7 @@ benchmark table names every axis and keeps to a readable set of columns."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -12,8 +13,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def pytest_at_root(*args: str) -> subprocess.CompletedProcess:
+    """A pytest of its own at the repository root; not a worker of this run's pytest-xdist (a
+    worker's environment tells pytest-benchmark that xdist is on, which disables it)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}
     return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)  # fmt: skip
+                          cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)  # fmt: skip
 
 
 def collected(result: subprocess.CompletedProcess) -> list[str]:
