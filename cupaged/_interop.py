@@ -127,11 +127,21 @@ def _import_call(given: dict[str, Any]) -> _Imported:
             not run on.
     """
     foreign, native = set(), False
-    for x in given.values():
+    arrays, originals, bfloat16 = {}, {}, False
+    for name, x in given.items():
         if isinstance(x, np.ndarray) or is_cupy_array(x):
             native = True
+            continue
+        hit = _recent.get(id(x))  # a tensor imported lately: no framework test, no import
+        if hit is not None and hit[0]() is x and hit[1] == _memo_key(x):
+            framework, array, was_bfloat16 = hit[2], hit[3], hit[4]
         else:
-            foreign.add(framework_of(x))
+            framework = framework_of(x)
+            array, was_bfloat16 = _import(name, x, framework)
+        foreign.add(framework)
+        arrays[name] = array
+        originals[id(array)] = x
+        bfloat16 |= was_bfloat16
     if len(foreign) > 1 or native:
         described = ", ".join(f"{n}: {_kind(x)}" for n, x in given.items())
         kinds = sorted(foreign | ({"numpy/cupy"} if native else set()))
@@ -139,14 +149,7 @@ def _import_call(given: dict[str, Any]) -> _Imported:
             f"expected the arrays of one call from one framework, got a mix of "
             f"{' and '.join(kinds)} ({described})"
         )
-    (framework,) = foreign
-    arrays, originals, bfloat16 = {}, {}, False
-    for name, x in given.items():
-        array, was_bfloat16 = _import(name, x, framework)
-        arrays[name] = array
-        originals[id(array)] = x
-        bfloat16 |= was_bfloat16
-    return _Imported(arrays, originals, framework, bfloat16, given)
+    return _Imported(arrays, originals, foreign.pop(), bfloat16, given)
 
 
 def _export(result: Any, framework: str, bfloat16: bool) -> Any:
@@ -169,7 +172,7 @@ def _export(result: Any, framework: str, bfloat16: bool) -> Any:
 # (and often the same output buffers) to every step, and an import costs more than the rest of a
 # plan's run. An entry is used only while it is still that object, at the same address, shape and
 # strides (a tensor resized or re-pointed in place is imported again).
-_recent: dict[int, tuple[Any, tuple, Any, bool]] = {}
+_recent: dict[int, tuple[Any, tuple | None, str, Any, bool]] = {}
 _RECENT_MOST = 256
 
 
@@ -184,17 +187,20 @@ def _import(name: str, x: Any, framework: str) -> tuple[Any, bool]:
         return _from_dlpack(name, x, int(x.__dlpack_device__()[0])), False
     import torch
 
-    key = (x.data_ptr(), tuple(x.shape), x.stride())
-    hit = _recent.get(id(x))
-    if hit is not None and hit[0]() is x and hit[1] == key:
-        return hit[2], hit[3]
     bfloat16 = x.dtype == torch.bfloat16
     source = x.view(torch.int16) if bfloat16 else x  # NumPy and CuPy 13 import no bfloat16
     array = _from_dlpack(name, source, _DL_CUDA if x.is_cuda else _DL_CPU)
     if len(_recent) >= _RECENT_MOST:
         _recent.clear()
-    _recent[id(x)] = (weakref.ref(x), key, array, bfloat16)
+    _recent[id(x)] = (weakref.ref(x), _memo_key(x), framework, array, bfloat16)
     return array, bfloat16
+
+
+def _memo_key(x: Any) -> tuple:
+    """What must not have changed for a remembered import of ``x`` to stand (PyTorch: the
+    address, shape and strides; ``None`` for another framework's array, which is not kept)."""
+    data_ptr = getattr(x, "data_ptr", None)
+    return (data_ptr(), x.shape, x.stride()) if data_ptr is not None else None
 
 
 def _from_dlpack(name: str, x: Any, device_type: int) -> Any:
