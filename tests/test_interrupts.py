@@ -31,7 +31,7 @@ BS, LAYERS, HEAD_DIM = 4, 2, 64
 PACKAGE = str(__import__("pathlib").Path(__import__("cupaged").__file__).parent)
 
 
-def make_cache(prefix: bool) -> PagedCache:
+def make_cache(prefix: bool, window_left: int = -1) -> PagedCache:
     # With prefix caching, a pool that the walk never fills: an interrupted call that evicted
     # cached blocks and wrote K/V leaves them out of the cache (their content is gone), which
     # a twin that never ran the call cannot mirror. Eviction's undo is tested in
@@ -39,7 +39,7 @@ def make_cache(prefix: bool) -> PagedCache:
     num_blocks = 400 if prefix else 40
     return PagedCache(
         num_blocks, BS, num_layers=LAYERS, num_kv_heads=1, head_dim=HEAD_DIM, dtype="float32",
-        device="cpu", enable_prefix_caching=prefix,
+        device="cpu", enable_prefix_caching=prefix, window_left=window_left,
     )  # fmt: skip
 
 
@@ -230,12 +230,17 @@ def test_an_interrupt_at_every_moment_of_a_call_is_undone_or_finished(prefix):
 
 
 @pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="needs signal.setitimer (POSIX)")
-@pytest.mark.parametrize("prefix", [False, True])
-def test_interrupts_at_random_moments_through_a_long_walk(prefix, seed=7):
-    """A SIGALRM raising KeyboardInterrupt 10 µs to 1 ms into calls, through 1,500 calls."""
+@pytest.mark.parametrize(
+    ("prefix", "window_left"),
+    [(False, -1), (True, -1), (False, 9)],
+    ids=["plain", "prefix", "window"],
+)
+def test_interrupts_at_random_moments_through_a_long_walk(prefix, window_left, seed=7):
+    """A SIGALRM raising KeyboardInterrupt 10 µs to 1 ms into calls, through 1,500 calls; with a
+    sliding window too (its releases inside the same transactions)."""
     assert threading.current_thread() is threading.main_thread()
     rng = np.random.default_rng(seed + prefix)
-    subject, twin = make_cache(prefix), make_cache(prefix)
+    subject, twin = make_cache(prefix, window_left), make_cache(prefix, window_left)
     model = Model()
 
     def handler(signum, frame):
