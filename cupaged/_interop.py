@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -32,6 +31,7 @@ from ._backend import cupy_module, is_cupy_array
 _DL_CPU = 1  # DLPack device types (dlpack.h: kDLCPU, kDLCUDA, kDLCUDAHost)
 _DL_CUDA = 2
 _DL_CUDA_HOST = 3
+_TORCH_DEVICES = {"cpu": _DL_CPU, "cuda": _DL_CUDA}  # others: asked of __dlpack_device__()
 
 
 def is_native(x: Any) -> bool:
@@ -89,16 +89,15 @@ def _any_foreign(values: Any) -> bool:
 class _Imported:
     """The native arrays of one call, and how results go back as the caller's arrays."""
 
-    __slots__ = ("arrays", "bfloat16", "framework", "given", "originals")
+    __slots__ = ("arrays", "framework", "given", "originals")
 
     def __init__(
         self, arrays: dict[str, Any], originals: dict[int, Any], framework: str,
-        bfloat16: bool, given: dict[str, Any],
+        given: dict[str, Any],
     ) -> None:  # fmt: skip
         self.arrays = arrays  # by argument name, NumPy or CuPy
         self.originals = originals  # id of a native array -> the caller's object it came from
         self.framework = framework
-        self.bfloat16 = bfloat16  # a foreign bfloat16 tensor came in: 16-bit results go back so
         self.given = given  # the caller's arrays by name, for error messages
 
     @property
@@ -116,7 +115,7 @@ class _Imported:
         original = self.originals.get(id(result))
         if original is not None:
             return original
-        return _export(result, self.framework, self.bfloat16)
+        return _export(result, self.framework)
 
 
 def _import_call(given: dict[str, Any]) -> _Imported:
@@ -127,21 +126,16 @@ def _import_call(given: dict[str, Any]) -> _Imported:
             not run on.
     """
     foreign, native = set(), False
-    arrays, originals, bfloat16 = {}, {}, False
+    arrays, originals = {}, {}
     for name, x in given.items():
         if isinstance(x, np.ndarray) or is_cupy_array(x):
             native = True
             continue
-        hit = _recent.get(id(x))  # a tensor imported lately: no framework test, no import
-        if hit is not None and hit[0]() is x and hit[1] == _memo_key(x):
-            framework, array, was_bfloat16 = hit[2], hit[3], hit[4]
-        else:
-            framework = framework_of(x)
-            array, was_bfloat16 = _import(name, x, framework)
+        framework = framework_of(x)
+        array = _import(name, x, framework)
         foreign.add(framework)
         arrays[name] = array
         originals[id(array)] = x
-        bfloat16 |= was_bfloat16
     if len(foreign) > 1 or native:
         described = ", ".join(f"{n}: {_kind(x)}" for n, x in given.items())
         kinds = sorted(foreign | ({"numpy/cupy"} if native else set()))
@@ -149,58 +143,57 @@ def _import_call(given: dict[str, Any]) -> _Imported:
             f"expected the arrays of one call from one framework, got a mix of "
             f"{' and '.join(kinds)} ({described})"
         )
-    return _Imported(arrays, originals, foreign.pop(), bfloat16, given)
+    return _Imported(arrays, originals, foreign.pop(), given)
 
 
-def _export(result: Any, framework: str, bfloat16: bool) -> Any:
-    """A NumPy or CuPy array as ``framework``'s array, through DLPack (no copy)."""
+def _export(result: Any, framework: str) -> Any:
+    """A NumPy or CuPy array as ``framework``'s array, through DLPack (no copy). cupaged's 16-bit
+    integer results are bfloat16 patterns (its bfloat16 storage): they go back as bfloat16. An
+    exporter of another framework gets the NumPy or CuPy array itself."""
     if framework == "torch":
         import torch
 
         tensor = torch.from_dlpack(result)
-        if bfloat16 and tensor.dtype in (torch.uint16, torch.int16):
+        if tensor.dtype in (torch.uint16, torch.int16):
             return tensor.view(torch.bfloat16)
         return tensor
     if framework in ("jax", "jaxlib"):
         import jax.numpy as jnp
 
         return jnp.from_dlpack(result)
-    raise TypeError(f"expected arrays of PyTorch or JAX to hand back, got {framework} arrays")
+    return result
 
 
-# Tensors imported lately, by the id of the caller's object: a model hands the same cache layers
-# (and often the same output buffers) to every step, and an import costs more than the rest of a
-# plan's run. An entry is used only while it is still that object, at the same address, shape and
-# strides (a tensor resized or re-pointed in place is imported again).
-_recent: dict[int, tuple[Any, tuple | None, str, Any, bool]] = {}
-_RECENT_MOST = 256
+def _import(name: str, x: Any, framework: str) -> Any:
+    """One foreign array as a NumPy or CuPy array (no copy).
 
-
-def _import(name: str, x: Any, framework: str) -> tuple[Any, bool]:
-    """One foreign array as NumPy or CuPy, and whether it held bfloat16."""
+    Nothing is remembered between calls: a kept import would keep the caller's tensor alive
+    (its DLPack export holds it), and on CUDA it would skip the stream handshake that orders
+    the producer's pending work before cupaged's kernels.
+    """
     if not (hasattr(x, "__dlpack__") and hasattr(x, "__dlpack_device__")):
         raise TypeError(
             f"expected {name} to be a NumPy or CuPy array or an object with __dlpack__, got "
             f"{_kind(x)}"
         )
-    if framework != "torch":
-        return _from_dlpack(name, x, int(x.__dlpack_device__()[0])), False
-    import torch
+    source = x
+    if framework == "torch":  # its device attribute is cheaper than __dlpack_device__()
+        import torch
 
-    bfloat16 = x.dtype == torch.bfloat16
-    source = x.view(torch.int16) if bfloat16 else x  # NumPy and CuPy 13 import no bfloat16
-    array = _from_dlpack(name, source, _DL_CUDA if x.is_cuda else _DL_CPU)
-    if len(_recent) >= _RECENT_MOST:
-        _recent.clear()
-    _recent[id(x)] = (weakref.ref(x), _memo_key(x), framework, array, bfloat16)
-    return array, bfloat16
-
-
-def _memo_key(x: Any) -> tuple:
-    """What must not have changed for a remembered import of ``x`` to stand (PyTorch: the
-    address, shape and strides; ``None`` for another framework's array, which is not kept)."""
-    data_ptr = getattr(x, "data_ptr", None)
-    return (data_ptr(), x.shape, x.stride()) if data_ptr is not None else None
+        if x.dtype == torch.bfloat16:  # NumPy and CuPy 13 import no bfloat16: its int16 view
+            source = x.view(torch.int16)
+        device = _TORCH_DEVICES.get(x.device.type)
+    else:
+        device = None
+    try:
+        if device is None:
+            device = int(x.__dlpack_device__()[0])
+        return _from_dlpack(name, source, device)
+    except (BufferError, RuntimeError, ValueError) as error:  # the framework's own refusal
+        raise TypeError(
+            f"expected {name} importable through DLPack (a dense tensor in host or CUDA "
+            f"memory, not requiring grad), got {_kind(x)}: {error}"
+        ) from None
 
 
 def _from_dlpack(name: str, x: Any, device_type: int) -> Any:

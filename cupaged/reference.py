@@ -103,7 +103,7 @@ def reference_attention(
 
     target = dims.dtype if out_dtype is None else out_dtype
     if target == "float64":
-        return out
+        return out.astype(np.float64, copy=False)  # float64 whatever compute_dtype was
     return from_float(out, dtype_name(target), like=q)
 
 
@@ -202,7 +202,7 @@ def reference_prefill(
 
     target = dims.dtype if out_dtype is None else out_dtype
     if target == "float64":
-        return out
+        return out.astype(np.float64, copy=False)  # float64 whatever compute_dtype was
     return from_float(out, dtype_name(target), like=q)
 
 

@@ -181,8 +181,15 @@ def test_a_cache_is_viewed_by_torch_without_a_copy():
             lambda a: {**a, "block_tables": a["block_tables"].numpy()},
             "a mix of numpy/cupy and torch",
         ),
-        (lambda a: {**a, "k_cache": a["k_cache"].to(torch.int8)}, "torch.int8 on cpu"),
-        (lambda a: {**a, "q": a["q"].to(torch.float64)}, "q torch.float64 on cpu"),
+        (
+            lambda a: {**a, "k_cache": a["k_cache"].to(torch.int8)},
+            r"expected k_cache of dtype float32 .*got int8 .*k_cache torch\.int8 on cpu",
+        ),
+        (
+            lambda a: {**a, "q": a["q"].to(torch.float64)},
+            r"expected an array of float32, float16 or bfloat16 .*got dtype float64 .*"
+            r"q torch\.float64 on cpu",
+        ),
         (
             lambda a: {**a, "k_cache": a["k_cache"].transpose(0, 1).contiguous().transpose(0, 1)},
             "expected k_cache C-contiguous",
@@ -225,3 +232,45 @@ def test_an_immutable_array_is_an_input_but_not_an_in_place_target():
     with pytest.raises(ValueError, match="k_cache.*(read-only|writable)"):
         cupaged.write_kv(ReadOnly(cache.copy()), ReadOnly(cache.copy()), ReadOnly(k),
                          ReadOnly(k), ReadOnly(slots))  # fmt: skip
+
+
+def test_nothing_is_kept_of_a_callers_tensors_after_the_call():
+    """The boundary remembers nothing: a tensor the caller drops is freed (an import kept
+    between calls would hold the tensor alive through its DLPack export)."""
+    import gc
+    import weakref
+
+    generator = torch.Generator().manual_seed(11)
+    k_cache = torch.randn(NB, H_KV, BS, D, generator=generator)
+    tables = torch.tensor([[0, 1]], dtype=torch.int32)
+    lens = torch.tensor([20], dtype=torch.int32)
+    q = torch.randn(1, H_Q, D, generator=generator)
+    out = cupaged.paged_attention(q, k_cache, k_cache, tables, lens)
+    dropped = [weakref.ref(x) for x in (q, k_cache, out)]
+    del q, k_cache, out
+    gc.collect()
+    assert all(ref() is None for ref in dropped)
+
+
+def test_16_bit_results_go_back_as_bfloat16_and_other_exporters_get_numpy():
+    generator = torch.Generator().manual_seed(12)
+    q = torch.randn(1, H_Q, D, generator=generator)
+    k_cache = torch.randn(NB, H_KV, BS, D, generator=generator)
+    tables, lens = torch.tensor([[0, 1]], dtype=torch.int32), torch.tensor([20], dtype=torch.int32)
+    got = cupaged.reference_attention(q, k_cache, k_cache, tables, lens, out_dtype="bfloat16")
+    assert got.dtype == torch.bfloat16
+    wide = cupaged.reference_attention(q, k_cache, k_cache, tables, lens, out_dtype="float64")
+    assert wide.dtype == torch.float64
+    plain = [ReadOnly(t.numpy().copy()) for t in (q, k_cache, k_cache, tables, lens)]
+    result = cupaged.paged_attention(*plain)
+    assert isinstance(result, np.ndarray)
+    np.testing.assert_allclose(result, cupaged.paged_attention(q, k_cache, k_cache, tables,
+                                                               lens).numpy(), atol=1e-6)  # fmt: skip
+
+
+def test_a_tensor_that_requires_grad_is_refused_naming_it():
+    q = torch.randn(1, H_Q, D, requires_grad=True)
+    k_cache = torch.randn(NB, H_KV, BS, D)
+    tables, lens = torch.tensor([[0, 1]], dtype=torch.int32), torch.tensor([20], dtype=torch.int32)
+    with pytest.raises(TypeError, match=r"expected q importable through DLPack .*require gradient"):
+        cupaged.paged_attention(q, k_cache, k_cache, tables, lens)
