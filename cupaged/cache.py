@@ -128,7 +128,7 @@ class PagedCache(BlockManager):
 
         All or nothing: when the pool cannot hold every new token, :class:`OutOfBlocksError` is
         raised and nothing is allocated or written. With a window, the blocks before the window
-        of the first new token are released first (and their blocks may take the new tokens).
+        of the first new token are released once the new tokens are written.
 
         Args:
             sid: the sequence.
@@ -146,8 +146,8 @@ class PagedCache(BlockManager):
         if n == 0:
             return
         rows = np.array([row], np.intp)
-        if self._window is not None:  # before the plan, which may take the blocks it releases
-            self._window.release(rows, n)
+        if self._window is not None:  # what the step before wrote, registered before the plan
+            self._window.register_pending(rows, n)
         slots, src, dst = self._planner.plan(
             rows, n, new_tokens, f"appending {n} token(s) to sequence {sid}"
         )
@@ -160,6 +160,8 @@ class PagedCache(BlockManager):
         if self._table.pending.item(row):  # written: its full blocks may serve others now
             self._chains.save([row])
             self._chains.commit([row])
+        if self._window is not None:  # after the writes: none of them lands in a released block
+            self._window.release(rows, n, grown=True)
 
     def step(
         self,

@@ -415,12 +415,14 @@ class BlockManager:
         else:
             single = isinstance(sids, (int, np.integer))
             new_tokens = step_tokens(single, rows.size, counts, tokens, self.prefix_caching)
-        if self._window is not None:  # before the plan, which may take the blocks it releases
-            self._window.release(rows, counts)
+        if self._window is not None:  # what the step before wrote, registered before the plan
+            self._window.register_pending(rows, counts)
         bases = None  # each row's first flat entry: what the decode path reads
         if type(counts) is int and counts == 1 and isinstance(sids, SequenceBatch):
             bases = sids.flat_bases()
         slots, src, dst = self._planner.plan(rows, counts, new_tokens, None, bases)
+        if self._window is not None:  # after the plan: it cannot take (and write) what goes
+            self._window.release(rows, counts, grown=True)
         plan = StepPlan(self._on_device(slots), src, dst, counts, rows.size)
         plan.issuer = self._table
         if tables:

@@ -69,12 +69,17 @@ class Window:
         self.table, self.pool, self.chains = table, pool, chains
         self._log = transaction.log  # (the same list for the transaction's life)
 
-    def release(self, rows: np.ndarray, counts: int | np.ndarray) -> None:
+    def release(self, rows: np.ndarray, counts: int | np.ndarray, grown: bool = False) -> None:
         """Release the blocks that the steps of ``rows`` (distinct, resident; before their
         growth by ``counts[i]`` tokens, one int for all) leave out of the window: vectorised,
         O(released blocks) beyond a few array operations over the batch. A row that does not
         grow releases nothing (a decode query at its last token still sees what it saw).
-        Nothing here fails; every change records its undo first."""
+        Nothing here fails; every change records its undo first.
+
+        ``grown``: the rows have grown by ``counts`` already (a call after the step's plan and
+        writes, so that no block it releases can be taken and written by the same call: a
+        rollback puts released blocks back in the table, with their contents). Their pending
+        blocks are then registered by :meth:`register_pending` before the plan."""
         if isinstance(counts, int):
             if not counts:
                 return
@@ -82,6 +87,8 @@ class Window:
             rows = rows[counts > 0]
         table, bs = self.table, self.table.block_size
         lens = table.lens[rows]
+        if grown:
+            lens = lens - (counts if isinstance(counts, int) else counts[counts > 0])
         target = (lens - self._shift) // bs  # negative before the window's first block
         current = table.released[rows]
         due = (target > current).nonzero()[0]
@@ -89,11 +96,8 @@ class Window:
             return
         rows, start, stop = rows[due], current[due], target[due]
         counts = stop - start
-        if self.chains.enabled:  # first register what the step before wrote (see the module)
-            pending = rows[table.pending[rows]].tolist()
-            if pending:
-                self.chains.save(pending)
-                self.chains.commit(pending)
+        if self.chains.enabled and not grown:  # first register what the step before wrote
+            self._register(rows)
         # The released entries in the flat table (row * width + column: 1-D gathers and stores).
         width = table.width
         if counts.max() == 1:  # a decode step: at most one block each
@@ -109,6 +113,24 @@ class Window:
         table.released[rows] = stop
         table.touch(rows)
         self.pool.release(blocks, repeats=repeats)
+
+    def register_pending(self, rows: np.ndarray, counts: int | np.ndarray) -> None:
+        """Before a step's plan: register the pending full blocks of the rows that grow (the step
+        before wrote their K/V), so that a block :meth:`release` drops after the plan stays
+        findable by its key (see the module)."""
+        if not self.chains.enabled:
+            return
+        if not isinstance(counts, int):
+            rows = rows[counts > 0]
+        elif not counts:
+            return
+        self._register(rows)
+
+    def _register(self, rows: np.ndarray) -> None:
+        pending = rows[self.table.pending[rows]].tolist()
+        if pending:
+            self.chains.save(pending)
+            self.chains.commit(pending)
 
     def check(self, sid: int, row: int) -> None:
         """A row released no block that a query at its last token sees; ``AssertionError``
