@@ -16,10 +16,11 @@ The table entry of a released block becomes ``-1``; the length and the logical p
 so ``token pos -> tables[row, pos // block_size]`` holds for every position in the window. A
 sequence then holds at most ``ceil((W + 1) / block_size) + 1`` blocks after each one-token step.
 
-:class:`Window` does the release at the start of every call that grows a sequence (``step``,
-``reserve``, ``append``), inside its transaction and before the step's plan, so that the plan
-can take the blocks it releases: a step that then fails (``OutOfBlocksError``) is rolled back,
-its release with it. A sequence that a step does not grow (0 tokens) releases nothing, so the
+:class:`Window` does the release in every call that grows a sequence (``step``, ``reserve``,
+``append``), inside its transaction and after the step's plan (``append``: after its writes),
+so that no block it releases is taken and written by the same call: a call that fails
+(``OutOfBlocksError``, an interrupt) is rolled back, its release with it, and the blocks it
+puts back still hold their K/V. A sequence that a step does not grow (0 tokens) releases nothing, so the
 decode query at a sequence's last token always finds its window held. Only blocks before it go, never the partly filled last block the
 step writes into (its last position is at least ``n0``). With prefix caching the row's pending
 full blocks are registered first (their K/V were written by the step before: that is what the
