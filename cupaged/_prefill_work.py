@@ -48,13 +48,7 @@ def prefill_work(
     """
     if window_left >= 0:
         return prefill_window_work(query_start_loc, context_lens, query_rows, causal, window_left)
-    starts = np.asarray(query_start_loc, np.int64)
-    lens = np.asarray(context_lens, np.int64)
-    n = np.diff(starts)
-    head = np.minimum(-starts[:-1] % query_rows, n)
-    rest = n - head
-    tiles = cdiv(rest, query_rows)
-    past = lens - n
+    lens, n, head, rest, tiles, past = _tiles(query_start_loc, context_lens, query_rows)
     if causal:
         short = tiles * query_rows - rest  # rows missing from each sequence's last tile
         tokens = np.where(head > 0, past + head, 0) + tiles * (past + head)
@@ -75,13 +69,7 @@ def prefill_window_work(
     """``prefill_work`` with a window: tile by tile (vectorised), since a tile of first position
     ``p`` and ``r`` rows reads ``[max(0, p - window_left), p + r)`` (causal; ``.. L`` not), a
     length that the closed form of ``prefill_work`` does not sum."""
-    starts = np.asarray(query_start_loc, np.int64)
-    lens = np.asarray(context_lens, np.int64)
-    n = np.diff(starts)
-    head = np.minimum(-starts[:-1] % query_rows, n)
-    rest = n - head
-    tiles = cdiv(rest, query_rows)
-    past = lens - n
+    lens, n, head, rest, tiles, past = _tiles(query_start_loc, context_lens, query_rows)
     seq = np.repeat(np.arange(len(n)), tiles)  # the aligned tiles' sequences, then the heads'
     k = np.arange(len(seq)) - np.repeat(np.cumsum(tiles) - tiles, tiles)
     heads = np.flatnonzero(head > 0)
@@ -91,3 +79,15 @@ def prefill_window_work(
     end = first + rows if causal else lens[seq]
     length = end - np.maximum(first - window_left, 0)
     return PrefillWork(len(seq), int(length.sum()), int(length.max()) if len(seq) else 0)
+
+
+def _tiles(query_start_loc: np.ndarray, context_lens: np.ndarray, query_rows: int) -> tuple:
+    """Per sequence, int64: ``(lens, n, head, rest, tiles, past)``: its length, its query rows,
+    its head tile's rows (to the next multiple of ``query_rows``), the rows after the head, the
+    aligned tiles of those, and the tokens before its first query."""
+    starts = np.asarray(query_start_loc, np.int64)
+    lens = np.asarray(context_lens, np.int64)
+    n = np.diff(starts)
+    head = np.minimum(-starts[:-1] % query_rows, n)
+    rest = n - head
+    return lens, n, head, rest, cdiv(rest, query_rows), lens - n
