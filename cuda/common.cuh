@@ -1,11 +1,13 @@
 // common.cuh: helpers shared by every cupaged kernel family.
 //
 // Included by the kernel files (write_kv, copy_blocks, paged attention). Self-contained: only the
-// CUDA half/bfloat16 headers, no standard-library headers (NVRTC and the CPU backend both build it).
+// CUDA half/bfloat16/fp8 headers, no standard-library headers (NVRTC and the CPU backend both
+// build it).
 #pragma once
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_pipeline_primitives.h>  // cp.async; the CPU backend emulates it (docs/cpu_backend.md)
 
 // Dynamic shared memory, declared inside a kernel body: `CUPAGED_DYNAMIC_SHARED(float, smem);`,
@@ -108,6 +110,81 @@ __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
   return __float2bfloat16_rn(x);
 }
 
+// ---- fp8 caches (docs/fp8.md; cupaged/dtypes.py names the same types) -----------------------
+// A cache of element type __nv_fp8_e4m3 (OCP E4M3, max 448) or __nv_fp8_e5m2 (max 57344) holds
+// each K (V) element of KV head h as fp8(x / k_scale(h)); a kernel reads x back as
+// float(stored) * k_scale(h), applying the scale once per score (K) or per output row (V), never
+// per element. The query and the output are never fp8. A kernel that reads or writes an fp8
+// cache takes the scales as six arguments, after its own and before the variants' four:
+//   float k_scale, float v_scale, const float* k_scales, const float* v_scales,
+//   int k_scale_stride, int v_scale_stride
+// and the scale of KV head h is k_scale * k_scales[h * k_scale_stride] (head_scale below): a
+// host float comes as the value over an array of 1.0, a device array as 1.0 over itself, with
+// stride 0 for one scale ([] or [1]) and 1 for one per KV head ([num_kv_heads]). The arrays are
+// real float32 arrays, never null; a kernel of a 16/32-bit cache never reads them.
+template <typename T>
+struct IsFp8 {
+  static constexpr bool value = false;
+};
+template <>
+struct IsFp8<__nv_fp8_e4m3> {
+  static constexpr bool value = true;
+  static constexpr __nv_fp8_interpretation_t kFormat = __NV_E4M3;
+};
+template <>
+struct IsFp8<__nv_fp8_e5m2> {
+  static constexpr bool value = true;
+  static constexpr __nv_fp8_interpretation_t kFormat = __NV_E5M2;
+};
+
+// The scale of KV head `head` (see above).
+__device__ __forceinline__ float head_scale(float value, const float* __restrict__ scales,
+                                            int stride, int head) {
+  return value * __ldg(scales + head * stride);
+}
+
+__device__ __forceinline__ float to_float(__nv_fp8_e4m3 x) {
+  return __half2float(__half(__nv_cvt_fp8_to_halfraw(x.__x, __NV_E4M3)));
+}
+__device__ __forceinline__ float to_float(__nv_fp8_e5m2 x) {
+  return __half2float(__half(__nv_cvt_fp8_to_halfraw(x.__x, __NV_E5M2)));
+}
+// float -> fp8: nearest, ties to even, saturated to +-max (infinities too); NaN stays NaN (the
+// byte 0x7F). The CPU backend runs the header's host conversion, the same function bit for bit;
+// cupaged.dtypes.float_to_fp8_bits is its array-op oracle.
+template <>
+__device__ __forceinline__ __nv_fp8_e4m3 from_float<__nv_fp8_e4m3>(float x) {
+  __nv_fp8_e4m3 r;
+  r.__x = __nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3);
+  return r;
+}
+template <>
+__device__ __forceinline__ __nv_fp8_e5m2 from_float<__nv_fp8_e5m2>(float x) {
+  __nv_fp8_e5m2 r;
+  r.__x = __nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E5M2);
+  return r;
+}
+
+// Two fp8 bytes (the low one first) as two floats, through one fp8x2 -> half2 conversion.
+template <typename T>
+__device__ __forceinline__ float2 fp8x2_to_float2(unsigned short pair) {
+  return __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(pair, IsFp8<T>::kFormat)));
+}
+
+// The 4N fp8 bytes of `words` as 4N floats, two per conversion.
+template <typename T, int N>
+__device__ __forceinline__ void fp8_words_as_float(const unsigned (&words)[N], float* out) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    const float2 lo = fp8x2_to_float2<T>(static_cast<unsigned short>(words[i] & 0xffffu));
+    const float2 hi = fp8x2_to_float2<T>(static_cast<unsigned short>(words[i] >> 16));
+    out[4 * i] = lo.x;
+    out[4 * i + 1] = lo.y;
+    out[4 * i + 2] = hi.x;
+    out[4 * i + 3] = hi.y;
+  }
+}
+
 // ---- 16-byte vectors: asynchronous staging and conversion in pairs --------------------------
 // Shared by the attention kernels: K/V rows are staged into shared memory 16 bytes per copy, then
 // read back 16 bytes per lane (LDS.128) and widened to float32. 16-bit types convert two elements
@@ -154,6 +231,26 @@ __device__ __forceinline__ void load16_as_float(const __nv_bfloat16* p, float* o
     out[2 * i] = f.x;
     out[2 * i + 1] = f.y;
   }
+}
+
+// fp8: the 16 bytes at p as 16 floats, and the 8 bytes at p (8-byte aligned) as 8 floats, for a
+// kernel whose lanes own 8 elements of a row (an LDS.64 of a 16-byte staged copy).
+__device__ __forceinline__ void load16_as_float(const __nv_fp8_e4m3* p, float* out) {
+  const uint4 raw = *reinterpret_cast<const uint4*>(p);
+  const unsigned words[4] = {raw.x, raw.y, raw.z, raw.w};
+  fp8_words_as_float<__nv_fp8_e4m3>(words, out);
+}
+__device__ __forceinline__ void load16_as_float(const __nv_fp8_e5m2* p, float* out) {
+  const uint4 raw = *reinterpret_cast<const uint4*>(p);
+  const unsigned words[4] = {raw.x, raw.y, raw.z, raw.w};
+  fp8_words_as_float<__nv_fp8_e5m2>(words, out);
+}
+template <typename T>
+__device__ __forceinline__ void load8_as_float(const T* p, float* out) {
+  static_assert(IsFp8<T>::value, "8-byte loads of fp8 only");
+  const uint2 raw = *reinterpret_cast<const uint2*>(p);
+  const unsigned words[2] = {raw.x, raw.y};
+  fp8_words_as_float<T>(words, out);
 }
 
 // Choose<c, A, B>::type: A if c, else B (no <type_traits> here).

@@ -18,7 +18,7 @@ from . import _launch
 from ._backend import array_module, device_module
 from ._checks import as_int, check_dtype, check_shape, check_writable
 from ._kernels import get_kernel
-from .dtypes import as_storage, storage_dtype
+from .dtypes import Q_DTYPE_NAMES, array_dtype_name, as_storage, cache_dtype, is_fp8, storage_dtype
 
 LAYER_AXES = ("num_blocks", "num_kv_heads", "block_size", "head_dim")
 
@@ -124,20 +124,25 @@ def ctas_per_sm(kernel: Any, launch: Any) -> int:
 
 class LayerArrays:
     """What every layer's ``run`` of a plan must match, and its checks: the array type, the
-    element type, one layer's cache layout and the query rows, C-contiguous.
+    cache's element type, one layer's cache layout and the query rows, C-contiguous.
 
-    :meth:`views` compares the common case in a handful of comparisons (exact array type,
-    storage dtype, shapes and C strides) and takes the full checks, which name what was expected
-    and what arrived, for anything else.
+    The query (and the output, ``q``'s dtype) is of the cache's element type, or, over an fp8
+    cache, of any of float32, float16 and bfloat16 (``kv_dtype`` names the fp8 of a ``uint8``
+    cache; an ``ml_dtypes`` fp8 cache names itself). :meth:`views` compares the common case in a
+    handful of comparisons (exact array type, storage dtype, shapes and C strides) and takes the
+    full checks, which name what was expected and what arrived, for anything else.
     """
 
     __slots__ = (
+        "_cache_dtypes",
         "_device_id",
-        "_dtypes",
         "_kinds",
+        "_kv_dtype",
         "_layout",
         "_q_axes",
+        "_q_names",
         "_q_shape",
+        "_q_strides",
         "_shapes",
         "_strides",
         "_xp",
@@ -145,40 +150,53 @@ class LayerArrays:
     )
 
     def __init__(
-        self, xp: Any, dtype: str, layout: tuple[int, ...], q_axes: tuple[str, ...], q_shape: tuple
+        self,
+        xp: Any,
+        dtype: str,
+        layout: tuple[int, ...],
+        q_axes: tuple[str, ...],
+        q_shape: tuple,
+        kv_dtype: Any = None,
     ) -> None:
-        self._xp, self.dtype = xp, dtype
+        self._xp, self.dtype, self._kv_dtype = xp, dtype, kv_dtype
         self._device_id = device_id(xp)
         self._layout, self._q_axes, self._q_shape = tuple(layout), q_axes, tuple(q_shape)
         # What the fast path compares (q, out, k_cache, v_cache) with: the exact array type, the
-        # storage dtype object (bfloat16 as uint16), the shapes and the C-contiguous strides.
-        storage = np.dtype(storage_dtype(dtype))
-        q_strides = _c_strides(self._q_shape, storage.itemsize)
-        strides = _c_strides(self._layout, storage.itemsize)
+        # dtype objects (bfloat16 as uint16; q's, of the query types the cache takes), the
+        # shapes and the C-contiguous strides.
+        q_names = Q_DTYPE_NAMES if is_fp8(dtype) else (dtype,)
+        self._q_names = {np.dtype(storage_dtype(name)): name for name in q_names}
+        self._q_strides = {q.itemsize: _c_strides(self._q_shape, q.itemsize) for q in self._q_names}
+        cache = np.dtype(cache_dtype(dtype, xp))
+        self._cache_dtypes = (cache, cache)
         self._kinds = (xp.ndarray,) * 4
-        self._dtypes = (storage,) * 4
         self._shapes = (self._q_shape, self._q_shape, self._layout, self._layout)
-        self._strides = (q_strides, q_strides, strides, strides)
+        self._strides = _c_strides(self._layout, cache.itemsize)
 
     def views(self, q: Any, k_cache: Any, v_cache: Any, out: Any) -> tuple[Any, ...]:
-        """``(out, q, k_cache, v_cache, out_storage)`` to launch on: ``out`` allocated in
-        ``q``'s dtype when ``None``; storage views (bfloat16 as ``uint16``), ``q`` contiguous.
+        """``(out, q, k_cache, v_cache, out_storage, q_dtype)`` to launch on: ``out`` allocated
+        in ``q``'s dtype when ``None``; storage views (bfloat16 as ``uint16``, fp8 as ``uint8``),
+        ``q`` contiguous; ``q_dtype`` the query's element type.
 
         Raises:
             TypeError, ValueError: an argument that does not match the plan (nothing is run).
         """
         if out is None:
             out = self._xp.empty(q.shape, q.dtype)  # q's dtype object: bfloat16 in, bfloat16 out
+        q_name = self._q_names.get(q.dtype)
         if (  # the common case in a handful of comparisons; anything else takes the long way
-            (type(q), type(out), type(k_cache), type(v_cache)) == self._kinds
-            and (q.dtype, out.dtype, k_cache.dtype, v_cache.dtype) == self._dtypes
+            q_name is not None
+            and (type(q), type(out), type(k_cache), type(v_cache)) == self._kinds
+            and out.dtype == q.dtype
+            and (k_cache.dtype, v_cache.dtype) == self._cache_dtypes
             and (q.shape, out.shape, k_cache.shape, v_cache.shape) == self._shapes
-            and (q.strides, out.strides, k_cache.strides, v_cache.strides) == self._strides
+            and q.strides == out.strides == self._q_strides[q.dtype.itemsize]
+            and k_cache.strides == v_cache.strides == self._strides
             and (self._xp is not np or out.flags.writeable)
         ):
             out_storage = out
         else:
-            q, k_cache, v_cache, out_storage = self._checked(q, k_cache, v_cache, out)
+            q, k_cache, v_cache, out_storage, q_name = self._checked(q, k_cache, v_cache, out)
         check_aligned(k_cache=k_cache, v_cache=v_cache)
         if self._device_id != device_id(self._xp):
             raise ValueError(
@@ -186,7 +204,7 @@ class LayerArrays:
                 f"be current, got device {device_id(self._xp)}: the plan's kernels and their "
                 f"shared-memory opt-in are that device's; make a plan on each device"
             )
-        return out, q, k_cache, v_cache, out_storage
+        return out, q, as_storage(k_cache), as_storage(v_cache), out_storage, q_name
 
     def _checked(self, q: Any, k_cache: Any, v_cache: Any, out: Any) -> tuple[Any, ...]:
         """The full checks, naming what was expected (the plan's) and what arrived."""
@@ -198,15 +216,38 @@ class LayerArrays:
         check_shape("q", q, list(zip(self._q_axes, self._q_shape, strict=True)))
         for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
             check_shape(name, x, list(zip(LAYER_AXES, self._layout, strict=True)))
-        for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-            check_dtype(name, x, self.dtype, "the planned dtype")
+        q_name = check_query_dtype(q, self.dtype, "the planned dtype")
+        for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+            check_dtype(name, x, self.dtype, "the planned dtype", self._kv_dtype)
         check_contiguous(k_cache=k_cache, v_cache=v_cache)
         check_shape("out", out, list(zip(self._q_axes, self._q_shape, strict=True)))
-        check_dtype("out", out, self.dtype, "q's dtype")
+        check_dtype("out", out, q_name, "q's dtype")
         check_contiguous(out=out)
         check_writable("out", out)
         q = self._xp.ascontiguousarray(as_storage(q))
-        return q, as_storage(k_cache), as_storage(v_cache), as_storage(out)
+        return q, k_cache, v_cache, as_storage(out), q_name
+
+
+def check_query_dtype(q: Any, cache_elem: str, why: str = "the cache's dtype") -> str:
+    """The element type of ``q`` for a cache of ``cache_elem``: the cache's, or over an fp8
+    cache one of float32, float16, bfloat16 (never fp8).
+
+    Raises:
+        TypeError: another dtype arrived.
+    """
+    if not is_fp8(cache_elem):
+        check_dtype("q", q, cache_elem, why)
+        return cache_elem
+    try:
+        name = array_dtype_name(q)
+    except TypeError:
+        name = None
+    if name not in Q_DTYPE_NAMES:
+        raise TypeError(
+            f"expected q of dtype float32, float16 or bfloat16 over a {cache_elem} cache (a "
+            f"query is never fp8), got {q.dtype}"
+        )
+    return name
 
 
 def _c_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:

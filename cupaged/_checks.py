@@ -58,14 +58,15 @@ def check_shape(name: str, x: Any, dims: list[tuple[str, int | None]]) -> tuple[
     return shape
 
 
-def check_dtype(name: str, x: Any, expected: str, why: str = "") -> None:
-    """Check the element type of ``x`` (bfloat16 carriers count as bfloat16).
+def check_dtype(name: str, x: Any, expected: str, why: str = "", kv_dtype: Any = None) -> None:
+    """Check the element type of ``x`` (bfloat16 carriers count as bfloat16; ``kv_dtype`` names
+    the fp8 of a ``uint8`` array).
 
     Raises:
         TypeError: e.g. "expected k of dtype float16 (the cache's dtype), got float32".
     """
     try:
-        got = array_dtype_name(x)
+        got = array_dtype_name(x, kv_dtype)
     except TypeError:
         got = str(x.dtype)
     if got != expected:

@@ -404,7 +404,7 @@ class DecodePlan:
             TypeError, ValueError: an argument that does not match the plan, or sinks of the
                 wrong type, dtype or shape (nothing is run).
         """
-        out, q, k_cache, v_cache, out_storage = self._arrays.views(q, k_cache, v_cache, out)
+        out, q, k_cache, v_cache, out_storage, _ = self._arrays.views(q, k_cache, v_cache, out)
         if sinks is not None:
             sinks = check_sinks(self._xp, int(self._num_q_heads), sinks)
         if self.num_seqs == 0:

@@ -309,7 +309,7 @@ class PrefillPlan:
         """
         if sinks is not None:
             sinks = check_sinks(self._xp, self._num_q_heads, sinks)
-        out, q, k_cache, v_cache, out_storage = self._arrays.views(q, k_cache, v_cache, out)
+        out, q, k_cache, v_cache, out_storage, _ = self._arrays.views(q, k_cache, v_cache, out)
         launch = self._launch
         if launch is None:
             return out

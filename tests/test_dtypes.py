@@ -77,9 +77,21 @@ def test_from_float_keeps_the_carrier_dtype(rng):
 def test_one_element_type_table_and_its_views():
     """Storage dtype, item size, the kernels' C type and the array dtypes that carry each element
     type come from one table; every lookup agrees with it."""
-    assert DTYPE_NAMES == ("float32", "float16", "bfloat16")
-    assert C_TYPES == {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}
-    assert ITEMSIZES == {"float32": 4, "float16": 2, "bfloat16": 2}
+    assert DTYPE_NAMES == ("float32", "float16", "bfloat16", "float8_e4m3", "float8_e5m2")
+    assert C_TYPES == {
+        "float32": "float",
+        "float16": "__half",
+        "bfloat16": "__nv_bfloat16",
+        "float8_e4m3": "__nv_fp8_e4m3",
+        "float8_e5m2": "__nv_fp8_e5m2",
+    }
+    assert ITEMSIZES == {
+        "float32": 4,
+        "float16": 2,
+        "bfloat16": 2,
+        "float8_e4m3": 1,
+        "float8_e5m2": 1,
+    }
     for name, element in ELEMENT_TYPES.items():
         assert storage_dtype(name) == element.storage
         assert itemsize(name) == element.itemsize == element.storage.itemsize
@@ -88,12 +100,13 @@ def test_one_element_type_table_and_its_views():
             assert array_dtype_name(x) == name
             assert as_storage(x).dtype == element.storage
     assert as_storage(np.zeros(3, ml_dtypes.bfloat16)).dtype == np.uint16
+    assert as_storage(np.zeros(3, ml_dtypes.float8_e4m3fn)).dtype == np.uint8
 
 
 def test_names():
     assert array_dtype_name(np.zeros(1, np.int16)) == "bfloat16"
     assert dtype_name("BF16") == "bfloat16"
-    with pytest.raises(TypeError, match="expected an array of float32, float16 or bfloat16"):
+    with pytest.raises(TypeError, match="expected an array of float32, float16, bfloat16"):
         array_dtype_name(np.zeros(1, np.float64))
     with pytest.raises(TypeError, match=r"expected dtype one of .*got 'float64'"):
         dtype_name("float64")
@@ -118,7 +131,7 @@ def test_public_bfloat16_helpers_round_trip_on_numpy_and_cupy(xp, rng):
     assert cupaged.from_float(xp.asarray(values), "float16").dtype == np.float16
     with pytest.raises(TypeError, match=r"expected dtype one of .*got 'int8'"):
         cupaged.from_float(xp.asarray(values), "int8")
-    with pytest.raises(TypeError, match="expected an array of float32, float16 or bfloat16"):
+    with pytest.raises(TypeError, match="expected an array of float32, float16, bfloat16"):
         cupaged.to_float(xp.zeros(3, np.int32))
 
 

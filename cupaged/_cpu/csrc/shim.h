@@ -3,7 +3,8 @@
 // Force-included (`g++ -include shim.h`) before the kernel source. It provides what a kernel sees
 // on a GPU, emulated on the CPU (DESIGN.md §5):
 //
-//   - the CUDA headers cuda_fp16.h / cuda_bf16.h / vector_types.h compiled as host code, plus
+//   - the CUDA headers cuda_fp16.h / cuda_bf16.h / cuda_fp8.h / vector_types.h compiled as host
+//     code (fp8 conversions run the header's own host functions, bit for bit the GPU's), plus
 //     float-round-trip fallbacks for the half/bfloat16 functions those headers keep device-only;
 //   - the CUDA keywords (__global__, __device__, __shared__, ...) as plain C++;
 //   - threadIdx / blockIdx / blockDim / gridDim, which the runtime (runtime.h) rewrites on every
@@ -68,6 +69,7 @@
 #define __CUDA_RUNTIME_API_H__
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
+#include <cuda_fp8.h>
 #include <vector_types.h>
 #include <vector_functions.h>
 
