@@ -127,8 +127,8 @@ class LayerArrays:
     cache's element type, one layer's cache layout and the query rows, C-contiguous.
 
     The query (and the output, ``q``'s dtype) is of the cache's element type, or, over an fp8
-    cache, of any of float32, float16 and bfloat16 (``kv_dtype`` names the fp8 of a ``uint8``
-    cache; an ``ml_dtypes`` fp8 cache names itself). :meth:`views` compares the common case in a
+    cache, ``q_dtype``: the one of float32, float16 and bfloat16 the plan was made for
+    (``kv_dtype`` names the fp8 of a ``uint8`` cache; an ``ml_dtypes`` fp8 cache names itself). :meth:`views` compares the common case in a
     handful of comparisons (exact array type, storage dtype, shapes and C strides) and takes the
     full checks, which name what was expected and what arrived, for anything else.
     """
@@ -157,6 +157,7 @@ class LayerArrays:
         q_axes: tuple[str, ...],
         q_shape: tuple,
         kv_dtype: Any = None,
+        q_dtype: str | None = None,
     ) -> None:
         self._xp, self.dtype, self._kv_dtype = xp, dtype, kv_dtype
         self._device_id = device_id(xp)
@@ -164,7 +165,9 @@ class LayerArrays:
         # What the fast path compares (q, out, k_cache, v_cache) with: the exact array type, the
         # dtype objects (bfloat16 as uint16; q's, of the query types the cache takes), the
         # shapes and the C-contiguous strides.
-        q_names = Q_DTYPE_NAMES if is_fp8(dtype) else (dtype,)
+        if is_fp8(dtype) and q_dtype not in Q_DTYPE_NAMES:
+            raise TypeError(f"expected q_dtype one of {Q_DTYPE_NAMES} over fp8, got {q_dtype!r}")
+        q_names = (q_dtype,) if is_fp8(dtype) else (dtype,)
         self._q_names = {np.dtype(storage_dtype(name)): name for name in q_names}
         self._q_strides = {q.itemsize: _c_strides(self._q_shape, q.itemsize) for q in self._q_names}
         cache = np.dtype(cache_dtype(dtype, xp))
@@ -217,6 +220,8 @@ class LayerArrays:
         for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
             check_shape(name, x, list(zip(LAYER_AXES, self._layout, strict=True)))
         q_name = check_query_dtype(q, self.dtype, "the planned dtype")
+        if q_name not in self._q_names.values():
+            check_dtype("q", q, next(iter(self._q_names.values())), "the plan's q_dtype")
         for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
             check_dtype(name, x, self.dtype, "the planned dtype", self._kv_dtype)
         check_contiguous(k_cache=k_cache, v_cache=v_cache)
