@@ -42,10 +42,10 @@ def long_workload(n: int = 10_000, seed: int = 0) -> np.ndarray:
     return workload(n, seed, median=8192, max_len=LONG_MAX_LEN)
 
 
-def model(block_size: int) -> CacheSpec:
-    """The 32-layer, 8-KV-head, head_dim 128, float16 model of both workloads (Llama-2-13B-like
-    GQA; Mistral 7B has the same KV shape)."""
-    return CacheSpec(num_layers=32, num_kv_heads=8, head_dim=128, dtype="float16",
+def model(block_size: int, dtype: str = "float16") -> CacheSpec:
+    """The 32-layer, 8-KV-head, head_dim 128 model of both workloads (Llama-2-13B-like GQA;
+    Mistral 7B has the same KV shape), its cache float16 or fp8 (docs/fp8.md: half the bytes)."""
+    return CacheSpec(num_layers=32, num_kv_heads=8, head_dim=128, dtype=dtype,
                      block_size=block_size)  # fmt: skip
 
 
@@ -56,6 +56,7 @@ def simulate(
     max_len: int = MAX_LEN,
     window_left: int = -1,
     storage: str = "paged",
+    dtype: str = "float16",
 ) -> dict[str, float]:
     """Waste and concurrency of one storage scheme.
 
@@ -66,7 +67,7 @@ def simulate(
     a sliding window, so a sequence needs only its last ``window_left + 1`` tokens: the rest of
     what it holds counts as waste.
     """
-    spec = model(block_size or 1)
+    spec = model(block_size or 1, dtype)
     if storage == "contiguous":
         held = np.full(len(lengths), max_len)
     elif storage == "ring":
@@ -91,6 +92,11 @@ def table() -> list[tuple[str, dict[str, float]]]:
     lengths = workload()
     rows = [("contiguous", simulate(lengths, None, storage="contiguous"))]
     rows += [(f"paged, block {bs}", simulate(lengths, bs)) for bs in BLOCK_SIZES]
+    fp8 = dict(dtype="float8_e4m3")  # the same workload in an fp8 cache (one byte an element)
+    rows += [
+        ("fp8: contiguous", simulate(lengths, None, storage="contiguous", **fp8)),
+        ("fp8: paged, block 16", simulate(lengths, 16, **fp8)),
+    ]
     long, bs = long_workload(), LONG_BLOCK_SIZE
     window = dict(max_len=LONG_MAX_LEN, window_left=WINDOW_LEFT)
     rows += [
@@ -112,6 +118,13 @@ def test_memory_simulation(benchmark):
     paged16 = by_name["paged, block 16"]
     assert paged16["waste_pct"] < 5 < contiguous["waste_pct"]
     assert paged16["concurrent_sequences"] > 3 * contiguous["concurrent_sequences"]
+    # fp8 halves the bytes of every token: twice the sequences, the same waste
+    fp8 = by_name["fp8: paged, block 16"]
+    twice = 2 * paged16["concurrent_sequences"]
+    assert twice <= fp8["concurrent_sequences"] <= twice + 1  # (whole sequences, rounded down)
+    assert fp8["waste_pct"] == paged16["waste_pct"]
+    fp8_contiguous = by_name["fp8: contiguous"]["concurrent_sequences"]
+    assert fp8_contiguous == 2 * contiguous["concurrent_sequences"]
     # The long-context workload of a sliding-window model: releasing what the window no longer
     # sees beats paging alone, which beats 32k reservations; it also beats a ring buffer of the
     # window, which reserves the whole window for the 22 % of sequences shorter than it.

@@ -174,7 +174,7 @@ def array_dtype_name(x: Any, kv_dtype: Any = None) -> str:
     name = _BY_ARRAY_DTYPE.get(x.dtype)
     if name is not None:
         return name
-    if x.dtype.name in ELEMENT_TYPES:  # float32 or float16 in the other byte order
+    if x.dtype.name in ("float32", "float16"):  # in the other byte order
         return x.dtype.name
     if x.dtype == np.uint8:
         raise TypeError(

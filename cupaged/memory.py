@@ -63,7 +63,7 @@ class CacheSpec:
 
     @property
     def itemsize(self) -> int:
-        """Bytes per element (2 for float16 and bfloat16, 4 for float32)."""
+        """Bytes per element (2 for float16 and bfloat16, 4 for float32, 1 for fp8)."""
         return itemsize(self.dtype)
 
     @property

@@ -187,7 +187,7 @@ def test_a_cache_is_viewed_by_torch_without_a_copy():
         ),
         (
             lambda a: {**a, "q": a["q"].to(torch.float64)},
-            r"expected an array of float32, float16 or bfloat16 .*got dtype float64 .*"
+            r"expected an array of float32, float16, bfloat16 .*got dtype float64 .*"
             r"q torch\.float64 on cpu",
         ),
         (
