@@ -25,6 +25,16 @@
 // NaN and Inf through them as through the formula: tanh takes +-Inf to +-soft_cap, a NaN sink
 // makes the row NaN, a sink of -Inf weighs 0 (all scores -Inf too: NaN, 0 / 0), +Inf is NaN.
 //
+// fp8 caches (common.cuh, "fp8 caches"; docs/fp8.md): both kernels take the cache's element type
+// KV as their last template argument (default T, the query's type, which stays float32, float16
+// or bfloat16). The ring stages fp8 rows with the same 16-byte copies (16 elements each); the
+// scores use scale * k_scale(h) in place of scale (folded into q, or into the float32 score
+// scale of paged_decode_mma), and each output row, direct or partial, is multiplied by
+// v_scale(h) once, so the merge is the same for every cache. paged_decode reads 8 fp8 bytes per
+// lane unit (LDS.64) and converts them in registers, so that a lane owns the elements it owns
+// over fp16; paged_decode_mma converts each staged stage to T in shared memory (exact: every fp8
+// value is an fp16 and a bf16 value) and runs the same products on the converted tiles.
+//
 // The work list (cuda/decode_plan.cu) cuts the step into items, work[i] = {seq, begin, end,
 // count}: tokens [begin, end) of sequence seq, which has count items in all (begin any position,
 // not a multiple of a stage: the ring finds each row's block). The item bounds are the whole
@@ -89,20 +99,42 @@ __device__ __forceinline__ float fold_sink(float m, float& l, float sink) {
   return f;
 }
 
+// A lane's unit of a K/V row in paged_decode: the elements it converts per shared-memory read.
+// 16 bytes of a 16/32-bit cache (an LDS.128); 8 bytes of fp8 (an LDS.64), so that over fp8 a lane
+// owns the same elements, and keeps the same registers, as over fp16.
+template <typename KV>
+struct LaneUnit {
+  static constexpr int kElems = IsFp8<KV>::value ? 8 : Vec16<KV>::kElems;
+};
+
+// The lane unit at p (aligned to its size) as floats.
+template <typename KV>
+__device__ __forceinline__ void load_unit_as_float(const KV* p, float* out) {
+  if constexpr (IsFp8<KV>::value) {
+    load8_as_float<KV>(p, out);
+  } else {
+    load16_as_float(p, out);
+  }
+}
+
 // The thread-block layout of one instantiation (see the header); the launch table
 // (cupaged/_launch.py, decode_launch) picks BDX, BDY, BDZ, TPZ and STAGES and passes them as
 // template arguments, so nothing is kept equal by hand between Python and CUDA.
-template <typename T, int HEAD_DIM, int CHUNK, int BDX, int BDY, int BDZ, int TPZ, int STAGES>
+template <typename T, int HEAD_DIM, int CHUNK, int BDX, int BDY, int BDZ, int TPZ, int STAGES,
+          typename KV = T>
 struct DecodeLayout {
-  static constexpr int kVec = Vec16<T>::kElems;               // elements per 16-byte vector
-  static constexpr int kRowVectors = HEAD_DIM / kVec;         // 16-byte vectors per K/V row
+  static constexpr int kVec = LaneUnit<KV>::kElems;           // elements per lane unit
+  static constexpr int kQLoads = kVec / Vec16<T>::kElems;     // 16-byte loads of q per unit
+  static constexpr int kRowVectors = HEAD_DIM / kVec;         // lane units per K/V row
   static constexpr int kLaneVectors = (kRowVectors + BDX - 1) / BDX;  // per lane
   static constexpr int kLaneElems = kLaneVectors * kVec;
   static constexpr bool kEveryLaneFull = kRowVectors == kLaneVectors * BDX;
   static constexpr int kHeadsPerThread = (CHUNK + BDY - 1) / BDY;
   static constexpr int kThreads = BDX * BDY * BDZ;
   static constexpr int kTile = BDZ * TPZ;                     // tokens per stage
-  static_assert(HEAD_DIM % kVec == 0, "a row is whole 16-byte vectors");
+  static_assert(HEAD_DIM % kVec == 0 && HEAD_DIM % Vec16<KV>::kElems == 0,
+                "a row is whole lane units and whole 16-byte copies");
+  static_assert(kQLoads >= 1 && kVec % Vec16<T>::kElems == 0, "a unit of q is whole 16-byte loads");
   static_assert(BDX >= 1 && BDX <= 32 && (BDX & (BDX - 1)) == 0, "BDX: a power of two <= 32");
   static_assert(kThreads % 32 == 0, "whole warps: the shuffles name all 32 lanes");
   static_assert(BDY * kHeadsPerThread >= CHUNK && BDY * (kHeadsPerThread - 1) < CHUNK,
@@ -112,27 +144,34 @@ struct DecodeLayout {
 
 // Grid: (num_kv_heads * head_chunks, capacity), x = kv_head * head_chunks + chunk, head_chunks =
 // ceil(group_size / CHUNK) (DecodeChunk, common.cuh). Block: (BDX, BDY, BDZ).
-// Dynamic shared memory: k_s [STAGES, TILE, HEAD_DIM] of T, then v_s [STAGES, TILE, HEAD_DIM] of T;
-// after the loop, when BDZ > 1, the same bytes hold the BDZ partial results of the block's heads
-// (float32: m_l [BDZ, BDY * HPT, 2], then acc [BDZ, BDY * HPT, HEAD_DIM]).
+// Dynamic shared memory: k_s [STAGES, TILE, HEAD_DIM] of KV, then v_s [STAGES, TILE, HEAD_DIM] of
+// KV; after the loop, when BDZ > 1, the same bytes hold the BDZ partial results of the block's
+// heads (float32: m_l [BDZ, BDY * HPT, 2], then acc [BDZ, BDY * HPT, HEAD_DIM]).
+// KV: the cache's element type, T's but for an fp8 cache (q and the output stay T); its scales
+// (common.cuh, "fp8 caches") are read only then: K's folds into q's scale, V's multiplies each
+// output row (direct or partial) once, so that the merge is the same for every cache.
 template <typename T, int HEAD_DIM, int BLOCK_SIZE, int CHUNK, int BDX, int BDY, int BDZ, int TPZ,
-          int STAGES, int VARIANT = 0>
+          int STAGES, int VARIANT = 0, typename KV = T>
 __global__ void __launch_bounds__(BDX* BDY* BDZ)
     paged_decode(T* __restrict__ out,                  // [num_seqs, num_q_heads, HEAD_DIM]
                  float* __restrict__ partial_out,      // [capacity, num_q_heads, HEAD_DIM]
                  float* __restrict__ partial_lse,      // [capacity, num_q_heads]
                  const T* __restrict__ q,              // [num_seqs, num_q_heads, HEAD_DIM]
-                 const T* __restrict__ k_cache,        // [num_blocks, num_kv_heads, BLOCK_SIZE, HEAD_DIM]
-                 const T* __restrict__ v_cache,        // [num_blocks, num_kv_heads, BLOCK_SIZE, HEAD_DIM]
+                 const KV* __restrict__ k_cache,       // [num_blocks, num_kv_heads, BLOCK_SIZE, HEAD_DIM]
+                 const KV* __restrict__ v_cache,       // [num_blocks, num_kv_heads, BLOCK_SIZE, HEAD_DIM]
                  const int* __restrict__ block_tables,  // [num_seqs, max_blocks]
                  const int4* __restrict__ work,         // [capacity] {seq, begin, end, count}
                  const int* __restrict__ context_lens,  // [num_seqs], read under kAlibi only
                  int num_kv_heads, int group_size, int max_blocks, float scale,
+                 float k_scale, float v_scale,
+                 const float* __restrict__ k_scales,    // [1] or [num_kv_heads], read over fp8
+                 const float* __restrict__ v_scales,    // [1] or [num_kv_heads], read over fp8
+                 int k_scale_stride, int v_scale_stride,
                  int window_left,                       // the work list's (the header)
                  float soft_cap,
                  const float* __restrict__ alibi_slopes,  // [num_q_heads], read under kAlibi
                  const float* __restrict__ sinks) {       // [num_q_heads], read under kSinks
-  using L = DecodeLayout<T, HEAD_DIM, CHUNK, BDX, BDY, BDZ, TPZ, STAGES>;
+  using L = DecodeLayout<T, HEAD_DIM, CHUNK, BDX, BDY, BDZ, TPZ, STAGES, KV>;
   constexpr int VEC = L::kVec;
   constexpr int NV = L::kLaneVectors;
   constexpr int NE = L::kLaneElems;
@@ -170,8 +209,11 @@ __global__ void __launch_bounds__(BDX* BDY* BDZ)
 #pragma unroll
   for (int v = 0; v < NV; ++v) lane_ok[v] = L::kEveryLaneFull || tx + v * BDX < L::kRowVectors;
 
-  // q in registers, scaled; a head past the chunk (CHUNK not a multiple of BDY, or the group's
-  // last chunk short) is zeros.
+  // q in registers, scaled (over fp8 by scale * K's scale of the KV head: once, not per score);
+  // a head past the chunk (CHUNK not a multiple of BDY, or the group's last chunk short) is zeros.
+  constexpr bool kFp8 = IsFp8<KV>::value;
+  const float q_scale =
+      kFp8 ? scale * head_scale(k_scale, k_scales, k_scale_stride, kv_head) : scale;
   float qf[HPT][NE];
   const bool q_aligned = (reinterpret_cast<unsigned long long>(q) & 15u) == 0;
 #pragma unroll
@@ -183,13 +225,16 @@ __global__ void __launch_bounds__(BDX* BDY* BDZ)
       const T* src = q + (head_row + g) * HEAD_DIM + (tx + v * BDX) * VEC;
       if (g < chunk.heads && lane_ok[v]) {
         if (q_aligned) {
-          load16_as_float(src, dst);
+#pragma unroll
+          for (int part = 0; part < L::kQLoads; ++part) {
+            load16_as_float(src + part * Vec16<T>::kElems, dst + part * Vec16<T>::kElems);
+          }
         } else {
 #pragma unroll
           for (int e = 0; e < VEC; ++e) dst[e] = to_float(src[e]);
         }
 #pragma unroll
-        for (int e = 0; e < VEC; ++e) dst[e] *= scale;
+        for (int e = 0; e < VEC; ++e) dst[e] *= q_scale;
       } else {
 #pragma unroll
         for (int e = 0; e < VEC; ++e) dst[e] = 0.0f;
@@ -206,8 +251,8 @@ __global__ void __launch_bounds__(BDX* BDY* BDZ)
     for (int e = 0; e < NE; ++e) acc[h][e] = 0.0f;
   }
 
-  CUPAGED_DYNAMIC_SHARED(T, smem);
-  using Ring = KvRing<T, HEAD_DIM, BLOCK_SIZE, TILE, STAGES, THREADS, true>;
+  CUPAGED_DYNAMIC_SHARED(KV, smem);
+  using Ring = KvRing<KV, HEAD_DIM, BLOCK_SIZE, TILE, STAGES, THREADS, true>;
 
   if (begin < end) {
     // K stages [STAGES, TILE, HEAD_DIM], then V stages the same (common.cuh, KvRing).
@@ -221,7 +266,7 @@ __global__ void __launch_bounds__(BDX* BDY* BDZ)
       ring.refill(stage);  // stage + STAGES - 1 into that slot; block ids of stage + STAGES
 
       const int first = begin + stage * TILE + tz * TPZ;  // this thread's first token
-      const T* k_rows = ring.k_row(stage, tz * TPZ) + tx * VEC;
+      const KV* k_rows = ring.k_row(stage, tz * TPZ) + tx * VEC;
       float s[HPT][TPZ];
 #pragma unroll
       for (int t = 0; t < TPZ; ++t) {
@@ -229,7 +274,7 @@ __global__ void __launch_bounds__(BDX* BDY* BDZ)
 #pragma unroll
         for (int v = 0; v < NV; ++v) {
           if (lane_ok[v]) {
-            load16_as_float(k_rows + t * HEAD_DIM + v * BDX * VEC, kf + v * VEC);
+            load_unit_as_float(k_rows + t * HEAD_DIM + v * BDX * VEC, kf + v * VEC);
           } else {
 #pragma unroll
             for (int e = 0; e < VEC; ++e) kf[v * VEC + e] = 0.0f;
@@ -277,7 +322,7 @@ __global__ void __launch_bounds__(BDX* BDY* BDZ)
 
       Ring::wait_v();
       __syncthreads();  // all of V of `stage` is in
-      const T* v_rows = ring.v_row(stage, tz * TPZ) + tx * VEC;
+      const KV* v_rows = ring.v_row(stage, tz * TPZ) + tx * VEC;
 #pragma unroll
       for (int h = 0; h < HPT; ++h) {
 #pragma unroll
@@ -289,7 +334,7 @@ __global__ void __launch_bounds__(BDX* BDY* BDZ)
 #pragma unroll
         for (int v = 0; v < NV; ++v) {
           if (lane_ok[v]) {
-            load16_as_float(v_rows + t * HEAD_DIM + v * BDX * VEC, vf + v * VEC);
+            load_unit_as_float(v_rows + t * HEAD_DIM + v * BDX * VEC, vf + v * VEC);
           } else {
 #pragma unroll
             for (int e = 0; e < VEC; ++e) vf[v * VEC + e] = 0.0f;
@@ -364,9 +409,10 @@ __global__ void __launch_bounds__(BDX* BDY* BDZ)
     }
   }
 
-  // An empty item (a context of length 0) gives 0; otherwise acc / l, NaN when a NaN reached l
-  // (or l = 0: every score -inf).
+  // An empty item (a context of length 0) gives 0; otherwise acc / l (over fp8 times V's scale),
+  // NaN when a NaN reached l (or l = 0: every score -inf).
   const bool empty = end <= begin;
+  const float out_scale = kFp8 ? head_scale(v_scale, v_scales, v_scale_stride, kv_head) : 1.0f;
 #pragma unroll
   for (int h = 0; h < HPT; ++h) {
     const int g = ty * HPT + h;
@@ -387,7 +433,8 @@ __global__ void __launch_bounds__(BDX* BDY* BDZ)
 #pragma unroll
       for (int e = 0; e < VEC; ++e) {
         const long long index = out_row * HEAD_DIM + (tx + v * BDX) * VEC + e;
-        const float value = empty ? 0.0f : acc[h][v * VEC + e] / l[h];
+        const float row = kFp8 ? acc[h][v * VEC + e] * out_scale : acc[h][v * VEC + e];
+        const float value = empty ? 0.0f : row / l[h];
         if (direct) {
           out[index] = from_float<T>(value);
         } else {
@@ -432,8 +479,9 @@ __global__ void __launch_bounds__(BDX* BDY* BDZ)
 // Precision: S and O accumulate in float32 with exact products of T values, as on the CUDA
 // cores; P is rounded to T (relative 2^-11 for fp16, 2^-8 for bf16) before P V, which the float32
 // path does not do: docs/kernels.md, "Tensor cores".
-template <typename T, int HEAD_DIM, int CHUNK, int WARPS, int STAGES>
+template <typename T, int HEAD_DIM, int CHUNK, int WARPS, int STAGES, typename KV = T>
 struct DecodeMmaLayout {
+  static constexpr bool kFp8 = IsFp8<KV>::value;
   static constexpr int kThreads = 32 * WARPS;
   static constexpr int kTile = 16 * WARPS;                   // tokens per stage
   static constexpr int kSteps = HEAD_DIM / 16;               // k-steps of Q K^T, slices of O
@@ -444,15 +492,22 @@ struct DecodeMmaLayout {
   static constexpr int kLds = kTile + 4;       // scores row, floats
   static constexpr int kLdp = kTile + 8;       // P row, elements
   static constexpr int kLdo = 16 + 4;          // a warp's O tile row, floats
-  static constexpr int kRowVectors = HEAD_DIM * 2 / 16;  // 16-byte copies per K/V row
-  static constexpr int kStageVectors = kTile * kRowVectors;  // 16-byte copies per K stage
+  static constexpr int kRowVectors = HEAD_DIM * 2 / 16;      // 16-byte vectors per T row (q)
+  static constexpr int kStageVectors =  // 16-byte copies per K stage
+      kTile * HEAD_DIM * static_cast<int>(sizeof(KV)) / 16;
+  // The ring's rows: padded T rows that the WMMA loads read; over fp8 unpadded fp8 rows (the
+  // conversion pass reads them 8 bytes per thread, consecutive threads consecutive bytes).
+  static constexpr int kRingLd = kFp8 ? HEAD_DIM : kLdk;
   // Byte offsets of the dynamic shared memory (each a multiple of 32: WMMA tiles are 256-bit
-  // aligned): k_s, v_s [STAGES, TILE, kLdk] T; q_s [16, kLdk] T; s_s [16, kLds] float, whose
-  // bytes o_s [WARPS, 16, kLdo] float shares (the scores are read before the barrier that
-  // precedes P V, the O tiles before the next stage's first barrier); p_s [16, kLdp] T;
-  // alpha_s, l_s [16] float.
-  static constexpr int kStageBytes = STAGES * kTile * kLdk * 2;
-  static constexpr int kQ = 2 * kStageBytes;
+  // aligned): k_s, v_s [STAGES, TILE, kRingLd] KV; over fp8 kc_s, vc_s [TILE, kLdk] T (the
+  // converted stage); q_s [16, kLdk] T; s_s [16, kLds] float, whose bytes o_s [WARPS, 16, kLdo]
+  // float shares (the scores are read before the barrier that precedes P V, the O tiles before
+  // the next stage's first barrier); p_s [16, kLdp] T; alpha_s, l_s [16] float.
+  static constexpr int kStageBytes = STAGES * kTile * kRingLd * static_cast<int>(sizeof(KV));
+  static constexpr int kTileBytes = kFp8 ? kTile * kLdk * 2 : 0;  // one converted K (V) stage
+  static constexpr int kKc = 2 * kStageBytes;
+  static constexpr int kVc = kKc + kTileBytes;
+  static constexpr int kQ = kVc + kTileBytes;
   static constexpr int kS = kQ + 16 * kLdk * 2;
   static constexpr int kO = kS;
   static constexpr int kScoresBytes = 16 * kLds * 4 > WARPS * 16 * kLdo * 4 ? 16 * kLds * 4
@@ -466,40 +521,87 @@ struct DecodeMmaLayout {
   static_assert(HEAD_DIM % 16 == 0, "head_dim in k-steps and output slices of 16");
   static_assert(HEAD_DIM <= 128, "above 128, q's fragments and the accumulators outgrow the "
                                  "registers: the launch table keeps paged_decode there");
-  static_assert(kStageVectors % kThreads == 0 && kRowTokens == 8,
+  static_assert((kFp8 || kStageVectors % kThreads == 0) && kRowTokens == 8,
                 "the stage splits evenly (the ring's copies, the softmax threads)");
-  static_assert(kStageBytes % 32 == 0 && kS % 32 == 0 && kP % 32 == 0 && kO % 32 == 0,
+  static_assert(kStageBytes % 32 == 0 && kS % 32 == 0 && kP % 32 == 0 && kO % 32 == 0 &&
+                    kKc % 32 == 0 && kVc % 32 == 0 && kQ % 32 == 0,
                 "WMMA tiles are 32-byte aligned");
+  static_assert(kTile * HEAD_DIM / 8 % kThreads == 0, "the conversion pass splits evenly");
   static_assert(STAGES >= 2 && 2 * STAGES - 2 <= 8, "the waits below count at most 8 batches");
 };
+
+// Two fp8 bytes (the low one first) as two elements of the 16-bit type of the tile, packed as
+// they lie in memory. Exact: every value of both fp8 formats is an fp16 and a bf16 value.
+template <typename KV>
+__device__ __forceinline__ unsigned fp8x2_as_pair(unsigned pair, const __half*) {
+  const __half2_raw h =
+      __nv_cvt_fp8x2_to_halfraw2(static_cast<unsigned short>(pair), IsFp8<KV>::kFormat);
+  return static_cast<unsigned>(h.x) | static_cast<unsigned>(h.y) << 16;
+}
+template <typename KV>
+__device__ __forceinline__ unsigned fp8x2_as_pair(unsigned pair, const __nv_bfloat16*) {
+  const float2 f = fp8x2_to_float2<KV>(static_cast<unsigned short>(pair));
+  const __nv_bfloat16 lo = __float2bfloat16_rn(f.x);
+  const __nv_bfloat16 hi = __float2bfloat16_rn(f.y);
+  return static_cast<unsigned>(*reinterpret_cast<const unsigned short*>(&lo)) |
+         static_cast<unsigned>(*reinterpret_cast<const unsigned short*>(&hi)) << 16;
+}
+
+// Over fp8, the conversion pass of one stage: the ring's K and V rows ([TILE, HEAD_DIM] of KV
+// each) into the T tiles ([TILE, LDK]) that the WMMA loads read, 8 elements per step (an LDS.64
+// and an STS.128), steps spread over the block's threads.
+template <typename T, int HEAD_DIM, int TILE, int LDK, int THREADS, typename KV>
+__device__ __forceinline__ void convert_stage(const KV* k_src, const KV* v_src, T* k_dst,
+                                              T* v_dst, int tid) {
+  constexpr int kRowUnits = HEAD_DIM / 8;
+#pragma unroll 1  // a rolled loop: unrolled, the bf16 tiles spill on sm_80 at head_dim 128
+  for (int k = 0; k < TILE * kRowUnits / THREADS; ++k) {
+    const int j = tid + k * THREADS;
+    const int src = j / kRowUnits * HEAD_DIM + j % kRowUnits * 8;
+    const int dst = j / kRowUnits * LDK + j % kRowUnits * 8;
+    const uint2 k_raw = *reinterpret_cast<const uint2*>(k_src + src);
+    const uint2 v_raw = *reinterpret_cast<const uint2*>(v_src + src);
+    *reinterpret_cast<uint4*>(k_dst + dst) =
+        make_uint4(fp8x2_as_pair<KV>(k_raw.x & 0xffffu, k_dst), fp8x2_as_pair<KV>(k_raw.x >> 16, k_dst),
+                   fp8x2_as_pair<KV>(k_raw.y & 0xffffu, k_dst), fp8x2_as_pair<KV>(k_raw.y >> 16, k_dst));
+    *reinterpret_cast<uint4*>(v_dst + dst) =
+        make_uint4(fp8x2_as_pair<KV>(v_raw.x & 0xffffu, v_dst), fp8x2_as_pair<KV>(v_raw.x >> 16, v_dst),
+                   fp8x2_as_pair<KV>(v_raw.y & 0xffffu, v_dst), fp8x2_as_pair<KV>(v_raw.y >> 16, v_dst));
+  }
+}
 
 // Grid: as paged_decode's, chunks of CHUNK <= 16 heads. Block: (32, WARPS, 1).
 // Dynamic shared memory: DecodeMmaLayout::kBytes (the layout above), 32-byte aligned.
 // Parameters as paged_decode's (one launch interface for both paths).
 template <typename T, int HEAD_DIM, int BLOCK_SIZE, int CHUNK, int WARPS, int STAGES,
-          int VARIANT = 0>
+          int VARIANT = 0, typename KV = T>
 __global__ void __launch_bounds__(32 * WARPS)
     paged_decode_mma(T* __restrict__ out,                  // [num_seqs, num_q_heads, HEAD_DIM]
                      float* __restrict__ partial_out,      // [capacity, num_q_heads, HEAD_DIM]
                      float* __restrict__ partial_lse,      // [capacity, num_q_heads]
                      const T* __restrict__ q,              // [num_seqs, num_q_heads, HEAD_DIM]
-                     const T* __restrict__ k_cache,        // [num_blocks, num_kv_heads, BLOCK_SIZE, HEAD_DIM]
-                     const T* __restrict__ v_cache,        // [num_blocks, num_kv_heads, BLOCK_SIZE, HEAD_DIM]
+                     const KV* __restrict__ k_cache,       // [num_blocks, num_kv_heads, BLOCK_SIZE, HEAD_DIM]
+                     const KV* __restrict__ v_cache,       // [num_blocks, num_kv_heads, BLOCK_SIZE, HEAD_DIM]
                      const int* __restrict__ block_tables,  // [num_seqs, max_blocks]
                      const int4* __restrict__ work,         // [capacity] {seq, begin, end, count}
                      const int* __restrict__ context_lens,  // [num_seqs], read under kAlibi only
                      int num_kv_heads, int group_size, int max_blocks, float scale,
+                     float k_scale, float v_scale,
+                     const float* __restrict__ k_scales,    // [1] or [num_kv_heads], read over fp8
+                     const float* __restrict__ v_scales,    // [1] or [num_kv_heads], read over fp8
+                     int k_scale_stride, int v_scale_stride,
                      int window_left,                       // the work list's (the header)
                      float soft_cap,
                      const float* __restrict__ alibi_slopes,  // [num_q_heads], read under kAlibi
                      const float* __restrict__ sinks) {       // [num_q_heads], read under kSinks
   using namespace nvcuda;
-  using L = DecodeMmaLayout<T, HEAD_DIM, CHUNK, WARPS, STAGES>;
+  using L = DecodeMmaLayout<T, HEAD_DIM, CHUNK, WARPS, STAGES, KV>;
+  constexpr bool kFp8 = L::kFp8;
   constexpr int TILE = L::kTile;
   constexpr int THREADS = L::kThreads;
   constexpr int LDK = L::kLdk;
   constexpr int RT = L::kRowThreads;
-  using Ring = KvRing<T, HEAD_DIM, BLOCK_SIZE, TILE, STAGES, THREADS, true, true, LDK>;
+  using Ring = KvRing<KV, HEAD_DIM, BLOCK_SIZE, TILE, STAGES, THREADS, true, true, L::kRingLd>;
 
   const int4 item = work[blockIdx.y];
   if (item.x < 0) return;  // an unused entry of the work list (uniform over the block)
@@ -516,8 +618,10 @@ __global__ void __launch_bounds__(32 * WARPS)
   const long long head_row = static_cast<long long>(seq) * num_q_heads + chunk.first_head;
 
   CUPAGED_DYNAMIC_SHARED_ALIGNED(unsigned char, smem, 32);  // WMMA tiles: 256-bit aligned
-  T* k_s = reinterpret_cast<T*>(smem);                       // [STAGES, TILE, LDK]
-  T* v_s = reinterpret_cast<T*>(smem + L::kStageBytes);      // [STAGES, TILE, LDK]
+  KV* k_s = reinterpret_cast<KV*>(smem);                     // [STAGES, TILE, kRingLd]
+  KV* v_s = reinterpret_cast<KV*>(smem + L::kStageBytes);    // [STAGES, TILE, kRingLd]
+  T* kc_s = reinterpret_cast<T*>(smem + L::kKc);             // [TILE, LDK], over fp8
+  T* vc_s = reinterpret_cast<T*>(smem + L::kVc);             // [TILE, LDK], over fp8
   T* q_s = reinterpret_cast<T*>(smem + L::kQ);               // [16, LDK]
   float* s_s = reinterpret_cast<float*>(smem + L::kS);       // [16, kLds]
   T* p_s = reinterpret_cast<T*>(smem + L::kP);               // [16, kLdp]
@@ -536,6 +640,10 @@ __global__ void __launch_bounds__(32 * WARPS)
   const int query_pos = kHasAlibi ? context_lens[seq] - 1 : 0;
   const float slope =
       kHasAlibi && row < chunk.heads ? alibi_slopes[chunk.first_head + row] : 0.0f;
+  // Over fp8, K's scale of the KV head joins the score's scale, V's the output rows' (once).
+  const float score_scale =
+      kFp8 ? scale * head_scale(k_scale, k_scales, k_scale_stride, kv_head) : scale;
+  const float out_scale = kFp8 ? head_scale(v_scale, v_scales, v_scale_stride, kv_head) : 1.0f;
   float m = neg_inf(), l = 0.0f;
   float acc[L::kSlices][8];
 #pragma unroll
@@ -580,14 +688,28 @@ __global__ void __launch_bounds__(32 * WARPS)
     for (int kk = 0; kk < L::kSteps; ++kk) wmma::load_matrix_sync(qa[kk], q_s + kk * 16, LDK);
 
     for (int stage = 0; stage < ring.num_stages; ++stage) {
-      Ring::wait_k();
-      __syncthreads();  // all of K of `stage` is in; every thread is done with stage - 1
-      ring.refill(stage);
+      const T* k_tile;  // the warp's 16 K rows, T, rows of LDK elements
+      const T* v_tile;  // the stage's V rows, the same
+      if constexpr (kFp8) {
+        Ring::wait_kv();
+        __syncthreads();  // K and V of `stage` are in; every thread is done with stage - 1
+        ring.refill(stage);
+        convert_stage<T, HEAD_DIM, TILE, LDK, THREADS>(ring.k_row(stage, 0), ring.v_row(stage, 0),
+                                                        kc_s, vc_s, tid);
+        __syncthreads();  // the converted tiles are complete
+        k_tile = kc_s + warp * 16 * LDK;
+        v_tile = vc_s;
+      } else {
+        Ring::wait_k();
+        __syncthreads();  // all of K of `stage` is in; every thread is done with stage - 1
+        ring.refill(stage);
+        k_tile = ring.k_row(stage, warp * 16);
+        v_tile = ring.v_row(stage, 0);
+      }
 
       {  // 2. scores of the warp's 16 tokens
         wmma::fragment<wmma::accumulator, 16, 16, 16, float> s;
         wmma::fill_fragment(s, 0.0f);
-        const T* k_tile = ring.k_row(stage, warp * 16);
 #pragma unroll
         for (int kk = 0; kk < L::kSteps; ++kk) {
           wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> kb;
@@ -608,7 +730,7 @@ __global__ void __launch_bounds__(32 * WARPS)
         for (int e = 0; e < 8; ++e) {
           const int distance = first + e - query_pos;  // ALiBi's j - i
           sc[e] = first + e < end
-                      ? variant_score<VARIANT>(sc[e] * scale, soft_cap, slope, distance)
+                      ? variant_score<VARIANT>(sc[e] * score_scale, soft_cap, slope, distance)
                       : neg_inf();
           m_new = fmaxf(m_new, sc[e]);
         }
@@ -636,7 +758,7 @@ __global__ void __launch_bounds__(32 * WARPS)
         if (sub == 0) alpha_s[row] = alpha;
       }
 
-      Ring::wait_v();
+      if constexpr (!kFp8) Ring::wait_v();  // over fp8 V landed with K
       __syncthreads();  // all of V of `stage`, P and alpha are in
 
       {  // 4. O = alpha O + P V over the warp's output slices
@@ -646,7 +768,6 @@ __global__ void __launch_bounds__(32 * WARPS)
           wmma::load_matrix_sync(pa[kt], p_s + kt * 16, L::kLdp);
         }
         const float alpha = alpha_s[out_row];
-        const T* v_tile = ring.v_row(stage, 0);
 #pragma unroll
         for (int j = 0; j < L::kSlices; ++j) {
           const int slice = warp + j * WARPS;
@@ -703,7 +824,8 @@ __global__ void __launch_bounds__(32 * WARPS)
 #pragma unroll
       for (int e = 0; e < 8; ++e) {
         const long long index = row_index * HEAD_DIM + slice * 16 + out_col + e;
-        const float value = empty ? 0.0f : acc[j][e] / l_row;
+        const float row_value = kFp8 ? acc[j][e] * out_scale : acc[j][e];
+        const float value = empty ? 0.0f : row_value / l_row;
         if (direct) {
           out[index] = from_float<T>(value);
         } else {

@@ -23,6 +23,14 @@ sees (a 32k context with a 4k window reads about 4k tokens' K/V, split as a 4k c
 ``logits_soft_cap`` and ``alibi_slopes`` to the kernel's ``VARIANT``. ``sinks`` are learned per
 layer, so they are an argument of ``run``; the kernels with the sinks bit are loaded at the
 first run that passes them.
+
+An fp8 cache (docs/fp8.md) is planned for one query type, ``q_dtype`` (float32, float16, the
+default, or bfloat16: it picks the kernel, tensor cores for 16-bit queries in large groups);
+``kv_dtype`` names the format of a ``uint8`` cache (a GPU's). The scales are per layer, so they
+are arguments of ``run``: ``k_scale`` / ``v_scale``, each a positive finite number or a float32
+array of shape ``()``, ``[1]`` or ``[num_kv_heads]`` on the plan's device, ``None`` for 1.0.
+The kernel reads a device array where it lies; the host checks its values only in the plan's
+``checked`` mode (one synchronisation). Scales for a cache that is not fp8 are refused.
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ from ._attention import (
     LayerArrays,
     attention_kernel,
     check_layer_and_heads,
+    check_query_dtype,
     ctas_per_sm,
     device_of,
     owned_int32,
@@ -54,8 +63,10 @@ from ._checks import (
 )
 from ._interop import takes_dlpack
 from ._kernels import get_kernel
+from ._scales import kv_scale_args
 from ._util import cdiv
 from ._variants import check_sinks, check_variants
+from .dtypes import array_dtype_name, dtype_name, is_fp8
 
 Q_AXES = ("num_seqs", "num_q_heads", "head_dim")
 
@@ -100,9 +111,11 @@ class DecodePlan:
         alibi_slopes: ``[num_q_heads]`` float32 on the plan's device: ``s += slopes[h] * (j -
             i)`` for key position ``j`` and the query's ``i = len - 1``; copied (the plan keeps
             its own). ``None``, none.
+        q_dtype: over fp8, every run's query type (module docstring); else None or the cache's.
+        kv_dtype: the fp8 format of a ``uint8`` cache; ``None`` otherwise.
 
     Raises:
-        TypeError: arrays on different devices, or wrong dtypes.
+        TypeError: arrays on different devices, or wrong dtypes (``q_dtype``, ``kv_dtype`` too).
         ValueError: wrong shapes, an unsupported head_dim or block_size, a bad variant
             (``window_left < -1``, a negative or non-finite soft-cap, slopes of the wrong
             shape), or (checked) bad lengths or block ids.
@@ -134,6 +147,7 @@ class DecodePlan:
         "_planner",
         "_planner_block",
         "_scalars",
+        "_fp8",
         "_seq_items",
         "_shared_mem",
         "_sink_kernels",
@@ -162,12 +176,15 @@ class DecodePlan:
         window_left: int = -1,
         logits_soft_cap: float = 0.0,
         alibi_slopes: Any = None,
+        q_dtype: Any = None,
+        kv_dtype: Any = None,
     ) -> None:
         xp = array_module(block_tables, context_lens, k_cache)
         num_blocks, num_kv_heads, block_size, head_dim, num_q_heads = check_layer_and_heads(
             k_cache, num_q_heads
         )
-        dtype = element_type(k_cache)
+        dtype = element_type(k_cache, kv_dtype)
+        q_dtype = _launch.query_dtype(dtype, None if q_dtype is None else dtype_name(q_dtype))
         _launch.check_decode_shape(dtype, head_dim, block_size)
         num_seqs, max_blocks = check_shape(
             "block_tables", block_tables, [("num_seqs", None), ("max_blocks", None)]
@@ -194,7 +211,7 @@ class DecodePlan:
         # length: planned (and, with sequences, loaded) first, so that its occupancy can size it.
         flags = variants.flags()
         launch = _launch.decode_launch(
-            dtype, num_kv_heads, group, head_dim, block_size, 1, gpu, flags
+            dtype, num_kv_heads, group, head_dim, block_size, 1, gpu, flags, q_dtype=q_dtype
         )
         tile = launch.tile  # pieces are whole stages
         kernel = None
@@ -204,7 +221,9 @@ class DecodePlan:
             # Items that fill the device: thread blocks per multiprocessor x multiprocessors,
             # over the thread blocks of one item (KV heads x head chunks).
             if kernel is None:
-                ctas = _launch.decode_ctas_per_sm(dtype, head_dim, group, block_size)
+                ctas = _launch.decode_ctas_per_sm(
+                    dtype, head_dim, group, block_size, q_dtype=q_dtype
+                )
             else:
                 ctas = ctas_per_sm(kernel, launch)
             capacity = num_seqs + cdiv(ctas * gpu.sm_count, launch.grid[0])
@@ -239,14 +258,15 @@ class DecodePlan:
                 f"(the work list is one grid axis), got {num_seqs}"
             )
         launch = _launch.decode_launch(
-            dtype, num_kv_heads, group, head_dim, block_size, capacity, gpu, flags
+            dtype, num_kv_heads, group, head_dim, block_size, capacity, gpu, flags, q_dtype=q_dtype
         )
         self._xp = xp
         self._device = device
         self._layout = tuple(k_cache.shape)
         self._arrays = LayerArrays(
-            xp, dtype, self._layout, Q_AXES, (num_seqs, num_q_heads, head_dim)
+            xp, dtype, self._layout, Q_AXES, (num_seqs, num_q_heads, head_dim), kv_dtype, q_dtype
         )
+        self._fp8 = is_fp8(dtype)  # then each run passes its scales, checked there
         self._capacity = capacity
         self._min_chunk = min_chunk
         self._tile = tile
@@ -281,12 +301,14 @@ class DecodePlan:
         # is the last, replaced by a run that passes them.
         slopes = self._partial_lse if variants.alibi_slopes is None else variants.alibi_slopes
         tail = (np.int32(window), np.float32(variants.logits_soft_cap), slopes, self._partial_lse)
+        # Its own five scalars, the fp8 scales' six (of 1.0; an fp8 run's), the variants' four.
         self._scalars = (
             self._lens,
             np.int32(num_kv_heads),
             np.int32(group),
             np.int32(max_blocks),
             np.float32(scale),
+            *kv_scale_args(xp, dtype, num_kv_heads, None, None),
             *tail,
         )
         self._merge_scalars = (self._num_q_heads, *tail)
@@ -382,12 +404,22 @@ class DecodePlan:
             self._plan(max_context)
 
     @takes_dlpack
-    def run(self, q: Any, k_cache: Any, v_cache: Any, *, sinks: Any = None, out: Any = None) -> Any:
+    def run(
+        self,
+        q: Any,
+        k_cache: Any,
+        v_cache: Any,
+        *,
+        sinks: Any = None,
+        out: Any = None,
+        k_scale: Any = None,
+        v_scale: Any = None,
+    ) -> Any:
         """Decode attention of one layer: what :func:`cupaged.paged_attention` computes, with
         the plan's variants.
 
         Args:
-            q: ``[num_seqs, num_q_heads, head_dim]``, the cache's element type.
+            q: ``[num_seqs, num_q_heads, head_dim]``, the cache's element type (fp8: q_dtype).
             k_cache: one layer, the planned layout (``cache.k[layer]``), C-contiguous, 16-byte
                 aligned.
             v_cache: same shape and dtype as ``k_cache``.
@@ -396,27 +428,38 @@ class DecodePlan:
                 (never its numerator); a context of length 0 still gets a zero row.
             out: optional ``[num_seqs, num_q_heads, head_dim]`` C-contiguous output, ``q``'s
                 dtype.
+            k_scale, v_scale: an fp8 cache's scales (the module docstring); ``None``, 1.0.
 
         Returns:
             ``out`` (a new array when ``None``), in ``q``'s dtype.
 
         Raises:
-            TypeError, ValueError: an argument that does not match the plan, or sinks of the
-                wrong type, dtype or shape (nothing is run).
+            TypeError, ValueError: arguments unlike the plan's, bad sinks or scales (nothing runs).
         """
         out, q, k_cache, v_cache, out_storage, _ = self._arrays.views(q, k_cache, v_cache, out)
         if sinks is not None:
             sinks = check_sinks(self._xp, int(self._num_q_heads), sinks)
+        scales = None  # the plan's scalars hold those of 1.0
+        if self._fp8 or k_scale is not None or v_scale is not None:  # unchecked: no host read
+            heads, dtype = self._layout[1], self._arrays.dtype
+            scales = kv_scale_args(self._xp, dtype, heads, k_scale, v_scale, checked=self.checked)
         if self.num_seqs == 0:
             return out
+        scalars = self._scalars  # its own five, the scales' six, the variants' four
+        if scales is not None:
+            scalars = (*scalars[:5], *scales, *scalars[11:])
         if sinks is None:
             kernel, merge = self._kernel, self._merge
-            scalars, merge_scalars = self._scalars, self._merge_scalars
+            merge_scalars = self._merge_scalars
         else:
-            kernel, merge = self._with_sinks()
-            scalars = (*self._scalars[:-1], sinks)  # the sinks' argument is the last
+            if self._sink_kernels is None:  # loaded at the first run with sinks
+                heads = (int(self._num_q_heads), *self._layout[1:])
+                self._sink_kernels = _sink_kernels(self._device, self._launch, *heads)
+            kernel, merge = self._sink_kernels
+            scalars = (*scalars[:-1], sinks)  # the sinks' argument is the last
             merge_scalars = (*self._merge_scalars[:-1], sinks)
-        split = self._split or (self._device == "cuda" and self._capturing())
+        spare = self._capacity > self.num_seqs  # none: never split, whatever the lengths
+        split = self._split or (self._device == "cuda" and spare and _capturing(self._xp))
         partials = (self._partial_out, self._partial_lse)
         kernel(
             self._grid,
@@ -429,31 +472,51 @@ class DecodePlan:
             merge(self._merge_grid, self._merge_block, args)
         return out
 
-    def _with_sinks(self) -> tuple[Any, Any]:
-        """The decode kernel and merge with the sinks bit, loaded at the first run with sinks
-        (a plan of a model without them never compiles them)."""
-        if self._sink_kernels is None:
-            launch = self._launch
-            _, num_kv_heads, _, head_dim = self._layout
-            group = int(self._num_q_heads) // num_kv_heads
-            sinks_launch = dataclasses.replace(launch, name=launch.sinks_name)
-            self._sink_kernels = (
-                attention_kernel(self._device, "paged_attention.cu", sinks_launch, group, head_dim),
-                get_kernel(self._device, "paged_attention.cu", launch.sinks_merge_name),
-            )
-        return self._sink_kernels
 
-    def _capturing(self) -> bool:
-        """Whether a CUDA graph is being captured on the current stream (on a GPU, while the
-        host knows that no sequence is split): the graph must hold the merge, for later
-        ``update`` calls may split."""
-        if self._capacity == self.num_seqs:  # no spare items: never split, whatever the lengths
-            return False
-        cupy = self._xp
-        return bool(cupy.cuda.runtime.streamIsCapturing(cupy.cuda.get_current_stream().ptr))
+def _sink_kernels(
+    device: str, launch: Any, num_q_heads: int, num_kv_heads: int, _: int, head_dim: int
+) -> tuple[Any, Any]:
+    """The decode kernel and merge of ``launch`` with the sinks bit (a plan of a model without
+    sinks never compiles them); the sizes: the query heads, then a layer's but num_blocks."""
+    group = num_q_heads // num_kv_heads
+    sinks_launch = dataclasses.replace(launch, name=launch.sinks_name)
+    return (
+        attention_kernel(device, "paged_attention.cu", sinks_launch, group, head_dim),
+        get_kernel(device, "paged_attention.cu", launch.sinks_merge_name),
+    )
+
+
+def _capturing(cupy: Any) -> bool:
+    """Whether a CUDA graph is being captured on the current stream (on a GPU, while the host
+    knows that no sequence is split, a plan with spare items): the graph must hold the merge,
+    for later ``update`` calls may split."""
+    return bool(cupy.cuda.runtime.streamIsCapturing(cupy.cuda.get_current_stream().ptr))
 
 
 def _attended(max_context: int, window_left: int) -> int:
     """The most keys a decode query attends in a batch whose longest context is
     ``max_context``: all of them, or ``window_left + 1`` with a window."""
     return max_context if window_left < 0 else min(max_context, window_left + 1)
+
+
+def fp8_query_dtype(q: Any, k_cache: Any, kv_dtype: Any = None) -> str | None:
+    """For a one-shot call: the element type of ``q`` over an fp8 ``k_cache`` (an ``ml_dtypes``
+    fp8 array, or ``uint8`` bytes that ``kv_dtype`` names), checked with ``q``'s three axes;
+    ``None`` for a cache of another type (without ``kv_dtype``), whose checks are the caller's.
+
+    Raises:
+        TypeError: a ``uint8`` cache without ``kv_dtype``, a ``kv_dtype`` for a cache that is
+            not fp8, or a ``q`` that is not float32, float16 or bfloat16.
+        ValueError: ``q`` is not ``[num_seqs, num_q_heads, head_dim]``.
+    """
+    if kv_dtype is None and k_cache.dtype != np.uint8:
+        try:
+            name = array_dtype_name(k_cache)
+        except TypeError:
+            return None  # the caller's checks name it
+        if not is_fp8(name):
+            return None
+    else:
+        name = array_dtype_name(k_cache, kv_dtype)
+    check_shape("q", q, [(axis, None) for axis in Q_AXES])
+    return check_query_dtype(q, name)

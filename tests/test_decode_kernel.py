@@ -17,6 +17,7 @@ from helpers import DTYPES, TOLERANCES, assert_close, poison, random_paged_batch
 import cupaged
 from cupaged import _launch
 from cupaged._kernels import get_kernel
+from cupaged._scales import kv_scale_args
 from cupaged.dtypes import from_float, to_float
 
 SCHEDULES = ("forward", "warp_ahead")
@@ -66,7 +67,7 @@ def run_decode(xp, q, k_cache, v_cache, tables, lengths, chunk, scale=None, unus
         out, partial_out, partial_lse, xp.asarray(q), xp.asarray(k_cache), xp.asarray(v_cache),
         xp.asarray(tables), xp.asarray(work), xp.asarray(np.asarray(lengths, np.int32)),
         np.int32(num_kv_heads), np.int32(group), np.int32(tables.shape[1]), np.float32(scale),
-        *no_variants,
+        *kv_scale_args(xp, dtype, num_kv_heads, None, None), *no_variants,
     )  # fmt: skip
     kernel(launch.grid, launch.block, args, shared_mem=launch.shared_mem)
     merge = get_kernel(device, "paged_attention.cu", launch.merge_name)
