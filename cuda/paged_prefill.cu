@@ -139,6 +139,14 @@ __device__ __forceinline__ void unpack(const __nv_bfloat16* p, float (&f)[8]) {
   }
 }
 
+// fp8: 8 elements (an LDS.64 of half a staged 16-byte copy), converted in pairs.
+__device__ __forceinline__ void unpack(const __nv_fp8_e4m3* p, float (&f)[8]) {
+  load8_as_float(p, f);
+}
+__device__ __forceinline__ void unpack(const __nv_fp8_e5m2* p, float (&f)[8]) {
+  load8_as_float(p, f);
+}
+
 // Whether any of the 8 values of a 16-byte part is an Inf or NaN (exponent bits all ones).
 __device__ __forceinline__ int nonfinite_pair(unsigned w, unsigned exponent) {
   return (w & exponent) == exponent || (w & (exponent << 16)) == (exponent << 16);
@@ -176,29 +184,69 @@ __device__ __forceinline__ uint4 pack(const float (&f)[8], __nv_bfloat16*) {
   return v;
 }
 
+// Eight fp8 elements of KV (8 bytes, 8-byte aligned) as eight T (half or bfloat16: exact, every
+// fp8 value is one of both), one 16-byte part: the tensor-core path's conversion of a stage.
+template <typename KV>
+__device__ __forceinline__ unsigned fp8x2_as(unsigned short pair, __half*) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(pair, IsFp8<KV>::kFormat);
+  return static_cast<unsigned>(h.x) | static_cast<unsigned>(h.y) << 16;
+}
+template <typename KV>
+__device__ __forceinline__ unsigned fp8x2_as(unsigned short pair, __nv_bfloat16*) {
+  const float2 f = fp8x2_to_float2<KV>(pair);
+  const __nv_bfloat162 b = __floats2bfloat162_rn(f.x, f.y);
+  return *reinterpret_cast<const unsigned*>(&b);
+}
+template <typename T, typename KV>
+__device__ __forceinline__ uint4 fp8x8_as(const KV* p) {
+  const uint2 raw = *reinterpret_cast<const uint2*>(p);
+  T* tag = nullptr;
+  return make_uint4(fp8x2_as<KV>(static_cast<unsigned short>(raw.x & 0xffffu), tag),
+                    fp8x2_as<KV>(static_cast<unsigned short>(raw.x >> 16), tag),
+                    fp8x2_as<KV>(static_cast<unsigned short>(raw.y & 0xffffu), tag),
+                    fp8x2_as<KV>(static_cast<unsigned short>(raw.y >> 16), tag));
+}
+
 // dot[k] += q row (k * ROW_STEP) . k_row for k < NUM_ROWS: each 16-byte part of K is read once
 // for all rows, each q part is a 128-bit read of one address per row group (a broadcast).
 // (Skipping the rows past the live ones here too, with one copy of the loop per count, cost
 // more registers than the 128 the launch bounds allow; P V skips them.)
+template <int NUM_ROWS, int ROW_STEP, int HEAD_DIM, int VEC>
+__device__ __forceinline__ void dot_part(float (&dot)[NUM_ROWS], const float (&kf)[VEC],
+                                         const float* q_part) {
+#pragma unroll
+  for (int k = 0; k < NUM_ROWS; ++k) {
+#pragma unroll
+    for (int e = 0; e < VEC; e += 4) {
+      const float4 qv = *reinterpret_cast<const float4*>(q_part + k * ROW_STEP * HEAD_DIM + e);
+      dot[k] += qv.x * kf[e];  // one statement each: four FMAs, no separate add
+      dot[k] += qv.y * kf[e + 1];
+      dot[k] += qv.z * kf[e + 2];
+      dot[k] += qv.w * kf[e + 3];
+    }
+  }
+}
+// fp8: a 16-byte part (16 elements) is one 128-bit read, as for the other types (rows padded by
+// 16 bytes: conflict-free), converted and consumed 8 elements at a time.
 template <int NUM_ROWS, int ROW_STEP, int HEAD_DIM, typename T>
 __device__ __forceinline__ void dot_rows(float (&dot)[NUM_ROWS], const T* k_row,
                                          const float* q_rows) {
   constexpr int VEC = 16 / sizeof(T);
 #pragma unroll 2
   for (int part = 0; part < HEAD_DIM / VEC; ++part) {
-    float kf[VEC];
-    unpack(k_row + part * VEC, kf);
-#pragma unroll
-    for (int k = 0; k < NUM_ROWS; ++k) {
-      const float* q_part = q_rows + k * ROW_STEP * HEAD_DIM + part * VEC;
-#pragma unroll
-      for (int e = 0; e < VEC; e += 4) {
-        const float4 qv = *reinterpret_cast<const float4*>(q_part + e);
-        dot[k] += qv.x * kf[e];  // one statement each: four FMAs, no separate add
-        dot[k] += qv.y * kf[e + 1];
-        dot[k] += qv.z * kf[e + 2];
-        dot[k] += qv.w * kf[e + 3];
-      }
+    if constexpr (IsFp8<T>::value) {
+      const uint4 raw = *reinterpret_cast<const uint4*>(k_row + part * VEC);
+      const unsigned low[2] = {raw.x, raw.y};
+      const unsigned high[2] = {raw.z, raw.w};
+      float kf[8];
+      fp8_words_as_float<T>(low, kf);
+      dot_part<NUM_ROWS, ROW_STEP, HEAD_DIM>(dot, kf, q_rows + part * VEC);
+      fp8_words_as_float<T>(high, kf);
+      dot_part<NUM_ROWS, ROW_STEP, HEAD_DIM>(dot, kf, q_rows + part * VEC + 8);
+    } else {
+      float kf[VEC];
+      unpack(k_row + part * VEC, kf);
+      dot_part<NUM_ROWS, ROW_STEP, HEAD_DIM>(dot, kf, q_rows + part * VEC);
     }
   }
 }
@@ -253,28 +301,35 @@ template <typename T, int HEAD_DIM>
 constexpr int kPrefillBlocks = HEAD_DIM <= 192 ? 4 : (sizeof(T) == 4 && HEAD_DIM >= 240 ? 2 : 3);
 
 template <typename T, int HEAD_DIM, int BLOCK_SIZE, int TILE, int ROWS, int STAGES, int THREADS,
-          int VARIANT = 0>
-__global__ void __launch_bounds__(THREADS, kPrefillBlocks<T, HEAD_DIM>)
+          int VARIANT = 0, typename KV = T>
+__global__ void __launch_bounds__(THREADS, kPrefillBlocks<KV, HEAD_DIM>)
     paged_prefill(T* __restrict__ out,                     // [total_query_tokens, num_q_heads, HEAD_DIM]
                   float* __restrict__ partial_out,         // [total_query_tokens, num_q_heads, num_splits, HEAD_DIM]
                   float* __restrict__ partial_lse,         // [total_query_tokens, num_q_heads, num_splits]
                   const T* __restrict__ q,                 // [total_query_tokens, num_q_heads, HEAD_DIM]
-                  const T* __restrict__ k_cache,           // [num_blocks, num_kv_heads, BLOCK_SIZE, HEAD_DIM]
-                  const T* __restrict__ v_cache,           // [num_blocks, num_kv_heads, BLOCK_SIZE, HEAD_DIM]
+                  const KV* __restrict__ k_cache,          // [num_blocks, num_kv_heads, BLOCK_SIZE, HEAD_DIM]
+                  const KV* __restrict__ v_cache,          // [num_blocks, num_kv_heads, BLOCK_SIZE, HEAD_DIM]
                   const int* __restrict__ block_tables,    // [num_seqs, max_blocks]
                   const int* __restrict__ context_lens,    // [num_seqs]
                   const int* __restrict__ query_start_loc,  // [num_seqs + 1]
                   int num_kv_heads, int group_size, int heads_per_block, int max_blocks,
                   int num_seqs, int query_rows, int causal, int partition_tokens, int num_splits,
-                  float scale, int window_left, float soft_cap,
+                  float scale, float k_scale, float v_scale,
+                  const float* __restrict__ k_scales,      // [num_kv_heads] or [1], read for fp8
+                  const float* __restrict__ v_scales,      // [num_kv_heads] or [1], read for fp8
+                  int k_scale_stride, int v_scale_stride, int window_left, float soft_cap,
                   const float* __restrict__ alibi_slopes,  // [num_q_heads], read with kAlibi
                   const float* __restrict__ sinks) {       // [num_q_heads], read with kSinks
   constexpr bool WINDOW = (VARIANT & kWindow) != 0;
   constexpr bool ALIBI = (VARIANT & kAlibi) != 0;
   constexpr bool SINKS = (VARIANT & kSinks) != 0;  // only without split-K (the merge's otherwise)
-  constexpr int VEC = 16 / sizeof(T);          // elements of a 16-byte part
-  constexpr int PARTS = HEAD_DIM / VEC;        // 16-byte parts of a token's head vector
+  constexpr bool FP8 = IsFp8<KV>::value;
+  constexpr int VEC = 16 / sizeof(KV);         // cache elements of a 16-byte part (a copy)
   constexpr int STRIDE = HEAD_DIM + VEC;       // a stage row, padded by 16 bytes (see above)
+  // Elements of an output item (P V): a 16-byte part of V; 8 bytes (LDS.64) of fp8, so that its
+  // items are those of the 16-bit types.
+  constexpr int AVEC = FP8 ? 8 : VEC;
+  constexpr int PARTS = HEAD_DIM / AVEC;       // items of a row
   constexpr int P_STRIDE = TILE + 4;           // a weights row, padded by 16 bytes
   constexpr int WARPS = THREADS / 32;
   constexpr int ROW_LANES = 32 / TILE;         // rows a warp scores at once
@@ -286,7 +341,8 @@ __global__ void __launch_bounds__(THREADS, kPrefillBlocks<T, HEAD_DIM>)
   static_assert(TILE % 4 == 0 && TILE <= 32 && 32 % TILE == 0, "a tile is one row group of lanes");
   static_assert(ROWS % ROW_STEP == 0, "every thread scores the same number of rows");
   static_assert(THREADS % 32 == 0 && STAGES >= 2, "whole warps; a ring of at least two stages");
-  using Ring = KvRing<T, HEAD_DIM, BLOCK_SIZE, TILE, STAGES, THREADS, false, true, STRIDE,
+  static_assert(!IsFp8<T>::value, "queries and outputs are never fp8");
+  using Ring = KvRing<KV, HEAD_DIM, BLOCK_SIZE, TILE, STAGES, THREADS, false, true, STRIDE,
                      2 * TILE * STRIDE>;
 
   const int split = blockIdx.x % num_splits;
@@ -340,7 +396,7 @@ __global__ void __launch_bounds__(THREADS, kPrefillBlocks<T, HEAD_DIM>)
   float* p_s = q_s + ROWS * HEAD_DIM;
   float* alpha_s = p_s + ROWS * P_STRIDE;
   float* l_s = alpha_s + ROWS;
-  T* kv_s = reinterpret_cast<T*>(l_s + ROWS);
+  KV* kv_s = reinterpret_cast<KV*>(l_s + ROWS);
 
   // ---- step 0: the ring (common.cuh, KvRing), K and V of a stage side by side in kv_s ----
   Ring ring(kv_s, kv_s + TILE * STRIDE, k_cache, v_cache,
@@ -349,6 +405,8 @@ __global__ void __launch_bounds__(THREADS, kPrefillBlocks<T, HEAD_DIM>)
   ring.start();
   // ring.num_stages; computed here again, as NVRTC compiles the loop best (registers)
   const int num_tiles = ceil_div(kv_end - kv_begin, TILE);
+  // fp8: K's scale joins the softmax scale, so each score gets it once (through q_s).
+  if constexpr (FP8) scale *= head_scale(k_scale, k_scales, k_scale_stride, kv_head);
 
   // Row r of the tile is query token first_query + r / heads, query head first_head + r % heads.
   const long long first_row = static_cast<long long>(q_begin) + first_query;
@@ -389,7 +447,7 @@ __global__ void __launch_bounds__(THREADS, kPrefillBlocks<T, HEAD_DIM>)
     if (ALIBI) slope[ALIBI ? k : 0] = real ? alibi_slopes[first_head + r % heads] : 0.0f;
   }
   // Accumulating: items tid + u * THREADS, (row, part) = (item / PARTS, item % PARTS).
-  float acc[ITEMS][VEC];
+  float acc[ITEMS][AVEC];
   int item_row[ITEMS];  // -1: no item, or a row past the live ones
   const int item_part = tid % PARTS;  // every item's part when ONE_PART
   bool any_item = false;
@@ -399,7 +457,7 @@ __global__ void __launch_bounds__(THREADS, kPrefillBlocks<T, HEAD_DIM>)
     item_row[u] = item < ROWS * PARTS && item / PARTS < live_rows ? item / PARTS : -1;
     any_item = any_item || item_row[u] >= 0;
 #pragma unroll
-    for (int e = 0; e < VEC; ++e) acc[u][e] = 0.0f;
+    for (int e = 0; e < AVEC; ++e) acc[u][e] = 0.0f;
   }
 
   for (int tile = 0; tile < num_tiles; ++tile) {
@@ -409,14 +467,14 @@ __global__ void __launch_bounds__(THREADS, kPrefillBlocks<T, HEAD_DIM>)
     __syncthreads();    // everyone's; and the stage of tile - 1 is free
     ring.refill(tile);  // tile + STAGES - 1 into it; block ids of tile + STAGES
 
-    const T* k_tile = ring.k_row(tile, 0);
-    const T* v_tile = ring.v_row(tile, 0);
+    const KV* k_tile = ring.k_row(tile, 0);
+    const KV* v_tile = ring.v_row(tile, 0);
 
     // Step 2: scores of token `key` against this thread's rows, then the online softmax.
     float dot[SCORE_ROWS];
 #pragma unroll
     for (int k = 0; k < SCORE_ROWS; ++k) dot[k] = 0.0f;
-    const T* k_row = k_tile + key * STRIDE;
+    const KV* k_row = k_tile + key * STRIDE;
     const float* q_rows = q_s + row_base * HEAD_DIM;
     prefill::dot_rows<SCORE_ROWS, ROW_STEP, HEAD_DIM>(dot, k_row, q_rows);
 #pragma unroll
@@ -457,7 +515,7 @@ __global__ void __launch_bounds__(THREADS, kPrefillBlocks<T, HEAD_DIM>)
       if (item_row[u] < 0) continue;
       const float alpha = alpha_s[item_row[u]];
 #pragma unroll
-      for (int e = 0; e < VEC; ++e) acc[u][e] *= alpha;
+      for (int e = 0; e < AVEC; ++e) acc[u][e] *= alpha;
     }
     // Rows stop inside this tile only when it crosses the first row's position (causal), and
     // start inside it only when it begins before the last row's first key (window).
@@ -490,33 +548,36 @@ __global__ void __launch_bounds__(THREADS, kPrefillBlocks<T, HEAD_DIM>)
       }
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        float vf[VEC];
-        if (ONE_PART) prefill::unpack(v_tile + (t + j) * STRIDE + item_part * VEC, vf);
+        float vf[AVEC];
+        if (ONE_PART) prefill::unpack(v_tile + (t + j) * STRIDE + item_part * AVEC, vf);
 #pragma unroll
         for (int u = 0; u < ITEMS; ++u) {
           if (!ONE_PART) {
-            prefill::unpack(v_tile + (t + j) * STRIDE + (tid + u * THREADS) % PARTS * VEC, vf);
+            prefill::unpack(v_tile + (t + j) * STRIDE + (tid + u * THREADS) % PARTS * AVEC, vf);
           }
           if (item_row[u] < 0 || t + j >= visible[u]) continue;  // a row stops at its position
           if (WINDOW && t + j < hidden[WINDOW ? u : 0]) continue;  // and starts at its window
 #pragma unroll
-          for (int e = 0; e < VEC; ++e) acc[u][e] += p[u][j] * vf[e];
+          for (int e = 0; e < AVEC; ++e) acc[u][e] += p[u][j] * vf[e];
         }
       }
     }
   }
   __pipeline_wait_prior(0);  // only empty batches are left; nothing may be pending at exit
 
-  // Each row's sum, and with splits its log-sum-exp, from the lanes that kept them.
+  // Each row's sum, and with splits its log-sum-exp, from the lanes that kept them. fp8: V's
+  // scale joins each row's denominator (acc / (l / v_scale)), once per row, before any merge.
+  const float v_head = FP8 ? head_scale(v_scale, v_scales, v_scale_stride, kv_head) : 1.0f;
 #pragma unroll
   for (int k = 0; k < SCORE_ROWS; ++k) {
     const int r = row_base + k * ROW_STEP;
     if (key != 0) continue;
-    l_s[r] = l[k];
+    float l_row = l[k];
     if (SINKS && num_splits == 1 && position[k] >= 0) {
       // The sink joins the denominator once (sink_denominator; the header).
-      l_s[r] = sink_denominator(m[k], l[k], sinks[first_head + r % heads]);
+      l_row = sink_denominator(m[k], l[k], sinks[first_head + r % heads]);
     }
+    l_s[r] = FP8 ? l_row / v_head : l_row;
     if (num_splits > 1 && position[k] >= 0) {
       const long long row = (first_row + r / heads) * num_q_heads + first_head + r % heads;
       const float base = m[k] == neg_inf() ? 0.0f : m[k];  // the exponents' reference
@@ -535,15 +596,15 @@ __global__ void __launch_bounds__(THREADS, kPrefillBlocks<T, HEAD_DIM>)
     const float l_row = l_s[r];
     if (num_splits == 1) {
 #pragma unroll
-      for (int e = 0; e < VEC; ++e) {
-        out[row * HEAD_DIM + part * VEC + e] = from_float<T>(acc[u][e] / l_row);
+      for (int e = 0; e < AVEC; ++e) {
+        out[row * HEAD_DIM + part * AVEC + e] = from_float<T>(acc[u][e] / l_row);
       }
     } else {
       // A row that saw no token of this split (l = 0) has log-sum-exp -inf: the merge weighs it
       // 0, and 0 * (0 / 0) would be NaN, so its partial row is 0.
-      float* dst = partial_out + (row * num_splits + split) * HEAD_DIM + part * VEC;
+      float* dst = partial_out + (row * num_splits + split) * HEAD_DIM + part * AVEC;
 #pragma unroll
-      for (int e = 0; e < VEC; ++e) dst[e] = l_row == 0.0f ? 0.0f : acc[u][e] / l_row;
+      for (int e = 0; e < AVEC; ++e) dst[e] = l_row == 0.0f ? 0.0f : acc[u][e] / l_row;
     }
   }
 }
@@ -595,20 +656,23 @@ constexpr int kPrefillMmaBlocks = 3;  // per SM: what 228 KiB of shared memory h
 constexpr int kPrefillMmaBlocks = 2;  // sm_80's 164 KiB
 #endif
 template <typename T, int HEAD_DIM, int BLOCK_SIZE, int TILE, int ROWS, int STAGES, int THREADS,
-          int VARIANT = 0>
+          int VARIANT = 0, typename KV = T>
 __global__ void __launch_bounds__(THREADS, kPrefillMmaBlocks)
     paged_prefill_mma(T* __restrict__ out,                     // [total_query_tokens, num_q_heads, HEAD_DIM]
                       float* __restrict__ partial_out,         // [total_query_tokens, num_q_heads, num_splits, HEAD_DIM]
                       float* __restrict__ partial_lse,         // [total_query_tokens, num_q_heads, num_splits]
                       const T* __restrict__ q,                 // [total_query_tokens, num_q_heads, HEAD_DIM]
-                      const T* __restrict__ k_cache,           // [num_blocks, num_kv_heads, BLOCK_SIZE, HEAD_DIM]
-                      const T* __restrict__ v_cache,           // [num_blocks, num_kv_heads, BLOCK_SIZE, HEAD_DIM]
+                      const KV* __restrict__ k_cache,          // [num_blocks, num_kv_heads, BLOCK_SIZE, HEAD_DIM]
+                      const KV* __restrict__ v_cache,          // [num_blocks, num_kv_heads, BLOCK_SIZE, HEAD_DIM]
                       const int* __restrict__ block_tables,    // [num_seqs, max_blocks]
                       const int* __restrict__ context_lens,    // [num_seqs]
                       const int* __restrict__ query_start_loc,  // [num_seqs + 1]
                       int num_kv_heads, int group_size, int heads_per_block, int max_blocks,
                       int num_seqs, int query_rows, int causal, int partition_tokens,
-                      int num_splits, float scale, int window_left, float soft_cap,
+                      int num_splits, float scale, float k_scale, float v_scale,
+                      const float* __restrict__ k_scales,      // [num_kv_heads] or [1], for fp8
+                      const float* __restrict__ v_scales,      // [num_kv_heads] or [1], for fp8
+                      int k_scale_stride, int v_scale_stride, int window_left, float soft_cap,
                       const float* __restrict__ alibi_slopes,  // [num_q_heads], with kAlibi
                       const float* __restrict__ sinks) {       // [num_q_heads], with kSinks
   namespace wmma = nvcuda::wmma;
@@ -630,11 +694,14 @@ __global__ void __launch_bounds__(THREADS, kPrefillMmaBlocks)
   constexpr int FRAGS = HEAD_DIM / 16;  // output fragments of a warp (16 columns each)
   constexpr int KEYS = TILE / 16;       // 16-token column blocks of S
   constexpr int HALF = TILE / 2;        // scores per lane in the softmax (two lanes per row)
+  constexpr bool FP8 = IsFp8<KV>::value;
+  constexpr int KV_STRIDE = HEAD_DIM + 16 / sizeof(KV);  // stage rows (KV), padded by 16 bytes
   // The ring's copies are recomputed from tid where used (no HOIST): this kernel is at its
   // register limit, and no registers are held across the loop for them.
-  using Ring = KvRing<T, HEAD_DIM, BLOCK_SIZE, TILE, STAGES, THREADS, false, false, STRIDE,
-                     2 * TILE * STRIDE>;
+  using Ring = KvRing<KV, HEAD_DIM, BLOCK_SIZE, TILE, STAGES, THREADS, false, false, KV_STRIDE,
+                     2 * TILE * KV_STRIDE>;
   static_assert(sizeof(T) == 2, "tensor cores serve the 16-bit types; float32 has paged_prefill");
+  static_assert(FP8 || sizeof(KV) == sizeof(T), "a 16-bit cache is the queries' type");
   static_assert(ROWS == 16 * WARPS && THREADS % 32 == 0, "one 16-row MMA tile per warp");
   static_assert(TILE % 16 == 0 && TILE <= 64 && HEAD_DIM % 16 == 0, "whole 16 x 16 tiles");
   static_assert(HEAD_DIM <= 128, "O in registers: HEAD_DIM / 4 per thread (see above)");
@@ -687,18 +754,21 @@ __global__ void __launch_bounds__(THREADS, kPrefillMmaBlocks)
   extern __shared__ __align__(128) unsigned char smem[];  // WMMA tiles: 32-byte aligned
 #endif
   T* q_s = reinterpret_cast<T*>(smem);
-  T* kv_s = q_s + ROWS * STRIDE;
-  float* s_s = reinterpret_cast<float*>(kv_s + STAGES * 2 * TILE * STRIDE);
+  KV* kv_s = reinterpret_cast<KV*>(q_s + ROWS * STRIDE);
+  T* kt_s = reinterpret_cast<T*>(kv_s + STAGES * 2 * TILE * KV_STRIDE);  // fp8: K, V of a stage
+  float* s_s = reinterpret_cast<float*>(kt_s + (FP8 ? 2 * TILE * STRIDE : 0));
   T* p_s = reinterpret_cast<T*>(s_s + ROWS * S_STRIDE);
   unsigned char* special_s = reinterpret_cast<unsigned char*>(p_s + ROWS * P_STRIDE);
 
   // ---- the ring (common.cuh, KvRing), as in paged_prefill ----
-  Ring ring(kv_s, kv_s + TILE * STRIDE, k_cache, v_cache,
+  Ring ring(kv_s, kv_s + TILE * KV_STRIDE, k_cache, v_cache,
             block_tables + static_cast<long long>(seq) * max_blocks, num_kv_heads, kv_head,
             kv_begin, kv_end, tid);
   ring.start();
   // ring.num_stages, computed again as in paged_prefill
   const int num_tiles = ceil_div(kv_end - kv_begin, TILE);
+  // fp8: K's scale joins the softmax scale (applied to each float32 score once).
+  if constexpr (FP8) scale *= head_scale(k_scale, k_scales, k_scale_stride, kv_head);
 
   // Queries as T, unscaled; padding rows zero (their scores are masked anyway).
   const long long first_row = static_cast<long long>(q_begin) + first_query;
@@ -744,8 +814,15 @@ __global__ void __launch_bounds__(THREADS, kPrefillMmaBlocks)
     __syncthreads();
     ring.refill(tile);
 
-    T* k_tile = ring.k_row(tile, 0);
-    T* v_tile = ring.v_row(tile, 0);
+    T* k_tile;
+    T* v_tile;
+    if constexpr (FP8) {  // the stage converted to T in kt_s, below
+      k_tile = kt_s;
+      v_tile = kt_s + TILE * STRIDE;
+    } else {
+      k_tile = ring.k_row(tile, 0);
+      v_tile = ring.v_row(tile, 0);
+    }
 
     // A tile that crosses the first row's position (causal): tokens from `hidden` on are masked
     // for some row; one that begins before the last row's first key (window): tokens before
@@ -757,7 +834,25 @@ __global__ void __launch_bounds__(THREADS, kPrefillMmaBlocks)
     const int after = max(opened, hidden);  // masked for some row: [0, opened) and [after, count)
     const int masked = opened + count - after;
     bool special = false;
-    if (masked > 0) {  // uniform
+    if constexpr (FP8) {
+      // The stage's K and V rows as T into kt_s (8 elements per thread and step: LDS.64 in,
+      // STS.128 out, both conflict-free), the masked V rows checked on the way; the barrier
+      // makes kt_s whole for every warp.
+      constexpr int EIGHTS = HEAD_DIM / 8;
+      int found = 0;
+      for (int i = tid; i < 2 * TILE * EIGHTS; i += THREADS) {
+        const int row = i / EIGHTS;  // K rows, then V rows
+        const int col = i % EIGHTS * 8;
+        const int j = row - TILE;    // the V row's token (negative for K)
+        const KV* src = (j < 0 ? ring.k_row(tile, row) : ring.v_row(tile, j)) + col;
+        const uint4 v = prefill::fp8x8_as<T>(src);
+        *reinterpret_cast<uint4*>(kt_s + row * STRIDE + col) = v;
+        if (j >= 0 && (j < opened || (j >= after && j < count))) {
+          found |= prefill::any_nonfinite(v, static_cast<const T*>(nullptr));
+        }
+      }
+      special = __syncthreads_or(found) != 0;
+    } else if (masked > 0) {  // uniform
       int found = 0;
       for (int i = tid; i < masked * PARTS; i += THREADS) {
         const int j = i / PARTS < opened ? i / PARTS : after + i / PARTS - opened;
@@ -918,6 +1013,8 @@ __global__ void __launch_bounds__(THREADS, kPrefillMmaBlocks)
   if (SINKS && num_splits == 1 && soft_position >= 0) {
     l = sink_denominator(m, l, sinks[first_head + soft_row % heads]);
   }
+  // fp8: V's scale joins the row's denominator, once per row, before any merge.
+  if constexpr (FP8) l /= head_scale(v_scale, v_scales, v_scale_stride, kv_head);
   const bool vector_out = (reinterpret_cast<unsigned long long>(out) & 15u) == 0;
   const float inf = __int_as_float(0x7f800000);
 #pragma unroll

@@ -32,6 +32,7 @@ from .demo.real import PROMPTS as DEMO_PROMPTS
 from .models import (
     COMMAND_ERRORS,
     MODELS,
+    add_kv_options,
     error_line,
     input_file,
     integer,
@@ -370,8 +371,10 @@ def build_parser() -> tuple[
         "--dtype",
         choices=["float32", "float16", "bfloat16"],
         default=d.dtype,
-        help="element type of the KV cache",
+        help="the model's attention dtype (Q, K, V, attention output), and the KV cache's "
+        "unless --kv-dtype is given",
     )
+    add_kv_options(add, "--dtype")
     add(
         "--device",
         choices=["cuda", "cpu"],

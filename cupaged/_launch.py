@@ -23,7 +23,7 @@ from ._prefill_work import PrefillWork as PrefillWork
 from ._prefill_work import prefill_work
 from ._util import cdiv
 from ._variants import SINKS, WINDOW
-from .dtypes import C_TYPES, itemsize
+from .dtypes import C_TYPES, Q_DTYPE_NAMES, is_fp8, itemsize
 
 SLOT_C_TYPES = {np.dtype(np.int32): "int", np.dtype(np.int64): "long long"}
 
@@ -85,18 +85,49 @@ def decode_chunk(group: int) -> int:
     return cdiv(group, cdiv(group, DECODE_MAX_CHUNK))
 
 
-def uses_decode_mma(dtype: str, group: int, head_dim: int, target: Target = NOMINAL_TARGET) -> bool:
+def query_dtype(dtype: str, q_dtype: str | None = None) -> str:
+    """The element type of the queries (and the output) of an attention launch over a ``dtype``
+    cache: the cache's own (``q_dtype`` ``None`` or equal to it), or over fp8 ``q_dtype``, one
+    of float32, float16 and bfloat16 (float16 when ``None``).
+
+    Raises:
+        TypeError: another ``q_dtype``.
+    """
+    if not is_fp8(dtype):
+        if q_dtype not in (None, dtype):
+            raise TypeError(f"expected q_dtype None or {dtype} (the cache's), got {q_dtype!r}")
+        return dtype
+    if q_dtype is None:
+        return "float16"
+    if q_dtype not in Q_DTYPE_NAMES:
+        raise TypeError(f"expected q_dtype one of {Q_DTYPE_NAMES} over fp8, got {q_dtype!r}")
+    return q_dtype
+
+
+def uses_decode_mma(
+    dtype: str,
+    group: int,
+    head_dim: int,
+    target: Target = NOMINAL_TARGET,
+    *,
+    q_dtype: str | None = None,
+) -> bool:
     """Whether decode runs on tensor cores (``paged_decode_mma``) for this shape and GPU.
 
-    fp16/bf16 groups of ``DECODE_MMA_MIN_GROUP`` heads or more up to head_dim 128, where the
-    target has WMMA for the dtype (bf16 from sm_80) and grants the kernel's shared memory (a T4's
-    64 KB do not hold head_dim 128's stages); elsewhere the CUDA-core kernel, which fits all.
+    fp16/bf16 queries (of a cache of their type, or of an fp8 cache: ``q_dtype``), groups of
+    ``DECODE_MMA_MIN_GROUP`` heads or more up to head_dim 128, where the target has WMMA for the
+    query's type (bf16 from sm_80) and grants the kernel's shared memory (a T4's 64 KB do not
+    hold head_dim 128's stages); elsewhere the CUDA-core kernel, which fits all. Over fp8 the
+    same rule: the kernel converts each staged fp8 stage to the query's type in shared memory
+    (its ring of fp8 stages and the two converted tiles take about the shared memory of the
+    16-bit ring), with registers and spills as the 16-bit kernel's (docs/kernels.md).
     """
+    q_dtype = query_dtype(dtype, q_dtype)
     if not (
-        dtype in DECODE_MMA_DTYPES
+        q_dtype in DECODE_MMA_DTYPES
         and group >= DECODE_MMA_MIN_GROUP
         and head_dim <= DECODE_MMA_MAX_HEAD_DIM
-        and target.has_wmma(dtype)
+        and target.has_wmma(q_dtype)
     ):
         return False
     return target.fits(decode_shared_memory(dtype, head_dim, _decode_mma_geometry(group)))
@@ -200,39 +231,47 @@ def _next_power_of_two(n: int) -> int:
 
 
 def decode_geometry(
-    dtype: str, head_dim: int, group: int, target: Target = NOMINAL_TARGET
+    dtype: str,
+    head_dim: int,
+    group: int,
+    target: Target = NOMINAL_TARGET,
+    *,
+    q_dtype: str | None = None,
 ) -> DecodeGeometry:
     """The ``paged_decode`` layout for a shape (see cuda/paged_attention.cu's header), over the
     chunk of query heads one thread block serves (:func:`decode_chunk`).
 
-    - ``bdx``: a lane owns 8 elements of a row (16 bytes of a 16-bit type, 2 x 16 of float32),
-      16 from G = 4 (``DECODE_WIDE_LANE_GROUP``: half the shuffles and the redundant softmax per
-      score, the issue model's largest costs there), rounded up to a power of two: head_dim 80
-      at fp16 is 10 busy lanes of 16.
+    - ``bdx``: a lane owns 8 elements of a row (16 bytes of a 16-bit type, 2 x 16 of float32,
+      8 bytes of fp8: the same elements as fp16), 16 from G = 4 (``DECODE_WIDE_LANE_GROUP``:
+      half the shuffles and the redundant softmax per score, the issue model's largest costs
+      there), rounded up to a power of two: head_dim 80 at fp16 is 10 busy lanes of 16.
     - ``bdy``: two query heads per thread (one for G = 1), more above G = 16, so that K and V
       read from shared memory once serve two heads' dot products.
     - ``bdz``: a power of two that brings the block to ``DECODE_TARGET_THREADS`` in whole warps.
     - tokens per thread: a stage of about ``DECODE_STAGE_BYTES`` of K, at most
       ``DECODE_MAX_TOKENS_PER_THREAD`` per thread.
 
-    fp16/bf16 groups of 8 or more up to head_dim 128 where the target has the tensor cores and
-    the shared memory for them (``uses_decode_mma``) take the tensor-core kernel's layout
-    instead: ``DECODE_MMA_WARPS`` warps, 16 tokens per warp and stage.
+    fp16/bf16 queries in groups of 8 or more up to head_dim 128 where the target has the tensor
+    cores and the shared memory for them (``uses_decode_mma``; ``q_dtype``: the queries' type
+    over an fp8 cache) take the tensor-core kernel's layout instead: ``DECODE_MMA_WARPS``
+    warps, 16 tokens per warp and stage.
     """
-    if uses_decode_mma(dtype, group, head_dim, target):
+    if uses_decode_mma(dtype, group, head_dim, target, q_dtype=q_dtype):
         return _decode_mma_geometry(group)
     chunk = decode_chunk(group)
     chunks = cdiv(group, chunk)
     size = itemsize(dtype)
-    row_vectors = head_dim * size // 16
-    lane_vectors = (1 if size == 2 else 2) * (2 if chunk >= DECODE_WIDE_LANE_GROUP else 1)
-    bdx = min(32, _next_power_of_two(cdiv(row_vectors, lane_vectors)))
+    unit = 8 if is_fp8(dtype) else 16 // size  # LaneUnit<KV>: elements per shared-memory read
+    lane_units = (2 if size == 4 else 1) * (2 if chunk >= DECODE_WIDE_LANE_GROUP else 1)
+    bdx = min(32, _next_power_of_two(cdiv(head_dim // unit, lane_units)))
     heads_per_thread = 1 if chunk == 1 else max(2, cdiv(chunk, 8))
     bdy = cdiv(chunk, heads_per_thread)
     bdz = 1
     while bdx * bdy * bdz < DECODE_TARGET_THREADS or (bdx * bdy * bdz) % 32:
         bdz *= 2
-    tile_target = max(1, DECODE_STAGE_BYTES // (head_dim * size))
+    # fp8 stages hold the tokens of a 16-bit one (half the bytes): the scores a thread keeps stay
+    # as many as over fp16 (twice the tokens spilled on sm_80 from G = 8).
+    tile_target = max(1, DECODE_STAGE_BYTES // (head_dim * max(size, 2)))
     tokens = min(DECODE_MAX_TOKENS_PER_THREAD, max(1, tile_target // bdz))
     return DecodeGeometry(
         bdx, bdy, bdz, tokens, DECODE_STAGES, heads_per_thread, False, chunk, chunks
@@ -240,13 +279,17 @@ def decode_geometry(
 
 
 def decode_shared_memory(dtype: str, head_dim: int, geometry: DecodeGeometry) -> int:
-    """Bytes of dynamic shared memory of ``paged_decode``: the K/V stages, or (when larger) the
-    partial results of the token lanes that overlay them after the loop."""
+    """Bytes of dynamic shared memory of ``paged_decode`` over a ``dtype`` cache: the K/V
+    stages, or (when larger) the partial results of the token lanes that overlay them after the
+    loop."""
     if geometry.mma:  # DecodeMmaLayout::kBytes in cuda/paged_attention.cu
         tile, ldk = geometry.tile, head_dim + 8
         scores = max(16 * (tile + 4) * 4, geometry.bdy * 16 * 20 * 4)  # the O tiles share it
+        # Over fp8: a ring of unpadded fp8 rows, and K and V of one stage converted to q's type.
+        ring_row, converted = (head_dim, 2 * tile * ldk * 2) if is_fp8(dtype) else (ldk, 0)
         return (
-            2 * geometry.stages * tile * ldk * 2
+            2 * geometry.stages * tile * ring_row * itemsize(dtype)
+            + converted
             + 16 * ldk * 2
             + scores
             + 16 * (tile + 8) * 2
@@ -267,6 +310,8 @@ def decode_launch(
     capacity: int,
     target: Target = NOMINAL_TARGET,
     variant: int = 0,
+    *,
+    q_dtype: str | None = None,
 ) -> DecodeLaunch:
     """The launch of ``paged_decode`` (and its merge) over a work list of ``capacity`` items, on
     ``target`` (the kernel that compiles and fits there).
@@ -274,9 +319,13 @@ def decode_launch(
     Nothing here depends on the context lengths: the work list carries them. ``variant``: the
     attention variants' ``VARIANT`` bits (``cupaged._variants``); the window's and the sinks'
     are not the kernel's (the planner's work list holds the window, ``sinks_name`` adds the
-    sinks), so a window alone runs the plain kernels.
+    sinks), so a window alone runs the plain kernels. ``dtype`` is the cache's element type,
+    ``q_dtype`` the queries' (and the output's) over an fp8 cache (:func:`query_dtype`): the
+    kernels are instantiated for both (``T`` the query's, the last argument ``KV`` the cache's,
+    spelled only for fp8, so that the 16/32-bit names stay as they were).
     """
     check_decode_shape(dtype, head_dim, block_size)
+    q_dtype = query_dtype(dtype, q_dtype)
     if not 1 <= capacity <= MAX_GRID_YZ:
         raise ValueError(f"expected a work list of 1..{MAX_GRID_YZ} items, got {capacity}")
     if num_kv_heads * block_size * head_dim >= 2**32:  # the kernel's 32-bit block stride
@@ -284,23 +333,24 @@ def decode_launch(
             f"expected num_kv_heads * block_size * head_dim < 2**32 (the elements of one block), "
             f"got {num_kv_heads} * {block_size} * {head_dim}"
         )
-    geo = decode_geometry(dtype, head_dim, group, target)
+    geo = decode_geometry(dtype, head_dim, group, target, q_dtype=q_dtype)
     if num_kv_heads * geo.head_chunks > MAX_GRID_X:
         raise ValueError(
             f"expected num_kv_heads * ceil(group / {geo.chunk}) <= {MAX_GRID_X} (one grid axis), "
             f"got {num_kv_heads} * {geo.head_chunks}"
         )
-    c_type = C_TYPES[dtype]
+    c_type = C_TYPES[q_dtype]
     shape = f"{c_type}, {head_dim}, {block_size}, {geo.chunk}"
     if geo.mma:
         stem = f"cupaged::paged_decode_mma<{shape}, {geo.bdy}, {geo.stages}"
     else:
         layout = f"{geo.bdx}, {geo.bdy}, {geo.bdz}, {geo.tokens_per_thread}, {geo.stages}"
         stem = f"cupaged::paged_decode<{shape}, {layout}"
-    merge = f"cupaged::paged_decode_merge<{c_type}, {head_dim}"
+    merge = f"cupaged::paged_decode_merge<{c_type}, {head_dim}"  # the output's type only
     variant &= ~(WINDOW | SINKS)
+    kv = C_TYPES[dtype] if is_fp8(dtype) else None
     return DecodeLaunch(
-        name=_instantiation(stem, variant),
+        name=_decode_instantiation(stem, variant, kv),
         merge_name=_instantiation(merge, 0),
         grid=(num_kv_heads * geo.head_chunks, capacity),
         block=(geo.bdx, geo.bdy, geo.bdz),
@@ -308,9 +358,17 @@ def decode_launch(
         tile=geo.tile,
         merge_block=(MERGE_THREADS,),
         geometry=geo,
-        sinks_name=_instantiation(stem, variant | SINKS),
+        sinks_name=_decode_instantiation(stem, variant | SINKS, kv),
         sinks_merge_name=_instantiation(merge, SINKS),
     )
+
+
+def _decode_instantiation(stem: str, variant: int, kv_c_type: str | None) -> str:
+    """A decode kernel's name expression; over fp8 every template argument is spelled, the
+    ``VARIANT`` and then the cache's element type ``KV`` (whose default is the query's)."""
+    if kv_c_type is None:
+        return _instantiation(stem, variant)
+    return f"{stem}, {variant}, {kv_c_type}>"
 
 
 def decode_may_split(
@@ -331,7 +389,9 @@ def decode_may_split(
     return max_context is None or max_context > cdiv(min_chunk, tile) * tile
 
 
-def decode_ctas_per_sm(dtype: str, head_dim: int, group: int, block_size: int) -> int:
+def decode_ctas_per_sm(
+    dtype: str, head_dim: int, group: int, block_size: int, *, q_dtype: str | None = None
+) -> int:
     """Theoretical ``paged_decode`` thread blocks per multiprocessor of an H100, as the cubins
     of :data:`NOMINAL_TARGET`'s kernels give it.
 
@@ -343,14 +403,18 @@ def decode_ctas_per_sm(dtype: str, head_dim: int, group: int, block_size: int) -
     fresh ones); other block sizes change the address arithmetic (``pos / BLOCK_SIZE``) by -40
     to +16 registers, and the blocks per multiprocessor by up to two (sampled at block sizes 1,
     7, 32 and 256: 163 of 2,496 instantiations differ, by one but for two at block size 1).
-    Only the work list's length depends on it, never a result.
+    Only the work list's length depends on it, never a result. An fp8 cache without a row of
+    its own in the table takes the row of its queries' type (``q_dtype``): the fp8 kernels keep
+    the lane layout, and about the registers, of the 16-bit ones.
 
     >>> decode_ctas_per_sm("float16", 128, 1, 16), decode_ctas_per_sm("float16", 128, 8, 16)
     (8, 2)
     """
     check_decode_shape(dtype, head_dim, block_size)
-    geo = decode_geometry(dtype, head_dim, group)
-    registers = DECODE_REGISTERS[(dtype, head_dim)][geo.chunk - 1]
+    q_dtype = query_dtype(dtype, q_dtype)
+    geo = decode_geometry(dtype, head_dim, group, q_dtype=q_dtype)
+    row = DECODE_REGISTERS.get((dtype, head_dim)) or DECODE_REGISTERS[(q_dtype, head_dim)]
+    registers = row[geo.chunk - 1]
     return max(1, ctas_per_sm(geo.threads, registers, decode_shared_memory(dtype, head_dim, geo)))
 
 
@@ -367,10 +431,11 @@ PREFILL_STAGES = 2
 # (STAGES x K and V, padded rows) and the queries stay near 45 KiB and 5 blocks fit an H100 SM.
 PREFILL_TILE_BYTES = 8 * 1024
 PREFILL_MERGE_THREADS = 128
-# The tensor-core path (paged_prefill_mma) for these dtypes up to PREFILL_MMA_MAX_HEAD_DIM (its
-# output accumulators take head_dim / 4 registers per thread): PREFILL_MMA_ROWS rows per thread
-# block (16 per warp, the M of WMMA m16n16k16), 4 times the FMA path's, so that each KV tile
-# loaded serves 4 times the rows (docs/prefill.md, "Tensor cores"); same threads, tile and ring.
+# The tensor-core path (paged_prefill_mma) for queries of these dtypes (over a cache of theirs, or
+# fp8 converted to theirs in shared memory) up to PREFILL_MMA_MAX_HEAD_DIM (its output
+# accumulators take head_dim / 4 registers per thread): PREFILL_MMA_ROWS rows per thread block (16
+# per warp, the M of WMMA m16n16k16), 4 times the FMA path's, so that each KV tile loaded serves 4
+# times the rows (docs/prefill.md, "Tensor cores"); same threads, tile and ring.
 PREFILL_MMA_DTYPES = ("float16", "bfloat16")
 PREFILL_MMA_MAX_HEAD_DIM = 128
 PREFILL_MMA_ROWS = 64
@@ -433,38 +498,54 @@ def prefill_tile(dtype: str, head_dim: int) -> int:
     return tile
 
 
-def uses_prefill_mma(dtype: str, head_dim: int, target: Target = NOMINAL_TARGET) -> bool:
+def uses_prefill_mma(
+    dtype: str, head_dim: int, target: Target = NOMINAL_TARGET, *, q_dtype: str | None = None
+) -> bool:
     """Whether ``paged_prefill`` runs on tensor cores (``paged_prefill_mma``) for this shape and
-    GPU: fp16/bf16 up to head_dim 128 where the target has WMMA for the dtype (bf16 from sm_80)
-    and grants the kernel's shared memory (a T4's 64 KB hold it up to head_dim 96); elsewhere the
-    CUDA-core kernel."""
+    GPU: fp16/bf16 queries (over their own cache or fp8, converted to theirs in shared memory)
+    up to head_dim 128 where the target has WMMA for the queries' dtype (bf16 from sm_80) and
+    grants the kernel's shared memory (a T4's 64 KB hold it up to head_dim 96); elsewhere the
+    CUDA-core kernel (float32 queries over fp8 too)."""
+    q = query_dtype(dtype, q_dtype)
     if not (
-        dtype in PREFILL_MMA_DTYPES
-        and head_dim <= PREFILL_MMA_MAX_HEAD_DIM
-        and target.has_wmma(dtype)
+        q in PREFILL_MMA_DTYPES and head_dim <= PREFILL_MMA_MAX_HEAD_DIM and target.has_wmma(q)
     ):
         return False
-    return target.fits(_prefill_shared_memory(True, dtype, head_dim, prefill_tile(dtype, head_dim)))
+    tile = prefill_tile(dtype, head_dim)
+    return target.fits(_prefill_shared_memory(True, dtype, head_dim, tile))
 
 
-def prefill_rows(dtype: str, head_dim: int, target: Target = NOMINAL_TARGET) -> int:
+def prefill_rows(
+    dtype: str, head_dim: int, target: Target = NOMINAL_TARGET, *, q_dtype: str | None = None
+) -> int:
     """Rows (query tokens x query heads) of one prefill thread block."""
-    return PREFILL_MMA_ROWS if uses_prefill_mma(dtype, head_dim, target) else PREFILL_ROWS
+    mma = uses_prefill_mma(dtype, head_dim, target, q_dtype=q_dtype)
+    return PREFILL_MMA_ROWS if mma else PREFILL_ROWS
 
 
 def prefill_shared_memory(
-    dtype: str, head_dim: int, tile: int, target: Target = NOMINAL_TARGET
+    dtype: str,
+    head_dim: int,
+    tile: int,
+    target: Target = NOMINAL_TARGET,
+    *,
+    q_dtype: str | None = None,
 ) -> int:
     """Bytes of dynamic shared memory of ``paged_prefill`` (layout: see cuda/paged_prefill.cu)."""
-    return _prefill_shared_memory(uses_prefill_mma(dtype, head_dim, target), dtype, head_dim, tile)
+    mma = uses_prefill_mma(dtype, head_dim, target, q_dtype=q_dtype)
+    return _prefill_shared_memory(mma, dtype, head_dim, tile)
 
 
 def _prefill_shared_memory(mma: bool, dtype: str, head_dim: int, tile: int) -> int:
-    if mma:  # paged_prefill_mma: q_s, the ring, s_s, p_s, special_s
+    """``dtype``: the cache's (the tensor-core path's queries are 16-bit whatever it is)."""
+    if mma:  # paged_prefill_mma: q_s, the ring, fp8's converted stage, s_s, p_s, special_s
         rows, row = PREFILL_MMA_ROWS, 2 * (head_dim + 8)
+        stage_row = head_dim * itemsize(dtype) + 16
+        converted = 2 * tile * row if is_fp8(dtype) else 0
         return (
             rows * row
-            + PREFILL_STAGES * 2 * tile * row
+            + PREFILL_STAGES * 2 * tile * stage_row
+            + converted
             + rows * (tile + 4) * 4
             + rows * (tile + 8) * 2
             + rows * head_dim
@@ -515,8 +596,14 @@ def prefill_launch(
     target: Target = NOMINAL_TARGET,
     variant: int = 0,
     window_left: int = -1,
+    *,
+    q_dtype: str | None = None,
 ) -> PrefillLaunch:
     """The launch of ``paged_prefill`` (and its merge) for one batch shape.
+
+    ``dtype`` is the cache's element type; ``q_dtype`` the queries' and the output's
+    (``query_dtype``: over fp8 float32, float16 or bfloat16, float16 when ``None``). An fp8
+    instantiation spells both types (``VARIANT`` written even when 0, then the cache's).
 
     Args:
         max_query_len: most query tokens of one sequence in the batch; with ``num_seqs``, sizes
@@ -538,6 +625,7 @@ def prefill_launch(
     if sm_count is None:
         sm_count = target.sm_count
     check_decode_shape(dtype, head_dim, block_size)
+    q_dtype = query_dtype(dtype, q_dtype)
     num_q_heads = num_kv_heads * group
     if num_seqs < 1:
         raise ValueError(f"expected num_seqs >= 1, got {num_seqs}")
@@ -545,7 +633,7 @@ def prefill_launch(
         if not 1 <= value <= MAX_GRID_YZ:
             raise ValueError(f"expected {what} in 1..{MAX_GRID_YZ} (one launch), got {value}")
     tile = prefill_tile(dtype, head_dim)
-    mma = uses_prefill_mma(dtype, head_dim, target)
+    mma = uses_prefill_mma(dtype, head_dim, target, q_dtype=q_dtype)
     rows_per_block = PREFILL_MMA_ROWS if mma else PREFILL_ROWS
     heads = min(group, PREFILL_ROWS)
     chunks = cdiv(group, heads)
@@ -568,7 +656,7 @@ def prefill_launch(
             f"expected at most {MAX_GRID_X} thread blocks per KV head, got "
             f"{tiles * chunks * num_splits}"
         )
-    c_type = C_TYPES[dtype]
+    c_type = C_TYPES[q_dtype]
     kernel = (
         f"cupaged::{'paged_prefill_mma' if mma else 'paged_prefill'}<{c_type}, {head_dim}, "
         f"{block_size}, {tile}, {rows_per_block}, {PREFILL_STAGES}, {PREFILL_THREADS}"
@@ -578,8 +666,9 @@ def prefill_launch(
     # With split-K a sink joins in the merge, once per row; the merge reads only the window
     # (which splits a row takes) and the sinks.
     sinks_variant = variant | SINKS if num_splits == 1 else variant
+    kv_type = C_TYPES[dtype] if is_fp8(dtype) else None
     return PrefillLaunch(
-        name=_instantiation(kernel, variant),
+        name=_prefill_instantiation(kernel, variant, kv_type),
         merge_name=_instantiation(merge, variant & WINDOW),
         grid=(tiles * chunks * num_splits, num_kv_heads, 1),
         block=(PREFILL_THREADS,),
@@ -591,9 +680,15 @@ def prefill_launch(
         partition_tokens=partition,
         merge_grid=(max(total_query_tokens, 1), num_q_heads),
         merge_block=(PREFILL_MERGE_THREADS,),
-        sinks_name=_instantiation(kernel, sinks_variant),
+        sinks_name=_prefill_instantiation(kernel, sinks_variant, kv_type),
         sinks_merge_name=_instantiation(merge, variant & WINDOW | SINKS),
     )
+
+
+def _prefill_instantiation(stem: str, variant: int, kv_type: str | None) -> str:
+    """A prefill kernel's name expression: over fp8 both trailing template arguments (``VARIANT``,
+    then the cache's type ``KV``, whose default is the queries' type), else ``_instantiation``."""
+    return _instantiation(stem, variant) if kv_type is None else f"{stem}, {variant}, {kv_type}>"
 
 
 def _instantiation(stem: str, variant: int) -> str:
@@ -610,15 +705,30 @@ def write_kv_launch(
     aligned: bool,
     num_kv_heads: int = 1,
     device: str = "cuda",
+    *,
+    src_dtype: str | None = None,
 ) -> tuple[str, tuple[int], tuple[int]]:
-    """``(name, grid, block)`` of ``write_kv``; 16-byte vectors when rows and pointers allow.
+    """``(name, grid, block)`` of ``write_kv`` into a ``dtype`` cache of ``row_bytes`` rows;
+    16-byte vectors when rows and pointers (``aligned``) allow. An fp8 cache takes
+    ``write_kv_fp8``, which quantizes ``src_dtype`` (k's type, float16 when ``None``) as it
+    writes, 16 or 8 elements per access where aligned (16-byte loads, a 16- or 8-byte store).
 
     A token's block has one thread per vector of its ``num_kv_heads`` rows (whole warps, at most
     ``WRITE_THREADS``; on the CPU backend ``CPU_STRIDE_THREADS``): more would only start and
     stop.
     """
-    vec = 16 // itemsize(dtype) if aligned and row_bytes % 16 == 0 else 1
-    name = f"cupaged::write_kv<{C_TYPES[dtype]}, {SLOT_C_TYPES[np.dtype(slot_dtype)]}, {vec}>"
+    slot_c_type = SLOT_C_TYPES[np.dtype(slot_dtype)]
+    if is_fp8(dtype):
+        src = "float16" if src_dtype is None else src_dtype
+        if is_fp8(src) or src not in C_TYPES:
+            raise ValueError(f"expected src_dtype one of {Q_DTYPE_NAMES}, got {src}")
+        vec = next(n for n in (16, 8, 1) if n == 1 or (aligned and row_bytes % n == 0))
+        name = f"cupaged::write_kv_fp8<{C_TYPES[src]}, {slot_c_type}, {vec}, {C_TYPES[dtype]}>"
+    else:
+        if src_dtype not in (None, dtype):
+            raise ValueError(f"expected src_dtype {dtype} (the cache's) or None, got {src_dtype}")
+        vec = 16 // itemsize(dtype) if aligned and row_bytes % 16 == 0 else 1
+        name = f"cupaged::write_kv<{C_TYPES[dtype]}, {slot_c_type}, {vec}>"
     vectors = num_kv_heads * row_bytes // (vec * itemsize(dtype))
     if device == "cpu":
         return name, (num_tokens,), (CPU_STRIDE_THREADS,)
@@ -630,25 +740,34 @@ def _whole_warps(items: int, most: int) -> int:
     return min(most, max(32, cdiv(items, 32) * 32))
 
 
-_COPY_WORDS = ((16, "uint4"), (4, "unsigned int"), (2, "unsigned short"))
+_COPY_WORDS = ((16, "uint4"), (4, "unsigned int"), (2, "unsigned short"), (1, "unsigned char"))
 
 
 def copy_blocks_launch(
-    block_bytes: int, aligned: bool, num_pairs: int, num_layers: int, device: str = "cuda"
+    block_bytes: int,
+    aligned: bool,
+    num_pairs: int,
+    num_layers: int,
+    device: str = "cuda",
+    *,
+    element_bytes: int = 2,
 ) -> tuple[str, tuple[int, int, int], tuple[int], int]:
-    """``(name, grid, block, word_bytes)`` of ``copy_blocks``: the widest word that divides a block.
+    """``(name, grid, block, word_bytes)`` of ``copy_blocks``: the widest word that divides a block,
+    at most ``min(2, element_bytes)`` bytes unless the caches are 16-byte ``aligned`` (fp8's
+    1-byte elements may sit at any address, and an odd block moves byte by byte).
 
     One thread per word of a block (whole warps, at most ``COPY_THREADS``, each striding; on the
     CPU backend ``CPU_STRIDE_THREADS``).
     """
-    for word, c_type in _COPY_WORDS:
-        if block_bytes % word == 0 and (aligned or word <= 2):
-            if device == "cpu":
-                threads = CPU_STRIDE_THREADS
-            else:
-                threads = _whole_warps(block_bytes // word, COPY_THREADS)
-            return f"cupaged::copy_blocks<{c_type}>", (num_pairs, num_layers, 2), (threads,), word
-    raise ValueError(f"expected a block of an even number of bytes, got {block_bytes}")
+    small = min(2, element_bytes)
+    word, c_type = next(
+        (w, c) for w, c in _COPY_WORDS if block_bytes % w == 0 and (aligned or w <= small)
+    )
+    if device == "cpu":
+        threads = CPU_STRIDE_THREADS
+    else:
+        threads = _whole_warps(block_bytes // word, COPY_THREADS)
+    return f"cupaged::copy_blocks<{c_type}>", (num_pairs, num_layers, 2), (threads,), word
 
 
 # The decode step's planner (cuda/decode_plan.cu): one thread block, one thread per run of

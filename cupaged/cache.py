@@ -23,7 +23,9 @@ from ._backend import array_module, to_numpy
 from ._checks import check_dtype, check_shape
 from ._launch import check_decode_shape
 from .decode import DecodePlan
-from .dtypes import as_storage, storage_dtype
+from .dtypes import Q_DTYPE_NAMES, array_dtype_name, as_storage, cache_dtype, is_fp8
+from .errors import CupagedError
+from .kv_scales import KVScales
 from .memory import CacheSpec
 from .ops import copy_blocks, write_kv
 from .paging.manager import BlockManager
@@ -46,7 +48,9 @@ class PagedCache(BlockManager):
         num_layers: transformer layers (each has its own K and V pages).
         num_kv_heads: key/value heads per layer.
         head_dim: elements per head vector.
-        dtype: ``"float16"``, ``"float32"`` or ``"bfloat16"`` (stored as ``uint16``).
+        dtype: ``"float16"``, ``"float32"``, ``"bfloat16"`` (stored as ``uint16``), or fp8:
+            ``"float8_e4m3"`` / ``"float8_e5m2"`` (``ml_dtypes`` arrays on the CPU, ``uint8`` on
+            a GPU; docs/fp8.md).
         device: ``"cuda"`` (CuPy arrays), ``"cpu"`` (NumPy arrays) or ``None`` for CUDA when CuPy
             sees a GPU and the CPU otherwise.
         enable_prefix_caching: register full blocks by content so that sequences sharing a prompt
@@ -61,6 +65,7 @@ class PagedCache(BlockManager):
         window_left: a sliding window ``W`` (``-1``: none): the query at ``i`` sees keys
             ``j >= i - W``; blocks before the window are released (their table entries ``-1``)
             and the cache's plans attend with ``window_left=W`` (see :class:`BlockManager`).
+        k_scales, v_scales: an fp8 cache's scales (:meth:`set_kv_scales`); ``None``: 1.0.
 
     Attributes:
         k: ``[num_layers, num_blocks, num_kv_heads, block_size, head_dim]`` keys; ``k[layer]`` is
@@ -100,6 +105,8 @@ class PagedCache(BlockManager):
         block_hasher: BlockHasher | None = None,
         attention_kernels: bool = True,
         window_left: int = -1,
+        k_scales: Any = None,
+        v_scales: Any = None,
     ) -> None:
         self.spec = CacheSpec(num_layers, num_kv_heads, head_dim, dtype, block_size)
         if attention_kernels:
@@ -112,9 +119,10 @@ class PagedCache(BlockManager):
             block_hasher=block_hasher,
             window_left=window_left,
         )
+        self._scales = KVScales(self._xp, self.spec.dtype, num_layers, num_kv_heads)
+        self._scales.set(k_scales, v_scales)  # (before the K/V: a refusal allocates none)
         shape = (num_layers, self.num_blocks, num_kv_heads, self.spec.block_size, head_dim)
-        self.k = self._xp.zeros(shape, storage_dtype(self.spec.dtype))
-        self.v = self._xp.zeros(shape, storage_dtype(self.spec.dtype))
+        self.k, self.v = (self._xp.zeros(shape, cache_dtype(dtype, self._xp)) for _ in "kv")
         self._swapper = Swapper(
             self._table, self._pool, self._chains, self._transaction, self.k, self.v, self._xp
         )
@@ -133,12 +141,13 @@ class PagedCache(BlockManager):
         Args:
             sid: the sequence.
             k: ``[num_layers, n_tokens, num_kv_heads, head_dim]`` in the cache's dtype (bfloat16 as
-                ``uint16``, or ``ml_dtypes.bfloat16`` on the CPU), on the cache's device.
+                ``uint16``, or ``ml_dtypes.bfloat16`` on the CPU), on the cache's device; for an
+                fp8 cache float32, float16 or bfloat16, quantized with each layer's scales.
             v: same shape and dtype as ``k``.
             tokens: the appended tokens' ids, ``n_tokens`` of them; required with prefix caching
                 (full blocks are registered under keys of their token ids).
         """
-        k, v = self._check_kv(k, v)
+        k, v = _check_kv(self._xp, self.device, self.spec, k, v)
         transaction = self._transaction
         row = self._table.resident_row(sid)  # (inside: no other thread's call in between)
         n = int(k.shape[1])
@@ -155,8 +164,11 @@ class PagedCache(BlockManager):
         self._copy(src, dst, checked=False)  # the cache's own plan: valid by construction
         slots = self._on_device(slots)
         for layer in range(self.spec.num_layers):
+            self._scales.calibrate(layer, k[layer], v[layer], transaction.record)
+            options = self._scales.options(layer, write=True)
             # The slots come from this cache's own plan: distinct and in range, so unchecked.
-            write_kv(self.k[layer], self.v[layer], k[layer], v[layer], slots, checked=False)
+            pages = self.k[layer], self.v[layer]
+            write_kv(*pages, k[layer], v[layer], slots, checked=False, **options)
         if self._table.pending.item(row):  # written: its full blocks may serve others now
             self._chains.save([row])
             self._chains.commit([row])
@@ -233,6 +245,37 @@ class PagedCache(BlockManager):
         self._transaction.kv_written = True
         self._copy(src, dst, checked=True)
 
+    def kv_scales(self, layer: int) -> tuple[Any, Any]:
+        """``(k_scale, v_scale)``: ``[num_kv_heads]`` float32 device arrays that ``cache.k[layer]``
+        is read with (``(None, None)`` for a cache that is not fp8)."""
+        return self._scales.layer(layer)
+
+    def scale_options(self, layer: int, *, write: bool = False) -> dict[str, Any]:
+        """The keywords of ``layer``'s scales for a plan's ``run`` (``write_kv`` with ``write``:
+        ``kv_dtype`` too): :meth:`KVScales.options <cupaged.kv_scales.KVScales.options>`."""
+        return self._scales.options(layer, write)
+
+    @atomic
+    def set_kv_scales(self, k_scales: Any = None, v_scales: Any = None) -> None:
+        """Replace an fp8 cache's scales, while it holds no K/V.
+
+        ``k_scales``, ``v_scales``: each ``None`` (1.0), a positive finite number, a
+        ``[num_layers]`` or ``[num_layers, num_kv_heads]`` array of them (copied), or ``"auto"``
+        (each layer's first write fixes them: :mod:`cupaged.kv_scales`).
+
+        Raises:
+            CupagedError: the cache holds K/V (a block in use or cached, a sequence swapped out).
+            ValueError, TypeError: not an fp8 cache, or bad values. (Refused: nothing changes.)
+        """
+        _check_no_kv(self._pool, len(self._swapper))
+        self._scales.set(k_scales, v_scales, self._transaction.record)
+
+    def calibrate_kv_scales(self, layer: int, k: Any, v: Any) -> None:
+        """Fix ``layer``'s pending ``"auto"`` scales from the ``[n_tokens, num_kv_heads,
+        head_dim]`` K/V about to be written there by ``write_kv`` (:meth:`append` does it)."""
+        if self._scales.pending(layer):
+            run_atomically(self, self._scales.calibrate, layer, k, v, self._transaction.record)
+
     # ----------------------------------------------------------------------------- attention
 
     def decode_plan(
@@ -244,6 +287,7 @@ class PagedCache(BlockManager):
         num_splits: int | None = None,
         logits_soft_cap: float = 0.0,
         alibi_slopes: Any = None,
+        q_dtype: Any = None,
     ) -> DecodePlan:
         """The decode attention of a batch, planned once for every layer of this step.
 
@@ -261,14 +305,17 @@ class PagedCache(BlockManager):
             num_splits: see :class:`cupaged.DecodePlan`.
             logits_soft_cap, alibi_slopes: the model's variants, as :class:`cupaged.DecodePlan`
                 takes them.
+            q_dtype: the queries' dtype over an fp8 cache (a plan runs one; default float16),
+                else ``None`` or the cache's dtype. Then ``run(..., **cache.scale_options(layer))``.
         """
         if isinstance(sids, StepPlan):
-            tables, lens = self._own_tables(sids)
+            tables, lens = _own_tables(self._table, sids)
         else:
             tables, lens = self.block_tables(sids)
         # The cache's own tables: valid by construction, so the plan trusts them.
         options = _variants(self.window_left, logits_soft_cap, alibi_slopes)
         options.update(scale=scale, num_splits=num_splits, checked=False)
+        options.update(_fp8_plan_options(self.spec.dtype, q_dtype))
         return DecodePlan(tables, lens, self.k[0], num_q_heads, **options)
 
     def prefill_plan(
@@ -282,6 +329,7 @@ class PagedCache(BlockManager):
         num_splits: int | None = None,
         logits_soft_cap: float = 0.0,
         alibi_slopes: Any = None,
+        q_dtype: Any = None,
     ) -> PrefillPlan:
         """The attention of a prefill or mixed step, planned once for every layer of the step.
 
@@ -299,9 +347,10 @@ class PagedCache(BlockManager):
             num_tokens: with ids or a batch: the query tokens per sequence (host ints).
             scale, causal, num_splits, logits_soft_cap, alibi_slopes: see
                 :class:`cupaged.PrefillPlan`.
+            q_dtype: as :meth:`decode_plan` takes it.
         """
         if isinstance(step, StepPlan):
-            tables, _ = self._own_tables(step)
+            tables, _ = _own_tables(self._table, step)
             lens, starts = step.host_context_lens, step.query_start_loc
         else:
             if num_tokens is None:
@@ -311,24 +360,12 @@ class PagedCache(BlockManager):
             tables, _ = self.block_tables(step)
             rows = self._rows_of(step)
             lens = self._table.lens[rows]
-            counts = np.asarray(num_tokens)
-            if counts.shape != lens.shape or counts.dtype.kind not in "iu":
-                raise ValueError(
-                    f"expected one int count per sequence ({lens.size}), got {counts!r}"
-                )
-            if counts.size and (counts.min() < 1 or (counts > lens).any()):
-                raise ValueError(
-                    f"expected counts in 1 .. each sequence's length {lens.tolist()}, got "
-                    f"{counts.tolist()}"
-                )
-            if self.window_left >= 0:  # the queries' keys must still be held
-                held_from = self._table.released[rows].astype(np.int64) * self.spec.block_size
-                _check_held(self.window_left, held_from, lens, counts)
-            starts = np.zeros(lens.size + 1, np.int32)
-            np.cumsum(counts, out=starts[1:])
+            held_from = self._table.released[rows].astype(np.int64) * self.spec.block_size
+            starts = _query_starts(self.window_left, held_from, lens, num_tokens)
         # The cache's own tables and lengths: valid by construction, so the plan trusts them.
         options = _variants(self.window_left, logits_soft_cap, alibi_slopes)
         options.update(scale=scale, causal=causal, num_splits=num_splits, checked=False)
+        options.update(_fp8_plan_options(self.spec.dtype, q_dtype))
         return PrefillPlan(tables, lens, starts, self.k[0], num_q_heads, **options)
 
     def gather_kv(self, sid: int) -> tuple[Any, Any]:
@@ -336,7 +373,7 @@ class PagedCache(BlockManager):
 
         Returns:
             ``(k, v)``, each ``[num_layers, seq_len, num_kv_heads, head_dim]`` in the cache's
-            storage dtype; ``k[:, pos]`` is position ``pos``. The tokens of blocks that the
+            array dtype; ``k[:, pos]`` is position ``pos``. The tokens of blocks that the
             window released (entries ``-1`` of :meth:`block_table`) are zeros.
         """
         return self._swapper.gather(self._table.resident_row(sid))
@@ -347,7 +384,6 @@ class PagedCache(BlockManager):
     def swap_out(self, sid: int) -> None:
         """Move sequence ``sid``'s K/V (every layer) to host memory and free its device blocks.
 
-        The host copy is pinned on the GPU and taken in one gather and one transfer per K and V.
         Shared blocks are copied too: the swapped sequence owns a private host copy, and the
         other sequences keep their references. Until :meth:`swap_in`, the sequence cannot be
         appended to, reserved for, forked or attended to (``CupagedError``); ``seq_len``, ``free``
@@ -378,6 +414,7 @@ class PagedCache(BlockManager):
         """
         super().check_invariants()
         self._swapper.check_invariants(self.block_size)
+        self._scales.check_invariants()
 
     # ----------------------------------------------------------------------------- internals
 
@@ -398,43 +435,88 @@ class PagedCache(BlockManager):
                 self._deferred.leave(plan.copy_src, plan.copy_dst, self._rows_of(sids))
         return plan
 
-    def _own_tables(self, step: StepPlan) -> tuple[Any, Any]:
-        """A step plan's device tables and lengths, refused unless this cache made them."""
-        if step.issuer is not self._table or step.block_tables is None:
-            foreign = step.issuer is not None and step.issuer is not self._table
-            raise ValueError(
-                "expected a StepPlan of this cache made with step(..., tables=True), got "
-                + ("one of another cache" if foreign else "one without")
-            )
-        return step.block_tables, step.context_lens
-
     def _copy(self, src: Any, dst: Any, checked: bool) -> None:
         if len(src):
             src, dst = self._xp.asarray(src), self._xp.asarray(dst)
             copy_blocks(self.k, self.v, src, dst, checked=checked)
 
-    def _check_kv(self, k: Any, v: Any) -> tuple[Any, Any]:
-        xp = array_module(k, v)
-        if xp is not self._xp:
-            raise TypeError(
-                f"expected k and v on the cache's device ({self.device}: "
-                f"{self._xp.__name__} arrays), got {xp.__name__} arrays"
-            )
-        spec = self.spec
-        dims = [
-            ("num_layers", spec.num_layers),
-            ("n_tokens", None),
-            ("num_kv_heads", spec.num_kv_heads),
-            ("head_dim", spec.head_dim),
-        ]
-        check_shape("k", k, dims)
-        if tuple(v.shape) != tuple(k.shape):
-            raise ValueError(
-                f"expected k and v of the same shape, got k {tuple(k.shape)} and v {tuple(v.shape)}"
-            )
+
+def _own_tables(table: Any, step: StepPlan) -> tuple[Any, Any]:
+    """A step plan's device tables and lengths, refused unless the cache of ``table`` made them."""
+    if step.issuer is not table or step.block_tables is None:
+        foreign = step.issuer is not None and step.issuer is not table
+        raise ValueError(
+            "expected a StepPlan of this cache made with step(..., tables=True), got "
+            + ("one of another cache" if foreign else "one without")
+        )
+    return step.block_tables, step.context_lens
+
+
+def _check_no_kv(pool: Any, swapped: int) -> None:
+    """Refuse new scales while a cache holds K/V: a block in use or in the prefix cache, or
+    ``swapped`` sequences swapped out (their K/V would be read with the wrong scale)."""
+    if pool.num_used or pool.num_evictable or swapped:
+        raise CupagedError(
+            "expected set_kv_scales on a cache that holds no K/V (they would be read with the "
+            f"wrong scale), got {pool.num_used} block(s) in use, {pool.num_evictable} in the "
+            f"prefix cache, {swapped} sequence(s) swapped out"
+        )
+
+
+def _check_kv(xp: Any, device: str, spec: CacheSpec, k: Any, v: Any) -> tuple[Any, Any]:
+    """``append``'s K/V checked against the cache (device, shape, dtype), as storage views: the
+    cache's dtype, or for an fp8 cache one of float32, float16, bfloat16 (both alike)."""
+    got = array_module(k, v)
+    if got is not xp:
+        raise TypeError(
+            f"expected k and v on the cache's device ({device}: {xp.__name__} arrays), got "
+            f"{got.__name__} arrays"
+        )
+    dims = [
+        ("num_layers", spec.num_layers),
+        ("n_tokens", None),
+        ("num_kv_heads", spec.num_kv_heads),
+        ("head_dim", spec.head_dim),
+    ]
+    check_shape("k", k, dims)
+    if tuple(v.shape) != tuple(k.shape):
+        raise ValueError(
+            f"expected k and v of the same shape, got k {tuple(k.shape)} and v {tuple(v.shape)}"
+        )
+    if not is_fp8(spec.dtype):
         check_dtype("k", k, spec.dtype, "the cache's dtype")
         check_dtype("v", v, spec.dtype, "the cache's dtype")
         return as_storage(k), as_storage(v)
+    for name, x in (("k", k), ("v", v)):
+        try:
+            elem = array_dtype_name(x)
+        except TypeError:
+            elem = str(x.dtype)
+        if elem not in Q_DTYPE_NAMES:
+            raise TypeError(
+                f"expected {name} of dtype one of {Q_DTYPE_NAMES} (quantized into the "
+                f"{spec.dtype} cache), got {elem}"
+            )
+    check_dtype("v", v, array_dtype_name(k), "k's dtype")
+    return as_storage(k), as_storage(v)
+
+
+def _query_starts(window_left: int, held_from: np.ndarray, lens: np.ndarray, num_tokens: Any):
+    """``query_start_loc`` of ``num_tokens`` queries per sequence (the last of each one's
+    ``lens``), checked: one int count per sequence, in 1 .. its length, within what the window
+    still holds (positions from ``held_from``)."""
+    counts = np.asarray(num_tokens)
+    if counts.shape != lens.shape or counts.dtype.kind not in "iu":
+        raise ValueError(f"expected one int count per sequence ({lens.size}), got {counts!r}")
+    if counts.size and (counts.min() < 1 or (counts > lens).any()):
+        raise ValueError(
+            f"expected counts in 1 .. each sequence's length {lens.tolist()}, got {counts.tolist()}"
+        )
+    if window_left >= 0:  # the queries' keys must still be held
+        _check_held(window_left, held_from, lens, counts)
+    starts = np.zeros(lens.size + 1, np.int32)
+    np.cumsum(counts, out=starts[1:])
+    return starts
 
 
 def _check_held(window_left: int, held_from: np.ndarray, lens: np.ndarray, counts: np.ndarray):
@@ -449,6 +531,14 @@ def _check_held(window_left: int, held_from: np.ndarray, lens: np.ndarray, count
             f"{window_left} released its positions before {int(held_from[i])}), got "
             f"{int(counts[i])}"
         )
+
+
+def _fp8_plan_options(dtype: str, q_dtype: Any) -> dict[str, Any]:
+    """The plans' ``q_dtype`` / ``kv_dtype`` keywords for a cache of ``dtype``: the one given,
+    or for an fp8 cache its own (``kv_dtype``) and the queries' (float16 by default)."""
+    if not is_fp8(dtype):
+        return {} if q_dtype is None else {"q_dtype": q_dtype}
+    return {"q_dtype": "float16" if q_dtype is None else q_dtype, "kv_dtype": dtype}
 
 
 def _variants(window_left: int, logits_soft_cap: Any, alibi_slopes: Any) -> dict[str, Any]:

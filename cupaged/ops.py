@@ -44,15 +44,25 @@ from ._checks import (
 )
 from ._interop import takes_dlpack
 from ._kernels import get_kernel
+from ._scales import kv_scale_args
 from ._variants import check_sinks
-from .decode import DecodePlan
-from .dtypes import as_storage
-from .prefill import PrefillPlan
+from .decode import DecodePlan, fp8_query_dtype
+from .dtypes import Q_DTYPE_NAMES, as_storage, is_fp8
+from .prefill import PrefillPlan, check_batch_arrays
 
 
 @takes_dlpack
 def write_kv(
-    k_cache: Any, v_cache: Any, k: Any, v: Any, slot_mapping: Any, *, checked: bool = True
+    k_cache: Any,
+    v_cache: Any,
+    k: Any,
+    v: Any,
+    slot_mapping: Any,
+    *,
+    k_scale: Any = None,
+    v_scale: Any = None,
+    kv_dtype: Any = None,
+    checked: bool = True,
 ) -> None:
     """Write new tokens' keys and values into one layer of a paged cache, in place.
 
@@ -61,30 +71,48 @@ def write_kv(
 
         slot = block * block_size + offset        block_size = 4, slot 9 -> block 2, offset 1
 
+    An fp8 cache (docs/fp8.md) is written quantized, in the same launch: KV head ``h`` of a
+    token stores ``fp8(clamp(float32(x) / scale(h), -max, max))``, rounded to nearest even
+    (max 448 for float8_e4m3, 57344 for float8_e5m2; NaN stays NaN), as
+    :func:`cupaged.reference_write_kv` does bit for bit.
+
     Args:
-        k_cache: ``[num_blocks, num_kv_heads, block_size, head_dim]`` float32, float16 or bfloat16
-            (``uint16``), C-contiguous, written in place.
+        k_cache: ``[num_blocks, num_kv_heads, block_size, head_dim]`` float32, float16, bfloat16
+            (``uint16``) or fp8 (``ml_dtypes`` on NumPy, ``uint8`` with ``kv_dtype``),
+            C-contiguous, written in place.
         v_cache: same shape and dtype as ``k_cache``, written in place.
-        k: ``[num_tokens, num_kv_heads, head_dim]``, same element type as the cache.
+        k: ``[num_tokens, num_kv_heads, head_dim]``, the cache's element type; for an fp8 cache
+            float32, float16 or bfloat16 (the model's).
         v: same shape and element type as ``k``.
         slot_mapping: ``[num_tokens]`` int32 or int64.
+        k_scale: an fp8 cache's K scale (``None``: 1.0): a positive finite number, or a
+            float32 array of shape ``()``, ``[1]`` or ``[num_kv_heads]`` on the cache's device,
+            read by the kernel (checked positive and finite in checked mode). Only for fp8.
+        v_scale: the same for V.
+        kv_dtype: ``"float8_e4m3"`` or ``"float8_e5m2"``: the format a ``uint8`` cache holds
+            (CuPy has no fp8 dtype); refused for a cache of another type.
         checked: check, before the launch and on the arrays' device (one synchronisation on a
-            GPU), that every slot is ``-1`` or inside the cache and that no slot appears twice.
-            ``checked=False`` skips that and *trusts* the caller: a slot out of range writes
-            outside the cache (memory corruption or a crash), a repeated slot races. Pass it only
-            for slot mappings built by cupaged itself (``PagedCache.reserve``).
+            GPU), that every slot is ``-1`` or inside the cache and that no slot appears twice,
+            and that array scales are positive and finite. ``checked=False`` skips that and
+            *trusts* the caller: a slot out of range writes outside the cache (memory
+            corruption or a crash), a repeated slot races, a bad scale stores garbage. Pass it
+            only for slot mappings built by cupaged itself (``PagedCache.reserve``).
 
     Raises:
-        TypeError: arrays on different devices, or wrong dtypes.
-        ValueError: wrong shapes, a cache that is not C-contiguous or is read-only, or (checked)
-            a slot out of range or repeated.
+        TypeError: arrays on different devices, or wrong dtypes (a ``uint8`` cache without
+            ``kv_dtype``, a ``kv_dtype`` for a cache that is not fp8, a scale that is neither a
+            number nor a float32 array of the cache's device).
+        ValueError: wrong shapes, a cache that is not C-contiguous or is read-only, scales for
+            a cache that is not fp8, a scale that is not positive and finite (an array of it:
+            checked) or has another shape, or (checked) a slot out of range or repeated.
     """
     xp = array_module(k_cache, v_cache, k, v, slot_mapping)
     shapes = _checked_shapes(
-        _write_shapes, _check_write_shapes, k_cache, v_cache, k, v, slot_mapping
+        _write_shapes, _check_write_shapes, k_cache, v_cache, k, v, slot_mapping, kv_dtype=kv_dtype
     )
-    elem, num_blocks, num_kv_heads, block_size, head_dim, num_tokens = shapes
+    elem, src, num_blocks, num_kv_heads, block_size, head_dim, num_tokens = shapes
     _check_target_caches(k_cache, v_cache, num_blocks)
+    scale_args = _write_scale_args(xp, elem, num_kv_heads, k_scale, v_scale, checked)
     if checked and num_tokens:
         check_slots(slot_mapping, num_blocks * block_size)
     if num_tokens == 0:
@@ -94,23 +122,35 @@ def write_kv(
     slots = xp.ascontiguousarray(slot_mapping)
     aligned = all(address(x) % 16 == 0 for x in (k_cache, v_cache, k, v))
     kernel, grid, block, scalars = _write_plan(
-        device_of(xp), device_id(xp), elem, slots.dtype, shapes[2:], aligned
+        device_of(xp), device_id(xp), elem, src, slots.dtype, shapes[3:], aligned
     )
-    kernel(grid, block, (k, v, k_cache, v_cache, slots, *scalars))
+    kernel(grid, block, (k, v, k_cache, v_cache, slots, *scalars, *scale_args))
+
+
+def _write_scale_args(
+    xp: Any, elem: str, num_kv_heads: int, k_scale: Any, v_scale: Any, checked: bool
+) -> tuple:
+    """The scale arguments of ``write_kv_fp8`` (``kv_scale_args``); none for ``write_kv``, whose
+    cache takes no scales (given ones are refused there)."""
+    if is_fp8(elem) or k_scale is not None or v_scale is not None:
+        return kv_scale_args(xp, elem, num_kv_heads, k_scale, v_scale, checked=checked)
+    return ()
 
 
 _shape_and_dtype = operator.attrgetter("shape", "dtype")
 
 
-def _checked_shapes(memo: dict[tuple, tuple], check: Any, *arrays: Any) -> tuple:
-    """``check(*arrays)`` (the checks of a call that read only shapes and dtypes), run once per
-    combination of the arrays' shapes and dtypes and then remembered in ``memo`` (bounded: cleared
-    when full): a step repeats the same combination, and the checks cost as much as a small
-    launch. A failing check raises on every call."""
-    key = tuple(map(_shape_and_dtype, arrays))
+def _checked_shapes(
+    memo: dict[tuple, tuple], check: Any, *arrays: Any, kv_dtype: Any = None
+) -> tuple:
+    """``check(*arrays, kv_dtype)`` (the checks of a call that read only shapes and dtypes), run
+    once per combination of the arrays' shapes and dtypes and ``kv_dtype`` and then remembered in
+    ``memo`` (bounded: cleared when full): a step repeats the same combination, and the checks
+    cost as much as a small launch. A failing check raises on every call."""
+    key = (kv_dtype, *map(_shape_and_dtype, arrays))
     shapes = memo.get(key)
     if shapes is None:
-        shapes = check(*arrays)
+        shapes = check(*arrays, kv_dtype)
         if len(memo) >= 256:
             memo.clear()
         memo[key] = shapes
@@ -118,15 +158,15 @@ def _checked_shapes(memo: dict[tuple, tuple], check: Any, *arrays: Any) -> tuple
 
 
 # Shapes and dtypes of write_kv / copy_blocks calls whose checks passed -> what the checks return.
-_write_shapes: dict[tuple, tuple[str, int, int, int, int, int]] = {}
-_copy_shapes: dict[tuple, tuple[str, int, int]] = {}
+_write_shapes: dict[tuple, tuple[str, str, int, int, int, int, int]] = {}
+_copy_shapes: dict[tuple, tuple[int, int, int]] = {}
 
 
 def _check_write_shapes(
-    k_cache: Any, v_cache: Any, k: Any, v: Any, slot_mapping: Any
-) -> tuple[str, int, int, int, int, int]:
-    """The shape and dtype checks of ``write_kv``: ``(element type, num_blocks, num_kv_heads,
-    block_size, head_dim, num_tokens)``."""
+    k_cache: Any, v_cache: Any, k: Any, v: Any, slot_mapping: Any, kv_dtype: Any
+) -> tuple[str, str, int, int, int, int, int]:
+    """The shape and dtype checks of ``write_kv``: ``(cache element type, k's element type,
+    num_blocks, num_kv_heads, block_size, head_dim, num_tokens)``."""
     num_blocks, num_kv_heads, block_size, head_dim = check_shape(
         "k_cache", k_cache, [(axis, None) for axis in LAYER_AXES]
     )
@@ -136,15 +176,26 @@ def _check_write_shapes(
     check_shape("v", v, [("num_tokens", num_tokens), *token_dims[1:]])
     check_shape("slot_mapping", slot_mapping, [("num_tokens", num_tokens)])
     check_index_array("slot_mapping", slot_mapping)
-    elem = element_type(k_cache)
-    for name, x, why in (
-        ("v_cache", v_cache, "k_cache's dtype"),
-        ("k", k, "the cache's dtype"),
-        ("v", v, "the cache's dtype"),
-    ):
-        if element_type(x) != elem:
-            check_dtype(name, x, elem, why)
-    return elem, num_blocks, num_kv_heads, block_size, head_dim, num_tokens
+    elem = element_type(k_cache, kv_dtype)
+    check_dtype("v_cache", v_cache, elem, "k_cache's dtype", kv_dtype)
+    src = _quantized_source(k, elem) if is_fp8(elem) else elem
+    check_dtype("k", k, src, "the cache's dtype")
+    check_dtype("v", v, src, "k's dtype" if is_fp8(elem) else "the cache's dtype")
+    return elem, src, num_blocks, num_kv_heads, block_size, head_dim, num_tokens
+
+
+def _quantized_source(k: Any, elem: str) -> str:
+    """The element type of the keys written into an fp8 cache: float32, float16 or bfloat16."""
+    try:
+        got = element_type(k)
+    except TypeError:
+        got = str(k.dtype)
+    if got not in Q_DTYPE_NAMES:
+        raise TypeError(
+            f"expected k of dtype float32, float16 or bfloat16 (a {elem} cache quantizes it as "
+            f"it writes), got {got}"
+        )
+    return got
 
 
 @functools.lru_cache(maxsize=256)
@@ -152,25 +203,36 @@ def _write_plan(
     device: str,
     cuda_device: int,
     elem: str,
+    src: str,
     slot_dtype: np.dtype,
     dims: tuple[int, ...],
     aligned: bool,
 ) -> tuple[Any, tuple, tuple, tuple]:
-    """Kernel, grid, block and scalar arguments of one ``write_kv`` shape (``dims``: num_kv_heads,
-    block_size, head_dim, num_tokens), kept like :func:`_copy_plan`'s."""
+    """Kernel, grid, block and scalar arguments of one ``write_kv`` shape (``elem``: the cache's
+    element type, ``src``: k's; ``dims``: num_kv_heads, block_size, head_dim, num_tokens), kept
+    like :func:`_copy_plan`'s."""
     num_kv_heads, block_size, head_dim, num_tokens = dims
     name, grid, block = _launch.write_kv_launch(
-        elem, slot_dtype, num_tokens, head_dim * ITEMSIZES[elem], aligned, num_kv_heads, device
+        elem,
+        slot_dtype,
+        num_tokens,
+        head_dim * ITEMSIZES[elem],
+        aligned,
+        num_kv_heads,
+        device,
+        src_dtype=src,
     )
     kernel = get_kernel(device, "write_kv.cu", name)
     if device == "cpu":  # one OS thread unless the launch is large (see _cpu.threads)
-        token_bytes = 2 * num_kv_heads * head_dim * ITEMSIZES[elem]
+        token_bytes = 2 * num_kv_heads * head_dim * ITEMSIZES[src]
         kernel = kernel.with_workers(cpu_threads().stride_workers(num_tokens, token_bytes))
     return kernel, grid, block, (np.int32(num_kv_heads), np.int32(block_size), np.int32(head_dim))
 
 
 @takes_dlpack
-def copy_blocks(k_cache: Any, v_cache: Any, src: Any, dst: Any, *, checked: bool = True) -> None:
+def copy_blocks(
+    k_cache: Any, v_cache: Any, src: Any, dst: Any, *, kv_dtype: Any = None, checked: bool = True
+) -> None:
     """Copy block ``src[i]`` onto block ``dst[i]`` in every layer of K and V, in place, in one launch.
 
     Copy-on-write uses it to give a sequence its own copy of a shared block. The pairs are copied
@@ -179,10 +241,14 @@ def copy_blocks(k_cache: Any, v_cache: Any, src: Any, dst: Any, *, checked: bool
 
     Args:
         k_cache: ``[num_layers, num_blocks, num_kv_heads, block_size, head_dim]`` (the whole cache)
-            or ``[num_blocks, num_kv_heads, block_size, head_dim]`` (one layer), C-contiguous.
+            or ``[num_blocks, num_kv_heads, block_size, head_dim]`` (one layer), C-contiguous;
+            float32, float16, bfloat16 or fp8 (``ml_dtypes``, or ``uint8`` with ``kv_dtype``),
+            copied bit for bit.
         v_cache: same shape and dtype as ``k_cache``.
         src: ``[num_copies]`` int32 or int64 block ids.
         dst: ``[num_copies]`` int32 or int64 block ids.
+        kv_dtype: the fp8 format of a ``uint8`` cache, as in :func:`write_kv` (checked when
+            given; a copy needs no format, so a ``uint8`` cache without it is copied as bytes).
         checked: check, before the launch and on the arrays' device (one synchronisation on a
             GPU), that ids are in ``[0, num_blocks)``, destinations distinct, and no id both a
             source and a destination. ``checked=False`` skips that and *trusts* the caller: an id
@@ -195,8 +261,8 @@ def copy_blocks(k_cache: Any, v_cache: Any, src: Any, dst: Any, *, checked: bool
             (checked) bad block ids.
     """
     xp = array_module(k_cache, v_cache, src, dst)
-    elem, num_blocks, num_copies = _checked_shapes(
-        _copy_shapes, _check_copy_shapes, k_cache, v_cache, src, dst
+    element_bytes, num_blocks, num_copies = _checked_shapes(
+        _copy_shapes, _check_copy_shapes, k_cache, v_cache, src, dst, kv_dtype=kv_dtype
     )
     _check_target_caches(k_cache, v_cache, num_blocks)
     if checked and num_copies:
@@ -205,7 +271,7 @@ def copy_blocks(k_cache: Any, v_cache: Any, src: Any, dst: Any, *, checked: bool
         return
     aligned = address(k_cache) % 16 == 0 and address(v_cache) % 16 == 0
     kernel, grid, block, scalars = _copy_plan(
-        device_of(xp), device_id(xp), k_cache.shape, elem, aligned, num_copies
+        device_of(xp), device_id(xp), k_cache.shape, element_bytes, aligned, num_copies
     )
     if src.dtype != np.int32 or not src.flags.c_contiguous:
         src = xp.ascontiguousarray(src, dtype=np.int32)
@@ -214,8 +280,11 @@ def copy_blocks(k_cache: Any, v_cache: Any, src: Any, dst: Any, *, checked: bool
     kernel(grid, block, (k_cache, v_cache, src, dst, *scalars))
 
 
-def _check_copy_shapes(k_cache: Any, v_cache: Any, src: Any, dst: Any) -> tuple[str, int, int]:
-    """The shape and dtype checks of ``copy_blocks``: ``(element type, num_blocks, num_copies)``."""
+def _check_copy_shapes(
+    k_cache: Any, v_cache: Any, src: Any, dst: Any, kv_dtype: Any
+) -> tuple[int, int, int]:
+    """The shape and dtype checks of ``copy_blocks``: ``(bytes per element, num_blocks,
+    num_copies)``."""
     if k_cache.ndim not in (4, 5):
         raise ValueError(
             "expected k_cache of shape ([num_layers,] num_blocks, num_kv_heads, block_size, "
@@ -224,28 +293,36 @@ def _check_copy_shapes(k_cache: Any, v_cache: Any, src: Any, dst: Any) -> tuple[
     if v_cache.shape != k_cache.shape:
         axes = ("num_layers",) * (k_cache.ndim - 4) + LAYER_AXES
         check_shape("v_cache", v_cache, list(zip(axes, k_cache.shape, strict=True)))
-    elem = element_type(k_cache)
-    if element_type(v_cache) != elem:
-        check_dtype("v_cache", v_cache, elem, "k_cache's dtype")
+    if kv_dtype is None and k_cache.dtype == np.uint8 and v_cache.dtype == np.uint8:
+        element_bytes = 1  # fp8 bytes of a format the copy need not know
+    else:
+        elem = element_type(k_cache, kv_dtype)
+        check_dtype("v_cache", v_cache, elem, "k_cache's dtype", kv_dtype)
+        element_bytes = ITEMSIZES[elem]
     if src.ndim != 1 or dst.shape != src.shape:
         (num_copies,) = check_shape("src", src, [("num_copies", None)])
         check_shape("dst", dst, [("num_copies", num_copies)])
     check_index_array("src", src)
     check_index_array("dst", dst)
-    return elem, k_cache.shape[-4], src.shape[0]
+    return element_bytes, k_cache.shape[-4], src.shape[0]
 
 
 @functools.lru_cache(maxsize=256)
 def _copy_plan(
-    device: str, cuda_device: int, shape: tuple[int, ...], elem: str, aligned: bool, num_copies: int
+    device: str,
+    cuda_device: int,
+    shape: tuple[int, ...],
+    element_bytes: int,
+    aligned: bool,
+    num_copies: int,
 ) -> tuple[Any, tuple, tuple, tuple]:
     """Kernel, grid, block and scalar arguments of one ``copy_blocks`` shape (kept: a copy-on-write
     step repeats the same shape, and each lookup would cost as much as a small copy)."""
     num_layers = shape[0] if len(shape) == 5 else 1
     num_blocks, heads, tokens, dim = shape[-4:]
-    block_bytes = heads * tokens * dim * ITEMSIZES[elem]
+    block_bytes = heads * tokens * dim * element_bytes
     name, grid, block, word = _launch.copy_blocks_launch(
-        block_bytes, aligned, num_copies, num_layers, device
+        block_bytes, aligned, num_copies, num_layers, device, element_bytes=element_bytes
     )
     kernel = get_kernel(device, "copy_blocks.cu", name)
     if device == "cpu":  # one OS thread unless the launch is large (see _cpu.threads)
@@ -272,6 +349,9 @@ def paged_attention(
     logits_soft_cap: float = 0.0,
     alibi_slopes: Any = None,
     sinks: Any = None,
+    k_scale: Any = None,
+    v_scale: Any = None,
+    kv_dtype: Any = None,
 ) -> Any:
     """Decode attention over a paged KV cache with the fused kernel (split-K when it pays).
 
@@ -300,8 +380,8 @@ def paged_attention(
 
     Args:
         q: ``[num_seqs, num_q_heads, head_dim]`` float32, float16 or bfloat16 (``uint16``).
-        k_cache: ``[num_blocks, num_kv_heads, block_size, head_dim]``, same element type,
-            C-contiguous (``cache.k[layer]``).
+        k_cache: ``[num_blocks, num_kv_heads, block_size, head_dim]``, same element type (or
+            fp8, ``kv_dtype``), C-contiguous (``cache.k[layer]``).
         v_cache: same shape and dtype as ``k_cache``.
         block_tables: ``[num_seqs, max_blocks]`` int32 (int64 is converted).
         context_lens: ``[num_seqs]`` int32 (int64 is converted).
@@ -326,21 +406,38 @@ def paged_attention(
         alibi_slopes: ``[num_q_heads]`` float32 on the inputs' device (ALiBi); ``None``, none.
         sinks: ``[num_q_heads]`` float32 on the inputs' device, a learned logit per head in the
             softmax denominator only (gpt-oss); ``None``, none.
+        k_scale, v_scale: over an fp8 cache (docs/fp8.md), the scales K and V were written
+            with: positive finite numbers, or float32 arrays of shape ``()``, ``[1]`` or
+            ``[num_kv_heads]`` on the inputs' device (read by the kernel; checked with one
+            synchronisation unless ``checked=False``); ``None``, 1.0. Attends over
+            ``fp8 * scale``; ``q`` stays float32, float16 or bfloat16. Refused for other caches.
+        kv_dtype: the fp8 format of ``uint8`` caches (a GPU fp8 cache); ``None`` otherwise.
 
     Returns:
         ``[num_seqs, num_q_heads, head_dim]`` in ``q``'s dtype, on the inputs' device.
 
     Raises:
         TypeError: arrays on different devices, or wrong dtypes (slopes and sinks: float32
-            arrays of the inputs' device).
+            arrays of the inputs' device; an fp8 ``q``, a ``uint8`` cache without
+            ``kv_dtype``, a ``kv_dtype`` for a cache that is not fp8; scales that are neither
+            numbers nor float32 arrays of the inputs' device).
         ValueError: wrong shapes, an unsupported head_dim or block_size (the message lists the
             supported ones), caches not C-contiguous or not 16-byte aligned, a read-only ``out``,
             ``window_left < -1``, a negative or non-finite ``logits_soft_cap``, slopes or sinks
-            not of shape ``[num_q_heads]``, or (checked) bad context lengths or block ids.
+            not of shape ``[num_q_heads]``, scales for a cache that is not fp8 or not positive
+            and finite (a device array: when checked) or of another shape, or (checked) bad
+            context lengths or block ids.
     """
     xp = array_module(q, k_cache, v_cache, block_tables, context_lens)
-    check_attention_args(q, k_cache, v_cache, block_tables, context_lens)
+    q_dtype = fp8_query_dtype(q, k_cache, kv_dtype)  # None: not an fp8 cache
+    if q_dtype is None:  # over fp8 the plan and its run check the rest
+        check_attention_args(q, k_cache, v_cache, block_tables, context_lens)
     sinks = check_sinks(xp, q.shape[1], sinks)  # before the plan checks and plans
+    if q_dtype is not None or k_scale is not None or v_scale is not None:
+        # What the host can check of the scales, before anything plans; the run checks the
+        # values of a device array (checked) before it launches.
+        elem = element_type(k_cache, kv_dtype)
+        kv_scale_args(xp, elem, k_cache.shape[1], k_scale, v_scale, checked=False)
     plan = DecodePlan(
         block_tables,
         context_lens,
@@ -353,8 +450,10 @@ def paged_attention(
         window_left=window_left,
         logits_soft_cap=logits_soft_cap,
         alibi_slopes=alibi_slopes,
+        q_dtype=q_dtype,
+        kv_dtype=kv_dtype,
     )
-    return plan.run(q, k_cache, v_cache, sinks=sinks, out=out)
+    return plan.run(q, k_cache, v_cache, sinks=sinks, out=out, k_scale=k_scale, v_scale=v_scale)
 
 
 @takes_dlpack
@@ -375,6 +474,9 @@ def paged_prefill(
     logits_soft_cap: float = 0.0,
     alibi_slopes: Any = None,
     sinks: Any = None,
+    k_scale: Any = None,
+    v_scale: Any = None,
+    kv_dtype: Any = None,
 ) -> Any:
     """Attention of many query tokens per sequence over a paged KV cache, fused.
 
@@ -412,7 +514,8 @@ def paged_prefill(
     Args:
         q: ``[total_query_tokens, num_q_heads, head_dim]`` float32, float16 or bfloat16
             (``uint16``).
-        k_cache: ``[num_blocks, num_kv_heads, block_size, head_dim]``, same element type,
+        k_cache: ``[num_blocks, num_kv_heads, block_size, head_dim]``, same element type or
+            fp8 (docs/fp8.md: ``ml_dtypes`` fp8 on the CPU, ``uint8`` named by ``kv_dtype``),
             C-contiguous and 16-byte aligned (``cache.k[layer]``).
         v_cache: same shape and dtype as ``k_cache``.
         block_tables: ``[num_seqs, max_blocks]`` int32 (int64 is converted after the checks).
@@ -441,21 +544,35 @@ def paged_prefill(
         alibi_slopes: ``[num_q_heads]`` float32 on the inputs' device, or ``None``.
         sinks: ``[num_q_heads]`` float32 on the inputs' device (a learned logit per head in the
             softmax denominator only, gpt-oss), or ``None``.
+        k_scale, v_scale: over an fp8 cache, the scales K and V were written with (it holds
+            ``x / scale``; attention reads ``fp8 * scale``): ``None`` (1.0), a positive finite
+            number, or a float32 ``[]``, ``[1]`` or ``[num_kv_heads]`` array on the inputs'
+            device, read by the kernel (checked on the device with ``checked``). ``None`` for
+            any other cache.
+        kv_dtype: the fp8 format of ``uint8`` caches; ``None`` otherwise.
 
     Returns:
         ``[total_query_tokens, num_q_heads, head_dim]`` in ``q``'s dtype, on the inputs' device.
 
     Raises:
-        TypeError: arrays on different devices, wrong dtypes, a ``causal`` that is not a bool,
-            or a variant of the wrong type (slopes or sinks not float32 arrays of the device).
+        TypeError: arrays on different devices, wrong dtypes (an fp8 ``q``, a ``uint8`` cache
+            without ``kv_dtype``, a ``kv_dtype`` for a cache that is not fp8), a ``causal``
+            that is not a bool, a variant or a scale of the wrong type (slopes, sinks or scales
+            not float32 arrays of the device).
         ValueError: wrong shapes, an unsupported head_dim or block_size (the message lists the
             supported ones), caches not C-contiguous or not 16-byte aligned, a bad
             ``query_start_loc``, ``n_i > context_lens[i]``, a read-only ``out``, (checked)
             bad context lengths or block ids, ``window_left < -1``, a negative or non-finite
-            soft-cap, or slopes or sinks not of shape ``[num_q_heads]``.
+            soft-cap, slopes or sinks not of shape ``[num_q_heads]``, or scales that are not
+            positive and finite (a device array: when checked), of another shape, or given for
+            a cache that is not fp8.
     """
     xp = array_module(q, k_cache, v_cache, block_tables, context_lens, query_start_loc)
-    check_prefill_args(q, k_cache, v_cache, block_tables, context_lens, query_start_loc)
+    q_dtype = fp8_query_dtype(q, k_cache, kv_dtype)  # None: not an fp8 cache
+    if q_dtype is None:
+        check_prefill_args(q, k_cache, v_cache, block_tables, context_lens, query_start_loc)
+    else:  # over fp8 the plan and its run check the caches; the lengths are read below
+        check_batch_arrays(block_tables, context_lens, query_start_loc)
     sinks = check_sinks(xp, q.shape[1], sinks)  # before the plan compiles anything
     # Host copies of the lengths (none on the CPU), checked against q's rows; the plan then
     # reads nothing back.
@@ -474,8 +591,10 @@ def paged_prefill(
         window_left=window_left,
         logits_soft_cap=logits_soft_cap,
         alibi_slopes=alibi_slopes,
+        q_dtype=q_dtype,
+        kv_dtype=kv_dtype,
     )
-    return plan.run(q, k_cache, v_cache, sinks=sinks, out=out)
+    return plan.run(q, k_cache, v_cache, k_scale=k_scale, v_scale=v_scale, sinks=sinks, out=out)
 
 
 def _check_target_caches(k_cache: Any, v_cache: Any, num_blocks: int) -> None:

@@ -13,6 +13,11 @@ The launch geometry depends on the lengths' values (the longest query run, the K
 query tiles), which the plan reads on the host once. A caller that already has them on the host
 (``StepPlan.query_start_loc``, lengths it counted) passes NumPy arrays, and nothing is read back
 from the device.
+
+Over an fp8 cache (docs/fp8.md) a plan is made for one query dtype (``q_dtype``: the tensor-core
+path or not depends on it) and every ``run`` takes that layer's ``k_scale`` / ``v_scale``; a
+device array of scales is read by the kernel, never by the host (but for the checked mode's
+one check).
 """
 
 from __future__ import annotations
@@ -46,7 +51,9 @@ from ._checks import (
 )
 from ._interop import takes_dlpack
 from ._kernels import get_kernel
+from ._scales import kv_scale_args
 from ._variants import Variants, check_sinks, check_variants
+from .dtypes import dtype_name
 
 Q_AXES = ("total_query_tokens", "num_q_heads", "head_dim")
 
@@ -114,10 +121,16 @@ class PrefillPlan:
         alibi_slopes: ``[num_q_heads]`` float32 on the cache's device (``s += slope[h] * (j -
             p)``), or ``None``; the plan keeps its own copy. Sinks, learned per layer, go to
             :meth:`run`.
+        q_dtype: over an fp8 cache, the dtype of every ``run``'s queries (and output):
+            ``"float32"``, ``"float16"`` (``None``) or ``"bfloat16"``; for another cache
+            ``None`` or the cache's dtype.
+        kv_dtype: the fp8 format of a ``uint8`` cache (``"float8_e4m3"``, ``"float8_e5m2"``);
+            ``None`` for a cache whose dtype says what it holds.
 
     Raises:
         TypeError: arrays on different devices, wrong dtypes, a ``causal`` that is not a bool,
-            or a variant of the wrong type.
+            a variant of the wrong type, a ``q_dtype`` the cache does not take, a ``uint8``
+            cache without ``kv_dtype`` or a ``kv_dtype`` for a cache that is not fp8.
         ValueError: wrong shapes, an unsupported head_dim or block_size (the message lists the
             supported ones), a bad ``query_start_loc``, ``n_i > context_lens[i]``, (checked)
             bad context lengths or block ids, or a bad variant (``window_left < -1``, a negative
@@ -134,8 +147,10 @@ class PrefillPlan:
         "_merge",
         "_merge_args",
         "_no_sinks",
+        "_num_kv_heads",
         "_num_q_heads",
         "_sinks_kernels",
+        "_unit_scales",
         "_variants",
         "_xp",
         "causal",
@@ -160,6 +175,8 @@ class PrefillPlan:
         window_left: int = -1,
         logits_soft_cap: float = 0.0,
         alibi_slopes: Any = None,
+        q_dtype: str | None = None,
+        kv_dtype: Any = None,
     ) -> None:
         xp = array_module(block_tables, k_cache)
         for name, x in (("context_lens", context_lens), ("query_start_loc", query_start_loc)):
@@ -176,16 +193,10 @@ class PrefillPlan:
         splits = None if num_splits is None else as_int(num_splits, "num_splits")
         if splits is not None and splits < 1:
             raise ValueError(f"expected num_splits >= 1, got {splits}")
-        dtype = element_type(k_cache)
+        dtype = element_type(k_cache, kv_dtype)
+        q_dtype = _launch.query_dtype(dtype, None if q_dtype is None else dtype_name(q_dtype))
         _launch.check_decode_shape(dtype, head_dim, block_size)
-        num_seqs, max_blocks = check_shape(
-            "block_tables", block_tables, [("num_seqs", None), ("max_blocks", None)]
-        )
-        check_shape("context_lens", context_lens, [("num_seqs", num_seqs)])
-        check_shape("query_start_loc", query_start_loc, [("num_seqs + 1", num_seqs + 1)])
-        check_index_array("block_tables", block_tables)
-        check_index_array("context_lens", context_lens)
-        check_index_array("query_start_loc", query_start_loc)
+        num_seqs, max_blocks = check_batch_arrays(block_tables, context_lens, query_start_loc)
         check_num_blocks(num_blocks)
 
         # Host copies of two [num_seqs]-sized arrays (none made for host arrays): the grid
@@ -203,9 +214,15 @@ class PrefillPlan:
         self.causal, self.checked = causal, checked
         self._xp, self._variants = xp, variants
         self._num_q_heads, self._head_dim = num_q_heads, head_dim
+        self._num_kv_heads = num_kv_heads
         self._sinks_kernels = None
         q_shape = (total, num_q_heads, head_dim)
-        self._arrays = LayerArrays(xp, dtype, tuple(k_cache.shape), Q_AXES, q_shape)
+        self._arrays = LayerArrays(
+            xp, dtype, tuple(k_cache.shape), Q_AXES, q_shape, kv_dtype=kv_dtype, q_dtype=q_dtype
+        )
+        # The six scale arguments of a run without scales (1.0; a cache that is not fp8 never
+        # reads them).
+        self._unit_scales = kv_scale_args(xp, dtype, num_kv_heads, None, None)
         if total == 0:  # nothing to attend: run only checks its arguments
             self._launch = None
             return
@@ -228,6 +245,7 @@ class PrefillPlan:
             target=target(device),
             variant=variants.flags(),
             window_left=variants.window_left,
+            q_dtype=q_dtype,
         )
         self._launch, self._device = launch, device
         self._kernel = attention_kernel(device, "paged_prefill.cu", launch, group, head_dim)
@@ -255,10 +273,12 @@ class PrefillPlan:
             launch.partition_tokens,
             launch.num_splits,
         )
-        # The kernel's arguments but out, q and the layer's K/V: (before them, after them).
+        # The kernel's arguments but out, q, the layer's K/V, the scales and the sinks: (before
+        # q, between the caches and the scales, between the scales and the sinks).
         self._args = (
             (partial_out, partial_lse),
-            (tables, lens, starts, *map(np.int32, scalars), np.float32(scale), *window),
+            (tables, lens, starts, *map(np.int32, scalars), np.float32(scale)),
+            window,
         )
         self._merge = None
         if launch.num_splits > 1:
@@ -286,14 +306,30 @@ class PrefillPlan:
         return self._variants.logits_soft_cap
 
     @takes_dlpack
-    def run(self, q: Any, k_cache: Any, v_cache: Any, *, sinks: Any = None, out: Any = None) -> Any:
+    def run(
+        self,
+        q: Any,
+        k_cache: Any,
+        v_cache: Any,
+        *,
+        k_scale: Any = None,
+        v_scale: Any = None,
+        sinks: Any = None,
+        out: Any = None,
+    ) -> Any:
         """Prefill attention of one layer: what :func:`cupaged.paged_prefill` computes.
 
         Args:
-            q: ``[total_query_tokens, num_q_heads, head_dim]``, the cache's element type.
+            q: ``[total_query_tokens, num_q_heads, head_dim]``, the cache's element type (over
+                fp8: the plan's ``q_dtype``).
             k_cache: one layer, the planned layout (``cache.k[layer]``), C-contiguous, 16-byte
                 aligned.
             v_cache: same shape and dtype as ``k_cache``.
+            k_scale, v_scale: an fp8 cache's scales of this layer (it holds ``x / scale``):
+                ``None`` (1.0), a positive finite number, or a float32 ``[]``, ``[1]`` or
+                ``[num_kv_heads]`` array on the cache's device, which the kernel reads (checked
+                on the device with the plan's ``checked``, one synchronisation; trusted
+                without). ``None`` for any other cache.
             sinks: optional ``[num_q_heads]`` float32 attention sinks of this layer, on the
                 cache's device: a learned logit per query head in each row's softmax
                 denominator only (gpt-oss). The first run with sinks loads their kernels.
@@ -304,11 +340,17 @@ class PrefillPlan:
             ``out`` (a new array when ``None``), in ``q``'s dtype.
 
         Raises:
-            TypeError, ValueError: an argument that does not match the plan, or sinks not a
-                float32 ``[num_q_heads]`` array of the plan's device (nothing is run).
+            TypeError, ValueError: an argument that does not match the plan, sinks not a
+                float32 ``[num_q_heads]`` array of the plan's device, or a bad scale (not
+                positive and finite, of the wrong shape, dtype or device; any scale for a cache
+                that is not fp8): nothing is run.
         """
         if sinks is not None:
             sinks = check_sinks(self._xp, self._num_q_heads, sinks)
+        scales = self._unit_scales
+        if k_scale is not None or v_scale is not None:
+            elem, heads = self._arrays.dtype, self._num_kv_heads
+            scales = kv_scale_args(self._xp, elem, heads, k_scale, v_scale, checked=self.checked)
         out, q, k_cache, v_cache, out_storage, _ = self._arrays.views(q, k_cache, v_cache, out)
         launch = self._launch
         if launch is None:
@@ -317,11 +359,11 @@ class PrefillPlan:
             kernel, merge, sinks = self._kernel, self._merge, self._no_sinks
         else:
             kernel, merge = self._sinks_kernels or self._load_sinks_kernels()
-        partials, rest = self._args
+        partials, before, trailing = self._args
         kernel(
             launch.grid,
             launch.block,
-            (out_storage, *partials, q, k_cache, v_cache, *rest, sinks),
+            (out_storage, *partials, q, k_cache, v_cache, *before, *scales, *trailing, sinks),
             shared_mem=launch.shared_mem,
         )
         if merge is not None:
@@ -344,6 +386,27 @@ class PrefillPlan:
             merge = get_kernel(self._device, "paged_prefill.cu", launch.sinks_merge_name)
         self._sinks_kernels = (kernel, merge)
         return self._sinks_kernels
+
+
+def check_batch_arrays(block_tables: Any, context_lens: Any, query_start_loc: Any) -> tuple:
+    """The shapes and index dtypes of a prefill's tables and lengths (metadata only):
+    ``(num_seqs, max_blocks)``.
+
+    Raises:
+        ValueError, TypeError: naming the array, what was expected and what arrived.
+    """
+    num_seqs, max_blocks = check_shape(
+        "block_tables", block_tables, [("num_seqs", None), ("max_blocks", None)]
+    )
+    check_shape("context_lens", context_lens, [("num_seqs", num_seqs)])
+    check_shape("query_start_loc", query_start_loc, [("num_seqs + 1", num_seqs + 1)])
+    for name, x in (
+        ("block_tables", block_tables),
+        ("context_lens", context_lens),
+        ("query_start_loc", query_start_loc),
+    ):
+        check_index_array(name, x)
+    return num_seqs, max_blocks
 
 
 def _first_keys(variants: Variants, host_starts: np.ndarray, host_lens: np.ndarray) -> Any:

@@ -21,9 +21,18 @@ from ._checks import (
     check_query_start_loc,
 )
 from ._interop import takes_dlpack
+from ._scales import kv_scale_args
 from ._util import cdiv
 from ._variants import Variants, check_sinks, check_variants
-from .dtypes import as_storage, dtype_name, from_float, to_float
+from .dtypes import (
+    array_dtype_name,
+    as_storage,
+    dtype_name,
+    float_to_fp8_bits,
+    from_float,
+    is_fp8,
+    to_float,
+)
 
 
 @takes_dlpack
@@ -41,6 +50,9 @@ def reference_attention(
     sinks: Any = None,
     compute_dtype: str = "float32",
     out_dtype: str | None = None,
+    k_scale: Any = None,
+    v_scale: Any = None,
+    kv_dtype: Any = None,
 ) -> Any:
     """Decode attention of one query token per sequence over a paged KV cache, naively.
 
@@ -70,6 +82,13 @@ def reference_attention(
             denominator only.
         compute_dtype: ``"float32"`` (the default) or ``"float64"`` for scores, softmax and sums.
         out_dtype: element type of the result; ``q``'s when ``None``. ``"float64"`` is allowed.
+        k_scale, v_scale: over an fp8 cache (``ml_dtypes`` fp8, or ``uint8`` named by
+            ``kv_dtype``), the scales it was written with: a positive finite number (taken as
+            float32), or a float32 array of shape ``()``, ``[1]`` or ``[num_kv_heads]``;
+            ``None``, 1.0. The cache is dequantized first (``to_float(fp8) * scale`` of each
+            KV head, in float64), then attended as any other; ``q`` is float32, float16 or
+            bfloat16.
+        kv_dtype: the fp8 format of ``uint8`` caches.
 
     Returns:
         ``[num_seqs, num_q_heads, head_dim]`` array on the inputs' device.
@@ -78,7 +97,8 @@ def reference_attention(
     compute = np.dtype(compute_dtype)
     if compute not in (np.dtype(np.float32), np.dtype(np.float64)):
         raise ValueError(f"expected compute_dtype float32 or float64, got {compute_dtype!r}")
-    dims = check_attention_args(q, k_cache, v_cache, block_tables, context_lens)
+    k_cache, v_cache, likes = _dequantized_caches(q, k_cache, v_cache, k_scale, v_scale, kv_dtype)
+    dims = check_attention_args(q, *likes, block_tables, context_lens)
     num_seqs, num_q_heads, head_dim = q.shape
     block_size = dims.block_size
     variants = check_variants(xp, num_q_heads, window_left, logits_soft_cap, alibi_slopes)
@@ -124,6 +144,9 @@ def reference_prefill(
     sinks: Any = None,
     compute_dtype: str = "float32",
     out_dtype: str | None = None,
+    k_scale: Any = None,
+    v_scale: Any = None,
+    kv_dtype: Any = None,
 ) -> Any:
     """Attention of many query tokens per sequence over a paged KV cache, naively.
 
@@ -154,21 +177,26 @@ def reference_prefill(
         logits_soft_cap, alibi_slopes, sinks: as in :func:`reference_attention`.
         compute_dtype: ``"float32"`` (the default) or ``"float64"``.
         out_dtype: element type of the result; ``q``'s when ``None``. ``"float64"`` is allowed.
+        k_scale, v_scale, kv_dtype: an fp8 cache's scales and format, as in
+            :func:`reference_attention`: the cache is dequantized first (``fp8 * scale`` of each
+            KV head, float64), then attended as any other.
 
     Returns:
         ``[total_query_tokens, num_q_heads, head_dim]`` array on the inputs' device.
 
     Raises:
         ValueError: wrong shapes, bad ``query_start_loc``, ``n_i > context_lens[i]``, lengths
-            past the table or block ids out of range.
-        TypeError: wrong dtypes, arrays on different devices, or a ``causal`` that is not a
-            bool.
+            past the table, block ids out of range, or bad scales (not positive and finite, of
+            the wrong shape, or given for a cache that is not fp8).
+        TypeError: wrong dtypes (an fp8 ``q``, a ``uint8`` cache without ``kv_dtype``),
+            arrays on different devices, or a ``causal`` that is not a bool.
     """
     xp = array_module(q, k_cache, v_cache, block_tables, context_lens, query_start_loc)
     compute = np.dtype(compute_dtype)
     if compute not in (np.dtype(np.float32), np.dtype(np.float64)):
         raise ValueError(f"expected compute_dtype float32 or float64, got {compute_dtype!r}")
-    dims = check_prefill_args(q, k_cache, v_cache, block_tables, context_lens, query_start_loc)
+    k_cache, v_cache, likes = _dequantized_caches(q, k_cache, v_cache, k_scale, v_scale, kv_dtype)
+    dims = check_prefill_args(q, *likes, block_tables, context_lens, query_start_loc)
     causal = as_bool(causal, "causal")
     total, num_q_heads, head_dim = q.shape
     block_size = dims.block_size
@@ -271,20 +299,51 @@ def _gather_sequence(cache: Any, blocks: Any, length: int, dtype: np.dtype) -> A
     gathered = cache[blocks]  # [n_blocks, H, block_size, D]
     n_blocks, heads, block_size, head_dim = gathered.shape
     tokens = gathered.transpose(1, 0, 2, 3).reshape(heads, n_blocks * block_size, head_dim)
+    if tokens.dtype == np.float64:  # a dequantized fp8 cache (_dequantized_caches)
+        return tokens[:, :length].astype(dtype, copy=False)
     return to_float(tokens[:, :length], dtype)
 
 
-def reference_write_kv(k_cache: Any, v_cache: Any, k: Any, v: Any, slot_mapping: Any) -> None:
+def reference_write_kv(
+    k_cache: Any,
+    v_cache: Any,
+    k: Any,
+    v: Any,
+    slot_mapping: Any,
+    k_scale: Any = None,
+    v_scale: Any = None,
+    kv_dtype: Any = None,
+) -> None:
     """Scatter token ``t``'s K/V to slot ``slot_mapping[t]`` (skip ``-1``), in place; no checks.
 
-    ``slot = block * block_size + offset``. Shapes as in :func:`cupaged.write_kv`.
+    ``slot = block * block_size + offset``. Shapes as in :func:`cupaged.write_kv`. An fp8 cache
+    (``ml_dtypes``, or ``uint8`` with ``kv_dtype``) stores
+    ``float_to_fp8_bits(float32(x) / scale)``: the quotient in float32, then clamped and rounded
+    to nearest even; ``k_scale`` / ``v_scale`` are ``None`` (1.0), a number (taken as float32)
+    or a float32 array of shape ``()``, ``[1]`` or ``[num_kv_heads]``.
     """
     block_size = k_cache.shape[2]
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].astype(np.int64)
     blocks, offsets = slots // block_size, slots % block_size
-    as_storage(k_cache)[blocks, :, offsets, :] = as_storage(k)[keep]
-    as_storage(v_cache)[blocks, :, offsets, :] = as_storage(v)[keep]
+    elem = array_dtype_name(k_cache, kv_dtype)
+    if not is_fp8(elem) and (k_scale is not None or v_scale is not None):
+        raise ValueError(f"expected no k_scale or v_scale for a {elem} cache (fp8 only)")
+    for cache, x, scale in ((k_cache, k, k_scale), (v_cache, v, v_scale)):
+        if is_fp8(elem):
+            rows = float_to_fp8_bits(to_float(x[keep]) / _per_head(x, scale), elem)
+        else:
+            rows = as_storage(x)[keep]
+        as_storage(cache)[blocks, :, offsets, :] = rows
+
+
+def _per_head(x: Any, scale: Any) -> Any:
+    """A scale as float32, shaped to divide ``[num_tokens, num_kv_heads, head_dim]`` rows."""
+    if scale is None:
+        return np.float32(1.0)
+    if not hasattr(scale, "shape") or isinstance(scale, np.generic):
+        return np.float32(scale)
+    return array_module(x).asarray(scale, dtype=np.float32).reshape(-1, 1)
 
 
 def reference_copy_blocks(k_cache: Any, v_cache: Any, src: Any, dst: Any) -> None:
@@ -296,3 +355,63 @@ def reference_copy_blocks(k_cache: Any, v_cache: Any, src: Any, dst: Any) -> Non
     for cache in (k_cache, v_cache):
         layers = (slice(None),) * (cache.ndim - 4)
         cache[(*layers, dst)] = cache[(*layers, src)]
+
+
+def _dequantized_caches(
+    q: Any, k_cache: Any, v_cache: Any, k_scale: Any, v_scale: Any, kv_dtype: Any
+) -> tuple[Any, Any, tuple[Any, Any]]:
+    """``(k, v, likes)`` of an attention oracle's caches: for an fp8 cache, K and V dequantized
+    (``to_float`` times the scale of each KV head, float64, ``[num_blocks, num_kv_heads,
+    block_size, head_dim]``) and ``likes``, stand-ins of ``q``'s element type with the caches'
+    shapes for the shape checks (which read metadata only); for another cache the caches as they
+    are, twice.
+
+    Raises:
+        TypeError: a ``uint8`` cache without ``kv_dtype``, a ``kv_dtype`` for a cache that is not
+            fp8, an fp8 ``q``, K and V of different types, or scales of the wrong type.
+        ValueError: scales for a cache that is not fp8, not positive and finite, or of another
+            shape than ``()``, ``[1]`` or ``[num_kv_heads]``.
+    """
+    xp = array_module(q, k_cache, v_cache)
+    elem = _fp8_name(k_cache, kv_dtype)
+    num_kv_heads = k_cache.shape[1] if k_cache.ndim == 4 else 0
+    if elem is None:
+        if k_scale is not None or v_scale is not None:
+            kv_scale_args(xp, array_dtype_name(k_cache), num_kv_heads, k_scale, v_scale)  # raises
+        return k_cache, v_cache, (k_cache, v_cache)
+    if array_dtype_name(v_cache, kv_dtype) != elem:
+        raise TypeError(f"expected v_cache of dtype {elem} (k_cache's), got {v_cache.dtype}")
+    if is_fp8(array_dtype_name(q)):
+        raise TypeError(f"expected q of dtype float32, float16 or bfloat16, got {q.dtype}")
+    zero = xp.zeros((), q.dtype)
+    likes = (xp.broadcast_to(zero, k_cache.shape), xp.broadcast_to(zero, v_cache.shape))
+    if k_cache.ndim != 4:
+        return k_cache, v_cache, likes  # the shape checks say what was expected
+    kv_scale_args(xp, elem, num_kv_heads, k_scale, v_scale)  # the checks only
+    k = to_float(k_cache, np.float64, kv_dtype) * _head_scales(xp, k_scale, num_kv_heads)
+    v = to_float(v_cache, np.float64, kv_dtype) * _head_scales(xp, v_scale, num_kv_heads)
+    return k, v, likes
+
+
+def _fp8_name(cache: Any, kv_dtype: Any) -> str | None:
+    """The fp8 format of a cache, or ``None`` for another element type (or an unknown dtype,
+    which the shape and dtype checks name)."""
+    if kv_dtype is None and cache.dtype != np.uint8:
+        try:
+            name = array_dtype_name(cache)
+        except TypeError:
+            return None
+        return name if is_fp8(name) else None
+    return array_dtype_name(cache, kv_dtype)  # raises for uint8 alone, or kv_dtype of a non-fp8
+
+
+def _head_scales(xp: Any, scale: Any, num_kv_heads: int) -> Any:
+    """A checked scale as float64 ``[1, num_kv_heads, 1, 1]``: a number as float32 (as the
+    kernels take it), an array's values, ``None`` 1.0."""
+    if scale is None:
+        values = xp.ones(1, np.float64)
+    elif not hasattr(scale, "shape") or isinstance(scale, np.generic):
+        values = xp.full(1, np.float32(scale), np.float64)
+    else:
+        values = xp.asarray(scale).astype(np.float64).reshape(-1)
+    return xp.broadcast_to(values, (num_kv_heads,)).reshape(1, num_kv_heads, 1, 1)

@@ -10,13 +10,15 @@ each architecture (bf16 takes the CUDA-core kernels below sm_80, and what does n
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 
 from cupaged import _gpu_target, _launch
 from cupaged._backend import kernel_dir
 from cupaged._kernels import nvrtc_options
-from cupaged.dtypes import DTYPE_NAMES
+from cupaged.dtypes import DTYPE_NAMES, FP8_NAMES, Q_DTYPE_NAMES
 
 # Decode shapes: every head_dim at one block size, and a spread of block sizes (the extremes, odd
 # ones) at two head_dims; every dtype for each. About 0.6 s of NVRTC per instantiation and arch.
@@ -46,25 +48,34 @@ def requested_names(arch: str = "sm_90") -> dict[str, list[str]]:
         "paged_prefill.cu": set(),
     }
     for dtype in DTYPE_NAMES:
-        for slot in (np.int32, np.int64):
-            for aligned in (True, False):
-                name, _, _ = _launch.write_kv_launch(dtype, np.dtype(slot), 1, 256, aligned)
-                names["write_kv.cu"].add(name)
+        # fp8 caches: every source type, with 16-, 8- and 1-element vectors (rows of 256, 72)
+        sources = Q_DTYPE_NAMES if dtype in FP8_NAMES else (dtype,)
+        for slot, aligned, src, row in itertools.product(
+            (np.int32, np.int64), (True, False), sources, (256, 72)
+        ):
+            name, _, _ = _launch.write_kv_launch(
+                dtype, np.dtype(slot), 1, row, aligned, src_dtype=src
+            )
+            names["write_kv.cu"].add(name)
         for head_dim, block_size in DECODE_SHAPES:
             launch = _launch.decode_launch(dtype, 1, 4, head_dim, block_size, 1, target)
             names["paged_attention.cu"].update({launch.name, launch.merge_name})
-        for head_dim, group in ((hd, g) for hd in (80, 128) for g in DECODE_GROUPS):
-            names["paged_attention.cu"].add(
-                _launch.decode_launch(dtype, 1, group, head_dim, 16, 1, target).name
-            )
-        for head_dim, block_size in PREFILL_SHAPES:
+        # fp8 decode: the shapes above under float16 queries (the default), the groups under
+        # every query type for e4m3 (tensor cores or not), under float16 for e5m2
+        decode_q = {FP8_NAMES[0]: Q_DTYPE_NAMES, FP8_NAMES[1]: ("float16",)}.get(dtype, (None,))
+        for head_dim, group, q_type in itertools.product((80, 128), DECODE_GROUPS, decode_q):
+            launch = _launch.decode_launch(dtype, 1, group, head_dim, 16, 1, target, q_dtype=q_type)
+            names["paged_attention.cu"].update({launch.name, launch.merge_name})
+        # fp8 prefill: e4m3 under every query type (both kernels), e5m2 under float16
+        q_types = {FP8_NAMES[0]: Q_DTYPE_NAMES, FP8_NAMES[1]: ("float16",)}.get(dtype, (None,))
+        for (head_dim, block_size), q_type in itertools.product(PREFILL_SHAPES, q_types):
             for group in (1, 8):
                 launch = _launch.prefill_launch(
-                    dtype, 1, 1, group, head_dim, block_size, 64, target=target
+                    dtype, 1, 1, group, head_dim, block_size, 64, target=target, q_dtype=q_type
                 )
                 names["paged_prefill.cu"].update({launch.name, launch.merge_name})
-    for block_bytes, aligned in ((4096, True), (4096, False), (12, True), (6, True)):
-        name, *_ = _launch.copy_blocks_launch(block_bytes, aligned, 1, 1)
+    for block_bytes, aligned in ((4096, True), (4096, False), (12, True), (6, True), (7, True)):
+        name, *_ = _launch.copy_blocks_launch(block_bytes, aligned, 1, 1, element_bytes=1)
         names["copy_blocks.cu"].add(name)
     return {source: sorted(found) for source, found in names.items()}
 

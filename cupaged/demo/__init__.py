@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from .. import CacheSpec, PagedCache, device_module, resolve_device
-from ..models import MODELS, load_model
+from ..models import MODELS, check_kv_options, load_model
 from ..serving import Engine, Request, Sampler, ServeResult, StepState
 from .engine import LogitsCheck
 from .model import ModelConfig, TinyDecoder
@@ -75,7 +75,9 @@ class DemoConfig:
     max_batch: int = 12
     seed: int = 0
     temperature: float | None = None  # None: 0.8 for the seeded model, 0 (greedy) for a real one
-    dtype: str = "float32"
+    dtype: str = "float32"  # the model's attention dtype (and the cache's, without kv_dtype)
+    kv_dtype: str | None = None  # the cache's element type: dtype, or fp8 (docs/fp8.md)
+    kv_scales: float | str | None = None  # an fp8 cache's scales: a number or "auto" (None: 1)
     device: str | None = None
     weights: str | None = None
     model: str | None = None  # a real model of cupaged.models.MODELS, instead of the seeded one
@@ -126,6 +128,7 @@ class DemoConfig:
             raise ValueError(f"--weights: expected none with --model, got {self.weights!r}")
         if self.dtype not in TOLERANCES:  # the logits check needs a tolerance for it
             raise ValueError(f"--dtype: expected one of {tuple(TOLERANCES)}, got {self.dtype}")
+        check_kv_options(self.dtype, self.kv_dtype, self.kv_scales)
         spec = CacheSpec(1, 1, 64, self.dtype, self.block_size)
         if self.num_blocks < spec.blocks_for(self.max_len) + 2:
             raise ValueError(
@@ -195,14 +198,22 @@ class Demo:
         xp = device_module(self.device)
         self.tokenizer = None
         if config.model:  # fetched (with a message) on the first run, then loaded
-            self.model, self.tokenizer = load_model(config.model, self.device, config.dtype)
+            self.model, self.tokenizer = load_model(
+                config.model, self.device, config.dtype, kv_dtype=config.kv_dtype
+            )
             prompts, c = encode_prompts(self.tokenizer), config
             self.requests = make_real_requests(prompts, c.requests, c.new_tokens, c.max_len, c.seed)
         elif config.weights:
-            self.model = TinyDecoder.load(config.weights, xp, dtype=config.dtype)
+            self.model = TinyDecoder.load(
+                config.weights, xp, dtype=config.dtype, kv_dtype=config.kv_dtype
+            )
         else:
-            self.model = TinyDecoder(ModelConfig(), xp, seed=config.seed, dtype=config.dtype)
-        self.cache: PagedCache = self.model.make_cache(config.num_blocks, config.block_size)
+            self.model = TinyDecoder(
+                ModelConfig(), xp, seed=config.seed, dtype=config.dtype, kv_dtype=config.kv_dtype
+            )
+        self.cache: PagedCache = self.model.make_cache(
+            config.num_blocks, config.block_size, kv_scales=config.kv_scales
+        )
         if not config.model:
             self.requests = make_requests(config, self.model.config.vocab_size)
 
@@ -228,7 +239,11 @@ class Demo:
             self.model, cache, sampler, max_batch=config.max_batch, prefill_chunk=chunk, eos_id=eos
         )
         check = LogitsCheck(
-            self.model, every=3, tolerance=TOLERANCES[config.dtype], prefill_chunk=chunk
+            self.model,
+            every=3,
+            tolerance=TOLERANCES[config.dtype],
+            prefill_chunk=chunk,
+            cache=cache,
         )
         steps: list[StepRecord] = []
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import to_numpy
+from .. import PagedCache, to_numpy
 from ..models import Llama
 from ..serving import Sequence
 
@@ -33,6 +33,9 @@ class LogitsCheck:
         every: check every ``every``-th sequence; 0: none.
         tolerance: ``(atol, rtol)`` of the comparison.
         prefill_chunk: the engine's ``prefill_chunk`` (``None``: prompts prefilled whole).
+        cache: the cache the engine serves through: with an fp8 cache the recomputation rounds
+            K/V through its format and scales (``Llama.forward_full``), so that only summation
+            orders differ.
 
     Attributes:
         checks: ``(sequence id, max |diff|, within the bound)`` of every check made.
@@ -56,9 +59,10 @@ class LogitsCheck:
         every: int,
         tolerance: tuple[float, float],
         prefill_chunk: int | None = None,
+        cache: PagedCache | None = None,
     ) -> None:
         self.model, self.every, self.tolerance = model, every, tolerance
-        self.prefill_chunk = prefill_chunk
+        self.prefill_chunk, self.cache = prefill_chunk, cache
         self.checks: list[tuple[int, float, bool]] = []
 
     @property
@@ -71,7 +75,8 @@ class LogitsCheck:
         if not self.every or seq.order % self.every or not self._due(seq):
             return
         atol, rtol = self.tolerance
-        expected = to_numpy(self.model.forward_full(seq.request.prompt + seq.generated))
+        tokens = seq.request.prompt + seq.generated
+        expected = to_numpy(self.model.forward_full(tokens, self.cache))
         error = float(np.max(np.abs(logits - expected)))
         bound = atol + rtol * float(np.max(np.abs(expected)))
         self.checks.append((seq.sid, error, error <= bound))

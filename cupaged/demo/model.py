@@ -139,7 +139,8 @@ class TinyDecoder(Llama):
         config: the model's shape.
         xp: ``numpy`` or ``cupy``.
         seed: seed of the random weights.
-        dtype: the KV cache's dtype; Q/K/V are rounded to it.
+        dtype: the model's attention dtype; Q/K/V are rounded to it.
+        kv_dtype: the KV cache's element type: ``dtype`` (``None``) or fp8.
         weights: the weights (GGUF names, float32) instead of seeded random ones.
 
     Attributes:
@@ -154,12 +155,13 @@ class TinyDecoder(Llama):
         seed: int = 0,
         dtype: str = "float32",
         weights: dict[str, np.ndarray] | None = None,
+        kv_dtype: str | None = None,
     ) -> None:
         self.shape = config
         self.weights = dict(weights) if weights is not None else random_weights(config, seed)
         self.weights.pop("output.weight", None)
         tied = self.weights | {"output.weight": self.weights["token_embd.weight"]}
-        super().__init__(config.llama(), tied, xp, dtype=dtype)
+        super().__init__(config.llama(), tied, xp, dtype=dtype, kv_dtype=kv_dtype)
 
     def save(self, path: str | Path) -> None:
         """Write the weights and the config to a ``.npz`` file that :meth:`load` reads."""
@@ -170,7 +172,9 @@ class TinyDecoder(Llama):
         np.savez(path, **arrays, **config)
 
     @classmethod
-    def load(cls, path: str | Path, xp: Any, dtype: str = "float32") -> TinyDecoder:
+    def load(
+        cls, path: str | Path, xp: Any, dtype: str = "float32", kv_dtype: str | None = None
+    ) -> TinyDecoder:
         """Read a model written by :meth:`save` (the same architecture, any sizes).
 
         Every size is checked before anything is allocated: the config's values must be
@@ -198,7 +202,7 @@ class TinyDecoder(Llama):
                 weights = {name: npz.array(name, shape) for name, shape in shapes.items()}
         except (OSError, EOFError, ValueError, zipfile.BadZipFile, zlib.error) as error:
             raise WeightsError(f"weights {path}: {error}") from None
-        return cls(config, xp, dtype=dtype, weights=weights)
+        return cls(config, xp, dtype=dtype, weights=weights, kv_dtype=kv_dtype)
 
 
 class _Npz:

@@ -14,6 +14,8 @@ Public names::
     integer, real, input_file, output_file, error_line, COMMAND_ERRORS
                           the command line's checked option types and its one-line errors
                           (shared by ``cupaged demo``)
+    add_kv_options, check_kv_options
+                          ``--kv-dtype`` / ``--kv-scales`` (fp8 caches), shared by ``demo``
     limit_blas_threads    one OpenBLAS thread on the CPU device (the commands set it; see .threads)
 """
 
@@ -22,16 +24,26 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from .. import CupagedError, device_module, resolve_device
-from .cli import COMMAND_ERRORS, error_line, input_file, integer, output_file, real
+from .cli import (
+    COMMAND_ERRORS,
+    add_kv_options,
+    check_kv_options,
+    error_line,
+    input_file,
+    integer,
+    output_file,
+    real,
+)
 from .cli import add_commands as add_cli_commands
 from .fetch import MODELS, fetch
 from .generate import GenerationStats, Sampling, generate
 from .gguf import GGUFFile
-from .llama import Llama, LlamaConfig, load_weights
+from .llama import Llama, LlamaConfig, check_kv_dtype, load_weights
 from .threads import limit_blas_threads
 from .tokenizer import Tokenizer
 
 DTYPES = ("float32", "float16", "bfloat16")
+KV_DTYPES = (*DTYPES, "float8_e4m3", "float8_e5m2")
 
 
 def load_model(
@@ -39,21 +51,25 @@ def load_model(
     device: str | None = None,
     dtype: str = "float32",
     progress: Callable[[str], None] | None = None,
+    kv_dtype: str | None = None,
 ) -> tuple[Llama, Tokenizer]:
     """Fetch (once) and load a model of :data:`MODELS` on a device.
 
     Args:
         name: e.g. ``"smollm2"``.
         device: ``"cuda"``, ``"cpu"`` or ``None`` (CUDA when usable).
-        dtype: the KV cache's element type.
+        dtype: the model's attention dtype (Q/K/V, attention output), and the KV cache's
+            element type unless ``kv_dtype`` is given.
         progress: receives the download message (default: stderr).
+        kv_dtype: the KV cache's element type: ``dtype`` or an fp8 format (docs/fp8.md).
 
     Raises:
         CupagedError: unknown model, failed or corrupt download, missing ``model`` extra.
-        ValueError: an unknown dtype.
+        ValueError: an unknown dtype, or a ``kv_dtype`` that is neither ``dtype`` nor fp8.
     """
     if dtype not in DTYPES:
         raise ValueError(f"expected a dtype in {DTYPES}, got {dtype!r}")
+    check_kv_dtype(dtype, kv_dtype)  # before the download
     try:
         import gguf  # noqa: F401
         import jinja2  # noqa: F401
@@ -66,13 +82,15 @@ def load_model(
     path = fetch(name, progress=progress)
     file = GGUFFile(path)
     config = LlamaConfig.from_gguf(file)
-    model = Llama(config, load_weights(file, config), device_module(device), dtype=dtype)
+    weights = load_weights(file, config)
+    model = Llama(config, weights, device_module(device), dtype=dtype, kv_dtype=kv_dtype)
     return model, Tokenizer(file)
 
 
 __all__ = [
     "COMMAND_ERRORS",
     "DTYPES",
+    "KV_DTYPES",
     "MODELS",
     "GGUFFile",
     "GenerationStats",
@@ -81,6 +99,8 @@ __all__ = [
     "Sampling",
     "Tokenizer",
     "add_cli_commands",
+    "add_kv_options",
+    "check_kv_options",
     "error_line",
     "fetch",
     "generate",

@@ -31,6 +31,7 @@ from .._launch import check_decode_shape
 from .fetch import MODELS, ModelSource
 
 DEFAULT_MAX_NEW_TOKENS = 32
+KV_DTYPE_CHOICES = ("float32", "float16", "bfloat16", "float8_e4m3", "float8_e5m2")
 
 # What a command turns into one line on stderr and exit status 1 (anything else is a bug: its
 # traceback is what a report needs).
@@ -78,6 +79,62 @@ def real(low: float, high: float | None = None, above_low: bool = False) -> Call
 
     parse.__name__ = "float"
     return parse
+
+
+def kv_scale(text: str) -> float | str:
+    """An argparse ``type`` of ``--kv-scales``: ``"auto"`` (calibrated by each layer's first
+    write, :mod:`cupaged.kv_scales`) or a positive finite number (every layer's K and V scale)."""
+    if text == "auto":
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected 'auto' or a positive number, got {text!r}"
+        ) from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected 'auto' or a positive number, got {value:g}")
+    return value
+
+
+def add_kv_options(add: Callable[..., Any], dtype_help: str) -> None:
+    """The cache options that ``generate`` and ``demo`` share: ``--kv-dtype`` and
+    ``--kv-scales`` (``add`` is a parser's ``add_argument``)."""
+    add(
+        "--kv-dtype",
+        choices=list(KV_DTYPE_CHOICES),
+        default=None,
+        help=f"element type of the KV cache, or fp8 (one byte per element, quantized with "
+        f"per-layer scales; docs/fp8.md) (default: {dtype_help})",
+    )
+    add(
+        "--kv-scales",
+        type=kv_scale,
+        default=None,
+        metavar="S",
+        help="an fp8 cache's K and V scales: a positive number, or 'auto' (amax / fp8 max of "
+        "each layer's first write, per KV head) (default: 1.0)",
+    )
+
+
+def check_kv_options(dtype: str, kv_dtype: str | None, kv_scales: Any) -> None:
+    """Refuse a ``--kv-dtype`` that is neither ``--dtype`` nor fp8 (a plan's queries are of its
+    cache's type, over fp8 of any), and ``--kv-scales`` without an fp8 ``--kv-dtype``.
+
+    Raises:
+        ValueError: naming the option, "--kv-dtype: expected ..., got ...".
+    """
+    fp8 = kv_dtype is not None and kv_dtype.startswith("float8")
+    if kv_dtype is not None and kv_dtype != dtype and not fp8:
+        raise ValueError(
+            f"--kv-dtype: expected --dtype ({dtype}) or an fp8 format (float8_e4m3, "
+            f"float8_e5m2), got {kv_dtype}"
+        )
+    if kv_scales is not None and not fp8:
+        raise ValueError(
+            f"--kv-scales: expected an fp8 --kv-dtype with it (scales apply to fp8 caches only), "
+            f"got --kv-dtype {kv_dtype or dtype}"
+        )
 
 
 def utf8_text(text: str) -> str:
@@ -191,8 +248,10 @@ def add_commands(commands: Any, formatter: type[argparse.HelpFormatter]) -> None
         "--dtype",
         choices=["float32", "float16", "bfloat16"],
         default="float32",
-        help="element type of the KV cache",
+        help="the model's attention dtype (Q, K, V, attention output), and the KV cache's "
+        "unless --kv-dtype is given",
     )
+    add_kv_options(add, "--dtype")
     add(
         "--max-new-tokens",
         type=integer(1),
@@ -296,9 +355,14 @@ def check_model_options(
     args: argparse.Namespace, parser: argparse.ArgumentParser, source: ModelSource
 ) -> None:
     """Refuse a block size that the kernels do not take, or more new tokens than the model's
-    context holds (a prompt has at least one token), when parsing: before anything runs."""
+    context holds (a prompt has at least one token), or cache options that do not fit together,
+    when parsing: before anything runs."""
     try:
-        check_decode_shape(args.dtype, source.head_dim, args.block_size)
+        check_kv_options(args.dtype, args.kv_dtype, args.kv_scales)
+    except ValueError as error:
+        parser.error(f"argument {error}")
+    try:
+        check_decode_shape(args.kv_dtype or args.dtype, source.head_dim, args.block_size)
     except ValueError as error:
         parser.error(f"argument --block-size: {error}")
     if args.max_new_tokens >= source.context_length:
@@ -321,14 +385,17 @@ def generate_command(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         parser.error(str(error))
     try:
         device = resolve_device(args.device)
+        kv_dtype = args.kv_dtype or args.dtype
         spec = CacheSpec(
-            source.num_layers, source.num_kv_heads, source.head_dim, args.dtype, args.block_size
+            source.num_layers, source.num_kv_heads, source.head_dim, kv_dtype, args.block_size
         )
         # The least pool the command needs (one token per prompt) is known before the model.
         check_pool(args, spec, device, pool_blocks(args, spec, [1] * len(args.prompts)))
-        model, tokenizer = load_model(args.model, device=device, dtype=args.dtype)
+        model, tokenizer = load_model(
+            args.model, device=device, dtype=args.dtype, kv_dtype=args.kv_dtype
+        )
         c = model.config
-        if CacheSpec(c.num_layers, c.num_kv_heads, c.head_dim, args.dtype, args.block_size) != spec:
+        if CacheSpec(c.num_layers, c.num_kv_heads, c.head_dim, kv_dtype, args.block_size) != spec:
             raise CupagedError(
                 f"expected the cache shape that the registry records for {source.name}, {spec}, "
                 f"got a model of {c}"
@@ -355,7 +422,7 @@ def generate_command(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         block_size = args.block_size
         num_blocks = pool_blocks(args, spec, [len(ids) for ids in prompt_ids])
         check_pool(args, spec, device, num_blocks)
-        cache = model.make_cache(num_blocks, block_size)
+        cache = model.make_cache(num_blocks, block_size, kv_scales=args.kv_scales)
         stats = GenerationStats()
         start = time.perf_counter()
         outputs = generate(

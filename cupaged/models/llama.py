@@ -43,6 +43,7 @@ from .. import (
     to_float,
     write_kv,
 )
+from ..dtypes import dtype_name, is_fp8
 from .gguf import GGUFFile
 
 # Layer i's attention: (i, q, k, v) -> [n, num_q_heads, head_dim], Q/K/V in the cache's dtype.
@@ -154,6 +155,22 @@ class LlamaConfig:
             raise CupagedError(f"{gguf.path.name}: {error}") from None
 
 
+def check_kv_dtype(dtype: str, kv_dtype: str | None) -> str:
+    """The cache's element type of a model of ``dtype``: ``dtype`` itself (``kv_dtype`` None or
+    equal) or an fp8 format (the plans then take ``dtype`` queries over it).
+
+    Raises:
+        ValueError: another 16/32-bit type (a plan's queries are of its cache's type, or fp8's).
+    """
+    if kv_dtype is None or kv_dtype == dtype:
+        return dtype
+    if not is_fp8(dtype_name(kv_dtype)):
+        raise ValueError(
+            f"expected kv_dtype {dtype!r} (the model's dtype) or an fp8 format, got {kv_dtype!r}"
+        )
+    return dtype_name(kv_dtype)
+
+
 def unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
     """Undo llama.cpp's row permutation of a Q or K projection ``[num_heads * d, in]``.
 
@@ -199,7 +216,11 @@ class Llama:
         config: the shapes.
         weights: :func:`load_weights`' float32 arrays (GGUF row order).
         xp: ``numpy`` or ``cupy``; where the weights and activations live.
-        dtype: the cache's element type; Q/K/V are rounded to it, the rest runs in float32.
+        dtype: the model's attention dtype: Q/K/V and the attention output are rounded to it,
+            the rest runs in float32; the cache's element type too unless ``kv_dtype`` is given.
+        kv_dtype: the cache's element type: ``dtype`` (``None``) or an fp8 format
+            (``"float8_e4m3"``, ``"float8_e5m2"``), which ``write_kv`` quantizes K/V into with the
+            cache's per-layer scales (docs/fp8.md).
 
     Attributes:
         seconds: wall time spent so far in ``"attention"`` (``write_kv`` and the attention
@@ -208,10 +229,16 @@ class Llama:
     """
 
     def __init__(
-        self, config: LlamaConfig, weights: dict[str, np.ndarray], xp: Any, dtype: str = "float32"
+        self,
+        config: LlamaConfig,
+        weights: dict[str, np.ndarray],
+        xp: Any,
+        dtype: str = "float32",
+        kv_dtype: str | None = None,
     ) -> None:
         c = config
         self.config, self.xp, self.dtype = c, xp, dtype
+        self.kv_dtype = check_kv_dtype(dtype, kv_dtype)
         self.device = "cpu" if xp is np else "cuda"
         self.seconds = {"attention": 0.0, "other": 0.0}
 
@@ -242,18 +269,29 @@ class Llama:
         half = c.head_dim // 2
         self._inv_freq = xp.asarray(c.rope_base ** (-np.arange(half, dtype=np.float64) / half))
 
-    def make_cache(self, num_blocks: int, block_size: int = 16) -> PagedCache:
-        """A cache shaped for this model, on its device, prefix caching on."""
+    def make_cache(
+        self, num_blocks: int, block_size: int = 16, kv_scales: float | str | None = None
+    ) -> PagedCache:
+        """A cache shaped for this model, on its device, of :attr:`kv_dtype`, prefix caching on.
+
+        Args:
+            kv_scales: an fp8 cache's K and V scales: ``None`` (1.0), a positive number, or
+                ``"auto"`` (each layer's first write fixes them per KV head:
+                :mod:`cupaged.kv_scales`).
+        """
         c = self.config
+        fp8 = is_fp8(self.kv_dtype)
         return PagedCache(
             num_blocks,
             block_size=block_size,
             num_layers=c.num_layers,
             num_kv_heads=c.num_kv_heads,
             head_dim=c.head_dim,
-            dtype=self.dtype,
+            dtype=self.kv_dtype,
             device=self.device,
             enable_prefix_caching=True,
+            k_scales=kv_scales if fp8 else None,
+            v_scales=kv_scales if fp8 else None,
         )
 
     # ------------------------------------------------------------------------------ forward paths
@@ -281,7 +319,9 @@ class Llama:
         )
         slots = xp.concatenate([xp.asarray(a.slots) for a in admissions])
         tokens = xp.asarray(np.concatenate([np.asarray(ch, np.int64) for ch in chunks]))
-        plan = cache.prefill_plan(sids, self.config.num_q_heads, num_tokens=counts)
+        plan = cache.prefill_plan(
+            sids, self.config.num_q_heads, num_tokens=counts, **self._q_dtype(cache)
+        )
 
         h = self._layers(tokens, positions, self._writing(cache, slots, plan))
         cache.commit(sids)  # the K/V are written: the prompts' full blocks may serve others now
@@ -300,7 +340,7 @@ class Llama:
         # Once per step: slots (copy-on-write applied by the cache), then the attention plan over
         # the batch's tables (the cache's own: unchecked, planned on the device).
         slots = cache.step(batch, tokens=np.asarray(tokens)).slots
-        plan = cache.decode_plan(batch, self.config.num_q_heads)
+        plan = cache.decode_plan(batch, self.config.num_q_heads, **self._q_dtype(cache))
         tokens = xp.asarray(np.asarray(tokens, np.int64))
         h = self._layers(tokens, xp.asarray(positions), self._writing(cache, slots, plan))
         return self._logits(h)
@@ -330,20 +370,27 @@ class Llama:
         """
         xp = self.xp
         # Over the step's own tables (the cache refuses another cache's plan).
+        options = self._q_dtype(cache)
         if (plan.num_tokens == 1).all():
-            attention = cache.decode_plan(plan, self.config.num_q_heads)
+            attention = cache.decode_plan(plan, self.config.num_q_heads, **options)
         else:
-            attention = cache.prefill_plan(plan, self.config.num_q_heads)
+            attention = cache.prefill_plan(plan, self.config.num_q_heads, **options)
         tokens = xp.asarray(np.asarray(tokens, np.int64))
         positions = xp.asarray(np.asarray(positions, np.int64))
         h = self._layers(tokens, positions, self._writing(cache, plan.slots, attention))
         return self._logits(h[xp.asarray(np.asarray(rows, np.int64))])
 
-    def forward_full(self, tokens: list[int]) -> Any:
+    def forward_full(self, tokens: list[int], cache: PagedCache | None = None) -> Any:
         """``[vocab]`` float32 logits after the last of ``tokens``, computed from scratch
         without any cache: causal attention in array ops over the whole sequence (Q/K/V and the
-        attention output rounded to the cache's dtype, as on the paged paths). The check of the
-        paged paths."""
+        attention output rounded to the model's dtype, as on the paged paths). The check of the
+        paged paths.
+
+        Args:
+            cache: for an fp8 :attr:`kv_dtype`, the cache whose scales the paged paths used: K/V
+                are rounded through the fp8 format with them, as ``write_kv`` stores them (and
+                read as ``fp8 * scale``). Not read otherwise, nor written.
+        """
         xp, c = self.xp, self.config
         group = c.num_q_heads // c.num_kv_heads
         n = len(tokens)
@@ -351,6 +398,8 @@ class Llama:
 
         def attend(i: int, q: Any, k: Any, v: Any) -> Any:
             q, k, v = (to_float(x) for x in (q, k, v))
+            if is_fp8(self.kv_dtype):
+                k, v = self._through_fp8(i, k, v, cache)
             k, v = xp.repeat(k, group, axis=1), xp.repeat(v, group, axis=1)  # [n, Hq, D]
             scores = xp.einsum("qhd,khd->hqk", q, k) * np.float32(c.head_dim**-0.5)
             scores = xp.where(visible[None], scores, -xp.inf)
@@ -367,13 +416,31 @@ class Llama:
     @staticmethod
     def _writing(cache: PagedCache, slots: Any, plan: Plan) -> Attend:
         """Attention over the cache: the new K/V written to ``slots`` (the cache's own plan of
-        the step: unchecked), then the step's attention ``plan`` run on layer ``i``."""
+        the step: unchecked), then the step's attention ``plan`` run on layer ``i``. An fp8
+        cache's ``"auto"`` scales of a layer are fixed by its first write, before it."""
 
         def run(i: int, q: Any, k: Any, v: Any) -> Any:
-            write_kv(cache.k[i], cache.v[i], k, v, slots, checked=False)
-            return plan.run(q, cache.k[i], cache.v[i])
+            cache.calibrate_kv_scales(i, k, v)
+            scales = cache.scale_options(i, write=True)
+            write_kv(cache.k[i], cache.v[i], k, v, slots, checked=False, **scales)
+            return plan.run(q, cache.k[i], cache.v[i], **cache.scale_options(i))
 
         return run
+
+    def _q_dtype(self, cache: PagedCache) -> dict[str, str]:
+        """The plans' ``q_dtype`` over an fp8 cache: the model's dtype (none otherwise)."""
+        return {"q_dtype": self.dtype} if is_fp8(cache.spec.dtype) else {}
+
+    def _through_fp8(self, layer: int, k: Any, v: Any, cache: PagedCache | None) -> tuple:
+        """float32 K/V of ``layer`` as an fp8 cache holds and reads them: ``fp8(x / scale) *
+        scale`` with the cache's scales per KV head (``[n, heads, head_dim]`` arrays)."""
+        if cache is None:
+            raise ValueError(f"expected the cache whose scales a {self.kv_dtype} model read")
+        out = []
+        for x, scale in zip((k, v), cache.kv_scales(layer), strict=True):
+            scale = scale.astype(np.float32)[None, :, None]
+            out.append(to_float(from_float(x / scale, self.kv_dtype)) * scale)
+        return out[0], out[1]
 
     def _layers(self, tokens: Any, positions: Any, attend: Attend) -> Any:
         """The decoder layers over ``tokens`` at ``positions``; ``attend(i, q, k, v)`` is layer
