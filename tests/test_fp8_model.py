@@ -69,10 +69,17 @@ def test_auto_scales_are_calibrated_by_the_prefill_and_fixed(loaded, name):
             np.testing.assert_array_equal(to_numpy(a), to_numpy(b))
 
 
+@pytest.fixture(scope="module")
+def float16_run(loaded):
+    """The float16 cache's greedy tokens and logits, the fp8 runs' baseline."""
+    tokens, logits, _ = _run(loaded, None, None)
+    return tokens, logits
+
+
 @pytest.mark.parametrize("name", FORMATS)
 @pytest.mark.parametrize("scales", [None, "auto"])
-def test_fp8_logits_stay_near_the_float16_caches(loaded, name, scales):
-    tokens16, logits16, _ = _run(loaded, None, None)
+def test_fp8_logits_stay_near_the_float16_caches(loaded, float16_run, name, scales):
+    tokens16, logits16 = float16_run
     tokens8, logits8, _ = _run(loaded, name, scales)
     assert logits8.shape == logits16.shape == (STEPS, loaded[0].vocab_size)
     # The prefill's step sees the same tokens in both: its distribution is compared directly.
