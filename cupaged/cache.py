@@ -21,7 +21,7 @@ import numpy as np
 
 from ._backend import array_module, to_numpy
 from ._checks import check_dtype, check_shape
-from ._launch import check_decode_shape
+from ._decode_launch import check_decode_shape
 from .decode import DecodePlan
 from .dtypes import Q_DTYPE_NAMES, array_dtype_name, as_storage, cache_dtype, is_fp8
 from .errors import CupagedError

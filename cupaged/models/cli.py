@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import CacheSpec, CupagedError, resolve_device
-from .._launch import check_decode_shape
+from .._decode_launch import check_decode_shape
 from .fetch import MODELS, ModelSource
 
 DEFAULT_MAX_NEW_TOKENS = 32

@@ -1,0 +1,408 @@
+"""Decode's half of the launch table: the thread-block layout, shared memory, instantiation names
+and occupancy of ``paged_decode`` / ``paged_decode_mma`` and their merge (cuda/paged_attention.cu).
+
+``cupaged/_launch.py`` is the table's entry point: it re-exports these names and holds the rest
+(prefill, ``write_kv``, ``copy_blocks``, the decode planner). The shape check, the queries'
+element type, CUDA's grid limits and the name-expression rule live here because every attention
+launch starts from them, prefill's too; so prefill's launch imports them from here, never the
+other way round.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ._gpu_target import DECODE_REGISTERS, NOMINAL_TARGET, Target, ctas_per_sm
+from ._util import cdiv
+from ._variants import SINKS, WINDOW
+from .dtypes import C_TYPES, Q_DTYPE_NAMES, is_fp8, itemsize
+
+HEAD_DIMS = tuple(range(64, 257, 16))  # 64, 80, 96, ..., 256
+MAX_BLOCK_SIZE = 256
+MAX_GRID_YZ = 65535  # CUDA's limit on gridDim.y and gridDim.z
+MAX_GRID_X = 2**31 - 1
+
+
+# paged_decode (cuda/paged_attention.cu): a ring of DECODE_STAGES shared-memory stages of K and V,
+# each about DECODE_STAGE_BYTES of K (and as much of V), and thread blocks of about
+# DECODE_TARGET_THREADS threads. The layout goes to the kernel as template arguments.
+DECODE_STAGES = 3
+DECODE_STAGE_BYTES = 4096
+DECODE_TARGET_THREADS = 128
+DECODE_MAX_TOKENS_PER_THREAD = 8  # TPZ: scores a thread keeps in registers per head and stage
+DECODE_WIDE_LANE_GROUP = 4  # from this GQA group on, a lane owns 16 elements of a row, not 8
+MERGE_THREADS = 128  # paged_decode_merge: any block size works (it strides by blockDim.x)
+# Query heads of one decode thread block: a larger GQA group is cut into chunks of at most this
+# many (DecodeChunk in cuda/common.cuh), so that a thread's q rows and accumulators stay in
+# registers (a group of 48 in one block took 255 registers and spilled 596 bytes; of 128, 25 KB).
+DECODE_MAX_CHUNK = 16
+# The tensor-core path (paged_decode_mma): fp16/bf16 chunks of DECODE_MMA_MIN_GROUP to 16 query
+# heads, the rows of WMMA m16n16k16 products, where the CUDA-core loop is issue-bound (the issue
+# model of scripts/kernel-report: docs/kernels.md, "Tensor cores"). DECODE_MMA_WARPS warps per
+# block, a stage of 16 tokens per warp, DECODE_MMA_STAGES stages (a 64-token stage is 4x the
+# CUDA-core path's). Up to head_dim 128: above it a warp's accumulators and q fragments outgrow
+# the registers (with 2 warps: 168-255 registers and spills at 192 and 256; with 4, stages of
+# 150 KB at 256, one block per SM), so those head_dims keep the CUDA-core kernel.
+DECODE_MMA_MIN_GROUP = 8
+DECODE_MMA_MAX_HEAD_DIM = 128
+DECODE_MMA_WARPS = 4
+DECODE_MMA_STAGES = 2
+DECODE_MMA_DTYPES = ("float16", "bfloat16")
+
+
+def decode_chunk(group: int) -> int:
+    """Query heads per decode thread block: the group up to ``DECODE_MAX_CHUNK``, else the
+    group cut into ``ceil(group / DECODE_MAX_CHUNK)`` chunks as even as whole heads allow (71:
+    5 chunks of 15, the last 11).
+
+    >>> decode_chunk(8), decode_chunk(48), decode_chunk(71), decode_chunk(128)
+    (8, 16, 15, 16)
+    """
+    if group < 1:
+        raise ValueError(f"expected a GQA group of at least 1 query head per KV head, got {group}")
+    return cdiv(group, cdiv(group, DECODE_MAX_CHUNK))
+
+
+def query_dtype(dtype: str, q_dtype: str | None = None) -> str:
+    """The element type of the queries (and the output) of an attention launch over a ``dtype``
+    cache: the cache's own (``q_dtype`` ``None`` or equal to it), or over fp8 ``q_dtype``, one
+    of float32, float16 and bfloat16 (float16 when ``None``).
+
+    Raises:
+        TypeError: another ``q_dtype``.
+    """
+    if not is_fp8(dtype):
+        if q_dtype not in (None, dtype):
+            raise TypeError(f"expected q_dtype None or {dtype} (the cache's), got {q_dtype!r}")
+        return dtype
+    if q_dtype is None:
+        return "float16"
+    if q_dtype not in Q_DTYPE_NAMES:
+        raise TypeError(f"expected q_dtype one of {Q_DTYPE_NAMES} over fp8, got {q_dtype!r}")
+    return q_dtype
+
+
+def uses_decode_mma(
+    dtype: str,
+    group: int,
+    head_dim: int,
+    target: Target = NOMINAL_TARGET,
+    *,
+    q_dtype: str | None = None,
+) -> bool:
+    """Whether decode runs on tensor cores (``paged_decode_mma``) for this shape and GPU.
+
+    fp16/bf16 queries (of a cache of their type, or of an fp8 cache: ``q_dtype``), groups of
+    ``DECODE_MMA_MIN_GROUP`` heads or more up to head_dim 128, where the target has WMMA for the
+    query's type (bf16 from sm_80) and grants the kernel's shared memory (a T4's 64 KB do not
+    hold head_dim 128's stages); elsewhere the CUDA-core kernel, which fits all. Over fp8 the
+    same rule: the kernel converts each staged fp8 stage to the query's type in shared memory
+    (its ring of fp8 stages and the two converted tiles take about the shared memory of the
+    16-bit ring), with registers and spills as the 16-bit kernel's (docs/kernels.md).
+    """
+    q_dtype = query_dtype(dtype, q_dtype)
+    if not (
+        q_dtype in DECODE_MMA_DTYPES
+        and group >= DECODE_MMA_MIN_GROUP
+        and head_dim <= DECODE_MMA_MAX_HEAD_DIM
+        and target.has_wmma(q_dtype)
+    ):
+        return False
+    return target.fits(decode_shared_memory(dtype, head_dim, _decode_mma_geometry(group)))
+
+
+def _decode_mma_geometry(group: int) -> DecodeGeometry:
+    """``paged_decode_mma``'s layout: every chunk is the 16 rows of the MMA (padded), so one
+    instantiation, ``CHUNK = 16``, serves every group of 8 heads or more."""
+    chunks = cdiv(group, DECODE_MAX_CHUNK)
+    return DecodeGeometry(
+        32, DECODE_MMA_WARPS, 1, 16, DECODE_MMA_STAGES, 16, True, DECODE_MAX_CHUNK, chunks
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeGeometry:
+    """The thread-block layout of one ``paged_decode`` instantiation (cuda/paged_attention.cu).
+
+    Attributes:
+        bdx: lanes across a head vector (each owns 8 elements: one or two 16-byte vectors).
+        bdy: thread rows over the GQA group, ``heads_per_thread`` query heads each.
+        bdz: token lanes; each takes ``tokens_per_thread`` consecutive tokens of a stage.
+        tokens_per_thread: TPZ.
+        stages: shared-memory stages of the ``cp.async`` ring.
+        heads_per_thread: ``ceil(chunk / bdy)``.
+        mma: the tensor-core kernel, ``paged_decode_mma``: then ``bdx`` is 32 (a warp), ``bdy``
+            the warps, ``bdz`` 1, ``tokens_per_thread`` 16 (the tokens of a warp's score tile)
+            and ``heads_per_thread`` 16 (the rows of the MMA: the chunk, padded).
+        chunk: query heads per thread block (:func:`decode_chunk`).
+        head_chunks: thread blocks per KV head and work item, ``ceil(group / chunk)``.
+    """
+
+    bdx: int
+    bdy: int
+    bdz: int
+    tokens_per_thread: int
+    stages: int
+    heads_per_thread: int
+    mma: bool = False
+    chunk: int = 1
+    head_chunks: int = 1
+
+    @property
+    def tile(self) -> int:
+        """Tokens per stage."""
+        if self.mma:
+            return 16 * self.bdy
+        return self.bdz * self.tokens_per_thread
+
+    @property
+    def threads(self) -> int:
+        return self.bdx * self.bdy * self.bdz
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeLaunch:
+    """How ``paged_decode`` and ``paged_decode_merge`` run for one shape and work-list capacity.
+
+    Attributes:
+        name: ``paged_decode`` instantiation (a RawModule name expression).
+        merge_name: ``paged_decode_merge`` instantiation.
+        grid: ``(num_kv_heads * head_chunks, capacity)``: one thread block per (KV head, head
+            chunk, work item).
+        block: ``(bdx, bdy, bdz)``.
+        shared_mem: dynamic shared memory in bytes.
+        tile: tokens per pipeline stage (work items are whole stages but a sequence's last).
+        merge_block: threads of ``paged_decode_merge``; its grid is ``(num_q_heads, num_seqs)``.
+        geometry: the layout behind ``name`` and ``block``.
+        sinks_name: ``name`` for a run with attention sinks (the sinks bit added to its
+            ``VARIANT``: a single-item sequence's sink joins at its normalisation).
+        sinks_merge_name: the merge for a run with sinks (a split sequence's sink joins there).
+    """
+
+    name: str
+    merge_name: str
+    grid: tuple[int, int]
+    block: tuple[int, int, int]
+    shared_mem: int
+    tile: int
+    merge_block: tuple[int]
+    geometry: DecodeGeometry
+    sinks_name: str
+    sinks_merge_name: str
+
+
+def check_decode_shape(dtype: str, head_dim: int, block_size: int) -> None:
+    """Raise ``ValueError`` listing what is supported when the kernels cannot take this shape."""
+    if dtype not in C_TYPES:
+        raise ValueError(f"expected dtype one of {tuple(C_TYPES)}, got {dtype}")
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(
+            f"expected head_dim in 64..256, a multiple of 16 ({', '.join(map(str, HEAD_DIMS))}), "
+            f"got {head_dim}"
+        )
+    if not 1 <= block_size <= MAX_BLOCK_SIZE:
+        raise ValueError(f"expected block_size in 1..{MAX_BLOCK_SIZE}, got {block_size}")
+
+
+def _next_power_of_two(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def decode_geometry(
+    dtype: str,
+    head_dim: int,
+    group: int,
+    target: Target = NOMINAL_TARGET,
+    *,
+    q_dtype: str | None = None,
+) -> DecodeGeometry:
+    """The ``paged_decode`` layout for a shape (see cuda/paged_attention.cu's header), over the
+    chunk of query heads one thread block serves (:func:`decode_chunk`).
+
+    - ``bdx``: a lane owns 8 elements of a row (16 bytes of a 16-bit type, 2 x 16 of float32,
+      8 bytes of fp8: the same elements as fp16), 16 from G = 4 (``DECODE_WIDE_LANE_GROUP``:
+      half the shuffles and the redundant softmax per score, the issue model's largest costs
+      there), rounded up to a power of two: head_dim 80 at fp16 is 10 busy lanes of 16.
+    - ``bdy``: two query heads per thread (one for G = 1), more above G = 16, so that K and V
+      read from shared memory once serve two heads' dot products.
+    - ``bdz``: a power of two that brings the block to ``DECODE_TARGET_THREADS`` in whole warps.
+    - tokens per thread: a stage of about ``DECODE_STAGE_BYTES`` of K, at most
+      ``DECODE_MAX_TOKENS_PER_THREAD`` per thread.
+
+    fp16/bf16 queries in groups of 8 or more up to head_dim 128 where the target has the tensor
+    cores and the shared memory for them (``uses_decode_mma``; ``q_dtype``: the queries' type
+    over an fp8 cache) take the tensor-core kernel's layout instead: ``DECODE_MMA_WARPS``
+    warps, 16 tokens per warp and stage.
+    """
+    if uses_decode_mma(dtype, group, head_dim, target, q_dtype=q_dtype):
+        return _decode_mma_geometry(group)
+    chunk = decode_chunk(group)
+    chunks = cdiv(group, chunk)
+    size = itemsize(dtype)
+    unit = 8 if is_fp8(dtype) else 16 // size  # LaneUnit<KV>: elements per shared-memory read
+    lane_units = (2 if size == 4 else 1) * (2 if chunk >= DECODE_WIDE_LANE_GROUP else 1)
+    bdx = min(32, _next_power_of_two(cdiv(head_dim // unit, lane_units)))
+    heads_per_thread = 1 if chunk == 1 else max(2, cdiv(chunk, 8))
+    bdy = cdiv(chunk, heads_per_thread)
+    bdz = 1
+    while bdx * bdy * bdz < DECODE_TARGET_THREADS or (bdx * bdy * bdz) % 32:
+        bdz *= 2
+    # fp8 stages hold the tokens of a 16-bit one (half the bytes): the scores a thread keeps stay
+    # as many as over fp16 (twice the tokens spilled on sm_80 from G = 8).
+    tile_target = max(1, DECODE_STAGE_BYTES // (head_dim * max(size, 2)))
+    tokens = min(DECODE_MAX_TOKENS_PER_THREAD, max(1, tile_target // bdz))
+    return DecodeGeometry(
+        bdx, bdy, bdz, tokens, DECODE_STAGES, heads_per_thread, False, chunk, chunks
+    )
+
+
+def decode_shared_memory(dtype: str, head_dim: int, geometry: DecodeGeometry) -> int:
+    """Bytes of dynamic shared memory of ``paged_decode`` over a ``dtype`` cache: the K/V
+    stages, or (when larger) the partial results of the token lanes that overlay them after the
+    loop."""
+    if geometry.mma:  # DecodeMmaLayout::kBytes in cuda/paged_attention.cu
+        tile, ldk = geometry.tile, head_dim + 8
+        scores = max(16 * (tile + 4) * 4, geometry.bdy * 16 * 20 * 4)  # the O tiles share it
+        # Over fp8: a ring of unpadded fp8 rows, and K and V of one stage converted to q's type.
+        ring_row, converted = (head_dim, 2 * tile * ldk * 2) if is_fp8(dtype) else (ldk, 0)
+        return (
+            2 * geometry.stages * tile * ring_row * itemsize(dtype)
+            + converted
+            + 16 * ldk * 2
+            + scores
+            + 16 * (tile + 8) * 2
+            + 2 * 16 * 4
+        )
+    stages = 2 * geometry.stages * geometry.tile * head_dim * itemsize(dtype)
+    heads = geometry.bdy * geometry.heads_per_thread
+    merge = 4 * geometry.bdz * heads * (head_dim + 2) if geometry.bdz > 1 else 0
+    return max(stages, merge)
+
+
+def decode_launch(
+    dtype: str,
+    num_kv_heads: int,
+    group: int,
+    head_dim: int,
+    block_size: int,
+    capacity: int,
+    target: Target = NOMINAL_TARGET,
+    variant: int = 0,
+    *,
+    q_dtype: str | None = None,
+) -> DecodeLaunch:
+    """The launch of ``paged_decode`` (and its merge) over a work list of ``capacity`` items, on
+    ``target`` (the kernel that compiles and fits there).
+
+    Nothing here depends on the context lengths: the work list carries them. ``variant``: the
+    attention variants' ``VARIANT`` bits (``cupaged._variants``); the window's and the sinks'
+    are not the kernel's (the planner's work list holds the window, ``sinks_name`` adds the
+    sinks), so a window alone runs the plain kernels. ``dtype`` is the cache's element type,
+    ``q_dtype`` the queries' (and the output's) over an fp8 cache (:func:`query_dtype`): the
+    kernels are instantiated for both (``T`` the query's, the last argument ``KV`` the cache's,
+    spelled only for fp8, so that the 16/32-bit names stay as they were).
+    """
+    check_decode_shape(dtype, head_dim, block_size)
+    q_dtype = query_dtype(dtype, q_dtype)
+    if not 1 <= capacity <= MAX_GRID_YZ:
+        raise ValueError(f"expected a work list of 1..{MAX_GRID_YZ} items, got {capacity}")
+    if num_kv_heads * block_size * head_dim >= 2**32:  # the kernel's 32-bit block stride
+        raise ValueError(
+            f"expected num_kv_heads * block_size * head_dim < 2**32 (the elements of one block), "
+            f"got {num_kv_heads} * {block_size} * {head_dim}"
+        )
+    geo = decode_geometry(dtype, head_dim, group, target, q_dtype=q_dtype)
+    if num_kv_heads * geo.head_chunks > MAX_GRID_X:
+        raise ValueError(
+            f"expected num_kv_heads * ceil(group / {geo.chunk}) <= {MAX_GRID_X} (one grid axis), "
+            f"got {num_kv_heads} * {geo.head_chunks}"
+        )
+    c_type = C_TYPES[q_dtype]
+    shape = f"{c_type}, {head_dim}, {block_size}, {geo.chunk}"
+    if geo.mma:
+        stem = f"cupaged::paged_decode_mma<{shape}, {geo.bdy}, {geo.stages}"
+    else:
+        layout = f"{geo.bdx}, {geo.bdy}, {geo.bdz}, {geo.tokens_per_thread}, {geo.stages}"
+        stem = f"cupaged::paged_decode<{shape}, {layout}"
+    merge = f"cupaged::paged_decode_merge<{c_type}, {head_dim}"  # the output's type only
+    variant &= ~(WINDOW | SINKS)
+    kv = C_TYPES[dtype] if is_fp8(dtype) else None
+    return DecodeLaunch(
+        name=_decode_instantiation(stem, variant, kv),
+        merge_name=instantiation(merge, 0),
+        grid=(num_kv_heads * geo.head_chunks, capacity),
+        block=(geo.bdx, geo.bdy, geo.bdz),
+        shared_mem=decode_shared_memory(dtype, head_dim, geo),
+        tile=geo.tile,
+        merge_block=(MERGE_THREADS,),
+        geometry=geo,
+        sinks_name=_decode_instantiation(stem, variant | SINKS, kv),
+        sinks_merge_name=instantiation(merge, SINKS),
+    )
+
+
+def _decode_instantiation(stem: str, variant: int, kv_c_type: str | None) -> str:
+    """A decode kernel's name expression; over fp8 every template argument is spelled, the
+    ``VARIANT`` and then the cache's element type ``KV`` (whose default is the query's)."""
+    if kv_c_type is None:
+        return instantiation(stem, variant)
+    return f"{stem}, {variant}, {kv_c_type}>"
+
+
+def instantiation(stem: str, variant: int) -> str:
+    """A kernel's name expression: its ``VARIANT`` template argument (last, default 0) is
+    written only when some variant is on, so that the plain kernels keep their names."""
+    return f"{stem}, {variant}>" if variant else f"{stem}>"
+
+
+def decode_merge_block(launch: DecodeLaunch, device: str = "cuda") -> tuple[int]:
+    """Threads of ``paged_decode_merge``: ``launch.merge_block``, on both backends (``device`` is
+    accepted for the callers that still pass it)."""
+    return launch.merge_block
+
+
+def decode_may_split(
+    capacity: int, num_seqs: int, min_chunk: int, tile: int, max_context: int | None
+) -> bool:
+    """Whether the decode planner (cuda/decode_plan.cu) can cut any sequence into several items.
+
+    Its items hold ``chunk >= round_up(min_chunk, tile)`` tokens, so a step whose longest
+    context (known on the host: ``max_context``) is at most that splits nothing, and one with no
+    spare items (``capacity == num_seqs``) never does. ``max_context=None`` (unknown without a
+    read-back): it may.
+
+    >>> decode_may_split(40, 8, 256, 64, 256), decode_may_split(40, 8, 256, 64, 257)
+    (False, True)
+    """
+    if capacity <= num_seqs:
+        return False
+    return max_context is None or max_context > cdiv(min_chunk, tile) * tile
+
+
+def decode_ctas_per_sm(
+    dtype: str, head_dim: int, group: int, block_size: int, *, q_dtype: str | None = None
+) -> int:
+    """Theoretical ``paged_decode`` thread blocks per multiprocessor of an H100, as the cubins
+    of :data:`NOMINAL_TARGET`'s kernels give it.
+
+    From the block's threads, the registers ptxas gives the instantiation for sm_90
+    (``DECODE_REGISTERS``) and its shared memory, by the occupancy calculator's rules
+    (:func:`ctas_per_sm`). The CPU backend plans its splits with it, as an H100 would; a GPU asks
+    CUDA's occupancy calculator about the loaded kernel instead (``DecodePlan``). The table is
+    of block size 16, where it equals the cubins (tests/test_kernel_report.py holds it against
+    fresh ones); other block sizes change the address arithmetic (``pos / BLOCK_SIZE``) by -40
+    to +16 registers, and the blocks per multiprocessor by up to two (sampled at block sizes 1,
+    7, 32 and 256: 163 of 2,496 instantiations differ, by one but for two at block size 1).
+    Only the work list's length depends on it, never a result. An fp8 cache without a row of
+    its own in the table takes the row of its queries' type (``q_dtype``): the fp8 kernels keep
+    the lane layout, and about the registers, of the 16-bit ones.
+
+    >>> decode_ctas_per_sm("float16", 128, 1, 16), decode_ctas_per_sm("float16", 128, 8, 16)
+    (8, 2)
+    """
+    check_decode_shape(dtype, head_dim, block_size)
+    q_dtype = query_dtype(dtype, q_dtype)
+    geo = decode_geometry(dtype, head_dim, group, q_dtype=q_dtype)
+    row = DECODE_REGISTERS.get((dtype, head_dim)) or DECODE_REGISTERS[(q_dtype, head_dim)]
+    registers = row[geo.chunk - 1]
+    return max(1, ctas_per_sm(geo.threads, registers, decode_shared_memory(dtype, head_dim, geo)))
