@@ -2,7 +2,7 @@
 
 The reference below shares no code with :mod:`cupaged.models.llama`: it runs in float64 on the
 dequantized GGUF weights as they are stored (rows permuted for llama.cpp's rotary convention, so
-it rotates adjacent pairs), and recomputes the whole sequence for every token. The paged model
+it rotates adjacent pairs), and computes the whole sequence in one causal forward without a cache. The paged model
 un-permutes the rows and rotates halves, writes K/V through ``write_kv`` and attends through
 ``paged_prefill`` and ``paged_attention``. The first test run downloads the model (93 MB) into
 the user's cache.
@@ -104,6 +104,7 @@ class Reference:
         self.w = {k: v.astype(np.float64) for k, v in weights.items()}
 
     def logits(self, tokens: list[int]) -> np.ndarray:
+        """``[len(tokens), vocab]``: row ``i`` is the next-token logits after ``tokens[: i + 1]``."""
         c, w = self.c, self.w
         n, d = len(tokens), c.head_dim
         group = c.num_q_heads // c.num_kv_heads
@@ -128,22 +129,28 @@ class Reference:
             h = _rms(x, w[p + "ffn_norm.weight"], c.rms_eps)
             gate, up = h @ w[p + "ffn_gate.weight"].T, h @ w[p + "ffn_up.weight"].T
             x = x + (gate / (1 + np.exp(-gate)) * up) @ w[p + "ffn_down.weight"].T
-        return _rms(x[-1], w["output_norm.weight"], c.rms_eps) @ w["output.weight"].T
+        return _rms(x, w["output_norm.weight"], c.rms_eps) @ w["output.weight"].T
 
 
 @pytest.fixture(scope="session")
-def reference_run(weights, prompts):
-    """Greedy tokens and the logits of every step, from the float64 reference."""
+def reference_run(weights, prompts, model):
+    """The float64 reference's greedy token and logits at each of ``STEPS`` steps per prompt.
+
+    Causal attention makes one forward over a prompt and a continuation give the logits of every
+    step at once (row ``len(prompt) - 1 + t`` is step ``t``'s), so the reference runs once per
+    prompt over the continuation a float32 paged run chose, instead of once per token. Its
+    greedy token at step ``t`` is the argmax of row ``t``, given the continuation's first ``t``
+    tokens: a paged run that first departs from it at step ``t`` differs there, so the check
+    fails exactly where stepping the reference token by token would have made it fail.
+    """
     reference = Reference(*weights)
+    continuations, _, _, _ = _paged_run(model, prompts, block_size=16, num_blocks=64)
     tokens, logits = [], []
-    for prompt in prompts:
-        seq, steps = list(prompt), []
-        for _ in range(STEPS):
-            row = reference.logits(seq)
-            steps.append(row)
-            seq.append(int(np.argmax(row)))
-        tokens.append(seq[len(prompt) :])
-        logits.append(np.array(steps))
+    for prompt, continuation in zip(prompts, continuations, strict=True):
+        rows = reference.logits([*prompt, *continuation[:-1]])[len(prompt) - 1 :]
+        assert len(rows) == STEPS, f"expected {STEPS} reference rows, got {len(rows)}"
+        tokens.append([int(t) for t in np.argmax(rows, axis=-1)])
+        logits.append(rows)
     return tokens, logits
 
 
