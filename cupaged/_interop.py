@@ -1,17 +1,25 @@
 """Arrays of other frameworks at the public boundary: DLPack in, the caller's own type out.
 
-NumPy and CuPy arrays pass through as they are (a type check per array). Any other object with
+NumPy and CuPy arrays pass through as they are (a type test per argument). Any other object with
 ``__dlpack__`` and ``__dlpack_device__`` (a PyTorch tensor, a JAX array) is imported without a
-copy: ``numpy.from_dlpack`` for host memory, ``cupy.from_dlpack`` for CUDA memory (which hands
-the producer CuPy's current stream, so that the producer's pending work is ordered before
-cupaged's kernels on that stream). A result goes back through the same protocol as the
-framework of the call's foreign arrays, again without a copy (:func:`takes_dlpack`, the one
-mechanism that every public function taking arrays goes through).
+copy: a PyTorch CPU tensor through ``Tensor.numpy()`` (the view ``numpy.from_dlpack`` would
+make, at a fraction of the cost), other host memory through ``numpy.from_dlpack``, CUDA memory
+through ``cupy.from_dlpack`` (which hands the producer CuPy's current stream, so that the
+producer's pending work is ordered before cupaged's kernels on that stream). A result goes back
+as an array of the framework of the call's foreign arrays, again without a copy
+(``torch.from_numpy`` for a NumPy result to PyTorch, DLPack otherwise). :func:`takes_dlpack` is
+the one mechanism that every public function taking arrays goes through.
 
-bfloat16: NumPy cannot import a bfloat16 DLPack tensor, so a PyTorch ``bfloat16`` tensor is
-imported as its ``int16`` view (one of the bfloat16 carriers that ``cupaged.dtypes`` knows) and a
-bfloat16 result is handed back as ``torch.bfloat16``. On CUDA the same view is taken: CuPy 13
-has no bfloat16 dtype either.
+Nothing is kept between calls, not even by a plan that runs every layer with the same cache
+tensors: a kept import would hold the caller's tensor alive, would skip the stream handshake on
+CUDA, and would have to be checked on every use against a tensor moved or resized in place
+(``set_``, ``resize_``): on the CPU, checking its address, shape, strides and dtype costs about
+what ``Tensor.numpy()`` does.
+
+bfloat16: NumPy cannot import a bfloat16 tensor, so a PyTorch ``bfloat16`` tensor is imported
+as its ``int16`` view, on the CPU then viewed as ``uint16`` (cupaged's bfloat16 storage, which a
+plan's fast checks expect), and a bfloat16 result is handed back as ``torch.bfloat16``. On CUDA
+the ``int16`` view is taken too: CuPy 13 has no bfloat16 dtype either.
 
 The arrays of one call come from one framework: mixing NumPy with PyTorch (or CuPy with
 PyTorch) is refused, as mixing NumPy and CuPy is.
@@ -21,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -31,7 +40,6 @@ from ._backend import cupy_module, is_cupy_array
 _DL_CPU = 1  # DLPack device types (dlpack.h: kDLCPU, kDLCUDA, kDLCUDAHost)
 _DL_CUDA = 2
 _DL_CUDA_HOST = 3
-_TORCH_DEVICES = {"cpu": _DL_CPU, "cuda": _DL_CUDA}  # others: asked of __dlpack_device__()
 
 
 def is_native(x: Any) -> bool:
@@ -50,11 +58,11 @@ def takes_dlpack(function: Callable[..., Any]) -> Callable[..., Any]:
 
     A call whose arrays are all NumPy or CuPy goes straight through (a type test per argument).
     Otherwise every argument with ``__dlpack__`` is imported without a copy (:func:`_import`); the
-    arrays of one call must come from one framework. The result is handed back through DLPack as
-    that framework's array (each array of a returned tuple alike); a returned array that is one
-    of the call's own (an ``out=`` the caller gave) comes back as the caller's very object. A
-    ``TypeError`` or ``ValueError`` of the call names, after its message, the framework's own
-    dtype and device of each foreign argument.
+    arrays of one call must come from one framework. The result is handed back as that
+    framework's array without a copy (:func:`_export`; each array of a returned tuple alike); a
+    returned array that is one of the call's own (an ``out=`` the caller gave) comes back as the
+    caller's very object. A ``TypeError`` or ``ValueError`` of the call names, after its
+    message, the framework's own dtype and device of each foreign argument.
     """
     names = tuple(inspect.signature(function).parameters)
 
@@ -62,19 +70,14 @@ def takes_dlpack(function: Callable[..., Any]) -> Callable[..., Any]:
     def boundary(*args: Any, **kwargs: Any) -> Any:
         if not (_any_foreign(args) or _any_foreign(kwargs.values())):
             return function(*args, **kwargs)
-        given = {n: x for n, x in zip(names, args, strict=False) if hasattr(x, "__dlpack__")}
-        given.update((n, x) for n, x in kwargs.items() if hasattr(x, "__dlpack__"))
-        imported = _import_call(given)
-        arrays = imported.arrays
-        args = tuple(arrays.get(n, x) for n, x in zip(names, args, strict=False))
-        kwargs = {n: arrays.get(n, x) for n, x in kwargs.items()}
+        call = _Imported(names, args, kwargs)
         try:
-            result = function(*args, **kwargs)
+            result = function(*call.args, **call.kwargs)
         except (TypeError, ValueError) as error:
             if error.args and isinstance(error.args[0], str):
-                error.args = (f"{error.args[0]} ({imported.described})", *error.args[1:])
+                error.args = (f"{error.args[0]} ({call.described})", *error.args[1:])
             raise
-        return imported.back(result)
+        return call.back(result)
 
     return boundary
 
@@ -87,24 +90,95 @@ def _any_foreign(values: Any) -> bool:
 
 
 class _Imported:
-    """The native arrays of one call, and how results go back as the caller's arrays."""
+    """One call's arguments with its foreign arrays imported (``args``, ``kwargs``), and how
+    results go back as the caller's arrays. It lives for the call only: nothing of the caller's
+    is kept after it.
 
-    __slots__ = ("arrays", "framework", "given", "originals")
+    A PyTorch CPU tensor (the common case, one per array of a layer's call; any subclass of
+    ``torch.Tensor``) is viewed inline, through ``Tensor.numpy()`` (bfloat16: its ``int16``
+    view, seen as ``uint16``, cupaged's bfloat16 storage); what ``numpy()`` refuses (a tensor
+    that requires grad, a sparse one) and every other foreign array go through DLPack
+    (:func:`_import`), whose refusal names the cause.
 
-    def __init__(
-        self, arrays: dict[str, Any], originals: dict[int, Any], framework: str,
-        given: dict[str, Any],
-    ) -> None:  # fmt: skip
-        self.arrays = arrays  # by argument name, NumPy or CuPy
-        self.originals = originals  # id of a native array -> the caller's object it came from
-        self.framework = framework
-        self.given = given  # the caller's arrays by name, for error messages
+    Raises:
+        TypeError: arrays of two frameworks in one call, or a foreign array that cannot be
+            imported (a tensor on a device cupaged does not run on, one that requires grad).
+    """
+
+    __slots__ = ("_call", "_frameworks", "args", "framework", "kwargs", "originals")
+
+    def __init__(self, names: tuple[str, ...], args: tuple, kwargs: dict[str, Any]) -> None:
+        self._call = (names, args, kwargs)  # the caller's own, for names and error messages
+        self._frameworks = set()
+        self.originals = {}  # id of an imported array -> the caller's object it came from
+        self.args = tuple(self._imported(args, 0))
+        self.kwargs = kwargs
+        if kwargs:
+            self.kwargs = dict(zip(kwargs, self._imported(kwargs.values(), len(args)), strict=True))
+        if len(self._frameworks) > 1:
+            described = ", ".join(f"{n}: {_kind(x)}" for n, x in self.given().items())
+            raise TypeError(
+                f"expected the arrays of one call from one framework, got a mix of "
+                f"{' and '.join(sorted(self._frameworks))} ({described})"
+            )
+        (self.framework,) = self._frameworks  # _any_foreign found one
+
+    def _imported(self, values: Any, first: int) -> list[Any]:
+        """``values`` (arguments ``first, first + 1, ...``) with their foreign arrays imported."""
+        tensor, bfloat16, int16 = _torch_types()
+        imported = []
+        for i, x in enumerate(values, first):
+            if tensor is not None and isinstance(x, tensor) and x.is_cpu:
+                try:
+                    if x.dtype is bfloat16:  # dtypes are singletons
+                        array = x.view(int16).numpy().view(np.uint16)
+                    else:
+                        array = x.numpy()
+                except (RuntimeError, TypeError, ValueError):  # DLPack's refusal says why
+                    array = self._import_arg(i, x)
+                else:
+                    self._frameworks.add("torch")
+                    self.originals[id(array)] = x
+                imported.append(array)
+            else:
+                imported.append(self._import_arg(i, x) if hasattr(x, "__dlpack__") else x)
+        return imported
+
+    def _import_arg(self, i: int, x: Any) -> Any:
+        """Argument ``i`` (positional ones first), an object with ``__dlpack__`` that is not a
+        PyTorch CPU tensor NumPy can view, imported."""
+        names, args, kwargs = self._call
+        if i < len(args):
+            name = names[i] if i < len(names) else f"argument {i}"
+        else:
+            name = list(kwargs)[i - len(args)]
+        tensor = _torch_types()[0]
+        if tensor is not None and isinstance(x, tensor):
+            framework = "torch"
+            torch = sys.modules["torch"]
+            source = x.view(torch.int16) if x.dtype is torch.bfloat16 else x
+            array = _import(name, source, framework, shown=x)
+        else:
+            framework = framework_of(x)
+            if is_native(x):
+                self._frameworks.add("numpy/cupy")
+                return x
+            array = _import(name, x, framework)
+        self._frameworks.add(framework)
+        self.originals[id(array)] = x
+        return array
+
+    def given(self) -> dict[str, Any]:
+        """The call's arrays by name (its ``__dlpack__`` arguments)."""
+        names, args, kwargs = self._call
+        arrays = {n: x for n, x in zip(names, args, strict=False) if hasattr(x, "__dlpack__")}
+        return arrays | {n: x for n, x in kwargs.items() if hasattr(x, "__dlpack__")}
 
     @property
     def described(self) -> str:
         """``"arrived as torch arrays: k torch.int8 on cpu, ..."``, for error messages."""
         return f"arrived as {self.framework} arrays: " + ", ".join(
-            f"{n} {getattr(x, 'dtype', '?')} on {_device(x)}" for n, x in self.given.items()
+            f"{n} {getattr(x, 'dtype', '?')} on {_device(x)}" for n, x in self.given().items()
         )
 
     def back(self, result: Any) -> Any:
@@ -118,43 +192,27 @@ class _Imported:
         return _export(result, self.framework)
 
 
-def _import_call(given: dict[str, Any]) -> _Imported:
-    """Import the DLPack arguments of one call (by name) as NumPy or CuPy arrays.
-
-    Raises:
-        TypeError: arrays of two frameworks in one call, or a tensor on a device cupaged does
-            not run on.
-    """
-    foreign, native = set(), False
-    arrays, originals = {}, {}
-    for name, x in given.items():
-        if isinstance(x, np.ndarray) or is_cupy_array(x):
-            native = True
-            continue
-        framework = framework_of(x)
-        array = _import(name, x, framework)
-        foreign.add(framework)
-        arrays[name] = array
-        originals[id(array)] = x
-    if len(foreign) > 1 or native:
-        described = ", ".join(f"{n}: {_kind(x)}" for n, x in given.items())
-        kinds = sorted(foreign | ({"numpy/cupy"} if native else set()))
-        raise TypeError(
-            f"expected the arrays of one call from one framework, got a mix of "
-            f"{' and '.join(kinds)} ({described})"
-        )
-    return _Imported(arrays, originals, foreign.pop(), given)
-
-
 def _export(result: Any, framework: str) -> Any:
-    """A NumPy or CuPy array as ``framework``'s array, through DLPack (no copy). cupaged's 16-bit
-    integer results are bfloat16 patterns (its bfloat16 storage): they go back as bfloat16. An
-    exporter of another framework gets the NumPy or CuPy array itself."""
+    """A NumPy or CuPy array as ``framework``'s array, without a copy. cupaged's 16-bit integer
+    results are bfloat16 patterns (its bfloat16 storage): they go back as bfloat16. An exporter
+    of another framework gets the NumPy or CuPy array itself.
+
+    A writable NumPy array goes to PyTorch through ``torch.from_numpy``, the same view as
+    ``torch.from_dlpack`` at a fraction of its cost; a dtype that PyTorch's NumPy bridge lacks
+    (``ml_dtypes``), a read-only array and a CuPy array go through DLPack.
+    """
     if framework == "torch":
         import torch
 
-        tensor = torch.from_dlpack(result)
-        if tensor.dtype in (torch.uint16, torch.int16):
+        tensor = None
+        if type(result) is np.ndarray and result.flags.writeable:
+            try:
+                tensor = torch.from_numpy(result)
+            except (TypeError, ValueError):  # not a dtype or layout of the bridge: DLPack's
+                pass
+        if tensor is None:
+            tensor = torch.from_dlpack(result)
+        if result.dtype.char in "hH":  # int16, uint16
             return tensor.view(torch.bfloat16)
         return tensor
     if framework in ("jax", "jaxlib"):
@@ -164,35 +222,35 @@ def _export(result: Any, framework: str) -> Any:
     return result
 
 
-def _import(name: str, x: Any, framework: str) -> Any:
-    """One foreign array as a NumPy or CuPy array (no copy).
+def _torch_types() -> tuple[Any, Any, Any]:
+    """``(torch.Tensor, torch.bfloat16, torch.int16)``, or ``Nones`` while PyTorch is not
+    imported (then no argument is a tensor)."""
+    torch = sys.modules.get("torch")
+    return (None,) * 3 if torch is None else (torch.Tensor, torch.bfloat16, torch.int16)
 
-    Nothing is remembered between calls: a kept import would keep the caller's tensor alive
-    (its DLPack export holds it), and on CUDA it would skip the stream handshake that orders
-    the producer's pending work before cupaged's kernels.
+
+def _import(name: str, x: Any, framework: str, shown: Any = None) -> Any:
+    """One foreign array as a NumPy or CuPy array, through DLPack (no copy); ``shown``, the
+    caller's object that errors name (``x`` when ``None``). Nothing is remembered between
+    calls (the module docstring says why).
     """
-    if not (hasattr(x, "__dlpack__") and hasattr(x, "__dlpack_device__")):
+    if not hasattr(x, "__dlpack_device__"):
         raise TypeError(
             f"expected {name} to be a NumPy or CuPy array or an object with __dlpack__, got "
-            f"{_kind(x)}"
+            f"{_kind(x if shown is None else shown)}"
         )
-    source = x
-    if framework == "torch":  # its device attribute is cheaper than __dlpack_device__()
-        import torch
-
-        if x.dtype == torch.bfloat16:  # NumPy and CuPy 13 import no bfloat16: its int16 view
-            source = x.view(torch.int16)
-        device = _TORCH_DEVICES.get(x.device.type)
-    else:
-        device = None
     try:
+        if framework == "torch":  # cheaper than asking __dlpack_device__()
+            device = _DL_CUDA if x.is_cuda else _DL_CPU if x.is_cpu else None
+        else:
+            device = None
         if device is None:
             device = int(x.__dlpack_device__()[0])
-        return _from_dlpack(name, source, device)
+        return _from_dlpack(name, x, device)
     except (BufferError, RuntimeError, ValueError) as error:  # the framework's own refusal
         raise TypeError(
             f"expected {name} importable through DLPack (a dense tensor in host or CUDA "
-            f"memory, not requiring grad), got {_kind(x)}: {error}"
+            f"memory, not requiring grad), got {_kind(x if shown is None else shown)}: {error}"
         ) from None
 
 

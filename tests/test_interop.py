@@ -274,3 +274,66 @@ def test_a_tensor_that_requires_grad_is_refused_naming_it():
     tables, lens = torch.tensor([[0, 1]], dtype=torch.int32), torch.tensor([20], dtype=torch.int32)
     with pytest.raises(TypeError, match=r"expected q importable through DLPack .*require gradient"):
         cupaged.paged_attention(q, k_cache, k_cache, tables, lens)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=NAMES.get)
+def test_a_plan_keeps_nothing_of_the_tensors_of_its_runs(dtype):
+    """A plan lives for a step and its runs take every layer's tensors: none of them is kept
+    alive by the plan once its run returns (bfloat16 arrives through a view of its own)."""
+    import gc
+    import weakref
+
+    generator = torch.Generator().manual_seed(13)
+    tables = torch.tensor([[0, 1]], dtype=torch.int32)
+    lens = torch.tensor([20], dtype=torch.int32)
+    starts = torch.tensor([0, 2], dtype=torch.int32)
+    k_cache = torch.randn(NB, H_KV, BS, D, generator=generator).to(dtype)
+    plans = [
+        (cupaged.DecodePlan(tables, lens, k_cache, H_Q), 1),
+        (cupaged.PrefillPlan(tables, lens, starts, k_cache, H_Q), 2),
+    ]
+    for plan, rows in plans:
+        q = torch.randn(rows, H_Q, D, generator=generator).to(dtype)
+        layer = [torch.randn(NB, H_KV, BS, D, generator=generator).to(dtype) for _ in "kv"]
+        given = torch.empty_like(q)
+        made = plan.run(q, *layer)
+        assert plan.run(q, *layer, out=given) is given
+        dropped = [weakref.ref(x) for x in (q, *layer, given, made)]
+        del q, layer, given, made
+        gc.collect()
+        assert [ref() is None for ref in dropped] == [True] * 5
+
+
+def test_a_tensor_re_pointed_between_runs_is_read_where_it_points():
+    """Each run imports its tensors afresh: a cache layer moved to other memory in place
+    (``set_``) between two runs is read at its new memory, not through an earlier import."""
+    generator = torch.Generator().manual_seed(14)
+    tables = torch.tensor([[3, 7]], dtype=torch.int32)
+    lens = torch.tensor([25], dtype=torch.int32)
+    q = torch.randn(1, H_Q, D, generator=generator)
+    k_cache, v_cache = (torch.randn(NB, H_KV, BS, D, generator=generator) for _ in "kv")
+    plan = cupaged.DecodePlan(tables, lens, k_cache, H_Q)
+    first = plan.run(q, k_cache, v_cache)
+    other_k, other_v = (torch.randn(NB, H_KV, BS, D, generator=generator) for _ in "kv")
+    k_cache.set_(other_k)
+    v_cache.set_(other_v)
+    second = plan.run(q, k_cache, v_cache)
+
+    expected = oracle_decode(q, other_k, other_v, tables.numpy(), lens.numpy())
+    assert_close(second, expected, torch.float32)
+    assert not torch.allclose(first, second)
+
+
+class Tagged(torch.Tensor):
+    """A subclass of torch.Tensor defined outside PyTorch (as libraries wrap tensors)."""
+
+
+def test_a_tensor_subclass_is_a_pytorch_tensor_and_comes_back_as_one():
+    generator = torch.Generator().manual_seed(15)
+    q = torch.randn(1, H_Q, D, generator=generator).as_subclass(Tagged)
+    k_cache = torch.randn(NB, H_KV, BS, D, generator=generator)
+    tables, lens = torch.tensor([[0, 1]], dtype=torch.int32), torch.tensor([20], dtype=torch.int32)
+    got = cupaged.paged_attention(q, k_cache, k_cache, tables, lens)
+    assert isinstance(got, torch.Tensor)
+    expected = cupaged.paged_attention(q.as_subclass(torch.Tensor), k_cache, k_cache, tables, lens)
+    assert torch.equal(got, expected)
