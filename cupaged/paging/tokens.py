@@ -20,6 +20,7 @@ from .._checks import as_int
 TOKEN_DTYPE = np.dtype("<i8")  # token ids are hashed as little-endian int64
 _MAX_TOKEN = 2**63 - 1
 _ZERO, _ONE = bytes(8), b"\x01" + bytes(7)  # the ids 0 and 1, packed
+_SCAN_IDS = 512
 
 
 def token_array(tokens: Any, what: str = "tokens") -> np.ndarray:
@@ -29,6 +30,8 @@ def token_array(tokens: Any, what: str = "tokens") -> np.ndarray:
         TypeError: not a 1-D sequence of integers.
         ValueError: an id outside ``0 .. 2**63 - 1`` (a ``uint64`` id would otherwise wrap).
     """
+    if type(tokens) is np.ndarray and tokens.dtype == TOKEN_DTYPE and tokens.ndim == 1:
+        return _non_negative(tokens, what)  # a step's ids, as the engine keeps them
     if type(tokens) is list:  # the common case first: a list of Python ints
         try:  # struct packs 3-4x faster than np.array, and refuses negative ids and non-ints
             data = _pack(tokens)
@@ -83,6 +86,11 @@ def _packer(n: int) -> Callable[..., bytes]:
 
 
 def _non_negative(array: np.ndarray, what: str) -> np.ndarray:
+    """``array`` (int64, little-endian), refused if an id is negative."""
+    # Short arrays: the top byte of each id is ASCII exactly when the id is >= 0, so one C scan
+    # of a bytes copy decides (a reduction costs more below _SCAN_IDS ids, the copy above).
+    if array.size <= _SCAN_IDS and array.tobytes()[7::8].isascii():
+        return array
     if array.size and array.min() < 0:
         raise ValueError(f"expected {what} in 0 .. 2**63 - 1, got the id {array.min()}")
     return array
