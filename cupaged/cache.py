@@ -200,7 +200,7 @@ class PagedCache(BlockManager):
         if not isinstance(sids, (int, np.integer, SequenceBatch)):
             sids = list(sids)  # (resolved twice: for the plan, for the copies it leaves)
         return run_atomically(
-            self, self._step_and_copy, sids, num_tokens, tokens, apply_copies, tables
+            self._transaction, self._step_and_copy, sids, num_tokens, tokens, apply_copies, tables
         )
 
     def reserve(
@@ -274,7 +274,8 @@ class PagedCache(BlockManager):
         """Fix ``layer``'s pending ``"auto"`` scales from the ``[n_tokens, num_kv_heads,
         head_dim]`` K/V about to be written there by ``write_kv`` (:meth:`append` does it)."""
         if self._scales.pending(layer):
-            run_atomically(self, self._scales.calibrate, layer, k, v, self._transaction.record)
+            transaction = self._transaction
+            run_atomically(transaction, self._scales.calibrate, layer, k, v, transaction.record)
 
     # ----------------------------------------------------------------------------- attention
 
@@ -308,10 +309,8 @@ class PagedCache(BlockManager):
             q_dtype: the queries' dtype over an fp8 cache (a plan runs one; default float16),
                 else ``None`` or the cache's dtype. Then ``run(..., **cache.scale_options(layer))``.
         """
-        if isinstance(sids, StepPlan):
-            tables, lens = _own_tables(self._table, sids)
-        else:
-            tables, lens = self.block_tables(sids)
+        own = isinstance(sids, StepPlan)
+        tables, lens = _own_tables(self._table, sids) if own else self.block_tables(sids)
         # The cache's own tables: valid by construction, so the plan trusts them.
         options = _variants(self.window_left, logits_soft_cap, alibi_slopes)
         options.update(scale=scale, num_splits=num_splits, checked=False)

@@ -368,7 +368,7 @@ class BlockManager:
             slot = self._one_token(sids, tokens)
             if slot is not None:
                 return StepPlan(slot, NO_SLOTS, NO_SLOTS, 1, 1)
-        return run_atomically(self, self._step, sids, num_tokens, tokens, tables)
+        return run_atomically(self._transaction, self._step, sids, num_tokens, tokens, tables)
 
     @atomic
     def block_tables(self, sids: Iterable[int] | SequenceBatch) -> tuple[Any, Any]:

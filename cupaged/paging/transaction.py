@@ -212,10 +212,19 @@ class Transaction:
         self._unfinished = False
 
 
-def run_atomically(owner: Any, function: Callable[..., Any], *args: Any) -> Any:
-    """``function(*args)`` as one transaction of ``owner`` (a public call whose fast path runs
-    before it): what :func:`atomic` does for a whole method."""
-    return _atomic_call(owner, function, *args)
+def run_atomically(transaction: Transaction, function: Callable[..., Any], *args: Any) -> Any:
+    """``function(*args)`` as one call inside ``transaction`` (a public call whose fast path runs
+    before it): what :func:`atomic` does for a whole method, committed the same way."""
+    transaction.enter()
+    try:
+        result = function(*args)
+        transaction.log.clear()  # the commit (see atomic)
+    except BaseException:
+        transaction.abort()
+        raise
+    finally:
+        transaction.leave()
+    return result
 
 
 def atomic(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -242,8 +251,3 @@ def atomic(method: Callable[..., Any]) -> Callable[..., Any]:
         return result
 
     return call
-
-
-@atomic
-def _atomic_call(owner: Any, function: Callable[..., Any], *args: Any) -> Any:
-    return function(*args)
