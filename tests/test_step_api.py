@@ -661,7 +661,7 @@ def test_a_decode_step_that_widens_the_tables_and_then_fails_changes_nothing(mon
         assert view.table.width > width  # the step widened the tables before this call
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(chains.Chains, "extend", fail)  # the filled blocks' keys, last
+    monkeypatch.setattr(chains.Chains, "add_keys", fail)  # the filled blocks' keys, last
     with pytest.raises(KeyboardInterrupt):
         m.step(batch, 1, np.arange(5))
     view.assert_no_call_inside()

@@ -35,6 +35,8 @@ from .transaction import Transaction
 
 NO_SLOTS = np.zeros(0, np.int32)
 NO_SLOTS.flags.writeable = False
+NO_ROWS = np.zeros(0, np.intp)
+NO_ROWS.flags.writeable = False
 # Below these batch sizes a step plans row by row: a few dozen array operations cost more than a
 # short Python loop (the W1 and W3b workloads of benches/bench_block_manager.py decide them).
 SMALL_BATCH = 16
@@ -68,9 +70,16 @@ class Planner:
         ``bases`` is ``rows * width`` when the caller keeps it (a batch). Raises
         :class:`OutOfBlocksError` (``what`` names the call) before any change.
         """
-        decode = type(counts) is int and counts == 1
-        if rows.size > SMALL_BATCH or (decode and rows.size > SMALL_DECODE):
-            return self.plan_batch(rows, counts, tokens, what, bases)
+        if type(counts) is int and counts == 1 and rows.size > SMALL_DECODE:
+            # Mostly nothing shared (the global count first: no gather then): the decode step.
+            shared = self.table.shared
+            if not np.count_nonzero(shared) or not np.count_nonzero(shared[rows]):
+                return self._decode(rows, tokens, what, bases)
+            if rows.size <= SMALL_BATCH:  # a few forks sharing a block: row by row
+                return self.plan_rows(rows.tolist(), [1] * rows.size, tokens, what)
+            return self.plan_batch(rows, counts, tokens, what)
+        if rows.size > SMALL_BATCH:
+            return self.plan_batch(rows, counts, tokens, what)
         per_row = [counts] * rows.size if isinstance(counts, int) else counts.tolist()
         return self.plan_rows(rows.tolist(), per_row, tokens, what)
 
@@ -206,20 +215,14 @@ class Planner:
         counts: int | np.ndarray,
         tokens: np.ndarray | list[np.ndarray] | None,
         what: str | None,
-        bases: np.ndarray | None = None,
     ) -> Plan:
-        """:meth:`plan` for any batch, fully vectorised, copy-on-write included.
+        """:meth:`plan` for any batch, fully vectorised, copy-on-write included (a decode step
+        that shares nothing takes :meth:`_decode`).
 
         Table entries are addressed in the flat table (``row * width + column``): 1-D gathers
         and stores, cheaper than 2-D ones on the arrays of a step.
         """
         table = self.table
-        if type(counts) is int and counts == 1:
-            # Mostly nothing shared (the global count first: no gather then): the decode step.
-            if not np.count_nonzero(table.shared) or not np.count_nonzero(table.shared[rows]):
-                return self._decode(rows, tokens, what, bases)
-            if rows.size <= SMALL_BATCH:  # a few forks sharing a block: row by row
-                return self.plan_rows(rows.tolist(), [1] * rows.size, tokens, what)
         bs, chains = self.block_size, self.chains
         lens = table.lens[rows]
         uniform = isinstance(counts, int)
@@ -286,17 +289,24 @@ class Planner:
         # The entry of the block the token goes to (0, padding, where offset is 0: a new block).
         index = (rows * width if bases is None else bases) + lens // bs
         blocks = table.flat[index]
-        crossing = (offset == 0).nonzero()[0]
+        # Rows whose token starts a block (they take one) or fills one (its key is hashed):
+        # mostly none, one step in block_size has some. A few rows' offsets are looked up in a
+        # list, cheaper than an array comparison each.
+        if rows.size <= SMALL_BATCH:
+            offsets = offset.tolist()
+            crossing = (offset == 0).nonzero()[0] if 0 in offsets else NO_ROWS
+            may_fill = bs - 1 in offsets
+        else:
+            crossing, may_fill = (offset == 0).nonzero()[0], True
         if crossing.size > pool.num_free:
             what = what or f"reserving {rows.size} token(s) for {rows.size} sequence(s)"
             raise OutOfBlocksError(crossing.size, pool.num_free, what)
         registering = chains.enabled and tokens is not None
-        # The chains this step commits (pending rows) or extends (rows that fill a block): mostly
-        # none, one step in block_size has some.
+        # The chains this step commits (pending rows) or extends (rows that fill a block).
         touched = pending = None
         if chains.enabled:
             pending = table.pending[rows]
-            touched = pending | (offset == bs - 1) if registering else pending
+            touched = pending | (offset == bs - 1) if registering and may_fill else pending
             if not np.count_nonzero(touched):
                 touched = None
         keys = chains.keys(rows, lens, 1, tokens) if touched is not None and registering else []
@@ -322,8 +332,10 @@ class Planner:
             if table.held_bound + 1 > width:
                 table.held_bound = 0  # the true maximum over all rows, then grow if needed
                 table.ensure_width(cdiv(int(table.lens.max()), bs) + 1)
-        if registering:
-            chains.extend(rows, lens, 1, tokens, keys)
+        if registering:  # the new ids go to the tails; the filled blocks' keys to their chains
+            table.tail[rows, offset] = tokens
+            if keys:
+                chains.add_keys(keys)
         blocks *= bs
         blocks += offset
         return blocks, NO_SLOTS, NO_SLOTS
