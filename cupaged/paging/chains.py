@@ -171,11 +171,19 @@ class Chains:
         keys: list[bytes] = []
         digests: list[bytes] = []
         owners: list[int] = []
+        previous = None
         for row in rows:
             chain = chains[row]
             start, end = chain.committed, len(chain.keys)
-            blocks += table.tables[row, start:end].tolist()
-            keys += chain.keys[start:end]
+            run = (start, table.tables[row, start:end].tolist(), chain.keys[start:end])
+            if skipped is None and run == previous:
+                # Forks of one sequence, one after another, hold the same pending blocks under the
+                # same keys: the first registers them, the pool would refuse the rest (the first
+                # writer wins), each at a Python iteration. (Refusals that are recorded count.)
+                continue
+            previous = run
+            blocks += run[1]
+            keys += run[2]
             digests += chain.digests[start:end]
             if skipped is not None:
                 owners += [row] * (end - start)
