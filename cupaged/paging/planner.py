@@ -35,6 +35,7 @@ from .transaction import Transaction
 
 NO_SLOTS = np.zeros(0, np.int32)
 NO_SLOTS.flags.writeable = False
+_ONE32 = np.int32(1)
 NO_ROWS = np.zeros(0, np.intp)
 NO_ROWS.flags.writeable = False
 # Below these batch sizes a step plans row by row: a few dozen array operations cost more than a
@@ -56,6 +57,9 @@ class Planner:
         self._log = transaction.log  # (the same list for the transaction's life)
         self.block_size = table.block_size
         self.offsets = np.arange(table.block_size, dtype=np.int32)  # slot offsets in a block
+        # The block size as the lengths' type: arithmetic on an int32 array with a Python int
+        # converts the int at every operation.
+        self._bs32 = np.int32(table.block_size)
 
     def plan(
         self,
@@ -142,24 +146,27 @@ class Planner:
             tables = table.tables  # maybe grown
         taken, sources, copies, slots = 0, [], [], []
         # Each row's written blocks, and where its slots start in their slots less the tokens of
-        # the rows before it.
+        # the rows before it (not needed when every row takes one token: a slot each).
         runs, shifts, segment, ahead = [], [], 0, 0
+        one_each = counts.count(1) == len(counts)
         for row, n, length, held, after, copy, _ in plans:
             if after - held + copy:
                 if copy:
                     sources.append(tables.item(row, held - 1))
                     copies.append(new[taken])
                     tables[row, held - 1] = new[taken]
-                tables[row, held:after] = new_blocks[taken + copy : taken + copy + after - held]
+                if after > held:
+                    tables[row, held:after] = new_blocks[taken + copy : taken + copy + after - held]
                 taken += after - held + copy
                 table.version[row] = table.clock
-            if n == 1:
+            if one_each:
                 slots.append(tables.item(row, length // bs) * bs + length % bs)
-            first = length // bs
-            runs.append(tables[row, first:after])
-            shifts.append(segment + length - first * bs - ahead)
-            segment += (after - first) * bs
-            ahead += n
+            else:
+                first = length // bs
+                runs.append(tables[row, first:after])
+                shifts.append(segment + length - first * bs - ahead)
+                segment += (after - first) * bs
+                ahead += n
             lens[row] = length + n
             if n:
                 table.shared[row] = False  # copied, or the last holder: the last block is its own
@@ -174,7 +181,7 @@ class Planner:
                 pool.add_refs(block, -times)
             else:
                 pool.add_refs(np.array(list(released), np.intp), -np.array(list(released.values())))
-        if len(slots) == len(rows):  # one token each
+        if one_each:
             return np.array(slots, np.int32), src, dst
         # Every slot of every row's written blocks, then each row's n tokens cut out of its
         # stretch: a handful of array operations for the whole batch.
@@ -283,11 +290,12 @@ class Planner:
         """:meth:`plan_batch` of one token per sequence, nothing shared: about 15 array
         operations, entries read and written in the flat table (``bases``: ``rows * width``)."""
         table, bs, pool, chains = self.table, self.block_size, self.pool, self.chains
+        bs32 = self._bs32
         lens = table.lens[rows]
-        offset = lens % bs
+        offset = lens % bs32
         width = table.width
         # The entry of the block the token goes to (0, padding, where offset is 0: a new block).
-        index = (rows * width if bases is None else bases) + lens // bs
+        index = (rows * width if bases is None else bases) + lens // bs32
         blocks = table.flat[index]
         # Rows whose token starts a block (they take one) or fills one (its key is hashed):
         # mostly none, one step in block_size has some. A few rows' offsets are looked up in a
@@ -309,7 +317,8 @@ class Planner:
             touched = pending | (offset == bs - 1) if registering and may_fill else pending
             if not np.count_nonzero(touched):
                 touched = None
-        keys = chains.keys(rows, lens, 1, tokens) if touched is not None and registering else []
+        filling = touched is not None and registering and may_fill
+        keys = chains.keys(rows, lens, 1, tokens) if filling else []
 
         # -- from here on nothing fails: each change records its undo first
         at = index[crossing]
@@ -326,7 +335,7 @@ class Planner:
             table.flat[at] = new
             table.version[rows[crossing]] = table.clock
             blocks[crossing] = new
-        table.lens[rows] = lens + 1
+        table.lens[rows] = lens + _ONE32
         if crossing.size:  # each crossing row holds one block more: keep a spare column
             table.held_bound += 1
             if table.held_bound + 1 > width:
@@ -336,7 +345,7 @@ class Planner:
             table.tail[rows, offset] = tokens
             if keys:
                 chains.add_keys(keys)
-        blocks *= bs
+        blocks *= bs32
         blocks += offset
         return blocks, NO_SLOTS, NO_SLOTS
 
