@@ -46,6 +46,12 @@ SMALL_DECODE = 4
 Plan = tuple[np.ndarray, np.ndarray, np.ndarray]  # (slots, copy_src, copy_dst), host int32
 
 
+def _any(flags: np.ndarray) -> bool:
+    """Whether any of a step's bool flags is set: for a few rows, a lookup in a list costs less
+    than counting."""
+    return True in flags.tolist() if flags.size <= SMALL_BATCH else bool(np.count_nonzero(flags))
+
+
 class Planner:
     """Plans steps over a table, a pool and prefix chains, recording undo in a transaction."""
 
@@ -77,7 +83,7 @@ class Planner:
         if type(counts) is int and counts == 1 and rows.size > SMALL_DECODE:
             # Mostly nothing shared (the global count first: no gather then): the decode step.
             shared = self.table.shared
-            if not np.count_nonzero(shared) or not np.count_nonzero(shared[rows]):
+            if not np.count_nonzero(shared) or not _any(shared[rows]):
                 return self._decode(rows, tokens, what, bases)
             if rows.size <= SMALL_BATCH:  # a few forks sharing a block: row by row
                 return self.plan_rows(rows.tolist(), [1] * rows.size, tokens, what)
@@ -315,13 +321,13 @@ class Planner:
         if chains.enabled:
             pending = table.pending[rows]
             touched = pending | (offset == bs - 1) if registering and may_fill else pending
-            if not np.count_nonzero(touched):
+            if not _any(touched):
                 touched = None
         filling = touched is not None and registering and may_fill
         keys = chains.keys(rows, lens, 1, tokens) if filling else []
 
         # -- from here on nothing fails: each change records its undo first
-        at = index[crossing]
+        at = index[crossing] if crossing.size else NO_ROWS
         self._log.append((self._undo_decode, rows, lens, at, width))
         if touched is not None:
             chains.save(rows[touched].tolist())
