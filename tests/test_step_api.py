@@ -109,14 +109,18 @@ def test_a_step_that_cannot_finish_changes_nothing():
 # ------------------------------------------------------------------------------- random walks
 
 
-def _random_walk(seed: int, prefix: bool, monkeypatch, small: int):
+def _random_walk(seed: int, prefix: bool, monkeypatch, small: tuple[int, int], block_size: int):
     """Batched steps on one manager, the same steps one sequence at a time on its twin.
 
-    ``small`` is the batch size below which the batched manager plans row by row: 0 forces its
-    vectorised paths (decode and general) for every batch, the twin always plans one row.
+    ``small`` is ``(SMALL_DECODE, SMALL_BATCH)``, the batch sizes up to which the batched
+    manager plans row by row (decode steps, other steps); decode batches above the first and up
+    to the second take the vectorised decode path's list tests. ``(0, 0)`` forces its vectorised
+    paths for every batch; the twin always plans one row. A block size that is not a power of
+    two takes the decode path's remainders instead of masks.
     """
     rnd = random.Random(seed)
-    batched, scalar = manager(48, prefix=prefix), manager(48, prefix=prefix)
+    batched = manager(48, block_size=block_size, prefix=prefix)
+    scalar = manager(48, block_size=block_size, prefix=prefix)
     live: list[int] = []
     for _ in range(250):
         op = rnd.choice(["admit", "fork", "step", "step", "step", "mixed", "free", "free_many"])
@@ -141,8 +145,8 @@ def _random_walk(seed: int, prefix: bool, monkeypatch, small: int):
             tokens = [[rnd.randrange(3) for _ in range(n)] for n in per]
             try:
                 with monkeypatch.context() as patch:
-                    patch.setattr(planner, "SMALL_BATCH", small)
-                    patch.setattr(planner, "SMALL_DECODE", small)
+                    patch.setattr(planner, "SMALL_DECODE", small[0])
+                    patch.setattr(planner, "SMALL_BATCH", small[1])
                     plan = batched.step(batched.batch(sids), counts, tokens if prefix else None)
             except OutOfBlocksError:
                 assert state(batched) == state(scalar)
@@ -172,18 +176,25 @@ def _random_walk(seed: int, prefix: bool, monkeypatch, small: int):
         scalar.check_invariants()
 
 
-@pytest.mark.parametrize("small", [0, 3], ids=["vectorised", "rows-below-3"])
+# (SMALL_DECODE, SMALL_BATCH), block size: see _random_walk.
+PATHS = [((0, 0), BS), ((3, 3), BS), ((2, 16), BS), ((0, 0), 3), ((2, 16), 3)]
+PATH_IDS = ["vectorised", "rows-below-3", "decode-lists", "vectorised-bs3", "decode-lists-bs3"]
+
+
+@pytest.mark.parametrize("small, block_size", PATHS, ids=PATH_IDS)
 @pytest.mark.parametrize("seed", range(6))
-def test_batched_steps_equal_one_sequence_at_a_time(seed, small, monkeypatch):
-    _random_walk(seed, False, monkeypatch, small)
+def test_batched_steps_equal_one_sequence_at_a_time(seed, small, block_size, monkeypatch):
+    _random_walk(seed, False, monkeypatch, small, block_size)
 
 
-@pytest.mark.parametrize("small", [0, 3], ids=["vectorised", "rows-below-3"])
+@pytest.mark.parametrize("small, block_size", PATHS, ids=PATH_IDS)
 @pytest.mark.parametrize("seed", [*range(4), 136, 198])  # 136, 198: steps that evict
-def test_batched_steps_equal_one_sequence_at_a_time_with_prefix_caching(seed, small, monkeypatch):
+def test_batched_steps_equal_one_sequence_at_a_time_with_prefix_caching(
+    seed, small, block_size, monkeypatch
+):
     """Also when a step's take evicts: each row's blocks are registered just before its own are
     taken, as one sequence at a time (an evicted key goes to the later row's block)."""
-    _random_walk(seed, True, monkeypatch, small)
+    _random_walk(seed, True, monkeypatch, small, block_size)
 
 
 # ------------------------------------------------------------------------------- batch handles

@@ -66,6 +66,9 @@ class Planner:
         # The block size as the lengths' type: arithmetic on an int32 array with a Python int
         # converts the int at every operation.
         self._bs32 = np.int32(table.block_size)
+        # A power-of-two block size takes offsets with a mask, cheaper than a remainder.
+        power_of_two = not table.block_size & (table.block_size - 1)
+        self._mask = np.int32(table.block_size - 1) if power_of_two else None
 
     def plan(
         self,
@@ -298,11 +301,10 @@ class Planner:
         table, bs, pool, chains = self.table, self.block_size, self.pool, self.chains
         bs32 = self._bs32
         lens = table.lens[rows]
-        offset = lens % bs32
+        offset = lens % bs32 if self._mask is None else lens & self._mask
         width = table.width
         # The entry of the block the token goes to (0, padding, where offset is 0: a new block).
         index = (rows * width if bases is None else bases) + lens // bs32
-        blocks = table.flat[index]
         # Rows whose token starts a block (they take one) or fills one (its key is hashed):
         # mostly none, one step in block_size has some. A few rows' offsets are looked up in a
         # list, cheaper than an array comparison each.
@@ -340,7 +342,7 @@ class Planner:
         if crossing.size:
             table.flat[at] = new
             table.version[rows[crossing]] = table.clock
-            blocks[crossing] = new
+        blocks = table.flat[index]  # (after the new entries: at the width the step planned)
         table.lens[rows] = lens + _ONE32
         if crossing.size:  # each crossing row holds one block more: keep a spare column
             table.held_bound += 1
