@@ -96,13 +96,15 @@ class _Imported:
 
     A PyTorch CPU tensor (the common case, one per array of a layer's call; any subclass of
     ``torch.Tensor``) is viewed inline, through ``Tensor.numpy()`` (bfloat16: its ``int16``
-    view, seen as ``uint16``, cupaged's bfloat16 storage); what ``numpy()`` refuses (a tensor
-    that requires grad, a sparse one) and every other foreign array go through DLPack
-    (:func:`_import`), whose refusal names the cause.
+    view, seen as ``uint16``, cupaged's bfloat16 storage). A tensor that requires grad, what
+    ``numpy()`` refuses (a sparse tensor, a lazy negation) and every other foreign array go the
+    slow way: :func:`_refuse_what_dlpack_would_lose` for tensors, then DLPack (:func:`_import`),
+    whose refusal names the cause.
 
     Raises:
         TypeError: arrays of two frameworks in one call, or a foreign array that cannot be
-            imported (a tensor on a device cupaged does not run on, one that requires grad).
+            imported (a tensor on a device cupaged does not run on, one that requires grad,
+            one with a lazy negation or conjugation).
     """
 
     __slots__ = ("_call", "_frameworks", "args", "framework", "kwargs", "originals")
@@ -128,7 +130,7 @@ class _Imported:
         tensor, bfloat16, int16 = _torch_types()
         imported = []
         for i, x in enumerate(values, first):
-            if tensor is not None and isinstance(x, tensor) and x.is_cpu:
+            if tensor is not None and isinstance(x, tensor) and x.is_cpu and not x.requires_grad:
                 try:
                     if x.dtype is bfloat16:  # dtypes are singletons
                         array = x.view(int16).numpy().view(np.uint16)
@@ -156,6 +158,7 @@ class _Imported:
         if tensor is not None and isinstance(x, tensor):
             framework = "torch"
             torch = sys.modules["torch"]
+            _refuse_what_dlpack_would_lose(name, x)
             source = x.view(torch.int16) if x.dtype is torch.bfloat16 else x
             array = _import(name, source, framework, shown=x)
         else:
@@ -227,6 +230,28 @@ def _torch_types() -> tuple[Any, Any, Any]:
     imported (then no argument is a tensor)."""
     torch = sys.modules.get("torch")
     return (None,) * 3 if torch is None else (torch.Tensor, torch.bfloat16, torch.int16)
+
+
+def _refuse_what_dlpack_would_lose(name: str, x: Any) -> None:
+    """Refuse a PyTorch tensor whose values are not its memory's: a lazy negation or conjugation
+    (``z.conj().imag`` has the negative bit) exports the memory as it is, so the kernels would
+    read the values un-negated. And a tensor that requires grad, which DLPack refuses, except
+    through the ``int16`` view a bfloat16 one is imported by (the view does not require grad).
+
+    Raises:
+        TypeError: naming the tensor and the call that resolves it.
+    """
+    if x.requires_grad:
+        raise TypeError(
+            f"expected {name} not requiring grad (pass tensor.detach()), got {_kind(x)} "
+            f"that requires grad"
+        )
+    if x.is_neg() or x.is_conj():
+        bit, fix = ("negative", "resolve_neg()") if x.is_neg() else ("conjugate", "resolve_conj()")
+        raise TypeError(
+            f"expected {name} with its values in its memory (pass tensor.{fix}), got {_kind(x)} "
+            f"with the {bit} bit set"
+        )
 
 
 def _import(name: str, x: Any, framework: str, shown: Any = None) -> Any:

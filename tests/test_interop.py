@@ -268,12 +268,37 @@ def test_16_bit_results_go_back_as_bfloat16_and_other_exporters_get_numpy():
                                                                lens).numpy(), atol=1e-6)  # fmt: skip
 
 
-def test_a_tensor_that_requires_grad_is_refused_naming_it():
-    q = torch.randn(1, H_Q, D, requires_grad=True)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=NAMES.get)
+@pytest.mark.parametrize("where", ["q", "out"])
+def test_a_tensor_that_requires_grad_is_refused_naming_it(dtype, where):
+    """bfloat16 too, though it is imported through an int16 view that does not require grad;
+    an ``out=`` leaf of autograd is never written."""
+    q = torch.randn(1, H_Q, D).to(dtype).requires_grad_(where == "q")
+    out = torch.zeros(1, H_Q, D, dtype=dtype, requires_grad=where == "out")
+    k_cache = torch.randn(NB, H_KV, BS, D).to(dtype)
+    tables, lens = torch.tensor([[0, 1]], dtype=torch.int32), torch.tensor([20], dtype=torch.int32)
+    with pytest.raises(TypeError, match=rf"expected {where} .*(require gradient|requires grad)"):
+        cupaged.paged_attention(q, k_cache, k_cache, tables, lens, out=out)
+    assert not out.detach().any(), "expected out= untouched"
+
+
+@pytest.mark.parametrize("bit", ["negative", "conjugate"])
+def test_a_tensor_with_a_lazy_negation_or_conjugation_is_refused(bit):
+    """``z.conj().imag`` is a float tensor whose values are the negation of its memory: DLPack
+    would hand the kernels the memory, so the result would be silently wrong."""
+    z = torch.randn(1, H_Q, D, dtype=torch.cfloat)
+    q = z.conj().imag if bit == "negative" else z.conj()
+    assert (q.is_neg(), q.is_conj()) == (bit == "negative", bit == "conjugate")
     k_cache = torch.randn(NB, H_KV, BS, D)
     tables, lens = torch.tensor([[0, 1]], dtype=torch.int32), torch.tensor([20], dtype=torch.int32)
-    with pytest.raises(TypeError, match=r"expected q importable through DLPack .*require gradient"):
+    with pytest.raises(TypeError, match=rf"expected q with its values in its memory .*{bit} bit"):
         cupaged.paged_attention(q, k_cache, k_cache, tables, lens)
+    if bit == "negative":  # resolved as the message says, it attends with the values shown
+        got = cupaged.paged_attention(q.resolve_neg(), k_cache, k_cache, tables, lens)
+        expected = cupaged.reference_attention(
+            -z.imag.numpy(), k_cache.numpy(), k_cache.numpy(), tables.numpy(), lens.numpy()
+        )
+        np.testing.assert_allclose(got.numpy(), expected, **TOLERANCES["float32"])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=NAMES.get)
