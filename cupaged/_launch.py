@@ -9,7 +9,8 @@ memory per architecture, WMMA, occupancy) is ``cupaged/_gpu_target.py``.
 
 The table is two modules: decode's geometry (and the shape check, query type and grid limits that
 prefill shares) is ``cupaged/_decode_launch.py``, re-exported here; prefill, ``write_kv``,
-``copy_blocks`` and the decode planner are below. Callers read both halves from here.
+``copy_blocks`` and the decode planner are below. Callers read both halves from here, but for the
+shape check of a cache, which ``cache.py`` and the command line take from the decode module.
 """
 
 from __future__ import annotations

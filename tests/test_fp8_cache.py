@@ -398,9 +398,9 @@ def test_the_caches_plans_attend_over_fp8_with_its_scales(rng, q_dtype):
     cache = make(k_scales=rng.uniform(0.02, 0.1, (LAYERS, HEADS)).astype(np.float32),
                  v_scales=0.05)  # fmt: skip
     sids = [cache.add_sequence() for _ in range(2)]
-    # Unit-scale K/V, as the tolerance table assumes: at activations' default spread (up to 300,
-    # saturated at 448 * scale) an output row mixes values of about 20, and the fp16 rounding of
-    # the probabilities alone moved one by 2e-3 in 1 run of 5.
+    # Unit-scale K/V, as the tolerance table assumes: an output row's error scales with the
+    # values it mixes (the fp16 rounding of the probabilities), and activations' default spread
+    # (up to 300, saturated at 448 * scale) makes them about 20.
     spread = rng.uniform(0.5, 2.0, (LAYERS, 1, HEADS, 1))
     for sid, n in zip(sids, (BS + 3, 2), strict=True):
         k, v = activations(rng, n, spread=spread)

@@ -2,7 +2,8 @@
 
 The reference below shares no code with :mod:`cupaged.models.llama`: it runs in float64 on the
 dequantized GGUF weights as they are stored (rows permuted for llama.cpp's rotary convention, so
-it rotates adjacent pairs), and computes the whole sequence in one causal forward without a cache. The paged model
+it rotates adjacent pairs), and computes the whole sequence in one causal forward without a
+cache. The paged model
 un-permutes the rows and rotates halves, writes K/V through ``write_kv`` and attends through
 ``paged_prefill`` and ``paged_attention``. The first test run downloads the model (93 MB) into
 the user's cache.

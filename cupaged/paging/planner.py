@@ -7,12 +7,15 @@ nothing: whatever can fail (the pool's capacity, a user ``block_hasher``) runs b
 change, and each change records its undo in the transaction first.
 
 Two paths compute the same thing, each where it is cheapest (a NumPy call on the short arrays of
-a step costs more than a Python iteration):
+a step costs more than a Python iteration), and :meth:`Planner.plan` picks:
 
-- :meth:`Planner.plan_rows`: row by row in scalar arithmetic (one sequence, a small batch);
-- :meth:`Planner.plan_batch`: any batch in a fixed number of array operations, with a decode step
-  (one token each, nothing shared) in the fewest, through the flat table and a batch's row
-  offsets.
+- :meth:`Planner.plan_rows`: row by row in scalar arithmetic (one sequence, a small batch, a few
+  forks sharing a block);
+- :meth:`Planner.plan_batch`: any batch in a fixed number of array operations; its decode step
+  (one token each for more than ``SMALL_DECODE`` rows, nothing shared), the common case, goes
+  straight to ``_decode``, the fewest operations, through the flat table and a batch's row
+  offsets. Up to ``SMALL_BATCH`` rows ``_decode`` tests its per-row flags through a list
+  (:func:`_any`), and it skips the work of rows that start or fill a block when none does.
 
 They call NumPy's array methods (``x.nonzero()[0]``, ``x.repeat(n)``, ``x.cumsum()``) rather than
 the functions of the same name, whose Python wrappers cost as much as the work on these arrays.
@@ -38,8 +41,9 @@ NO_SLOTS.flags.writeable = False
 _ONE32 = np.int32(1)
 NO_ROWS = np.zeros(0, np.intp)
 NO_ROWS.flags.writeable = False
-# Below these batch sizes a step plans row by row: a few dozen array operations cost more than a
-# short Python loop (the W1 and W3b workloads of benches/bench_block_manager.py decide them).
+# Below these batch sizes a step plans row by row, and up to SMALL_BATCH rows the decode step
+# tests its flags through a list: a few dozen array operations cost more than a short Python loop
+# (the W1 and W3b workloads of benches/bench_block_manager.py decide them).
 SMALL_BATCH = 16
 SMALL_DECODE = 4
 

@@ -16,7 +16,9 @@ The rules that make it hold at *any* moment, an interrupt between two bytecodes 
    whatever is left then is finished by the next entry (any thread's) before anything else.
 3. **The commit is one C call** (``log.clear()``) in the frame of :func:`atomic`, right after
    the method returns: an interrupt lands before it (the call is undone) or after it (the
-   call's work stands), never inside.
+   call's work stands), never inside. :func:`run_atomically` is the same five lines for a
+   function rather than a method; they are written twice, not shared, because a shared helper
+   would be one more Python frame on every call of the bookkeeping.
 4. **The guard is one atomic claim** (``dict.setdefault`` of ``(thread, token of the entry)``:
    one C call under the GIL), and ``depth`` says whether a call of the claiming thread is
    running. Python runs a signal's handler where it checks for pending calls: at a function's
