@@ -62,7 +62,7 @@ def plan_and_arrays(dtype: str, stub: bool) -> tuple[cupaged.DecodePlan, tuple, 
     tensors = tuple(t.to(getattr(torch, dtype)) for t in (q, k, k.clone(), q.clone()))
     tables, lens = torch.tensor([[0]], dtype=torch.int32), torch.tensor([1], dtype=torch.int32)
     plan = cupaged.DecodePlan(tables, lens, tensors[1], 1)
-    if stub:
+    if stub:  # the host part alone: no public way to stub a plan's kernel, so the attribute
         plan._kernel = lambda *args, **kwargs: None
     storage = (t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16
                else t.numpy() for t in tensors)  # fmt: skip
@@ -73,7 +73,7 @@ def measure(calls: int = CALLS, rounds: int = ROUNDS) -> dict[str, float]:
     """µs per ``DecodePlan.run`` of every case of the module docstring."""
     plan, (q, k, v, out), (tq, tk, tv, tout) = plan_and_arrays("float32", stub=True)
     bf16_plan, (nq, nk, nv, _), (bq, bk, bv, _) = plan_and_arrays("bfloat16", stub=True)
-    bare = cupaged.DecodePlan.run.__wrapped__
+    bare = cupaged.DecodePlan.run.__wrapped__  # the method without the boundary (functools.wraps)
     host = best_us(
         {
             "numpy_bare": lambda: bare(plan, q, k, v, out=out),
