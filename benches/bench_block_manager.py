@@ -81,23 +81,28 @@ class DecodeWorkload:
 
 @pytest.mark.parametrize("workload", ["W1a", "W1b"])
 def test_decode_step(benchmark, workload):
-    rounds = 7
+    for state in time_decode_rounds(benchmark, DecodeWorkload, workload):
+        state.manager.check_invariants()
+
+
+def time_decode_rounds(benchmark, workload_class, workload: str, label: str = "") -> list:
+    """W1's timing, shared with ``bench_vllm_block_pool.py``: 7 rounds, each a fresh
+    ``workload_class(prefix_caching, seed=round)`` whose ``run()`` is timed; returns the states."""
     states = []
 
     def setup():
-        state = DecodeWorkload(prefix_caching=workload == "W1b", seed=len(states))
+        state = workload_class(prefix_caching=workload == "W1b", seed=len(states))
         states.append(state)
         return (state,), {}
 
-    benchmark.pedantic(lambda state: state.run(), setup=setup, rounds=rounds, iterations=1)
+    benchmark.pedantic(lambda state: state.run(), setup=setup, rounds=7, iterations=1)
     median = benchmark.stats.stats.median
     benchmark.extra_info.update(
-        workload=workload, batch=BATCH, block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS,
+        workload=f"{label}{workload}", batch=BATCH, block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS,
         steps=W1_STEPS, us_per_step=round(median * 1e6 / W1_STEPS, 2),
         us_per_sequence=round(median * 1e6 / W1_STEPS / BATCH, 3),
     )  # fmt: skip
-    for state in states:
-        state.manager.check_invariants()
+    return states
 
 
 class MinimalReserve:

@@ -24,7 +24,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from bench_block_manager import BATCH, BLOCK_SIZE, NUM_BLOCKS, W1_STEPS, _lengths
+from bench_block_manager import (
+    BATCH,
+    BLOCK_SIZE,
+    NUM_BLOCKS,
+    W1_STEPS,
+    _lengths,
+    time_decode_rounds,
+)
 
 block_pool = pytest.importorskip("vllm.v1.core.block_pool")
 kv_cache_utils = pytest.importorskip("vllm.v1.core.kv_cache_utils")
@@ -103,20 +110,7 @@ class DecodeWorkload:
 
 @pytest.mark.parametrize("workload", ["W1a", "W1b"])
 def test_vllm_decode_step(benchmark, workload):
-    rounds = 7
-    states = []
-
-    def setup():
-        state = DecodeWorkload(prefix_caching=workload == "W1b", seed=len(states))
-        states.append(state)
-        return (state,), {}
-
-    benchmark.pedantic(lambda state: state.run(), setup=setup, rounds=rounds, iterations=1)
-    median = benchmark.stats.stats.median
-    benchmark.extra_info.update(
-        workload=f"vLLM {workload}", batch=BATCH, block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS,
-        steps=W1_STEPS, us_per_step=round(median * 1e6 / W1_STEPS, 2),
-    )  # fmt: skip
+    states = time_decode_rounds(benchmark, DecodeWorkload, workload, label="vLLM ")
     for state in states:
         assert state.pool.get_num_free_blocks() == NUM_BLOCKS - 1 - sum(
             len(r.blocks) for r in state.requests
