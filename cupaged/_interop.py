@@ -16,10 +16,10 @@ CUDA, and would have to be checked on every use against a tensor moved or resize
 (``set_``, ``resize_``): on the CPU, checking its address, shape, strides and dtype costs about
 what ``Tensor.numpy()`` does.
 
-bfloat16: NumPy cannot import a bfloat16 tensor, so a PyTorch ``bfloat16`` tensor is imported
-as its ``int16`` view, on the CPU then viewed as ``uint16`` (cupaged's bfloat16 storage, which a
-plan's fast checks expect), and a bfloat16 result is handed back as ``torch.bfloat16``. On CUDA
-the ``int16`` view is taken too: CuPy 13 has no bfloat16 dtype either.
+bfloat16: NumPy cannot import a bfloat16 tensor, so a PyTorch ``bfloat16`` CPU tensor is
+imported as its ``uint16`` view (cupaged's bfloat16 storage, which a plan's fast checks expect;
+through ``int16`` on a PyTorch without ``torch.uint16``), and a bfloat16 result is handed back
+as ``torch.bfloat16``. On CUDA the ``int16`` view is taken: CuPy 13 has no bfloat16 dtype.
 
 The arrays of one call come from one framework: mixing NumPy with PyTorch (or CuPy with
 PyTorch) is refused, as mixing NumPy and CuPy is.
@@ -31,6 +31,7 @@ import functools
 import inspect
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -68,7 +69,7 @@ def takes_dlpack(function: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(function)
     def boundary(*args: Any, **kwargs: Any) -> Any:
-        if not (_any_foreign(args) or _any_foreign(kwargs.values())):
+        if not (_any_foreign(args) or kwargs and _any_foreign(kwargs.values())):
             return function(*args, **kwargs)
         call = _Imported(names, args, kwargs)
         try:
@@ -95,11 +96,11 @@ class _Imported:
     is kept after it.
 
     A PyTorch CPU tensor (the common case, one per array of a layer's call; any subclass of
-    ``torch.Tensor``) is viewed inline, through ``Tensor.numpy()`` (bfloat16: its ``int16``
-    view, seen as ``uint16``, cupaged's bfloat16 storage). A tensor that requires grad, what
-    ``numpy()`` refuses (a sparse tensor, a lazy negation) and every other foreign array go the
-    slow way: :func:`_refuse_what_dlpack_would_lose` for tensors, then DLPack (:func:`_import`),
-    whose refusal names the cause.
+    ``torch.Tensor``) is viewed inline, through ``Tensor.numpy()`` (bfloat16: its ``uint16``
+    view, cupaged's bfloat16 storage). A tensor that requires grad, what ``numpy()`` refuses (a
+    sparse tensor, a lazy negation) and every other foreign array go the slow way:
+    :func:`_refuse_what_dlpack_would_lose` for tensors, then DLPack (:func:`_import`), whose
+    refusal names the cause.
 
     Raises:
         TypeError: arrays of two frameworks in one call, or a foreign array that cannot be
@@ -107,13 +108,16 @@ class _Imported:
             one with a lazy negation or conjugation).
     """
 
-    __slots__ = ("_call", "_frameworks", "args", "framework", "kwargs", "originals")
+    __slots__ = ("_call", "_frameworks", "_originals", "_torch", "args", "framework", "kwargs")
 
     def __init__(self, names: tuple[str, ...], args: tuple, kwargs: dict[str, Any]) -> None:
         self._call = (names, args, kwargs)  # the caller's own, for names and error messages
+        self._torch = _torch_types()
         self._frameworks = set()
-        self.originals = {}  # id of an imported array -> the caller's object it came from
-        self.args = tuple(self._imported(args, 0))
+        # (imported array, the caller's object it came from): a call has a handful, so a list
+        # searched by identity beats a dictionary keyed by id().
+        self._originals = []
+        self.args = self._imported(args, 0)
         self.kwargs = kwargs
         if kwargs:
             self.kwargs = dict(zip(kwargs, self._imported(kwargs.values(), len(args)), strict=True))
@@ -125,26 +129,26 @@ class _Imported:
             )
         (self.framework,) = self._frameworks  # _any_foreign found one
 
-    def _imported(self, values: Any, first: int) -> list[Any]:
+    def _imported(self, values: Any, first: int) -> tuple[Any, ...]:
         """``values`` (arguments ``first, first + 1, ...``) with their foreign arrays imported."""
-        tensor, bfloat16, int16 = _torch_types()
+        torch = self._torch
         imported = []
         for i, x in enumerate(values, first):
-            if tensor is not None and isinstance(x, tensor) and x.is_cpu and not x.requires_grad:
+            if isinstance(x, torch.tensor) and x.is_cpu and not x.requires_grad:
                 try:
-                    if x.dtype is bfloat16:  # dtypes are singletons
-                        array = x.view(int16).numpy().view(np.uint16)
+                    if x.dtype is torch.bfloat16:  # dtypes are singletons
+                        array = x.view(torch.bits16).numpy()
                     else:
                         array = x.numpy()
                 except (RuntimeError, TypeError, ValueError):  # DLPack's refusal says why
                     array = self._import_arg(i, x)
                 else:
                     self._frameworks.add("torch")
-                    self.originals[id(array)] = x
+                    self._originals.append((array, x))
                 imported.append(array)
             else:
                 imported.append(self._import_arg(i, x) if hasattr(x, "__dlpack__") else x)
-        return imported
+        return tuple(imported)
 
     def _import_arg(self, i: int, x: Any) -> Any:
         """Argument ``i`` (positional ones first), an object with ``__dlpack__`` that is not a
@@ -154,10 +158,9 @@ class _Imported:
             name = names[i] if i < len(names) else f"argument {i}"
         else:
             name = list(kwargs)[i - len(args)]
-        tensor = _torch_types()[0]
-        if tensor is not None and isinstance(x, tensor):
+        torch = self._torch
+        if isinstance(x, torch.tensor):
             framework = "torch"
-            torch = sys.modules["torch"]
             _refuse_what_dlpack_would_lose(name, x)
             source = x.view(torch.int16) if x.dtype is torch.bfloat16 else x
             array = _import(name, source, framework, shown=x)
@@ -168,7 +171,7 @@ class _Imported:
                 return x
             array = _import(name, x, framework)
         self._frameworks.add(framework)
-        self.originals[id(array)] = x
+        self._originals.append((array, x))
         return array
 
     def given(self) -> dict[str, Any]:
@@ -189,13 +192,13 @@ class _Imported:
             return tuple(self.back(x) for x in result)
         if result is None or not is_native(result):
             return result
-        original = self.originals.get(id(result))
-        if original is not None:
-            return original
-        return _export(result, self.framework)
+        for array, original in self._originals:
+            if array is result:
+                return original
+        return _export(result, self.framework, self._torch)
 
 
-def _export(result: Any, framework: str) -> Any:
+def _export(result: Any, framework: str, torch: _Torch) -> Any:
     """A NumPy or CuPy array as ``framework``'s array, without a copy. cupaged's 16-bit integer
     results are bfloat16 patterns (its bfloat16 storage): they go back as bfloat16. An exporter
     of another framework gets the NumPy or CuPy array itself.
@@ -205,8 +208,6 @@ def _export(result: Any, framework: str) -> Any:
     (``ml_dtypes``), a read-only array and a CuPy array go through DLPack.
     """
     if framework == "torch":
-        import torch
-
         tensor = None
         if type(result) is np.ndarray and result.flags.writeable:
             try:
@@ -225,11 +226,42 @@ def _export(result: Any, framework: str) -> Any:
     return result
 
 
-def _torch_types() -> tuple[Any, Any, Any]:
-    """``(torch.Tensor, torch.bfloat16, torch.int16)``, or ``Nones`` while PyTorch is not
-    imported (then no argument is a tensor)."""
+class _NotImported:
+    """Stands for ``torch.Tensor`` while PyTorch is not imported: no argument is one."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Torch:
+    """What the boundary uses of PyTorch, looked up once per ``torch`` module.
+
+    ``bits16``: the dtype whose view of a bfloat16 tensor ``Tensor.numpy()`` takes, which has no
+    bfloat16: ``torch.uint16`` (cupaged's bfloat16 storage, so a plan's fast checks pass), or
+    ``int16`` on a PyTorch before 2.3. Where ``numpy()`` refuses it, the call goes through DLPack.
+    """
+
+    tensor: type
+    bfloat16: Any = None
+    int16: Any = None
+    bits16: Any = None
+    from_numpy: Callable[[Any], Any] | None = None
+    from_dlpack: Callable[[Any], Any] | None = None
+
+
+_NO_TORCH = _Torch(_NotImported)
+
+
+def _torch_types() -> _Torch:
+    """PyTorch's types and bridges, or :data:`_NO_TORCH` while it is not imported."""
     torch = sys.modules.get("torch")
-    return (None,) * 3 if torch is None else (torch.Tensor, torch.bfloat16, torch.int16)
+    return _NO_TORCH if torch is None else _torch_of(torch)
+
+
+@functools.cache
+def _torch_of(torch: Any) -> _Torch:
+    bits16 = getattr(torch, "uint16", torch.int16)
+    return _Torch(
+        torch.Tensor, torch.bfloat16, torch.int16, bits16, torch.from_numpy, torch.from_dlpack
+    )
 
 
 def _refuse_what_dlpack_would_lose(name: str, x: Any) -> None:
