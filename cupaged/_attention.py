@@ -18,7 +18,14 @@ from . import _launch
 from ._backend import array_module, device_module
 from ._checks import as_int, check_dtype, check_shape, check_writable
 from ._kernels import get_kernel
-from .dtypes import Q_DTYPE_NAMES, array_dtype_name, as_storage, cache_dtype, is_fp8, storage_dtype
+from .dtypes import (
+    Q_DTYPE_NAMES,
+    array_dtype_name,
+    as_storage,
+    cache_dtype,
+    carriers,
+    is_fp8,
+)
 
 LAYER_AXES = ("num_blocks", "num_kv_heads", "block_size", "head_dim")
 
@@ -163,15 +170,15 @@ class LayerArrays:
         self._device_id = device_id(xp)
         self._layout, self._q_axes, self._q_shape = tuple(layout), q_axes, tuple(q_shape)
         # What the fast path compares (q, out, k_cache, v_cache) with: the exact array type, the
-        # dtype objects (bfloat16 as uint16; q's, of the query types the cache takes), the
-        # shapes and the C-contiguous strides.
+        # dtype objects (every carrier: bfloat16 as uint16, int16 or ml_dtypes.bfloat16; q's, of
+        # the query types the cache takes), the shapes and the C-contiguous strides.
         if is_fp8(dtype) and q_dtype not in Q_DTYPE_NAMES:
             raise TypeError(f"expected q_dtype one of {Q_DTYPE_NAMES} over fp8, got {q_dtype!r}")
         q_names = (q_dtype,) if is_fp8(dtype) else (dtype,)
-        self._q_names = {np.dtype(storage_dtype(name)): name for name in q_names}
+        self._q_names = {c: name for name in q_names for c in carriers(name)}
         self._q_strides = {q.itemsize: _c_strides(self._q_shape, q.itemsize) for q in self._q_names}
         cache = np.dtype(cache_dtype(dtype, xp))
-        self._cache_dtypes = (cache, cache)
+        self._cache_dtypes = frozenset((cache, *carriers(dtype)))
         self._kinds = (xp.ndarray,) * 4
         self._shapes = (self._q_shape, self._q_shape, self._layout, self._layout)
         self._strides = _c_strides(self._layout, cache.itemsize)
@@ -191,15 +198,18 @@ class LayerArrays:
             q_name is not None
             and (type(q), type(out), type(k_cache), type(v_cache)) == self._kinds
             and out.dtype == q.dtype
-            and (k_cache.dtype, v_cache.dtype) == self._cache_dtypes
+            and k_cache.dtype in self._cache_dtypes
+            and v_cache.dtype == k_cache.dtype
             and (q.shape, out.shape, k_cache.shape, v_cache.shape) == self._shapes
             and q.strides == out.strides == self._q_strides[q.dtype.itemsize]
             and k_cache.strides == v_cache.strides == self._strides
             and (self._xp is not np or out.flags.writeable)
         ):
-            out_storage = out
+            q, out_storage = as_storage(q), as_storage(out)
         else:
             q, k_cache, v_cache, out_storage, q_name = self._checked(q, k_cache, v_cache, out)
+        # Storage views first: an ml_dtypes array exports no buffer, the cheap way to an address.
+        k_cache, v_cache = as_storage(k_cache), as_storage(v_cache)
         check_aligned(k_cache=k_cache, v_cache=v_cache)
         if self._device_id != device_id(self._xp):
             raise ValueError(
@@ -207,7 +217,7 @@ class LayerArrays:
                 f"be current, got device {device_id(self._xp)}: the plan's kernels and their "
                 f"shared-memory opt-in are that device's; make a plan on each device"
             )
-        return out, q, as_storage(k_cache), as_storage(v_cache), out_storage, q_name
+        return out, q, k_cache, v_cache, out_storage, q_name
 
     def _checked(self, q: Any, k_cache: Any, v_cache: Any, out: Any) -> tuple[Any, ...]:
         """The full checks, naming what was expected (the plan's) and what arrived."""

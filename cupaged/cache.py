@@ -48,7 +48,8 @@ class PagedCache(BlockManager):
         num_layers: transformer layers (each has its own K and V pages).
         num_kv_heads: key/value heads per layer.
         head_dim: elements per head vector.
-        dtype: ``"float16"``, ``"float32"``, ``"bfloat16"`` (stored as ``uint16``), or fp8:
+        dtype: ``"float16"``, ``"float32"``, ``"bfloat16"`` (``uint16`` bits; native
+            ``ml_dtypes.bfloat16`` on CuPy 14 and later), or fp8:
             ``"float8_e4m3"`` / ``"float8_e5m2"`` (``ml_dtypes`` arrays on the CPU, ``uint8`` on
             a GPU; docs/fp8.md).
         device: ``"cuda"`` (CuPy arrays), ``"cpu"`` (NumPy arrays) or ``None`` for CUDA when CuPy
@@ -140,9 +141,10 @@ class PagedCache(BlockManager):
 
         Args:
             sid: the sequence.
-            k: ``[num_layers, n_tokens, num_kv_heads, head_dim]`` in the cache's dtype (bfloat16 as
-                ``uint16``, or ``ml_dtypes.bfloat16`` on the CPU), on the cache's device; for an
-                fp8 cache float32, float16 or bfloat16, quantized with each layer's scales.
+            k: ``[num_layers, n_tokens, num_kv_heads, head_dim]`` in the cache's dtype (bfloat16
+                in any carrier: ``uint16``, ``int16``, ``ml_dtypes.bfloat16``), on the cache's
+                device; for an fp8 cache float32, float16 or bfloat16, quantized with each
+                layer's scales.
             v: same shape and dtype as ``k``.
             tokens: the appended tokens' ids, ``n_tokens`` of them; required with prefix caching
                 (full blocks are registered under keys of their token ids).

@@ -1,8 +1,13 @@
 """Element types of the cache: float32, float16, bfloat16 and the two fp8 formats.
 
-CuPy has no bfloat16 dtype (cupy issue 7527), so a bfloat16 cache stores the 16-bit patterns in
-``uint16`` arrays and is named by ``dtype="bfloat16"``. On NumPy, ``ml_dtypes.bfloat16`` arrays are
-accepted too, and ``int16`` arrives from PyTorch or JAX through DLPack; both are viewed as ``uint16``.
+bfloat16 has three carriers, all taken wherever an array is: ``uint16`` bit patterns,
+``ml_dtypes.bfloat16``, and ``int16`` (how PyTorch and JAX hand it over through DLPack). The
+kernels get every one as its ``uint16`` view. A cache's own arrays (:func:`cache_dtype`) are
+native ``ml_dtypes.bfloat16`` on CuPy 14 and later (cupy#9494; its DLPack export names them
+bfloat16, so ``torch.from_dlpack(cache.k[layer])`` is a ``torch.bfloat16`` tensor), and
+``uint16`` on CuPy 13, which has no bfloat16 (cupy issue 7527), and on NumPy, whose DLPack
+export refuses ``ml_dtypes`` dtypes: there ``torch.from_dlpack`` views the bits and
+``.view(torch.bfloat16)`` names them.
 
 fp8 (docs/fp8.md) is a cache type only, never a query's: ``float8_e4m3`` is OCP E4M3
 (``ml_dtypes.float8_e4m3fn``: max 448, NaN, no infinity) and ``float8_e5m2`` is E5M2 (max 57344).
@@ -30,8 +35,8 @@ class ElementType:
     Attributes:
         name: ``"float32"``, ``"float16"``, ``"bfloat16"``, ``"float8_e4m3"`` or
             ``"float8_e5m2"``.
-        storage: the array dtype that stores it on a GPU and that the kernels are handed
-            (``uint16`` for bfloat16, ``uint8`` for fp8: CuPy has neither).
+        storage: the array dtype that the kernels are handed (``uint16`` for bfloat16, ``uint8``
+            for fp8), and that stores it where no native dtype does (:func:`cache_dtype`).
         c_type: the kernels' template argument for it (``__half``, ``__nv_fp8_e4m3``).
         carriers: array dtypes whose elements say they hold it (for bfloat16 also ``int16``,
             which arrives from PyTorch or JAX through DLPack, and ``ml_dtypes.bfloat16``; for
@@ -143,11 +148,24 @@ def fp8_max(name: str) -> float:
 
 def cache_dtype(name: str, xp: Any = np) -> np.dtype:
     """The array dtype of a cache of element type ``name`` on ``xp``'s device: the storage
-    dtype on a GPU; on NumPy the same, but ``ml_dtypes`` fp8 for fp8."""
+    dtype, but ``ml_dtypes`` fp8 on NumPy, and ``ml_dtypes.bfloat16`` on CuPy 14 and later (the
+    module docstring says why NumPy keeps ``uint16``)."""
     element = ELEMENT_TYPES[dtype_name(name)]
-    if xp is np and element.host is not None:
-        return element.host
+    if xp is np:
+        return element.host or element.storage
+    if element.name == "bfloat16" and native_bfloat16(xp):
+        return np.dtype(ml_dtypes.bfloat16)
     return element.storage
+
+
+@functools.cache
+def native_bfloat16(xp: Any) -> bool:
+    """Whether the CuPy module ``xp`` has ``ml_dtypes.bfloat16`` arrays (CuPy 14 on: cupy#9494,
+    with DLPack import and export of them since cupy#9670). Read from the version, so that no
+    device is needed to tell; NumPy answers ``False`` (its caches keep ``uint16``)."""
+    version = getattr(xp, "__version__", "0")
+    major = version.split(".", 1)[0]
+    return xp is not np and major.isdigit() and int(major) >= 14
 
 
 def storage_dtype(name: str) -> np.dtype:
@@ -196,6 +214,12 @@ def _named_fp8(x: Any, kv_dtype: Any) -> str:
     if x.dtype == np.uint8 or _BY_ARRAY_DTYPE.get(x.dtype) == name:
         return name
     raise TypeError(f"expected a uint8 or {name} array with kv_dtype={name!r}, got dtype {x.dtype}")
+
+
+def carriers(name: str) -> tuple[np.dtype, ...]:
+    """The array dtypes that hold elements of type ``name`` (bfloat16: ``uint16``, ``int16``,
+    ``ml_dtypes.bfloat16``)."""
+    return ELEMENT_TYPES[dtype_name(name)].carriers
 
 
 def as_storage(x: Any) -> Any:
@@ -310,9 +334,10 @@ def from_float(x: Any, name: Any, like: Any = None) -> Any:
     """Round a float array to a cache element type, in the dtype that stores it.
 
     The way into a bfloat16 cache from float32 activations: ``name="bfloat16"`` rounds to nearest
-    (ties to even, as ``ml_dtypes`` and CUDA's ``__float2bfloat16`` do) and returns the ``uint16``
-    bit patterns that a bfloat16 cache holds, on NumPy and CuPy alike; see :func:`to_float` for an
-    example of the round trip. An fp8 name quantizes as :func:`float_to_fp8_bits` (clamped,
+    (ties to even, as ``ml_dtypes`` and CUDA's ``__float2bfloat16`` do) and returns ``uint16`` bit
+    patterns, on NumPy and CuPy alike (``like=cache.k`` gives the cache's own carrier, native
+    ``ml_dtypes.bfloat16`` on CuPy 14); every carrier takes the plans' fast path. See
+    :func:`to_float` for an example of the round trip. An fp8 name quantizes as :func:`float_to_fp8_bits` (clamped,
     nearest even; no scale: divide by it first).
 
     Args:

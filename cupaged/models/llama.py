@@ -492,7 +492,8 @@ class Llama:
         return (x * scale) * weight
 
     def _store(self, x: Any) -> Any:
-        """``x`` in the cache's dtype (bfloat16 as uint16 bit patterns), C-contiguous."""
+        """``x`` in the cache's element type (bfloat16 as uint16 bits, which every bfloat16 cache
+        takes), C-contiguous."""
         return self.xp.ascontiguousarray(from_float(x, self.dtype))
 
     def _logits(self, h: Any) -> Any:
