@@ -124,8 +124,11 @@ class PagedCache(BlockManager):
         self._scales.set(k_scales, v_scales)  # (before the K/V: a refusal allocates none)
         shape = (num_layers, self.num_blocks, num_kv_heads, self.spec.block_size, head_dim)
         self.k, self.v = (self._xp.zeros(shape, cache_dtype(dtype, self._xp)) for _ in "kv")
+        # The swapper's array work (gathers, host copies) runs on the storage views: uint16 for
+        # a native bfloat16 cache of CuPy 14, whose own bfloat16 kernels it never needs.
+        pages = as_storage(self.k), as_storage(self.v)
         self._swapper = Swapper(
-            self._table, self._pool, self._chains, self._transaction, self.k, self.v, self._xp
+            self._table, self._pool, self._chains, self._transaction, *pages, self._xp
         )
         self._deferred = DeferredCopies(self._table, self._pool, self._transaction)
 
@@ -377,7 +380,8 @@ class PagedCache(BlockManager):
             array dtype; ``k[:, pos]`` is position ``pos``. The tokens of blocks that the
             window released (entries ``-1`` of :meth:`block_table`) are zeros.
         """
-        return self._swapper.gather(self._table.resident_row(sid))
+        k, v = self._swapper.gather(self._table.resident_row(sid))
+        return k.view(self.k.dtype), v.view(self.v.dtype)
 
     # ----------------------------------------------------------------------------- swapping
 
