@@ -90,17 +90,39 @@ def _any_foreign(values: Any) -> bool:
     return False
 
 
+def _cpu_tensor_views(values: Any, torch: _Torch, originals: list) -> tuple[Any, ...] | None:
+    """``values`` with each PyTorch CPU tensor replaced by its NumPy view (``Tensor.numpy()``;
+    bfloat16: of its ``uint16`` view), the pairs appended to ``originals``; ``None`` when one of
+    them needs the general way (another array, a tensor on a device, one that requires grad or
+    that ``numpy()`` refuses), which then names what it refuses."""
+    tensor, bfloat16, bits16 = torch.tensor, torch.bfloat16, torch.bits16
+    views = []
+    for x in values:
+        if isinstance(x, tensor):
+            if not x.is_cpu or x.requires_grad:
+                return None
+            try:
+                view = x.view(bits16).numpy() if x.dtype is bfloat16 else x.numpy()
+            except (RuntimeError, TypeError, ValueError):  # a lazy negation, a sparse tensor
+                return None
+            originals.append((view, x))
+            views.append(view)
+        elif type(x) is np.ndarray or hasattr(x, "__dlpack__"):
+            return None
+        else:
+            views.append(x)
+    return tuple(views)
+
+
 class _Imported:
     """One call's arguments with its foreign arrays imported (``args``, ``kwargs``), and how
     results go back as the caller's arrays. It lives for the call only: nothing of the caller's
     is kept after it.
 
-    A PyTorch CPU tensor (the common case, one per array of a layer's call; any subclass of
-    ``torch.Tensor``) is viewed inline, through ``Tensor.numpy()`` (bfloat16: its ``uint16``
-    view, cupaged's bfloat16 storage). A tensor that requires grad, what ``numpy()`` refuses (a
-    sparse tensor, a lazy negation) and every other foreign array go the slow way:
-    :func:`_refuse_what_dlpack_would_lose` for tensors, then DLPack (:func:`_import`), whose
-    refusal names the cause.
+    A call whose arrays are all PyTorch CPU tensors (the common case: a layer's call; any
+    subclass of ``torch.Tensor``) takes :func:`_cpu_tensor_views`. Any other call goes the
+    general way, argument by argument: :func:`_refuse_what_dlpack_would_lose` for tensors, then
+    DLPack (:func:`_import`), whose refusal names the cause.
 
     Raises:
         TypeError: arrays of two frameworks in one call, or a foreign array that cannot be
@@ -112,15 +134,25 @@ class _Imported:
 
     def __init__(self, names: tuple[str, ...], args: tuple, kwargs: dict[str, Any]) -> None:
         self._call = (names, args, kwargs)  # the caller's own, for names and error messages
-        self._torch = _torch_types()
-        self._frameworks = set()
+        self._torch = torch = _torch_types()
         # (imported array, the caller's object it came from): a call has a handful, so a list
         # searched by identity beats a dictionary keyed by id().
         self._originals = []
-        self.args = self._imported(args, 0)
+        self.args = _cpu_tensor_views(args, torch, self._originals)
+        self.kwargs = kwargs
+        if self.args is not None and kwargs:
+            values = _cpu_tensor_views(kwargs.values(), torch, self._originals)
+            self.kwargs = None if values is None else dict(zip(kwargs, values, strict=True))
+        if self.args is not None and self.kwargs is not None:
+            self.framework = "torch"
+            return
+        self._originals.clear()
+        self._frameworks = set()
+        self.args = tuple(self._import_arg(i, x) for i, x in enumerate(args))
         self.kwargs = kwargs
         if kwargs:
-            self.kwargs = dict(zip(kwargs, self._imported(kwargs.values(), len(args)), strict=True))
+            imported = (self._import_arg(i, x) for i, x in enumerate(kwargs.values(), len(args)))
+            self.kwargs = dict(zip(kwargs, imported, strict=True))
         if len(self._frameworks) > 1:
             described = ", ".join(f"{n}: {_kind(x)}" for n, x in self.given().items())
             raise TypeError(
@@ -129,30 +161,11 @@ class _Imported:
             )
         (self.framework,) = self._frameworks  # _any_foreign found one
 
-    def _imported(self, values: Any, first: int) -> tuple[Any, ...]:
-        """``values`` (arguments ``first, first + 1, ...``) with their foreign arrays imported."""
-        torch = self._torch
-        imported = []
-        for i, x in enumerate(values, first):
-            if isinstance(x, torch.tensor) and x.is_cpu and not x.requires_grad:
-                try:
-                    if x.dtype is torch.bfloat16:  # dtypes are singletons
-                        array = x.view(torch.bits16).numpy()
-                    else:
-                        array = x.numpy()
-                except (RuntimeError, TypeError, ValueError):  # DLPack's refusal says why
-                    array = self._import_arg(i, x)
-                else:
-                    self._frameworks.add("torch")
-                    self._originals.append((array, x))
-                imported.append(array)
-            else:
-                imported.append(self._import_arg(i, x) if hasattr(x, "__dlpack__") else x)
-        return tuple(imported)
-
     def _import_arg(self, i: int, x: Any) -> Any:
-        """Argument ``i`` (positional ones first), an object with ``__dlpack__`` that is not a
-        PyTorch CPU tensor NumPy can view, imported."""
+        """Argument ``i`` (positional ones first) imported when it has ``__dlpack__``, through
+        DLPack, after the refusals of :func:`_refuse_what_dlpack_would_lose` for a tensor."""
+        if not hasattr(x, "__dlpack__"):
+            return x
         names, args, kwargs = self._call
         if i < len(args):
             name = names[i] if i < len(names) else f"argument {i}"
