@@ -417,7 +417,8 @@ def inner_calls() -> list[tuple[object, str]]:
         *_named(lru.EvictionQueue, "push revive drop"),
         *_named(
             sequences.SequenceTable,
-            "acquire_many release release_row ensure_width touch save save_row snapshot next_free",
+            "acquire_many acquire_one release release_row ensure_width touch save save_row "
+            "snapshot next_free",
         ),
         *_named(prefix.PrefixCache, "keys next_keys match_unchecked"),
         *_named(

@@ -62,6 +62,11 @@ class Chains:
 
     def set(self, rows: list[int], chains: list[PrefixChain]) -> None:
         """Give ``rows`` their chains (new sequences)."""
+        if len(rows) == 1:  # (a new sequence: an admission)
+            row = rows[0]
+            self._log.append((self._restore_entries, [(row, self._chains.get(row))]))
+            self._chains[row] = chains[0]
+            return
         self._log.append((self._restore_entries, self._entries(rows)))
         self._chains.update(zip(rows, chains, strict=True))
 
@@ -193,7 +198,10 @@ class Chains:
             chains[row].committed = len(chains[row].keys)
         if refused:
             skipped += [(owners[i], blocks[i], keys[i], digests[i]) for i in refused]
-        table.pending[rows] = False
+        if len(rows) == 1:
+            table.pending[rows[0]] = False
+        else:
+            table.pending[rows] = False
 
     def commit_and_take(self, rows: Any, needs: Callable[[], Any], total: int) -> np.ndarray | None:
         """Register the pending blocks of ``rows`` (their last step's K/V were written), then take

@@ -116,9 +116,9 @@ class Lifecycle:
         sid = table.next_id
         if not table.free_rows:
             table.next_free(1)  # grows the table (no undo needed)
-        row = table.free_rows[-1]  # the row acquire_many takes
+        row = table.free_rows[-1]  # the row acquire_one takes
         self._log.append((table.unacquire, row, len(table.free_rows), sid))
-        table.acquire_many([sid])
+        table.acquire_one(sid)
         n_hits = len(hits)
         if n_hits:
             hits = np.asarray(hits, np.intp)

@@ -45,7 +45,9 @@ class EvictionQueue:
         """Append ``blocks`` (distinct, not evictable), newest last."""
         if not blocks.size:
             return
-        self._save(blocks)
+        # Their stamps are NO_STAMP (not evictable): the undo restores that, nothing to read.
+        saved = self._head, self._tail, self._clock, self.count, blocks, NO_STAMP
+        self._log.append((self._restore, *saved))
         if self._tail + blocks.size > self._queue.size:
             self._log.append(
                 (
@@ -139,7 +141,7 @@ class EvictionQueue:
         self._log.append((self._restore, *saved))
 
     def _restore(
-        self, head: int, tail: int, clock: int, count: int, blocks: np.ndarray, stamps: np.ndarray
+        self, head: int, tail: int, clock: int, count: int, blocks: np.ndarray, stamps: Any
     ) -> None:
         self._head, self._tail, self._clock, self.count = head, tail, clock, count
         self._stamp[blocks] = stamps

@@ -286,23 +286,23 @@ class BlockPool:
         if not entries.size:
             return entries
         refcount = self._refcount
-        self._log.append((self._restore_stack, self._top, _NO_IDS, entries, refcount[entries]))
-        if repeats:
-            np.subtract.at(refcount, entries, _ONE)  # (an int32 one: a Python 1 costs a cast)
-        else:
-            refcount[entries] -= _ONE
-        gone = refcount[entries] == 0
-        count = np.count_nonzero(gone)
-        if not count:
-            return entries[:0]
+        held = refcount[entries]
+        self._log.append((self._restore_stack, self._top, _NO_IDS, entries, held))
         if repeats:  # a block of several runs goes at its last entry, as one run after another
-            seen = self._entries_seen
+            np.subtract.at(refcount, entries, _ONE)  # (an int32 one: a Python 1 costs a cast)
+            gone = refcount[entries] == 0
+            if not np.count_nonzero(gone):
+                return entries[:0]
+            seen, self._entries_seen = self._entries_seen, self._entries_seen + entries.size
             order = np.arange(seen, seen + entries.size, dtype=np.int64)
-            self._entries_seen = seen + entries.size
             np.maximum.at(self._last_entry, entries, order)
-            gone &= self._last_entry[entries] == order
-            count = -1
-        gone = entries if count == entries.size else entries[gone]
+            gone = entries[gone & (self._last_entry[entries] == order)]
+        else:  # distinct ids: what is left of each is its count less one
+            refcount[entries] = left = held - _ONE
+            kept = np.count_nonzero(left)
+            if kept == entries.size:
+                return entries[:0]
+            gone = entries if not kept else entries[left == 0]
         self._park(gone)
         return gone
 

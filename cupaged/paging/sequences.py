@@ -159,17 +159,6 @@ class SequenceTable:
 
     def acquire_many(self, sids: list[int]) -> np.ndarray:
         """Rows for new sequences (ids ``next_id``, ``next_id + 1``, ...): resident, empty."""
-        if len(sids) == 1:  # one sequence (an admission): scalar stores
-            if not self.free_rows:
-                self._grow_rows(2 * self.tables.shape[0])
-            row, sid = self.free_rows[-1], sids[0]
-            rows = np.array([row], np.intp)
-            self.free_rows.pop()
-            self.sids[row] = self.live[row] = sid
-            self.version[row] = self.clock
-            self.rows[sid] = row
-            self.next_id = max(self.next_id, sid + 1)
-            return rows
         rows = self.next_free(len(sids))
         del self.free_rows[-len(sids) :]
         self.sids[rows] = self.live[rows] = sids
@@ -177,6 +166,18 @@ class SequenceTable:
         self.rows.update(zip(sids, rows.tolist(), strict=True))
         self.next_id = max(self.next_id, sids[-1] + 1)
         return rows
+
+    def acquire_one(self, sid: int) -> int:
+        """:meth:`acquire_many` of one id (an admission), in scalar stores: its row."""
+        if not self.free_rows:
+            self._grow_rows(2 * self.tables.shape[0])
+        row = self.free_rows[-1]
+        self.free_rows.pop()
+        self.sids[row] = self.live[row] = sid
+        self.version[row] = self.clock
+        self.rows[sid] = row
+        self.next_id = max(self.next_id, sid + 1)
+        return row
 
     def release(self, rows: np.ndarray) -> None:
         """Give rows back, zeroed, and forget their sequences' ids."""
@@ -244,7 +245,7 @@ class SequenceTable:
         self.next_id = next_id
 
     def unacquire(self, row: int, mark: int, sid: int) -> None:
-        """Undo of :meth:`acquire_many` of the one id ``sid`` into free ``row`` (``mark``: the
+        """Undo of :meth:`acquire_one` of ``sid`` into free ``row`` (``mark``: the
         free-row count before): the row is empty and free again."""
         if self.rows.get(sid) == row:
             del self.rows[sid]

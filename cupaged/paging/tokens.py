@@ -21,6 +21,7 @@ TOKEN_DTYPE = np.dtype("<i8")  # token ids are hashed as little-endian int64
 _MAX_TOKEN = 2**63 - 1
 _ZERO, _ONE = bytes(8), b"\x01" + bytes(7)  # the ids 0 and 1, packed
 _SCAN_IDS = 512
+_SEARCH_IDS = 16  # up to this many ids, a bool is looked for by byte searches
 
 
 def token_array(tokens: Any, what: str = "tokens") -> np.ndarray:
@@ -44,10 +45,17 @@ def token_array(tokens: Any, what: str = "tokens") -> np.ndarray:
                 big = int(np.frombuffer(data, np.uint64).max())
                 raise ValueError(f"expected {what} in 0 .. 2**63 - 1, got the id {big}")
             # struct packs True and False as 1 and 0; a bool is no token id (as in an array).
-            # Look for one only where an id packed as 0 or 1 may be (two byte searches).
-            if (_ZERO in data or _ONE in data) and bool in map(type, tokens):
+            # Look for one only where an id packed as 0 or 1 may be: two byte searches for a
+            # few ids, the minimum for more (a search for eight zero bytes scans slowly through
+            # the zero bytes of small ids).
+            array = np.frombuffer(data, TOKEN_DTYPE)
+            if len(tokens) <= _SEARCH_IDS:
+                small = _ZERO in data or _ONE in data
+            else:
+                small = array.min() <= 1
+            if small and bool in map(type, tokens):
                 raise TypeError(f"expected {what} to be int token ids, got a bool")
-            return np.frombuffer(data, TOKEN_DTYPE)
+            return array
     elif isinstance(tokens, (str, bytes)) or not hasattr(tokens, "__len__"):
         raise TypeError(
             f"expected {what} to be a sequence of int token ids, got {type(tokens).__name__}"
