@@ -187,19 +187,42 @@ class DeferredCopies:
             refcounts = self.pool.refcounts
             for d in [d for d in left if not refcounts[d]]:
                 del left[d]
-        # Each destination's one holder (refcount 1), a row of the step: one comparison over the
-        # columns that hold blocks (the padding past them is 0, which is a block id too).
         held = cdiv(table.lens[rows], table.block_size)
-        holding = np.arange(table.width) < held[:, None]
-        matches = (table.tables[rows] == dst[:, None, None]) & holding
-        pair, at, columns = matches.nonzero()
-        sids = table.sids[rows[at]].tolist()
-        found = {
-            dst.item(j): (src.item(j), sid, column)
-            for j, sid, column in zip(pair.tolist(), sids, columns.tolist(), strict=True)
-        }
+        found = self._in_last_blocks(src, dst, rows, held)
+        if found is None:
+            # Each destination's one holder (refcount 1), a row of the step: one comparison over
+            # the columns that hold blocks (the padding past them is 0, which is a block id too).
+            holding = np.arange(table.width) < held[:, None]
+            matches = (table.tables[rows] == dst[:, None, None]) & holding
+            pair, at, columns = matches.nonzero()
+            sids = table.sids[rows[at]].tolist()
+            found = {
+                dst.item(j): (src.item(j), sid, column)
+                for j, sid, column in zip(pair.tolist(), sids, columns.tolist(), strict=True)
+            }
         self._log.append((self._restore, {d: left.get(d) for d in found}))
         left.update(found)
+
+    def _in_last_blocks(
+        self, src: np.ndarray, dst: np.ndarray, rows: np.ndarray, held: np.ndarray
+    ) -> dict[int, tuple[int, int, int]] | None:
+        """:meth:`leave`'s pairs when every destination is the last block of a row of the step
+        (a copied block takes the row's first new token: the last one when a step adds one
+        token each), else ``None``."""
+        table = self.table
+        columns = held - 1
+        last = table.flat[rows * table.width + columns].tolist()  # (a row that holds none:
+        # the entry before its row, unused)
+        held_list = held.tolist()
+        where = {block: i for i, block in enumerate(last) if held_list[i]}
+        at = [where.get(d) for d in dst.tolist()]
+        if None in at:
+            return None
+        sids, columns = table.sids, columns.tolist()
+        return {
+            dst.item(j): (src.item(j), sids.item(rows.item(i)), columns[i])
+            for j, i in enumerate(at)
+        }
 
     def take(self, src: list[int], dst: list[int]) -> None:
         """Check that every pair is one left to apply, and forget them (they are applied now).

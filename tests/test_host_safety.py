@@ -146,6 +146,24 @@ def test_apply_copies_refuses_a_destination_that_holds_written_tokens():
     c.check_invariants()
 
 
+@pytest.mark.parametrize("tokens", [1, 3], ids=["in_the_last_block", "before_a_new_block"])
+def test_copies_left_by_a_step_are_found_wherever_their_block_lands(tokens):
+    # One token each: every copied block is its row's last (found there); three tokens from
+    # offset 2 of 4: the copy is followed by a new block (found by the search over the rows).
+    c = cache()
+    kv = np.ones((1, 6, 1, 64), np.float32)
+    a = c.add_sequence()
+    c.append(a, kv, kv)  # blocks 0, 1 (2 tokens in block 1)
+    children = c.fork_many(a, 3)
+    plan = c.step(children, tokens, apply_copies=False)
+    assert plan.copy_src.tolist() == [1, 1, 1]
+    assert [c.block_table(s)[1] for s in children] == plan.copy_dst.tolist()
+    c.apply_copies(plan.copy_src[::-1].copy(), plan.copy_dst[::-1].copy())  # any order
+    with pytest.raises(ValueError, match="left to apply"):
+        c.apply_copies(plan.copy_src[:1], plan.copy_dst[:1])
+    c.check_invariants()
+
+
 def test_a_copy_left_for_a_freed_sequence_is_refused():
     c = cache()
     kv = np.ones((1, 6, 1, 64), np.float32)
