@@ -177,21 +177,31 @@ class Chains:
         digests: list[bytes] = []
         owners: list[int] = []
         previous = None
+        registered = self.pool.keys.mapping.__contains__
+        tables = table.tables
         for row in rows:
             chain = chains[row]
             start, end = chain.committed, len(chain.keys)
-            run = (start, table.tables[row, start:end].tolist(), chain.keys[start:end])
-            if skipped is None and run == previous:
-                # Forks of one sequence, one after another, hold the same pending blocks under the
-                # same keys: the first registers them, the pool would refuse the rest (the first
-                # writer wins), each at a Python iteration. (Refusals that are recorded count.)
-                continue
-            previous = run
-            blocks += run[1]
-            keys += run[2]
-            digests += chain.digests[start:end]
-            if skipped is not None:
+            run = chain.keys[start:end]
+            if skipped is None:
+                # The pool refuses a key that a block holds already (the first writer wins): a
+                # run whose keys are all held, or are those of the run before (forks of one
+                # sequence, one after another), registers nothing, and is skipped at the cost
+                # of a lookup per key rather than an iteration of the pool's loop. (Refusals
+                # that are recorded count.)
+                if run == previous:
+                    continue
+                previous = run
+                if all(map(registered, run)):
+                    continue
+            else:
                 owners += [row] * (end - start)
+            if end - start == 1:  # (a decode step's one block: cheaper than a slice)
+                blocks.append(tables.item(row, start))
+            else:
+                blocks += tables[row, start:end].tolist()
+            keys += run
+            digests += chain.digests[start:end]
         refused = [] if skipped is not None else None
         self.pool.keys.register_many(blocks, keys, digests, refused)
         for row in rows:
