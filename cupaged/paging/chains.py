@@ -92,16 +92,25 @@ class Chains:
     # ------------------------------------------------------------------------------ keys
 
     def keys(
-        self, rows: np.ndarray, lens: np.ndarray, counts: int | np.ndarray, tokens: Any
+        self,
+        rows: np.ndarray,
+        lens: np.ndarray,
+        counts: int | np.ndarray,
+        tokens: Any,
+        fills: np.ndarray | None = None,
     ) -> list[tuple[int, int, np.ndarray | None, list[tuple[bytes, bytes]]]]:
-        """The keys of every block the new tokens fill, hashed before anything changes.
+        """The keys of every block the new tokens fill, hashed before anything changes
+        (``fills``: with one token each, the rows' mask of ``lens % block_size == block_size -
+        1`` when the caller has it).
 
         Returns ``(row, first full block, tail tokens left, [(key, digest), ...])`` per row that
         fills a block or keeps tail tokens.
         """
         bs, tail = self.table.block_size, self.table.tail
         if isinstance(counts, int) and counts == 1:  # a decode step: only rows that fill a block
-            filling = (lens % bs == bs - 1).nonzero()[0]
+            if fills is None:
+                fills = lens % bs == bs - 1
+            filling = fills.nonzero()[0]
             if not filling.size:
                 return []
             filled = rows[filling]
@@ -127,16 +136,20 @@ class Chains:
     def extend(
         self,
         rows: np.ndarray,
-        lens: np.ndarray,
+        offset: np.ndarray | None,
         counts: int | np.ndarray,
         tokens: Any,
         keys: list[tuple[int, int, np.ndarray | None, list[tuple[bytes, bytes]]]],
     ) -> None:
         """Store the new tail tokens and extend the chains by the blocks that filled (pending:
-        registered at the next commit). The caller recorded :meth:`save` of these rows."""
-        if isinstance(counts, int) and counts == 1:
-            self.table.tail[rows, lens % self.table.block_size] = tokens
-        self.add_keys(keys)
+        registered at the next commit): the one place a step's tails are written. ``offset``:
+        with one token each, where it goes in its block (``lens % block_size``); :meth:`keys`
+        carries the tails of other steps. The caller recorded :meth:`save` of these rows (and
+        the tails' undo)."""
+        if type(counts) is int and counts == 1:
+            self.table.tail[rows, offset] = tokens
+        if keys:
+            self.add_keys(keys)
 
     def add_keys(self, keys: list[tuple[int, int, np.ndarray | None, list[tuple[bytes, bytes]]]]):
         """The part of :meth:`extend` that follows :meth:`keys`' entries: each row's tail tokens
@@ -154,7 +167,12 @@ class Chains:
                     new_keys, new_digests = zip(*row_keys, strict=True)
                     chain.keys += new_keys
                     chain.digests += new_digests
-                table.pending[row] = True
+        if len(keys) > 2:  # (a few: scalar stores)
+            table.pending[[entry[0] for entry in keys if entry[3]]] = True
+        else:
+            for row, _, _, row_keys in keys:
+                if row_keys:
+                    table.pending[row] = True
 
     # ------------------------------------------------------------------------------ registration
 

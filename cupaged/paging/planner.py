@@ -89,7 +89,10 @@ class Planner:
         """
         if type(counts) is int and counts == 1 and rows.size > SMALL_DECODE:
             # Mostly nothing shared (the global count first: no gather then): the decode step.
-            shared = self.table.shared
+            table = self.table
+            if rows.size <= SMALL_BATCH and not any(table.either[rows].tolist()):
+                return self._decode(rows, tokens, what, bases, settled=True)  # neither flag
+            shared = table.shared
             if not np.count_nonzero(shared) or not _any(shared[rows]):
                 return self._decode(rows, tokens, what, bases)
             if rows.size <= SMALL_BATCH:  # a few forks sharing a block: row by row
@@ -279,8 +282,10 @@ class Planner:
             else:
                 src, dst = self._apply_growth(base, held, grow, copy, need, new)
         flat = table.flat
+        offset = None  # (of one token each: where it goes in its block)
         if uniform and counts == 1:
-            slots = flat[rows * table.width + lens // bs] * bs + lens % bs
+            offset = lens % bs
+            slots = flat[rows * table.width + lens // bs] * bs + offset
         elif uniform and not counts:
             slots = NO_SLOTS
         else:
@@ -294,14 +299,20 @@ class Planner:
         table.lens[rows] = ends
         table.shared[rows[writing]] = False  # each writer's last block is its own now
         if registering:
-            chains.extend(rows, lens, counts, tokens, keys)
+            chains.extend(rows, offset, counts, tokens, keys)
         return slots.astype(np.int32, copy=False), src, dst
 
     def _decode(
-        self, rows: np.ndarray, tokens: Any, what: str | None, bases: np.ndarray | None
+        self,
+        rows: np.ndarray,
+        tokens: Any,
+        what: str | None,
+        bases: np.ndarray | None,
+        settled: bool = False,
     ) -> Plan:
         """:meth:`plan_batch` of one token per sequence, nothing shared: about 15 array
-        operations, entries read and written in the flat table (``bases``: ``rows * width``)."""
+        operations, entries read and written in the flat table (``bases``: ``rows * width``;
+        ``settled``: no row is pending either)."""
         table, bs, pool, chains = self.table, self.block_size, self.pool, self.chains
         bs32 = self._bs32
         lens = table.lens[rows]
@@ -318,26 +329,28 @@ class Planner:
             may_fill = bs - 1 in offsets
         else:
             crossing, may_fill = (offset == 0).nonzero()[0], True
-        if crossing.size > pool.num_free:
+        if crossing.size and crossing.size > pool.num_free:
             what = what or f"reserving {rows.size} token(s) for {rows.size} sequence(s)"
             raise OutOfBlocksError(crossing.size, pool.num_free, what)
         registering = chains.enabled and tokens is not None
         # The chains this step commits (pending rows) or extends (rows that fill a block).
         touched = pending = None
-        if chains.enabled:
+        if chains.enabled and settled:  # (may_fill: some row fills)
+            touched = offset == bs - 1 if registering and may_fill else None
+        elif chains.enabled:
             pending = table.pending[rows]
             touched = pending | (offset == bs - 1) if registering and may_fill else pending
             if not _any(touched):
                 touched = None
         filling = touched is not None and registering and may_fill
-        keys = chains.keys(rows, lens, 1, tokens) if filling else []
+        keys = chains.keys(rows, lens, 1, tokens, touched if settled else None) if filling else []
 
         # -- from here on nothing fails: each change records its undo first
         at = index[crossing] if crossing.size else NO_ROWS
         self._log.append((self._undo_decode, rows, lens, at, width))
         if touched is not None:
             chains.save(rows[touched].tolist())
-            if np.count_nonzero(pending):  # this step of theirs: the last step's K/V are written
+            if pending is not None and np.count_nonzero(pending):  # their last step's K/V: written
                 new = chains.commit_and_take(rows, lambda: offset == 0, crossing.size)
             elif crossing.size:
                 new = pool.take(crossing.size)
@@ -354,9 +367,7 @@ class Planner:
                 table.held_bound = 0  # the true maximum over all rows, then grow if needed
                 table.ensure_width(cdiv(int(table.lens.max()), bs) + 1)
         if registering:  # the new ids go to the tails; the filled blocks' keys to their chains
-            table.tail[rows, offset] = tokens
-            if keys:
-                chains.add_keys(keys)
+            chains.extend(rows, offset, 1, tokens, keys)
         blocks *= bs32
         blocks += offset
         return blocks, NO_SLOTS, NO_SLOTS

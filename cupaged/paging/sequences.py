@@ -17,6 +17,7 @@ for a whole batch is a handful of vectorised operations on those arrays::
     version[row]     when the row's table last changed (a logical clock)
     tail[row]        token ids of the unfilled last block (prefix caching only)
     pending[row]     full blocks wait to be registered until their K/V are known written
+    either[row]      nonzero where shared[row] or pending[row] is set (the two flags' bytes)
 
 Entries past a row's last block are 0 (padding, never read: the lengths say how many count).
 With a window, a row of 11 tokens (block_size 4) that released one block::
@@ -75,10 +76,11 @@ class SequenceTable:
         self.released = np.zeros(rows, np.int32)
         self.sids = np.full(rows, -1, np.int64)
         self.live = np.full(rows, -1, np.int64)
-        self.shared = np.zeros(rows, bool)
         self.version = np.zeros(rows, np.int64)
         self.tail = np.zeros((rows, tail_width), np.int64)
-        self.pending = np.zeros(rows, bool)
+        # shared and pending: the columns of one [rows, 2] bool array; either: its rows as uint16
+        # (one gather tells a small step that none of its rows is shared or pending)
+        self.shared, self.pending, self.either = _flag_views(np.zeros((rows, 2), bool))
         self.clock = 1
         # An upper bound on the blocks any row holds: a decode step raises it by one without a
         # reduction over the batch, and only when it reaches the width is the true maximum taken.
@@ -435,13 +437,21 @@ class SequenceTable:
         tables, lens, released = grown(self.tables, 0), grown(self.lens, 0), grown(self.released, 0)
         flat = tables.reshape(-1)
         sids, live = grown(self.sids, -1), grown(self.live, -1)
-        shared, pending = grown(self.shared, False), grown(self.pending, False)
+        flags = np.zeros((rows, 2), bool)
+        flags[:old, 0], flags[:old, 1] = self.shared, self.pending
+        shared, pending, either = _flag_views(flags)
         version, tail = grown(self.version, 0), grown(self.tail, 0)
         free = list(range(rows - 1, old - 1, -1))
         self.tables, self.lens, self.flat, self.sids, self.live = tables, lens, flat, sids, live
         self.released = released
-        self.shared, self.pending, self.version, self.tail = shared, pending, version, tail
+        self.shared, self.pending, self.either = shared, pending, either
+        self.version, self.tail = version, tail
         self.free_rows[:0] = free
+
+
+def _flag_views(flags: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(shared, pending, either)`` of a ``[rows, 2]`` bool array (see ``SequenceTable``)."""
+    return flags[:, 0], flags[:, 1], flags.view(np.uint16)[:, 0]
 
 
 def _available_memory() -> int | None:

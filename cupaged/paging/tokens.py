@@ -155,6 +155,12 @@ def step_tokens(
     Args:
         single: the step names one sequence id (``tokens`` is then one sequence of ids).
     """
+    one_each = type(counts) is int and counts == 1
+    if one_each and not single and type(tokens) is np.ndarray and tokens.ndim == 1:
+        flat = token_array(tokens)  # a decode step's ids, as the engine keeps them (below too)
+        if flat.size != batch:
+            raise ValueError(f"expected one token id per sequence ({batch}), got {flat.size}")
+        return flat
     if tokens is None:
         writing = counts if type(counts) is int else np.count_nonzero(counts)
         if required and writing:
