@@ -13,9 +13,11 @@ dependencies is enough here, since only ``vllm.v1.core`` is imported::
 
 The drivers call the pool itself, as vLLM's single-type KV-cache manager does, without the
 scheduler, the coordinator or ``Request``: a lower bound of what vLLM pays per step, so a ratio
-against it is conservative. Same workloads, sizes, seeds and harness as ``bench_block_manager.py``
-(block size 16, 65,536 blocks); prefix caching hashes with vLLM's default ``sha256`` through its
-own request block hasher. vLLM has no copy-on-write: a beam's fork touches the shared full
+against it is conservative (``bench_vllm_kv_cache_manager.py`` runs the same workloads through
+``KVCacheManager`` and real ``Request`` objects, the path vLLM's scheduler takes). Same
+workloads, sizes, seeds and harness as ``bench_block_manager.py`` (block size 16, 65,536
+blocks); prefix caching hashes with vLLM's default ``sha256`` through its own request block
+hasher. vLLM has no copy-on-write: a beam's fork touches the shared full
 blocks and takes a new block for the shared partial one (the copy itself is cupaged's
 ``us_copy``, to be subtracted from its W3b times for a like-for-like comparison).
 """
