@@ -215,13 +215,13 @@ class DeferredCopies:
         # the entry before its row, unused)
         held_list = held.tolist()
         where = {block: i for i, block in enumerate(last) if held_list[i]}
-        at = [where.get(d) for d in dst.tolist()]
+        targets = dst.tolist()
+        at = [where.get(d) for d in targets]
         if None in at:
             return None
-        sids, columns = table.sids, columns.tolist()
+        sids, columns = table.sids[rows].tolist(), columns.tolist()
         return {
-            dst.item(j): (src.item(j), sids.item(rows.item(i)), columns[i])
-            for j, i in enumerate(at)
+            d: (s, sids[i], columns[i]) for d, s, i in zip(targets, src.tolist(), at, strict=True)
         }
 
     def take(self, src: list[int], dst: list[int]) -> None:

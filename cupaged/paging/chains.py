@@ -221,7 +221,8 @@ class Chains:
             keys += run
             digests += chain.digests[start:end]
         refused = [] if skipped is not None else None
-        self.pool.keys.register_many(blocks, keys, digests, refused)
+        if blocks:
+            self.pool.keys.register_many(blocks, keys, digests, refused)
         for row in rows:
             chains[row].committed = len(chains[row].keys)
         if refused:

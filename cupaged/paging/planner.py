@@ -33,7 +33,7 @@ from .._util import cdiv
 from ..errors import OutOfBlocksError
 from .chains import Chains
 from .pool import BlockPool, grouped
-from .sequences import SequenceTable
+from .sequences import SHARED_BITS, SequenceTable
 from .transaction import Transaction
 
 NO_SLOTS = np.zeros(0, np.int32)
@@ -90,13 +90,16 @@ class Planner:
         if type(counts) is int and counts == 1 and rows.size > SMALL_DECODE:
             # Mostly nothing shared (the global count first: no gather then): the decode step.
             table = self.table
-            if rows.size <= SMALL_BATCH and not any(table.either[rows].tolist()):
-                return self._decode(rows, tokens, what, bases, settled=True)  # neither flag
+            if rows.size <= SMALL_BATCH:  # both flags of a few rows in one gather
+                flags = table.either[rows].tolist()
+                if not any(flags):
+                    return self._decode(rows, tokens, what, bases, settled=True)
+                if not any(flag & SHARED_BITS for flag in flags):  # pending ones only
+                    return self._decode(rows, tokens, what, bases)
+                return self.plan_rows(rows.tolist(), [1] * rows.size, tokens, what)
             shared = table.shared
             if not np.count_nonzero(shared) or not _any(shared[rows]):
                 return self._decode(rows, tokens, what, bases)
-            if rows.size <= SMALL_BATCH:  # a few forks sharing a block: row by row
-                return self.plan_rows(rows.tolist(), [1] * rows.size, tokens, what)
             return self.plan_batch(rows, counts, tokens, what)
         if rows.size > SMALL_BATCH:
             return self.plan_batch(rows, counts, tokens, what)

@@ -17,7 +17,7 @@ for a whole batch is a handful of vectorised operations on those arrays::
     version[row]     when the row's table last changed (a logical clock)
     tail[row]        token ids of the unfilled last block (prefix caching only)
     pending[row]     full blocks wait to be registered until their K/V are known written
-    either[row]      nonzero where shared[row] or pending[row] is set (the two flags' bytes)
+    either[row]      shared[row] + 256 * pending[row]: the two flags' bytes as one uint16
 
 Entries past a row's last block are 0 (padding, never read: the lengths say how many count).
 With a window, a row of 11 tokens (block_size 4) that released one block::
@@ -47,6 +47,9 @@ import numpy as np
 from .._checks import as_int, require
 from .._util import cdiv
 from ..errors import CupagedError
+
+_EITHER = np.dtype("<u2")  # little-endian: the first flag (shared) is the low byte
+SHARED_BITS = 0xFF  # shared[row] in either[row]
 
 
 class SequenceTable:
@@ -451,7 +454,7 @@ class SequenceTable:
 
 def _flag_views(flags: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(shared, pending, either)`` of a ``[rows, 2]`` bool array (see ``SequenceTable``)."""
-    return flags[:, 0], flags[:, 1], flags.view(np.uint16)[:, 0]
+    return flags[:, 0], flags[:, 1], flags.view(_EITHER)[:, 0]
 
 
 def _available_memory() -> int | None:
