@@ -48,10 +48,9 @@ class PagedCache(BlockManager):
         num_layers: transformer layers (each has its own K and V pages).
         num_kv_heads: key/value heads per layer.
         head_dim: elements per head vector.
-        dtype: ``"float16"``, ``"float32"``, ``"bfloat16"`` (``uint16`` bits; native
-            ``ml_dtypes.bfloat16`` on CuPy 14 and later), or fp8:
-            ``"float8_e4m3"`` / ``"float8_e5m2"`` (``ml_dtypes`` arrays on the CPU, ``uint8`` on
-            a GPU; docs/fp8.md).
+        dtype: ``"float16"``, ``"float32"``, ``"bfloat16"`` (``uint16`` bits, ``ml_dtypes`` on
+            CuPy 14), or fp8: ``"float8_e4m3"`` / ``"float8_e5m2"`` (``ml_dtypes`` arrays on the
+            CPU, ``uint8`` on a GPU; docs/fp8.md).
         device: ``"cuda"`` (CuPy arrays), ``"cpu"`` (NumPy arrays) or ``None`` for CUDA when CuPy
             sees a GPU and the CPU otherwise.
         enable_prefix_caching: register full blocks by content so that sequences sharing a prompt
@@ -124,11 +123,8 @@ class PagedCache(BlockManager):
         self._scales.set(k_scales, v_scales)  # (before the K/V: a refusal allocates none)
         shape = (num_layers, self.num_blocks, num_kv_heads, self.spec.block_size, head_dim)
         self.k, self.v = (self._xp.zeros(shape, cache_dtype(dtype, self._xp)) for _ in "kv")
-        # The swapper's array work (gathers, host copies) runs on the storage views: uint16 for
-        # a native bfloat16 cache of CuPy 14, whose own bfloat16 kernels it never needs.
-        pages = as_storage(self.k), as_storage(self.v)
         self._swapper = Swapper(
-            self._table, self._pool, self._chains, self._transaction, *pages, self._xp
+            self._table, self._pool, self._chains, self._transaction, self.k, self.v, self._xp
         )
         self._deferred = DeferredCopies(self._table, self._pool, self._transaction)
 
@@ -144,10 +140,9 @@ class PagedCache(BlockManager):
 
         Args:
             sid: the sequence.
-            k: ``[num_layers, n_tokens, num_kv_heads, head_dim]`` in the cache's dtype (bfloat16
-                in any carrier: ``uint16``, ``int16``, ``ml_dtypes.bfloat16``), on the cache's
-                device; for an fp8 cache float32, float16 or bfloat16, quantized with each
-                layer's scales.
+            k: ``[num_layers, n_tokens, num_kv_heads, head_dim]`` in the cache's dtype (bfloat16:
+                any carrier), on the cache's device; for an fp8 cache float32, float16 or
+                bfloat16, quantized with each layer's scales.
             v: same shape and dtype as ``k``.
             tokens: the appended tokens' ids, ``n_tokens`` of them; required with prefix caching
                 (full blocks are registered under keys of their token ids).
@@ -380,8 +375,7 @@ class PagedCache(BlockManager):
             array dtype; ``k[:, pos]`` is position ``pos``. The tokens of blocks that the
             window released (entries ``-1`` of :meth:`block_table`) are zeros.
         """
-        k, v = self._swapper.gather(self._table.resident_row(sid))
-        return k.view(self.k.dtype), v.view(self.v.dtype)
+        return self._swapper.gather(self._table.resident_row(sid))
 
     # ----------------------------------------------------------------------------- swapping
 

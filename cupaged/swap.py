@@ -21,6 +21,7 @@ import numpy as np
 
 from ._checks import require
 from ._util import cdiv
+from .dtypes import as_storage
 from .errors import CupagedError
 from .paging.chains import Chains
 from .paging.pool import BlockPool
@@ -35,6 +36,10 @@ class Swapper:
         table, pool, chains, transaction: the cache's bookkeeping (undo goes to ``transaction``).
         k, v: the cache's ``[num_layers, num_blocks, num_kv_heads, block_size, head_dim]`` arrays.
         xp: their array module (NumPy or CuPy).
+
+    Its array work (gathers, host copies) runs on the storage views of the pages: ``uint16``
+    for a native bfloat16 cache of CuPy 14, whose own, experimental bfloat16 kernels it never
+    needs; :meth:`gather` hands back the cache's dtype.
     """
 
     def __init__(
@@ -50,7 +55,8 @@ class Swapper:
         self.table, self.pool, self.chains = table, pool, chains
         self.transaction = transaction
         self._log = transaction.log  # (the same list for the transaction's life)
-        self.k, self.v, self.xp = k, v, xp
+        self.dtype = k.dtype
+        self.k, self.v, self.xp = as_storage(k), as_storage(v), xp
         self._host: dict[int, tuple[Any, Any]] = {}  # sid -> host (k, v) [L, n_blocks, ...]
 
     def __contains__(self, sid: int) -> bool:
@@ -130,7 +136,7 @@ class Swapper:
                 out.append(kept)
             else:
                 out.append(tokens[:, :length].copy())
-        return out[0], out[1]
+        return out[0].view(self.dtype), out[1].view(self.dtype)
 
     def drop(self, sids: list[int]) -> None:
         """Forget the host copies of freed sequences (inside a call)."""
