@@ -237,6 +237,12 @@ class DeferredCopies:
             ValueError: naming the first pair that is not.
         """
         table, left = self.table, self._left
+        if len(set(dst)) != len(dst):  # each pair is left once: a repeat is not one of them
+            repeated = next(d for i, d in enumerate(dst) if d in dst[:i])
+            raise ValueError(
+                f"expected copy-on-write pairs that a step(..., apply_copies=False) of this "
+                f"cache left to apply, got destination {repeated} twice"
+            )
         for s, d in zip(src, dst, strict=True):
             entry = left.get(d)
             row = None if entry is None else table.rows.get(entry[1])

@@ -139,6 +139,10 @@ def test_apply_copies_refuses_a_destination_that_holds_written_tokens():
         with pytest.raises(ValueError, match="left to apply, got"):
             c.apply_copies(np.array([src], np.int32), np.array([dst], np.int32))
     np.testing.assert_array_equal(c.k, k_before)
+    twice = np.repeat(plan.copy_src, 2), np.repeat(plan.copy_dst, 2)
+    with pytest.raises(ValueError, match=rf"left to apply, got destination {plan.copy_dst[0]} tw"):
+        c.apply_copies(*twice)  # the step's pair, repeated: the second would overwrite the first
+    np.testing.assert_array_equal(c.k, k_before)
     c.apply_copies(plan.copy_src, plan.copy_dst)  # the step's own pair
     assert np.array_equal(c.k[0, plan.copy_dst[0]], c.k[0, 1])
     with pytest.raises(ValueError, match="left to apply"):  # applied once: not twice
