@@ -156,7 +156,9 @@ def test_vllm_admission(benchmark, num_blocks):
     assert hits[1:requests] == [32] * (requests - 1)  # as cupaged's: every later request hits 32
 
 
-@pytest.mark.parametrize("prefix_caching", [False, True], ids=["", "prefix_caching=on"])
+@pytest.mark.parametrize(
+    "prefix_caching", [False, True], ids=["prefix_caching=off", "prefix_caching=on"]
+)
 def test_vllm_beam_search(benchmark, prefix_caching):
     """W3b per step: fork 8 beams from 1,032 tokens, append 64 tokens each, one a step; free."""
     beams, new_tokens = 8, 64
