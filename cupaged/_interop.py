@@ -19,7 +19,9 @@ what ``Tensor.numpy()`` does.
 bfloat16: NumPy cannot import a bfloat16 tensor, so a PyTorch ``bfloat16`` CPU tensor is
 imported as its ``uint16`` view (cupaged's bfloat16 storage, which a plan's fast checks expect;
 through ``int16`` on a PyTorch without ``torch.uint16``), and a bfloat16 result is handed back
-as ``torch.bfloat16``. On CUDA the ``int16`` view is taken: CuPy 13 has no bfloat16 dtype.
+as ``torch.bfloat16``. On CUDA (and for a CPU tensor that goes the general way, through
+DLPack) the ``int16`` view is taken on every CuPy: it is a bfloat16 carrier everywhere, and
+CuPy 13 has no bfloat16 dtype to import it as.
 
 The arrays of one call come from one framework: mixing NumPy with PyTorch (or CuPy with
 PyTorch) is refused, as mixing NumPy and CuPy is.

@@ -152,7 +152,7 @@ def cache_dtype(name: str, xp: Any = np) -> np.dtype:
     module docstring says why NumPy keeps ``uint16``)."""
     element = ELEMENT_TYPES[dtype_name(name)]
     if xp is np:
-        return element.host or element.storage
+        return element.storage if element.host is None else element.host
     if element.name == "bfloat16" and native_bfloat16(xp):
         return np.dtype(ml_dtypes.bfloat16)
     return element.storage

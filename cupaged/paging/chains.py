@@ -146,7 +146,7 @@ class Chains:
         with one token each, where it goes in its block (``lens % block_size``); :meth:`keys`
         carries the tails of other steps. The caller recorded :meth:`save` of these rows (and
         the tails' undo)."""
-        if type(counts) is int and counts == 1:
+        if isinstance(counts, int) and counts == 1:  # as the planner tells a uniform step
             self.table.tail[rows, offset] = tokens
         if keys:
             self.add_keys(keys)
