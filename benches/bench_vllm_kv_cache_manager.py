@@ -59,17 +59,13 @@ from bench_block_manager import (
     _lengths,
     time_decode_rounds,
 )
+from bench_vllm_block_pool import HASHER  # vLLM's sha256 request block hasher (skips without it)
 
 torch = pytest.importorskip("torch")
 kv_cache_manager = pytest.importorskip("vllm.v1.core.kv_cache_manager")
-kv_cache_utils = pytest.importorskip("vllm.v1.core.kv_cache_utils")
 kv_cache_interface = pytest.importorskip("vllm.v1.kv_cache_interface")
 vllm_request = pytest.importorskip("vllm.v1.request")
-hashing = pytest.importorskip("vllm.utils.hashing")
 sampling_params = pytest.importorskip("vllm.sampling_params")
-
-kv_cache_utils.init_none_hash(hashing.sha256)
-HASHER = kv_cache_utils.get_request_block_hasher(BLOCK_SIZE, hashing.sha256)
 MAX_MODEL_LEN = 8192  # the longest W1 sequence (``_lengths`` clips there)
 # One object for every request, as beam search passes one (``skip_clone``) to all its requests;
 # the KV-cache path never reads ``max_tokens``, so W1's long requests share it too.

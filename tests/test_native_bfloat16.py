@@ -67,7 +67,7 @@ def test_plans_over_a_native_cache_match_the_uint16_one_bit_for_bit(rng, q_carri
     native = (k_cache.view(BF16), v_cache.view(BF16))
     expected = cupaged.DecodePlan(tables, lens, k_cache, H_KV * RATIO).run(q, k_cache, v_cache)
     plan = cupaged.DecodePlan(tables, lens, native[0], H_KV * RATIO)
-    for _ in range(2):  # a plan runs every layer: twice, the second through its fast checks
+    for _ in range(2):  # a plan runs every layer: twice over the same arrays
         out = carried(poison(q.shape, "bfloat16"), q_carrier)
         got = plan.run(carried(q, q_carrier), *native, out=out)
         assert got is out and got.dtype == CARRIERS[q_carrier]
