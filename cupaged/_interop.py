@@ -1,10 +1,10 @@
 """Arrays of other frameworks at the public boundary: DLPack in, the caller's own type out.
 
-NumPy and CuPy arrays pass through as they are (a type test per argument). Any other object with
-``__dlpack__`` and ``__dlpack_device__`` (a PyTorch tensor, a JAX array) is imported without a
-copy: a PyTorch CPU tensor through ``Tensor.numpy()`` (the view ``numpy.from_dlpack`` would
-make, at a fraction of the cost), other host memory through ``numpy.from_dlpack``, CUDA memory
-through ``cupy.from_dlpack`` (which hands the producer CuPy's current stream, so that the
+NumPy and CuPy arrays pass through as they are (a look-up of each argument's type). Any other
+object with ``__dlpack__`` and ``__dlpack_device__`` (a PyTorch tensor, a JAX array) is imported
+without a copy: a PyTorch CPU tensor through ``Tensor.numpy()`` (the view ``numpy.from_dlpack``
+would make, at a fraction of the cost), other host memory through ``numpy.from_dlpack``, CUDA
+memory through ``cupy.from_dlpack`` (which hands the producer CuPy's current stream, so that the
 producer's pending work is ordered before cupaged's kernels on that stream). A result goes back
 as an array of the framework of the call's foreign arrays, again without a copy
 (``torch.from_numpy`` for a NumPy result to PyTorch, DLPack otherwise). :func:`takes_dlpack` is
@@ -59,72 +59,172 @@ def takes_dlpack(function: Callable[..., Any]) -> Callable[..., Any]:
     """Let ``function`` take arrays of any framework that speaks DLPack, and hand its results back
     as the caller's type.
 
-    A call whose arrays are all NumPy or CuPy goes straight through (a type test per argument).
-    Otherwise every argument with ``__dlpack__`` is imported without a copy (:func:`_import`); the
-    arrays of one call must come from one framework. The result is handed back as that
-    framework's array without a copy (:func:`_export`; each array of a returned tuple alike); a
-    returned array that is one of the call's own (an ``out=`` the caller gave) comes back as the
-    caller's very object. A ``TypeError`` or ``ValueError`` of the call names, after its
-    message, the framework's own dtype and device of each foreign argument.
+    A call whose arrays are all NumPy or CuPy goes straight through (a look-up of each argument's
+    type in :data:`_KINDS`). A call whose arrays are all PyTorch CPU tensors (a layer's) takes
+    the lean way, :func:`_cpu_tensor_call`. Otherwise every argument with ``__dlpack__`` is
+    imported without a copy (:class:`_Imported`); the arrays of one call must come from one
+    framework. The result is handed back as that framework's array without a copy
+    (:func:`_export`; each array of a returned tuple alike); a returned array that is one of the
+    call's own (an ``out=`` the caller gave) comes back as the caller's very object. A
+    ``TypeError`` or ``ValueError`` of the call names, after its message, the framework's own
+    dtype and device of each foreign argument.
     """
     names = tuple(inspect.signature(function).parameters)
 
     @functools.wraps(function)
     def boundary(*args: Any, **kwargs: Any) -> Any:
-        if not (_any_foreign(args) or kwargs and _any_foreign(kwargs.values())):
+        kinds = _mode(args) | _mode(kwargs.values()) if kwargs else _mode(args)
+        if kinds <= _NATIVE:
             return function(*args, **kwargs)
+        if kinds == _TENSOR:  # PyTorch tensors only: NumPy views of CPU ones, when they all are
+            result = _cpu_tensor_call(function, names, args, kwargs)
+            if result is not _DECLINED:
+                return result
         call = _Imported(names, args, kwargs)
         try:
             result = function(*call.args, **call.kwargs)
         except (TypeError, ValueError) as error:
-            if error.args and isinstance(error.args[0], str):
-                error.args = (f"{error.args[0]} ({call.described})", *error.args[1:])
+            _name_arrays(error, call.framework, names, args, kwargs)
             raise
-        return call.back(result)
+        return _back(result, call.imported, call.originals, call.framework, call.torch)
 
     return boundary
 
 
-def _any_foreign(values: Any) -> bool:
+# What the boundary does with an argument, by its type: nothing (``_PLAIN``: a number, a string,
+# ``None``; ``_NATIVE``: a NumPy or CuPy array), a PyTorch tensor (``_TENSOR``: ``torch.Tensor``
+# and its subclasses) or another object with ``__dlpack__`` (``_FOREIGN``). Bits, so that one
+# ``|`` over a call's arguments says what the call holds.
+_PLAIN, _NATIVE, _TENSOR, _FOREIGN = 0, 1, 2, 4
+_KINDS: dict[type, int] = {np.ndarray: _NATIVE} | dict.fromkeys(
+    (type(None), bool, int, float, str), _PLAIN
+)
+_MAX_KINDS = 1024  # types seen beyond these are classified on every call, not remembered
+
+
+def _mode(values: Any) -> int:
+    """The ``|`` of the kinds of ``values``' types."""
+    mode = 0
+    kinds = _KINDS
     for x in values:
-        if type(x) is not np.ndarray and hasattr(x, "__dlpack__") and not is_native(x):
-            return True
-    return False
+        kind = kinds.get(type(x))
+        mode |= _classify(type(x)) if kind is None else kind
+    return mode
 
 
-def _cpu_tensor_views(values: Any, torch: _Torch, originals: list) -> tuple[Any, ...] | None:
-    """``values`` with each PyTorch CPU tensor replaced by its NumPy view (``Tensor.numpy()``;
-    bfloat16: of its ``uint16`` view), the pairs appended to ``originals``; ``None`` when one of
-    them needs the general way (another array, a tensor on a device, one that requires grad or
-    that ``numpy()`` refuses), which then names what it refuses."""
-    tensor, bfloat16, bits16 = torch.tensor, torch.bfloat16, torch.bits16
+def _classify(cls: type) -> int:
+    """The kind of the type ``cls`` (see :data:`_KINDS`), remembered there."""
+    torch = sys.modules.get("torch")
+    cupy = cupy_module() if "cupy" in cls.__module__ else None
+    if issubclass(cls, np.ndarray) or cupy is not None and issubclass(cls, cupy.ndarray):
+        kind = _NATIVE
+    elif torch is not None and issubclass(cls, torch.Tensor):
+        kind = _TENSOR
+    elif hasattr(cls, "__dlpack__"):
+        kind = _FOREIGN
+    else:
+        kind = _PLAIN
+    if len(_KINDS) < _MAX_KINDS:
+        _KINDS[cls] = kind
+    return kind
+
+
+_DECLINED = object()  # what _cpu_tensor_call returns for a call it leaves to the general way
+
+
+def _cpu_tensor_call(function: Callable[..., Any], names: tuple, args: tuple, kwargs: dict) -> Any:
+    """``function`` called with NumPy views of the call's PyTorch CPU tensors (its only arrays:
+    a layer's call), its result handed back as tensors: the lean way, one pass over the
+    arguments. :data:`_DECLINED` (nothing called) when a tensor needs the general way.
+    """
+    given = (*args, *kwargs.values()) if kwargs else args
+    torch = _torch_of(sys.modules["torch"])  # a tensor's type was classified: it is imported
+    views = _cpu_tensor_views(given, torch)
+    if views is None:
+        return _DECLINED
+    try:
+        if kwargs:
+            n = len(args)
+            result = function(*views[:n], **dict(zip(kwargs, views[n:], strict=True)))
+        else:
+            result = function(*views)
+    except (TypeError, ValueError) as error:
+        _name_arrays(error, "torch", names, args, kwargs)
+        raise
+    return _back(result, views, given, "torch", torch)
+
+
+def _cpu_tensor_views(values: Any, torch: _Torch) -> tuple[Any, ...] | None:
+    """``values`` (PyTorch tensors and plain values only) with each tensor replaced by its NumPy
+    view (``Tensor.numpy()``; bfloat16: of its ``uint16`` view); ``None`` when one of them needs
+    the general way (a tensor on a device, one that requires grad or that ``numpy()`` refuses),
+    which then names what it refuses.
+
+    A tensor off the CPU is asked for first (a layer's call on CUDA declines at once, without
+    an exception); ``numpy()`` itself refuses one that requires grad and one with a lazy
+    negation, but the ``uint16`` view of a bfloat16 tensor does not require grad, so that one is
+    asked too.
+    """
+    tensor, bfloat16 = torch.tensor, torch.bfloat16
     views = []
     for x in values:
         if isinstance(x, tensor):
-            if not x.is_cpu or x.requires_grad:
+            if not x.is_cpu:
                 return None
             try:
-                view = x.view(bits16).numpy() if x.dtype is bfloat16 else x.numpy()
-            except (RuntimeError, TypeError, ValueError):  # a lazy negation, a sparse tensor
+                if x.dtype is not bfloat16:
+                    x = x.numpy()
+                elif x.requires_grad:
+                    return None
+                else:
+                    x = x.view(torch.bits16).numpy()
+            except (RuntimeError, TypeError, ValueError):  # on a device, a lazy negation, ...
                 return None
-            originals.append((view, x))
-            views.append(view)
-        elif type(x) is np.ndarray or hasattr(x, "__dlpack__"):
-            return None
-        else:
-            views.append(x)
+        views.append(x)
     return tuple(views)
 
 
-class _Imported:
-    """One call's arguments with its foreign arrays imported (``args``, ``kwargs``), and how
-    results go back as the caller's arrays. It lives for the call only: nothing of the caller's
-    is kept after it.
+def _back(result: Any, imported: Any, originals: Any, framework: str, torch: _Torch) -> Any:
+    """``result`` handed back to the caller: an array that is one of ``imported`` as the object
+    of ``originals`` it came from (an ``out=`` the caller gave), any other NumPy or CuPy array
+    as ``framework``'s (:func:`_export`), each of a tuple alike, anything else as it is."""
+    if type(result) is not np.ndarray:  # the common case, a NumPy array, first
+        if isinstance(result, tuple):
+            return tuple(_back(x, imported, originals, framework, torch) for x in result)
+        if result is None or not is_native(result):
+            return result
+    for array, original in zip(imported, originals, strict=True):
+        if array is result:
+            return original
+    return _export(result, framework, torch)
 
-    A call whose arrays are all PyTorch CPU tensors (the common case: a layer's call; any
-    subclass of ``torch.Tensor``) takes :func:`_cpu_tensor_views`. Any other call goes the
-    general way, argument by argument: :func:`_refuse_what_dlpack_would_lose` for tensors, then
-    DLPack (:func:`_import`), whose refusal names the cause.
+
+def _name_arrays(error: Exception, framework: str, names: tuple, args: tuple, kwargs: dict) -> None:
+    """Append to ``error``'s message the framework's own dtype and device of each of the call's
+    arrays (``"arrived as torch arrays: k torch.int8 on cpu, ..."``)."""
+    if error.args and isinstance(error.args[0], str):
+        described = ", ".join(
+            f"{n} {getattr(x, 'dtype', '?')} on {_device(x)}"
+            for n, x in _given(names, args, kwargs).items()
+        )
+        message = f"{error.args[0]} (arrived as {framework} arrays: {described})"
+        error.args = (message, *error.args[1:])
+
+
+def _given(names: tuple, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """The call's arrays by name (its ``__dlpack__`` arguments)."""
+    arrays = {n: x for n, x in zip(names, args, strict=False) if hasattr(x, "__dlpack__")}
+    return arrays | {n: x for n, x in kwargs.items() if hasattr(x, "__dlpack__")}
+
+
+class _Imported:
+    """One call's arguments with its foreign arrays imported (``args``, ``kwargs``), the general
+    way: argument by argument, :func:`_refuse_what_dlpack_would_lose` for tensors, then DLPack
+    (:func:`_import`), whose refusal names the cause. It lives for the call only: nothing of the
+    caller's is kept after it.
+
+    ``imported`` and ``originals`` pair each imported array with the caller's object it came
+    from (a call has a handful, so lists searched by identity beat a dictionary keyed by id()).
 
     Raises:
         TypeError: arrays of two frameworks in one call, or a foreign array that cannot be
@@ -132,23 +232,21 @@ class _Imported:
             one with a lazy negation or conjugation).
     """
 
-    __slots__ = ("_call", "_frameworks", "_originals", "_torch", "args", "framework", "kwargs")
+    __slots__ = (
+        "_call",
+        "_frameworks",
+        "args",
+        "framework",
+        "imported",
+        "kwargs",
+        "originals",
+        "torch",
+    )
 
     def __init__(self, names: tuple[str, ...], args: tuple, kwargs: dict[str, Any]) -> None:
         self._call = (names, args, kwargs)  # the caller's own, for names and error messages
-        self._torch = torch = _torch_types()
-        # (imported array, the caller's object it came from): a call has a handful, so a list
-        # searched by identity beats a dictionary keyed by id().
-        self._originals = []
-        self.args = _cpu_tensor_views(args, torch, self._originals)
-        self.kwargs = kwargs
-        if self.args is not None and kwargs:
-            values = _cpu_tensor_views(kwargs.values(), torch, self._originals)
-            self.kwargs = None if values is None else dict(zip(kwargs, values, strict=True))
-        if self.args is not None and self.kwargs is not None:
-            self.framework = "torch"
-            return
-        self._originals.clear()
+        self.torch = _torch_types()
+        self.imported, self.originals = [], []
         self._frameworks = set()
         self.args = tuple(self._import_arg(i, x) for i, x in enumerate(args))
         self.kwargs = kwargs
@@ -156,12 +254,12 @@ class _Imported:
             imported = (self._import_arg(i, x) for i, x in enumerate(kwargs.values(), len(args)))
             self.kwargs = dict(zip(kwargs, imported, strict=True))
         if len(self._frameworks) > 1:
-            described = ", ".join(f"{n}: {_kind(x)}" for n, x in self.given().items())
+            described = ", ".join(f"{n}: {_kind(x)}" for n, x in _given(*self._call).items())
             raise TypeError(
                 f"expected the arrays of one call from one framework, got a mix of "
                 f"{' and '.join(sorted(self._frameworks))} ({described})"
             )
-        (self.framework,) = self._frameworks  # _any_foreign found one
+        (self.framework,) = self._frameworks  # the boundary found one
 
     def _import_arg(self, i: int, x: Any) -> Any:
         """Argument ``i`` (positional ones first) imported when it has ``__dlpack__``, through
@@ -173,7 +271,7 @@ class _Imported:
             name = names[i] if i < len(names) else f"argument {i}"
         else:
             name = list(kwargs)[i - len(args)]
-        torch = self._torch
+        torch = self.torch
         if isinstance(x, torch.tensor):
             framework = "torch"
             _refuse_what_dlpack_would_lose(name, x)
@@ -186,31 +284,9 @@ class _Imported:
                 return x
             array = _import(name, x, framework)
         self._frameworks.add(framework)
-        self._originals.append((array, x))
+        self.imported.append(array)
+        self.originals.append(x)
         return array
-
-    def given(self) -> dict[str, Any]:
-        """The call's arrays by name (its ``__dlpack__`` arguments)."""
-        names, args, kwargs = self._call
-        arrays = {n: x for n, x in zip(names, args, strict=False) if hasattr(x, "__dlpack__")}
-        return arrays | {n: x for n, x in kwargs.items() if hasattr(x, "__dlpack__")}
-
-    @property
-    def described(self) -> str:
-        """``"arrived as torch arrays: k torch.int8 on cpu, ..."``, for error messages."""
-        return f"arrived as {self.framework} arrays: " + ", ".join(
-            f"{n} {getattr(x, 'dtype', '?')} on {_device(x)}" for n, x in self.given().items()
-        )
-
-    def back(self, result: Any) -> Any:
-        if isinstance(result, tuple):
-            return tuple(self.back(x) for x in result)
-        if result is None or not is_native(result):
-            return result
-        for array, original in self._originals:
-            if array is result:
-                return original
-        return _export(result, self.framework, self._torch)
 
 
 def _export(result: Any, framework: str, torch: _Torch) -> Any:

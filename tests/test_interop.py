@@ -194,8 +194,16 @@ def test_a_cache_is_viewed_by_torch_without_a_copy():
             lambda a: {**a, "k_cache": a["k_cache"].transpose(0, 1).contiguous().transpose(0, 1)},
             "expected k_cache C-contiguous",
         ),
+        (  # the lean way declines a tensor off the CPU; the general one names the device
+            lambda a: {**a, "q": a["q"].to("meta")},
+            r"expected q importable through DLPack .*on meta: ",
+        ),
+        (  # numpy() refuses it: the general way names DLPack's refusal
+            lambda a: {**a, "k_cache": a["k_cache"].to_sparse()},
+            r"expected k_cache importable through DLPack .*layout other than torch\.strided",
+        ),
     ],
-    ids=["mixed-frameworks", "int8-cache", "float64-q", "non-contiguous"],
+    ids=["mixed-frameworks", "int8-cache", "float64-q", "non-contiguous", "meta", "sparse"],
 )
 def test_refusals_name_the_frameworks_dtype_and_device(change, message):
     generator = torch.Generator().manual_seed(7)
@@ -362,3 +370,19 @@ def test_a_tensor_subclass_is_a_pytorch_tensor_and_comes_back_as_one():
     assert isinstance(got, torch.Tensor)
     expected = cupaged.paged_attention(q.as_subclass(torch.Tensor), k_cache, k_cache, tables, lens)
     assert torch.equal(got, expected)
+
+
+def test_the_boundary_remembers_a_bounded_number_of_types():
+    """The boundary remembers what each argument type is (NumPy, PyTorch, another exporter) so
+    that a NumPy call costs one look-up per argument; a program that makes exporter types
+    without end (a class per call) must not grow that memory without end, and its calls still
+    work once it is full."""
+    from cupaged import _interop
+
+    tables = np.array([[5, 2, 0], [1, 3, 4]], dtype=np.int32)
+    lens = np.array([7, 9], dtype=np.int32)
+    for i in range(_interop._MAX_KINDS + 8):
+        exporter = type(f"Exporter{i}", (ReadOnly,), {})
+        indptr, indices, _ = cupaged.to_csr(exporter(tables.copy()), exporter(lens.copy()), 4)
+        assert indices.tolist() == [5, 2, 1, 3, 4]
+    assert len(_interop._KINDS) <= _interop._MAX_KINDS
