@@ -10,13 +10,17 @@ query head, head_dim 64, block 16), for:
 - ``numpy``: the NumPy run through the boundary (a type test per argument);
 - ``torch_out``: four CPU tensors, ``out=`` given (four imports, the caller's ``out`` back);
 - ``torch``: three tensors, no ``out`` (three imports and one export: docs/interop.md's layer);
-- ``numpy_bf16``, ``torch_bf16``: the last two in bfloat16 (NumPy: its ``uint16`` storage; a
-  tensor is imported as its ``int16`` view, then ``uint16``).
+- ``torch_floor``: the method without the boundary called with ``Tensor.numpy()`` views and its
+  result handed back by ``torch.from_numpy``, inline: PyTorch's conversions and nothing else (no
+  framework test, no refusal, no error naming), the least any Python boundary pays;
+- ``numpy_bf16``, ``torch_bf16``, ``torch_bf16_floor``: the same in bfloat16 (NumPy: its
+  ``uint16`` storage; a tensor is viewed as ``torch.uint16``, a result as ``torch.bfloat16``).
 
 and the whole run (the real kernel) on NumPy and on tensors. The cases alternate round by round
 and each keeps its best round (the least disturbed one on a shared machine). ``extra_info``:
-µs per call of each, and ``torch_over_numpy_us``, ``torch_out_over_numpy_us`` and
-``torch_bf16_over_numpy_us`` (``numpy`` and ``numpy_bf16`` subtracted).
+µs per call of each, ``torch_over_numpy_us``, ``torch_out_over_numpy_us`` and
+``torch_bf16_over_numpy_us`` (``numpy`` and ``numpy_bf16`` subtracted), and the floors over
+``numpy_bare``.
 
 ``python benches/bench_interop.py [ROUNDS]`` prints the same numbers without pytest.
 """
@@ -74,14 +78,25 @@ def measure(calls: int = CALLS, rounds: int = ROUNDS) -> dict[str, float]:
     plan, (q, k, v, out), (tq, tk, tv, tout) = plan_and_arrays("float32", stub=True)
     bf16_plan, (nq, nk, nv, _), (bq, bk, bv, _) = plan_and_arrays("bfloat16", stub=True)
     bare = cupaged.DecodePlan.run.__wrapped__  # the method without the boundary (functools.wraps)
+    bits16, bfloat16 = torch.uint16, torch.bfloat16
+
+    def floor(q, k, v):  # PyTorch's conversions and nothing else: no checks, no errors named
+        return torch.from_numpy(bare(plan, q.numpy(), k.numpy(), v.numpy()))
+
+    def floor_bf16(q, k, v):
+        views = (x.view(bits16).numpy() for x in (q, k, v))
+        return torch.from_numpy(bare(bf16_plan, *views)).view(bfloat16)
+
     host = best_us(
         {
             "numpy_bare": lambda: bare(plan, q, k, v, out=out),
             "numpy": lambda: plan.run(q, k, v, out=out),
             "torch_out": lambda: plan.run(tq, tk, tv, out=tout),
             "torch": lambda: plan.run(tq, tk, tv),
+            "torch_floor": lambda: floor(tq, tk, tv),
             "numpy_bf16": lambda: bf16_plan.run(nq, nk, nv),
             "torch_bf16": lambda: bf16_plan.run(bq, bk, bv),
+            "torch_bf16_floor": lambda: floor_bf16(bq, bk, bv),
         },
         calls,
         rounds,
@@ -106,6 +121,8 @@ def test_decode_plan_run_boundary(benchmark):
             "torch_over_numpy_us": round(times["torch"] - times["numpy"], 2),
             "torch_out_over_numpy_us": round(times["torch_out"] - times["numpy"], 2),
             "torch_bf16_over_numpy_us": round(times["torch_bf16"] - times["numpy_bf16"], 2),
+            "floor_over_numpy_us": round(times["torch_floor"] - times["numpy_bare"], 2),
+            "bf16_floor_over_numpy_us": round(times["torch_bf16_floor"] - times["numpy_bare"], 2),
             "device": "cpu backend",
         }
     )
