@@ -33,12 +33,13 @@ import functools
 import inspect
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from ._backend import cupy_module, is_cupy_array
+from .dtypes import cache_dtype, dtype_name
 
 _DL_CPU = 1  # DLPack device types (dlpack.h: kDLCPU, kDLCUDA, kDLCUDAHost)
 _DL_CUDA = 2
@@ -234,6 +235,7 @@ class _Imported:
 
     __slots__ = (
         "_call",
+        "_fp8",
         "_frameworks",
         "args",
         "framework",
@@ -248,11 +250,14 @@ class _Imported:
         self.torch = _torch_types()
         self.imported, self.originals = [], []
         self._frameworks = set()
+        self._fp8 = set()  # the formats of fp8 tensors imported as bytes (on CUDA)
         self.args = tuple(self._import_arg(i, x) for i, x in enumerate(args))
         self.kwargs = kwargs
         if kwargs:
             imported = (self._import_arg(i, x) for i, x in enumerate(kwargs.values(), len(args)))
             self.kwargs = dict(zip(kwargs, imported, strict=True))
+        if self._fp8:
+            self.kwargs = _with_kv_dtype(self._fp8, names, args, self.kwargs)
         if len(self._frameworks) > 1:
             described = ", ".join(f"{n}: {_kind(x)}" for n, x in _given(*self._call).items())
             raise TypeError(
@@ -275,8 +280,19 @@ class _Imported:
         if isinstance(x, torch.tensor):
             framework = "torch"
             _refuse_what_dlpack_would_lose(name, x)
-            source = x.view(torch.int16) if x.dtype is torch.bfloat16 else x
+            fp8 = torch.fp8.get(x.dtype)
+            if fp8 is None and x.dtype.is_floating_point and x.dtype.itemsize == 1:
+                raise TypeError(
+                    f"expected {name} in an fp8 format that cupaged reads (torch.float8_e4m3fn "
+                    f"or torch.float8_e5m2), got {_kind(x)}"
+                )
+            if x.dtype is torch.bfloat16:
+                source = x.view(torch.int16)
+            else:
+                source = x if fp8 is None else x.view(torch.uint8)
             array = _import(name, source, framework, shown=x)
+            if fp8 is not None:
+                array = self._fp8_array(array, fp8)
         else:
             framework = framework_of(x)
             if is_native(x):
@@ -287,6 +303,45 @@ class _Imported:
         self.imported.append(array)
         self.originals.append(x)
         return array
+
+    def _fp8_array(self, data: Any, fp8: str) -> Any:
+        """The bytes of a PyTorch fp8 tensor as cupaged's fp8 cache: in host memory the
+        ``ml_dtypes`` array of its format (which names itself, as a NumPy fp8 cache does); on
+        CUDA the ``uint8`` bytes (CuPy has no fp8 dtype), whose format the call's ``kv_dtype``
+        will name (:func:`_with_kv_dtype`)."""
+        if type(data) is np.ndarray:
+            return data.view(cache_dtype(fp8, np))
+        self._fp8.add(fp8)
+        return data
+
+
+def _with_kv_dtype(formats: set[str], names: tuple, args: tuple, kwargs: dict) -> dict:
+    """``kwargs`` with ``kv_dtype`` naming ``formats``, the format of the call's fp8 tensors that
+    arrived as ``uint8`` bytes, when the function takes ``kv_dtype`` and the caller gave none. A
+    plan's ``run`` takes no ``kv_dtype``: its bytes are read in the format the plan was made
+    for.
+
+    Raises:
+        TypeError: fp8 tensors of two formats in one call, or a ``kv_dtype`` that names a format
+            other than the tensors'.
+    """
+    if len(formats) > 1:
+        raise TypeError(
+            f"expected the fp8 tensors of one call in one format, got {' and '.join(sorted(formats))}"
+        )
+    (fp8,) = formats
+    if "kv_dtype" not in names:
+        return kwargs
+    i = names.index("kv_dtype")
+    given = args[i] if i < len(args) else kwargs.get("kv_dtype")
+    if given is None and i >= len(args):
+        return kwargs | {"kv_dtype": fp8}
+    if given is not None and dtype_name(given) != fp8:
+        raise TypeError(
+            f"expected kv_dtype={fp8!r}, the format of the call's fp8 tensors (or none), got "
+            f"kv_dtype={given!r}"
+        )
+    return kwargs
 
 
 def _export(result: Any, framework: str, torch: _Torch) -> Any:
@@ -328,6 +383,8 @@ class _Torch:
     ``bits16``: the dtype whose view of a bfloat16 tensor ``Tensor.numpy()`` takes, which has no
     bfloat16: ``torch.uint16`` (cupaged's bfloat16 storage, so a plan's fast checks pass), or
     ``int16`` on a PyTorch before 2.3. Where ``numpy()`` refuses it, the call goes through DLPack.
+    ``fp8``: ``torch.float8_e4m3fn`` and ``torch.float8_e5m2`` by the names of their formats
+    (PyTorch's ``fnuz`` formats and ``float8_e8m0fnu`` are other formats, which no kernel reads).
     """
 
     tensor: type
@@ -336,6 +393,8 @@ class _Torch:
     bits16: Any = None
     from_numpy: Callable[[Any], Any] | None = None
     from_dlpack: Callable[[Any], Any] | None = None
+    uint8: Any = None
+    fp8: dict[Any, str] = field(default_factory=dict)  # PyTorch's fp8 dtypes that cupaged reads
 
 
 _NO_TORCH = _Torch(_NotImported)
@@ -350,9 +409,21 @@ def _torch_types() -> _Torch:
 @functools.cache
 def _torch_of(torch: Any) -> _Torch:
     bits16 = getattr(torch, "uint16", torch.int16)
+    fp8 = {getattr(torch, name, None): cupaged for name, cupaged in _TORCH_FP8.items()}
+    fp8.pop(None, None)  # a PyTorch before 2.1 has no fp8 dtypes
     return _Torch(
-        torch.Tensor, torch.bfloat16, torch.int16, bits16, torch.from_numpy, torch.from_dlpack
+        torch.Tensor,
+        torch.bfloat16,
+        torch.int16,
+        bits16,
+        torch.from_numpy,
+        torch.from_dlpack,
+        torch.uint8,
+        fp8,
     )
+
+
+_TORCH_FP8 = {"float8_e4m3fn": "float8_e4m3", "float8_e5m2": "float8_e5m2"}
 
 
 def _refuse_what_dlpack_would_lose(name: str, x: Any) -> None:

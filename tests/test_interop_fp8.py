@@ -1,0 +1,157 @@
+"""PyTorch fp8 caches (``torch.float8_e4m3fn``, ``torch.float8_e5m2``) through the functions that
+read and write caches: written in place, read as the NumPy caches of the same bytes are.
+
+On the CPU a tensor's bytes arrive as the ``ml_dtypes`` array of its format, which names itself;
+on CUDA as ``uint8`` bytes, with the call's ``kv_dtype`` filled in from the tensor's dtype (CuPy
+has no fp8 dtype). The attention results are compared with the float64 oracle over the NumPy
+caches (``reference_attention``/``reference_prefill`` in float64), the writes with the same
+write on NumPy copies, bit for bit. The CUDA variants skip cleanly without a GPU.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+from helpers import TOLERANCES
+
+import cupaged
+from cupaged._backend import cuda_available
+from cupaged.dtypes import from_float
+
+torch = pytest.importorskip("torch", reason="needs PyTorch (pip install '.[interop]')")
+
+FORMATS = {"float8_e4m3": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(
+                not (cuda_available() and torch.cuda.is_available()),
+                reason="needs a CUDA GPU seen by both CuPy and PyTorch",
+            ),
+        ],
+    ),
+]
+NB, H_KV, BS, D, H_Q = 10, 2, 16, 64, 4
+K_SCALE, V_SCALE = 0.8, 1.7
+
+
+def fp8_caches(rng, fmt, device):
+    """Fresh K and V caches of format ``fmt``: ``(numpy, torch)`` pairs of the same bytes (the
+    NumPy ones ``ml_dtypes`` arrays, the tensors on ``device``, copies for CUDA)."""
+    pairs = []
+    for scale in (K_SCALE, V_SCALE):
+        values = rng.standard_normal((NB, H_KV, BS, D), dtype=np.float32)
+        cache = from_float(values / np.float32(scale), fmt)
+        tensor = torch.from_numpy(cache.view(np.uint8).copy()).view(FORMATS[fmt]).to(device)
+        pairs.append((cache, tensor))
+    return pairs
+
+
+def problem(rng, device):
+    """Float32 queries of a decode step, its tables and lengths: NumPy arrays and tensors."""
+    q = rng.standard_normal((2, H_Q, D), dtype=np.float32)
+    tables = np.array([[3, 7, 1], [0, 5, 9]], np.int32)
+    lens = np.array([37, 20], np.int32)
+    return (q, tables, lens), tuple(torch.from_numpy(x).to(device) for x in (q, tables, lens))
+
+
+def assert_close(got, expected):
+    np.testing.assert_allclose(got.cpu().numpy(), expected, **TOLERANCES["float32"])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_decode_and_prefill_read_torch_fp8_caches(rng, device, fmt):
+    (k8, tk8), (v8, tv8) = fp8_caches(rng, fmt, device)
+    (q, tables, lens), (tq, ttables, tlens) = problem(rng, device)
+    scales = dict(k_scale=K_SCALE, v_scale=V_SCALE)
+    expected = cupaged.reference_attention(q, k8, v8, tables, lens, **scales, out_dtype="float64")
+
+    one_shot = cupaged.paged_attention(tq, tk8, tv8, ttables, tlens, **scales)
+    plan = cupaged.DecodePlan(ttables, tlens, tk8, H_Q, q_dtype="float32")
+    out = torch.full_like(tq, float("nan"))  # poisoned
+    planned = plan.run(tq, tk8, tv8, out=out, **scales)
+    for got in (one_shot, planned):
+        assert isinstance(got, torch.Tensor) and got.dtype == torch.float32
+        assert_close(got, expected)
+    assert planned is out
+
+    starts = np.array([0, 4, 7], np.int32)
+    q7 = rng.standard_normal((7, H_Q, D), dtype=np.float32)
+    expected = cupaged.reference_prefill(
+        q7, k8, v8, tables, lens, starts, **scales, out_dtype="float64"
+    )
+    tq7, tstarts = torch.from_numpy(q7).to(device), torch.from_numpy(starts).to(device)
+    one_shot = cupaged.paged_prefill(tq7, tk8, tv8, ttables, tlens, tstarts, **scales)
+    plan = cupaged.PrefillPlan(ttables, tlens, tstarts, tk8, H_Q, q_dtype="float32")
+    for got in (one_shot, plan.run(tq7, tk8, tv8, **scales)):
+        assert isinstance(got, torch.Tensor)
+        assert_close(got, expected)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_write_kv_and_copy_blocks_write_torch_fp8_caches_in_place(rng, device, fmt):
+    (k8, tk8), (v8, tv8) = fp8_caches(rng, fmt, device)
+    pointers = tk8.data_ptr(), tv8.data_ptr()
+    k, v = (rng.standard_normal((3, H_KV, D), dtype=np.float32) for _ in "kv")
+    slots = np.array([5, 16 * 4 + 2, -1], np.int64)
+    src, dst = np.array([4]), np.array([8])
+    scales = dict(k_scale=K_SCALE, v_scale=V_SCALE)
+
+    cupaged.write_kv(k8, v8, k, v, slots, **scales)  # the NumPy caches: what the tensors become
+    cupaged.copy_blocks(k8, v8, src, dst)
+    tensors = [torch.from_numpy(x).to(device) for x in (k, v, slots, src, dst)]
+    assert cupaged.write_kv(tk8, tv8, *tensors[:3], **scales) is None
+    assert cupaged.copy_blocks(tk8, tv8, *tensors[3:]) is None
+
+    assert (tk8.data_ptr(), tv8.data_ptr()) == pointers
+    for tensor, cache in ((tk8, k8), (tv8, v8)):
+        assert tensor.dtype == FORMATS[fmt]
+        np.testing.assert_array_equal(tensor.cpu().view(torch.uint8).numpy(), cache.view(np.uint8))
+
+
+def test_fp8_refusals_name_the_tensors_and_change_nothing(rng):
+    (k8, tk8), (_, tv8) = fp8_caches(rng, "float8_e4m3", "cpu")
+    (_, tables, lens), (tq, ttables, tlens) = problem(rng, "cpu")
+    before = tk8.clone()
+    k = torch.randn(1, H_KV, D)
+    slot = torch.tensor([3])
+
+    fnuz = tk8.view(torch.uint8).view(torch.float8_e4m3fnuz)
+    with pytest.raises(TypeError, match=r"expected k_cache in an fp8 format .*float8_e4m3fnuz"):
+        cupaged.paged_attention(tq, fnuz, tv8, ttables, tlens)
+    with pytest.raises(TypeError, match=r"kv_dtype='float8_e5m2'.*got dtype float8_e4m3fn"):
+        cupaged.write_kv(tk8, tv8, k, k, slot, kv_dtype="float8_e5m2")
+    other = tv8.float().to(torch.float8_e5m2)
+    with pytest.raises(TypeError, match=r"float8_e4m3fn.*float8_e5m2|float8_e5m2.*float8_e4m3fn"):
+        cupaged.write_kv(tk8, other, k, k, slot)
+    assert torch.equal(tk8.view(torch.uint8), before.view(torch.uint8))
+    np.testing.assert_array_equal(k8.view(np.uint8), before.view(torch.uint8).numpy())
+
+
+def test_the_kv_dtype_of_fp8_bytes_is_the_tensors_format():
+    """What a call on CUDA does with fp8 tensors, which arrive as ``uint8`` bytes: the function's
+    ``kv_dtype`` is filled in from their dtype, checked when the caller gave one, and left to
+    the plan where there is none (a plan's ``run``). Run here on the helper itself, since CPU
+    tensors arrive as ``ml_dtypes`` arrays, which name their format."""
+    from cupaged._interop import _with_kv_dtype
+
+    names = ("k_cache", "v_cache", "k", "v", "slot_mapping", "k_scale", "v_scale", "kv_dtype")
+    args = (None,) * 5
+    e4m3 = {"float8_e4m3"}
+    assert _with_kv_dtype(e4m3, names, args, {}) == {"kv_dtype": "float8_e4m3"}
+    for given in ({"kv_dtype": "fp8"}, {"kv_dtype": ml_dtypes.float8_e4m3fn}):  # the same format
+        assert _with_kv_dtype(e4m3, names, args, given) is given
+    with pytest.raises(
+        TypeError, match=r"expected kv_dtype='float8_e4m3'.*got kv_dtype='fp8_e5m2'"
+    ):
+        _with_kv_dtype(e4m3, names, args, {"kv_dtype": "fp8_e5m2"})
+    with pytest.raises(TypeError, match="one format, got float8_e4m3 and float8_e5m2"):
+        _with_kv_dtype({"float8_e4m3", "float8_e5m2"}, names, args, {})
+    run = ("self", "q", "k_cache", "v_cache", "sinks", "out", "k_scale", "v_scale")
+    assert _with_kv_dtype(e4m3, run, (None,) * 4, {}) == {}
