@@ -254,9 +254,11 @@ def to_float(x: Any, dtype: Any = np.float32, kv_dtype: Any = None) -> Any:
         An array of ``x``'s shape in ``dtype``, on ``x``'s device (``x`` itself when nothing changes).
 
     Raises:
-        TypeError: ``x`` holds none of the element types (a ``uint8`` array without
+        TypeError: ``x`` is not a NumPy or CuPy array (a PyTorch tensor: ``tensor.float()``
+            widens it), or holds none of the element types (a ``uint8`` array without
             ``kv_dtype`` included).
     """
+    array_module(x)
     name = array_dtype_name(x, kv_dtype)
     if name == "bfloat16":
         bits = as_storage(x).astype(np.uint32) << np.uint32(16)
@@ -352,8 +354,10 @@ def from_float(x: Any, name: Any, like: Any = None) -> Any:
         given), on ``x``'s device.
 
     Raises:
-        TypeError: ``name`` is none of the element types.
+        TypeError: ``x`` is not a NumPy or CuPy array (a PyTorch tensor: ``tensor.to(dtype)``
+            rounds it), or ``name`` is none of the element types.
     """
+    array_module(x)
     name = dtype_name(name)
     if is_fp8(name):
         bits = float_to_fp8_bits(x, name)

@@ -386,3 +386,22 @@ def test_the_boundary_remembers_a_bounded_number_of_types():
         indptr, indices, _ = cupaged.to_csr(exporter(tables.copy()), exporter(lens.copy()), 4)
         assert indices.tolist() == [5, 2, 1, 3, 4]
     assert len(_interop._KINDS) <= _interop._MAX_KINDS
+
+
+@pytest.mark.parametrize(
+    ("call", "dtype"),
+    [
+        (lambda t: cupaged.from_float(t, "bfloat16"), torch.float32),
+        (cupaged.to_float, torch.float32),
+        (cupaged.to_float, torch.bfloat16),
+    ],
+    ids=["from_float", "to_float", "to_float-bfloat16"],
+)
+def test_the_dtype_helpers_refuse_a_tensor_naming_the_way_in(call, dtype):
+    """``from_float`` and ``to_float`` convert cupaged's own NumPy or CuPy storage (PyTorch
+    converts its tensors itself): a tensor gets a ``TypeError`` naming the zero-copy way to an
+    array, not an ``AttributeError`` from inside."""
+    with pytest.raises(
+        TypeError, match=r"expected a NumPy or CuPy array, got Tensor .*from_dlpack"
+    ):
+        call(torch.randn(3).to(dtype))
