@@ -1,10 +1,10 @@
 """Arrays of other frameworks at the public boundary: DLPack in, the caller's own type out.
 
-NumPy and CuPy arrays pass through as they are (a look-up of each argument's type). Any other
-object with ``__dlpack__`` and ``__dlpack_device__`` (a PyTorch tensor, a JAX array) is imported
-without a copy: a PyTorch CPU tensor through ``Tensor.numpy()`` (the view ``numpy.from_dlpack``
-would make, at a fraction of the cost), other host memory through ``numpy.from_dlpack``, CUDA
-memory through ``cupy.from_dlpack`` (which hands the producer CuPy's current stream, so that the
+NumPy and CuPy arrays pass through as they are (a type test per argument). Any other object with
+``__dlpack__`` and ``__dlpack_device__`` (a PyTorch tensor, a JAX array) is imported without a
+copy: a PyTorch CPU tensor through ``Tensor.numpy()`` (the view ``numpy.from_dlpack`` would
+make, at a fraction of the cost), other host memory through ``numpy.from_dlpack``, CUDA memory
+through ``cupy.from_dlpack`` (which hands the producer CuPy's current stream, so that the
 producer's pending work is ordered before cupaged's kernels on that stream). A result goes back
 as an array of the framework of the call's foreign arrays, again without a copy
 (``torch.from_numpy`` for a NumPy result to PyTorch, DLPack otherwise). :func:`takes_dlpack` is
@@ -60,9 +60,9 @@ def takes_dlpack(function: Callable[..., Any]) -> Callable[..., Any]:
     """Let ``function`` take arrays of any framework that speaks DLPack, and hand its results back
     as the caller's type.
 
-    A call whose arrays are all NumPy or CuPy goes straight through (a look-up of each argument's
-    type in :data:`_KINDS`). A call whose arrays are all PyTorch CPU tensors (a layer's) takes
-    the lean way, :func:`_cpu_tensor_call`. Otherwise every argument with ``__dlpack__`` is
+    A call whose arrays are all NumPy or CuPy goes straight through (a type test per argument).
+    A call whose arrays are all PyTorch CPU tensors (a layer's) takes the lean way,
+    :func:`_cpu_tensor_call`. Otherwise every argument with ``__dlpack__`` is
     imported without a copy (:class:`_Imported`); the arrays of one call must come from one
     framework. The result is handed back as that framework's array without a copy
     (:func:`_export`; each array of a returned tuple alike); a returned array that is one of the
@@ -74,13 +74,11 @@ def takes_dlpack(function: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(function)
     def boundary(*args: Any, **kwargs: Any) -> Any:
-        kinds = _mode(args) | _mode(kwargs.values()) if kwargs else _mode(args)
-        if kinds <= _NATIVE:
+        if not (_any_foreign(args) or kwargs and _any_foreign(kwargs.values())):
             return function(*args, **kwargs)
-        if kinds == _TENSOR:  # PyTorch tensors only: NumPy views of CPU ones, when they all are
-            result = _cpu_tensor_call(function, names, args, kwargs)
-            if result is not _DECLINED:
-                return result
+        result = _cpu_tensor_call(function, names, args, kwargs)
+        if result is not _DECLINED:
+            return result
         call = _Imported(names, args, kwargs)
         try:
             result = function(*call.args, **call.kwargs)
@@ -92,42 +90,13 @@ def takes_dlpack(function: Callable[..., Any]) -> Callable[..., Any]:
     return boundary
 
 
-# What the boundary does with an argument, by its type: nothing (``_PLAIN``: a number, a string,
-# ``None``; ``_NATIVE``: a NumPy or CuPy array), a PyTorch tensor (``_TENSOR``: ``torch.Tensor``
-# and its subclasses) or another object with ``__dlpack__`` (``_FOREIGN``). Bits, so that one
-# ``|`` over a call's arguments says what the call holds.
-_PLAIN, _NATIVE, _TENSOR, _FOREIGN = 0, 1, 2, 4
-_KINDS: dict[type, int] = {np.ndarray: _NATIVE} | dict.fromkeys(
-    (type(None), bool, int, float, str), _PLAIN
-)
-_MAX_KINDS = 1024  # types seen beyond these are classified on every call, not remembered
-
-
-def _mode(values: Any) -> int:
-    """The ``|`` of the kinds of ``values``' types."""
-    mode = 0
-    kinds = _KINDS
+def _any_foreign(values: Any) -> bool:
+    """Whether one of ``values`` is a foreign array: it has ``__dlpack__`` (asked of the object,
+    so that a proxy's counts) and is not a NumPy or CuPy array."""
     for x in values:
-        kind = kinds.get(type(x))
-        mode |= _classify(type(x)) if kind is None else kind
-    return mode
-
-
-def _classify(cls: type) -> int:
-    """The kind of the type ``cls`` (see :data:`_KINDS`), remembered there."""
-    torch = sys.modules.get("torch")
-    cupy = cupy_module() if "cupy" in cls.__module__ else None
-    if issubclass(cls, np.ndarray) or cupy is not None and issubclass(cls, cupy.ndarray):
-        kind = _NATIVE
-    elif torch is not None and issubclass(cls, torch.Tensor):
-        kind = _TENSOR
-    elif hasattr(cls, "__dlpack__"):
-        kind = _FOREIGN
-    else:
-        kind = _PLAIN
-    if len(_KINDS) < _MAX_KINDS:
-        _KINDS[cls] = kind
-    return kind
+        if type(x) is not np.ndarray and hasattr(x, "__dlpack__") and not is_native(x):
+            return True
+    return False
 
 
 _DECLINED = object()  # what _cpu_tensor_call returns for a call it leaves to the general way
@@ -139,7 +108,7 @@ def _cpu_tensor_call(function: Callable[..., Any], names: tuple, args: tuple, kw
     arguments. :data:`_DECLINED` (nothing called) when a tensor needs the general way.
     """
     given = (*args, *kwargs.values()) if kwargs else args
-    torch = _torch_of(sys.modules["torch"])  # a tensor's type was classified: it is imported
+    torch = _torch_types()
     views = _cpu_tensor_views(given, torch)
     if views is None:
         return _DECLINED
@@ -156,10 +125,10 @@ def _cpu_tensor_call(function: Callable[..., Any], names: tuple, args: tuple, kw
 
 
 def _cpu_tensor_views(values: Any, torch: _Torch) -> tuple[Any, ...] | None:
-    """``values`` (PyTorch tensors and plain values only) with each tensor replaced by its NumPy
-    view (``Tensor.numpy()``; bfloat16: of its ``uint16`` view); ``None`` when one of them needs
-    the general way (a tensor on a device, one that requires grad or that ``numpy()`` refuses),
-    which then names what it refuses.
+    """``values`` with each PyTorch tensor replaced by its NumPy view (``Tensor.numpy()``;
+    bfloat16: of its ``uint16`` view); ``None`` when one of them needs the general way (another
+    array, a tensor on a device, one that requires grad or that ``numpy()`` refuses), which then
+    names what it refuses.
 
     A tensor off the CPU is asked for first (a layer's call on CUDA declines at once, without
     an exception); ``numpy()`` itself refuses one that requires grad and one with a lazy
@@ -181,6 +150,8 @@ def _cpu_tensor_views(values: Any, torch: _Torch) -> tuple[Any, ...] | None:
                     x = x.view(torch.bits16).numpy()
             except (RuntimeError, TypeError, ValueError):  # on a device, a lazy negation, ...
                 return None
+        elif type(x) is np.ndarray or hasattr(x, "__dlpack__"):
+            return None
         views.append(x)
     return tuple(views)
 
@@ -264,7 +235,9 @@ class _Imported:
                 f"expected the arrays of one call from one framework, got a mix of "
                 f"{' and '.join(sorted(self._frameworks))} ({described})"
             )
-        (self.framework,) = self._frameworks  # the boundary found one
+        # One, unless an argument's __dlpack__ came and went between the boundary's look and
+        # this import (a property that raises for some objects): then a call of native arrays.
+        self.framework = self._frameworks.pop() if self._frameworks else "numpy/cupy"
 
     def _import_arg(self, i: int, x: Any) -> Any:
         """Argument ``i`` (positional ones first) imported when it has ``__dlpack__``, through
@@ -326,9 +299,8 @@ def _with_kv_dtype(formats: set[str], names: tuple, args: tuple, kwargs: dict) -
             other than the tensors'.
     """
     if len(formats) > 1:
-        raise TypeError(
-            f"expected the fp8 tensors of one call in one format, got {' and '.join(sorted(formats))}"
-        )
+        got = " and ".join(sorted(formats))
+        raise TypeError(f"expected the fp8 tensors of one call in one format, got {got}")
     (fp8,) = formats
     if "kv_dtype" not in names:
         return kwargs

@@ -372,20 +372,40 @@ def test_a_tensor_subclass_is_a_pytorch_tensor_and_comes_back_as_one():
     assert torch.equal(got, expected)
 
 
-def test_the_boundary_remembers_a_bounded_number_of_types():
-    """The boundary remembers what each argument type is (NumPy, PyTorch, another exporter) so
-    that a NumPy call costs one look-up per argument; a program that makes exporter types
-    without end (a class per call) must not grow that memory without end, and its calls still
-    work once it is full."""
-    from cupaged import _interop
+def test_the_boundary_keeps_no_class_and_asks_each_object():
+    """The boundary asks each argument itself whether it is a foreign array: a class made at run
+    time is not kept alive by it, an object whose ``__dlpack__`` is its own (a proxy's
+    ``__getattr__``) is imported, and an argument whose type cannot be hashed is no error."""
+    import gc
+    import weakref
 
     tables = np.array([[5, 2, 0], [1, 3, 4]], dtype=np.int32)
     lens = np.array([7, 9], dtype=np.int32)
-    for i in range(_interop._MAX_KINDS + 8):
-        exporter = type(f"Exporter{i}", (ReadOnly,), {})
-        indptr, indices, _ = cupaged.to_csr(exporter(tables.copy()), exporter(lens.copy()), 4)
-        assert indices.tolist() == [5, 2, 1, 3, 4]
-    assert len(_interop._KINDS) <= _interop._MAX_KINDS
+    exporter = type("Exporter", (ReadOnly,), {})
+    indptr, indices, _ = cupaged.to_csr(exporter(tables.copy()), exporter(lens.copy()), 4)
+    assert indices.tolist() == [5, 2, 1, 3, 4]
+    made = weakref.ref(exporter)
+    del exporter
+    gc.collect()
+    assert made() is None, "the boundary kept a class made at run time alive"
+
+    class Proxy:  # forwards every attribute, as wrapt.ObjectProxy does
+        def __init__(self, wrapped):
+            self._wrapped = wrapped
+
+        def __getattr__(self, name):
+            return getattr(self._wrapped, name)
+
+    indptr, indices, _ = cupaged.to_csr(Proxy(tables), Proxy(lens), 4)
+    assert indices.tolist() == [5, 2, 1, 3, 4]
+
+    class Meta(type):
+        def __eq__(cls, other):  # defines __eq__ alone: the class cannot be hashed
+            return cls is other
+
+    unhashable = Meta("Unhashable", (), {})()  # a true value: checked
+    indptr, indices, _ = cupaged.to_csr(tables, lens, 4, checked=unhashable)
+    assert indices.tolist() == [5, 2, 1, 3, 4]
 
 
 @pytest.mark.parametrize(
