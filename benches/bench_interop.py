@@ -6,21 +6,32 @@ host part is timed with the plan's decode kernel replaced by a no-op (the kernel
 otherwise hide a few µs in their noise), on a tiny plan (float32, one sequence of one token, one
 query head, head_dim 64, block 16), for:
 
-- ``numpy_bare``: the NumPy run without the boundary (the method ``takes_dlpack`` wraps);
-- ``numpy``: the NumPy run through the boundary (a type test per argument);
+- ``numpy_bare``, ``numpy_bare_alloc``: the NumPy run without the boundary (the method
+  ``takes_dlpack`` wraps), with ``out=`` given and without (the run allocates its output);
+- ``numpy``, ``numpy_alloc``: the NumPy run through the boundary (a type look-up per argument),
+  with ``out=`` and without;
 - ``torch_out``: four CPU tensors, ``out=`` given (four imports, the caller's ``out`` back);
 - ``torch``: three tensors, no ``out`` (three imports and one export: docs/interop.md's layer);
 - ``torch_floor``: the method without the boundary called with ``Tensor.numpy()`` views and its
-  result handed back by ``torch.from_numpy``, inline: PyTorch's conversions and nothing else (no
-  framework test, no refusal, no error naming), the least any Python boundary pays;
-- ``numpy_bf16``, ``torch_bf16``, ``torch_bf16_floor``: the same in bfloat16 (NumPy: its
-  ``uint16`` storage; a tensor is viewed as ``torch.uint16``, a result as ``torch.bfloat16``).
+  result handed back by ``torch.from_numpy``, inline, with no test, refusal or error naming: the
+  least any boundary written in Python pays;
+- ``conversions``: PyTorch's calls of the floor alone (three ``numpy()``, one ``from_numpy``),
+  without the run;
+- ``numpy_bf16``, ``numpy_bf16_bare``, ``torch_bf16``, ``torch_bf16_floor``,
+  ``conversions_bf16``: the same in bfloat16, without ``out`` (NumPy: its ``uint16`` storage; a
+  tensor is viewed as ``torch.uint16``, a result as ``torch.bfloat16``);
 
 and the whole run (the real kernel) on NumPy and on tensors. The cases alternate round by round
 and each keeps its best round (the least disturbed one on a shared machine). ``extra_info``:
-µs per call of each, ``torch_over_numpy_us``, ``torch_out_over_numpy_us`` and
-``torch_bf16_over_numpy_us`` (``numpy`` and ``numpy_bf16`` subtracted), and the floors over
-``numpy_bare``.
+µs per call of each, and the differences of like with like:
+
+- ``torch_over_numpy_us`` (``torch - numpy_alloc``), ``torch_out_over_numpy_us`` (``torch_out
+  - numpy``), ``torch_bf16_over_numpy_us`` (``torch_bf16 - numpy_bf16``): what the boundary
+  adds for tensors;
+- ``floor_over_bare_us`` (``torch_floor - numpy_bare_alloc``) and ``bf16_floor_over_bare_us``:
+  the floor of that;
+- ``torch_over_floor_us`` (``torch - torch_floor``) and ``bf16_over_floor_us``: the boundary's
+  own Python above the floor.
 
 ``python benches/bench_interop.py [ROUNDS]`` prints the same numbers without pytest.
 """
@@ -87,16 +98,28 @@ def measure(calls: int = CALLS, rounds: int = ROUNDS) -> dict[str, float]:
         views = (x.view(bits16).numpy() for x in (q, k, v))
         return torch.from_numpy(bare(bf16_plan, *views)).view(bfloat16)
 
+    def conversions():
+        return tq.numpy(), tk.numpy(), tv.numpy(), torch.from_numpy(out)
+
+    def conversions_bf16():
+        views = tuple(x.view(bits16).numpy() for x in (bq, bk, bv))
+        return views, torch.from_numpy(nq).view(bfloat16)
+
     host = best_us(
         {
             "numpy_bare": lambda: bare(plan, q, k, v, out=out),
+            "numpy_bare_alloc": lambda: bare(plan, q, k, v),
             "numpy": lambda: plan.run(q, k, v, out=out),
+            "numpy_alloc": lambda: plan.run(q, k, v),
             "torch_out": lambda: plan.run(tq, tk, tv, out=tout),
             "torch": lambda: plan.run(tq, tk, tv),
             "torch_floor": lambda: floor(tq, tk, tv),
+            "conversions": conversions,
             "numpy_bf16": lambda: bf16_plan.run(nq, nk, nv),
+            "numpy_bf16_bare": lambda: bare(bf16_plan, nq, nk, nv),
             "torch_bf16": lambda: bf16_plan.run(bq, bk, bv),
             "torch_bf16_floor": lambda: floor_bf16(bq, bk, bv),
+            "conversions_bf16": conversions_bf16,
         },
         calls,
         rounds,
@@ -113,23 +136,31 @@ def measure(calls: int = CALLS, rounds: int = ROUNDS) -> dict[str, float]:
     return host | whole
 
 
+DIFFERENCES = {  # extra_info's differences of like with like (the module docstring)
+    "torch_over_numpy_us": ("torch", "numpy_alloc"),
+    "torch_out_over_numpy_us": ("torch_out", "numpy"),
+    "torch_bf16_over_numpy_us": ("torch_bf16", "numpy_bf16"),
+    "floor_over_bare_us": ("torch_floor", "numpy_bare_alloc"),
+    "bf16_floor_over_bare_us": ("torch_bf16_floor", "numpy_bf16_bare"),
+    "torch_over_floor_us": ("torch", "torch_floor"),
+    "bf16_over_floor_us": ("torch_bf16", "torch_bf16_floor"),
+}
+
+
 def test_decode_plan_run_boundary(benchmark):
     times = measure()
     benchmark.extra_info.update(
         {f"{name}_us": round(t, 2) for name, t in times.items()}
-        | {
-            "torch_over_numpy_us": round(times["torch"] - times["numpy"], 2),
-            "torch_out_over_numpy_us": round(times["torch_out"] - times["numpy"], 2),
-            "torch_bf16_over_numpy_us": round(times["torch_bf16"] - times["numpy_bf16"], 2),
-            "floor_over_numpy_us": round(times["torch_floor"] - times["numpy_bare"], 2),
-            "bf16_floor_over_numpy_us": round(times["torch_bf16_floor"] - times["numpy_bare"], 2),
-            "device": "cpu backend",
-        }
+        | {name: round(times[a] - times[b], 2) for name, (a, b) in DIFFERENCES.items()}
+        | {"device": "cpu backend"}
     )
     plan, _, (tq, tk, tv, _) = plan_and_arrays("float32", stub=True)
     benchmark(lambda: plan.run(tq, tk, tv))
 
 
 if __name__ == "__main__":
-    for name, t in measure(rounds=int(sys.argv[1]) if len(sys.argv) > 1 else ROUNDS).items():
-        print(f"{name:12s} {t:7.2f} µs")
+    times = measure(rounds=int(sys.argv[1]) if len(sys.argv) > 1 else ROUNDS)
+    for name, t in times.items():
+        print(f"{name:24s} {t:7.2f} µs")
+    for name, (a, b) in DIFFERENCES.items():
+        print(f"{name:24s} {times[a] - times[b]:7.2f} µs")
