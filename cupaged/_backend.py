@@ -119,10 +119,7 @@ def array_module(*arrays: Any) -> ModuleType:
         elif isinstance(x, np.ndarray):
             kinds.add("numpy")
         else:
-            hint = ""
-            if hasattr(x, "__dlpack__"):  # reached where no DLPack boundary stands in front
-                hint = " (numpy.from_dlpack or cupy.from_dlpack views it without a copy)"
-            raise TypeError(f"expected a NumPy or CuPy array, got {type(x).__name__}{hint}")
+            raise TypeError(f"expected a NumPy or CuPy array, got {type(x).__name__}")
     if len(kinds) > 1:
         raise TypeError("expected all arrays on one device, got a mix of NumPy and CuPy arrays")
     return device_module("cuda") if kinds == {"cupy"} else np

@@ -23,6 +23,11 @@ as ``torch.bfloat16``. On CUDA (and for a CPU tensor that goes the general way, 
 DLPack) the ``int16`` view is taken on every CuPy: it is a bfloat16 carrier everywhere, and
 CuPy 13 has no bfloat16 dtype to import it as.
 
+fp8: a PyTorch ``float8_e4m3fn`` or ``float8_e5m2`` tensor is a cache of that format. In host
+memory it is imported as the ``ml_dtypes`` array of the format (NumPy's fp8 cache, which names
+itself); on CUDA as ``uint8`` bytes, with the call's ``kv_dtype`` filled in from the caches'
+dtype (:func:`_with_kv_dtype`). PyTorch's other one-byte floats are refused.
+
 The arrays of one call come from one framework: mixing NumPy with PyTorch (or CuPy with
 PyTorch) is refused, as mixing NumPy and CuPy is.
 """
@@ -148,7 +153,7 @@ def _cpu_tensor_views(values: Any, torch: _Torch) -> tuple[Any, ...] | None:
                     return None
                 else:
                     x = x.view(torch.bits16).numpy()
-            except (RuntimeError, TypeError, ValueError):  # on a device, a lazy negation, ...
+            except (RuntimeError, TypeError, ValueError):  # fp8, a lazy negation, sparse, ...
                 return None
         elif type(x) is np.ndarray or hasattr(x, "__dlpack__"):
             return None
@@ -201,7 +206,8 @@ class _Imported:
     Raises:
         TypeError: arrays of two frameworks in one call, or a foreign array that cannot be
             imported (a tensor on a device cupaged does not run on, one that requires grad,
-            one with a lazy negation or conjugation).
+            one with a lazy negation or conjugation, a one-byte float of a format no kernel
+            reads); on CUDA, fp8 caches that :func:`_with_kv_dtype` refuses.
     """
 
     __slots__ = (
@@ -221,14 +227,14 @@ class _Imported:
         self.torch = _torch_types()
         self.imported, self.originals = [], []
         self._frameworks = set()
-        self._fp8 = set()  # the formats of fp8 tensors imported as bytes (on CUDA)
+        self._fp8 = set()  # the formats of fp8 caches imported as bytes (on CUDA)
         self.args = tuple(self._import_arg(i, x) for i, x in enumerate(args))
         self.kwargs = kwargs
         if kwargs:
             imported = (self._import_arg(i, x) for i, x in enumerate(kwargs.values(), len(args)))
             self.kwargs = dict(zip(kwargs, imported, strict=True))
         if self._fp8:
-            self.kwargs = _with_kv_dtype(self._fp8, names, args, self.kwargs)
+            self.kwargs = _with_kv_dtype(self._fp8, names, self.kwargs)
         if len(self._frameworks) > 1:
             described = ", ".join(f"{n}: {_kind(x)}" for n, x in _given(*self._call).items())
             raise TypeError(
@@ -265,7 +271,7 @@ class _Imported:
                 source = x if fp8 is None else x.view(torch.uint8)
             array = _import(name, source, framework, shown=x)
             if fp8 is not None:
-                array = self._fp8_array(array, fp8)
+                array = self._fp8_array(name, array, fp8)
         else:
             framework = framework_of(x)
             if is_native(x):
@@ -277,40 +283,45 @@ class _Imported:
         self.originals.append(x)
         return array
 
-    def _fp8_array(self, data: Any, fp8: str) -> Any:
-        """The bytes of a PyTorch fp8 tensor as cupaged's fp8 cache: in host memory the
+    def _fp8_array(self, name: str, data: Any, fp8: str) -> Any:
+        """The bytes of PyTorch fp8 tensor ``name`` as cupaged's fp8: in host memory the
         ``ml_dtypes`` array of its format (which names itself, as a NumPy fp8 cache does); on
-        CUDA the ``uint8`` bytes (CuPy has no fp8 dtype), whose format the call's ``kv_dtype``
-        will name (:func:`_with_kv_dtype`)."""
+        CUDA the ``uint8`` bytes (CuPy has no fp8 dtype), whose format, for a cache, the call's
+        ``kv_dtype`` will name (:func:`_with_kv_dtype`; other arguments are never fp8, and the
+        function refuses their bytes)."""
         if type(data) is np.ndarray:
             return data.view(cache_dtype(fp8, np))
-        self._fp8.add(fp8)
+        if name in ("k_cache", "v_cache"):
+            self._fp8.add(fp8)
         return data
 
 
-def _with_kv_dtype(formats: set[str], names: tuple, args: tuple, kwargs: dict) -> dict:
-    """``kwargs`` with ``kv_dtype`` naming ``formats``, the format of the call's fp8 tensors that
-    arrived as ``uint8`` bytes, when the function takes ``kv_dtype`` and the caller gave none. A
-    plan's ``run`` takes no ``kv_dtype``: its bytes are read in the format the plan was made
-    for.
+def _with_kv_dtype(formats: set[str], names: tuple, kwargs: dict) -> dict:
+    """``kwargs`` with ``kv_dtype`` naming ``formats``, the format of the call's fp8 caches that
+    arrived as ``uint8`` bytes (on CUDA), when the caller gave none (``kv_dtype`` is
+    keyword-only wherever it is taken).
 
     Raises:
-        TypeError: fp8 tensors of two formats in one call, or a ``kv_dtype`` that names a format
-            other than the tensors'.
+        TypeError: caches of two formats; a ``kv_dtype`` that names another; or a function that
+            takes no ``kv_dtype`` (a plan's ``run``), which could not check the bytes against
+            the format it was made for: it takes them as ``tensor.view(torch.uint8)``.
     """
     if len(formats) > 1:
         got = " and ".join(sorted(formats))
-        raise TypeError(f"expected the fp8 tensors of one call in one format, got {got}")
+        raise TypeError(f"expected the fp8 caches of one call in one format, got {got}")
     (fp8,) = formats
     if "kv_dtype" not in names:
-        return kwargs
-    i = names.index("kv_dtype")
-    given = args[i] if i < len(args) else kwargs.get("kv_dtype")
-    if given is None and i >= len(args):
-        return kwargs | {"kv_dtype": fp8}
-    if given is not None and dtype_name(given) != fp8:
         raise TypeError(
-            f"expected kv_dtype={fp8!r}, the format of the call's fp8 tensors (or none), got "
+            f"expected the fp8 caches as bytes here (tensor.view(torch.uint8)): a plan reads "
+            f"them in the format it was made for, and cannot check a {fp8} tensor's against it "
+            f"on CUDA"
+        )
+    given = kwargs.get("kv_dtype")
+    if given is None:
+        return kwargs | {"kv_dtype": fp8}
+    if dtype_name(given) != fp8:
+        raise TypeError(
+            f"expected kv_dtype={fp8!r}, the format of the call's fp8 caches (or none), got "
             f"kv_dtype={given!r}"
         )
     return kwargs
@@ -322,8 +333,9 @@ def _export(result: Any, framework: str, torch: _Torch) -> Any:
     of another framework gets the NumPy or CuPy array itself.
 
     A writable NumPy array goes to PyTorch through ``torch.from_numpy``, the same view as
-    ``torch.from_dlpack`` at a fraction of its cost; a dtype that PyTorch's NumPy bridge lacks
-    (``ml_dtypes``), a read-only array and a CuPy array go through DLPack.
+    ``torch.from_dlpack`` at a fraction of its cost; a read-only array and a CuPy array go
+    through DLPack. A PyTorch caller never gets an ``ml_dtypes`` result, which neither bridge
+    takes: queries and outputs are never fp8, and its bfloat16 arrives as ``uint16``.
     """
     if framework == "torch":
         tensor = None
@@ -381,8 +393,13 @@ def _torch_types() -> _Torch:
 @functools.cache
 def _torch_of(torch: Any) -> _Torch:
     bits16 = getattr(torch, "uint16", torch.int16)
-    fp8 = {getattr(torch, name, None): cupaged for name, cupaged in _TORCH_FP8.items()}
-    fp8.pop(None, None)  # a PyTorch before 2.1 has no fp8 dtypes
+    fp8 = {}  # cupaged's names decide which of PyTorch's one-byte floats are its formats
+    for name in dir(torch):
+        if name.startswith("float8_"):
+            try:
+                fp8[getattr(torch, name)] = dtype_name(name)
+            except TypeError:  # another format (fnuz, e8m0)
+                pass
     return _Torch(
         torch.Tensor,
         torch.bfloat16,
@@ -393,9 +410,6 @@ def _torch_of(torch: Any) -> _Torch:
         torch.uint8,
         fp8,
     )
-
-
-_TORCH_FP8 = {"float8_e4m3fn": "float8_e4m3", "float8_e5m2": "float8_e5m2"}
 
 
 def _refuse_what_dlpack_would_lose(name: str, x: Any) -> None:

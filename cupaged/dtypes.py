@@ -25,7 +25,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from ._backend import array_module
+from ._backend import array_module, is_cupy_array
 
 
 @dataclass(frozen=True, slots=True)
@@ -254,11 +254,11 @@ def to_float(x: Any, dtype: Any = np.float32, kv_dtype: Any = None) -> Any:
         An array of ``x``'s shape in ``dtype``, on ``x``'s device (``x`` itself when nothing changes).
 
     Raises:
-        TypeError: ``x`` is not a NumPy or CuPy array (a PyTorch tensor: ``tensor.float()``
+        TypeError: ``x`` is an array of another framework (a PyTorch tensor: ``tensor.float()``
             widens it), or holds none of the element types (a ``uint8`` array without
             ``kv_dtype`` included).
     """
-    array_module(x)
+    _refuse_foreign(x, "tensor.float()")
     name = array_dtype_name(x, kv_dtype)
     if name == "bfloat16":
         bits = as_storage(x).astype(np.uint32) << np.uint32(16)
@@ -266,6 +266,21 @@ def to_float(x: Any, dtype: Any = np.float32, kv_dtype: Any = None) -> Any:
     if is_fp8(name):
         return _fp8_values(name, array_module(x))[as_storage(x)].astype(dtype, copy=False)
     return x.astype(dtype, copy=False)
+
+
+def _refuse_foreign(x: Any, conversion: str) -> None:
+    """Refuse an array of another framework (one with ``__dlpack__`` that is not a NumPy or CuPy
+    array): the conversions here are of cupaged's own storage, and a framework converts its own
+    arrays (``conversion``, PyTorch's way). NumPy scalars and anything else pass as before.
+
+    Raises:
+        TypeError: naming the array's type and its framework's conversion.
+    """
+    if hasattr(x, "__dlpack__") and not (isinstance(x, np.ndarray) or is_cupy_array(x)):
+        raise TypeError(
+            f"expected a NumPy or CuPy array, got {type(x).__module__}.{type(x).__name__} (its "
+            f"framework converts it: {conversion} for a PyTorch tensor)"
+        )
 
 
 @functools.lru_cache(maxsize=8)
@@ -354,10 +369,10 @@ def from_float(x: Any, name: Any, like: Any = None) -> Any:
         given), on ``x``'s device.
 
     Raises:
-        TypeError: ``x`` is not a NumPy or CuPy array (a PyTorch tensor: ``tensor.to(dtype)``
-            rounds it), or ``name`` is none of the element types.
+        TypeError: ``x`` is an array of another framework (a PyTorch tensor:
+            ``tensor.to(dtype)`` rounds it), or ``name`` is none of the element types.
     """
-    array_module(x)
+    _refuse_foreign(x, "tensor.to(dtype)")
     name = dtype_name(name)
     if is_fp8(name):
         bits = float_to_fp8_bits(x, name)

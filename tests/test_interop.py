@@ -419,9 +419,10 @@ def test_the_boundary_keeps_no_class_and_asks_each_object():
 )
 def test_the_dtype_helpers_refuse_a_tensor_naming_the_way_in(call, dtype):
     """``from_float`` and ``to_float`` convert cupaged's own NumPy or CuPy storage (PyTorch
-    converts its tensors itself): a tensor gets a ``TypeError`` naming the zero-copy way to an
-    array, not an ``AttributeError`` from inside."""
-    with pytest.raises(
-        TypeError, match=r"expected a NumPy or CuPy array, got Tensor .*from_dlpack"
-    ):
+    converts its tensors itself): a tensor gets a ``TypeError`` naming PyTorch's conversion, not
+    an ``AttributeError`` from inside; NumPy scalars still convert."""
+    expected = r"expected a NumPy or CuPy array, got torch\.Tensor .* for a PyTorch tensor"
+    with pytest.raises(TypeError, match=expected):
         call(torch.randn(3).to(dtype))
+    assert cupaged.to_float(np.uint16(0x3FC0)) == 1.5  # an element of a bfloat16 cache
+    assert cupaged.from_float(np.float32(0.1), "float16") == np.float16(0.1)
