@@ -12,6 +12,7 @@ import time
 import ml_dtypes
 import numpy as np
 
+from cupaged._backend import cuda_available
 from cupaged.dtypes import to_float
 from cupaged.errors import CupagedError, KernelError
 
@@ -37,6 +38,19 @@ def assert_close(actual, expected: np.ndarray, dtype: str) -> None:
     got = to_float(actual, np.float64)
     got = got.get() if hasattr(got, "get") else got
     np.testing.assert_allclose(got, expected, **TOLERANCES[dtype])
+
+
+def torch_devices(torch) -> list:
+    """The devices of a PyTorch test's ``device`` parameter: ``"cpu"``, and ``"cuda"`` marked
+    ``gpu`` and skipped unless both CuPy and PyTorch see a CUDA GPU."""
+    import pytest
+
+    seen = cuda_available() and torch.cuda.is_available()
+    reason = "needs a CUDA GPU seen by both CuPy and PyTorch"
+    cuda = pytest.param(
+        "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not seen, reason=reason)]
+    )
+    return ["cpu", cuda]
 
 
 def random_array(rng: np.random.Generator, shape, dtype: str) -> np.ndarray:

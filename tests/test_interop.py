@@ -10,28 +10,15 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import TOLERANCES
+from helpers import TOLERANCES, torch_devices
 
 import cupaged
-from cupaged._backend import cuda_available
 
 torch = pytest.importorskip("torch", reason="needs PyTorch (pip install '.[interop]')")
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
-DEVICES = [
-    "cpu",
-    pytest.param(
-        "cuda",
-        marks=[
-            pytest.mark.gpu,
-            pytest.mark.skipif(
-                not (cuda_available() and torch.cuda.is_available()),
-                reason="needs a CUDA GPU seen by both CuPy and PyTorch",
-            ),
-        ],
-    ),
-]
+DEVICES = torch_devices(torch)
 NB, H_KV, BS, D, H_Q = 10, 2, 16, 64, 4
 
 

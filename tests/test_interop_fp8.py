@@ -13,28 +13,15 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import TOLERANCES
+from helpers import assert_close, torch_devices
 
 import cupaged
-from cupaged._backend import cuda_available
 from cupaged.dtypes import from_float
 
 torch = pytest.importorskip("torch", reason="needs PyTorch (pip install '.[interop]')")
 
 FORMATS = {"float8_e4m3": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
-DEVICES = [
-    "cpu",
-    pytest.param(
-        "cuda",
-        marks=[
-            pytest.mark.gpu,
-            pytest.mark.skipif(
-                not (cuda_available() and torch.cuda.is_available()),
-                reason="needs a CUDA GPU seen by both CuPy and PyTorch",
-            ),
-        ],
-    ),
-]
+DEVICES = torch_devices(torch)
 NB, H_KV, BS, D, H_Q = 10, 2, 16, 64, 4
 K_SCALE, V_SCALE = 0.8, 1.7
 
@@ -59,10 +46,6 @@ def problem(rng, device):
     return (q, tables, lens), tuple(torch.from_numpy(x).to(device) for x in (q, tables, lens))
 
 
-def assert_close(got, expected):
-    np.testing.assert_allclose(got.cpu().numpy(), expected, **TOLERANCES["float32"])
-
-
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_decode_and_prefill_read_torch_fp8_caches(rng, device, fmt):
@@ -77,7 +60,7 @@ def test_decode_and_prefill_read_torch_fp8_caches(rng, device, fmt):
     planned = plan.run(tq, tk8, tv8, out=out, **scales)
     for got in (one_shot, planned):
         assert isinstance(got, torch.Tensor) and got.dtype == torch.float32
-        assert_close(got, expected)
+        assert_close(got.cpu().numpy(), expected, "float32")
     assert planned is out
 
     starts = np.array([0, 4, 7], np.int32)
@@ -90,7 +73,7 @@ def test_decode_and_prefill_read_torch_fp8_caches(rng, device, fmt):
     plan = cupaged.PrefillPlan(ttables, tlens, tstarts, tk8, H_Q, q_dtype="float32")
     for got in (one_shot, plan.run(tq7, tk8, tv8, **scales)):
         assert isinstance(got, torch.Tensor)
-        assert_close(got, expected)
+        assert_close(got.cpu().numpy(), expected, "float32")
 
 
 @pytest.mark.parametrize("device", DEVICES)
