@@ -2,12 +2,28 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers import seed_of
 
 
 @pytest.fixture
 def rng(request) -> np.random.Generator:
-    """A generator seeded from the test's id: fresh inputs per test, reproducible per run."""
-    return np.random.default_rng(abs(hash(request.node.nodeid)) % 2**32)
+    """A generator seeded from the test's id: fresh inputs per test, the same in every run.
+    A failing test's report names the seed (:func:`pytest_runtest_makereport`)."""
+    seed = seed_of(request.node.nodeid)
+    request.node.user_properties.append(("rng seed", seed))
+    return np.random.default_rng(seed)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if report.failed:
+        for name, seed in item.user_properties:
+            if name == "rng seed":
+                report.sections.append(
+                    ("rng", f"rng seeded with {seed}: numpy.random.default_rng({seed})")
+                )
+    return report
 
 
 def _cupy_with_gpu():

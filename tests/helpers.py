@@ -6,6 +6,7 @@ Imported as ``from helpers import ...`` (pytest puts ``tests/`` on ``sys.path``)
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import struct
 import time
 
@@ -26,6 +27,12 @@ TOLERANCES = {
     "float16": dict(atol=1e-3, rtol=1e-3),
     "bfloat16": dict(atol=1e-2, rtol=1.6e-2),
 }
+
+
+def seed_of(nodeid: str) -> int:
+    """The ``rng`` fixture's seed for a test: a digest of its id, the same in every process and
+    run (``hash()`` of a string is salted per process)."""
+    return int.from_bytes(hashlib.sha256(nodeid.encode()).digest()[:4], "little")
 
 
 def lengths_for(block_size: int) -> list[int]:
