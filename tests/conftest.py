@@ -33,13 +33,28 @@ def _cupy_with_gpu():
 
 
 @pytest.fixture(
-    params=["numpy", pytest.param("cupy", marks=pytest.mark.gpu)],
+    params=[
+        "numpy",
+        pytest.param("strict", marks=pytest.mark.strict),
+        pytest.param("cupy", marks=pytest.mark.gpu),
+    ],
 )
 def xp(request):
-    """The array module under test: NumPy always, CuPy where a GPU is present."""
+    """The array module under test: NumPy always; CuPy where a GPU is present; and, where none
+    is, ``strict``: the CPU stand-in for CuPy (``tests/strict_cupy.py``), which takes the
+    library's CUDA paths, runs the kernels on the CPU backend and refuses, as CuPy does, to turn
+    its arrays into NumPy arrays implicitly (see tests/README.md)."""
     if request.param == "numpy":
-        return np
-    cupy = _cupy_with_gpu()
-    if cupy is None:
-        pytest.skip("needs a CUDA GPU (CuPy sees none)")
-    return cupy
+        yield np
+    elif request.param == "strict":
+        if _cupy_with_gpu() is not None:
+            pytest.skip("a CUDA GPU is here: the cupy variant runs what the stand-in imitates")
+        import strict_cupy
+
+        with strict_cupy.installed() as module:
+            yield module
+    else:
+        cupy = _cupy_with_gpu()
+        if cupy is None:
+            pytest.skip("needs a CUDA GPU (CuPy sees none)")
+        yield cupy

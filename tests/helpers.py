@@ -187,6 +187,19 @@ def forget_cpu_builds() -> None:
     cpu_module._BUILDS.clear()
 
 
+def forget_cuda_state() -> None:
+    """Forget what cupaged keeps per CUDA device (kernels, the device's limits) and which CuPy
+    it found, so that the next call looks again: the strict CuPy stand-in
+    (``strict_cupy.installed``) goes in and out with this, so that neither its kernels and
+    limits outlive it nor a real GPU's reach it."""
+    from cupaged import _attention, _backend, _kernels
+
+    _backend.cupy_module.cache_clear()
+    _backend.cuda_available.cache_clear()
+    _attention._cuda_target.cache_clear()
+    _kernels._cuda_functions.clear()
+
+
 @contextlib.contextmanager
 def cpu_stride_threads(threads: int):
     """Run ``write_kv`` and ``copy_blocks`` on the CPU backend with ``threads`` threads per block
