@@ -13,7 +13,7 @@ import time
 import ml_dtypes
 import numpy as np
 
-from cupaged._backend import cuda_available
+from cupaged._backend import cuda_available, to_numpy
 from cupaged.dtypes import to_float
 from cupaged.errors import CupagedError, KernelError
 
@@ -40,11 +40,18 @@ def lengths_for(block_size: int) -> list[int]:
     return sorted({1, max(block_size - 1, 1), block_size, block_size + 1, 97})
 
 
-def assert_close(actual, expected: np.ndarray, dtype: str) -> None:
-    """Compare ``actual`` (any cache element type, NumPy or CuPy) with a float64 reference."""
-    got = to_float(actual, np.float64)
-    got = got.get() if hasattr(got, "get") else got
-    np.testing.assert_allclose(got, expected, **TOLERANCES[dtype])
+def assert_close(actual, expected, dtype: str) -> None:
+    """Compare ``actual`` with a float64 reference ``expected`` through the tolerance table.
+
+    Either side may hold any cache element type (bfloat16 bits, fp8 with ``ml_dtypes``) and be
+    on either device: each comes to the host explicitly (:func:`host_float64`), as a CuPy array
+    must before ``np.testing`` sees it."""
+    np.testing.assert_allclose(host_float64(actual), host_float64(expected), **TOLERANCES[dtype])
+
+
+def host_float64(x) -> np.ndarray:
+    """``x`` (any cache element type, NumPy or device array) as float64 NumPy values."""
+    return to_numpy(x if x.dtype == np.float64 else to_float(x, np.float64))
 
 
 def torch_devices(torch) -> list:
