@@ -24,6 +24,7 @@ from .dtypes import (
     as_storage,
     cache_dtype,
     carriers,
+    dtype_name,
     is_fp8,
 )
 
@@ -166,7 +167,10 @@ class LayerArrays:
         kv_dtype: Any = None,
         q_dtype: str | None = None,
     ) -> None:
-        self._xp, self.dtype, self._kv_dtype = xp, dtype, kv_dtype
+        # An fp8 plan reads uint8 bytes in its own format, on both devices (a PyTorch fp8
+        # tensor arrives as its bytes, its format checked by check_kv_dtype).
+        self._xp, self.dtype = xp, dtype
+        self._kv_dtype = dtype if is_fp8(dtype) else kv_dtype
         self._device_id = device_id(xp)
         self._layout, self._q_axes, self._q_shape = tuple(layout), q_axes, tuple(q_shape)
         # What the fast path compares (q, out, k_cache, v_cache) with: the exact array type, the
@@ -178,7 +182,8 @@ class LayerArrays:
         self._q_names = {c: name for name in q_names for c in carriers(name)}
         self._q_strides = {q.itemsize: _c_strides(self._q_shape, q.itemsize) for q in self._q_names}
         cache = np.dtype(cache_dtype(dtype, xp))
-        self._cache_dtypes = frozenset((cache, *carriers(dtype)))
+        bytes_ = (np.dtype(np.uint8),) if is_fp8(dtype) else ()
+        self._cache_dtypes = frozenset((cache, *carriers(dtype), *bytes_))
         self._kinds = (xp.ndarray,) * 4
         self._shapes = (self._q_shape, self._q_shape, self._layout, self._layout)
         self._strides = _c_strides(self._layout, cache.itemsize)
@@ -218,6 +223,26 @@ class LayerArrays:
                 f"shared-memory opt-in are that device's; make a plan on each device"
             )
         return out, q, k_cache, v_cache, out_storage, q_name
+
+    def check_kv_dtype(self, kv_dtype: Any) -> None:
+        """A ``kv_dtype`` given to a run: it must name the plan's fp8 format (the format of
+        ``uint8`` caches, which a PyTorch fp8 tensor's dtype fills in).
+
+        Raises:
+            TypeError: another format, a dtype that is not fp8, or a plan of a cache that is
+                not fp8.
+        """
+        name = dtype_name(kv_dtype)
+        if not is_fp8(self.dtype):
+            raise TypeError(
+                f"expected no kv_dtype for a plan of a {self.dtype} cache (kv_dtype names fp8 "
+                f"bytes), got {name}"
+            )
+        if name != self.dtype:
+            raise TypeError(
+                f"expected kv_dtype={self.dtype!r} (the plan's fp8 format) or None, got "
+                f"kv_dtype={kv_dtype!r}"
+            )
 
     def _checked(self, q: Any, k_cache: Any, v_cache: Any, out: Any) -> tuple[Any, ...]:
         """The full checks, naming what was expected (the plan's) and what arrived."""

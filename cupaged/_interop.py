@@ -23,10 +23,12 @@ as ``torch.bfloat16``. On CUDA (and for a CPU tensor that goes the general way, 
 DLPack) the ``int16`` view is taken on every CuPy: it is a bfloat16 carrier everywhere, and
 CuPy 13 has no bfloat16 dtype to import it as.
 
-fp8: a PyTorch ``float8_e4m3fn`` or ``float8_e5m2`` tensor is a cache of that format. In host
-memory it is imported as the ``ml_dtypes`` array of the format (NumPy's fp8 cache, which names
-itself); on CUDA as ``uint8`` bytes, with the call's ``kv_dtype`` filled in from the caches'
-dtype (:func:`_with_kv_dtype`). PyTorch's other one-byte floats are refused.
+fp8: a PyTorch ``float8_e4m3fn`` or ``float8_e5m2`` tensor is a cache of that format. On both
+devices it is imported as its ``uint8`` bytes (CuPy has no fp8 dtype; one path for both, so that
+CPU tests cover what CUDA runs), and the tensor's dtype names the format: the call's
+``kv_dtype`` is filled in from it, or checked against it when the caller gave one
+(:func:`_with_kv_dtype`; a plan's ``run`` checks it against the plan's format). PyTorch's other
+one-byte floats are refused.
 
 The arrays of one call come from one framework: mixing NumPy with PyTorch (or CuPy with
 PyTorch) is refused, as mixing NumPy and CuPy is.
@@ -44,7 +46,7 @@ from typing import Any
 import numpy as np
 
 from ._backend import cupy_module, is_cupy_array
-from .dtypes import cache_dtype, dtype_name
+from .dtypes import dtype_name
 
 _DL_CPU = 1  # DLPack device types (dlpack.h: kDLCPU, kDLCUDA, kDLCUDAHost)
 _DL_CUDA = 2
@@ -207,7 +209,7 @@ class _Imported:
         TypeError: arrays of two frameworks in one call, or a foreign array that cannot be
             imported (a tensor on a device cupaged does not run on, one that requires grad,
             one with a lazy negation or conjugation, a one-byte float of a format no kernel
-            reads); on CUDA, fp8 caches that :func:`_with_kv_dtype` refuses.
+            reads); fp8 caches that :func:`_with_kv_dtype` refuses.
     """
 
     __slots__ = (
@@ -227,7 +229,7 @@ class _Imported:
         self.torch = _torch_types()
         self.imported, self.originals = [], []
         self._frameworks = set()
-        self._fp8 = set()  # the formats of fp8 caches imported as bytes (on CUDA)
+        self._fp8 = set()  # the formats of the fp8 caches, imported as bytes
         self.args = tuple(self._import_arg(i, x) for i, x in enumerate(args))
         self.kwargs = kwargs
         if kwargs:
@@ -270,8 +272,8 @@ class _Imported:
             else:
                 source = x if fp8 is None else x.view(torch.uint8)
             array = _import(name, source, framework, shown=x)
-            if fp8 is not None:
-                array = self._fp8_array(name, array, fp8)
+            if fp8 is not None and name in ("k_cache", "v_cache"):
+                self._fp8.add(fp8)  # other arguments are never fp8: the function refuses bytes
         else:
             framework = framework_of(x)
             if is_native(x):
@@ -283,28 +285,16 @@ class _Imported:
         self.originals.append(x)
         return array
 
-    def _fp8_array(self, name: str, data: Any, fp8: str) -> Any:
-        """The bytes of PyTorch fp8 tensor ``name`` as cupaged's fp8: in host memory the
-        ``ml_dtypes`` array of its format (which names itself, as a NumPy fp8 cache does); on
-        CUDA the ``uint8`` bytes (CuPy has no fp8 dtype), whose format, for a cache, the call's
-        ``kv_dtype`` will name (:func:`_with_kv_dtype`; other arguments are never fp8, and the
-        function refuses their bytes)."""
-        if type(data) is np.ndarray:
-            return data.view(cache_dtype(fp8, np))
-        if name in ("k_cache", "v_cache"):
-            self._fp8.add(fp8)
-        return data
-
 
 def _with_kv_dtype(formats: set[str], names: tuple, kwargs: dict) -> dict:
     """``kwargs`` with ``kv_dtype`` naming ``formats``, the format of the call's fp8 caches that
-    arrived as ``uint8`` bytes (on CUDA), when the caller gave none (``kv_dtype`` is
-    keyword-only wherever it is taken).
+    arrived as ``uint8`` bytes, when the caller gave none (``kv_dtype`` is keyword-only wherever
+    it is taken: every function that takes a cache, and the plans' ``run``, which check it
+    against their own format).
 
     Raises:
         TypeError: caches of two formats; a ``kv_dtype`` that names another; or a function that
-            takes no ``kv_dtype`` (a plan's ``run``), which could not check the bytes against
-            the format it was made for: it takes them as ``tensor.view(torch.uint8)``.
+            takes no ``kv_dtype``, which could not check the bytes against a format.
     """
     if len(formats) > 1:
         got = " and ".join(sorted(formats))
@@ -312,9 +302,8 @@ def _with_kv_dtype(formats: set[str], names: tuple, kwargs: dict) -> dict:
     (fp8,) = formats
     if "kv_dtype" not in names:
         raise TypeError(
-            f"expected the fp8 caches as bytes here (tensor.view(torch.uint8)): a plan reads "
-            f"them in the format it was made for, and cannot check a {fp8} tensor's against it "
-            f"on CUDA"
+            f"expected no fp8 cache here (this function takes no kv_dtype to check a {fp8} "
+            f"tensor's format against), got one"
         )
     given = kwargs.get("kv_dtype")
     if given is None:

@@ -414,6 +414,7 @@ class DecodePlan:
         out: Any = None,
         k_scale: Any = None,
         v_scale: Any = None,
+        kv_dtype: Any = None,
     ) -> Any:
         """Decode attention of one layer: what :func:`cupaged.paged_attention` computes, with
         the plan's variants.
@@ -429,13 +430,18 @@ class DecodePlan:
             out: optional ``[num_seqs, num_q_heads, head_dim]`` C-contiguous output, ``q``'s
                 dtype.
             k_scale, v_scale: an fp8 cache's scales (the module docstring); ``None``, 1.0.
+            kv_dtype: ``None``, or the plan's fp8 format, checked: an fp8 plan reads ``uint8``
+                caches in its own format, and a PyTorch fp8 tensor's dtype fills this in.
 
         Returns:
             ``out`` (a new array when ``None``), in ``q``'s dtype.
 
         Raises:
-            TypeError, ValueError: arguments unlike the plan's, bad sinks or scales (nothing runs).
+            TypeError, ValueError: arguments unlike the plan's (a ``kv_dtype`` naming another
+                format included), bad sinks or scales (nothing runs).
         """
+        if kv_dtype is not None:
+            self._arrays.check_kv_dtype(kv_dtype)
         out, q, k_cache, v_cache, out_storage, _ = self._arrays.views(q, k_cache, v_cache, out)
         if sinks is not None:
             sinks = check_sinks(self._xp, int(self._num_q_heads), sinks)

@@ -316,6 +316,7 @@ class PrefillPlan:
         v_scale: Any = None,
         sinks: Any = None,
         out: Any = None,
+        kv_dtype: Any = None,
     ) -> Any:
         """Prefill attention of one layer: what :func:`cupaged.paged_prefill` computes.
 
@@ -335,16 +336,20 @@ class PrefillPlan:
                 denominator only (gpt-oss). The first run with sinks loads their kernels.
             out: optional ``[total_query_tokens, num_q_heads, head_dim]`` C-contiguous output,
                 ``q``'s dtype.
+            kv_dtype: ``None``, or the plan's fp8 format, checked: an fp8 plan reads ``uint8``
+                caches in its own format, and a PyTorch fp8 tensor's dtype fills this in.
 
         Returns:
             ``out`` (a new array when ``None``), in ``q``'s dtype.
 
         Raises:
-            TypeError, ValueError: an argument that does not match the plan, sinks not a
-                float32 ``[num_q_heads]`` array of the plan's device, or a bad scale (not
-                positive and finite, of the wrong shape, dtype or device; any scale for a cache
-                that is not fp8): nothing is run.
+            TypeError, ValueError: an argument that does not match the plan (a ``kv_dtype``
+                naming another format included), sinks not a float32 ``[num_q_heads]`` array
+                of the plan's device, or a bad scale (not positive and finite, of the wrong
+                shape, dtype or device; any scale for a cache that is not fp8): nothing is run.
         """
+        if kv_dtype is not None:
+            self._arrays.check_kv_dtype(kv_dtype)
         if sinks is not None:
             sinks = check_sinks(self._xp, self._num_q_heads, sinks)
         scales = self._unit_scales

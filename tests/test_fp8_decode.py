@@ -177,6 +177,25 @@ def test_one_plan_runs_every_layer_with_its_own_scales(rng, xp):
     assert_close(out, oracle(q, k, v, tables, lens, None, None, kv_dtype), q_dtype)
 
 
+def test_a_plan_reads_fp8_bytes_in_its_format_and_checks_kv_dtype(rng, xp):
+    """``uint8`` bytes are read in the plan's format on both devices (NumPy's caches are
+    ``ml_dtypes`` arrays); a run's ``kv_dtype`` must name that format, or nothing runs."""
+    args = fp8_batch(rng, xp, "float8_e5m2", "float16", [7, 33], 4, 64, 16, SCALES["per-head"])
+    q, k, v, tables, lens, k_scale, v_scale, kv_dtype = args
+    plan = cupaged.DecodePlan(tables, lens, k, q.shape[1], kv_dtype=kv_dtype)
+    k_bytes, v_bytes = k.view(np.uint8), v.view(np.uint8)
+    scales = dict(k_scale=k_scale, v_scale=v_scale)
+    for given in (None, "float8_e5m2"):
+        out = plan.run(
+            q, k_bytes, v_bytes, **scales, kv_dtype=given, out=poisoned(xp, q, "float16")
+        )
+        assert_close(out, oracle(*args), "float16")
+    out = poisoned(xp, q, "float16")
+    with pytest.raises(TypeError, match=r"expected kv_dtype='float8_e5m2' \(the plan's"):
+        plan.run(q, k_bytes, v_bytes, **scales, kv_dtype="float8_e4m3", out=out)
+    assert_untouched(out)
+
+
 def test_the_fp8_oracle_is_the_float32_oracle_over_the_dequantized_cache(rng):
     """Scales of powers of two make ``fp8 * scale`` exact in float32: the fp8 reference must be
     the plain reference over that float32 cache."""

@@ -1,9 +1,9 @@
 """PyTorch fp8 caches (``torch.float8_e4m3fn``, ``torch.float8_e5m2``) through the functions that
 read and write caches: written in place, read as the NumPy caches of the same bytes are.
 
-On the CPU a tensor's bytes arrive as the ``ml_dtypes`` array of its format, which names itself;
-on CUDA as ``uint8`` bytes, with the call's ``kv_dtype`` filled in from the tensor's dtype (CuPy
-has no fp8 dtype). The attention results are compared with the float64 oracle over the NumPy
+On both devices a tensor's bytes arrive as ``uint8`` (CuPy has no fp8 dtype), with the call's
+``kv_dtype`` filled in from the tensor's dtype, a plan's ``run`` included, which checks it
+against its own format: the CPU variants run the code path of the CUDA ones. The attention results are compared with the float64 oracle over the NumPy
 caches (``reference_attention``/``reference_prefill`` in float64), the writes with the same
 write on NumPy copies, bit for bit. The CUDA variants skip cleanly without a GPU.
 """
@@ -108,22 +108,45 @@ def test_fp8_refusals_name_the_tensors_and_change_nothing(rng):
     fnuz = tk8.view(torch.uint8).view(torch.float8_e4m3fnuz)
     with pytest.raises(TypeError, match=r"expected k_cache in an fp8 format .*float8_e4m3fnuz"):
         cupaged.paged_attention(tq, fnuz, tv8, ttables, tlens)
-    with pytest.raises(TypeError, match=r"kv_dtype='float8_e5m2'.*got dtype float8_e4m3fn"):
+    with pytest.raises(TypeError, match=r"kv_dtype='float8_e4m3'.*got kv_dtype='float8_e5m2'"):
         cupaged.write_kv(tk8, tv8, k, k, slot, kv_dtype="float8_e5m2")
     other = tv8.float().to(torch.float8_e5m2)
     other_before = other.clone()
-    with pytest.raises(TypeError, match=r"expected v_cache of dtype float8_e4m3 .*got float8_e5m2"):
+    with pytest.raises(TypeError, match=r"one format, got float8_e4m3 and float8_e5m2"):
         cupaged.write_kv(tk8, other, k, k, slot)
     for tensor, old in ((tk8, before), (tv8, before_v), (other, other_before)):
         assert torch.equal(tensor.view(torch.uint8), old.view(torch.uint8))
 
 
+def test_a_plan_checks_the_format_of_fp8_tensors_against_its_own(rng):
+    """A plan's ``run`` gets the tensors' format as ``kv_dtype`` and refuses another one (or
+    any, for a plan of a cache that is not fp8) before anything runs; the plan's own format
+    runs."""
+    (k8, tk8), (_, tv8) = fp8_caches(rng, "float8_e4m3", "cpu")
+    (_, tables, lens), (tq, ttables, tlens) = problem(rng, "cpu")
+    e5m2 = [tk8.float().to(torch.float8_e5m2), tv8.float().to(torch.float8_e5m2)]
+    decode = cupaged.DecodePlan(ttables, tlens, tk8, H_Q, q_dtype="float32")
+    starts = torch.tensor([0, 1, 2], dtype=torch.int32)
+    prefill = cupaged.PrefillPlan(ttables, tlens, starts, tk8, H_Q, q_dtype="float32")
+    out = torch.full_like(tq, float("nan"))
+    for plan in (decode, prefill):
+        with pytest.raises(TypeError, match=r"expected kv_dtype='float8_e4m3' \(the plan's"):
+            plan.run(tq, *e5m2, out=out)
+        with pytest.raises(TypeError, match=r"expected kv_dtype='float8_e4m3', the format of"):
+            plan.run(tq, tk8, tv8, out=out, kv_dtype="float8_e5m2")  # the tensors' format
+        assert torch.isnan(out).all()
+        assert plan.run(tq, tk8, tv8, out=out, kv_dtype="fp8") is out
+        assert not torch.isnan(out).any()
+        out.fill_(float("nan"))
+    plain = cupaged.DecodePlan(tables, lens, np.zeros((NB, H_KV, BS, D), np.float32), H_Q)
+    with pytest.raises(TypeError, match="expected no kv_dtype for a plan of a float32 cache"):
+        plain.run(tq.numpy(), k8.astype(np.float32), k8.astype(np.float32), kv_dtype="fp8")
+
+
 def test_the_kv_dtype_of_fp8_bytes_is_the_caches_format():
-    """What a call on CUDA does with fp8 caches, which arrive as ``uint8`` bytes: the function's
-    ``kv_dtype`` is filled in from their dtype and checked when the caller gave one; a plan's
-    ``run``, which takes none and could not check the bytes against its format, refuses them.
-    Run here on the helper itself, since CPU tensors arrive as ``ml_dtypes`` arrays, which name
-    their format."""
+    """What a call does with fp8 caches, which arrive as ``uint8`` bytes: the function's
+    ``kv_dtype`` is filled in from their dtype and checked when the caller gave one; a function
+    without ``kv_dtype`` could not check the bytes, and refuses them."""
     from cupaged._interop import _with_kv_dtype
 
     names = ("k_cache", "v_cache", "k", "v", "slot_mapping", "k_scale", "v_scale", "kv_dtype")
@@ -137,6 +160,5 @@ def test_the_kv_dtype_of_fp8_bytes_is_the_caches_format():
         _with_kv_dtype(e4m3, names, {"kv_dtype": "fp8_e5m2"})
     with pytest.raises(TypeError, match="one format, got float8_e4m3 and float8_e5m2"):
         _with_kv_dtype({"float8_e4m3", "float8_e5m2"}, names, {})
-    run = ("self", "q", "k_cache", "v_cache", "sinks", "out", "k_scale", "v_scale")
-    with pytest.raises(TypeError, match=r"tensor\.view\(torch\.uint8\)"):
-        _with_kv_dtype(e4m3, run, {})
+    with pytest.raises(TypeError, match="takes no kv_dtype"):
+        _with_kv_dtype(e4m3, ("self", "k_cache", "v_cache"), {})
