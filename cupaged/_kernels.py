@@ -3,21 +3,26 @@
 A kernel is named by its source file in ``cuda/`` and its instantiation, the name expression that
 RawModule and the CPU backend both take (``"cupaged::write_kv<__half, int, 8>"``). Each
 instantiation is compiled on first use and kept per device; CuPy also caches cubins on disk and the
-CPU backend caches its shared libraries.
+CPU backend caches its shared libraries. Each load (a compile, or a read of those caches) is
+logged at ``DEBUG`` on the ``cupaged.kernels`` logger with its seconds: where the first call's
+time goes.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import logging
 import os
 import re
 import threading
+import time
 from typing import Any
 
 from ._backend import cupy_module, kernel_dir
 from ._cuda_headers import find_nvrtc_headers, nvrtc_include_dirs
 
+logger = logging.getLogger("cupaged.kernels")
 _lock = threading.Lock()
 _cuda_functions: dict[tuple[int, str, str], Any] = {}
 _cpu_functions: dict[tuple[str, str], Any] = {}
@@ -45,13 +50,15 @@ def get_kernel(device: str, source: str, name: str) -> Any:
     key = (cupy.cuda.Device().id, source, name)
     with _lock:
         if key not in _cuda_functions:
+            start = time.perf_counter()
             code = (kernel_dir() / source).read_text()
             module = cupy.RawModule(
                 code=code,
                 options=nvrtc_options(wmma=uses_wmma(code)),
                 name_expressions=(name,),
             )
-            _cuda_functions[key] = module.get_function(name)
+            _cuda_functions[key] = module.get_function(name)  # NVRTC compiles here
+            _log_load("cuda", source, name, start)
         return _cuda_functions[key]
 
 
@@ -71,9 +78,16 @@ def _cpu_kernel(source: str, name: str) -> Any:
     with _lock:
         kernel = _cpu_functions.get((source, name))
         if kernel is None:
+            start = time.perf_counter()
             module = CpuModule(kernel_dir() / source, (name,), sanitize=cpu_sanitize())
             kernel = _cpu_functions[(source, name)] = module.get_function(name)
+            _log_load("cpu", source, name, start)
         return kernel
+
+
+def _log_load(device: str, source: str, name: str, start: float) -> None:
+    """Log one kernel's load: ``"loaded <device> <source> <name> in <seconds> s"``."""
+    logger.debug("loaded %s %s %s in %.3f s", device, source, name, time.perf_counter() - start)
 
 
 def uses_wmma(code: str) -> bool:

@@ -1,8 +1,26 @@
 from __future__ import annotations
 
+import logging
+import os
+from pathlib import Path
+
 import numpy as np
 import pytest
 from helpers import seed_of
+
+
+def pytest_configure(config):
+    """``CUPAGED_KERNEL_LOG=<folder>``: every kernel load of this process (a compile or a cache
+    read, with its seconds; the ``cupaged.kernels`` logger) goes to ``kernels-<worker>.log``
+    there, so that a run can say how much of its time compiling took (``scripts/gpu-check``)."""
+    folder = os.environ.get("CUPAGED_KERNEL_LOG")
+    if folder:
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+        handler = logging.FileHandler(Path(folder) / f"kernels-{worker}.log")
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logger = logging.getLogger("cupaged.kernels")
+        logger.setLevel(logging.DEBUG)
+        logger.addHandler(handler)
 
 
 @pytest.fixture

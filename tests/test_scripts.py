@@ -153,3 +153,41 @@ def test_gpu_check_without_a_gpu_fails_quickly_and_still_writes_its_summary(tmp_
     for stage in ("smoke", "sanitizers", "tests", "bench"):
         assert f"| {stage} | skipped: no GPU is visible |" in summary
     assert len(list(out.iterdir())) <= 8  # what the device tool brings back
+
+
+def test_gpu_check_tests_summary_names_the_slowest_tests_and_kernel_loads(tmp_path):
+    """The tests stage's summary (the Python the check runs on pytest's JUnit XML and the
+    workers' kernel logs), run here on files of that shape."""
+    text = (SCRIPTS / "gpu-check").read_text()
+    start = text.index("<<'PY'\n", text.index('"$work/kernels.txt"')) + len("<<'PY'\n")
+    summarizer = tmp_path / "summary.py"
+    summarizer.write_text(text[start : text.index("\nPY\n", start)])
+    xml = tmp_path / "tests.xml"
+    xml.write_text(
+        '<testsuites><testsuite name="pytest">'
+        '<testcase classname="tests.test_a" name="test_fast" time="0.05"/>'
+        '<testcase classname="tests.test_b" name="test_slow[cupy]" time="12.50"/>'
+        '<testcase classname="tests.test_a" name="test_mid" time="3.25"/>'
+        "</testsuite></testsuites>"
+    )
+    kernels = tmp_path / "kernels.txt"
+    kernels.write_text(
+        "loaded cuda paged_attention.cu cupaged::paged_decode<__half, 128, 16> in 1.750 s\n"
+        "loaded cuda copy_blocks.cu cupaged::copy_blocks<uint4> in 0.010 s\n"
+        "loaded cuda paged_prefill.cu cupaged::paged_prefill<float, 64> in 0.500 s\n"
+    )
+    run = subprocess.run(
+        [sys.executable, str(summarizer), str(xml), str(tmp_path / "tests.log"), str(kernels)],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    assert lines[0].startswith("3 GPU tests reported (tests.xml): 3 passed")
+    slowest = lines.index("Slowest tests (15.8 s of test time in all, summed over the workers):")
+    assert lines[slowest + 2] == "- 12.50 s `tests.test_b::test_slow[cupy]`"
+    assert lines[slowest + 3] == "- 3.25 s `tests.test_a::test_mid`"
+    assert (
+        "Kernel loads: 3 in 2.3 s summed over the workers; 2 took 0.2 s or more (NVRTC "
+        "compiles), 2.2 s. Slowest:" in lines
+    )
+    assert "- 1.75 s cuda paged_attention.cu `cupaged::paged_decode<__half, 128, 16>`" in lines

@@ -4,7 +4,9 @@ in every process."""
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -135,3 +137,20 @@ def test_rng_seeds_are_the_same_in_every_process():
         assert run.returncode == 0, run.stderr
         seeds.add(int(run.stdout))
     assert seeds == {seed_of(nodeid)}
+
+
+def test_each_kernel_load_is_logged_with_its_seconds(cp, caplog):
+    """The CUDA loader (run here on the stand-in, whose device starts with no kernel loaded)
+    logs a load once, on the ``cupaged.kernels`` logger; a later lookup logs nothing."""
+    from cupaged import _kernels
+
+    name = _copy_kernel_name()
+    with caplog.at_level(logging.DEBUG, logger="cupaged.kernels"):
+        first = _kernels.get_kernel("cuda", "copy_blocks.cu", name)
+        again = _kernels.get_kernel("cuda", "copy_blocks.cu", name)
+    assert first is again
+    loads = [r.getMessage() for r in caplog.records if r.name == "cupaged.kernels"]
+    assert len(loads) == 1, loads
+    assert re.fullmatch(
+        rf"loaded cuda copy_blocks\.cu {re.escape(name)} in \d+\.\d{{3}} s", loads[0]
+    )
