@@ -72,10 +72,19 @@ def kv_scale_args(
 
 
 def scale_value(scale: Any, what: str) -> float:
-    """A number-valued scale, checked: positive and finite, as a float."""
-    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.number)):
-        raise TypeError(f"expected {what} to be a number or a float32 array, got {_shown(scale)}")
-    value = float(scale)
+    """A number-valued scale, checked: real, positive and finite in float32, as a float."""
+    if isinstance(scale, bool) or not isinstance(scale, (int, float, np.integer, np.floating)):
+        # (a complex number too: its imaginary part would be dropped without a word)
+        raise TypeError(
+            f"expected {what} to be a real number or a float32 array, got {_shown(scale)}"
+        )
+    try:
+        value = float(scale)
+    except OverflowError:  # an int past float64's range: past float32's too
+        raise ValueError(
+            f"expected {what} positive and finite (in float32), got an int of "
+            f"{int(scale).bit_length()} bits (float32's largest is {_FLOAT32_MAX:.4g})"
+        ) from None
     # float32 as the kernels take it: a value past float32's range is infinite there.
     if not (math.isfinite(value) and 0.0 < value <= _FLOAT32_MAX):
         raise ValueError(f"expected {what} positive and finite (in float32), got {value!r}")

@@ -314,21 +314,27 @@ def reference_write_kv(
     v_scale: Any = None,
     kv_dtype: Any = None,
 ) -> None:
-    """Scatter token ``t``'s K/V to slot ``slot_mapping[t]`` (skip ``-1``), in place; no checks.
+    """Scatter token ``t``'s K/V to slot ``slot_mapping[t]`` (skip ``-1``), in place.
 
-    ``slot = block * block_size + offset``. Shapes as in :func:`cupaged.write_kv`. An fp8 cache
-    (``ml_dtypes``, or ``uint8`` with ``kv_dtype``) stores
+    ``slot = block * block_size + offset``. Shapes as in :func:`cupaged.write_kv`, and not
+    checked (nor the slots). An fp8 cache (``ml_dtypes``, or ``uint8`` with ``kv_dtype``) stores
     ``float_to_fp8_bits(float32(x) / scale)``: the quotient in float32, then clamped and rounded
     to nearest even; ``k_scale`` / ``v_scale`` are ``None`` (1.0), a number (taken as float32)
-    or a float32 array of shape ``()``, ``[1]`` or ``[num_kv_heads]``.
+    or a float32 array of shape ``()``, ``[1]`` or ``[num_kv_heads]`` on the cache's device.
+
+    Raises:
+        TypeError, ValueError: the scales, checked as :func:`cupaged.write_kv` checks them (a
+            zero, negative, infinite or NaN one, a complex one, one of another shape, dtype or
+            device, scales for a cache that is not fp8), before anything is written.
     """
     block_size = k_cache.shape[2]
+    elem = array_dtype_name(k_cache, kv_dtype)
+    if is_fp8(elem) or k_scale is not None or v_scale is not None:
+        xp = array_module(k_cache)
+        kv_scale_args(xp, elem, k_cache.shape[1], k_scale, v_scale)  # the checks only
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].astype(np.int64)
     blocks, offsets = slots // block_size, slots % block_size
-    elem = array_dtype_name(k_cache, kv_dtype)
-    if not is_fp8(elem) and (k_scale is not None or v_scale is not None):
-        raise ValueError(f"expected no k_scale or v_scale for a {elem} cache (fp8 only)")
     for cache, x, scale in ((k_cache, k, k_scale), (v_cache, v, v_scale)):
         if is_fp8(elem):
             rows = float_to_fp8_bits(to_float(x[keep]) / _per_head(x, scale), elem)

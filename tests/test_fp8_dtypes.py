@@ -309,9 +309,19 @@ def test_a_strided_per_head_array_is_read_in_head_order(rng):
         (1e39, ValueError, r"positive and finite \(in float32\)"),
         (1e-46, ValueError, "0 in float32"),
         (0, ValueError, "expected k_scale positive and finite"),
-        (True, TypeError, "expected k_scale to be a number or a float32 array"),
-        ("2.0", TypeError, "expected k_scale to be a number or a float32 array"),
-        ([1.0], TypeError, "expected k_scale to be a number or a float32 array"),
+        (True, TypeError, "expected k_scale to be a real number or a float32 array"),
+        ("2.0", TypeError, "expected k_scale to be a real number or a float32 array"),
+        ([1.0], TypeError, "expected k_scale to be a real number or a float32 array"),
+        (1 + 2j, TypeError, "expected k_scale to be a real number or a float32 array"),
+        (np.complex64(1 + 2j), TypeError, "real number or a float32 array, got numpy.complex64"),
+        (np.complex128(2), TypeError, "real number or a float32 array, got numpy.complex128"),
+        (np.ones(NUM_KV_HEADS, np.complex64), TypeError, "of dtype float32, got complex64"),
+        pytest.param(
+            10**400, ValueError, r"finite \(in float32\), got an int of 1329 bits", id="10**400"
+        ),
+        pytest.param(
+            -(10**400), ValueError, r"finite \(in float32\), got an int of 1329 bits", id="-10**400"
+        ),
         (np.ones(NUM_KV_HEADS), TypeError, "expected k_scale of dtype float32, got float64"),
         (np.ones(1, np.float16), TypeError, "expected k_scale of dtype float32, got float16"),
         (np.ones(NUM_KV_HEADS + 1, np.float32), ValueError, r"of shape \(\) or \(num_kv_heads=4"),

@@ -331,7 +331,11 @@ def _fp8_bytes(shape, fmt):
         (dict(v_scale=float("inf")), ValueError, "expected v_scale positive and finite"),
         (dict(k_scale=np.ones(3, np.float32)), ValueError, r"of shape \(\) or \(num_kv_heads=2"),
         (dict(k_scale=np.ones(2)), TypeError, "expected k_scale of dtype float32, got float64"),
-        (dict(k_scale="1"), TypeError, "expected k_scale to be a number or a float32 array"),
+        (dict(k_scale="1"), TypeError, "expected k_scale to be a real number or a float32 array"),
+        (dict(k_scale=1 + 2j), TypeError, "expected k_scale to be a real number or a float32"),
+        (dict(v_scale=np.complex64(2)), TypeError, "real number or a float32 array, got numpy.c"),
+        (dict(k_scale=np.ones(2, np.complex64)), TypeError, "of dtype float32, got complex64"),
+        (dict(v_scale=10**400), ValueError, r"expected v_scale positive and finite \(in float32"),
         (dict(k_scale=np.array([1, 0], np.float32)), ValueError, "an element that is zero"),
         (dict(v_scale=np.array([np.inf, 1], np.float32)), ValueError, "infinite or NaN"),
         (dict(kv_dtype="float16"), TypeError, "expected kv_dtype one of"),
@@ -384,6 +388,37 @@ def test_refused_fp8_writes_change_nothing(rng, change, error, message):
             cupaged.write_kv(**args)
     np.testing.assert_array_equal(args["k_cache"].view(np.uint8), before[0])
     np.testing.assert_array_equal(args["v_cache"].view(np.uint8), before[1])
+
+
+@pytest.mark.parametrize(
+    "k_scale, error, message",
+    [
+        (0.0, ValueError, "expected k_scale positive and finite"),
+        (-2.0, ValueError, "expected k_scale positive and finite"),
+        (float("nan"), ValueError, "expected k_scale positive and finite"),
+        pytest.param(10**400, ValueError, "expected k_scale positive and finite", id="10**400"),
+        (np.array([0.5, -1.0], np.float32), ValueError, "an element that is zero, negative"),
+        (np.array([np.nan, 1.0], np.float32), ValueError, "infinite or NaN"),
+        (np.zeros((), np.float32), ValueError, "an element that is zero"),
+        (1 + 2j, TypeError, "expected k_scale to be a real number or a float32 array"),
+        (np.complex64(1 + 2j), TypeError, "expected k_scale to be a real number"),
+        (np.array([1 + 2j, 1], np.complex64), TypeError, "of dtype float32, got complex64"),
+        (np.ones(3, np.float32), ValueError, r"of shape \(\) or \(num_kv_heads=2"),
+    ],
+)
+def test_the_reference_write_refuses_bad_scales_unchanged(rng, k_scale, error, message):
+    """docs/fp8.md: a bad scale raises in the references as in the kernels, before a write."""
+    args = fp8_write_args(rng, k_scale=k_scale)
+    before = args["k_cache"].view(np.uint8).copy(), args["v_cache"].view(np.uint8).copy()
+    with pytest.raises(error, match=message):
+        reference_write_kv(**args)
+    np.testing.assert_array_equal(args["k_cache"].view(np.uint8), before[0])
+    np.testing.assert_array_equal(args["v_cache"].view(np.uint8), before[1])
+    reference_write_kv(**{**args, "k_scale": 0.5})  # the same call with a good scale writes
+    assert (args["k_cache"].view(np.uint8) != before[0]).any()
+    with pytest.raises(ValueError, match="expected k_scale=None and v_scale=None for a float16"):
+        cache = np.full(args["k_cache"].shape, np.nan, np.float16)
+        reference_write_kv(cache, cache.copy(), args["k"], args["v"], args["slot_mapping"], 1.0)
 
 
 def test_a_uint8_cache_without_kv_dtype_is_refused_unchanged(rng):
