@@ -271,10 +271,16 @@ class _Scores:
         peak = scores.max(axis=1)
         if self.sinks is not None:
             peak = xp.maximum(peak, self.sinks)
-        weights = xp.exp(scores - peak[:, None])
+        # A row without a finite peak (every score -inf, one +inf, a NaN) is NaN as written
+        # (docs/variants.md: exp(inf - inf)), as in the kernels: said outright, not computed,
+        # which NumPy would report with a RuntimeWarning ("invalid value encountered").
+        finite = xp.isfinite(peak)
+        peak = xp.where(finite, peak, 0)
+        shifted = xp.where(finite[:, None], scores - peak[:, None], 0)
+        weights = xp.where(finite[:, None], xp.exp(shifted), self.compute.type(np.nan))
         total = weights.sum(axis=1)
         if self.sinks is not None:
-            total = total + xp.exp(self.sinks - peak)
+            total = total + xp.exp(xp.where(finite, self.sinks - peak, 0))
         return xp.einsum("hl,hld->hd", weights, v) / total[:, None]
 
 

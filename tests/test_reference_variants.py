@@ -8,10 +8,11 @@ sink as one more term of the denominator.
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 import pytest
-from helpers import assert_close, random_array, random_paged_batch
+from helpers import assert_close, random_array, random_paged_batch, scatter_into_pages
 
 import cupaged
 from cupaged.dtypes import to_float
@@ -180,6 +181,55 @@ def test_a_zero_length_context_with_sinks_is_a_zero_row(rng):
     sinks = rng.normal(size=q.shape[1]).astype(np.float32)
     out = cupaged.reference_attention(q, k_cache, v_cache, tables, lens, sinks=sinks)
     assert not out[0].any() and np.isfinite(to_float(out[1], np.float64)).all()
+
+
+@pytest.mark.parametrize("with_sinks", [False, True], ids=["no-sinks", "sinks"])
+def test_rows_without_a_finite_peak_are_nan_without_a_warning(rng, xp, with_sinks):
+    """Every score -inf, one score +inf, a sink of +-inf: the formula as written, NaN where it
+    takes inf from inf (docs/variants.md), a zero row where a finite sink outweighs scores that
+    are all -inf; and no RuntimeWarning from computing it (turned into an error here)."""
+    lengths, ratio, block_size = [5, 6], 2, 4
+    seqs = [
+        tuple(random_array(rng, (n, NUM_KV_HEADS, HEAD_DIM), "float32") for _ in "kv")
+        for n in lengths
+    ]
+    q = np.abs(random_array(rng, (2, NUM_KV_HEADS * ratio, HEAD_DIM), "float32")) + 0.1
+    seqs[0][0][:, 0] = -np.inf  # sequence 0, query heads 0 and 1: every score -inf
+    seqs[1][0][3, 1] = np.inf  # sequence 1, query heads 2 and 3: one score +inf
+    k_cache, v_cache, tables = scatter_into_pages(rng, seqs, block_size, 6, "float32")
+    lens = np.array(lengths, np.int32)
+    sinks = np.array([0.5, -np.inf, np.inf, 1.0], np.float32) if with_sinks else None
+    expected = np.stack(
+        [
+            oracle_row(
+                q[i].astype(np.float64),
+                k.astype(np.float64),
+                v.astype(np.float64),
+                len(k) - 1,
+                scale=HEAD_DIM**-0.5,
+                window=-1,
+                cap=0.0,
+                slopes=None,
+                sinks=sinks,
+            )  # fmt: skip
+            for i, (k, v) in enumerate(seqs)
+        ]
+    )
+    nan_rows = np.isnan(expected).any(axis=-1).tolist()  # [sequence][query head]
+    if with_sinks:  # 0.5 over -inf scores: a zero row; -inf and +inf sinks: NaN
+        assert nan_rows == [[False, True, True, False], [False, False, True, True]]
+        assert not expected[0, 0].any()
+    else:
+        assert nan_rows == [[True, True, False, False], [False, False, True, True]]
+    arrays = [xp.asarray(x) for x in (q, k_cache, v_cache, tables, lens)]
+    starts = xp.asarray(np.array([0, 1, 2], np.int32))
+    keywords = dict(sinks=None if sinks is None else xp.asarray(sinks), out_dtype="float64")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        decode = cupaged.reference_attention(*arrays, **keywords)
+        prefill = cupaged.reference_prefill(*arrays, starts, **keywords)
+    assert_close(decode, expected, "float32")  # NaN where expected is, and only there
+    assert_close(prefill, expected, "float32")
 
 
 @pytest.mark.parametrize(
