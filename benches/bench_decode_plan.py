@@ -5,8 +5,9 @@ launch and nothing else. On a tiny shape (one sequence of 16 tokens, one KV head
 the kernels themselves take a few microseconds on the CPU backend), each benchmark times:
 
 - ``run``: ``plan.run(q, k, v, out=out)``, the per-layer call;
-- ``launches``: the same decode and merge kernels called directly with the plan's prebuilt
-  arguments (the floor: what the launches cost without any of cupaged's Python);
+- ``launches``: the decode and merge launches of one ``run``, recorded and replayed on the same
+  kernels with the same arguments (``bench_launch.replayed_launches``; the floor: what the
+  launches cost without any of cupaged's Python);
 - ``one_call``: ``paged_attention(..., checked=False)``, which plans and runs every time;
 - ``plan``: ``DecodePlan(..., checked=False)`` alone, once per step.
 
@@ -19,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from bandwidth import synchronized
-from bench_launch import device, per_call_us
+from bench_launch import device, per_call_us, replayed_launches
 
 import cupaged
 from cupaged.dtypes import from_float
@@ -51,17 +52,7 @@ def test_decode_plan_host_cost(benchmark, xp, shape):
     plan = cupaged.DecodePlan(tables, lens, k, heads, checked=False)
     out = xp.empty_like(q)
     run = synchronized(xp, lambda: plan.run(q, k, v, out=out))
-
-    partials = (plan._partial_out, plan._partial_lse)
-    args = (out, *partials, q, k, v, plan._tables, plan._work, *plan._scalars)
-    merge_args = (out, *partials, plan._seq_items, np.int32(heads))
-
-    def bare():
-        plan._kernel(plan._grid, plan._block, args, shared_mem=plan._shared_mem)
-        if plan._split:
-            plan._merge(plan._merge_grid, plan._merge_block, merge_args)
-
-    launches = synchronized(xp, bare)
+    launches = synchronized(xp, replayed_launches(plan, run))
     one_call = synchronized(
         xp, lambda: cupaged.paged_attention(q, k, v, tables, lens, out=out, checked=False)
     )

@@ -22,6 +22,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -54,6 +55,40 @@ def per_call_us(
             fn()
         times.append((time.perf_counter() - start) / calls * 1e6)
     return statistics.median(times)
+
+
+def replayed_launches(plan: Any, run: Callable[[], object]) -> Callable[[], None]:
+    """The kernel launches that ``run`` (one call of ``plan.run``) makes, as a function that makes
+    those launches and nothing else: the floor of the host-cost benchmarks.
+
+    The seam is the two kernels a plan calls at run time, ``plan._kernel`` (the attention kernel)
+    and ``plan._merge`` (its split-K merge, ``None`` when the plan has none), on
+    :class:`cupaged.DecodePlan` and :class:`cupaged.PrefillPlan` alike. For one ``run`` they are
+    replaced by recorders of the calls they receive; the recorded calls are then replayed on the
+    real kernels. No public API stubs a plan's kernel, and this depends on nothing of how a plan
+    keeps its prebuilt arguments (their order, grouping or number), only on the two names.
+    """
+    launches: list[tuple[Callable, tuple, dict]] = []
+    kernels = {name: getattr(plan, name) for name in ("_kernel", "_merge")}
+
+    def recorder(kernel: Callable) -> Callable:
+        return lambda *args, **kwargs: launches.append((kernel, args, kwargs))
+
+    for name, kernel in kernels.items():
+        if kernel is not None:
+            setattr(plan, name, recorder(kernel))
+    try:
+        run()
+    finally:
+        for name, kernel in kernels.items():
+            setattr(plan, name, kernel)
+    assert launches, "the run launched no kernel: nothing to replay"
+
+    def replay() -> None:
+        for kernel, args, kwargs in launches:
+            kernel(*args, **kwargs)
+
+    return replay
 
 
 def make_cache(xp, shape, dtype="float16", seed=0):

@@ -240,11 +240,12 @@ HOST_SHAPES = {"tiny": (1, 16, 4, 1, 1), "batch8": (8, 64, 4, 2, 4)}
 @pytest.mark.parametrize("shape", sorted(HOST_SHAPES))
 def test_prefill_plan_host_cost(benchmark, xp, shape):
     """What a layer pays on the host (issue 22): ``run`` (``plan.run``, the per-layer call),
-    ``launches`` (the same kernels called with the plan's prebuilt arguments: the floor),
+    ``launches`` (the launches of one ``run``, recorded and replayed on the same kernels with
+    the same arguments by ``bench_launch.replayed_launches``: the floor),
     ``one_call`` (``paged_prefill(..., checked=False)``, which reads the lengths, plans and runs
     every time) and ``plan`` (``PrefillPlan(..., checked=False)`` alone, once per step), in
     ``extra_info`` as ``*_us``; ``run_overhead_us`` = run - launches."""
-    from bench_launch import device, per_call_us
+    from bench_launch import device, per_call_us, replayed_launches
 
     num_seqs, context, n, num_kv_heads, group = HOST_SHAPES[shape]
     rng = np.random.default_rng(0)
@@ -260,13 +261,8 @@ def test_prefill_plan_host_cost(benchmark, xp, shape):
     out = xp.empty_like(q)
     plan = cupaged.PrefillPlan(tables, lens, starts, k, heads, checked=False)
     run = synchronized(xp, lambda: plan.run(q, k, v, out=out))
-    launch, (partials, rest) = plan._launch, plan._args
-    args = (out, *partials, q, k, v, *rest)
-
-    def bare():
-        plan._kernel(launch.grid, launch.block, args, shared_mem=launch.shared_mem)
-
-    assert plan._merge is None  # tiny shapes: no split-K, one launch
+    bare = replayed_launches(plan, run)
+    assert plan.num_splits == 1  # tiny shapes: no split-K, one launch
     one_call = synchronized(
         xp,
         lambda: cupaged.paged_prefill(q, k, v, tables, lens, starts, out=out, checked=False),
