@@ -24,6 +24,7 @@ from cupaged.serving import Engine, Request, Sampler, ServeStats
 
 VOCAB = 32
 BLOCK = 4
+NAN, INF = float("nan"), float("inf")
 
 
 class CountingModel:
@@ -249,15 +250,30 @@ def test_on_logits_sees_the_row_of_every_token_before_it_is_chosen():
 
 
 @pytest.mark.parametrize(
-    "options, message",
+    "options, error, message",
     [
-        ({"prefill_chunk": 0}, "prefill_chunk: expected at least 1 token, got 0"),
-        ({"max_batch": 0}, "max_batch: expected at least 1 sequence, got 0"),
+        ({"prefill_chunk": 0}, ValueError, "prefill_chunk: expected at least 1 token, got 0"),
+        ({"max_batch": 0}, ValueError, "max_batch: expected at least 1 sequence, got 0"),
+        ({"eos_id": -1}, ValueError, "eos_id: expected a token id >= 0, got -1"),
+        ({"max_batch": NAN}, TypeError, "expected max_batch to be an int, got float"),
+        ({"max_batch": 2.5}, TypeError, "expected max_batch to be an int, got float"),
+        ({"max_batch": True}, TypeError, "expected max_batch to be an int, got True"),
+        ({"prefill_chunk": 2.5}, TypeError, "expected prefill_chunk to be an int, got float"),
+        ({"prefill_chunk": INF}, TypeError, "expected prefill_chunk to be an int, got float"),
+        ({"eos_id": 2.0}, TypeError, "expected eos_id to be an int, got float"),
     ],
 )
-def test_the_engine_refuses_bad_options(options, message):
-    with pytest.raises(ValueError, match=message):
+def test_the_engine_refuses_bad_options(options, error, message):
+    with pytest.raises(error, match=message):
         Engine(CountingModel(), counting_cache(4), **options)
+
+
+def test_the_engine_takes_numpy_ints_as_ints():
+    engine = Engine(
+        CountingModel(), counting_cache(8), max_batch=np.int64(2), prefill_chunk=np.int32(3)
+    )
+    assert (engine.max_batch, engine.prefill_chunk) == (2, 3)
+    assert type(engine.max_batch) is int and type(engine.prefill_chunk) is int
 
 
 @pytest.mark.parametrize(
@@ -265,12 +281,88 @@ def test_the_engine_refuses_bad_options(options, message):
     [
         (([], 4), "expected a prompt of at least one token, got an empty prompt 0"),
         (([1], 0), "expected max_new_tokens >= 1, got 0"),
-        (([1], 2, 0), "expected at least 1 sample per request, got 0"),
+        (([1], 2, 0), "expected num_samples >= 1, got 0"),
+        (([1], 2, 1, -1), "expected arrival_step >= 0, got -1"),
     ],
 )
 def test_a_request_is_checked_when_it_is_made(args, message):
     with pytest.raises(ValueError, match=message):
         Request(0, *args)
+
+
+BAD_COUNTS = [NAN, INF, -INF, 2.5, 3.0, True, "3", None]
+
+
+@pytest.mark.parametrize("field", ["rid", "max_new_tokens", "num_samples", "arrival_step"])
+@pytest.mark.parametrize("value", BAD_COUNTS, ids=repr)
+def test_a_request_refuses_counts_that_are_not_ints(field, value):
+    """nan or inf as an arrival step made the engine wait for it forever; 2.5 tokens or
+    samples failed half-way through a run."""
+    good = {"rid": 0, "prompt": [1, 2], "max_new_tokens": 3, "num_samples": 1, "arrival_step": 0}
+    shown = "True" if value is True else type(value).__name__
+    with pytest.raises(TypeError, match=f"expected {field} to be an int, got {shown}"):
+        Request(**{**good, field: value})
+
+
+def test_a_request_refuses_a_negative_id():
+    with pytest.raises(ValueError, match="expected rid >= 0, got -1"):
+        Request(-1, [1], 2)
+
+
+def test_a_request_takes_numpy_ints_as_ints():
+    request = Request(np.int64(4), [1], np.int32(2), np.uint8(3), arrival_step=np.int64(10**12))
+    assert (request.rid, request.max_new_tokens, request.num_samples) == (4, 2, 3)
+    assert request.arrival_step == 10**12
+    counts = (request.rid, request.max_new_tokens, request.num_samples, request.arrival_step)
+    assert all(type(n) is int for n in counts)
+
+
+# ---------------------------------------------------------------------------------- a run's edges
+
+
+def bounded(limit):
+    """An ``on_step`` that records the states and fails the test past ``limit`` steps (an engine
+    that steps through idle time would otherwise never return)."""
+    states = []
+
+    def on_step(state):
+        states.append(state)
+        assert len(states) <= limit, f"more than {limit} engine steps: the engine spins"
+
+    return states, on_step
+
+
+def test_an_idle_engine_skips_to_the_next_arrival_at_once(rng):
+    far = 10**12 + int(rng.integers(10**6))
+    prompts = [rng.integers(0, VOCAB, n).tolist() for n in (3, 5, 2)]
+    requests = [
+        Request(0, prompts[0], 3),
+        Request(1, prompts[1], 4, arrival_step=far),
+        Request(2, prompts[2], 2, num_samples=2, arrival_step=far + 7),
+    ]
+    cache = counting_cache(16)
+    states, on_step = bounded(20)
+    result = Engine(CountingModel(), cache).run(requests, on_step=on_step)
+    assert result.outputs == {
+        (r.rid, s): counted(r.prompt, r.max_new_tokens)
+        for r in requests
+        for s in range(r.num_samples)
+    }
+    # A step prefills and decodes: request 0 (3 tokens) runs in steps 0 and 1, request 1 (4) in
+    # far .. far + 2, request 2 (2) in far + 7; the idle steps between are not run.
+    assert [s.step for s in states] == [0, 1, far, far + 1, far + 2, far + 7]
+    assert result.stats.steps == len(states)
+    assert_all_free(cache)
+
+
+def test_an_engine_idle_from_the_start_waits_no_step(rng):
+    prompt = rng.integers(0, VOCAB, 4).tolist()
+    states, on_step = bounded(5)
+    result = Engine(CountingModel(), counting_cache(8)).run(
+        [Request(3, prompt, 2, arrival_step=10**15)], on_step=on_step
+    )
+    assert result.outputs == {(3, 0): counted(prompt, 2)}
+    assert [s.step for s in states] == [10**15]  # its prefill and the decode of token 2
 
 
 # ---------------------------------------------------------------------------------- sampler
@@ -329,17 +421,55 @@ def test_top_p_keeps_the_nucleus():
 
 
 @pytest.mark.parametrize(
-    "options, message",
+    "options, error, message",
     [
-        ({"temperature": -0.1}, "expected a finite temperature >= 0"),
-        ({"top_p": 0.0}, r"expected 0 < top_p <= 1"),
-        ({"top_p": 1.5}, r"expected 0 < top_p <= 1"),
-        ({"top_k": -1}, "expected top_k >= 0"),
+        ({"temperature": -0.1}, ValueError, "expected a finite temperature >= 0"),
+        ({"top_p": 0.0}, ValueError, r"expected 0 < top_p <= 1"),
+        ({"top_p": 1.5}, ValueError, r"expected 0 < top_p <= 1"),
+        ({"top_p": NAN}, ValueError, r"expected 0 < top_p <= 1, got nan"),
+        ({"top_k": -1}, ValueError, "expected top_k >= 0"),
+        ({"top_k": 2.5}, TypeError, "expected top_k to be an int, got float"),
+        ({"top_k": True}, TypeError, "expected top_k to be an int, got True"),
+        ({"seed": 1.5}, TypeError, "expected seed to be an int, got float"),
+        ({"seed": NAN}, TypeError, "expected seed to be an int, got float"),
+        ({"temperature": "0.7"}, TypeError, "expected temperature to be a real number, got str"),
+        ({"temperature": 1j}, TypeError, "expected temperature to be a real number, got complex"),
+        ({"temperature": True}, TypeError, "expected temperature to be a real number, got bool"),
+        ({"top_p": None}, TypeError, "expected top_p to be a real number, got NoneType"),
     ],
 )
-def test_the_sampler_refuses_bad_settings(options, message):
-    with pytest.raises(ValueError, match=message):
+def test_the_sampler_refuses_bad_settings(options, error, message):
+    with pytest.raises(error, match=message):
         Sampler(**options)
+
+
+def test_the_sampler_takes_numpy_numbers():
+    sampler = Sampler(
+        temperature=np.float32(0.5), top_p=np.float64(0.9), top_k=np.int64(3), seed=np.uint32(7)
+    )
+    assert (sampler.temperature, sampler.top_p, sampler.top_k, sampler.seed) == (0.5, 0.9, 3, 7)
+    assert type(sampler.temperature) is float and type(sampler.top_k) is int
+
+
+@pytest.mark.parametrize("temperature", [1e-320, 5e-324, 1e-300, 1e-30])
+def test_a_tiny_temperature_samples_among_the_largest_logits(rng, temperature):
+    """The limit of the softmax as the temperature goes to 0: the largest logits, equally. Dividing
+    before subtracting the largest logit made 1e-320 give NaN probabilities."""
+    logits = rng.normal(0, 3, 50).astype(np.float32)
+    top = rng.choice(50, 2, replace=False)
+    logits[top] = logits.max() + 1.0  # two tokens tie for the largest
+    sampler = Sampler(temperature=temperature, seed=int(rng.integers(1000)))
+    stream = sampler.generator(0, 0)
+    drawn = [sampler.sample(logits, stream) for _ in range(200)]
+    assert set(drawn) == set(top.tolist())
+    # Through the engine: the counting model's largest logit is unique, so it runs greedy.
+    requests = [Request(0, [3, 4], 6), Request(1, [9], 4, num_samples=2)]
+    result = Engine(CountingModel(), counting_cache(16), sampler).run(requests)
+    assert result.outputs == {
+        (r.rid, s): counted(r.prompt, r.max_new_tokens)
+        for r in requests
+        for s in range(r.num_samples)
+    }
 
 
 # ---------------------------------------------------------------------------------- docs

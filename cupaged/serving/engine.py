@@ -30,7 +30,8 @@ Every step of :meth:`Engine.run`:
 5. **finish**: samples that generated ``max_new_tokens`` tokens or EOS free their blocks.
 
 Observers see the run without taking part: ``on_logits(sequence, logits)`` before each token is
-sampled, ``on_step(state)`` after each step.
+sampled, ``on_step(state)`` after each step. An engine with nothing to do goes straight to the
+next arrival step.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from .. import Admission, OutOfBlocksError, PagedCache, SequenceBatch, StepPlan, to_numpy
+from .checks import as_int
 from .request import Request, Sequence
 from .sampling import Sampler
 
@@ -73,7 +75,7 @@ class Model(Protocol):
 class ServeStats:
     """The counters of one run."""
 
-    steps: int = 0  # engine steps, idle ones (nothing arrived yet) included
+    steps: int = 0  # engine steps run (idle ones, before the next arrival, are skipped)
     prefills: int = 0  # prompts prefilled whole at admission
     prefill_chunks: int = 0  # prompt chunks computed in mixed steps (chunked prefill)
     decode_steps: int = 0  # steps that ran the running sequences (decode or mixed)
@@ -119,14 +121,18 @@ class Engine:
         model: the model (a :class:`~cupaged.models.Llama`, or anything of :class:`Model`).
         cache: its cache, prefix caching on or off.
         sampler: how each next token is chosen (default: greedy).
-        max_batch: most sequences running at once (``None``: as many as the pool holds).
-        prefill_chunk: ``None``: each prompt is prefilled whole when it is admitted; ``N``:
-            prompts are prefilled ``N`` tokens a step, in mixed steps with the decode tokens.
-        eos_id: a sample also ends when it generates this token (``None``: only at its
+        max_batch: most sequences running at once, an int (``None``: as many as the pool
+            holds).
+        prefill_chunk: ``None``: each prompt is prefilled whole when it is admitted; ``N`` (an
+            int): prompts are prefilled ``N`` tokens a step, in mixed steps with the decode
+            tokens.
+        eos_id: a sample also ends when it generates this token id (``None``: only at its
             ``max_new_tokens``).
 
     Raises:
-        ValueError: ``max_batch`` or ``prefill_chunk`` below 1.
+        TypeError: ``max_batch``, ``prefill_chunk`` or ``eos_id`` not an int (bools and floats
+            refused).
+        ValueError: ``max_batch`` or ``prefill_chunk`` below 1, a negative ``eos_id``.
 
     Example:
         >>> import numpy as np
@@ -148,10 +154,18 @@ class Engine:
         prefill_chunk: int | None = None,
         eos_id: int | None = None,
     ) -> None:
-        if max_batch is not None and max_batch < 1:
-            raise ValueError(f"max_batch: expected at least 1 sequence, got {max_batch}")
-        if prefill_chunk is not None and prefill_chunk < 1:
-            raise ValueError(f"prefill_chunk: expected at least 1 token, got {prefill_chunk}")
+        if max_batch is not None:
+            max_batch = as_int(max_batch, "max_batch")
+            if max_batch < 1:
+                raise ValueError(f"max_batch: expected at least 1 sequence, got {max_batch}")
+        if prefill_chunk is not None:
+            prefill_chunk = as_int(prefill_chunk, "prefill_chunk")
+            if prefill_chunk < 1:
+                raise ValueError(f"prefill_chunk: expected at least 1 token, got {prefill_chunk}")
+        if eos_id is not None:
+            eos_id = as_int(eos_id, "eos_id")
+            if eos_id < 0:
+                raise ValueError(f"eos_id: expected a token id >= 0, got {eos_id}")
         self.model, self.cache = model, cache
         self.sampler = sampler if sampler is not None else Sampler()
         self.max_batch, self.prefill_chunk, self.eos_id = max_batch, prefill_chunk, eos_id
@@ -165,6 +179,9 @@ class Engine:
         stats: ServeStats | None = None,
     ) -> ServeResult:
         """Serve every request to completion (one run at a time).
+
+        The step counter is the arrivals' clock: when nothing is waiting, running or swapped
+        out, the engine goes to the next arrival step at once (those idle steps are not run).
 
         Args:
             requests: the requests, admitted in order of ``(arrival_step, rid)``.
@@ -183,6 +200,8 @@ class Engine:
         start = time.perf_counter()
         step = 0
         while pending or self._waiting or self._running or self._swapped:
+            if not (self._waiting or self._running or self._swapped):
+                step = max(step, pending[0].arrival_step)  # idle until then: skip to it
             while pending and pending[0].arrival_step <= step:
                 self._waiting.append(pending.popleft())
             self._swap_in()

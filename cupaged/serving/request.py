@@ -13,20 +13,29 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .checks import at_least
+
 
 @dataclass(frozen=True, slots=True)
 class Request:
     """A generation request.
 
+    Every count is an int (NumPy integers are taken as Python ints; bools and floats, ``nan``
+    and ``2.5`` as much as ``3.0``, are refused), checked when the request is made.
+
     Args:
-        rid: the request's id (the key of its outputs, and of its samples' random streams).
+        rid: the request's id, ``>= 0``, distinct within a run (the key of its outputs, and of
+            its samples' random streams).
         prompt: token ids, at least one.
         max_new_tokens: most tokens generated per sample (fewer when EOS comes first).
         num_samples: samples generated from the one prompt.
-        arrival_step: the engine step from which the request may be admitted.
+        arrival_step: the engine step from which the request may be admitted, ``>= 0`` (an
+            engine with nothing to do skips to the next arrival at once, however far).
 
     Raises:
-        ValueError: an empty prompt, or fewer than one token or sample asked for.
+        TypeError: a count that is not an int.
+        ValueError: an empty prompt, a negative id or arrival step, or fewer than one token or
+            sample asked for.
     """
 
     rid: int
@@ -36,14 +45,13 @@ class Request:
     arrival_step: int = 0
 
     def __post_init__(self) -> None:
+        rid = at_least(self.rid, 0, "rid")
         if not self.prompt:
-            raise ValueError(
-                f"expected a prompt of at least one token, got an empty prompt {self.rid}"
-            )
-        if self.max_new_tokens < 1:
-            raise ValueError(f"expected max_new_tokens >= 1, got {self.max_new_tokens}")
-        if self.num_samples < 1:
-            raise ValueError(f"expected at least 1 sample per request, got {self.num_samples}")
+            raise ValueError(f"expected a prompt of at least one token, got an empty prompt {rid}")
+        # (Frozen: the checked Python ints are stored through object.__setattr__.)
+        object.__setattr__(self, "rid", rid)
+        for name, least in (("max_new_tokens", 1), ("num_samples", 1), ("arrival_step", 0)):
+            object.__setattr__(self, name, at_least(getattr(self, name), least, name))
 
 
 @dataclass(slots=True)

@@ -14,19 +14,25 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .checks import as_real, at_least
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Sampler:
     """Chooses the next token of a sequence.
 
     Args:
-        temperature: 0 for greedy decoding (argmax), else the softmax temperature.
+        temperature: 0 for greedy decoding (argmax), else the softmax temperature: any finite
+            positive number (a tiny one samples among the tokens of the largest logit).
         top_p: keep the most likely tokens whose probabilities sum to at least this (1: all).
-        top_k: keep only this many of the most likely tokens (0: all).
-        seed: seeds every sample's generator (:meth:`generator`).
+        top_k: keep only this many of the most likely tokens (0: all), an int.
+        seed: seeds every sample's generator (:meth:`generator`), an int.
 
     Raises:
-        ValueError: a negative temperature or top_k, or top_p outside ``(0, 1]``.
+        TypeError: a temperature or top_p that is not a real number, a top_k or seed that is
+            not an int (bools refused).
+        ValueError: a negative or non-finite temperature, a negative top_k or seed, or top_p
+            outside ``(0, 1]``.
 
     Example:
         >>> import numpy as np
@@ -44,14 +50,20 @@ class Sampler:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if not (math.isfinite(self.temperature) and self.temperature >= 0):  # NaN refused too
-            raise ValueError(f"expected a finite temperature >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"expected 0 < top_p <= 1, got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"expected top_k >= 0 (0: every token), got {self.top_k}")
-        if self.seed < 0:  # (NumPy refuses a negative entropy only at the first draw)
-            raise ValueError(f"expected seed >= 0, got {self.seed}")
+        temperature = as_real(self.temperature, "temperature")
+        if not (math.isfinite(temperature) and temperature >= 0):  # NaN refused too
+            raise ValueError(f"expected a finite temperature >= 0, got {temperature}")
+        top_p = as_real(self.top_p, "top_p")
+        if not 0 < top_p <= 1:
+            raise ValueError(f"expected 0 < top_p <= 1, got {top_p}")
+        checked = {
+            "temperature": temperature,
+            "top_p": top_p,
+            "top_k": at_least(self.top_k, 0, "top_k"),  # 0: every token
+            "seed": at_least(self.seed, 0, "seed"),  # (NumPy refuses -1 only at the first draw)
+        }
+        for name, value in checked.items():  # (frozen: stored through object.__setattr__)
+            object.__setattr__(self, name, value)
 
     def generator(self, rid: int, sample: int) -> np.random.Generator:
         """The random stream of sample ``sample`` of request ``rid``."""
@@ -66,8 +78,13 @@ class Sampler:
         """
         if self.temperature == 0:
             return int(np.argmax(logits))
-        scaled = logits.astype(np.float64) / self.temperature
-        probs = np.exp(scaled - scaled.max())
+        # The largest logit is subtracted before dividing, not after: every exponent is then
+        # <= 0 (the largest exactly 0), and a tiny temperature sends the others to -inf, the
+        # limit (their probability 0). Dividing first turns logits / 1e-320 into infinities
+        # whose difference is NaN.
+        logits = logits.astype(np.float64)
+        with np.errstate(over="ignore"):
+            probs = np.exp((logits - logits.max()) / self.temperature)
         probs /= probs.sum()
         if 0 < self.top_k < len(probs):
             probs = _keep(probs, np.argsort(-probs, kind="stable")[: self.top_k])
