@@ -365,6 +365,174 @@ def test_an_engine_idle_from_the_start_waits_no_step(rng):
     assert [s.step for s in states] == [10**15]  # its prefill and the decode of token 2
 
 
+def live_state(cache):
+    """What a run must leave as it found: the live sequences, their lengths, the free blocks."""
+    cache.check_invariants()
+    sids = cache.sequence_ids
+    return sids, [cache.seq_len(sid) for sid in sids], cache.num_free_blocks
+
+
+def cache_with_a_bystander(rng, num_blocks, prompt=None):
+    """A cache holding one sequence of the caller's own (of ``prompt``, else a random one), made
+    before the run."""
+    cache = counting_cache(num_blocks)
+    if prompt is None:
+        prompt = rng.integers(0, VOCAB, int(rng.integers(1, 2 * BLOCK))).tolist()
+    cache.commit(cache.admit(prompt).sid)
+    return cache
+
+
+@pytest.mark.parametrize(
+    "requests",
+    [
+        [Request(0, [1, 2], 3), Request(0, [5], 2)],
+        [Request(4, [1, 2], 3), Request(1, [5], 2), Request(4, [7], 2, arrival_step=9)],
+    ],
+    ids=["same-step", "later-arrival"],
+)
+def test_duplicate_request_ids_are_refused_before_anything_runs(rng, requests):
+    """Outputs are keyed by ``(rid, sample)``: a second request of one id overwrote the first's."""
+    cache = cache_with_a_bystander(rng, 16)
+    before = live_state(cache)
+    model = GroupRecorder()
+    rid = requests[-1].rid
+    with pytest.raises(ValueError, match=f"expected distinct request ids .*, got {rid} twice"):
+        Engine(model, cache).run(requests)
+    assert model.groups == [] and live_state(cache) == before
+
+
+def test_a_run_refuses_what_is_not_a_request(rng):
+    cache = cache_with_a_bystander(rng, 8)
+    before = live_state(cache)
+    with pytest.raises(TypeError, match="expected Request objects in requests, got tuple"):
+        Engine(CountingModel(), cache).run([Request(0, [1], 2), (1, [2], 2)])
+    assert live_state(cache) == before
+
+
+class Failing(CountingModel):
+    """Raises ``error`` at the ``at``-th call (from 0) of ``method``, after the call reserved
+    and committed what it does."""
+
+    def __init__(self, method, at, error):
+        self.method, self.at, self.error, self.calls = method, at, error, 0
+
+    def after(self, method, logits):
+        if method == self.method:
+            self.calls += 1
+            if self.calls > self.at:
+                raise self.error
+        return logits
+
+    def prefill(self, *args):
+        return self.after("prefill", super().prefill(*args))
+
+    def decode(self, *args):
+        return self.after("decode", super().decode(*args))
+
+    def forward(self, *args):
+        return self.after("forward", super().forward(*args))
+
+
+def busy_workload(rng):
+    """Prompts sharing a prefix, several samples, staggered arrivals: in a pool of 10 blocks
+    the run forks, preempts and swaps back in."""
+    shared = rng.integers(0, VOCAB, 2 * BLOCK).tolist()
+    return [
+        Request(0, shared + rng.integers(0, VOCAB, 3).tolist(), 9, num_samples=2),
+        Request(1, rng.integers(0, VOCAB, 6).tolist(), 10, arrival_step=1),
+        Request(2, shared + rng.integers(0, VOCAB, 1).tolist(), 8, arrival_step=1),
+        Request(3, rng.integers(0, VOCAB, 2).tolist(), 12, num_samples=3, arrival_step=3),
+    ]
+
+
+@pytest.mark.parametrize(
+    "prefill_chunk, method, at",
+    [(None, "prefill", 0), (None, "prefill", 2), (None, "decode", 4), (3, "forward", 0)]
+    + [(3, "forward", 5)],
+)
+def test_a_run_the_model_fails_frees_what_it_added(rng, prefill_chunk, method, at):
+    """The model raising mid-run (on a group of prompts just prefilled, on a batch with forks
+    and swapped-out sequences): the cache is as before the run, the caller's sequence kept."""
+    requests = busy_workload(rng)
+    cache = cache_with_a_bystander(rng, 12)
+    before = live_state(cache)
+    model = Failing(method, at, RuntimeError("the model failed"))
+    engine = Engine(model, cache, prefill_chunk=prefill_chunk)
+    with pytest.raises(RuntimeError, match="the model failed"):
+        engine.run(requests)
+    assert model.calls == at + 1
+    assert live_state(cache) == before
+    # The engine serves the next run as if the failed one had not been.
+    model.at = 10**9
+    result = engine.run(requests)
+    assert result.outputs == {
+        (r.rid, s): counted(r.prompt, r.max_new_tokens)
+        for r in requests
+        for s in range(r.num_samples)
+    }
+    assert live_state(cache) == before
+
+
+@pytest.mark.parametrize("prefill_chunk", [None, 3], ids=["whole", "chunked"])
+def test_a_run_interrupted_at_any_token_frees_what_it_added(rng, prefill_chunk):
+    """Ctrl-C (or a callback raising) as a token of the run is chosen: the first, between the
+    forks of a prompt, with sequences swapped out, the last."""
+    requests = busy_workload(rng)
+    prompt = rng.integers(0, VOCAB, int(rng.integers(1, 2 * BLOCK))).tolist()
+    # An uninterrupted run says which tokens are chosen while a sequence is swapped out.
+    cache = cache_with_a_bystander(rng, 12, prompt)
+    swapped = []
+    Engine(CountingModel(), cache, prefill_chunk=prefill_chunk).run(
+        requests,
+        on_logits=lambda seq, row: swapped.append(any(map(cache.is_swapped, cache.sequence_ids))),
+    )
+    while_swapped = np.flatnonzero(swapped)
+    assert while_swapped.size, "the workload never swaps a sequence out"
+    total = len(swapped)
+    stops = {0, 1, total - 1, *rng.integers(2, total - 1, 4).tolist()}
+    stops |= set(rng.choice(while_swapped, 2).tolist())
+    for stop in sorted(stops):
+        cache = cache_with_a_bystander(rng, 12, prompt)
+        before = live_state(cache)
+        seen = []
+
+        def interrupt(seq, logits, stop=stop, seen=seen):
+            if len(seen) == stop:
+                raise KeyboardInterrupt
+            seen.append(seq.sid)
+
+        with pytest.raises(KeyboardInterrupt):
+            Engine(CountingModel(), cache, prefill_chunk=prefill_chunk).run(
+                requests, on_logits=interrupt
+            )
+        assert live_state(cache) == before, f"interrupted at token {stop}"
+
+
+@pytest.mark.parametrize("prefill_chunk", [None, 2], ids=["whole", "chunked"])
+def test_a_run_whose_sequence_outgrows_the_pool_frees_what_it_added(rng, prefill_chunk):
+    cache = cache_with_a_bystander(rng, 6)
+    before = live_state(cache)
+    requests = [Request(0, [1, 2], 4, num_samples=2), Request(1, [1, 2, 3], 6 * BLOCK)]
+    with pytest.raises(OutOfBlocksError):
+        Engine(CountingModel(), cache, prefill_chunk=prefill_chunk).run(requests)
+    assert live_state(cache) == before
+
+
+def test_a_run_whose_on_step_raises_frees_what_it_added(rng):
+    cache = cache_with_a_bystander(rng, 12)
+    before = live_state(cache)
+    states = []
+
+    def on_step(state):
+        states.append(state)
+        if state.num_swapped:
+            raise ValueError("the observer failed")
+
+    with pytest.raises(ValueError, match="the observer failed"):
+        Engine(CountingModel(), cache).run(busy_workload(rng), on_step=on_step)
+    assert states[-1].num_swapped >= 1 and live_state(cache) == before
+
+
 # ---------------------------------------------------------------------------------- sampler
 
 LOGITS = np.array([1.0, 3.0, 2.5, -1.0, 3.0, 0.5], np.float32)

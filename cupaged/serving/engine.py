@@ -31,14 +31,14 @@ Every step of :meth:`Engine.run`:
 
 Observers see the run without taking part: ``on_logits(sequence, logits)`` before each token is
 sampled, ``on_step(state)`` after each step. An engine with nothing to do goes straight to the
-next arrival step.
+next arrival step; a run that raises frees the sequences it added to the cache.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -182,9 +182,13 @@ class Engine:
 
         The step counter is the arrivals' clock: when nothing is waiting, running or swapped
         out, the engine goes to the next arrival step at once (those idle steps are not run).
+        A run that raises (a sequence that outgrows the pool, the model, a callback, Ctrl-C)
+        frees every sequence it added to the cache first: the cache's sequences and free blocks
+        are as before the run (blocks its prompts committed stay in the prefix cache, evictable).
 
         Args:
-            requests: the requests, admitted in order of ``(arrival_step, rid)``.
+            requests: the requests, admitted in order of ``(arrival_step, rid)``; their ids
+                distinct.
             on_step: called after every step.
             on_logits: called as ``on_logits(sequence, logits)`` with the ``[vocab]`` host
                 logits each token of a sample is chosen from, before it is chosen (after a
@@ -192,10 +196,28 @@ class Engine:
             stats: counters to add to (default: new ones), returned in the result.
 
         Raises:
+            TypeError: an element of ``requests`` that is not a :class:`Request`.
+            ValueError: two requests with one id (nothing is run).
             OutOfBlocksError: one sequence alone (a prompt, or a sample as it grows) does not
                 fit in the pool.
         """
+        requests = _checked_requests(requests)
+        cache = self.cache
+        before = set(cache.sequence_ids)
         self._reset(stats, on_logits)
+        try:
+            return self._serve(requests, on_step)
+        except BaseException:
+            # Whatever was interrupted: the sequences this run made go (whichever queue held
+            # them, or none yet: an admission not yet prefilled). Sequence ids are never reused.
+            cache.free_many([sid for sid in cache.sequence_ids if sid not in before])
+            self._reset(self._stats, None)
+            raise
+
+    def _serve(
+        self, requests: list[Request], on_step: Callable[[StepState], None] | None
+    ) -> ServeResult:
+        """The loop of :meth:`run`."""
         pending = deque(sorted(requests, key=lambda r: (r.arrival_step, r.rid)))
         start = time.perf_counter()
         step = 0
@@ -425,6 +447,21 @@ class Engine:
             self._on_logits(seq, logits)
         seq.generated.append(self.sampler.sample(logits, seq.rng))
         self._generated += 1
+
+
+def _checked_requests(requests: Iterable[Request]) -> list[Request]:
+    """``requests`` as a list, each a :class:`Request`, no id twice (outputs are keyed by id)."""
+    requests = list(requests)
+    seen: set[int] = set()
+    for request in requests:
+        if not isinstance(request, Request):
+            raise TypeError(f"expected Request objects in requests, got {type(request).__name__}")
+        if request.rid in seen:
+            raise ValueError(
+                f"expected distinct request ids (outputs are keyed by id), got {request.rid} twice"
+            )
+        seen.add(request.rid)
+    return requests
 
 
 def _attaches(request: Request, group: list[tuple[Request, Admission]], block_size: int) -> bool:
