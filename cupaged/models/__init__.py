@@ -64,7 +64,9 @@ def load_model(
         kv_dtype: the KV cache's element type: ``dtype`` or an fp8 format (docs/fp8.md).
 
     Raises:
-        CupagedError: unknown model, failed or corrupt download, missing ``model`` extra.
+        CupagedError: unknown model, failed or corrupt download, missing ``model`` extra, or a
+            file that does not fit together (checked before its weights are read: the config,
+            the tokenizer, every tensor's shape and storage type).
         ValueError: an unknown dtype, or a ``kv_dtype`` that is neither ``dtype`` nor fp8.
     """
     if dtype not in DTYPES:
@@ -82,9 +84,15 @@ def load_model(
     path = fetch(name, progress=progress)
     file = GGUFFile(path)
     config = LlamaConfig.from_gguf(file)
+    tokenizer = Tokenizer(file)
+    if tokenizer.vocab_size > config.vocab_size:  # an id past the embedding's rows
+        raise CupagedError(
+            f"expected at most {config.vocab_size} tokens (the embedding's rows) in "
+            f"tokenizer.ggml.tokens of {file.path.name}, got {tokenizer.vocab_size}"
+        )
     weights = load_weights(file, config)
     model = Llama(config, weights, device_module(device), dtype=dtype, kv_dtype=kv_dtype)
-    return model, Tokenizer(file)
+    return model, tokenizer
 
 
 __all__ = [

@@ -181,31 +181,59 @@ def unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, d // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
 
 
+def weight_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """The shape (NumPy order, ``[out, in]`` for a projection) of every weight of a model of
+    ``config``, by GGUF tensor name; ``output.weight`` is there even when a GGUF ties it to the
+    token embedding."""
+    c = config
+    q_rows, kv_rows = c.num_q_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    shapes = {
+        "token_embd.weight": (c.vocab_size, c.hidden),
+        "output_norm.weight": (c.hidden,),
+        "output.weight": (c.vocab_size, c.hidden),
+    }
+    layer = {
+        "attn_norm": (c.hidden,),
+        "attn_q": (q_rows, c.hidden),
+        "attn_k": (kv_rows, c.hidden),
+        "attn_v": (kv_rows, c.hidden),
+        "attn_output": (c.hidden, q_rows),
+        "ffn_norm": (c.hidden,),
+        "ffn_gate": (c.ffn, c.hidden),
+        "ffn_up": (c.ffn, c.hidden),
+        "ffn_down": (c.hidden, c.ffn),
+    }
+    for i in range(c.num_layers):
+        shapes |= {f"blk.{i}.{part}.weight": shape for part, shape in layer.items()}
+    return shapes
+
+
 def load_weights(gguf: GGUFFile, config: LlamaConfig) -> dict[str, np.ndarray]:
     """Every weight of the model as float32 NumPy arrays, in GGUF row order (nothing permuted).
 
-    Keys are the GGUF tensor names; ``output.weight`` is the token embedding when tied.
+    Keys are the GGUF tensor names; ``output.weight`` is the token embedding when tied. Every
+    tensor's header is checked before any data is read: a file whose last layer is wrong is
+    refused as soon as one whose first layer is.
+
+    Raises:
+        CupagedError: a tensor missing, of a shape other than :func:`weight_shapes`', or not
+            stored as float weights (:data:`~cupaged.models.gguf.FLOAT_TYPES`); or a tensor
+            that a Llama of ``config`` does not use (a layer past ``num_layers``, a bias).
     """
-    parts = "attn_norm attn_q attn_k attn_v attn_output ffn_norm ffn_gate ffn_up ffn_down".split()
-    names = ["token_embd.weight", "output_norm.weight"]
-    for i in range(config.num_layers):
-        names += [f"blk.{i}.{part}.weight" for part in parts]
-    weights = {name: gguf.tensor(name) for name in names}
-    tied = "output.weight" not in gguf.tensor_names
-    weights["output.weight"] = (
-        weights["token_embd.weight"] if tied else gguf.tensor("output.weight")
-    )
-    c = config
-    expected = {
-        "token_embd.weight": (c.vocab_size, c.hidden),
-        "output.weight": (c.vocab_size, c.hidden),
-        "blk.0.attn_q.weight": (c.num_q_heads * c.head_dim, c.hidden),
-        "blk.0.attn_k.weight": (c.num_kv_heads * c.head_dim, c.hidden),
-        "blk.0.ffn_down.weight": (c.hidden, c.ffn),
-    }
-    for name, shape in expected.items():
-        if weights[name].shape != shape:
-            raise CupagedError(f"expected {name} of shape {shape}, got {weights[name].shape}")
+    shapes = weight_shapes(config)
+    if "output.weight" not in gguf.tensor_names:  # the head tied to the token embedding
+        del shapes["output.weight"]
+    for name, shape in shapes.items():
+        gguf.check_tensor(name, shape)
+    unused = [name for name in gguf.tensor_names if name not in shapes]
+    if unused:
+        raise CupagedError(
+            f"expected only the tensors of a {config.num_layers}-layer Llama in "
+            f"{gguf.path.name}, got {len(unused)} more: {', '.join(unused[:4])}"
+            + (", ..." if len(unused) > 4 else "")
+        )
+    weights = {name: gguf.tensor(name) for name in shapes}
+    weights.setdefault("output.weight", weights["token_embd.weight"])
     return weights
 
 
@@ -222,6 +250,10 @@ class Llama:
             (``"float8_e4m3"``, ``"float8_e5m2"``), which ``write_kv`` quantizes K/V into with the
             cache's per-layer scales (docs/fp8.md).
 
+    Raises:
+        ValueError: a weight missing or of a shape other than :func:`weight_shapes`' (checked
+            before anything is copied to the device).
+
     Attributes:
         seconds: wall time spent so far in ``"attention"`` (``write_kv`` and the attention
             kernels) and in ``"other"`` (everything else), summed over calls. Meaningful on the
@@ -237,6 +269,10 @@ class Llama:
         kv_dtype: str | None = None,
     ) -> None:
         c = config
+        for name, shape in weight_shapes(c).items():
+            found = np.shape(weights[name]) if name in weights else "none"
+            if found != shape:
+                raise ValueError(f"expected weight {name!r} of shape {shape}, got {found}")
         self.config, self.xp, self.dtype = c, xp, dtype
         self.kv_dtype = check_kv_dtype(dtype, kv_dtype)
         self.device = "cpu" if xp is np else "cuda"
