@@ -13,7 +13,11 @@ which fixes them from the K/V it writes, per KV head, before they are quantized:
 
 so that the largest value of that first write maps to the format's largest (448 for e4m3).
 Later tokens larger than that saturate: the scales are fixed once set, as the bytes already
-written are read with them.
+written are read with them. A pending layer's scales are a placeholder (1.0) that calibration
+overwrites in place, so they are never handed out for a write: :meth:`KVScales.options` with
+``write=True`` refuses a pending layer (calibrate first: :meth:`KVScales.calibrate`, which
+``PagedCache.append`` and ``PagedCache.calibrate_kv_scales`` call), lest bytes quantized with
+1.0 be read with the scales calibrated later.
 """
 
 from __future__ import annotations
@@ -23,8 +27,10 @@ from typing import Any
 
 import numpy as np
 
+from ._backend import array_module
 from ._scales import scale_value
-from .dtypes import fp8_max, is_fp8, to_float
+from .dtypes import Q_DTYPE_NAMES, array_dtype_name, fp8_max, is_fp8, to_float
+from .errors import CupagedError
 
 AUTO = "auto"
 
@@ -69,12 +75,22 @@ class KVScales:
         return self.k is not None
 
     def pending(self, layer: int) -> bool:
-        """Whether K or V of ``layer`` awaits its calibrating first write."""
-        return bool(self._pending[:, layer].any())
+        """Whether K or V of ``layer`` awaits its calibrating first write.
+
+        Raises:
+            ValueError, TypeError: ``layer`` is not an int in ``[0, num_layers)``.
+        """
+        return bool(self._pending[:, self._checked_layer(layer)].any())
 
     def layer(self, layer: int) -> tuple[Any, Any]:
-        """``(k_scale, v_scale)`` of ``layer``: ``[num_kv_heads]`` float32 device arrays, or
-        ``(None, None)`` for a cache that is not fp8 (what the kernels' calls take then)."""
+        """``(k_scale, v_scale)`` of ``layer``: ``[num_kv_heads]`` float32 device arrays (views,
+        which a pending layer's calibration fills in), or ``(None, None)`` for a cache that is
+        not fp8 (what the kernels' calls take then).
+
+        Raises:
+            ValueError, TypeError: ``layer`` is not an int in ``[0, num_layers)``.
+        """
+        layer = self._checked_layer(layer)
         if self.k is None:
             return None, None
         return self.k[layer], self.v[layer]
@@ -82,9 +98,25 @@ class KVScales:
     def options(self, layer: int, write: bool = False) -> dict[str, Any]:
         """The keywords of ``layer``'s scales: ``{}`` for a cache that is not fp8, else
         ``k_scale`` and ``v_scale`` (a plan's ``run``), and with ``write`` also ``kv_dtype``
-        (``write_kv``, whose ``uint8`` cache on a GPU cannot say which fp8 it holds)."""
+        (``write_kv``, whose ``uint8`` cache on a GPU cannot say which fp8 it holds).
+
+        Raises:
+            CupagedError: ``write`` for a layer whose ``"auto"`` scales are still pending: K/V
+                written with the placeholder would be read with the scales calibrated later.
+                :meth:`calibrate` (``PagedCache.calibrate_kv_scales``) with the K/V to be
+                written fixes them first.
+            ValueError, TypeError: ``layer`` is not an int in ``[0, num_layers)``.
+        """
+        layer = self._checked_layer(layer)
         if self.k is None:
             return {}
+        if write and self._pending[:, layer].any():
+            raise CupagedError(
+                f'expected layer {layer}\'s "auto" scales calibrated before a write, got them '
+                f"pending (K/V written now would be quantized with a placeholder 1.0 and read "
+                f"with the scales calibrated later): call cache.calibrate_kv_scales({layer}, k, "
+                f"v) with the K/V about to be written first, as cache.append does"
+            )
         options = {"k_scale": self.k[layer], "v_scale": self.v[layer]}
         if write:
             options["kv_dtype"] = self.elem
@@ -125,13 +157,20 @@ class KVScales:
         """Fix the pending scales of ``layer`` from the K/V about to be written there.
 
         Args:
-            layer: the layer.
+            layer: the layer, in ``[0, num_layers)``.
             k, v: ``[n_tokens, num_kv_heads, head_dim]`` float32, float16 or bfloat16 arrays on
                 the cache's device (a bfloat16 one as ``uint16`` bits); ``n_tokens == 0``
                 leaves the scales pending.
             record: the undo recorder of the call this runs in (the cache's transaction), if any.
+
+        Raises:
+            ValueError, TypeError: ``layer`` out of range; for a pending layer, what
+                :meth:`check` refuses. Nothing changes then.
         """
-        if not self.pending(layer) or int(k.shape[0]) == 0:
+        if not self.pending(layer):  # (the K/V are not read then: PagedCache.append checked them)
+            return
+        self.check(layer, k, v)
+        if int(k.shape[0]) == 0:
             return
         if record is not None:
             record(self._restore, layer, self.k[layer].copy(), self.v[layer].copy(),
@@ -140,6 +179,44 @@ class KVScales:
             if self._pending[which, layer]:
                 scales[layer] = self._from_amax(x)
                 self._pending[which, layer] = False
+
+    def check(self, layer: int, k: Any, v: Any) -> None:
+        """Check the arguments of :meth:`calibrate` (the K/V about to be written to ``layer``).
+
+        Raises:
+            ValueError: ``layer`` out of ``[0, num_layers)`` (negative ones too: no counting
+                from the end), K or V not ``[n_tokens, num_kv_heads, head_dim]`` with the
+                cache's ``num_kv_heads``.
+            TypeError: ``layer`` not an int; K or V not an array of the cache's array module,
+                or of another dtype than float32, float16 or bfloat16.
+        """
+        self._checked_layer(layer)
+        heads = self.shape[1]
+        for name, x in (("k", k), ("v", v)):
+            try:
+                module = array_module(x)
+            except TypeError:  # not an array
+                module = None
+            if module is not self.xp:
+                raise TypeError(
+                    f"expected {name} a {self.xp.__name__} array (the cache's device), got "
+                    f"{type(x).__module__}.{type(x).__name__}"
+                )
+            shape = tuple(x.shape)
+            if len(shape) != 3 or shape[1] != heads:
+                raise ValueError(
+                    f"expected {name} of shape (n_tokens, num_kv_heads={heads}, head_dim), got "
+                    f"{shape}"
+                )
+            try:
+                elem = array_dtype_name(x)
+            except TypeError:  # none of the element types
+                elem = None
+            if elem not in Q_DTYPE_NAMES:
+                raise TypeError(
+                    f"expected {name} of dtype float32, float16 or bfloat16 (what write_kv "
+                    f"quantizes), got {x.dtype}"
+                )
 
     def check_invariants(self) -> None:
         """Every scale positive and finite, float32 of the cache's shape (one read back)."""
@@ -152,6 +229,17 @@ class KVScales:
                 raise AssertionError(f"{name} scales positive and finite expected")
 
     # ----------------------------------------------------------------------------- internals
+
+    def _checked_layer(self, layer: Any) -> int:
+        """``layer`` as an index of the scales' rows, refused unless in ``[0, num_layers)``:
+        a negative one would silently be a layer counted from the end."""
+        if type(layer) is not int:
+            if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
+                raise TypeError(f"expected layer an int, got {type(layer).__name__}")
+            layer = int(layer)
+        if not 0 <= layer < self.shape[0]:
+            raise ValueError(f"expected layer in [0, num_layers={self.shape[0]}), got {layer}")
+        return layer
 
     def _restore_all(self, k: Any, v: Any, pending: np.ndarray) -> None:
         self.k, self.v = k, v
