@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import operator
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -99,11 +100,30 @@ def takes_dlpack(function: Callable[..., Any]) -> Callable[..., Any]:
 
 def _any_foreign(values: Any) -> bool:
     """Whether one of ``values`` is a foreign array: it has ``__dlpack__`` (asked of the object,
-    so that a proxy's counts) and is not a NumPy or CuPy array."""
-    for x in values:
-        if type(x) is not np.ndarray and hasattr(x, "__dlpack__") and not is_native(x):
-            return True
+    so that a proxy's counts) and is not a NumPy or CuPy array. An object whose attribute
+    lookup raises counts as one: the general way then refuses it by name (:func:`_speaks_dlpack`)."""
+    try:
+        for x in values:
+            if type(x) is not np.ndarray and hasattr(x, "__dlpack__") and not is_native(x):
+                return True
+    except Exception:  # a __dlpack__ property that raises (hasattr passes on only AttributeError)
+        return True
     return False
+
+
+def _speaks_dlpack(name: str, x: Any) -> bool:
+    """Whether argument ``name`` has ``__dlpack__``.
+
+    Raises:
+        TypeError: asking raised (a property that fails), naming the argument.
+    """
+    try:
+        return hasattr(x, "__dlpack__")
+    except Exception as error:
+        raise TypeError(
+            f"expected {name} to be a NumPy or CuPy array or an object with __dlpack__, got "
+            f"{_kind(x)} whose __dlpack__ raised {type(error).__name__}: {error}"
+        ) from error
 
 
 _DECLINED = object()  # what _cpu_tensor_call returns for a call it leaves to the general way
@@ -157,8 +177,14 @@ def _cpu_tensor_views(values: Any, torch: _Torch) -> tuple[Any, ...] | None:
                     x = x.view(torch.bits16).numpy()
             except (RuntimeError, TypeError, ValueError):  # fp8, a lazy negation, sparse, ...
                 return None
-        elif type(x) is np.ndarray or hasattr(x, "__dlpack__"):
+        elif type(x) is np.ndarray:
             return None
+        else:
+            try:
+                if hasattr(x, "__dlpack__"):
+                    return None
+            except Exception:  # a __dlpack__ property that raises: the general way names it
+                return None
         views.append(x)
     return tuple(views)
 
@@ -183,17 +209,25 @@ def _name_arrays(error: Exception, framework: str, names: tuple, args: tuple, kw
     arrays (``"arrived as torch arrays: k torch.int8 on cpu, ..."``)."""
     if error.args and isinstance(error.args[0], str):
         described = ", ".join(
-            f"{n} {getattr(x, 'dtype', '?')} on {_device(x)}"
-            for n, x in _given(names, args, kwargs).items()
+            f"{n} {_shown_dtype(x)} on {_device(x)}" for n, x in _given(names, args, kwargs).items()
         )
         message = f"{error.args[0]} (arrived as {framework} arrays: {described})"
         error.args = (message, *error.args[1:])
 
 
 def _given(names: tuple, args: tuple, kwargs: dict) -> dict[str, Any]:
-    """The call's arrays by name (its ``__dlpack__`` arguments)."""
-    arrays = {n: x for n, x in zip(names, args, strict=False) if hasattr(x, "__dlpack__")}
-    return arrays | {n: x for n, x in kwargs.items() if hasattr(x, "__dlpack__")}
+    """The call's arrays by name (its ``__dlpack__`` arguments; an object whose lookup raises
+    is left out: this only describes the call)."""
+    arrays = {n: x for n, x in zip(names, args, strict=False) if _has_dlpack(x)}
+    return arrays | {n: x for n, x in kwargs.items() if _has_dlpack(x)}
+
+
+def _has_dlpack(x: Any) -> bool | None:
+    """Whether ``x`` has ``__dlpack__``; ``None`` when asking raised (a property that fails)."""
+    try:
+        return hasattr(x, "__dlpack__")
+    except Exception:
+        return None
 
 
 class _Imported:
@@ -250,13 +284,13 @@ class _Imported:
     def _import_arg(self, i: int, x: Any) -> Any:
         """Argument ``i`` (positional ones first) imported when it has ``__dlpack__``, through
         DLPack, after the refusals of :func:`_refuse_what_dlpack_would_lose` for a tensor."""
-        if not hasattr(x, "__dlpack__"):
-            return x
         names, args, kwargs = self._call
         if i < len(args):
             name = names[i] if i < len(names) else f"argument {i}"
         else:
             name = list(kwargs)[i - len(args)]
+        if not _speaks_dlpack(name, x):
+            return x
         torch = self.torch
         if isinstance(x, torch.tensor):
             framework = "torch"
@@ -427,53 +461,114 @@ def _import(name: str, x: Any, framework: str, shown: Any = None) -> Any:
     """One foreign array as a NumPy or CuPy array, through DLPack (no copy); ``shown``, the
     caller's object that errors name (``x`` when ``None``). Nothing is remembered between
     calls (the module docstring says why).
+
+    Raises:
+        TypeError: naming the argument, for whatever the producer does wrong: no
+            ``__dlpack_device__``, one that raises or does not return ``(device_type,
+            device_id)``, a device cupaged does not run on, or a ``__dlpack__`` export that
+            fails (with any exception: it is the producer's code).
     """
-    if not hasattr(x, "__dlpack_device__"):
-        raise TypeError(
-            f"expected {name} to be a NumPy or CuPy array or an object with __dlpack__, got "
-            f"{_kind(x if shown is None else shown)}"
-        )
+    shown = x if shown is None else shown
+    if framework == "torch":  # cheaper than asking __dlpack_device__()
+        device = _DL_CUDA if x.is_cuda else _DL_CPU if x.is_cpu else None
+    else:
+        device = None
+    if device is None:
+        device = _device_type(name, x, shown)
+    from_dlpack = _importer(name, device, shown)
     try:
-        if framework == "torch":  # cheaper than asking __dlpack_device__()
-            device = _DL_CUDA if x.is_cuda else _DL_CPU if x.is_cpu else None
-        else:
-            device = None
-        if device is None:
-            device = int(x.__dlpack_device__()[0])
-        return _from_dlpack(name, x, device)
-    except (BufferError, RuntimeError, ValueError) as error:  # the framework's own refusal
+        return from_dlpack(x)
+    except Exception as error:  # the producer's own refusal, or its failure
+        raise _not_importable(name, shown, error) from error
+
+
+def _not_importable(name: str, shown: Any, error: BaseException) -> TypeError:
+    """The refusal of argument ``name`` whose DLPack export (``__dlpack_device__()`` or
+    ``__dlpack__()``) raised ``error``: the framework's own refusal or a failure of its code."""
+    return TypeError(
+        f"expected {name} importable through DLPack (a dense tensor in host or CUDA memory, "
+        f"not requiring grad), got {_kind(shown)}: {_said(error)}"
+    )
+
+
+def _device_type(name: str, x: Any, shown: Any) -> int:
+    """The DLPack device type that ``x.__dlpack_device__()`` reports, checked.
+
+    Raises:
+        TypeError: no ``__dlpack_device__``, one that raises, or a result that is not a
+            ``(device_type, device_id)`` pair of ints.
+    """
+    try:
+        report = x.__dlpack_device__
+    except Exception as error:  # AttributeError, or a property that raises
         raise TypeError(
-            f"expected {name} importable through DLPack (a dense tensor in host or CUDA "
-            f"memory, not requiring grad), got {_kind(x if shown is None else shown)}: {error}"
+            f"expected {name} to be a NumPy or CuPy array or an object with __dlpack__ and "
+            f"__dlpack_device__, got {_kind(shown)} ({_said(error)})"
+        ) from None
+    try:
+        device = report()
+    except Exception as error:  # the framework's refusal (a meta tensor), or its failure
+        raise _not_importable(name, shown, error) from error
+    try:
+        device_type, _ = device
+        return operator.index(device_type)
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"expected {name}.__dlpack_device__() to return (device_type, device_id) ints, got "
+            f"{device!r} from {_kind(shown)}"
         ) from None
 
 
-def _from_dlpack(name: str, x: Any, device_type: int) -> Any:
+def _importer(name: str, device_type: int, shown: Any) -> Callable[[Any], Any]:
+    """The ``from_dlpack`` of the array module for memory of DLPack ``device_type``."""
     if device_type in (_DL_CPU, _DL_CUDA_HOST):
-        return np.from_dlpack(x)
+        return np.from_dlpack
     if device_type == _DL_CUDA:
         cupy = cupy_module()
         if cupy is None:
             raise TypeError(
                 f"expected {name} in host memory (CuPy is not installed), got CUDA memory"
             )
-        return cupy.from_dlpack(x)  # hands the producer CuPy's current stream
+        return cupy.from_dlpack  # hands the producer CuPy's current stream
     raise TypeError(
-        f"expected {name} in host or CUDA memory, got DLPack device type {device_type} ({_kind(x)})"
+        f"expected {name} in host or CUDA memory, got DLPack device type {device_type} "
+        f"({_kind(shown)})"
     )
 
 
+def _said(error: BaseException) -> str:
+    """An exception as ``"KeyError: 'x'"``; a framework's refusal (``BufferError``,
+    ``RuntimeError``, ``ValueError``) by its message alone, as it reads best."""
+    if isinstance(error, (BufferError, RuntimeError, ValueError)):
+        return str(error)
+    return f"{type(error).__name__}: {error}"
+
+
+def _shown_dtype(x: Any) -> str:
+    dtype = _attribute(x, "dtype")
+    return "?" if dtype is None else str(dtype)
+
+
 def _device(x: Any) -> str:
-    device = getattr(x, "device", None)
+    device = _attribute(x, "device")
     return "?" if device is None or callable(device) else str(device)
 
 
 def _kind(x: Any) -> str:
     """``torch.Tensor(dtype=torch.float16, device=cpu)``-like description of an argument."""
     kind = f"{type(x).__module__}.{type(x).__name__}"
-    dtype, device = getattr(x, "dtype", None), getattr(x, "device", None)
+    dtype, device = _attribute(x, "dtype"), _attribute(x, "device")
     if dtype is not None:
         kind += f" of dtype {dtype}"
     if device is not None and not callable(device):
         kind += f" on {device}"
     return kind
+
+
+def _attribute(x: Any, name: str) -> Any:
+    """``x.name``, or ``None`` when ``x`` has none or asking raises: for error messages, which
+    must not fail on the object they describe."""
+    try:
+        return getattr(x, name, None)
+    except Exception:
+        return None
