@@ -235,8 +235,8 @@ class LayerArrays:
         name = dtype_name(kv_dtype)
         if not is_fp8(self.dtype):
             raise TypeError(
-                f"expected no kv_dtype for a plan of a {self.dtype} cache (kv_dtype names fp8 "
-                f"bytes), got {name}"
+                f"expected {self.dtype} caches (the plan's) and no kv_dtype, got kv_dtype={name} "
+                f"(given, or the dtype of fp8 tensors)"
             )
         if name != self.dtype:
             raise TypeError(

@@ -185,6 +185,18 @@ def recorded_cpu_launches():
         yield launches
 
 
+@contextlib.contextmanager
+def recorded_launches(xp):
+    """:func:`recorded_cpu_launches` where the kernels run on the CPU backend (NumPy, and the
+    strict CuPy stand-in, which launches them there); ``None`` on a real GPU, where nothing
+    records them."""
+    if xp is np or getattr(xp, "__name__", "") == "strict_cupy":
+        with recorded_cpu_launches() as launches:
+            yield launches
+    else:
+        yield None
+
+
 def forget_cpu_builds() -> None:
     """Forget which library this process loaded for each CPU-backend module (the libraries stay
     loaded): the next :class:`~cupaged._cpu.CpuModule` looks in the build cache again, as a new
@@ -199,12 +211,14 @@ def forget_cuda_state() -> None:
     it found, so that the next call looks again: the strict CuPy stand-in
     (``strict_cupy.installed``) goes in and out with this, so that neither its kernels and
     limits outlive it nor a real GPU's reach it."""
-    from cupaged import _attention, _backend, _kernels
+    from cupaged import _attention, _backend, _kernels, ops
 
     _backend.cupy_module.cache_clear()
     _backend.cuda_available.cache_clear()
     _attention._cuda_target.cache_clear()
     _kernels._cuda_functions.clear()
+    ops._write_plan.cache_clear()  # their plans hold kernels, keyed ("cuda", device id, ...)
+    ops._copy_plan.cache_clear()
 
 
 @contextlib.contextmanager

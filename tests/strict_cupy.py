@@ -23,7 +23,8 @@ the library can go wrong:
 
 The "device" reports the limits of the CPU backend's nominal GPU (``NOMINAL_TARGET``: sm_90, its
 multiprocessors and shared memory), so that its launch plans pick the kernels the CPU backend
-runs, and its version is 14.2 (native bfloat16 arrays, as on the GPU run that found the bugs).
+runs, and its version is 14.2 (native bfloat16 arrays, as on the GPU run that found the bugs):
+like CuPy, it has no array of a dtype without a C type (fp8 crosses as ``uint8`` bytes).
 What it does not model: streams and asynchrony (every call completes at once), CUDA graphs,
 several devices, DLPack export.
 """
@@ -36,6 +37,7 @@ import types
 from collections.abc import Iterator
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 __version__ = "14.2.0"
@@ -86,6 +88,18 @@ def _index(key: Any) -> Any:
     return key
 
 
+# The dtypes CuPy has a C type for (bool, the integers, float16/32/64, complex64/128); CuPy 14
+# adds ml_dtypes.bfloat16 (cupy#9494). No fp8: an fp8 cache is uint8 bytes on a GPU.
+_DTYPE_CHARS = frozenset("?bhilqBHILQefdFD")
+
+
+def _check_dtype(dtype: np.dtype) -> None:
+    native_bfloat16 = int(__version__.split(".")[0]) >= 14
+    if dtype.char in _DTYPE_CHARS or (native_bfloat16 and dtype == np.dtype(ml_dtypes.bfloat16)):
+        return
+    raise ValueError(f"Unsupported dtype {dtype}")
+
+
 class _Flags:
     """CuPy's ``ndarray.flags``: contiguity and ownership, nothing about writability."""
 
@@ -128,6 +142,7 @@ class ndarray(np.lib.mixins.NDArrayOperatorsMixin):  # noqa: N801  (CuPy's name)
 
     @classmethod
     def _of(cls, array: np.ndarray) -> ndarray:
+        _check_dtype(array.dtype)
         x = object.__new__(cls)
         x._a = array
         return x
@@ -177,9 +192,13 @@ class ndarray(np.lib.mixins.NDArrayOperatorsMixin):  # noqa: N801  (CuPy's name)
         return out
 
     def set(self, array: np.ndarray, stream: Any = None) -> None:
-        """Upload ``array`` into this array, which has its shape."""
+        """Upload ``array`` into this C-contiguous array, which has its shape and dtype."""
         if array.shape != self.shape:
             raise ValueError(f"Shape mismatch. Old shape: {self.shape}, new shape: {array.shape}")
+        if array.dtype != self.dtype:
+            raise TypeError(f"{array.dtype} array cannot be set to {self.dtype} array")
+        if not self._a.flags.c_contiguous:
+            raise RuntimeError("Cannot set to non-contiguous array")
         self._a[...] = array
 
     def __dlpack_device__(self) -> tuple[int, int]:
@@ -306,12 +325,25 @@ class _Ufunc:
         return lambda *args, **kwargs: _wrap(bound(*_device_value(args), **_device_kwargs(kwargs)))
 
 
+def _like(function: Any) -> Any:
+    """A ``*_like`` creation function: CuPy takes a host prototype too (only its shape and
+    dtype are read)."""
+
+    def like(prototype: Any, *args: Any, **kwargs: Any) -> ndarray:
+        host = prototype._a if isinstance(prototype, ndarray) else prototype
+        return _wrap(function(host, *args, **kwargs))
+
+    return like
+
+
 def __getattr__(name: str) -> Any:
     """Every other NumPy name: functions and ufuncs over the stand-in's arrays; dtypes,
     constants and types as NumPy has them."""
     value = getattr(np, name)
     if isinstance(value, np.ufunc):
         return _Ufunc(value)
+    if name in ("empty_like", "zeros_like", "ones_like", "full_like"):
+        return _like(value)
     if callable(value) and not isinstance(value, type):
         return lambda *args, **kwargs: _wrap(value(*_device_value(args), **_device_kwargs(kwargs)))
     return value
@@ -394,9 +426,24 @@ class RawKernel:
 
         self.name, self._source = name, source
         self._cpu = None  # built at the first launch: the loader holds its lock while loading this
-        self.max_dynamic_shared_size_bytes = _launch.DEFAULT_SHARED_MEMORY
+        self._opted_in = _launch.DEFAULT_SHARED_MEMORY
         self.kernel = types.SimpleNamespace(ptr=id(self))  # the handle the driver's calls take
         RawKernel._by_ptr[id(self)] = self
+
+    @property
+    def max_dynamic_shared_size_bytes(self) -> int:
+        return self._opted_in
+
+    @max_dynamic_shared_size_bytes.setter
+    def max_dynamic_shared_size_bytes(self, value: int) -> None:
+        """The opt-in, which CUDA refuses above the device's limit per block."""
+        limit = _nominal().shared_memory
+        if not 0 <= value <= limit:
+            raise RuntimeError(
+                f"CUDA_ERROR_INVALID_VALUE: {self.name} opting into {value} bytes of dynamic "
+                f"shared memory, the device allows {limit}"
+            )
+        self._opted_in = value
 
     def __call__(self, grid: Any, block: Any, args: Any, *, shared_mem: int = 0, **kw: Any) -> None:
         from cupaged import _kernels
@@ -437,7 +484,9 @@ class RawModule:
 
 def _occupancy(ptr: int, threads: int, shared_mem: int) -> int:
     """Blocks per multiprocessor of a loaded kernel, as CUDA's calculator gives them for an
-    H100 kernel of a typical 64 registers per thread (the stand-in has no cubin)."""
+    H100 kernel of 64 registers per thread: the stand-in has no cubin, so its split plans may
+    differ from the CPU backend's (``_launch.decode_ctas_per_sm``, the cubins' registers), as a
+    real GPU's may; the work list's length depends on it, never a result."""
     from cupaged._gpu_target import ctas_per_sm
 
     assert ptr in RawKernel._by_ptr, "occupancy asked of a kernel the stand-in did not load"
@@ -481,3 +530,4 @@ def installed() -> Iterator[types.ModuleType]:
         else:
             sys.modules["cupy"] = saved
         forget_cuda_state()
+        RawKernel._by_ptr.clear()

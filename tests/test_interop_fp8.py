@@ -3,7 +3,8 @@ read and write caches: written in place, read as the NumPy caches of the same by
 
 On both devices a tensor's bytes arrive as ``uint8`` (CuPy has no fp8 dtype), with the call's
 ``kv_dtype`` filled in from the tensor's dtype, a plan's ``run`` included, which checks it
-against its own format: the CPU variants run the code path of the CUDA ones. The attention results are compared with the float64 oracle over the NumPy
+against its own format: the CPU variants run the code path of the CUDA ones. The attention
+results are compared with the float64 oracle over the NumPy
 caches (``reference_attention``/``reference_prefill`` in float64), the writes with the same
 write on NumPy copies, bit for bit. The CUDA variants skip cleanly without a GPU.
 """
@@ -139,7 +140,7 @@ def test_a_plan_checks_the_format_of_fp8_tensors_against_its_own(rng):
         assert not torch.isnan(out).any()
         out.fill_(float("nan"))
     plain = cupaged.DecodePlan(tables, lens, np.zeros((NB, H_KV, BS, D), np.float32), H_Q)
-    with pytest.raises(TypeError, match="expected no kv_dtype for a plan of a float32 cache"):
+    with pytest.raises(TypeError, match=r"expected float32 caches \(the plan's\) and no kv_dtype"):
         plain.run(tq.numpy(), k8.astype(np.float32), k8.astype(np.float32), kv_dtype="fp8")
 
 

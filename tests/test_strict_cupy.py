@@ -24,6 +24,8 @@ TESTS = Path(__file__).resolve().parent
 
 @pytest.fixture
 def cp():
+    if cuda_available():  # cupaged's per-device state would mix the stand-in's with a GPU's
+        pytest.skip("a CUDA GPU is here: the cupy variants run what the stand-in imitates")
     with strict_cupy.installed() as module:
         yield module
 
@@ -100,6 +102,21 @@ def test_cupaged_takes_its_cuda_paths_on_the_stand_in(cp, rng):
         np.testing.assert_allclose(expected, out)
 
 
+def test_device_arrays_have_only_the_dtypes_cupy_has(cp):
+    import ml_dtypes
+
+    bits = np.arange(4, dtype=np.uint8)
+    with pytest.raises(ValueError, match="Unsupported dtype"):  # no fp8 on CuPy: bytes
+        cp.asarray(bits.view(ml_dtypes.float8_e4m3fn))
+    with pytest.raises(ValueError, match="Unsupported dtype"):
+        cp.asarray(bits).view(ml_dtypes.float8_e5m2)
+    assert cp.asarray(bits.view(np.uint16)).view(ml_dtypes.bfloat16).dtype == ml_dtypes.bfloat16
+    x = cp.zeros_like(np.zeros((2, 3), np.float32))  # a host prototype gives its shape only
+    assert type(x) is cp.ndarray and x.shape == (2, 3)
+    with pytest.raises(TypeError, match="cannot be set"):
+        x.set(np.zeros((2, 3), np.float64))
+
+
 def test_kernels_refuse_host_arrays_and_unopted_shared_memory(cp):
     from cupaged import _kernels
 
@@ -108,6 +125,8 @@ def test_kernels_refuse_host_arrays_and_unopted_shared_memory(cp):
         kernel((1,), (32,), (np.zeros(4, np.float32),))
     with pytest.raises(RuntimeError, match="dynamic shared memory"):
         kernel((1,), (32,), (), shared_mem=kernel.max_dynamic_shared_size_bytes + 1)
+    with pytest.raises(RuntimeError, match="the device allows"):
+        kernel.max_dynamic_shared_size_bytes = 10**9
 
 
 def _copy_kernel_name() -> str:
@@ -122,6 +141,30 @@ def test_installing_the_stand_in_leaves_cupy_as_it_was():
     with strict_cupy.installed() as cp:
         assert sys.modules["cupy"] is cp
     assert (sys.modules.get("cupy"), cupy_module(), cuda_available()) == before
+
+
+def test_the_rng_fixture_draws_the_same_in_every_process_and_names_its_seed(tmp_path):
+    """The fixture itself, in pytest runs of two string-hash salts: the same draws, and a
+    failing test's report says the seed."""
+    (tmp_path / "conftest.py").write_text((TESTS / "conftest.py").read_text())
+    (tmp_path / "test_draw.py").write_text(
+        "def test_draw(rng):\n    print('drew', rng.integers(2**62))\n    assert False\n"
+    )
+    outputs = []
+    for salt in ("1", "2"):
+        env = os.environ | {"PYTHONHASHSEED": salt, "PYTHONPATH": str(TESTS)}
+        run = subprocess.run(
+            [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:xdist", "-s",
+             str(tmp_path / "test_draw.py")],
+            cwd=tmp_path, env=env, capture_output=True, text=True,
+        )  # fmt: skip
+        assert run.returncode == 1, run.stdout + run.stderr
+        outputs.append(run.stdout)
+    draws = [re.search(r"drew (\d+)", out).group(1) for out in outputs]
+    assert draws[0] == draws[1]
+    seed = seed_of("test_draw.py::test_draw")
+    assert f"rng seeded with {seed}: numpy.random.default_rng({seed})" in outputs[0]
+    assert draws[0] == str(np.random.default_rng(seed).integers(2**62))
 
 
 def test_rng_seeds_are_the_same_in_every_process():
