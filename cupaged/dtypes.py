@@ -19,6 +19,7 @@ that take one take ``kv_dtype=`` too.
 from __future__ import annotations
 
 import functools
+import reprlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,6 +102,11 @@ _STORAGE_VIEWS = {
 }
 
 
+# Names what a refusal got, cut short: a list or an array given as a dtype can be long.
+_SHORT = reprlib.Repr()
+_SHORT.maxstring = _SHORT.maxother = 80
+
+
 def dtype_name(dtype: Any) -> str:
     """Canonical name of an element type given as a string or a NumPy-compatible dtype.
 
@@ -119,7 +125,7 @@ def dtype_name(dtype: Any) -> str:
             return name
     try:
         np_dtype = np.dtype(dtype)
-    except TypeError:
+    except Exception:  # not a dtype (TypeError), or one NumPy refuses otherwise (ValueError, ...)
         np_dtype = None
     if np_dtype == np.dtype(ml_dtypes.float8_e4m3):
         raise TypeError(
@@ -130,7 +136,7 @@ def dtype_name(dtype: Any) -> str:
         name = _ALIASES.get(np_dtype.name, np_dtype.name)
         if name in ELEMENT_TYPES:
             return name
-    raise TypeError(f"expected dtype one of {DTYPE_NAMES}, got {dtype!r}")
+    raise TypeError(f"expected dtype one of {DTYPE_NAMES}, got {_SHORT.repr(dtype)}")
 
 
 def is_fp8(name: str) -> bool:

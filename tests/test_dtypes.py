@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -110,6 +112,31 @@ def test_names():
         array_dtype_name(np.zeros(1, np.float64))
     with pytest.raises(TypeError, match=r"expected dtype one of .*got 'float64'"):
         dtype_name("float64")
+
+
+@pytest.mark.parametrize(
+    "dtype, shown",
+    [
+        (["float8_e4m3"], r"\['float8_e4m3'\]"),
+        ({"fp8": 1}, r"\{'fp8': 1\}"),
+        ((np.float32, -1), r"\(<class 'numpy.float32'>, -1\)"),  # NumPy: a ValueError
+        ({"names": ["a"], "formats": ["x"]}, r"\{'formats': \['x'\], 'names': \['a'\]\}"),
+        (list(range(10_000)), r"\[0, 1, 2, 3, 4, 5, \.\.\.\]"),
+        (np.zeros(10_000), r"array\(\[0\., 0\., 0\., \.\.\., 0\., 0\., 0\.\].*\)"),
+        ("f" * 10_000, r"'f+\.\.\.f+'"),
+    ],
+    ids=["list", "dict", "negative-shape", "bad-fields", "long-list", "long-array", "long-str"],
+)
+def test_a_dtype_that_names_nothing_is_a_short_type_error(dtype, shown):
+    """Whatever is given as a dtype (``kv_dtype=[...]`` included), the refusal is a TypeError
+    that lists the accepted names and shows what came, cut short."""
+    expected = "^" + re.escape(f"expected dtype one of {DTYPE_NAMES}, got ") + shown + "$"
+    with pytest.raises(TypeError, match=expected) as error:
+        dtype_name(dtype)
+    assert len(str(error.value)) < 250, str(error.value)[:300]
+    k = np.zeros((2, 3, 4), np.uint8)
+    with pytest.raises(TypeError, match=r"^expected dtype one of "):
+        to_float(k, kv_dtype=dtype)  # the same refusal where a kv_dtype is taken
 
 
 def test_public_bfloat16_helpers_round_trip_on_numpy_and_cupy(xp, rng):
