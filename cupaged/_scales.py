@@ -3,7 +3,7 @@
 An fp8 cache holds ``fp8(x / scale)`` and is read as ``fp8 * scale`` (docs/fp8.md), with one
 scale for K and one for V, each either one value for the whole layer or one per KV head:
 
-- a Python (or NumPy) number: positive and finite, checked on the host;
+- a real Python (or NumPy) number: positive and finite in float32, checked on the host;
 - a 0-d, ``[1]`` or ``[num_kv_heads]`` float32 array on the cache's device: checked in checked
   mode (one synchronisation, like the other checks), trusted with ``checked=False``, and read by
   the kernel where it lies, so that a step never waits on it;
