@@ -28,7 +28,7 @@ def test_write_kv_scatters_by_slot_and_skips_minus_one(rng, xp, dtype, slot_dtyp
     caches = xp.asarray(k_cache), xp.asarray(v_cache)
     cupaged.write_kv(*caches, xp.asarray(k), xp.asarray(v), xp.asarray(slots), checked=True)
 
-    got_k, got_v = (c.get() if hasattr(c, "get") else c for c in caches)
+    got_k, got_v = (cupaged.to_numpy(c) for c in caches)
     np.testing.assert_array_equal(got_k.view(np.uint8), expected_k.view(np.uint8))  # NaN-safe
     np.testing.assert_array_equal(got_v.view(np.uint8), expected_v.view(np.uint8))
 
@@ -45,7 +45,7 @@ def test_copy_blocks_copies_every_layer(rng, xp, dtype, layers):
     caches = xp.asarray(k_cache), xp.asarray(v_cache)
     cupaged.copy_blocks(*caches, xp.asarray(src), xp.asarray(dst), checked=True)
 
-    got_k, got_v = (c.get() if hasattr(c, "get") else c for c in caches)
+    got_k, got_v = (cupaged.to_numpy(c) for c in caches)
     np.testing.assert_array_equal(got_k, expected_k)
     np.testing.assert_array_equal(got_v, expected_v)
 
@@ -70,7 +70,7 @@ def test_the_oracles_equal_plain_loops(rng, xp, dtype):
     reference_write_kv(got_k[0], got_v[0], xp.asarray(k), xp.asarray(v), xp.asarray(slots))
     reference_copy_blocks(got_k, got_v, xp.asarray(src), xp.asarray(dst))
     for got, expected in ((got_k, expected_k), (got_v, expected_v)):
-        got = got.get() if hasattr(got, "get") else got
+        got = cupaged.to_numpy(got)
         np.testing.assert_array_equal(got.view(np.uint8), expected.view(np.uint8))
 
 

@@ -63,7 +63,7 @@ def random_tables(rng: np.random.Generator, lens: list[int], block_size: int) ->
 
 
 def host(x) -> list:
-    return (x.get() if hasattr(x, "get") else x).tolist()
+    return (cupaged.to_numpy(x)).tolist()
 
 
 def assert_int32_on(xp, *arrays) -> None:

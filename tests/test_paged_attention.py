@@ -207,7 +207,7 @@ def _as_storage(value, dtype: str):
 def _assert_same_specials(out, expected: np.ndarray, dtype: str) -> None:
     """NaN exactly where the reference has NaN, Inf where it has Inf; the rest within tolerance."""
     got = to_float(out, np.float64)
-    got = got.get() if hasattr(got, "get") else got
+    got = cupaged.to_numpy(got)
     np.testing.assert_array_equal(np.isnan(got), np.isnan(expected))
     np.testing.assert_array_equal(np.isinf(got), np.isinf(expected))
     np.testing.assert_array_equal(got[np.isinf(got)], expected[np.isinf(expected)])

@@ -218,7 +218,7 @@ def test_split_k_matches_float64_reference(rng, xp, case):
         assert_close(out, expected, dtype)
         results.append(to_float(out, np.float64))
     # The merge is exact up to float32 rounding: split and unsplit agree closer than the oracle.
-    split, whole = (r.get() if hasattr(r, "get") else r for r in results)
+    split, whole = (cupaged.to_numpy(r) for r in results)
     np.testing.assert_allclose(split, whole, **TOLERANCES[dtype])
 
 
@@ -530,7 +530,7 @@ def test_layout_and_shape_errors(rng):
 def assert_same_specials(out, expected: np.ndarray, dtype: str) -> None:
     """NaN exactly where the reference has NaN, Inf where it has Inf; the rest within tolerance."""
     got = to_float(out, np.float64)
-    got = got.get() if hasattr(got, "get") else got
+    got = cupaged.to_numpy(got)
     np.testing.assert_array_equal(np.isnan(got), np.isnan(expected))
     np.testing.assert_array_equal(np.isinf(got), np.isinf(expected))
     finite = np.isfinite(expected)
