@@ -211,9 +211,10 @@ def forget_cuda_state() -> None:
     it found, so that the next call looks again: the strict CuPy stand-in
     (``strict_cupy.installed``) goes in and out with this, so that neither its kernels and
     limits outlive it nor a real GPU's reach it."""
-    from cupaged import _attention, _backend, _kernels, ops
+    from cupaged import _attention, _backend, _kernels, dtypes, ops
 
     _backend.cupy_module.cache_clear()
+    dtypes.native_bfloat16.cache_clear()  # keyed by the module, whose version may change
     _backend.cuda_available.cache_clear()
     _attention._cuda_target.cache_clear()
     _kernels._cuda_functions.clear()
@@ -484,7 +485,7 @@ def inner_calls() -> list[tuple[object, str]]:
         *_named(lifecycle.Lifecycle, "admit _attach release _release_one fork"),
         *_named(Swapper, "swap_out swap_in drop"),
         *_named(cache, "copy_blocks write_kv"),
-        *_named(DeferredCopies, "leave take"),
+        *_named(DeferredCopies, "leave take let_go forget"),
     ]
 
 

@@ -514,13 +514,15 @@ cuda = types.SimpleNamespace(
 
 
 @contextlib.contextmanager
-def installed() -> Iterator[types.ModuleType]:
-    """Inside, ``import cupy`` (and cupaged's CuPy) is this module and a GPU is "available"."""
+def installed(version: str = "14.2.0") -> Iterator[types.ModuleType]:
+    """Inside, ``import cupy`` (and cupaged's CuPy) is this module, of CuPy version ``version``
+    ("13.6.0": no bfloat16 arrays, a bfloat16 cache is ``uint16``), and a GPU is "available"."""
+    global __version__
     from helpers import forget_cuda_state
 
     this = sys.modules[__spec__.name]
-    saved = sys.modules.get("cupy")
-    sys.modules["cupy"] = this
+    saved, saved_version = sys.modules.get("cupy"), __version__
+    sys.modules["cupy"], __version__ = this, version
     forget_cuda_state()
     try:
         yield this
@@ -529,5 +531,6 @@ def installed() -> Iterator[types.ModuleType]:
             sys.modules.pop("cupy", None)
         else:
             sys.modules["cupy"] = saved
+        __version__ = saved_version
         forget_cuda_state()
         RawKernel._by_ptr.clear()

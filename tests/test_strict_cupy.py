@@ -117,6 +117,32 @@ def test_device_arrays_have_only_the_dtypes_cupy_has(cp):
         x.set(np.zeros((2, 3), np.float64))
 
 
+@pytest.mark.parametrize("version, native", [("13.6.0", False), ("14.2.0", True)])
+def test_a_bfloat16_cache_on_cupy_13_and_14(rng, version, native):
+    """CuPy 13 has no bfloat16 arrays: there a bfloat16 cache holds uint16 bits; CuPy 14's is
+    native. Both decode right on the CUDA path."""
+    import ml_dtypes
+
+    if cuda_available():
+        pytest.skip("a CUDA GPU is here: the cupy variants run what the stand-in imitates")
+    with strict_cupy.installed(version) as cp:
+        cache = cupaged.PagedCache(8, block_size=4, num_kv_heads=2, head_dim=64, dtype="bfloat16")
+        assert cache.device == "cuda"
+        assert cache.k.dtype == (np.dtype(ml_dtypes.bfloat16) if native else np.uint16)
+        sid = cache.add_sequence()
+        k, v = (random_array(rng, (1, 9, 2, 64), "bfloat16") for _ in "kv")
+        cache.append(sid, cp.asarray(k), cp.asarray(v))
+        q = random_array(rng, (1, 4, 64), "bfloat16")
+        out = cache.decode_plan([sid], 4).run(cp.asarray(q), cache.k[0], cache.v[0])
+        tables, lens = (cupaged.to_numpy(x) for x in cache.block_tables([sid]))
+        layer = [cupaged.to_numpy(a[0]).view(np.uint16) for a in (cache.k, cache.v)]
+        expected = cupaged.reference_attention(q, *layer, tables, lens, out_dtype="float64")
+        assert_close(out, expected, "bfloat16")
+        if not native:
+            with pytest.raises(ValueError, match="Unsupported dtype"):
+                cp.asarray(k.view(ml_dtypes.bfloat16))
+
+
 def test_kernels_refuse_host_arrays_and_unopted_shared_memory(cp):
     from cupaged import _kernels
 
