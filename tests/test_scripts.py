@@ -187,7 +187,7 @@ def test_gpu_check_tests_summary_names_the_slowest_tests_and_kernel_loads(tmp_pa
     assert lines[slowest + 2] == "- 12.50 s `tests.test_b::test_slow[cupy]`"
     assert lines[slowest + 3] == "- 3.25 s `tests.test_a::test_mid`"
     assert (
-        "Kernel loads: 3 in 2.3 s summed over the workers; 2 took 0.2 s or more (NVRTC "
-        "compiles), 2.2 s. Slowest:" in lines
+        "Kernel loads (cupaged's; not CuPy's own): 3 in 2.3 s summed over the workers; 2 took "
+        "0.2 s or more (NVRTC compiles), 2.2 s. Slowest:" in lines
     )
     assert "- 1.75 s cuda paged_attention.cu `cupaged::paged_decode<__half, 128, 16>`" in lines
