@@ -12,7 +12,10 @@ Waste is aggregated over the whole run (sums over steps, so busy steps weigh mor
 
 from __future__ import annotations
 
+import io
 import json
+import os
+import stat
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -104,12 +107,34 @@ def _pct(fraction: float) -> float:
     return round(100 * fraction, 2)
 
 
+def write_output(path: str | Path, data: bytes) -> None:
+    """Write ``data`` into the regular file ``path`` (made, or emptied first), never waiting.
+
+    What the command line writes when a run ends goes through here: a FIFO would make the write
+    wait for a reader forever, and a device take the bytes or fail only then, so anything but a
+    regular file is refused unwritten. (The commands refuse such a path when parsing, through
+    ``cupaged.models.output_file``; this covers one put there during the run.)
+
+    Raises:
+        OSError: the file cannot be opened or written (a FIFO without a reader: ``ENXIO``).
+        ValueError: ``path`` is not a regular file.
+    """
+    # O_NONBLOCK: opening a FIFO returns at once (ENXIO without a reader) instead of waiting.
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK, 0o666)
+    with os.fdopen(fd, "wb") as f:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise ValueError(f"expected a regular file to write, got {str(path)!r}")
+        f.truncate(0)  # after the check: a device or FIFO is left as it was
+        f.write(data)
+
+
 def write_json(
     path: str | Path, summary: dict[str, Any], report: MemoryReport, steps: list[StepRecord]
 ) -> None:
-    """Every number of the run, and the per-step series, as JSON."""
+    """Every number of the run, and the per-step series, as JSON (:func:`write_output`)."""
     document = {"summary": summary, "memory": asdict(report), "steps": [asdict(s) for s in steps]}
-    Path(path).write_text(json.dumps(document, indent=2) + "\n")
+    write_output(path, (json.dumps(document, indent=2) + "\n").encode())
 
 
 def plot_series(
@@ -177,7 +202,8 @@ def memory_figure(spec: CacheSpec, max_len: int, steps: list[StepRecord], num_bl
 def write_plot(
     path: str | Path, spec: CacheSpec, max_len: int, steps: list[StepRecord], num_blocks: int
 ) -> None:
-    """Save :func:`memory_figure` as a PNG.
+    """Save :func:`memory_figure` as a PNG (or the format that the file's suffix names, as
+    matplotlib reads it), through :func:`write_output`.
 
     Raises:
         RuntimeError: matplotlib is not installed.
@@ -185,5 +211,9 @@ def write_plot(
     fig = memory_figure(spec, max_len, steps, num_blocks)
     import matplotlib.pyplot as plt
 
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    image = io.BytesIO()
+    try:
+        fig.savefig(image, dpi=100, format=Path(path).suffix[1:].lower() or "png")
+    finally:
+        plt.close(fig)
+    write_output(path, image.getvalue())

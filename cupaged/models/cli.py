@@ -23,7 +23,6 @@ import stat
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from .. import CacheSpec, CupagedError, resolve_device
@@ -166,20 +165,60 @@ def input_file(text: str) -> str:
 
 
 def output_file(text: str) -> str:
-    """An argparse ``type``: a file the command can write when it ends (checked when parsing, so
-    that a run never ends in a write that fails): not a folder, in a folder that exists and that
-    this user can write."""
-    path = Path(text)
-    if path.is_dir():
-        raise argparse.ArgumentTypeError(f"expected a file to write, got the folder {text!r}")
-    folder = path.parent
-    if not folder.is_dir():
+    """An argparse ``type``: a regular file the command can write when it ends, tried when
+    parsing so that a run never ends in a write that fails or waits:
+
+    - an existing regular file (a link to one too) that opens for appending (nothing written);
+    - or a new file in an existing folder, created there and removed again.
+
+    Anything else is refused: a folder, a FIFO or a socket (a write would wait for a reader), a
+    device (``/dev/full`` takes no byte), a file system that takes no new file (``/sys``, even
+    for root, whom permission bits do not stop). The final write goes through
+    :func:`cupaged.demo.report.write_output`, which refuses, without waiting, what has been put
+    in the file's place since.
+    """
+    try:
+        mode = os.stat(text).st_mode
+    except FileNotFoundError:
+        mode = None
+    except OSError as error:
         raise argparse.ArgumentTypeError(
-            f"expected a file in an existing folder, got {text!r} (no folder {str(folder)!r})"
+            f"expected a regular file to write, got {text!r} ({error.strerror})"
+        ) from None
+    if mode is not None and stat.S_ISDIR(mode):
+        raise argparse.ArgumentTypeError(f"expected a file to write, got the folder {text!r}")
+    if mode is not None and not stat.S_ISREG(mode):
+        raise argparse.ArgumentTypeError(
+            f"expected a regular file to write, got {text!r} ({file_kind(mode)})"
         )
-    if not os.access(folder, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        raise argparse.ArgumentTypeError(f"expected a file this user can write, got {text!r}")
+    if mode is None:
+        folder = os.path.dirname(text) or "."
+        if not os.path.isdir(folder):
+            raise argparse.ArgumentTypeError(
+                f"expected a file in an existing folder, got {text!r} (no folder {folder!r})"
+            )
+    try:
+        if mode is None:  # O_EXCL: never one that appeared since the stat
+            os.close(os.open(text, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+            os.unlink(text)
+        else:  # O_NONBLOCK: a FIFO put there since the stat cannot make this wait
+            os.close(os.open(text, os.O_WRONLY | os.O_APPEND | os.O_NONBLOCK))
+    except OSError as error:
+        raise argparse.ArgumentTypeError(
+            f"expected a file this user can write, got {text!r} ({error.strerror})"
+        ) from None
     return text
+
+
+def file_kind(mode: int) -> str:
+    """What a file that is neither a regular file nor a folder is, in words."""
+    kinds = (
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    )
+    return next((what for test, what in kinds if test(mode)), "not a regular file")
 
 
 # ------------------------------------------------------------------------------ memory
@@ -374,6 +413,7 @@ def check_model_options(
 
 
 def generate_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from ..demo.report import write_output
     from . import generate, limit_blas_threads, load_model
     from .generate import GenerationStats, Sampling
 
@@ -460,9 +500,9 @@ def generate_command(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         file=sys.stderr,
     )
     if args.json:
+        document = json.dumps({"model": args.model, "results": results}, indent=1)
         try:
-            with open(args.json, "w") as f:
-                json.dump({"model": args.model, "results": results}, f, indent=1)
-        except OSError as error:
+            write_output(args.json, document.encode())
+        except COMMAND_ERRORS as error:
             return error_line(parser.prog, error)
     return 0

@@ -1,0 +1,160 @@
+"""The command line at its edges (issue 39): output files that are not regular files, Ctrl-C,
+the progress bar of ``demo`` and ``generate``, and the messages that named the wrong option.
+
+Refusals are checked before the work, as in ``tests/test_cli_errors.py``: loading the model or
+setting up the demo fails the test. Nothing here loads the real model (``tests/test_real_model.py``
+runs ``generate`` with it); the bar is tested on a ``rich`` console forced to be a terminal.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import pytest
+
+import cupaged.demo
+import cupaged.models
+import cupaged.models.cli
+from cupaged.__main__ import main
+
+GENERATE = ["generate", "--model", "smollm2", "--device", "cpu"]
+DEMO = ["demo", "--device", "cpu"]
+
+
+def the_work(*args, **kwargs):
+    raise AssertionError("expected the command to stop before the work, but the work started")
+
+
+@pytest.fixture
+def no_work(monkeypatch):
+    """Loading a model or setting up a demo fails the test."""
+    monkeypatch.setattr(cupaged.models, "load_model", the_work)
+    monkeypatch.setattr(cupaged.demo, "Demo", the_work)
+
+
+def run_main(argv: list[str], capsys) -> tuple[int, str]:
+    """``cupaged argv`` in this process: its exit status and its one line of stderr."""
+    try:
+        status = main(argv)
+    except SystemExit as exit_info:  # the parsers' refusals
+        status = exit_info.code
+    except KeyboardInterrupt:  # pytest would stop the whole session on it
+        pytest.fail("expected main to turn Ctrl-C into a status, got KeyboardInterrupt")
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, f"expected one line on stderr, got {lines}"
+    return status, lines[0]
+
+
+# ------------------------------------------------------------------------- output files
+
+
+def commands_with(option: str, path: str) -> list[list[str]]:
+    """Every command line that takes ``option`` (``--json``: generate and demo; ``--plot``)."""
+    lines = [[*DEMO, option, path]]
+    if option == "--json":
+        lines.append([*GENERATE, option, path, "hi"])
+    return lines
+
+
+@pytest.mark.parametrize("option", ["--json", "--plot"])
+def test_a_fifo_is_refused_when_parsing_not_written_after_the_run(
+    option, tmp_path, no_work, capsys
+):
+    """A FIFO's write waits for a reader: the run ended in a hang. Refused, and never opened."""
+    fifo = tmp_path / "out.fifo"
+    os.mkfifo(fifo)
+    for argv in commands_with(option, str(fifo)):
+        status, line = run_main(argv, capsys)
+        assert status == 1, line
+        assert f"argument {option}: expected a regular file to write, got '{fifo}' (a FIFO)" in (
+            line
+        ), line
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode) and os.listdir(tmp_path) == ["out.fifo"]
+
+
+@pytest.mark.parametrize("option", ["--json", "--plot"])
+def test_a_device_is_refused_when_parsing(option, no_work, capsys):
+    """``/dev/full`` passed the old check (it exists, is no folder, is writable) and failed after
+    the run."""
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full here")
+    for argv in commands_with(option, "/dev/full"):
+        status, line = run_main(argv, capsys)
+        assert status == 1, line
+        assert "expected a regular file to write, got '/dev/full' (a character device)" in line
+
+
+def test_a_folder_that_takes_no_new_file_is_refused_when_parsing(no_work, capsys):
+    """``/sys`` takes no new file, even for root, whom ``os.access`` says yes to: the file is
+    tried, created and removed, when parsing."""
+    if not os.path.isdir("/sys/kernel"):
+        pytest.skip("no sysfs here")
+    for argv in commands_with("--json", "/sys/x.json"):
+        status, line = run_main(argv, capsys)
+        assert status == 1, line
+        assert "argument --json: expected a file this user can write, got '/sys/x.json' (" in line
+    assert not os.path.exists("/sys/x.json")
+
+
+def test_the_parse_check_writes_nothing_and_leaves_no_file(tmp_path, rng):
+    from cupaged.models.cli import output_file
+
+    new = tmp_path / "new.json"
+    assert output_file(str(new)) == str(new)
+    assert not new.exists()  # created to try it, then removed
+    existing = tmp_path / "old.json"
+    data = rng.bytes(100)
+    existing.write_bytes(data)
+    before = os.stat(existing)
+    assert output_file(str(existing)) == str(existing)
+    after = os.stat(existing)
+    assert existing.read_bytes() == data and after.st_mtime_ns == before.st_mtime_ns
+    assert os.listdir(tmp_path) == ["old.json"]
+
+
+def test_the_final_write_refuses_a_fifo_put_there_since_without_waiting(tmp_path, rng):
+    """The file can be swapped for a FIFO during the run: the last write refuses it at once,
+    with a reader (a regular write would fill it) or without one (a regular open would wait)."""
+    from cupaged.demo.report import write_output
+
+    fifo = tmp_path / "out.fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(OSError):  # no reader: ENXIO
+        write_output(fifo, rng.bytes(10))
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        with pytest.raises(ValueError, match="expected a regular file to write, got '.*out.fifo'"):
+            write_output(fifo, rng.bytes(10))
+        assert os.read(reader, 10) == b""  # nothing was written into it
+    finally:
+        os.close(reader)
+
+
+def test_the_demos_json_refuses_a_fifo_with_a_reader(tmp_path):
+    """``write_json`` wrote into a FIFO that had a reader (and waited for one that had none)."""
+    from cupaged import CacheSpec
+    from cupaged.demo import MemoryReport, write_json
+
+    fifo = tmp_path / "run.json"
+    os.mkfifo(fifo)
+    report = MemoryReport.compute(CacheSpec(1, 1, 64, "float32", 16), 20, 256, [])
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        with pytest.raises(ValueError, match="expected a regular file to write"):
+            write_json(fifo, {"requests": 1}, report, [])
+        assert os.read(reader, 10) == b""  # nothing was written into it
+    finally:
+        os.close(reader)
+
+
+def test_the_final_write_replaces_what_a_regular_file_held(tmp_path, rng):
+    from cupaged.demo.report import write_output
+
+    target = tmp_path / "out.json"
+    target.write_bytes(rng.bytes(1000))
+    data = rng.bytes(10)
+    write_output(target, data)
+    assert target.read_bytes() == data
