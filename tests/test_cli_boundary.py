@@ -9,7 +9,11 @@ runs ``generate`` with it); the bar is tested on a ``rich`` console forced to be
 from __future__ import annotations
 
 import os
+import select
+import signal
 import stat
+import subprocess
+import sys
 
 import pytest
 
@@ -158,3 +162,84 @@ def test_the_final_write_replaces_what_a_regular_file_held(tmp_path, rng):
     data = rng.bytes(10)
     write_output(target, data)
     assert target.read_bytes() == data
+
+
+# ----------------------------------------------------------------------- exit statuses
+
+
+def interrupt(*args, **kwargs):
+    raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("command", ["demo", "generate"])
+def test_ctrl_c_is_one_line_and_status_130(command, monkeypatch, capsys):
+    """A KeyboardInterrupt where the work runs: the demo's serving loop, generate's model load."""
+    monkeypatch.setattr(cupaged.demo.Demo, "run", interrupt)
+    monkeypatch.setattr(cupaged.models, "load_model", interrupt)
+    argv = [*DEMO, "--requests", "1"] if command == "demo" else [*GENERATE, "hi"]
+    status, line = run_main(argv, capsys)
+    assert (status, line) == (130, "cupaged: interrupted")
+
+
+SERVE_THEN_SAY_SO = """
+import sys
+import cupaged.demo
+from cupaged.__main__ import main
+
+serve = cupaged.demo.Demo.run
+
+def run(self, on_step=None):
+    print("serving", flush=True)
+    return serve(self, on_step)
+
+cupaged.demo.Demo.run = run
+sys.exit(main(["demo", "--device", "cpu", "--requests", "5000", "--new-tokens", "100"]))
+"""
+
+
+def test_sigint_while_the_demo_serves_ends_it_with_one_line_and_130():
+    """A real SIGINT, sent while the engine runs (a run of minutes): one line, status 130."""
+    process = subprocess.Popen(
+        [sys.executable, "-c", SERVE_THEN_SAY_SO],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        ready, _, _ = select.select([process.stdout], [], [], 120)
+        assert ready and process.stdout.readline() == "serving\n", process.stderr.read()
+        select.select([], [], [], 1.0)  # let it step a while: the signal lands in the engine
+        process.send_signal(signal.SIGINT)
+        out, err = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=30)
+    assert process.returncode == 130, err
+    assert err == "cupaged: interrupted\n", err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        ([], "cupaged: error: expected a command: demo, example, generate or model (see cupaged"),
+        (["model"], "cupaged model: error: expected an action: fetch (see cupaged model --help)"),
+    ],
+)
+def test_no_command_is_a_one_line_refusal_with_status_1(argv, message, capsys):
+    """argparse's habit was status 2 and the whole help on stdout; the docs say 1, one line."""
+    try:
+        main(argv)
+    except SystemExit as exit_info:
+        status = exit_info.code
+    else:
+        status = None
+    captured = capsys.readouterr()
+    assert status == 1 and captured.out == "", (status, captured.out)
+    assert captured.err.startswith(message) and captured.err.count("\n") == 1, captured.err
+
+
+def test_the_docstrings_say_every_refusal_exits_1():
+    for module in (sys.modules["cupaged.__main__"], cupaged.models.cli):
+        text = " ".join(module.__doc__.split())
+        assert "status 2" not in text and "status 1" in text and "130" in text, module.__name__

@@ -2,15 +2,19 @@
 and what every command of ``cupaged`` shares: option types checked when parsing, output files
 checked before the work, and the one-line error at the command boundary.
 
-Errors, each one line on stderr with no traceback:
+Errors, each one line on stderr with no traceback, all of them exit status 1 (the parsers of
+``cupaged.__main__`` make argparse's own errors 1, not 2):
 
-- status 2: a bad option value, refused when parsing (argparse, and the ``type`` functions here:
-  "expected X, got Y"), or by the checks that follow parsing before anything runs (a block size
-  the kernels do not take, more new tokens than the model's context);
-- status 1: anything else that stops the command: unknown or missing model, no network, a
-  corrupt download, no GPU for ``--device cuda``, the ``model`` extra missing, a cache larger than
-  the memory available, and any ``OSError``, ``ValueError``, ``MemoryError`` or
-  :class:`~cupaged.CupagedError` raised while it works.
+- before anything runs: a bad option value, refused when parsing (argparse, and the ``type``
+  functions here: "expected X, got Y"), a command or action left out (``cupaged``,
+  ``cupaged model``), or the checks that follow parsing (a block size the kernels do not take,
+  more new tokens than the model's context, no GPU for ``--device cuda``);
+- while working: unknown or missing model, no network, a corrupt download, the ``model`` extra
+  missing, a cache larger than the memory available, and any ``OSError``, ``ValueError``,
+  ``MemoryError`` or :class:`~cupaged.CupagedError` raised while it works.
+
+Ctrl-C ends a command with one line, ``cupaged: interrupted``, and status 130 (128 + SIGINT, what
+a shell reports for a command that SIGINT ended).
 """
 
 from __future__ import annotations
@@ -349,8 +353,9 @@ def add_commands(commands: Any, formatter: type[argparse.HelpFormatter]) -> None
 
 
 def _no_action(parser: argparse.ArgumentParser) -> int:
-    parser.print_help()
-    return 2
+    """``cupaged model`` without its action: refused like any bad option (status 1 under
+    ``cupaged``'s parsers), in one line that says what was expected."""
+    parser.error("expected an action: fetch")
 
 
 def fetch_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
