@@ -24,8 +24,6 @@ import sys
 from typing import Any, NoReturn
 
 import numpy as np
-from rich.progress import ProgressColumn, Task
-from rich.text import Text
 
 from . import CacheSpec, CupagedError, PagedCache, __version__, device_module, resolve_device
 from .demo import DemoConfig
@@ -42,6 +40,7 @@ from .models import (
     real,
 )
 from .models import add_cli_commands as add_model_commands
+from .models.cli import token_progress
 
 MiB = 2**20
 GiB = 2**30
@@ -145,18 +144,8 @@ class HelpFormatter(argparse.HelpFormatter):
         return f"{text} (default: %(default)s)"
 
 
-class TokensPerSecond(ProgressColumn):
-    """A rich progress column: tokens generated per second so far."""
-
-    def render(self, task: Task) -> Text:
-        elapsed = task.elapsed or 0.0
-        rate = task.completed / elapsed if elapsed > 0 else 0.0
-        return Text(f"{rate:,.0f} tokens/s", style="progress.data.speed")
-
-
 def demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from .demo import Demo, write_json, write_plot
 
@@ -185,18 +174,9 @@ def demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if session.device == "cpu":
         limit_blas_threads(1)  # small products: spinning BLAS threads cost more than they give
     console = Console()
-    columns = (
-        TextColumn("decoding"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("tokens"),
-        TokensPerSecond(),
-        TimeElapsedColumn(),
-    )
     try:
-        with Progress(*columns, console=console, transient=True) as progress:
-            task = progress.add_task("decode", total=session.total_tokens)
-            run = session.run(on_step=lambda done: progress.update(task, completed=done))
+        with token_progress(console, session.total_tokens, "decoding") as progress:
+            run = session.run(on_step=progress)
         print_summary(console, run)
         if args.json:
             write_json(args.json, run.summary, run.report, run.steps)

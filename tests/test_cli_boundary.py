@@ -8,19 +8,24 @@ runs ``generate`` with it); the bar is tested on a ``rich`` console forced to be
 
 from __future__ import annotations
 
+import io
 import os
+import re
 import select
 import signal
 import stat
 import subprocess
 import sys
 
+import numpy as np
 import pytest
+from rich.console import Console
 
 import cupaged.demo
 import cupaged.models
 import cupaged.models.cli
 from cupaged.__main__ import main
+from cupaged.demo import DemoConfig, ModelConfig, TinyDecoder
 
 GENERATE = ["generate", "--model", "smollm2", "--device", "cpu"]
 DEMO = ["demo", "--device", "cpu"]
@@ -243,3 +248,86 @@ def test_the_docstrings_say_every_refusal_exits_1():
     for module in (sys.modules["cupaged.__main__"], cupaged.models.cli):
         text = " ".join(module.__doc__.split())
         assert "status 2" not in text and "status 1" in text and "130" in text, module.__name__
+
+
+# ------------------------------------------------------------------------- progress bar
+
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+
+def last_frame(output: str) -> str:
+    """The bar as it stands at the end of ``output`` (a terminal's text, without its escapes)."""
+    return ANSI.sub("", output.split("\r")[-1]).strip()
+
+
+def terminal() -> Console:
+    return Console(file=io.StringIO(), force_terminal=True, width=110)
+
+
+def test_the_bar_ends_at_the_count_it_reached_and_stays():
+    """Samples that end at EOS generate fewer tokens than the total counts (277 of 316): the
+    bar ends at the count, made its total, and is left on the screen (not erased)."""
+    from cupaged.models.cli import token_progress
+
+    console = terminal()
+    with token_progress(console, 316, "decoding") as progress:
+        for done in (0, 100, 277):
+            progress(done)
+    output = console.file.getvalue()
+    frame = last_frame(output)
+    assert re.fullmatch(r"decoding ━+ 277/277 tokens [\d,]+ tokens/s 0:00:\d\d", frame), frame
+    assert output.rstrip().endswith("\x1b[?25h")  # cursor shown again, no line erased after
+
+
+def test_the_bar_writes_nothing_where_there_is_no_terminal():
+    from cupaged.models.cli import token_progress
+
+    console = Console(file=io.StringIO(), width=110)
+    assert not console.is_terminal
+    with token_progress(console, 10, "generating") as progress:
+        progress(10)
+    assert console.file.getvalue() == ""
+
+
+def test_generate_reports_every_step_to_the_bar_and_it_ends_at_eos(rng):
+    """``generate``'s bar counts the engine's tokens; a prompt that ends at EOS at once leaves
+    the count short of the total, and the bar ends at the count."""
+    from cupaged.models import generate
+    from cupaged.models.cli import token_progress
+
+    model = TinyDecoder(ModelConfig(), np, seed=int(rng.integers(1000)))
+    prompts = [rng.integers(0, 256, n).tolist() for n in (5, 19)]
+    first = generate(model, model.make_cache(16, 16), prompts[:1], 1)[0][0][0]
+    counts = []
+    console = terminal()
+    with token_progress(console, 2 * 6, "generating") as progress:
+
+        def step(done: int) -> None:
+            counts.append(done)
+            progress(done)
+
+        outputs = generate(model, model.make_cache(16, 16), prompts, 6, eos_id=first, on_step=step)
+    generated = sum(len(samples[0]) for samples in outputs)
+    assert outputs[0][0] == [first] and generated < 12
+    assert counts == sorted(counts) and counts[-1] == generated
+    assert f"{generated}/{generated} tokens" in last_frame(console.file.getvalue())
+
+
+def test_the_seeded_demo_generates_every_token_its_total_counts():
+    config = DemoConfig(device="cpu", requests=3, new_tokens=4, prompt_len=20, num_blocks=40)
+    session = cupaged.demo.Demo(config)
+    counts = []
+    run = session.run(on_step=counts.append)
+    assert counts[-1] == run.summary["tokens_generated"] == session.total_tokens
+
+
+def test_the_demo_leaves_its_bar_on_a_terminal(monkeypatch, capsys):
+    monkeypatch.setenv("TTY_COMPATIBLE", "1")  # rich: the console is a terminal
+    argv = [*DEMO, "--requests", "2", "--new-tokens", "3", "--prompt-len", "20"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    done = int(re.search(r"tokens generated\s*│\s*(\d+)", ANSI.sub("", out)).group(1))
+    # What stands on the screen above the summary: the bar's last frame, not an erased line.
+    before_summary = out[: out.index("cupaged demo")]
+    frame = last_frame(before_summary.rstrip("\n"))
+    assert re.fullmatch(rf"decoding ━+ {done}/{done} tokens .*", frame), repr(before_summary)

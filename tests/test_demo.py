@@ -392,17 +392,3 @@ def test_plot_legends_stay_clear_of_the_curves_and_the_pool_is_a_horizontal_line
     top = fig.axes[0]
     (pool,) = [line for line in top.get_lines() if line.get_label().startswith("pool")]
     assert set(pool.get_ydata()) == {16 * spec.bytes_per_block / 2**20}
-
-
-def test_progress_shows_tokens_per_second():
-    from rich.progress import Progress
-
-    from cupaged.__main__ import TokensPerSecond
-
-    column = TokensPerSecond()
-    progress = Progress(column, disable=True)
-    task_id = progress.add_task("decode", total=1000)
-    progress.update(task_id, completed=500)
-    task = progress.tasks[0]
-    task.start_time = task.get_time() - 2.0  # 500 tokens in 2 s
-    assert column.render(task).plain == "250 tokens/s"

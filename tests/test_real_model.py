@@ -309,6 +309,25 @@ def test_generate_command_smoke(tmp_path, capsys):
     assert SMOKE_CONTINUATION in capsys.readouterr().out
 
 
+def test_generate_command_shows_a_progress_bar_on_a_terminal_only(monkeypatch, capsys):
+    """Silent until the end no more: on a terminal, stderr shows the tokens so far; elsewhere
+    (a pipe, a file, this test's capture) nothing but the one summary line."""
+    import re
+
+    options = "generate --model smollm2 --max-new-tokens 4 --device cpu".split()
+    assert main([*options, SMOKE_PROMPT]) == 0
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and " tokens in " in err, err
+    monkeypatch.setenv("TTY_COMPATIBLE", "1")  # rich: stderr is a terminal
+    assert main([*options, SMOKE_PROMPT]) == 0
+    err = capsys.readouterr().err
+    frames = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", err).split("\r")
+    assert re.fullmatch(
+        r"generating ━+ 4/4 tokens [\d,]+ tokens/s \d:\d\d:\d\d", frames[-1].split("\n")[0]
+    )
+    assert frames[-1].split("\n")[1].startswith("4 tokens in "), frames[-1]
+
+
 def test_generate_command_chat_and_samples(tmp_path, tokenizer):
     out = tmp_path / "out.json"
     options = (

@@ -227,11 +227,13 @@ class Demo:
 
     @property
     def total_tokens(self) -> int:
-        """Tokens the run generates (every sample of every request)."""
+        """Tokens the run generates at most: every sample of every request at its
+        ``max_new_tokens`` (with a real model, a sample that ends at EOS makes fewer)."""
         return sum(r.max_new_tokens * r.num_samples for r in self.requests)
 
     def run(self, on_step: Callable[[int], None] | None = None) -> DemoRun:
-        """Serve the workload. ``on_step(tokens_generated_so_far)`` after each engine step."""
+        """Serve the workload. ``on_step(tokens_generated_so_far)`` after each engine step: at
+        most :attr:`total_tokens` in the end."""
         config, cache, chunk = self.config, self.cache, self.config.prefill_chunk
         eos = self.tokenizer.eos_id if self.tokenizer is not None else None
         sampler = Sampler(temperature=self.temperature, seed=config.seed)

@@ -26,7 +26,8 @@ import os
 import stat
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from .. import CacheSpec, CupagedError, resolve_device
@@ -225,6 +226,54 @@ def file_kind(mode: int) -> str:
     return next((what for test, what in kinds if test(mode)), "not a regular file")
 
 
+# ---------------------------------------------------------------------- device, progress
+
+
+@contextmanager
+def token_progress(console: Any, total: int, description: str) -> Iterator[Callable[[int], None]]:
+    """A progress bar of generated tokens on ``console`` while the block runs: tokens so far of
+    ``total``, tokens/s, time. Yields ``update(tokens_so_far)``. Shown on a terminal only
+    (a ``rich`` console that is one, or forced to be): nothing at all is written elsewhere.
+
+    ``total`` is what the run generates at most (every sample at its ``max_new_tokens``); a
+    sample that ends at EOS generates fewer, so the count can stop short of it. The bar ends at
+    the count it reached, made its total, and stays on the screen.
+    """
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+    )
+
+    columns = (
+        TextColumn(description),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("tokens"),
+        TextColumn("{task.fields[rate]}", style="progress.data.speed"),
+        TimeElapsedColumn(),
+    )
+    start = time.perf_counter()
+    with Progress(*columns, console=console, disable=not console.is_terminal) as progress:
+        task = progress.add_task(description, total=total, rate=tokens_per_second(0, 0.0))
+
+        def update(done: int) -> None:
+            rate = tokens_per_second(done, time.perf_counter() - start)
+            progress.update(task, completed=done, rate=rate)
+
+        yield update
+        done = int(progress.tasks[0].completed)
+        progress.update(task, total=done, completed=done)
+
+
+def tokens_per_second(tokens: int, seconds: float) -> str:
+    """The rate column of :func:`token_progress`: ``"250 tokens/s"``."""
+    rate = tokens / seconds if seconds > 0 else 0.0
+    return f"{rate:,.0f} tokens/s"
+
+
 # ------------------------------------------------------------------------------ memory
 
 
@@ -418,6 +467,8 @@ def check_model_options(
 
 
 def generate_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from rich.console import Console
+
     from ..demo.report import write_output
     from . import generate, limit_blas_threads, load_model
     from .generate import GenerationStats, Sampling
@@ -470,15 +521,18 @@ def generate_command(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         cache = model.make_cache(num_blocks, block_size, kv_scales=args.kv_scales)
         stats = GenerationStats()
         start = time.perf_counter()
-        outputs = generate(
-            model,
-            cache,
-            prompt_ids,
-            args.max_new_tokens,
-            sampling,
-            eos_id=tokenizer.eos_id,
-            stats=stats,
-        )
+        most = len(prompt_ids) * args.num_samples * args.max_new_tokens
+        with token_progress(Console(stderr=True), most, "generating") as progress:
+            outputs = generate(
+                model,
+                cache,
+                prompt_ids,
+                args.max_new_tokens,
+                sampling,
+                eos_id=tokenizer.eos_id,
+                stats=stats,
+                on_step=progress,
+            )
         seconds = time.perf_counter() - start
     except COMMAND_ERRORS as error:
         return error_line(parser.prog, error)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import PagedCache
-from ..serving import Engine, Request, Sampler, Sequence, ServeStats
+from ..serving import Engine, Request, Sampler, Sequence, ServeStats, StepState
 from .llama import Llama
 
 # The counters of one generate() call: the engine's (prefills, decode steps, prompt tokens from
@@ -58,6 +58,7 @@ def generate(
     eos_id: int | None = None,
     stats: GenerationStats | None = None,
     on_logits: Callable[[int, int, np.ndarray], None] | None = None,
+    on_step: Callable[[int], None] | None = None,
 ) -> list[list[list[int]]]:
     """Generate continuations of every prompt, all served together through ``cache``.
 
@@ -65,6 +66,10 @@ def generate(
         stats: counters to add this call's to.
         on_logits: called as ``on_logits(prompt, sample, logits)`` with the float32 logits
             ``[vocab]`` each token of that sample was chosen from, in order.
+        on_step: called after every engine step with the tokens generated so far by every
+            sample (finished or not): what a progress bar counts (``cupaged generate``'s). At
+            most ``len(prompts) * sampling.num_samples * max_new_tokens`` in all, fewer when a
+            sample ends at EOS.
 
     Returns:
         ``outputs[p][s]``: the tokens generated for sample ``s`` of prompt ``p`` (EOS included
@@ -84,8 +89,17 @@ def generate(
         assert on_logits is not None
         on_logits(seq.request.rid, seq.sample, logits)
 
+    def stepped(state: StepState) -> None:
+        assert on_step is not None
+        on_step(state.tokens_generated)
+
     engine = Engine(model, cache, sampling.sampler(), eos_id=eos_id)
-    result = engine.run(requests, on_logits=observe if on_logits else None, stats=stats)
+    result = engine.run(
+        requests,
+        on_step=stepped if on_step else None,
+        on_logits=observe if on_logits else None,
+        stats=stats,
+    )
     return [[result.outputs[(p, s)] for s in range(n)] for p in range(len(prompts))]
 
 
