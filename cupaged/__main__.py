@@ -25,7 +25,7 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from . import CacheSpec, CupagedError, PagedCache, __version__, device_module, resolve_device
+from . import CacheSpec, CupagedError, PagedCache, __version__, device_module
 from .demo import DemoConfig
 from .demo.real import PROMPTS as DEMO_PROMPTS
 from .models import (
@@ -40,7 +40,7 @@ from .models import (
     real,
 )
 from .models import add_cli_commands as add_model_commands
-from .models.cli import token_progress
+from .models.cli import device_option, token_progress
 
 MiB = 2**20
 GiB = 2**30
@@ -164,6 +164,7 @@ def demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             parser.prog, RuntimeError("--plot needs matplotlib: pip install matplotlib")
         )
     try:
+        device_option(config.device)  # no GPU for --device cuda: said as the option
         session = Demo(config)
     except CupagedError as error:  # no GPU, no model, a weights file it cannot use
         return error_line(parser.prog, error)
@@ -305,9 +306,9 @@ def build_parser() -> tuple[
     add(
         "--requests",
         type=int,
-        default=d.requests,
-        help=f"number of requests (default: {d.requests}; with --model, at most the "
-        f"{len(DEMO_PROMPTS)} built-in prompts)",
+        default=None,
+        help=f"number of requests (default: {d.requests}; with --model, the "
+        f"{len(DEMO_PROMPTS)} built-in prompts, and at most that many)",
     )
     add(
         "--prompt-len",
@@ -440,7 +441,7 @@ def run_command(argv: list[str] | None) -> int:
     if args.max_len < 1:
         example.error(f"--max-len: expected a positive number of tokens, got {args.max_len}")
     try:
-        device = resolve_device(args.device)
+        device = device_option(args.device)
         spec = CacheSpec(
             num_layers=32, num_kv_heads=8, head_dim=128, dtype="float16", block_size=16
         )

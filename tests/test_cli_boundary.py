@@ -24,8 +24,10 @@ from rich.console import Console
 import cupaged.demo
 import cupaged.models
 import cupaged.models.cli
+from cupaged import resolve_device
 from cupaged.__main__ import main
 from cupaged.demo import DemoConfig, ModelConfig, TinyDecoder
+from cupaged.demo.real import PROMPTS
 
 GENERATE = ["generate", "--model", "smollm2", "--device", "cpu"]
 DEMO = ["demo", "--device", "cpu"]
@@ -331,3 +333,54 @@ def test_the_demo_leaves_its_bar_on_a_terminal(monkeypatch, capsys):
     before_summary = out[: out.index("cupaged demo")]
     frame = last_frame(before_summary.rstrip("\n"))
     assert re.fullmatch(rf"decoding ━+ {done}/{done} tokens .*", frame), repr(before_summary)
+
+
+# ------------------------------------------------------------------------------ messages
+
+
+@pytest.mark.skipif(resolve_device(None) == "cuda", reason="needs a machine without a GPU")
+@pytest.mark.parametrize("command", ["generate", "demo", "example"])
+def test_a_missing_gpu_names_the_option_to_use(command, no_work, capsys):
+    argv = [command, "--device", "cuda"]
+    if command == "generate":
+        argv += ["--model", "smollm2", "hi"]
+    status, line = run_main(argv, capsys)
+    assert status == 1, line
+    assert f"cupaged {command}: error: --device cuda: expected a usable GPU, got none (" in line
+    assert "use --device cpu" in line and "device='cpu'" not in line, line
+
+
+def test_a_block_size_too_small_for_the_pool_is_named(no_work, capsys):
+    status, line = run_main([*DEMO, "--block-size", "7"], capsys)
+    assert status == 1, line
+    assert (
+        "--num-blocks 20 of --block-size 7: expected room for one sequence of --max-len 256 "
+        in (line)
+    ), line
+    assert "at least 39 blocks of 7 tokens, got 20" in line, line
+
+
+def test_more_requests_than_the_real_model_has_prompts_are_refused(no_work, capsys):
+    status, line = run_main([*DEMO, "--model", "smollm2", "--requests", "50"], capsys)
+    assert status == 1, line
+    assert f"--requests: expected at most the {len(PROMPTS)} built-in prompts" in line, line
+    assert line.endswith("got 50 (see cupaged demo --help)"), line
+
+
+def test_the_demos_default_requests_depend_on_the_model():
+    assert DemoConfig().requests == 32
+    assert DemoConfig(model="smollm2").requests == len(PROMPTS)
+    assert DemoConfig(model="smollm2", requests=3).requests == 3
+
+
+@pytest.mark.parametrize("value", ["1e39", "1e-50"])  # inf, 0 in float32
+@pytest.mark.parametrize("command", ["generate", "demo"])
+def test_kv_scales_past_float32_are_refused_when_parsing(command, value, no_work, capsys):
+    base = [*GENERATE] if command == "generate" else [*DEMO]
+    argv = [*base, "--kv-dtype", "float8_e4m3", "--kv-scales", value]
+    status, line = run_main([*argv, "hi"] if command == "generate" else argv, capsys)
+    assert status == 1, line
+    assert (
+        "argument --kv-scales: expected 'auto' or a positive number, finite in float32, got "
+        in line
+    ), line

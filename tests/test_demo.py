@@ -276,7 +276,7 @@ def assert_one_line_error(result, status, message):
     [
         (["--requests", "0"], "--requests: expected a positive number, got 0"),
         (["--prompt-len", "300"], "--prompt-len + --new-tokens: expected at most --max-len=256"),
-        (["--num-blocks", "3"], "--num-blocks: expected room for one sequence"),
+        (["--num-blocks", "3"], "--num-blocks 3 of --block-size 16: expected room for one"),
         (["--temperature", "-1"], "--temperature: expected >= 0"),
         (["--prefill-chunk", "0"], "--prefill-chunk: expected at least 1 token, got 0"),
         (["--model", "nope"], "invalid choice: 'nope'"),
@@ -299,7 +299,8 @@ def test_cli_a_block_size_no_kernel_takes_is_refused_by_the_library(tmp_path):
 @pytest.mark.skipif(resolve_device(None) == "cuda", reason="needs a machine without a GPU")
 def test_cli_a_missing_gpu_is_a_setup_error_exit_1():
     result = run_cli("--device", "cuda")
-    assert_one_line_error(result, 1, "device='cuda' was requested but")
+    assert_one_line_error(result, 1, "--device cuda: expected a usable GPU, got none (")
+    assert "use --device cpu" in result.stderr and "device='cpu'" not in result.stderr
 
 
 def test_cli_help_gives_every_option_a_help_text_and_its_default():

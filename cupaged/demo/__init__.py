@@ -48,6 +48,7 @@ TOLERANCES = {"float32": (1e-5, 1e-5), "float16": (1e-3, 1e-3), "bfloat16": (1e-
 # The most requests a demo serves: its workload is built up front, so a bound keeps a typo
 # (``--requests 1000000000``) from filling the memory before the first step.
 MAX_REQUESTS = 100_000
+DEFAULT_REQUESTS = 32  # requests of the seeded model's workload
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,8 +57,11 @@ class DemoConfig:
 
     The defaults give the pool (20 blocks of 16 tokens) too little room for the batch at its
     busiest, so the run swaps sequences out to host memory and back in. With ``model`` set, the
-    requests are the built-in prompts of :mod:`.real` (at most ``requests`` of them) and
-    ``prompt_len``/``system_prompt`` are not used.
+    requests are the first ``requests`` built-in prompts of :mod:`.real` (all of them by
+    default; more than there are is refused, not cut short in silence) and
+    ``prompt_len``/``system_prompt`` are not used. ``requests=None`` is the default of the
+    model: ``DEFAULT_REQUESTS`` (32) for the seeded one, every built-in prompt for a real one;
+    the config made holds the number.
 
     Raises:
         ValueError: the first bad option, named as its CLI flag. Shapes the kernels do not take
@@ -65,7 +69,7 @@ class DemoConfig:
             builds its cache.
     """
 
-    requests: int = 32
+    requests: int | None = None  # None: DEFAULT_REQUESTS, or every built-in prompt with model
     prompt_len: int = 48  # median prompt length (lognormal), tokens
     new_tokens: int = 24  # median tokens to generate (lognormal)
     max_len: int = 256  # the model's context: what a contiguous server reserves per sequence
@@ -84,6 +88,9 @@ class DemoConfig:
     prefill_chunk: int | None = None  # chunked prefill: at most this many prompt tokens a step
 
     def __post_init__(self) -> None:
+        if self.requests is None:  # frozen: the one write, while the config is made
+            default = len(PROMPTS) if self.model is not None else DEFAULT_REQUESTS
+            object.__setattr__(self, "requests", default)
         positive = (
             "requests",
             "prompt_len",
@@ -124,16 +131,25 @@ class DemoConfig:
             )
         if self.model is not None and self.model not in MODELS:
             raise ValueError(f"--model: expected one of {sorted(MODELS)}, got {self.model!r}")
+        if self.model is not None and self.requests > len(PROMPTS):
+            raise ValueError(
+                f"--requests: expected at most the {len(PROMPTS)} built-in prompts that "
+                f"--model serves, got {self.requests}"
+            )
         if self.model is not None and self.weights is not None:
             raise ValueError(f"--weights: expected none with --model, got {self.weights!r}")
         if self.dtype not in TOLERANCES:  # the logits check needs a tolerance for it
             raise ValueError(f"--dtype: expected one of {tuple(TOLERANCES)}, got {self.dtype}")
         check_kv_options(self.dtype, self.kv_dtype, self.kv_scales)
         spec = CacheSpec(1, 1, 64, self.dtype, self.block_size)
-        if self.num_blocks < spec.blocks_for(self.max_len) + 2:
+        least = spec.blocks_for(self.max_len) + 2
+        if self.num_blocks < least:
+            # Any of the three options may be the one given: each is named, with its value.
             raise ValueError(
-                f"--num-blocks: expected room for one sequence of --max-len={self.max_len} tokens "
-                f"plus two blocks, at least {spec.blocks_for(self.max_len) + 2}, got {self.num_blocks}"
+                f"--num-blocks {self.num_blocks} of --block-size {self.block_size}: expected "
+                f"room for one sequence of --max-len {self.max_len} tokens plus two blocks, at "
+                f"least {least} blocks of {self.block_size} tokens, got {self.num_blocks} (a "
+                f"larger --num-blocks or --block-size)"
             )
 
 

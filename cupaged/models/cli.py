@@ -28,10 +28,12 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from importlib.util import find_spec
 from typing import Any
 
 from .. import CacheSpec, CupagedError, resolve_device
 from .._decode_launch import check_decode_shape
+from .._scales import scale_value
 from .fetch import MODELS, ModelSource
 
 DEFAULT_MAX_NEW_TOKENS = 32
@@ -87,18 +89,20 @@ def real(low: float, high: float | None = None, above_low: bool = False) -> Call
 
 def kv_scale(text: str) -> float | str:
     """An argparse ``type`` of ``--kv-scales``: ``"auto"`` (calibrated by each layer's first
-    write, :mod:`cupaged.kv_scales`) or a positive finite number (every layer's K and V scale)."""
+    write, :mod:`cupaged.kv_scales`) or a number (every layer's K and V scale) that the cache
+    takes: positive and finite in float32, as the library checks a scale (so ``1e39``, infinite
+    in float32, is refused when parsing, not once the model is loaded)."""
     if text == "auto":
         return text
+    expected = "expected 'auto' or a positive number, finite in float32"
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected 'auto' or a positive number, got {text!r}"
-        ) from None
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"expected 'auto' or a positive number, got {value:g}")
-    return value
+        raise argparse.ArgumentTypeError(f"{expected}, got {text!r}") from None
+    try:
+        return scale_value(value, "--kv-scales")
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{expected}, got {value:g}") from None
 
 
 def add_kv_options(add: Callable[..., Any], dtype_help: str) -> None:
@@ -227,6 +231,22 @@ def file_kind(mode: int) -> str:
 
 
 # ---------------------------------------------------------------------- device, progress
+
+
+def device_option(device: str | None) -> str:
+    """``--device`` resolved (``None``: cuda when usable, else cpu), with a missing GPU named as
+    the option that asked for it (the library's own message says ``device='cpu'``).
+
+    Raises:
+        CupagedError: ``--device cuda`` without a usable GPU (or two CuPy wheels installed).
+    """
+    if device == "cuda" and resolve_device(None) == "cpu":
+        why = "CuPy is not installed" if find_spec("cupy") is None else "CuPy sees no usable GPU"
+        raise CupagedError(
+            f"--device cuda: expected a usable GPU, got none ({why}); use --device cpu, or leave "
+            f"--device out to take the GPU when there is one"
+        )
+    return resolve_device(device)
 
 
 @contextmanager
@@ -480,7 +500,7 @@ def generate_command(args: argparse.Namespace, parser: argparse.ArgumentParser) 
     except ValueError as error:
         parser.error(str(error))
     try:
-        device = resolve_device(args.device)
+        device = device_option(args.device)
         kv_dtype = args.kv_dtype or args.dtype
         spec = CacheSpec(
             source.num_layers, source.num_kv_heads, source.head_dim, kv_dtype, args.block_size
