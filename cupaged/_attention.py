@@ -90,6 +90,33 @@ def check_aligned(**arrays: Any) -> None:
             raise ValueError(f"expected {name} 16-byte aligned, got address {address(x):#x}")
 
 
+def check_out_overlap(xp: Any, q: Any, out: Any) -> None:
+    """Refuse an ``out`` that shares memory with ``q`` without being ``q`` itself (the same first
+    element and strides; its shape and dtype are checked apart).
+
+    A thread block reads its rows and heads of ``q`` before it writes the same rows and heads of
+    ``out`` (with split-K, the merge writes them after every block has read), so ``out`` may be
+    ``q`` (in place), or memory apart from it; anything between (``out`` a row further along
+    ``q``'s buffer) lets one block's output overwrite queries that another block has yet to
+    read. ``xp.may_share_memory`` compares the two arrays' byte ranges in one call without
+    touching their data (NumPy's is cheaper than reading two addresses from Python; CuPy's runs
+    no kernel), and only arrays that may share pay for the addresses.
+
+    Raises:
+        ValueError: ``out`` overlaps ``q`` and is not ``q``; nothing is written.
+    """
+    if not xp.may_share_memory(q, out):
+        return
+    offset = address(out) - address(q)
+    if offset == 0 and out.strides == q.strides:
+        return
+    raise ValueError(
+        f"expected out to be q itself or not to overlap it, got an out that starts {offset:+d} "
+        f"bytes from q's first element, strides {out.strides} (q's: {q.strides}, "
+        f"{q.nbytes} bytes): a kernel would overwrite queries it has yet to read"
+    )
+
+
 def owned_int32(xp: Any, x: Any) -> Any:
     """A C-contiguous int32 copy of ``x`` on ``xp``'s device that shares no memory with ``x``.
 
@@ -196,7 +223,8 @@ class LayerArrays:
         Raises:
             TypeError, ValueError: an argument that does not match the plan (nothing is run).
         """
-        if out is None:
+        given = out is not None
+        if not given:
             out = self._xp.empty(q.shape, q.dtype)  # q's dtype object: bfloat16 in, bfloat16 out
         q_name = self._q_names.get(q.dtype)
         if (  # the common case in a handful of comparisons; anything else takes the long way
@@ -210,6 +238,8 @@ class LayerArrays:
             and k_cache.strides == v_cache.strides == self._strides
             and (self._xp is not np or out.flags.writeable)
         ):
+            if given and out is not q and self._xp.may_share_memory(q, out):
+                check_out_overlap(self._xp, q, out)  # the same memory, or refused
             q, out_storage = as_storage(q), as_storage(out)
         else:
             q, k_cache, v_cache, out_storage, q_name = self._checked(q, k_cache, v_cache, out)
@@ -264,6 +294,7 @@ class LayerArrays:
         check_dtype("out", out, q_name, "q's dtype")
         check_contiguous(out=out)
         check_writable("out", out)
+        check_out_overlap(self._xp, q, out)
         q = self._xp.ascontiguousarray(as_storage(q))
         return q, k_cache, v_cache, as_storage(out), q_name
 

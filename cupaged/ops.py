@@ -390,7 +390,8 @@ def paged_attention(
             ``checked=False``, to size the pieces without reading ``context_lens`` back. A hint
             only: a wrong value changes how the work is cut, never the result. (The default
             split is planned on the device from the lengths themselves.)
-        out: optional ``[num_seqs, num_q_heads, head_dim]`` C-contiguous output, ``q``'s dtype.
+        out: optional ``[num_seqs, num_q_heads, head_dim]`` C-contiguous output, ``q``'s dtype:
+            ``q`` itself (in place) or memory that does not overlap ``q``.
         num_splits: cut each sequence into at most this many pieces (tests, experiments); when
             ``None`` the work is balanced by tokens over the device (:class:`DecodePlan`).
         checked: check, before the launch and on the arrays' device (one synchronisation on a
@@ -422,11 +423,11 @@ def paged_attention(
             ``kv_dtype``, a ``kv_dtype`` for a cache that is not fp8; scales that are neither
             numbers nor float32 arrays of the inputs' device).
         ValueError: wrong shapes, an unsupported head_dim or block_size (the message lists the
-            supported ones), caches not C-contiguous or not 16-byte aligned, a read-only ``out``,
-            ``window_left < -1``, a negative or non-finite ``logits_soft_cap``, slopes or sinks
-            not of shape ``[num_q_heads]``, scales for a cache that is not fp8 or not positive
-            and finite (a device array: when checked) or of another shape, or (checked) bad
-            context lengths or block ids.
+            supported ones), caches not C-contiguous or not 16-byte aligned, a read-only ``out``
+            or one that overlaps ``q`` without being ``q``, ``window_left < -1``, a negative or
+            non-finite ``logits_soft_cap``, slopes or sinks not of shape ``[num_q_heads]``,
+            scales for a cache that is not fp8 or not positive and finite (a device array: when
+            checked) or of another shape, or (checked) bad context lengths or block ids.
     """
     xp = array_module(q, k_cache, v_cache, block_tables, context_lens)
     q_dtype = fp8_query_dtype(q, k_cache, kv_dtype)  # None: not an fp8 cache
@@ -527,7 +528,7 @@ def paged_prefill(
         causal: mask the tokens after each query's position (``True``, prefill), or attend to
             the whole context (``False``). A bool (``TypeError`` otherwise).
         out: optional ``[total_query_tokens, num_q_heads, head_dim]`` C-contiguous output,
-            ``q``'s dtype.
+            ``q``'s dtype: ``q`` itself (in place) or memory that does not overlap ``q``.
         num_splits: cut every query tile's KV range into about this many pieces, one thread
             block each, merged by log-sum-exp (split-K); the heuristic in ``cupaged._launch``
             decides when ``None`` (it splits only batches too small to fill the GPU, from the
@@ -561,11 +562,11 @@ def paged_prefill(
             not float32 arrays of the device).
         ValueError: wrong shapes, an unsupported head_dim or block_size (the message lists the
             supported ones), caches not C-contiguous or not 16-byte aligned, a bad
-            ``query_start_loc``, ``n_i > context_lens[i]``, a read-only ``out``, (checked)
-            bad context lengths or block ids, ``window_left < -1``, a negative or non-finite
-            soft-cap, slopes or sinks not of shape ``[num_q_heads]``, or scales that are not
-            positive and finite (a device array: when checked), of another shape, or given for
-            a cache that is not fp8.
+            ``query_start_loc``, ``n_i > context_lens[i]``, a read-only ``out`` or one that
+            overlaps ``q`` without being ``q``, (checked) bad context lengths or block ids,
+            ``window_left < -1``, a negative or non-finite soft-cap, slopes or sinks not of
+            shape ``[num_q_heads]``, or scales that are not positive and finite (a device array:
+            when checked), of another shape, or given for a cache that is not fp8.
     """
     xp = array_module(q, k_cache, v_cache, block_tables, context_lens, query_start_loc)
     q_dtype = fp8_query_dtype(q, k_cache, kv_dtype)  # None: not an fp8 cache
