@@ -190,8 +190,11 @@ class PagedCache(BlockManager):
             tables: also build ``plan.block_tables`` and ``plan.context_lens`` (see
                 :meth:`BlockManager.step`).
             apply_copies: ``False`` leaves them to the caller (``plan.copies_applied`` is then
-                ``False``): call :meth:`apply_copies` with ``plan.copy_src, plan.copy_dst`` (or
-                batch them with your own launch) before writing this step's K/V.
+                ``False``): call :meth:`apply_copies` with ``plan.copy_src, plan.copy_dst``
+                before writing this step's K/V. Until then each pair holds its source block
+                (so that nothing overwrites what it copies), and :meth:`pending_copies` lists
+                them: a ``KeyboardInterrupt`` that lands once the step is done loses the plan,
+                never the pairs.
         """
         if type(sids) is int and type(num_tokens) is int and num_tokens == 1 and not tables:
             slot = self._one_token(sids, tokens)  # one token in its own last block: no copy
@@ -235,15 +238,31 @@ class PagedCache(BlockManager):
     def apply_copies(self, src: Any, dst: Any) -> None:
         """Copy block ``src[i]`` onto block ``dst[i]`` in every layer of ``k`` and ``v``, in one
         launch: the copy-on-write pairs of a :class:`StepPlan` that this cache's
-        ``step(..., apply_copies=False)`` left to the caller (host or device int32 arrays).
+        ``step(..., apply_copies=False)`` left to the caller (host or device int32 arrays), in
+        any order, all of a step's or some; then their sources' holds go.
 
         Raises:
             ValueError: a pair that is not such a copy still to apply: any other destination may
                 hold another sequence's written tokens, which the copy would overwrite.
         """
-        self._deferred.take(to_numpy(src).tolist(), to_numpy(dst).tolist())  # refuses others
+        src_list, dst_list = to_numpy(src).tolist(), to_numpy(dst).tolist()
+        self._deferred.take(src_list, dst_list)  # refuses others
         self._transaction.kv_written = True
         self._copy(src, dst, checked=True)
+        self._deferred.let_go(src_list)  # copied: the sources need no holding
+
+    def pending_copies(self) -> tuple[np.ndarray, np.ndarray]:
+        """The copy-on-write pairs that ``step(..., apply_copies=False)`` left and no
+        :meth:`apply_copies` applied yet: ``(src, dst)``, ``[num_pairs]`` int32 host arrays, in
+        the order the steps left them (pairs of freed sequences are gone).
+
+        What a caller learns here when the plan that carried them was lost (a
+        ``KeyboardInterrupt`` that landed after the step was done), or to apply several steps'
+        pairs in one launch::
+
+            cache.apply_copies(*cache.pending_copies())
+        """
+        return self._deferred.pending()
 
     def kv_scales(self, layer: int) -> tuple[Any, Any]:
         """``(k_scale, v_scale)``: ``[num_kv_heads]`` float32 device arrays that ``cache.k[layer]``
@@ -386,8 +405,11 @@ class PagedCache(BlockManager):
         Shared blocks are copied too: the swapped sequence owns a private host copy, and the
         other sequences keep their references. Until :meth:`swap_in`, the sequence cannot be
         appended to, reserved for, forked or attended to (``CupagedError``); ``seq_len``, ``free``
-        and ``swap_in`` work.
+        and ``swap_in`` work. A sequence with a copy left to apply (``step(...,
+        apply_copies=False)``) is refused (``CupagedError``): apply it first.
         """
+        if len(self._deferred):
+            self._deferred.refuse_swap(sid)
         self._swapper.swap_out(sid)
 
     @atomic
@@ -420,6 +442,11 @@ class PagedCache(BlockManager):
     def _before_release(self, rows: list[int]) -> None:
         if len(self._swapper):  # mostly: no host copy to drop
             self._swapper.drop([self._table.sids.item(row) for row in rows])
+        if len(self._deferred):  # mostly: no copy left to apply
+            self._deferred.forget([self._table.sids.item(row) for row in rows])
+
+    def _held_blocks(self) -> dict[int, int]:
+        return self._deferred.holds()
 
     def _step_and_copy(
         self, sids: Any, num_tokens: Any, tokens: Any, apply_copies: bool, tables: bool

@@ -24,7 +24,7 @@ from ._util import cdiv
 from .dtypes import as_storage
 from .errors import CupagedError
 from .paging.chains import Chains
-from .paging.pool import BlockPool
+from .paging.pool import BlockPool, grouped
 from .paging.sequences import SequenceTable
 from .paging.transaction import Transaction
 
@@ -176,6 +176,17 @@ class DeferredCopies:
     may hold another sequence's written tokens (or a cached prefix), which a copy would
     overwrite.
 
+    Each pair left to apply holds one reference to its source block (``refcount`` counts it),
+    so that the block keeps the bytes the copy must read whatever happens before it is applied:
+    the sequences that share it freed, swapped out or moved past it by their window, its block
+    can go to no other sequence. The hold goes when the pair is applied, or when the sequence
+    it copies for is freed (the copy is moot then). A sequence with a copy left to apply is
+    not swapped out (its block would travel without the bytes the copy brings)::
+
+        step(..., apply_copies=False)   pair src -> dst left: src held (+1), dst in the row
+        free(every sharer of src)       src stays in use: no other sequence takes it
+        apply_copies(src, dst)          src -> dst copied, then the hold let go
+
     Args:
         table, pool, transaction: the cache's bookkeeping (undo goes to ``transaction``).
     """
@@ -185,14 +196,13 @@ class DeferredCopies:
         self._log = transaction.log
         self._left: dict[int, tuple[int, int, int]] = {}  # dst -> (src, sid, column)
 
+    def __len__(self) -> int:
+        return len(self._left)
+
     def leave(self, src: np.ndarray, dst: np.ndarray, rows: np.ndarray) -> None:
         """Remember a step's pairs (``rows``: the step's), each with the sequence and column its
-        destination serves."""
+        destination serves, and hold their sources."""
         table, left = self.table, self._left
-        if len(left) >= self.pool.num_blocks:  # drop what freed sequences left
-            refcounts = self.pool.refcounts
-            for d in [d for d in left if not refcounts[d]]:
-                del left[d]
         held = cdiv(table.lens[rows], table.block_size)
         found = self._in_last_blocks(src, dst, rows, held)
         if found is None:
@@ -206,8 +216,18 @@ class DeferredCopies:
                 dst.item(j): (src.item(j), sid, column)
                 for j, sid, column in zip(pair.tolist(), sids, columns.tolist(), strict=True)
             }
+        # A destination left before and never applied went back to the pool since (its
+        # sequence's window released it) and came back here: that old pair's hold goes.
+        stale = [left[d][0] for d in found if d in left]
         self._log.append((self._restore, {d: left.get(d) for d in found}))
         left.update(found)
+        first = src.item(0)
+        if not np.count_nonzero(src != first):  # mostly: one source (forks of one sequence)
+            self.pool.add_refs(first, src.size)
+        else:
+            self.pool.add_refs(*grouped(src.astype(np.intp)))
+        if stale:
+            self.let_go(stale)
 
     def _in_last_blocks(
         self, src: np.ndarray, dst: np.ndarray, rows: np.ndarray, held: np.ndarray
@@ -230,13 +250,23 @@ class DeferredCopies:
             d: (s, sids[i], columns[i]) for d, s, i in zip(targets, src.tolist(), at, strict=True)
         }
 
+    def pending(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(src, dst)``: ``[num_pairs]`` int32 host arrays of every pair left to apply that
+        can still be applied, in the order the steps left them."""
+        pairs = [(entry[0], d) for d, entry in self._left.items() if self._applicable(d, entry)]
+        if not pairs:
+            return np.zeros(0, np.int32), np.zeros(0, np.int32)
+        src, dst = np.array(pairs, np.int32).T
+        return src.copy(), dst.copy()
+
     def take(self, src: list[int], dst: list[int]) -> None:
-        """Check that every pair is one left to apply, and forget them (they are applied now).
+        """Check that every pair is one left to apply, and forget them (they are applied now:
+        :meth:`let_go` their sources once copied).
 
         Raises:
             ValueError: naming the first pair that is not.
         """
-        table, left = self.table, self._left
+        left = self._left
         if len(set(dst)) != len(dst):  # each pair is left once: a repeat is not one of them
             repeated = next(d for i, d in enumerate(dst) if d in dst[:i])
             raise ValueError(
@@ -245,14 +275,7 @@ class DeferredCopies:
             )
         for s, d in zip(src, dst, strict=True):
             entry = left.get(d)
-            row = None if entry is None else table.rows.get(entry[1])
-            if (
-                entry is None
-                or entry[0] != s
-                or row is None
-                or table.live.item(row) != entry[1]
-                or table.tables.item(row, entry[2]) != d
-            ):
+            if entry is None or entry[0] != s or not self._applicable(d, entry):
                 raise ValueError(
                     f"expected copy-on-write pairs that a step(..., apply_copies=False) of "
                     f"this cache left to apply, got {s} -> {d}"
@@ -260,6 +283,55 @@ class DeferredCopies:
         self._log.append((self._restore, {d: left[d] for d in dst}))
         for d in dst:
             del left[d]
+
+    def let_go(self, src: list[int]) -> None:
+        """Drop the holds of applied pairs' sources (a source no sequence holds any more goes
+        back to the pool)."""
+        if src:
+            self.pool.release(np.array(src, np.intp), repeats=True)
+
+    def forget(self, sids: list[int]) -> None:
+        """Drop the pairs left for sequences about to be freed, and their holds."""
+        gone = set(sids)
+        dropped = {d: entry for d, entry in self._left.items() if entry[1] in gone}
+        if dropped:
+            self._log.append((self._left.update, dropped))
+            for d in dropped:
+                del self._left[d]
+            self.let_go([entry[0] for entry in dropped.values()])
+
+    def refuse_swap(self, sid: int) -> None:
+        """Refuse to swap out ``sid`` while a copy for it is left to apply.
+
+        Raises:
+            CupagedError: naming the pairs to apply first.
+        """
+        pairs = [(e[0], d) for d, e in self._left.items() if e[1] == sid]
+        if pairs:
+            shown = ", ".join(f"{s} -> {d}" for s, d in pairs)
+            raise CupagedError(
+                f"expected sequence {sid} with no copy-on-write copy left to apply before "
+                f"swap_out (its blocks would travel without the copied bytes), got {shown}: "
+                f"call apply_copies first"
+            )
+
+    def holds(self) -> dict[int, int]:
+        """References the pairs hold, by source block (for the invariant checks)."""
+        counts: dict[int, int] = {}
+        for src, _, _ in self._left.values():
+            counts[src] = counts.get(src, 0) + 1
+        return counts
+
+    def _applicable(self, d: int, entry: tuple[int, int, int]) -> bool:
+        """Whether ``d`` is still the block its sequence's row holds at the pair's column."""
+        table = self.table
+        row = table.rows.get(entry[1])
+        return (
+            row is not None
+            and table.live.item(row) == entry[1]
+            and entry[2] < table.width
+            and table.tables.item(row, entry[2]) == d
+        )
 
     def _restore(self, saved: dict[int, Any]) -> None:
         for d, entry in saved.items():

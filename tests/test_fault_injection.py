@@ -482,19 +482,61 @@ def observe_all_but_copies_left(cache):
     return state
 
 
-def test_apply_copies_changes_nothing_when_interrupted(monkeypatch):
-    """``apply_copies`` interrupted anywhere leaves its pairs to apply (nothing else changes);
-    applied then, they give the cache the step that applies them itself gives."""
+def with_copies_left_and_ids():
+    """:func:`with_copies_left`, with the ids of :func:`scenario` too."""
+    cache, pairs = with_copies_left()
+    ids = {"a": 0, "b": 1}  # (scenario's first two sequences)
+    assert pairs[0].tolist() == [cache.block_table(ids["a"])[2]]
+    return cache, (pairs, ids)
+
+
+def with_copies_left_and_their_source_freed():
+    """:func:`with_copies_left_and_ids`, and ``a``, the source's one other holder, freed: the
+    pair's hold is its last reference, and applying the copy lets the block go to the pool."""
+    cache, (pairs, ids) = with_copies_left_and_ids()
+    cache.free(ids["a"])
+    assert cache.refcount(pairs[0].item(0)) == 1  # held by the pair alone
+    return cache, (pairs, ids)
+
+
+def _apply(cache, made):
+    cache.apply_copies(*made[0])
+
+
+COPIES_LEFT = {
+    "apply_copies": (with_copies_left_and_ids, _apply),
+    "apply_copies of the pending pairs": (
+        with_copies_left_and_ids,
+        lambda c, made: c.apply_copies(*c.pending_copies()),
+    ),
+    "free of the sequence they were left for": (
+        with_copies_left_and_ids,
+        lambda c, made: c.free(made[1]["b"]),
+    ),
+    "apply_copies after the source's sharer was freed": (
+        with_copies_left_and_their_source_freed,
+        _apply,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(COPIES_LEFT))
+def test_calls_on_copies_left_change_nothing_when_interrupted(name, monkeypatch):
+    """``apply_copies`` interrupted anywhere leaves its pairs to apply, their sources held
+    (nothing else changes); applied then, they give the cache the step that applies them itself
+    gives. A free of the sequence they were left for drops them and their holds, or nothing."""
+    make, operation = COPIES_LEFT[name]
     _, cache = fail_at_every_inner_call(
-        Faults(monkeypatch),
-        with_copies_left,
-        lambda c, pairs: c.apply_copies(*pairs),
-        observe_all_but_copies_left,
-        "apply_copies",
+        Faults(monkeypatch), make, operation, observe_all_but_copies_left, name
     )
     twin, ids = scenario()
     twin.step([ids["b"]], 2, [[3, 3]])
+    if name == "free of the sequence they were left for":
+        twin.free(ids["b"])
+    elif name.endswith("freed"):
+        twin.free(ids["a"])
     assert observe(cache) == observe(twin)
+    assert [a.size for a in cache.pending_copies()] == [0, 0]
 
 
 def test_every_listed_inner_call_is_reached(monkeypatch):
@@ -504,7 +546,7 @@ def test_every_listed_inner_call_is_reached(monkeypatch):
     faults = Faults(monkeypatch, inner_calls() + undo_calls())
     cases = [(scenario, operation) for operation in OPERATIONS.values()]
     cases += [(cycled_to_compaction, lambda c, x: c.free(x))]
-    cases += [(with_copies_left, lambda c, pairs: c.apply_copies(*pairs))]
+    cases += list(COPIES_LEFT.values())
     forward, rolled_back = set(), set()
     for vectorised in (False, True):
         with monkeypatch.context() as patch:

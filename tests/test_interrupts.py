@@ -12,7 +12,10 @@ would come:
 
 After each interrupted call the cache must pass ``check_invariants()``, not be left locked, and
 hold, for every sequence, the same length, residency and K/V as a twin cache that either did not
-run the call (the call was undone) or ran it in full (it had finished its work).
+run the call (the call was undone) or ran it in full (it had finished its work). A step that
+leaves its copies to the caller (``apply_copies=False``) and then applies them is one call of
+the walk: interrupted once the step is done, the plan is lost, and the pairs are what
+``pending_copies()`` gives back, which the caller applies before going on.
 """
 
 from __future__ import annotations
@@ -78,10 +81,12 @@ def random_op(rng: np.random.Generator, twin: PagedCache, model: Model, prefix: 
     resident = [s for s in live if not twin.is_swapped(s)]
     swapped = [s for s in live if twin.is_swapped(s)]
     kinds = ["add", "append", "append", "fork", "free", "swap_out", "swap_in", "step", "commit"]
+    kinds += ["step_deferred"]
     kind = kinds[rng.integers(len(kinds))] if live else "add"
     if live and twin.num_free_blocks < twin.num_blocks // 3 and rng.random() < 0.5:
         kind = "free"  # keep the pool from filling up (with prefix caching: never evict)
-    if kind == "add" or (kind in ("append", "fork", "step", "commit", "swap_out") and not resident):
+    growing = ("append", "fork", "step", "step_deferred", "commit", "swap_out")
+    if kind == "add" or (kind in growing and not resident):
         tokens = rng.integers(0, 3, rng.integers(0, 3 * BS)).tolist()  # few ids: prefixes repeat
         return (
             "add",
@@ -121,7 +126,7 @@ def random_op(rng: np.random.Generator, twin: PagedCache, model: Model, prefix: 
             return "swap_in", lambda c: c.swap_in(live[0]), lambda _: None  # refused
         sid = swapped[rng.integers(len(swapped))]
         return "swap_in", lambda c: c.swap_in(sid), lambda _: None
-    if kind == "step":
+    if kind in ("step", "step_deferred"):
         count = int(rng.integers(1, min(6, len(resident)) + 1))
         sids = [int(s) for s in rng.choice(resident, count, replace=False)]
         n = int(rng.integers(0, 3))
@@ -131,7 +136,15 @@ def random_op(rng: np.random.Generator, twin: PagedCache, model: Model, prefix: 
             for sid in sids:
                 model.written[sid] = np.concatenate([model.written[sid], np.zeros(n, bool)])
 
-        return "step", lambda c: c.step(sids, n, tokens), stepped
+        if kind == "step":
+            return "step", lambda c: c.step(sids, n, tokens), stepped
+
+        def deferred(c):  # the copies left to the caller, who applies them at once
+            plan = c.step(sids, n, tokens, apply_copies=False)
+            c.apply_copies(plan.copy_src, plan.copy_dst)
+            return plan
+
+        return "step(..., apply_copies=False)", deferred, stepped
     sid = resident[rng.integers(len(resident))]
     return "commit", lambda c: c.commit(sid), lambda _: None
 
@@ -153,6 +166,10 @@ def check_after_interrupt(subject, twin, model, function, done, name):
     # interrupt cut short, and it must not find the cache locked.
     subject.commit([])
     internals(subject).assert_no_call_inside()  # not locked, no undo left
+    subject.check_invariants()
+    # A step(..., apply_copies=False) interrupted once done lost its plan: the caller learns
+    # the pairs it left here, and applies them (none for every other call).
+    subject.apply_copies(*subject.pending_copies())
     subject.check_invariants()
     before = model.observe(twin)
     got = model.observe(subject)
@@ -423,3 +440,41 @@ def test_an_interrupt_inside_batch_replace_never_lets_a_duplicate_in():
             batch.replace(1 - ids.index(sid), sid)
     m.step(batch, 1)
     m.check_invariants()
+
+
+def test_an_interrupt_just_after_a_deferred_step_commits_leaves_its_pairs_to_learn():
+    """Ctrl-C between the commit of ``step(..., apply_copies=False)`` and its return: the step
+    stands and its plan is lost, so the copy it left must be there to learn and apply, with its
+    source's bytes kept even after the sequence it was copied from is freed and another one
+    took and wrote blocks."""
+    rng = np.random.default_rng(5)
+    c = make_cache(False)
+    parent = c.add_sequence()
+    k, v = kv(rng, 6)  # two blocks, the second partly filled
+    c.append(parent, k, v)
+    child = c.fork(parent)
+
+    def interrupt():
+        raise KeyboardInterrupt
+
+    trace, fired = at_source("run_atomically", "transaction.leave()", interrupt)
+    sys.settrace(trace)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            c.step([child], 1, apply_copies=False)
+    finally:
+        sys.settrace(None)
+    assert fired
+    assert c.seq_len(child) == 7  # the step was done
+    src, dst = c.pending_copies()
+    assert src.tolist() == [c.block_table(parent)[1]]
+    assert dst.tolist() == [c.block_table(child)[1]]
+    c.free(parent)
+    other = c.add_sequence()
+    c.append(other, *kv(rng, 3 * BS))
+    c.apply_copies(src, dst)
+    k_child, v_child = c.gather_kv(child)
+    np.testing.assert_array_equal(k_child[:, :6], k)
+    np.testing.assert_array_equal(v_child[:, :6], v)
+    internals(c).assert_no_call_inside()
+    c.check_invariants()

@@ -195,15 +195,18 @@ class Lifecycle:
             self.chains.drop([row])
         table.release_row(row)
 
-    def check(self, window: Any) -> None:
+    def check(self, window: Any, held: dict[int, int] | None = None) -> None:
         """Check every row against the pool: a resident row's held blocks are distinct, its
         shared last block flagged, and every block's refcount is its number of table entries
-        (``window``: the manager's :class:`~cupaged.paging.window.Window`, or ``None``).
+        (``window``: the manager's :class:`~cupaged.paging.window.Window`, or ``None``) plus
+        ``held``: references that no table makes, by block (the copies a cache left to apply
+        hold their sources).
 
         Raises:
             AssertionError: naming the first broken invariant.
         """
-        references: Counter[int] = Counter()
+        held = held or {}
+        references: Counter[int] = Counter(held)
         table, pool = self.table, self.pool
         table.check_invariants()
         for sid, row in table.rows.items():
@@ -219,7 +222,8 @@ class Lifecycle:
                 continue
             blocks = table.tables[row, table.released.item(row) : table.held(row)].tolist()
             require(len(set(blocks)) == len(blocks), f"sequence {sid} references a block twice")
-            if table.lens.item(row) % self.block_size and pool.refcount(blocks[-1]) > 1:
+            partly = table.lens.item(row) % self.block_size  # (then it holds a block)
+            if partly and pool.refcount(blocks[-1]) - held.get(blocks[-1], 0) > 1:
                 require(
                     bool(table.shared[row]),
                     f"sequence {sid} shares its partly filled last block {blocks[-1]} unflagged",

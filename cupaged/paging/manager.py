@@ -402,7 +402,7 @@ class BlockManager:
         Raises:
             AssertionError: naming the first broken invariant.
         """
-        self._lifecycle.check(self._window)
+        self._lifecycle.check(self._window, self._held_blocks())
 
     # ----------------------------------------------------------------------------- internals
     # Called inside the transaction; PagedCache builds its calls on them.
@@ -475,3 +475,8 @@ class BlockManager:
     def _before_release(self, rows: list[int]) -> None:
         """The sequences of ``rows`` are about to be freed: a subclass that keeps state per
         sequence drops it here, recording its undo."""
+
+    def _held_blocks(self) -> dict[int, int]:
+        """References to blocks that no table holds (a subclass's), by block, for
+        :meth:`check_invariants`."""
+        return {}

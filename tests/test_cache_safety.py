@@ -1,0 +1,144 @@
+"""What the caller holds between two calls stays true: the copies left to apply.
+
+- A copy-on-write pair that ``step(..., apply_copies=False)`` leaves holds its source block until
+  it is applied: whoever shared that block may be freed or swapped out meanwhile, and another
+  sequence may take blocks and write them, and the copy still brings the bytes it was planned
+  with. ``pending_copies`` lists what is left (what a caller whose plan was lost needs).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from helpers import assert_close
+
+from cupaged import CupagedError, PagedCache
+
+BS, LAYERS, HEADS, HEAD_DIM = 4, 2, 1, 64
+
+
+def make(num_blocks: int = 16, window_left: int = -1) -> PagedCache:
+    return PagedCache(
+        num_blocks, BS, num_layers=LAYERS, num_kv_heads=HEADS, head_dim=HEAD_DIM,
+        dtype="float32", device="cpu", window_left=window_left,
+    )  # fmt: skip
+
+
+def kv(rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray]:
+    shape = (LAYERS, n, HEADS, HEAD_DIM)
+    return (rng.standard_normal(shape, dtype=np.float32),
+            rng.standard_normal(shape, dtype=np.float32))  # fmt: skip
+
+
+# ------------------------------------------------------------------------------ copies left
+
+
+def forked_with_a_copy_left(rng):
+    """A parent of 6 tokens (2 in its last block), a fork, and a step of the fork that leaves
+    its copy of that block to the caller: ``(cache, parent, child, plan, parent's K/V)``."""
+    cache = make()
+    parent = cache.add_sequence()
+    k, v = kv(rng, 6)
+    cache.append(parent, k, v)
+    child = cache.fork(parent)
+    plan = cache.step([child], 1, apply_copies=False)
+    assert plan.copy_src.tolist() == [cache.block_table(parent)[1]]
+    return cache, parent, child, plan, (k, v)
+
+
+@pytest.mark.parametrize("letting_go", ["free", "swap_out"])
+def test_a_copy_left_to_apply_keeps_its_source_when_every_sharer_lets_it_go(rng, letting_go):
+    """The parent, the source's only other holder, is freed (or swapped out) before the copy is
+    applied, and another sequence then takes blocks and writes: the source is not among them,
+    and the fork gets the parent's tokens (it got the other sequence's before)."""
+    cache, parent, child, plan, (k, v) = forked_with_a_copy_left(rng)
+    src = plan.copy_src.item(0)
+    getattr(cache, letting_go)(parent)
+    assert cache.refcount(src) == 1  # held by the pair alone
+    cache.check_invariants()
+    other = cache.add_sequence()
+    cache.append(other, *kv(rng, 3 * BS))  # takes every block it can, LIFO: src was on top
+    assert src not in cache.block_table(other)
+    cache.apply_copies(plan.copy_src, plan.copy_dst)
+    k_child, v_child = cache.gather_kv(child)
+    assert_close(k_child[:, :6], k, "float32")
+    assert_close(v_child[:, :6], v, "float32")
+    assert cache.refcount(src) == 0  # applied: the hold went, the source is back in the pool
+    assert cache.num_free_blocks == cache.num_blocks - 2 - 3  # the child's 2, the other's 3
+    cache.check_invariants()
+
+
+def test_pending_copies_lists_what_is_left_and_applies_it(rng):
+    cache, parent, child, plan, (k, v) = forked_with_a_copy_left(rng)
+    sibling = cache.fork(parent)
+    later = cache.step([sibling], 1, apply_copies=False)
+    src, dst = cache.pending_copies()
+    assert src.dtype == dst.dtype == np.int32
+    assert src.tolist() == [*plan.copy_src.tolist(), *later.copy_src.tolist()]
+    assert dst.tolist() == [*plan.copy_dst.tolist(), *later.copy_dst.tolist()]
+    assert cache.refcount(src.item(0)) == 1 + 2  # the parent and the two pairs
+    cache.apply_copies(*cache.pending_copies())
+    for sid in (child, sibling):
+        k_got, v_got = cache.gather_kv(sid)
+        assert_close(k_got[:, :6], k, "float32")
+        assert_close(v_got[:, :6], v, "float32")
+    assert [a.size for a in cache.pending_copies()] == [0, 0]
+    assert cache.refcount(src.item(0)) == 1
+    cache.check_invariants()
+
+
+def test_freeing_the_sequence_a_copy_was_left_for_drops_the_copy_and_its_hold(rng):
+    cache, parent, child, plan, _ = forked_with_a_copy_left(rng)
+    src = plan.copy_src.item(0)
+    assert cache.refcount(src) == 2
+    cache.free(child)
+    assert [a.size for a in cache.pending_copies()] == [0, 0]
+    assert cache.refcount(src) == 1
+    cache.free(parent)
+    assert cache.num_free_blocks == cache.num_blocks
+    cache.check_invariants()
+    with pytest.raises(ValueError, match="left to apply"):
+        cache.apply_copies(plan.copy_src, plan.copy_dst)
+
+
+def test_a_sequence_with_a_copy_left_is_not_swapped_out(rng):
+    cache, parent, child, plan, (k, v) = forked_with_a_copy_left(rng)
+    before = cache.block_table(child), cache.num_free_blocks
+    with pytest.raises(CupagedError, match=r"apply_copies first"):
+        cache.swap_out(child)
+    assert (cache.block_table(child), cache.num_free_blocks) == before
+    assert not cache.is_swapped(child)
+    cache.apply_copies(plan.copy_src, plan.copy_dst)
+    cache.swap_out(child)
+    cache.swap_in(child)
+    assert_close(cache.gather_kv(child)[0][:, :6], k, "float32")
+    cache.check_invariants()
+
+
+def test_a_destination_that_comes_back_to_a_new_copy_drops_the_old_pairs_hold(rng):
+    """With a window the fork moves past the destination of a copy it never applied; the
+    block goes back to the pool, and a later copy takes it as its destination: the old pair,
+    which can never be applied now, lets its source go then (no block stays held for it)."""
+    cache = make(num_blocks=8, window_left=3)
+    parent = cache.add_sequence()
+    cache.append(parent, *kv(rng, 6))  # blocks 0, 1; block 1 holds 2 tokens
+    child = cache.fork(parent)
+    first = cache.step([child], 1, apply_copies=False)
+    (src,), (dst,) = first.copy_src.tolist(), first.copy_dst.tolist()
+    cache.free(parent)
+    cache.step([child], 9)
+    cache.step([child], 1)  # its window starts past the destination: released
+    assert cache.block_table(child)[1] == -1 and cache.refcount(src) == 1
+    assert [a.size for a in cache.pending_copies()] == [0, 0]  # no longer applicable
+    cache.check_invariants()
+    grandchild = cache.fork(child)
+    second = cache.step([grandchild], 1, apply_copies=False)
+    assert second.copy_dst.tolist() == [dst]  # the block came back as a destination
+    assert cache.refcount(src) == 0  # the old pair's hold went: src is free
+    src_now, dst_now = cache.pending_copies()
+    assert (src_now.tolist(), dst_now.tolist()) == (second.copy_src.tolist(), [dst])
+    cache.check_invariants()
+    cache.apply_copies(second.copy_src, second.copy_dst)
+    cache.free_many([child, grandchild])
+    assert cache.num_free_blocks == cache.num_blocks
+    cache.check_invariants()
