@@ -315,11 +315,15 @@ class PagedCache(BlockManager):
         :class:`cupaged.DecodePlan`). The plan reads the batch's tables as they are now: make a new
         one after the next ``step`` (a :class:`SequenceBatch`'s device tables are refreshed in
         place, which a captured CUDA graph may rely on with :meth:`DecodePlan.update`). It
-        attends with the cache's :attr:`window_left`, so it never reads a released entry.
+        attends with the cache's :attr:`window_left`, so it never reads a released entry. It
+        trusts the cache's own tables and scales (``scale_options``); a scale array of yours
+        given to ``run`` is checked there (``tables_checked=False``, ``trusted_scales``).
 
         Args:
             sids: a :class:`SequenceBatch`, sequence ids in the order of the query rows, or a
-                :class:`StepPlan` of this cache made with ``step(..., tables=True)``.
+                :class:`StepPlan` of this cache made with ``step(..., tables=True)``, the
+                latest of its sequences (``ValueError`` once a later call stepped, freed or
+                swapped out one of them).
             num_q_heads: query heads, a multiple of ``spec.num_kv_heads``.
             scale: softmax scale; ``head_dim ** -0.5`` when ``None``.
             num_splits: see :class:`cupaged.DecodePlan`.
@@ -329,10 +333,9 @@ class PagedCache(BlockManager):
                 else ``None`` or the cache's dtype. Then ``run(..., **cache.scale_options(layer))``.
         """
         own = isinstance(sids, StepPlan)
-        tables, lens = _own_tables(self._table, sids) if own else self.block_tables(sids)
-        # The cache's own tables: valid by construction, so the plan trusts them.
+        tables, lens = self._step_tables(sids) if own else self.block_tables(sids)
         options = _variants(self.window_left, logits_soft_cap, alibi_slopes)
-        options.update(scale=scale, num_splits=num_splits, checked=False)
+        options.update(scale=scale, num_splits=num_splits, **self._trusted())
         options.update(_fp8_plan_options(self.spec.dtype, q_dtype))
         return DecodePlan(tables, lens, self.k[0], num_q_heads, **options)
 
@@ -354,13 +357,16 @@ class PagedCache(BlockManager):
         ``plan.run(q, cache.k[layer], cache.v[layer])`` then attends each layer's packed queries
         (see :class:`cupaged.PrefillPlan`): sequence ``i``'s new tokens, the last ``n_i`` of
         its length, are rows ``query_start_loc[i] : query_start_loc[i + 1]`` of ``q``. The
-        tables and lengths are the cache's own, so nothing is checked or read back per step,
-        and it attends with the cache's :attr:`window_left`.
+        tables and lengths are the cache's own, so nothing is checked or read back per step
+        (nor the cache's own scales at each ``run``; a scale array of yours is checked), and it
+        attends with the cache's :attr:`window_left`.
 
         Args:
             step: a :class:`StepPlan` of this cache made with ``step(..., tables=True)`` (its
-                new tokens are the queries), or sequence ids / a :class:`SequenceBatch` whose
-                last ``num_tokens`` tokens are (an admission's prompt chunk).
+                new tokens are the queries), the latest of its sequences (``ValueError`` once a
+                later call stepped, freed or swapped out one of them), or sequence ids / a
+                :class:`SequenceBatch` whose last ``num_tokens`` tokens are (an admission's
+                prompt chunk).
             num_q_heads: query heads, a multiple of ``spec.num_kv_heads``.
             num_tokens: with ids or a batch: the query tokens per sequence (host ints).
             scale, causal, num_splits, logits_soft_cap, alibi_slopes: see
@@ -368,7 +374,7 @@ class PagedCache(BlockManager):
             q_dtype: as :meth:`decode_plan` takes it.
         """
         if isinstance(step, StepPlan):
-            tables, _ = _own_tables(self._table, step)
+            tables, _ = self._step_tables(step)
             lens, starts = step.host_context_lens, step.query_start_loc
         else:
             if num_tokens is None:
@@ -380,9 +386,8 @@ class PagedCache(BlockManager):
             lens = self._table.lens[rows]
             held_from = self._table.released[rows].astype(np.int64) * self.spec.block_size
             starts = _query_starts(self.window_left, held_from, lens, num_tokens)
-        # The cache's own tables and lengths: valid by construction, so the plan trusts them.
         options = _variants(self.window_left, logits_soft_cap, alibi_slopes)
-        options.update(scale=scale, causal=causal, num_splits=num_splits, checked=False)
+        options.update(scale=scale, causal=causal, num_splits=num_splits, **self._trusted())
         options.update(_fp8_plan_options(self.spec.dtype, q_dtype))
         return PrefillPlan(tables, lens, starts, self.k[0], num_q_heads, **options)
 
@@ -448,6 +453,13 @@ class PagedCache(BlockManager):
     def _held_blocks(self) -> dict[int, int]:
         return self._deferred.holds()
 
+    def _trusted(self) -> dict[str, Any]:
+        """The plans' keywords for what they need not check: the cache's own tables and
+        lengths (valid by construction) and its own scales (checked when set). A scale array of
+        the caller's is checked at each ``run``."""
+        own = self._scales.k, self._scales.v
+        return {"tables_checked": False, "trusted_scales": () if own[0] is None else own}
+
     def _step_and_copy(
         self, sids: Any, num_tokens: Any, tokens: Any, apply_copies: bool, tables: bool
     ) -> StepPlan:
@@ -465,17 +477,6 @@ class PagedCache(BlockManager):
         if len(src):
             src, dst = self._xp.asarray(src), self._xp.asarray(dst)
             copy_blocks(self.k, self.v, src, dst, checked=checked)
-
-
-def _own_tables(table: Any, step: StepPlan) -> tuple[Any, Any]:
-    """A step plan's device tables and lengths, refused unless the cache of ``table`` made them."""
-    if step.issuer is not table or step.block_tables is None:
-        foreign = step.issuer is not None and step.issuer is not table
-        raise ValueError(
-            "expected a StepPlan of this cache made with step(..., tables=True), got "
-            + ("one of another cache" if foreign else "one without")
-        )
-    return step.block_tables, step.context_lens
 
 
 def _check_no_kv(pool: Any, swapped: int) -> None:

@@ -30,7 +30,10 @@ default, or bfloat16: it picks the kernel, tensor cores for 16-bit queries in la
 are arguments of ``run``: ``k_scale`` / ``v_scale``, each a positive finite number or a float32
 array of shape ``()``, ``[1]`` or ``[num_kv_heads]`` on the plan's device, ``None`` for 1.0.
 The kernel reads a device array where it lies; the host checks its values only in the plan's
-``checked`` mode (one synchronisation). Scales for a cache that is not fp8 are refused.
+``checked`` mode (one synchronisation), which a plan keeps apart from the checks of its tables:
+``PagedCache``'s plans trust the cache's own tables and scales (``tables_checked=False``,
+``trusted_scales``), never a scale array of the caller's. Scales for a cache that is not fp8 are
+refused.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ from ._attention import (
 from ._backend import array_module, to_numpy
 from ._checks import (
     MAX_CONTEXT_LEN,
+    as_bool,
     as_int,
     check_decode_tables,
     check_index_array,
@@ -91,11 +95,18 @@ class DecodePlan:
             the work is cut, never the result.
         checked: check, once here, that every length is in ``[0, max_blocks * block_size]`` and
             every block id a length reaches is in ``[0, num_blocks)`` (one synchronisation on a
-            GPU). ``checked=False`` *trusts* the caller (``PagedCache`` passes it for its own
-            tables): a bad id or length reads outside the cache. Lengths up to 2^30 (what the
+            GPU), and at each :meth:`run` that the scale arrays it is given are positive and
+            finite (one more). ``checked=False`` *trusts* the caller in both: a bad id or length
+            reads outside the cache, a bad scale gives NaN. Lengths up to 2^30 (what the
             checks admit) are what the kernels are built for: the planner cuts any int length
             in full, but the kernels' token positions are 32-bit and a length within a stage
             of 2^31 would wrap in the last one.
+        tables_checked: the checks of the tables and lengths alone: ``None``, as ``checked``;
+            ``False`` trusts them (tables that cupaged built: ``PagedCache`` passes it for its
+            own) while each run's arguments are still checked as ``checked`` says.
+        trusted_scales: arrays whose values were checked when they were written (``PagedCache``
+            passes its ``[num_layers, num_kv_heads]`` K and V scales): a run's scale array that
+            is one of them, or a view of one, is not checked again.
         window_left: sliding window: the query (position ``len - 1``) attends the keys from
             position ``len - 1 - window_left`` on (``window_left + 1`` keys at most); ``-1``,
             all. The kernels read no table entry before the window, and ``checked`` checks
@@ -154,6 +165,7 @@ class DecodePlan:
         "_split",
         "_tables",
         "_tile",
+        "_trusted",
         "_variants",
         "_work",
         "_xp",
@@ -173,6 +185,8 @@ class DecodePlan:
         num_splits: int | None = None,
         max_context_len: int | None = None,
         checked: bool = True,
+        tables_checked: bool | None = None,
+        trusted_scales: tuple[Any, ...] = (),
         window_left: int = -1,
         logits_soft_cap: float = 0.0,
         alibi_slopes: Any = None,
@@ -180,6 +194,9 @@ class DecodePlan:
         kv_dtype: Any = None,
     ) -> None:
         xp = array_module(block_tables, context_lens, k_cache)
+        tables_checked = (
+            checked if tables_checked is None else as_bool(tables_checked, "tables_checked")
+        )
         num_blocks, num_kv_heads, block_size, head_dim, num_q_heads = check_layer_and_heads(
             k_cache, num_q_heads
         )
@@ -199,7 +216,7 @@ class DecodePlan:
         window = variants.window_left
 
         max_context = None
-        if checked:  # on the caller's arrays, before they are narrowed to int32
+        if tables_checked:  # on the caller's arrays, before they are narrowed to int32
             max_context = check_decode_tables(
                 block_tables, context_lens, block_size, num_blocks, window
             )
@@ -271,7 +288,8 @@ class DecodePlan:
         self._min_chunk = min_chunk
         self._tile = tile
         self.num_seqs = num_seqs
-        self.checked = checked
+        self.checked = checked  # of each run's arguments
+        self._trusted = trusted_memory(trusted_scales)
         self._variants = variants
         self._tables = owned_int32(xp, block_tables)
         self._lens = owned_int32(xp, context_lens)
@@ -312,7 +330,7 @@ class DecodePlan:
             *tail,
         )
         self._merge_scalars = (self._num_q_heads, *tail)
-        self._plan(max_context if checked else None)
+        self._plan(max_context if tables_checked else None)  # (else maybe a caller's hint)
 
     def _plan(self, max_context: int | None) -> None:
         """Plan the work list on the device; ``max_context``, the longest length when the
@@ -371,10 +389,10 @@ class DecodePlan:
             checked: check them as the constructor does (lengths within the table, the block
                 ids they reach within the cache, with the plan's window, on their own dtypes
                 before the narrowing to int32; one synchronisation on a GPU), whether or not
-                the plan was built
-                checked. ``checked=False`` *trusts* the caller: pass it only for tables and
-                lengths that cupaged built (``PagedCache.block_tables``), as a CUDA graph's
-                replay loop does.
+                the plan was built checked; the later runs check their scale arrays as it says
+                too. ``checked=False`` *trusts* the caller: pass it only for tables and lengths
+                that cupaged built (``PagedCache.block_tables``) and scales checked already, as
+                a CUDA graph's replay loop does.
 
         Raises:
             TypeError: arrays on another device, or of a dtype other than int32 / int64.
@@ -448,7 +466,8 @@ class DecodePlan:
         scales = None  # the plan's scalars hold those of 1.0
         if self._fp8 or k_scale is not None or v_scale is not None:  # unchecked: no host read
             heads, dtype = self._layout[1], self._arrays.dtype
-            scales = kv_scale_args(self._xp, dtype, heads, k_scale, v_scale, checked=self.checked)
+            checked = self.checked and not own_scales(self._trusted, k_scale, v_scale)
+            scales = kv_scale_args(self._xp, dtype, heads, k_scale, v_scale, checked=checked)
         if self.num_seqs == 0:
             return out
         scalars = self._scalars  # its own five, the scales' six, the variants' four
@@ -526,3 +545,25 @@ def fp8_query_dtype(q: Any, k_cache: Any, kv_dtype: Any = None) -> str | None:
         name = array_dtype_name(k_cache, kv_dtype)
     check_shape("q", q, [(axis, None) for axis in Q_AXES])
     return check_query_dtype(q, name)
+
+
+def own_scales(trusted: tuple[Any, ...], k_scale: Any, v_scale: Any) -> bool:
+    """Whether every array among ``k_scale`` and ``v_scale`` is one of ``trusted`` (a plan's
+    :func:`trusted_memory`) or a view whose base is; numbers and ``None`` are checked on the
+    host whatever this says."""
+    for scale in (k_scale, v_scale):
+        if hasattr(scale, "shape") and not isinstance(scale, np.generic):
+            base = getattr(scale, "base", None)
+            if not any(scale is array or base is array for array in trusted):
+                return False
+    return True
+
+
+def trusted_memory(arrays: Any) -> tuple[Any, ...]:
+    """``arrays`` and the arrays that own their memory: the bases a view of one of them names
+    (NumPy names the owner; a view of a view may name the view)."""
+    found: list[Any] = []
+    for array in arrays:
+        base = getattr(array, "base", None)
+        found += [array] if base is None else [array, base]
+    return tuple(found)

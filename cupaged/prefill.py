@@ -53,6 +53,7 @@ from ._interop import takes_dlpack
 from ._kernels import get_kernel
 from ._scales import kv_scale_args
 from ._variants import Variants, check_sinks, check_variants
+from .decode import own_scales, trusted_memory
 from .dtypes import dtype_name
 
 Q_AXES = ("total_query_tokens", "num_q_heads", "head_dim")
@@ -112,7 +113,15 @@ class PrefillPlan:
             length reads outside the cache (garbage output or a crash). Pass it only for tables
             and lengths built by cupaged (``PagedCache.block_tables``, ``StepPlan``). With a
             window, only the entries from each sequence's first reachable key,
-            ``max(0, context_lens[i] - n_i - window_left)``, on are checked (and read).
+            ``max(0, context_lens[i] - n_i - window_left)``, on are checked (and read). It
+            checks each :meth:`run`'s scale arrays too (positive and finite; one more
+            synchronisation); ``checked=False`` trusts them as well.
+        tables_checked: the checks of the tables and lengths alone: ``None``, as ``checked``;
+            ``False`` trusts them (``PagedCache`` passes it for its own) while each run's
+            arguments are still checked as ``checked`` says.
+        trusted_scales: arrays whose values were checked when they were written (``PagedCache``
+            passes its K and V scales): a run's scale array that is one of them, or a view of
+            one, is not checked again.
         window_left: a query at position ``p`` attends keys from ``p - window_left`` on (causal
             or not); ``-1``: no window. The kernels skip the KV tiles before each query tile's
             window and never read the table entries before a sequence's first reachable key
@@ -150,6 +159,7 @@ class PrefillPlan:
         "_num_kv_heads",
         "_num_q_heads",
         "_sinks_kernels",
+        "_trusted",
         "_unit_scales",
         "_variants",
         "_xp",
@@ -172,6 +182,8 @@ class PrefillPlan:
         causal: bool = True,
         num_splits: int | None = None,
         checked: bool = True,
+        tables_checked: bool | None = None,
+        trusted_scales: tuple[Any, ...] = (),
         window_left: int = -1,
         logits_soft_cap: float = 0.0,
         alibi_slopes: Any = None,
@@ -179,6 +191,10 @@ class PrefillPlan:
         kv_dtype: Any = None,
     ) -> None:
         xp = array_module(block_tables, k_cache)
+        if tables_checked is None:
+            tables_checked = checked
+        else:
+            tables_checked = as_bool(tables_checked, "tables_checked")
         for name, x in (("context_lens", context_lens), ("query_start_loc", query_start_loc)):
             if array_module(x) not in (xp, np):
                 raise TypeError(
@@ -207,11 +223,12 @@ class PrefillPlan:
             raise ValueError(f"expected at most {INT32_MAX} query tokens, got {total}")
         max_query_len = check_query_start_loc(host_starts, host_lens, total)
         lens = xp.asarray(context_lens)  # the device's copy of host lengths, on their own dtype
-        if checked:  # on the caller's arrays, before they are narrowed to int32
+        if tables_checked:  # on the caller's arrays, before they are narrowed to int32
             first_keys = _first_keys(variants, host_starts, host_lens)
             check_prefill_tables(block_tables, lens, block_size, num_blocks, first_keys)
         self.num_seqs, self.total_query_tokens = num_seqs, total
-        self.causal, self.checked = causal, checked
+        self.causal, self.checked = causal, checked  # (checked: of each run's arguments)
+        self._trusted = trusted_memory(trusted_scales)
         self._xp, self._variants = xp, variants
         self._num_q_heads, self._head_dim = num_q_heads, head_dim
         self._num_kv_heads = num_kv_heads
@@ -329,8 +346,9 @@ class PrefillPlan:
             k_scale, v_scale: an fp8 cache's scales of this layer (it holds ``x / scale``):
                 ``None`` (1.0), a positive finite number, or a float32 ``[]``, ``[1]`` or
                 ``[num_kv_heads]`` array on the cache's device, which the kernel reads (checked
-                on the device with the plan's ``checked``, one synchronisation; trusted
-                without). ``None`` for any other cache.
+                on the device with the plan's ``checked``, one synchronisation, unless it is
+                one of the plan's ``trusted_scales``; trusted without). ``None`` for any other
+                cache.
             sinks: optional ``[num_q_heads]`` float32 attention sinks of this layer, on the
                 cache's device: a learned logit per query head in each row's softmax
                 denominator only (gpt-oss). The first run with sinks loads their kernels.
@@ -355,7 +373,8 @@ class PrefillPlan:
         scales = self._unit_scales
         if k_scale is not None or v_scale is not None:
             elem, heads = self._arrays.dtype, self._num_kv_heads
-            scales = kv_scale_args(self._xp, elem, heads, k_scale, v_scale, checked=self.checked)
+            checked = self.checked and not own_scales(self._trusted, k_scale, v_scale)
+            scales = kv_scale_args(self._xp, elem, heads, k_scale, v_scale, checked=checked)
         out, q, k_cache, v_cache, out_storage, _ = self._arrays.views(q, k_cache, v_cache, out)
         launch = self._launch
         if launch is None:

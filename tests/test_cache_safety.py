@@ -1,18 +1,22 @@
-"""What the caller holds between two calls stays true: the copies left to apply.
+"""What the caller holds between two calls stays true: copies left to apply, and step plans.
 
 - A copy-on-write pair that ``step(..., apply_copies=False)`` leaves holds its source block until
   it is applied: whoever shared that block may be freed or swapped out meanwhile, and another
   sequence may take blocks and write them, and the copy still brings the bytes it was planned
   with. ``pending_copies`` lists what is left (what a caller whose plan was lost needs).
+- A ``StepPlan`` made with ``tables=True`` is the plan of its step: once a later call stepped,
+  freed or swapped out its sequences, the cache's attention plans refuse it (with a window,
+  the later step released entries that its old lengths would attend); a swap-out and swap-in
+  between the step and the plan moves the blocks, and the plan follows them.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import assert_close
+from helpers import assert_close, poison
 
-from cupaged import CupagedError, PagedCache
+from cupaged import CupagedError, PagedCache, reference_attention
 
 BS, LAYERS, HEADS, HEAD_DIM = 4, 2, 1, 64
 
@@ -142,3 +146,94 @@ def test_a_destination_that_comes_back_to_a_new_copy_drops_the_old_pairs_hold(rn
     cache.free_many([child, grandchild])
     assert cache.num_free_blocks == cache.num_blocks
     cache.check_invariants()
+
+
+# ------------------------------------------------------------------------------ stale plans
+
+
+def attend(cache, plan_source, rng, lens_of):
+    """Decode attention of ``cache.decode_plan(plan_source)`` for layer 0 (output poisoned
+    first) and the reference over the cache's current tables at ``lens_of``'s lengths."""
+    plan = cache.decode_plan(plan_source, HEADS)
+    q = rng.standard_normal((plan.num_seqs, HEADS, HEAD_DIM), dtype=np.float32)
+    out = poison(q.shape, "float32")
+    plan.run(q, cache.k[0], cache.v[0], out=out)
+    tables, lens = lens_of
+    expected = reference_attention(
+        q, cache.k[0], cache.v[0], tables, lens, window_left=cache.window_left
+    )
+    return out, expected
+
+
+@pytest.mark.parametrize("as_batch", [False, True], ids=["ids", "batch"])
+@pytest.mark.parametrize("window_left", [-1, 5])
+def test_a_step_plan_is_refused_once_a_later_step_grew_its_sequences(rng, as_batch, window_left):
+    """With a window the later step released blocks that the old plan's lengths reach (its
+    entries ``-1``, attended as zeros before); without one the lengths are stale all the same."""
+    cache = make(num_blocks=32, window_left=window_left)
+    sids = [cache.add_sequence() for _ in range(3)]
+    for sid, n in zip(sids, (2 * BS - 1, 3 * BS, BS + 2), strict=True):
+        cache.append(sid, *kv(rng, n))
+    batch = cache.batch(sids) if as_batch else sids
+    first = cache.step(batch, 1, tables=True)
+    tables, lens = cache.block_tables(sids)
+    out, expected = attend(cache, first, rng, (tables, lens))  # the latest step: fine
+    assert_close(out, expected, "float32")
+    cache.step(batch, 2, tables=True)
+    for make_plan in (cache.decode_plan, cache.prefill_plan):
+        with pytest.raises(ValueError, match="got a stale one"):
+            make_plan(first, HEADS)
+
+
+@pytest.mark.parametrize(
+    "later",
+    [
+        lambda cache, sids: cache.free(sids[1]),
+        lambda cache, sids: cache.swap_out(sids[0]),
+        lambda cache, sids: cache.append(sids[2], *kv(np.random.default_rng(0), 1)),
+    ],
+    ids=["free", "swap_out", "append"],
+)
+def test_a_step_plan_is_refused_once_a_later_call_changed_one_of_its_sequences(rng, later):
+    cache = make()
+    sids = [cache.add_sequence() for _ in range(3)]
+    for sid in sids:
+        cache.append(sid, *kv(rng, 3))
+    plan = cache.step(sids, 1, tables=True)
+    later(cache, sids)
+    with pytest.raises(ValueError, match="got a stale one"):
+        cache.decode_plan(plan, HEADS)
+
+
+def test_a_step_plan_is_refused_once_its_batch_was_replaced_in(rng):
+    cache = make()
+    sids = [cache.add_sequence() for _ in range(3)]
+    for sid in sids:
+        cache.append(sid, *kv(rng, 3))
+    batch = cache.batch(sids[:2])
+    plan = cache.step(batch, 1, tables=True)
+    batch.replace(1, sids[2])  # the batch's device tables now hold another sequence's row
+    with pytest.raises(ValueError, match="got a stale one"):
+        cache.decode_plan(plan, HEADS)
+
+
+@pytest.mark.parametrize("as_batch", [False, True], ids=["ids", "batch"])
+def test_a_step_plan_follows_blocks_that_a_swap_moved(rng, as_batch):
+    """A swap-out and swap-in between the step and its attention leaves the lengths as the step
+    left them, on fresh blocks, after another sequence took (and wrote) the old ones: the plan
+    attends the fresh blocks (it read the other sequence's K/V before)."""
+    cache = make(num_blocks=12)
+    sids = [cache.add_sequence() for _ in range(2)]
+    for sid, n in zip(sids, (2 * BS + 1, BS + 3), strict=True):
+        cache.append(sid, *kv(rng, n))
+    batch = cache.batch(sids) if as_batch else sids
+    plan = cache.step(batch, 1, tables=True)
+    old = cache.block_table(sids[0])
+    cache.swap_out(sids[0])
+    other = cache.add_sequence()
+    cache.append(other, *kv(rng, len(old) * BS))  # LIFO: it takes the swapped blocks
+    assert set(old) <= set(cache.block_table(other))
+    cache.swap_in(sids[0])
+    assert not set(old) & set(cache.block_table(sids[0]))
+    out, expected = attend(cache, plan, rng, cache.block_tables(sids))
+    assert_close(out, expected, "float32")

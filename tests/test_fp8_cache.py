@@ -421,6 +421,98 @@ def test_the_caches_plans_attend_over_fp8_with_its_scales(rng, q_dtype):
     np.testing.assert_allclose(to_float(out, np.float64), expected, **TOLERANCES[q_dtype])
 
 
+def scaled_cache_with_plans(rng):
+    """An fp8 cache of two sequences (unit-scale K/V), its decode and prefill plans (the last
+    token of each as the query) and the queries of each."""
+    cache = make(k_scales=rng.uniform(0.02, 0.1, (LAYERS, HEADS)).astype(np.float32),
+                 v_scales=0.05)  # fmt: skip
+    sids = [cache.add_sequence() for _ in range(2)]
+    spread = rng.uniform(0.5, 2.0, (LAYERS, 1, HEADS, 1))
+    for sid, n in zip(sids, (BS + 3, 2), strict=True):
+        cache.append(sid, *activations(rng, n, spread=spread))
+    q = rng.standard_normal((2, 2 * HEADS, HEAD_DIM)).astype(np.float16)
+    decode = cache.decode_plan(sids, 2 * HEADS)
+    prefill = cache.prefill_plan(sids, 2 * HEADS, num_tokens=np.array([1, 1]))
+    expected = oracle_attention(cache, sids, q, [cache.seq_len(sid) - 1 for sid in sids])
+    return cache, (decode, prefill), q, expected
+
+
+BAD_SCALE_ARRAYS = {
+    "nan": np.nan,
+    "zero": 0.0,
+    "negative": -0.05,
+    "inf": np.inf,
+}
+
+
+@pytest.mark.parametrize("which", ["k_scale", "v_scale"])
+@pytest.mark.parametrize("bad", list(BAD_SCALE_ARRAYS))
+def test_the_caches_plans_check_the_callers_scale_arrays(rng, bad, which):
+    """The cache's plans trust its own tables, not the scale arrays a caller gives ``run``: one
+    that is NaN, zero, negative or infinite in one head is refused, with nothing written (it
+    gave NaN output before)."""
+    cache, plans, q, _ = scaled_cache_with_plans(rng)
+    scales = dict(cache.scale_options(0))
+    scales[which] = scales[which].copy()
+    scales[which][int(rng.integers(HEADS))] = BAD_SCALE_ARRAYS[bad]
+    for plan in plans:
+        out = np.full(q.shape, np.nan, np.float16)
+        with pytest.raises(ValueError, match="expected k_scale and v_scale positive and finite"):
+            plan.run(q, cache.k[0], cache.v[0], out=out, **scales)
+        assert np.isnan(out).all()
+
+
+def test_the_caches_plans_run_with_its_own_scales_unchecked_and_a_copy_checked(rng, monkeypatch):
+    """The cache's own scales (``scale_options``, checked when set) are not checked again at
+    each run, a caller's copy of them is (one check a run), and both attend alike; a plan
+    built ``checked=False`` checks no scale array at all."""
+    from cupaged import _scales
+
+    checks = []
+    real = _scales._check_positive
+    monkeypatch.setattr(_scales, "_check_positive", lambda *a: checks.append(1) or real(*a))
+    cache, plans, q, expected = scaled_cache_with_plans(rng)
+    own = cache.scale_options(0)
+    copies = {name: array.copy() for name, array in own.items()}
+    for plan in plans:
+        for scales, runs_checked in ((own, 0), (copies, 1)):
+            checks.clear()
+            out = np.full(q.shape, np.nan, np.float16)
+            plan.run(q, cache.k[0], cache.v[0], out=out, **scales)
+            assert len(checks) == runs_checked
+            np.testing.assert_allclose(to_float(out, np.float64), expected, **TOLERANCES["float16"])
+    tables, lens = cache.block_tables(cache.sequence_ids)
+    trusting = cupaged.DecodePlan(tables, lens, cache.k[0], 2 * HEADS, checked=False,
+                                  q_dtype="float16", kv_dtype="float8_e4m3")  # fmt: skip
+    checks.clear()
+    trusting.run(q, cache.k[0], cache.v[0], **copies)
+    assert checks == []
+
+
+def test_a_plan_checks_its_tables_and_its_runs_apart(rng):
+    """``tables_checked=False`` trusts the tables alone: a bad scale array is still refused at
+    run; ``checked=False`` trusts both (the output is then whatever the NaN scale makes)."""
+    cache, _, q, _ = scaled_cache_with_plans(rng)
+    tables, lens = cache.block_tables(cache.sequence_ids)
+    bad = {"k_scale": np.full(HEADS, np.nan, np.float32), "v_scale": None}
+    options = dict(q_dtype="float16", kv_dtype="float8_e4m3")
+    bad_tables = tables.copy()
+    bad_tables[0, 0] = cache.num_blocks  # out of the cache
+    with pytest.raises(ValueError, match="block"):
+        cupaged.DecodePlan(bad_tables, lens, cache.k[0], 2 * HEADS, **options)
+    for plan_class, extra in ((cupaged.DecodePlan, ()), (cupaged.PrefillPlan, (np.arange(3),))):
+        plan = plan_class(tables, lens, *extra, cache.k[0], 2 * HEADS, tables_checked=False,
+                          **options)  # fmt: skip
+        assert plan.checked
+        with pytest.raises(ValueError, match="positive and finite"):
+            plan.run(q, cache.k[0], cache.v[0], **bad)
+        trusting = plan_class(tables, lens, *extra, cache.k[0], 2 * HEADS, checked=False,
+                              **options)  # fmt: skip
+        assert np.isnan(to_float(trusting.run(q, cache.k[0], cache.v[0], **bad))).any()
+    with pytest.raises(TypeError, match="tables_checked to be a bool"):
+        cupaged.DecodePlan(tables, lens, cache.k[0], 2 * HEADS, tables_checked="no", **options)
+
+
 def test_a_plan_over_fp8_refuses_an_fp8_query_dtype():
     cache = make()
     sid = cache.add_sequence()

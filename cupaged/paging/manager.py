@@ -48,7 +48,7 @@ from .lifecycle import Lifecycle
 from .planner import NO_SLOTS, Planner
 from .pool import BlockPool
 from .prefix import BlockHasher, PrefixCache, PrefixCacheStats, as_salt
-from .results import Admission, OneSlots, StepPlan
+from .results import Admission, OneSlots, StepPlan, StepStamp
 from .sequences import SequenceBatch, SequenceTable
 from .tokens import step_tokens, token_array, token_counts
 from .transaction import Transaction, atomic, run_atomically
@@ -426,9 +426,49 @@ class BlockManager:
         plan = StepPlan(self._on_device(slots), src, dst, counts, rows.size)
         plan.issuer = self._table
         if tables:
+            table = self._table
             plan.block_tables, plan.context_lens = self._tables(rows, sids)
-            plan.host_context_lens = self._table.lens[rows]
+            plan.host_context_lens = table.lens[rows]
+            batch = sids if isinstance(sids, SequenceBatch) else None
+            own_rows = rows if batch is None else rows.copy()  # (a batch's rows change in place)
+            plan.stamp = StepStamp(own_rows, table.sids[rows], batch, table.epoch)
         return plan
+
+    @atomic
+    def _step_tables(self, step: StepPlan) -> tuple[Any, Any]:
+        """A ``step(..., tables=True)`` plan's block tables and lengths, for the attention of
+        its step: refused once a later call changed its sequences (their lengths, residency, or
+        the batch's order), which would attend entries the window released since, or blocks
+        that went to others. A swap-out and swap-in (the lengths as they were) moves a
+        sequence's blocks: the tables then follow them.
+
+        Raises:
+            ValueError: a plan of another manager, one without tables, or a stale one.
+        """
+        table, stamp = self._table, step.stamp
+        if step.issuer is not table or stamp is None:
+            foreign = step.issuer is not None and step.issuer is not table
+            raise ValueError(
+                "expected a StepPlan of this cache made with step(..., tables=True), got "
+                + ("one of another cache" if foreign else "one without")
+            )
+        rows, batch = stamp.rows, stamp.batch
+        if (
+            np.count_nonzero(table.live[rows] != stamp.sids)
+            or np.count_nonzero(table.lens[rows] != step.host_context_lens)
+            or (batch is not None and not np.array_equal(batch.sids, stamp.sids))
+        ):
+            raise ValueError(
+                "expected the StepPlan of the latest step of its sequences, got a stale one: a "
+                "later call stepped, freed or swapped out some of them (or replaced them in its "
+                "batch); plan attention from the newest step"
+            )
+        if batch is not None:  # its device tables, refreshed where a later call changed a row
+            return batch.device_tables(), step.context_lens
+        if table.epoch != stamp.epoch:  # (a swap-out and in since may have moved blocks)
+            width = step.block_tables.shape[1]
+            return self._xp.asarray(table.tables[rows, :width]), step.context_lens
+        return step.block_tables, step.context_lens
 
     def _one_token(self, sid: int, tokens: Any) -> Any:
         """``step(sid)`` of one token in the sequence's own last block, without prefix caching

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -29,6 +29,23 @@ class OneSlots:
         return buffer[i : i + 1]
 
 
+class StepStamp(NamedTuple):
+    """What a ``step(..., tables=True)`` was made for, so that its plan is refused once stale.
+
+    Attributes:
+        rows: ``[len(batch)]`` intp: the sequences' rows in the issuer's table (a copy).
+        sids: ``[len(batch)]`` int64: their ids.
+        batch: the :class:`~cupaged.SequenceBatch` of the step (its device tables are the
+            plan's), or ``None`` for ids (the plan's tables are its own).
+        epoch: the table's epoch then (it moves when a sequence is freed or swapped out).
+    """
+
+    rows: np.ndarray
+    sids: np.ndarray
+    batch: Any
+    epoch: int
+
+
 class StepPlan:
     """What a step of the block manager planned: where to write, and which blocks to copy first.
 
@@ -47,6 +64,11 @@ class StepPlan:
         host_context_lens: the same lengths as a host array (with ``tables=True``).
         issuer: the sequence table of the manager that made the plan: a plan is used with that
             manager only (``PagedCache.prefill_plan`` refuses another's).
+        stamp: with ``tables=True``, the :class:`StepStamp` that ``PagedCache.decode_plan`` /
+            ``prefill_plan`` check the plan against: a plan whose sequences a later call changed
+            (a step, a free, a swap-out) is stale, and refused. For a :class:`SequenceBatch`,
+            ``block_tables`` is the batch's own array, refreshed in place by its next step:
+            read it before then.
     """
 
     __slots__ = (
@@ -60,6 +82,7 @@ class StepPlan:
         "host_context_lens",
         "issuer",
         "slots",
+        "stamp",
     )
 
     def __init__(
@@ -75,6 +98,7 @@ class StepPlan:
         self._counts, self._size, self.copies_applied = counts, size, copies_applied
         self.block_tables = self.context_lens = self.host_context_lens = None
         self.issuer: Any = None
+        self.stamp: StepStamp | None = None
 
     @property
     def window_left(self) -> int:
