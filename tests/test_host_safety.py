@@ -268,9 +268,9 @@ def test_a_step_plan_of_one_cache_is_refused_by_another_for_attention():
         b.prefill_plan(plan_a, 1)
     with pytest.raises(ValueError, match="StepPlan of this cache .* got one of another cache"):
         b.decode_plan(plan_a, 1)
+    assert a.prefill_plan(plan_a, 1).num_seqs == 1  # its own cache takes it
     with pytest.raises(ValueError, match="got one without"):
         a.prefill_plan(a.step([sa], 1), 1)
-    assert a.prefill_plan(plan_a, 1).num_seqs == 1
 
 
 def test_prefill_plan_of_ids_checks_its_counts():
