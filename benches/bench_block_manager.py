@@ -34,6 +34,7 @@ import time
 
 import numpy as np
 import pytest
+from timing import median_seconds
 
 from cupaged import BlockManager, PagedCache
 
@@ -87,20 +88,22 @@ def test_decode_step(benchmark, workload):
 
 def time_decode_rounds(benchmark, workload_class, workload: str, label: str = "") -> list:
     """W1's timing, shared with ``bench_vllm_block_pool.py``: 7 rounds, each a fresh
-    ``workload_class(prefix_caching, seed=round)`` whose ``run()`` is timed; returns the states."""
+    ``workload_class(prefix_caching, steps, seed=round)`` whose ``run()`` is timed; returns the
+    states. Run once as a test (benchmarks disabled), the workload is a tenth as long."""
     states = []
+    steps = W1_STEPS if benchmark.enabled else W1_STEPS // 10
 
     def setup():
-        state = workload_class(prefix_caching=workload == "W1b", seed=len(states))
+        state = workload_class(prefix_caching=workload == "W1b", steps=steps, seed=len(states))
         states.append(state)
         return (state,), {}
 
     benchmark.pedantic(lambda state: state.run(), setup=setup, rounds=7, iterations=1)
-    median = benchmark.stats.stats.median
+    median = median_seconds(benchmark)
     benchmark.extra_info.update(
         workload=f"{label}{workload}", batch=BATCH, block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS,
-        steps=W1_STEPS, us_per_step=round(median * 1e6 / W1_STEPS, 2),
-        us_per_sequence=round(median * 1e6 / W1_STEPS / BATCH, 3),
+        steps=steps, us_per_step=round(median * 1e6 / steps, 2),
+        us_per_sequence=round(median * 1e6 / steps / BATCH, 3),
     )  # fmt: skip
     return states
 
@@ -168,7 +171,7 @@ def test_decode_step_per_token(benchmark, api):
                 call(sid, 1)
 
     benchmark.pedantic(run, rounds=rounds, iterations=1)
-    median = benchmark.stats.stats.median
+    median = median_seconds(benchmark)
     benchmark.extra_info.update(
         workload=f"W1a per token ({api})", batch=BATCH, steps=steps,
         us_per_step=round(median * 1e6 / steps, 1),
@@ -207,7 +210,7 @@ def test_admission(benchmark, num_blocks):
     stats = managers[-1].prefix_cache_stats
     benchmark.extra_info.update(
         workload="W2seq", requests=requests, shared_tokens=512, unique_tokens=64,
-        num_blocks=num_blocks, us_per_request=round(benchmark.stats.stats.median * 1e6 / requests, 2),
+        num_blocks=num_blocks, us_per_request=round(median_seconds(benchmark) * 1e6 / requests, 2),
         hit_rate=round(stats.hit_rate, 4),
     )  # fmt: skip
     assert stats.hits == 32 * (requests - 1)  # every request after the first finds all 32
@@ -264,7 +267,7 @@ def test_beam_search(benchmark, mode, prefix_caching):
     assert copied == beams  # the root still holds the shared block: every beam copies it
     assert cache.num_free_blocks == cache.num_blocks
     cache.check_invariants()
-    median = benchmark.stats.stats.median
+    median = median_seconds(benchmark)
     benchmark.extra_info.update(
         workload=f"W3b {mode}{' prefix caching' if prefix_caching else ''}", context=1032,
         beams=beams, new_tokens=new_tokens,

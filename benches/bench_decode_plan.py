@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 from bandwidth import synchronized
 from bench_launch import device, per_call_us, replayed_launches
+from timing import repeats
 
 import cupaged
 from cupaged.dtypes import from_float
@@ -58,7 +59,8 @@ def test_decode_plan_host_cost(benchmark, xp, shape):
     )
     planning = synchronized(xp, lambda: cupaged.DecodePlan(tables, lens, k, heads, checked=False))
     calls = {"launches": launches, "run": run, "one_call": one_call, "plan": planning}
-    times = {name: per_call_us(fn, calls=200, rounds=7) for name, fn in calls.items()}
+    count, rounds = repeats(benchmark, 200), repeats(benchmark, 7)
+    times = {name: per_call_us(fn, calls=count, rounds=rounds) for name, fn in calls.items()}
     benchmark.extra_info.update(
         {f"{name}_us": round(t, 2) for name, t in times.items()}
         | {"run_overhead_us": round(times["run"] - times["launches"], 2)}

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import pytest
 from bandwidth import block_copy_bytes, gb_per_s, kv_write_bytes, synchronized
+from timing import median_seconds, repeats
 
 import cupaged
 from cupaged._checks import check_copy_pairs, check_decode_tables, check_slots
@@ -115,7 +116,7 @@ def test_copy_one_block(benchmark, xp, cache, checked):
         v[:, dst] = v[:, src]
 
     benchmark.pedantic(run, rounds=ROUNDS, iterations=CALLS_PER_ROUND, warmup_rounds=1)
-    us = benchmark.stats.stats.median * 1e6
+    us = median_seconds(benchmark) * 1e6
     floor = per_call_us(synchronized(xp, numpy_copy))
     block_bytes = int(np.prod(CACHES[cache][2:])) * 2
     benchmark.extra_info.update(
@@ -160,7 +161,7 @@ def test_many_blocks_or_tokens(benchmark, xp, heads, op, count):
         what = f"{tokens} tokens"
     calls = max(2, 2000 // count)
     benchmark.pedantic(call, rounds=7, iterations=calls, warmup_rounds=1)
-    us = benchmark.stats.stats.median * 1e6
+    us = median_seconds(benchmark) * 1e6
     benchmark.extra_info.update(
         op=op, workload=what, us_per_call=round(us, 1),
         gb_per_s=round(gb_per_s(moved, us / 1e6), 2),
@@ -224,12 +225,15 @@ def test_check_cost(benchmark, xp, op):
     call, check, what = CASES[op](xp)
     checked = synchronized(xp, lambda: call(True))
     unchecked = synchronized(xp, lambda: call(False))
-    calls = 10 if op == "paged_attention" else 200
+    calls = repeats(benchmark, 10 if op == "paged_attention" else 200)
     benchmark.pedantic(checked, rounds=3, iterations=calls, warmup_rounds=1)
-    pairs = [(per_call_us(checked, calls, 1), per_call_us(unchecked, calls, 1)) for _ in range(7)]
+    pairs = [
+        (per_call_us(checked, calls, 1), per_call_us(unchecked, calls, 1))
+        for _ in range(repeats(benchmark, 7))
+    ]
     checked_us = statistics.median(c for c, _ in pairs)
     unchecked_us = statistics.median(u for _, u in pairs)
-    check_only_us = per_call_us(synchronized(xp, check), 200)
+    check_only_us = per_call_us(synchronized(xp, check), repeats(benchmark, 200))
     benchmark.extra_info.update(
         op=op, workload=what, checked_us=round(checked_us, 2), unchecked_us=round(unchecked_us, 2),
         difference_us=round(checked_us - unchecked_us, 2), check_only_us=round(check_only_us, 2),

@@ -28,6 +28,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from bandwidth import gb_per_s, prefill_attention_bytes, prefill_attention_flops, synchronized
+from timing import median_seconds, repeats
 
 import cupaged
 from cupaged import _launch, from_float, to_float
@@ -208,7 +209,7 @@ def test_prefill(benchmark, xp, on_gpu, impl, workload, dtype):
         context_lens, counts, NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, dtype
     )
     flops = prefill_attention_flops(context_lens, counts, NUM_Q_HEADS, HEAD_DIM)
-    seconds = benchmark.stats.stats.median
+    seconds = median_seconds(benchmark)
     benchmark.extra_info.update(
         impl=impl,
         workload=workload,
@@ -271,8 +272,9 @@ def test_prefill_plan_host_cost(benchmark, xp, shape):
         xp, lambda: cupaged.PrefillPlan(tables, lens, starts, k, heads, checked=False)
     )
     calls = {"launches": synchronized(xp, bare), "run": run, "one_call": one_call}
-    times = {name: per_call_us(fn, calls=100, rounds=7) for name, fn in calls.items()}
-    times["plan"] = per_call_us(planning, calls=100, rounds=7)
+    count, rounds = repeats(benchmark, 100), repeats(benchmark, 7)
+    times = {name: per_call_us(fn, calls=count, rounds=rounds) for name, fn in calls.items()}
+    times["plan"] = per_call_us(planning, calls=count, rounds=rounds)
     benchmark.extra_info.update(
         {f"{name}_us": round(t, 2) for name, t in times.items()}
         | {"run_overhead_us": round(times["run"] - times["launches"], 2)}

@@ -1,10 +1,13 @@
-"""`pytest --benchmark-only` from the root runs benches/, a bare `pytest` runs tests/ only, and the
-benchmark table names every axis and keeps to a readable set of columns."""
+"""`pytest --benchmark-only` from the root runs benches/, a bare `pytest` runs tests/ only, the
+benchmark table names every axis and keeps to a readable set of columns, and CI runs every
+benchmark once."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -74,3 +77,34 @@ def test_the_readme_gives_the_command_and_a_sample_table_in_the_default_layout()
         "reference",
         "contiguous",
     }
+
+
+def ci_benchmark_command() -> list[str]:
+    """The command of ``.ci/run`` that runs the benchmarks as tests, as its words."""
+    lines = [
+        line
+        for line in (ROOT / ".ci" / "run").read_text().splitlines()
+        if line.startswith(".venv/bin/pytest") and "--benchmark-disable" in line
+    ]
+    assert len(lines) == 1, f"expected one benchmark run in .ci/run, got {lines}"
+    return shlex.split(lines[0])
+
+
+def missing_imports(path: Path) -> list[str]:
+    """The modules that ``path`` imports with ``pytest.importorskip`` and that are not installed
+    here (vLLM, say): a file skipped at collection for them is not lost."""
+    names = re.findall(r"importorskip\(\s*\"([\w.]+)\"", path.read_text())
+    return [name for name in names if importlib.util.find_spec(name.split(".")[0]) is None]
+
+
+def test_ci_runs_every_benchmark_file_once_after_the_tests():
+    ci = (ROOT / ".ci" / "run").read_text()
+    command = ci_benchmark_command()
+    assert ci.index(".venv/bin/pytest -q") < ci.index(shlex.join(command))  # after the tests
+    assert "benches" in command and "--benchmark-disable" in command
+    result = pytest_at_root(*command[1:], "--collect-only")
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    files = {node.split("::")[0] for node in collected(result)}
+    for path in sorted((ROOT / "benches").glob("bench_*.py")):
+        name = f"benches/{path.name}"
+        assert name in files or missing_imports(path), f"expected CI to run {name}, got {files}"
