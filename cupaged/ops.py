@@ -47,7 +47,7 @@ from ._kernels import get_kernel
 from ._scales import kv_scale_args
 from ._variants import check_sinks
 from .decode import DecodePlan, fp8_query_dtype
-from .dtypes import Q_DTYPE_NAMES, as_storage, is_fp8
+from .dtypes import Q_DTYPE_NAMES, as_storage, dtype_name, is_fp8
 from .prefill import PrefillPlan, check_batch_arrays
 
 
@@ -147,6 +147,8 @@ def _checked_shapes(
     once per combination of the arrays' shapes and dtypes and ``kv_dtype`` and then remembered in
     ``memo`` (bounded: cleared when full): a step repeats the same combination, and the checks
     cost as much as a small launch. A failing check raises on every call."""
+    if kv_dtype is not None and type(kv_dtype) is not str:
+        kv_dtype = dtype_name(kv_dtype)  # hashable, and a list is refused by name, not hashed
     key = (kv_dtype, *map(_shape_and_dtype, arrays))
     shapes = memo.get(key)
     if shapes is None:

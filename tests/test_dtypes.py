@@ -8,6 +8,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+import cupaged
 from cupaged.dtypes import (
     C_TYPES,
     DTYPE_NAMES,
@@ -174,3 +175,28 @@ def test_device_helpers():
         cupaged.resolve_device("tpu")
     x = np.arange(3)
     assert cupaged.to_numpy(x) is x or np.shares_memory(cupaged.to_numpy(x), x)
+
+
+@pytest.mark.parametrize(
+    "kv_dtype", [["float8_e4m3"], {"fp8": 1}, np.zeros(3)], ids=["list", "dict", "array"]
+)
+def test_a_kv_dtype_that_names_nothing_is_refused_by_every_function(kv_dtype):
+    """``kv_dtype=[...]`` is the dtype refusal (the accepted names), not "unhashable type"."""
+    cache = np.zeros((4, 2, 16, 64), np.uint8)
+    k = np.zeros((3, 2, 64), np.float32)
+    q = np.zeros((1, 2, 64), np.float32)
+    tables, lens = np.array([[0]], np.int32), np.array([3], np.int32)
+    pair = np.array([0], np.int32), np.array([1], np.int32)
+    calls = [
+        lambda: cupaged.write_kv(cache, cache.copy(), k, k, np.arange(3, dtype=np.int32),
+                                 kv_dtype=kv_dtype),
+        lambda: cupaged.copy_blocks(cache, cache.copy(), *pair, kv_dtype=kv_dtype),
+        lambda: cupaged.paged_attention(q, cache, cache, tables, lens, kv_dtype=kv_dtype),
+        lambda: cupaged.reference_attention(q, cache, cache, tables, lens, kv_dtype=kv_dtype),
+        lambda: cupaged.to_float(cache, kv_dtype=kv_dtype),
+    ]  # fmt: skip
+    before = cache.copy()
+    for call in calls:
+        with pytest.raises(TypeError, match=r"^expected dtype one of \('float32', "):
+            call()
+    np.testing.assert_array_equal(cache, before)
