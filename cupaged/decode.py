@@ -446,7 +446,7 @@ class DecodePlan:
                 attention sinks: ``exp(sinks[h] - m)`` joins each row's softmax denominator
                 (never its numerator); a context of length 0 still gets a zero row.
             out: optional ``[num_seqs, num_q_heads, head_dim]`` C-contiguous output, ``q``'s
-                dtype.
+                dtype: ``q`` itself (in place) or memory that does not overlap ``q``.
             k_scale, v_scale: an fp8 cache's scales (the module docstring); ``None``, 1.0.
             kv_dtype: ``None``, or the plan's fp8 format, checked: an fp8 plan reads ``uint8``
                 caches in its own format, and a PyTorch fp8 tensor's dtype fills this in.
@@ -456,7 +456,8 @@ class DecodePlan:
 
         Raises:
             TypeError, ValueError: arguments unlike the plan's (a ``kv_dtype`` naming another
-                format included), bad sinks or scales (nothing runs).
+                format included), an ``out`` that overlaps ``q`` without being ``q``, bad sinks
+                or scales (nothing runs).
         """
         if kv_dtype is not None:
             self._arrays.check_kv_dtype(kv_dtype)

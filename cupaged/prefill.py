@@ -353,7 +353,7 @@ class PrefillPlan:
                 cache's device: a learned logit per query head in each row's softmax
                 denominator only (gpt-oss). The first run with sinks loads their kernels.
             out: optional ``[total_query_tokens, num_q_heads, head_dim]`` C-contiguous output,
-                ``q``'s dtype.
+                ``q``'s dtype: ``q`` itself (in place) or memory that does not overlap ``q``.
             kv_dtype: ``None``, or the plan's fp8 format, checked: an fp8 plan reads ``uint8``
                 caches in its own format, and a PyTorch fp8 tensor's dtype fills this in.
 
@@ -362,7 +362,8 @@ class PrefillPlan:
 
         Raises:
             TypeError, ValueError: an argument that does not match the plan (a ``kv_dtype``
-                naming another format included), sinks not a float32 ``[num_q_heads]`` array
+                naming another format included), an ``out`` that overlaps ``q`` without being
+                ``q``, sinks not a float32 ``[num_q_heads]`` array
                 of the plan's device, or a bad scale (not positive and finite, of the wrong
                 shape, dtype or device; any scale for a cache that is not fp8): nothing is run.
         """
