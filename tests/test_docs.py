@@ -135,12 +135,6 @@ def test_index_page_code_blocks_fit_a_1280_pixel_window():
 # (46 - 1.75) / (0.8125 * 0.6) = 90.8 characters, the rest of a longer line scrolled out of sight
 # (a trailing comment cut off). 88 leaves room for wider fonts.
 CODE_COLUMNS = 88
-# Pages whose code blocks still run past the column; a page leaves this set in the change that
-# wraps its blocks (the test fails for a listed page that fits, so the set only shrinks).
-WIDE_PAGES = {
-    "benchmarks.md", "concepts.md", "cpu_backend.md", "fp8.md", "interop.md", "layout.md",
-    "model.md", "prefill.md", "quickstart.md", "safety.md", "variants.md",
-}  # fmt: skip
 FENCE = re.compile(r"^[ \t]*(`{3,}|~{3,})")
 
 
@@ -169,10 +163,7 @@ def test_fenced_lines_are_every_line_between_the_fences(tmp_path):
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
 def test_code_blocks_fit_the_text_column(page):
     wide = [(n, len(line)) for n, line in fenced_lines(page) if len(line) > CODE_COLUMNS]
-    if page.name in WIDE_PAGES:
-        assert wide, f"expected {page.name} out of WIDE_PAGES: its code blocks fit now"
-    else:
-        assert not wide, (
-            f"expected code lines of at most {CODE_COLUMNS} characters in {page.name}, got "
-            f"(line, length) {wide}"
-        )
+    assert not wide, (
+        f"expected code lines of at most {CODE_COLUMNS} characters in {page.name}, got "
+        f"(line, length) {wide}"
+    )
