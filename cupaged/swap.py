@@ -176,8 +176,9 @@ class DeferredCopies:
     may hold another sequence's written tokens (or a cached prefix), which a copy would
     overwrite.
 
-    Each pair left to apply holds one reference to its source block (``refcount`` counts it),
-    so that the block keeps the bytes the copy must read whatever happens before it is applied:
+    Each pair left to apply holds one reference to its source block (``pool.hold``: a reference
+    that is no sharer, so the block's table holder still writes in place), so that the block
+    keeps the bytes the copy must read whatever happens before it is applied:
     the sequences that share it freed, swapped out or moved past it by their window, its block
     can go to no other sequence. The hold goes when the pair is applied, or when the sequence
     it copies for is freed (the copy is moot then). A sequence with a copy left to apply is
@@ -223,9 +224,9 @@ class DeferredCopies:
         left.update(found)
         first = src.item(0)
         if not np.count_nonzero(src != first):  # mostly: one source (forks of one sequence)
-            self.pool.add_refs(first, src.size)
+            self.pool.hold(first, src.size)
         else:
-            self.pool.add_refs(*grouped(src.astype(np.intp)))
+            self.pool.hold(*grouped(src.astype(np.intp)))
         if stale:
             self.let_go(stale)
 
@@ -288,7 +289,7 @@ class DeferredCopies:
         """Drop the holds of applied pairs' sources (a source no sequence holds any more goes
         back to the pool)."""
         if src:
-            self.pool.release(np.array(src, np.intp), repeats=True)
+            self.pool.let_go(np.array(src, np.intp))
 
     def forget(self, sids: list[int]) -> None:
         """Drop the pairs left for sequences about to be freed, and their holds."""

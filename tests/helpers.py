@@ -468,7 +468,10 @@ def inner_calls() -> list[tuple[object, str]]:
     from cupaged.swap import DeferredCopies, Swapper
 
     return [
-        *_named(pool.BlockPool, "take release acquire_unchecked add_refs allocate _park _evict"),
+        *_named(
+            pool.BlockPool,
+            "take release acquire_unchecked add_refs hold let_go allocate _park _evict",
+        ),
         *_named(keys.KeyMap, "register_many drop"),
         *_named(lru.EvictionQueue, "push revive drop"),
         *_named(
@@ -496,7 +499,9 @@ def undo_calls() -> list[tuple[object, str]]:
     from cupaged.swap import DeferredCopies, Swapper
 
     return [
-        *_named(pool.BlockPool, "_restore_refs _restore_stack _restore_evicted _free_lost"),
+        *_named(
+            pool.BlockPool, "_restore_refs _restore_held _restore_stack _restore_evicted _free_lost"
+        ),
         *_named(keys.KeyMap, "_unregister restore"),
         *_named(lru.EvictionQueue, "_restore _restore_queue restore_dropped"),
         *_named(sequences.SequenceTable, "restore put unacquire restore_row touch_all"),

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import assert_close, poison
+from helpers import assert_close, internals, poison
 
-from cupaged import CupagedError, PagedCache, reference_attention
+from cupaged import CupagedError, PagedCache, reference_attention, write_kv
 
 BS, LAYERS, HEADS, HEAD_DIM = 4, 2, 1, 64
 
@@ -35,6 +35,12 @@ def kv(rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 # ------------------------------------------------------------------------------ copies left
+
+
+def references(cache, block: int) -> int:
+    """All of ``block``'s references: its sequences' (``cache.refcount``) and the holds of
+    copies left to apply."""
+    return int(internals(cache).refcount[block])
 
 
 def forked_with_a_copy_left(rng):
@@ -58,7 +64,7 @@ def test_a_copy_left_to_apply_keeps_its_source_when_every_sharer_lets_it_go(rng,
     cache, parent, child, plan, (k, v) = forked_with_a_copy_left(rng)
     src = plan.copy_src.item(0)
     getattr(cache, letting_go)(parent)
-    assert cache.refcount(src) == 1  # held by the pair alone
+    assert cache.refcount(src) == 0 and references(cache, src) == 1  # held by the pair alone
     cache.check_invariants()
     other = cache.add_sequence()
     cache.append(other, *kv(rng, 3 * BS))  # takes every block it can, LIFO: src was on top
@@ -67,7 +73,7 @@ def test_a_copy_left_to_apply_keeps_its_source_when_every_sharer_lets_it_go(rng,
     k_child, v_child = cache.gather_kv(child)
     assert_close(k_child[:, :6], k, "float32")
     assert_close(v_child[:, :6], v, "float32")
-    assert cache.refcount(src) == 0  # applied: the hold went, the source is back in the pool
+    assert references(cache, src) == 0  # applied: the hold went, the source is back in the pool
     assert cache.num_free_blocks == cache.num_blocks - 2 - 3  # the child's 2, the other's 3
     cache.check_invariants()
 
@@ -80,24 +86,25 @@ def test_pending_copies_lists_what_is_left_and_applies_it(rng):
     assert src.dtype == dst.dtype == np.int32
     assert src.tolist() == [*plan.copy_src.tolist(), *later.copy_src.tolist()]
     assert dst.tolist() == [*plan.copy_dst.tolist(), *later.copy_dst.tolist()]
-    assert cache.refcount(src.item(0)) == 1 + 2  # the parent and the two pairs
+    assert cache.refcount(src.item(0)) == 1  # the parent
+    assert references(cache, src.item(0)) == 1 + 2  # the parent and the two pairs
     cache.apply_copies(*cache.pending_copies())
     for sid in (child, sibling):
         k_got, v_got = cache.gather_kv(sid)
         assert_close(k_got[:, :6], k, "float32")
         assert_close(v_got[:, :6], v, "float32")
     assert [a.size for a in cache.pending_copies()] == [0, 0]
-    assert cache.refcount(src.item(0)) == 1
+    assert cache.refcount(src.item(0)) == references(cache, src.item(0)) == 1
     cache.check_invariants()
 
 
 def test_freeing_the_sequence_a_copy_was_left_for_drops_the_copy_and_its_hold(rng):
     cache, parent, child, plan, _ = forked_with_a_copy_left(rng)
     src = plan.copy_src.item(0)
-    assert cache.refcount(src) == 2
+    assert (cache.refcount(src), references(cache, src)) == (1, 2)  # the parent, the pair
     cache.free(child)
     assert [a.size for a in cache.pending_copies()] == [0, 0]
-    assert cache.refcount(src) == 1
+    assert cache.refcount(src) == references(cache, src) == 1
     cache.free(parent)
     assert cache.num_free_blocks == cache.num_blocks
     cache.check_invariants()
@@ -132,13 +139,13 @@ def test_a_destination_that_comes_back_to_a_new_copy_drops_the_old_pairs_hold(rn
     cache.free(parent)
     cache.step([child], 9)
     cache.step([child], 1)  # its window starts past the destination: released
-    assert cache.block_table(child)[1] == -1 and cache.refcount(src) == 1
+    assert cache.block_table(child)[1] == -1 and references(cache, src) == 1
     assert [a.size for a in cache.pending_copies()] == [0, 0]  # no longer applicable
     cache.check_invariants()
     grandchild = cache.fork(child)
     second = cache.step([grandchild], 1, apply_copies=False)
     assert second.copy_dst.tolist() == [dst]  # the block came back as a destination
-    assert cache.refcount(src) == 0  # the old pair's hold went: src is free
+    assert references(cache, src) == 0  # the old pair's hold went: src is free
     src_now, dst_now = cache.pending_copies()
     assert (src_now.tolist(), dst_now.tolist()) == (second.copy_src.tolist(), [dst])
     cache.check_invariants()
@@ -237,3 +244,27 @@ def test_a_step_plan_follows_blocks_that_a_swap_moved(rng, as_batch):
     assert not set(old) & set(cache.block_table(sids[0]))
     out, expected = attend(cache, plan, rng, cache.block_tables(sids))
     assert_close(out, expected, "float32")
+
+
+def test_a_block_held_for_a_copy_is_written_in_place_by_its_one_sequence(rng):
+    """A hold is no sharer: after a step of a parent and its fork left the parent's copy to
+    the caller, the fork (now the source block's one sequence) writes its next token in place
+    at the next step; both steps' K/V, written after the copies are applied, read back."""
+    cache = make()
+    parent = cache.add_sequence()
+    k, v = kv(rng, 6)
+    cache.append(parent, k, v)
+    child = cache.fork(parent)
+    first = cache.step([parent, child], 1, apply_copies=False)
+    second = cache.step([child], 1, apply_copies=False)
+    assert second.copy_src.size == 0  # nothing shared: no second copy
+    cache.apply_copies(*cache.pending_copies())
+    tokens = [kv(rng, 2), kv(rng, 1)]  # the first step's (parent, child), the second's (child)
+    for plan, (k_new, v_new) in zip((first, second), tokens, strict=True):
+        for layer in range(LAYERS):
+            write_kv(cache.k[layer], cache.v[layer], k_new[layer], v_new[layer], plan.slots)
+    k_child, _ = cache.gather_kv(child)
+    assert_close(k_child[:, :6], k, "float32")
+    assert_close(k_child[:, 6], tokens[0][0][:, 1], "float32")
+    assert_close(k_child[:, 7], tokens[1][0][:, 0], "float32")
+    cache.check_invariants()

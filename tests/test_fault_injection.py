@@ -495,7 +495,8 @@ def with_copies_left_and_their_source_freed():
     pair's hold is its last reference, and applying the copy lets the block go to the pool."""
     cache, (pairs, ids) = with_copies_left_and_ids()
     cache.free(ids["a"])
-    assert cache.refcount(pairs[0].item(0)) == 1  # held by the pair alone
+    src = pairs[0].item(0)
+    assert cache.refcount(src) == 0 and internals(cache).refcount[src] == 1  # the pair's hold
     return cache, (pairs, ids)
 
 

@@ -212,8 +212,9 @@ class BlockManager:
 
     def refcount(self, block: int) -> int:
         """Number of sequences whose table references physical block ``block`` (a released
-        entry, ``-1``, is no block: ``ValueError``)."""
-        return self._pool.refcount(block)
+        entry, ``-1``, is no block: ``ValueError``); a copy left to apply that reads it is no
+        sequence (``PagedCache.pending_copies``)."""
+        return self._pool.refcount(block) - int(self._pool.held_refs[block])
 
     # ----------------------------------------------------------------------------- lifecycle
 

@@ -125,6 +125,7 @@ class Planner:
         """:meth:`plan` row by row in scalar arithmetic: one sequence or a small batch."""
         table, bs, pool, chains = self.table, self.block_size, self.pool, self.chains
         refcount, lens, tables = pool.refcounts, table.lens, table.tables
+        holds = pool.held_refs if pool.num_held else None  # references that share nothing
         plans = []
         released: dict[int, int] = {}  # copy-on-write references that earlier rows drop
         total = widest = 0
@@ -134,7 +135,8 @@ class Planner:
             copy = last = 0
             if n and length % bs:
                 last = tables.item(row, held - 1)
-                if refcount.item(last) - released.get(last, 0) > 1:  # another holder stays: copy
+                sharers = refcount.item(last) - (0 if holds is None else holds.item(last))
+                if sharers - released.get(last, 0) > 1:  # another holder stays: copy
                     copy, released[last] = 1, released.get(last, 0) + 1
             plans.append((row, n, length, held, after, copy, last))
             total += after - held + copy
@@ -396,6 +398,8 @@ class Planner:
         if not partial.size:
             return None
         table, refcount = self.table, self.pool.refcounts
+        if self.pool.num_held:  # copies still to read some blocks hold references: no sharers
+            refcount = refcount - self.pool.held_refs
         last = table.flat[rows[partial] * table.width + held[partial] - 1]
         refs = refcount[last]
         shared = refs > 1

@@ -115,6 +115,13 @@ class BlockPool:
         self._refcount = np.zeros(num_blocks, np.int32)
         self._refcount_view = self._refcount.view()
         self._refcount_view.flags.writeable = False
+        # Of those references, the ones held for copies still to read a block (:meth:`hold`):
+        # they keep it from the pool as a table's do, but share nothing, so the copy-on-write
+        # test leaves them out (:attr:`held_refs`): a block's one table holder writes in place.
+        self._held = np.zeros(num_blocks, np.int32)
+        self._held_view = self._held.view()
+        self._held_view.flags.writeable = False
+        self.num_held = 0  # their total: while 0, nothing needs leaving out
         # release's scratch: for each block, the position of its last entry in a call,
         # numbered on across calls (so that what earlier calls left is always smaller).
         self._last_entry = np.full(num_blocks, -1, np.int64)
@@ -154,6 +161,12 @@ class BlockPool:
     def refcounts(self) -> np.ndarray:
         """``[num_blocks]`` int32, read-only and live: each block's references."""
         return self._refcount_view
+
+    @property
+    def held_refs(self) -> np.ndarray:
+        """``[num_blocks]`` int32, read-only and live: each block's references that
+        :meth:`hold` took (part of :attr:`refcounts`; a block's sharers are the rest)."""
+        return self._held_view
 
     def refcount(self, block: int) -> int:
         """Number of references to ``block`` (0 when it is free or evictable)."""
@@ -336,6 +349,24 @@ class BlockPool:
         self._log.append((self._restore_refs, blocks, self._refcount[blocks]))
         self._refcount[blocks] += delta
 
+    def hold(self, blocks: np.ndarray | int, counts: np.ndarray | int) -> None:
+        """Hold ``counts`` (or ``counts[i]``) references to each of ``blocks`` (distinct ids in
+        use, unchecked; or one id) for copies still to read them: the blocks stay out of the pool
+        until :meth:`let_go`, but the holds are no sharers (:attr:`held_refs`)."""
+        self._log.append((self._restore_held, blocks, self._held[blocks], self.num_held))
+        self._held[blocks] += counts
+        self.num_held += int(counts) if isinstance(counts, (int, np.integer)) else int(counts.sum())
+        self.add_refs(blocks, counts)
+
+    def let_go(self, blocks: np.ndarray) -> None:
+        """Drop one hold per entry of ``blocks`` (ids may repeat); a block left without any
+        reference goes back to the pool, as :meth:`release` says."""
+        blocks = np.array(blocks, np.intp)
+        self._log.append((self._restore_held, blocks, self._held[blocks], self.num_held))
+        np.subtract.at(self._held, blocks, _ONE)
+        self.num_held -= blocks.size
+        self.release(blocks, repeats=blocks.size > 1)
+
     # ------------------------------------------------------------------------------ checking
 
     def check_invariants(self, references: Mapping[int, int] | None = None) -> None:
@@ -423,6 +454,10 @@ class BlockPool:
 
     def _restore_refs(self, blocks: Any, held: Any) -> None:
         self._refcount[blocks] = held
+
+    def _restore_held(self, blocks: Any, held: Any, num_held: int) -> None:
+        self._held[blocks] = held
+        self.num_held = num_held
 
     def _restore_stack(self, top: int, stacked: np.ndarray, blocks: np.ndarray, held: Any) -> None:
         """The stack as it was below ``top`` (``stacked`` were its top entries, top last), and
