@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import seed_of
+from helpers import seed_of, the_work
 
 
 def pytest_configure(config):
@@ -42,6 +42,17 @@ def pytest_runtest_makereport(item, call):
                     ("rng", f"rng seeded with {seed}: numpy.random.default_rng({seed})")
                 )
     return report
+
+
+@pytest.fixture
+def no_work(monkeypatch):
+    """Loading a model or setting up a demo fails the test: a command line that must stop
+    before the work."""
+    import cupaged.demo
+    import cupaged.models
+
+    monkeypatch.setattr(cupaged.models, "load_model", the_work)
+    monkeypatch.setattr(cupaged.demo, "Demo", the_work)
 
 
 def _cupy_with_gpu():

@@ -54,6 +54,31 @@ def host_float64(x) -> np.ndarray:
     return to_numpy(x if x.dtype == np.float64 else to_float(x, np.float64))
 
 
+def the_work(*args, **kwargs):
+    """Stands for a command's work (a model load, a demo) that must not start."""
+    raise AssertionError("expected the command to stop before the work, but the work started")
+
+
+def run_main(argv: list[str], capsys) -> tuple[int, str]:
+    """``cupaged argv`` in this process: its exit status and its one line of stderr (no
+    traceback; Ctrl-C must have become a status)."""
+    import pytest
+
+    from cupaged.__main__ import main
+
+    try:
+        status = main(argv)
+    except SystemExit as exit_info:  # the parsers' refusals
+        status = exit_info.code
+    except KeyboardInterrupt:  # pytest would stop the whole session on it
+        pytest.fail("expected main to turn Ctrl-C into a status, got KeyboardInterrupt")
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, f"expected one line on stderr, got {lines}"
+    return status, lines[0]
+
+
 def torch_devices(torch) -> list:
     """The devices of a PyTorch test's ``device`` parameter: ``"cpu"``, and ``"cuda"`` marked
     ``gpu`` and skipped unless both CuPy and PyTorch see a CUDA GPU."""

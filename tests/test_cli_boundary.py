@@ -19,6 +19,7 @@ import sys
 
 import numpy as np
 import pytest
+from helpers import run_main
 from rich.console import Console
 
 import cupaged.demo
@@ -31,32 +32,6 @@ from cupaged.demo.real import PROMPTS
 
 GENERATE = ["generate", "--model", "smollm2", "--device", "cpu"]
 DEMO = ["demo", "--device", "cpu"]
-
-
-def the_work(*args, **kwargs):
-    raise AssertionError("expected the command to stop before the work, but the work started")
-
-
-@pytest.fixture
-def no_work(monkeypatch):
-    """Loading a model or setting up a demo fails the test."""
-    monkeypatch.setattr(cupaged.models, "load_model", the_work)
-    monkeypatch.setattr(cupaged.demo, "Demo", the_work)
-
-
-def run_main(argv: list[str], capsys) -> tuple[int, str]:
-    """``cupaged argv`` in this process: its exit status and its one line of stderr."""
-    try:
-        status = main(argv)
-    except SystemExit as exit_info:  # the parsers' refusals
-        status = exit_info.code
-    except KeyboardInterrupt:  # pytest would stop the whole session on it
-        pytest.fail("expected main to turn Ctrl-C into a status, got KeyboardInterrupt")
-    err = capsys.readouterr().err
-    assert "Traceback" not in err, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, f"expected one line on stderr, got {lines}"
-    return status, lines[0]
 
 
 # ------------------------------------------------------------------------- output files

@@ -16,40 +16,16 @@ import time
 
 import numpy as np
 import pytest
+from helpers import run_main, the_work
 
 import cupaged.demo
 import cupaged.models
 import cupaged.models.cli
 from cupaged import CupagedError
-from cupaged.__main__ import main
 from cupaged.demo.model import ModelConfig, TinyDecoder, WeightsError, weight_shapes
 
 GENERATE = ["generate", "--model", "smollm2", "--device", "cpu"]
 NOT_UTF8 = os.fsdecode(b"\xff\xfe")  # what Python makes of argv bytes that are not UTF-8
-
-
-def the_work(*args, **kwargs):
-    raise AssertionError("expected the command to stop before the work, but the work started")
-
-
-@pytest.fixture
-def no_work(monkeypatch):
-    """Loading a model or setting up a demo fails the test."""
-    monkeypatch.setattr(cupaged.models, "load_model", the_work)
-    monkeypatch.setattr(cupaged.demo, "Demo", the_work)
-
-
-def run_main(argv: list[str], capsys) -> tuple[int, str]:
-    """``cupaged argv`` in this process: its exit status and its one line of stderr."""
-    try:
-        status = main(argv)
-    except SystemExit as exit_info:  # argparse's errors
-        status = exit_info.code
-    err = capsys.readouterr().err
-    assert "Traceback" not in err, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, f"expected one line on stderr, got {lines}"
-    return status, lines[0]
 
 
 # ---------------------------------------------------------------------------------- generate
