@@ -20,6 +20,7 @@ the walk: interrupted once the step is done, the plan is lost, and the pairs are
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import sys
 import threading
@@ -320,6 +321,24 @@ def at_source(function_name: str, source: str, action):
     return call, fired
 
 
+@contextlib.contextmanager
+def interrupted_at(function_name: str, source: str):
+    """Inside, Ctrl-C (``KeyboardInterrupt``) arrives once, just before the line ``source`` of
+    ``function_name`` runs; the block must raise it, and it must have arrived."""
+
+    def interrupt():
+        raise KeyboardInterrupt
+
+    trace, fired = at_source(function_name, source, interrupt)
+    sys.settrace(trace)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            yield
+    finally:
+        sys.settrace(None)
+    assert fired
+
+
 def test_a_handler_calling_in_during_the_one_token_fast_path_is_refused():
     from cupaged import BlockManager
 
@@ -423,17 +442,8 @@ def test_an_interrupt_inside_batch_replace_never_lets_a_duplicate_in():
         m.step(sid, 3)
     batch = m.batch(s[:2])
 
-    def boom():
-        raise KeyboardInterrupt
-
-    trace, fired = at_source("replace", "self._sids[position] = sid", boom)
-    sys.settrace(trace)
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            batch.replace(0, s[2])
-    finally:
-        sys.settrace(None)
-    assert fired
+    with interrupted_at("replace", "self._sids[position] = sid"):
+        batch.replace(0, s[2])
     ids = batch.sids.tolist()
     for sid in ids:  # whatever the batch holds now, a second copy of one is refused
         with pytest.raises(ValueError, match="twice in the batch"):
@@ -454,17 +464,8 @@ def test_an_interrupt_just_after_a_deferred_step_commits_leaves_its_pairs_to_lea
     c.append(parent, k, v)
     child = c.fork(parent)
 
-    def interrupt():
-        raise KeyboardInterrupt
-
-    trace, fired = at_source("run_atomically", "transaction.leave()", interrupt)
-    sys.settrace(trace)
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            c.step([child], 1, apply_copies=False)
-    finally:
-        sys.settrace(None)
-    assert fired
+    with interrupted_at("run_atomically", "transaction.leave()"):
+        c.step([child], 1, apply_copies=False)
     assert c.seq_len(child) == 7  # the step was done
     src, dst = c.pending_copies()
     assert src.tolist() == [c.block_table(parent)[1]]
