@@ -30,7 +30,7 @@ from bandwidth import block_copy_bytes, gb_per_s, kv_write_bytes, synchronized
 from timing import median_seconds, repeats
 
 import cupaged
-from cupaged._checks import check_copy_pairs, check_decode_tables, check_slots
+from cupaged._arrays.checks import check_copy_pairs, check_decode_tables, check_slots
 from cupaged.dtypes import from_float
 
 # (num_layers, num_blocks, num_kv_heads, block_size, head_dim): the block manager benchmark's cache
@@ -127,7 +127,7 @@ def test_copy_one_block(benchmark, xp, cache, checked):
 
 
 # Copies and writes of many blocks or tokens: where the CPU backend's helper threads start to pay
-# (cupaged/_cpu/threads.py, stride_workers). Blocks of 2 KiB (one head of 64) and 32 KiB (8 of 128).
+# (cupaged/kernels/cpu/threads.py, stride_workers). Blocks of 2 KiB (one head of 64) and 32 KiB (8 of 128).
 SIZES = {"small_blocks": (1, 64), "gqa_blocks": (8, 128)}
 
 

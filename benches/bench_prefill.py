@@ -31,8 +31,9 @@ from bandwidth import gb_per_s, prefill_attention_bytes, prefill_attention_flops
 from timing import median_seconds, repeats
 
 import cupaged
-from cupaged import _launch, from_float, to_float
-from cupaged._attention import sm_count
+from cupaged import from_float, to_float
+from cupaged.attention.layer import sm_count
+from cupaged.kernels import launch as _launch
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 8, 2, 128, 16
 ON_GPU = cupaged.resolve_device(None) == "cuda"

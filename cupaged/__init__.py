@@ -19,21 +19,21 @@ Public names::
 
 from __future__ import annotations
 
-from ._backend import device_module, resolve_device, to_numpy
-from .cache import PagedCache
-from .decode import DecodePlan
+from .attention.decode import DecodePlan
+from .attention.ops import copy_blocks, paged_attention, paged_prefill, write_kv
+from .attention.page_table import from_csr, to_csr
+from .attention.prefill import PrefillPlan
+from .attention.reference import reference_attention, reference_prefill
+from .backend import device_module, resolve_device, to_numpy
+from .cache.paged_cache import PagedCache
+from .cache.spec import CacheSpec
 from .dtypes import from_float, to_float
 from .errors import CupagedError, KernelError, OutOfBlocksError
-from .memory import CacheSpec
-from .ops import copy_blocks, paged_attention, paged_prefill, write_kv
-from .page_table import from_csr, to_csr
 from .paging.manager import BlockManager
 from .paging.pool import BlockPool
 from .paging.prefix import PrefixCache, PrefixCacheStats, PrefixChain
 from .paging.results import Admission, StepPlan
 from .paging.sequences import SequenceBatch
-from .prefill import PrefillPlan
-from .reference import reference_attention, reference_prefill
 
 __version__ = "0.1.0"
 

@@ -26,7 +26,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from ._backend import array_module, is_cupy_array
+from .backend import array_module, is_cupy_array
 
 
 @dataclass(frozen=True, slots=True)

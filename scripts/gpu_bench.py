@@ -32,10 +32,10 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benches")]
 from bandwidth import decode_attention_bytes  # noqa: E402
 
 import cupaged  # noqa: E402
-from cupaged import _gpu_target  # noqa: E402
-from cupaged._kernels import nvrtc_options, uses_wmma  # noqa: E402
 from cupaged._util import cdiv  # noqa: E402
 from cupaged.dtypes import C_TYPES  # noqa: E402
+from cupaged.kernels import target as _gpu_target  # noqa: E402
+from cupaged.kernels.loader import nvrtc_options, uses_wmma  # noqa: E402
 
 BASELINE = ROOT / "benches" / "baseline" / "paged_attention_v1.cu"
 NUM_KV_HEADS, HEAD_DIM = 8, 128
@@ -124,7 +124,7 @@ class OldKernel:
             f"cupaged::paged_decode_merge<{c_type}, {HEAD_DIM}>",
         )
         if device == "cpu":
-            from cupaged._cpu import CpuModule
+            from cupaged.kernels.cpu import CpuModule
 
             module = CpuModule(BASELINE, names)
         else:

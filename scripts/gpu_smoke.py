@@ -364,14 +364,14 @@ def kernels_loaded(device: str) -> int | None:
     """Kernel instantiations this process has loaded so far (on the GPU each one an NVRTC
     compile or a hit in CuPy's disk cache): the size of cupaged's per-device kernel table, read
     for this report only."""
-    from cupaged import _kernels
+    from cupaged.kernels import loader as _kernels
 
     table = getattr(_kernels, "_cuda_functions" if device == "cuda" else "_cpu_functions", None)
     return None if table is None else len(table)
 
 
 def kernel_names(device: str) -> list[str]:
-    from cupaged import _kernels
+    from cupaged.kernels import loader as _kernels
 
     table = getattr(_kernels, "_cuda_functions" if device == "cuda" else "_cpu_functions", {})
     return sorted(f"{key[-2]}: {key[-1]}" for key in table)

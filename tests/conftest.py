@@ -56,7 +56,7 @@ def no_work(monkeypatch):
 
 
 def _cupy_with_gpu():
-    from cupaged._backend import cuda_available, cupy_module
+    from cupaged.backend import cuda_available, cupy_module
 
     return cupy_module() if cuda_available() else None
 

@@ -13,7 +13,7 @@ import time
 import ml_dtypes
 import numpy as np
 
-from cupaged._backend import cuda_available, to_numpy
+from cupaged.backend import cuda_available, to_numpy
 from cupaged.dtypes import to_float
 from cupaged.errors import CupagedError, KernelError
 
@@ -146,7 +146,7 @@ def random_paged_batch(rng, lengths, num_kv_heads, head_dim, ratio, block_size, 
 
 def cpu_toolchain_missing() -> str | None:
     """Why the CPU backend cannot build kernels here, or ``None`` when it can."""
-    from cupaged._cpu import cuda_include_dir, toolchain
+    from cupaged.kernels.cpu import cuda_include_dir, toolchain
 
     try:
         toolchain.check_platform()
@@ -161,7 +161,7 @@ def cpu_toolchain_missing() -> str | None:
 def scheduled(xp, order):
     """Run CPU-backend launches under ``order``; the GPU has its own."""
     if xp is np:
-        from cupaged._cpu import schedule
+        from cupaged.kernels.cpu import schedule
 
         with schedule(order):
             yield
@@ -186,7 +186,7 @@ def recorded_cpu_launches():
     of the request each one sends to the runtime."""
     import pytest
 
-    from cupaged._cpu import module as cpu_module
+    from cupaged.kernels.cpu import module as cpu_module
 
     launches: list[tuple[str, int]] = []
     real_call = cpu_module.CpuKernel.__call__
@@ -224,9 +224,9 @@ def recorded_launches(xp):
 
 def forget_cpu_builds() -> None:
     """Forget which library this process loaded for each CPU-backend module (the libraries stay
-    loaded): the next :class:`~cupaged._cpu.CpuModule` looks in the build cache again, as a new
+    loaded): the next :class:`~cupaged.kernels.cpu.CpuModule` looks in the build cache again, as a new
     process would."""
-    from cupaged._cpu import module as cpu_module
+    from cupaged.kernels.cpu import module as cpu_module
 
     cpu_module._BUILDS.clear()
 
@@ -236,7 +236,11 @@ def forget_cuda_state() -> None:
     it found, so that the next call looks again: the strict CuPy stand-in
     (``strict_cupy.installed``) goes in and out with this, so that neither its kernels and
     limits outlive it nor a real GPU's reach it."""
-    from cupaged import _attention, _backend, _kernels, dtypes, ops
+    from cupaged import backend as _backend
+    from cupaged import dtypes
+    from cupaged.attention import layer as _attention
+    from cupaged.attention import ops
+    from cupaged.kernels import loader as _kernels
 
     _backend.cupy_module.cache_clear()
     dtypes.native_bfloat16.cache_clear()  # keyed by the module, whose version may change
@@ -251,10 +255,11 @@ def forget_cuda_state() -> None:
 def cpu_stride_threads(threads: int):
     """Run ``write_kv`` and ``copy_blocks`` on the CPU backend with ``threads`` threads per block
     inside (``_launch.CPU_STRIDE_THREADS``, one by default), their launch plans (kept per shape
-    in ``cupaged.ops``) made afresh on the way in and out."""
+    in ``cupaged.attention.ops``) made afresh on the way in and out."""
     import pytest
 
-    from cupaged import _launch, ops
+    from cupaged.attention import ops
+    from cupaged.kernels import launch as _launch
 
     def forget_plans():
         ops._write_plan.cache_clear()
@@ -292,7 +297,7 @@ class Internals:
         index: the :class:`~cupaged.PrefixCache` (a manager's, or the bare one given).
         table: the manager's :class:`~cupaged.paging.sequences.SequenceTable`.
         chains: the manager's :class:`~cupaged.paging.chains.Chains` (row -> prefix chain).
-        swapper: a cache's :class:`~cupaged.swap.Swapper` (``None`` for a manager).
+        swapper: a cache's :class:`~cupaged.cache.swap.Swapper` (``None`` for a manager).
         plan: the :class:`~cupaged.DecodePlan`, or ``None`` for the bookkeeping.
     """
 
@@ -489,8 +494,8 @@ def inner_calls() -> list[tuple[object, str]]:
     planner, the lifecycle, the swapper, the copy and write kernels. Patch them before the
     cache is made (some are bound at construction)."""
     from cupaged import cache
+    from cupaged.cache.swap import DeferredCopies, Swapper
     from cupaged.paging import chains, keys, lifecycle, lru, planner, pool, prefix, sequences
-    from cupaged.swap import DeferredCopies, Swapper
 
     return [
         *_named(
@@ -520,8 +525,8 @@ def inner_calls() -> list[tuple[object, str]]:
 def undo_calls() -> list[tuple[object, str]]:
     """The undo records and the finishers a rollback runs, as ``(owner, name)`` (patched like
     :func:`inner_calls`)."""
+    from cupaged.cache.swap import DeferredCopies, Swapper
     from cupaged.paging import chains, keys, lru, planner, pool, prefix, sequences
-    from cupaged.swap import DeferredCopies, Swapper
 
     return [
         *_named(

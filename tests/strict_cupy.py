@@ -353,7 +353,7 @@ def __getattr__(name: str) -> Any:
 
 
 def _nominal():
-    from cupaged._gpu_target import NOMINAL_TARGET
+    from cupaged.kernels.target import NOMINAL_TARGET
 
     return NOMINAL_TARGET
 
@@ -422,7 +422,7 @@ class RawKernel:
     _by_ptr: dict[int, RawKernel] = {}
 
     def __init__(self, source: str, name: str) -> None:
-        from cupaged import _launch
+        from cupaged.kernels import launch as _launch
 
         self.name, self._source = name, source
         self._cpu = None  # built at the first launch: the loader holds its lock while loading this
@@ -446,7 +446,7 @@ class RawKernel:
         self._opted_in = value
 
     def __call__(self, grid: Any, block: Any, args: Any, *, shared_mem: int = 0, **kw: Any) -> None:
-        from cupaged import _kernels
+        from cupaged.kernels import loader as _kernels
 
         if shared_mem > self.max_dynamic_shared_size_bytes:
             raise RuntimeError(
@@ -468,7 +468,7 @@ class RawModule:
     text names its file, which the CPU backend builds."""
 
     def __init__(self, code: str, options: Any = (), name_expressions: Any = (), **kw: Any):
-        from cupaged._backend import kernel_dir
+        from cupaged.backend import kernel_dir
 
         sources = [p.name for p in sorted(kernel_dir().glob("*.cu")) if p.read_text() == code]
         if len(sources) != 1:
@@ -487,7 +487,7 @@ def _occupancy(ptr: int, threads: int, shared_mem: int) -> int:
     H100 kernel of 64 registers per thread: the stand-in has no cubin, so its split plans may
     differ from the CPU backend's (``_launch.decode_ctas_per_sm``, the cubins' registers), as a
     real GPU's may; the work list's length depends on it, never a result."""
-    from cupaged._gpu_target import ctas_per_sm
+    from cupaged.kernels.target import ctas_per_sm
 
     assert ptr in RawKernel._by_ptr, "occupancy asked of a kernel the stand-in did not load"
     return ctas_per_sm(threads, 64, shared_mem)

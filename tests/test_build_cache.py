@@ -38,7 +38,7 @@ ROOT = Path(__file__).parents[1]
 CHILD = """
 import sys, warnings
 import numpy as np
-from cupaged._cpu import CpuModule
+from cupaged.kernels.cpu import CpuModule
 from cupaged.errors import CupagedError
 warnings.simplefilter("always")
 try:
@@ -53,7 +53,7 @@ except CupagedError as error:
 
 def _toolchain_missing() -> str | None:
     try:
-        from cupaged._cpu import toolchain
+        from cupaged.kernels.cpu import toolchain
 
         toolchain.check_platform()
         toolchain.compiler()
@@ -245,7 +245,7 @@ def test_an_unusable_cache_folder_falls_back_to_a_private_temporary_one(tmp_path
 
 
 def test_a_build_that_cannot_be_written_is_a_cupaged_error(tmp_path, source, monkeypatch):
-    from cupaged._cpu import CpuModule
+    from cupaged.kernels.cpu import CpuModule
 
     monkeypatch.setenv("CUPAGED_CACHE_DIR", str(tmp_path / "cache"))
 
@@ -415,7 +415,7 @@ def test_the_temporary_fallback_below_an_open_folder_is_refused(tmp_path, source
 def test_a_build_of_other_kernels_under_a_builds_name_is_a_cupaged_error(
     tmp_path, source, monkeypatch
 ):
-    from cupaged._cpu import toolchain
+    from cupaged.kernels.cpu import toolchain
 
     library = built_library(source, tmp_path / "cache")
     other = source.with_name("other.cu")

@@ -255,9 +255,9 @@ def test_shared_full_blocks_are_never_copied(rng, monkeypatch):
     cache.append(parent, *kv(cache, rng, 8))  # two full blocks
     child = cache.fork(parent)
     copies = []
-    real_copy = cupaged.cache.copy_blocks
+    real_copy = cupaged.cache.paged_cache.copy_blocks
     monkeypatch.setattr(
-        cupaged.cache,
+        cupaged.cache.paged_cache,
         "copy_blocks",
         lambda *a, **kw: (copies.append(a[2].tolist()), real_copy(*a, **kw)),
     )

@@ -15,10 +15,11 @@ import itertools
 import numpy as np
 import pytest
 
-from cupaged import _gpu_target, _launch
-from cupaged._backend import kernel_dir
-from cupaged._kernels import nvrtc_options
+from cupaged.backend import kernel_dir
 from cupaged.dtypes import DTYPE_NAMES, FP8_NAMES, Q_DTYPE_NAMES
+from cupaged.kernels import launch as _launch
+from cupaged.kernels import target as _gpu_target
+from cupaged.kernels.loader import nvrtc_options
 
 # Decode shapes: every head_dim at one block size, and a spread of block sizes (the extremes, odd
 # ones) at two head_dims; every dtype for each. About 0.6 s of NVRTC per instantiation and arch.
@@ -132,7 +133,7 @@ def test_nvrtc_compiles_every_requested_instantiation(source, arch):
 
 @pytest.mark.parametrize("source", SOURCES)
 def test_cpu_backend_builds_every_requested_instantiation(source):
-    from cupaged._cpu import CpuModule
+    from cupaged.kernels.cpu import CpuModule
 
     names = requested_names()[source]
     # One dtype covers the g++ templates of the decode kernels; the kernel tests run the rest.

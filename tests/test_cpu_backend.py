@@ -1,4 +1,4 @@
-"""The CPU backend (cupaged._cpu): CUDA kernel sources built by g++ and run as fibers on the CPU.
+"""The CPU backend (cupaged.kernels.cpu): CUDA kernel sources built by g++ and run as fibers on the CPU.
 
 The kernels are in ``tests/cpu_kernels/*.cu``, written to the source rules of DESIGN.md §4 (the last
 test compiles them with NVRTC too). Correctness tests run under every scheduling order; the
@@ -29,9 +29,11 @@ from helpers import (
     recorded_cpu_launches,
 )
 
-from cupaged import _cuda_headers
-from cupaged._backend import kernel_dir
-from cupaged._cpu import (
+from cupaged._util import cdiv
+from cupaged.backend import kernel_dir
+from cupaged.errors import CupagedError
+from cupaged.kernels import headers as _cuda_headers
+from cupaged.kernels.cpu import (
     SCHEDULES,
     CpuModule,
     cuda_include_dir,
@@ -40,8 +42,6 @@ from cupaged._cpu import (
     threads,
     toolchain,
 )
-from cupaged._util import cdiv
-from cupaged.errors import CupagedError
 
 KERNELS = Path(__file__).parent / "cpu_kernels"
 FULL = 0xFFFFFFFF
@@ -421,7 +421,7 @@ def test_launches_from_several_python_threads_at_once(basics, rng):
 _CONCURRENT_LAUNCHES = """
 import sys, threading
 import numpy as np
-from cupaged._cpu import CpuModule, launch_options
+from cupaged.kernels.cpu import CpuModule, launch_options
 kernel = CpuModule(sys.argv[1], ["cpu_test::two_level_sum<128>"]).get_function(
     "cpu_test::two_level_sum<128>")
 x = np.random.default_rng(0).standard_normal((200, 128)).astype(np.float32)
@@ -635,7 +635,7 @@ def test_an_unknown_name_expression_is_a_key_error(failures):
 # The environment is read once per process (at the first launch), so these run in a child.
 _OPTIONS_CHILD = """
 import os
-from cupaged._cpu import LaunchOptions, current_options, launch_options, schedule
+from cupaged.kernels.cpu import LaunchOptions, current_options, launch_options, schedule
 assert (current_options().schedule, current_options().workers) == ("reverse", 3)
 assert current_options().strict is False
 with schedule("warp_ahead"):
@@ -672,7 +672,7 @@ def test_options_nest_and_come_from_the_environment_read_once():
 
 def test_a_bad_environment_value_is_an_error_at_each_launch():
     code = """
-from cupaged._cpu import current_options
+from cupaged.kernels.cpu import current_options
 for _ in range(2):
     try:
         current_options()
@@ -807,7 +807,7 @@ def test_sanitize_without_preloaded_libasan_is_refused_not_a_crash():
 # Runs in a child process: ASan's runtime must be loaded before anything else.
 _ASAN_CHILD = """
 import numpy as np
-from cupaged._cpu import CpuModule, launch_options
+from cupaged.kernels.cpu import CpuModule, launch_options
 from cupaged.errors import KernelError
 
 basics = CpuModule({basics!r}, ["cpu_test::two_level_sum<128>", "cpu_test::add3d<float>"],

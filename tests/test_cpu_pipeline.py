@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 from helpers import cpu_toolchain_missing, kernel_error
 
-from cupaged import _cuda_headers
-from cupaged._backend import kernel_dir
-from cupaged._cpu import SCHEDULES, CpuModule, launch_options
+from cupaged.backend import kernel_dir
 from cupaged.errors import KernelError
+from cupaged.kernels import headers as _cuda_headers
+from cupaged.kernels.cpu import SCHEDULES, CpuModule, launch_options
 
 KERNELS = Path(__file__).parent / "cpu_kernels"
 SOURCE = KERNELS / "pipeline.cu"

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 from helpers import cpu_toolchain_missing, kernel_error
 
-from cupaged._cpu import SCHEDULES, CpuModule, launch_options
 from cupaged.errors import KernelError
+from cupaged.kernels.cpu import SCHEDULES, CpuModule, launch_options
 
 SOURCE = Path(__file__).parent / "cpu_kernels" / "wmma.cu"
 LAYOUTS = {"row": "nvcuda::wmma::row_major", "col": "nvcuda::wmma::col_major"}
@@ -156,7 +156,7 @@ def test_a_correct_launch_after_a_failed_one_runs(wmma, rng):
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_wmma_kernels_compile_with_nvrtc_into_mma(arch):
     nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
-    from cupaged._kernels import crt_include_dir, nvrtc_options
+    from cupaged.kernels.loader import crt_include_dir, nvrtc_options
 
     if crt_include_dir() is None:
         pytest.skip("needs crt/mma.h (the nvidia-cuda-nvcc-cu12 wheel)")

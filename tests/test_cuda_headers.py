@@ -1,4 +1,4 @@
-"""One CUDA header search (cupaged/_cuda_headers.py) for NVRTC, the CPU backend and the scripts.
+"""One CUDA header search (cupaged/kernels/headers.py) for NVRTC, the CPU backend and the scripts.
 
 The tests build fake wheels (an ``nvidia`` folder) and fake toolkits under ``tmp_path`` and hide
 the real ones: ``nvidia_roots`` and CuPy's CUDA path are patched, ``CUDA_PATH`` and
@@ -15,10 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from cupaged import CupagedError, _cuda_headers, _launch
-from cupaged._backend import kernel_dir
-from cupaged._cpu import toolchain
-from cupaged._kernels import nvrtc_options, uses_wmma
+from cupaged import CupagedError
+from cupaged.backend import kernel_dir
+from cupaged.kernels import headers as _cuda_headers
+from cupaged.kernels import launch as _launch
+from cupaged.kernels.cpu import toolchain
+from cupaged.kernels.loader import nvrtc_options, uses_wmma
 
 ROOT = Path(__file__).resolve().parents[1]
 SYSTEM_TOOLKIT = Path("/usr/local/cuda")
@@ -187,7 +189,7 @@ def test_kernel_report_finds_nvdisasm_in_the_nvidia_wheels(hidden, monkeypatch):
 
 def test_the_header_search_imports_no_cupy():
     code = (
-        "import sys, cupaged, cupaged._cuda_headers as h\n"
+        "import sys, cupaged, cupaged.kernels.headers as h\n"
         "h.wheel_include_dirs(); h.toolkit_include_dirs(cupy=True)\n"
         "assert 'cupy' not in sys.modules, 'cupy imported'\n"
     )

@@ -15,10 +15,10 @@ import pytest
 from helpers import DTYPES, TOLERANCES, assert_close, poison, random_paged_batch, scheduled
 
 import cupaged
-from cupaged import _launch
-from cupaged._kernels import get_kernel
-from cupaged._scales import kv_scale_args
+from cupaged.attention.scales import kv_scale_args
 from cupaged.dtypes import from_float, to_float
+from cupaged.kernels import launch as _launch
+from cupaged.kernels.loader import get_kernel
 
 SCHEDULES = ("forward", "warp_ahead")
 NUM_KV_HEADS = 2

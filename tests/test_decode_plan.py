@@ -20,10 +20,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import cupaged
-from cupaged import _launch
-from cupaged._kernels import get_kernel
 from cupaged._util import cdiv
 from cupaged.dtypes import to_float
+from cupaged.kernels import launch as _launch
+from cupaged.kernels.loader import get_kernel
 
 
 def run_planner(xp, lens, capacity, min_chunk, tile):
@@ -324,7 +324,7 @@ def test_the_host_knows_when_nothing_is_split(lens, spare, min_chunk, tile):
 def test_a_plan_runs_only_on_the_device_it_was_made_on(rng, monkeypatch):
     """Its kernels (and their shared-memory opt-in) belong to that device: run elsewhere is
     refused with the device named, nothing launched."""
-    from cupaged import _attention
+    from cupaged.attention import layer as _attention
 
     (q, k, v, tables, lens), _ = batch(rng, np, "float32", [5, 40])
     plan = cupaged.DecodePlan(tables, lens, k, q.shape[1])
@@ -355,7 +355,7 @@ def test_groups_past_16_heads_run_in_chunks_and_match_the_reference(rng, xp, dty
 def test_a_graph_captured_while_nothing_splits_still_merges_after_an_update(rng):
     """A checked plan whose step splits nothing skips the merge launch on a GPU; a CUDA graph
     captured then must still hold the merge, for a later update (longer contexts) splits."""
-    from cupaged._backend import cuda_available, cupy_module
+    from cupaged.backend import cuda_available, cupy_module
 
     if not cuda_available():
         pytest.skip("needs a CUDA GPU (CuPy sees none)")

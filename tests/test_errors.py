@@ -8,7 +8,8 @@ from helpers import random_array
 from test_cache import assert_unchanged, kv, make_cache, snapshot
 
 import cupaged
-from cupaged import CupagedError, PagedCache, _backend
+from cupaged import CupagedError, PagedCache
+from cupaged import backend as _backend
 
 
 @pytest.fixture

@@ -27,9 +27,9 @@ from helpers import inner_calls, internals, undo_calls
 
 from cupaged import BlockManager, CupagedError, PagedCache, paging
 from cupaged import cache as cache_module
-from cupaged import swap as swap_module
+from cupaged.cache import swap as swap_module
 from cupaged.paging import planner
-from cupaged.prefix_cache import blake2b_block_hash
+from cupaged.paging.prefix import blake2b_block_hash
 
 BS, HEAD_DIM, LAYERS = 4, 64, 2
 

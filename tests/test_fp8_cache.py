@@ -281,7 +281,7 @@ def test_an_interrupted_append_undoes_its_calibration(rng, monkeypatch):
     cache = make(k_scales="auto", v_scales="auto")
     sid = cache.add_sequence()
     k, v = activations(rng, 3)
-    real_write, calls = cupaged.cache.write_kv, []
+    real_write, calls = cupaged.cache.paged_cache.write_kv, []
 
     def interrupted(*args, **kwargs):
         calls.append(1)
@@ -289,10 +289,10 @@ def test_an_interrupted_append_undoes_its_calibration(rng, monkeypatch):
             raise KeyboardInterrupt
         real_write(*args, **kwargs)
 
-    monkeypatch.setattr(cupaged.cache, "write_kv", interrupted)
+    monkeypatch.setattr(cupaged.cache.paged_cache, "write_kv", interrupted)
     with pytest.raises(KeyboardInterrupt):
         cache.append(sid, k, v)
-    monkeypatch.setattr(cupaged.cache, "write_kv", real_write)
+    monkeypatch.setattr(cupaged.cache.paged_cache, "write_kv", real_write)
     assert cache.seq_len(sid) == 0 and (scales_of(cache)[0] == 1.0).all()
     cache.check_invariants()
     cache.append(sid, k, v)  # still pending: the first write that stands calibrates
@@ -466,7 +466,7 @@ def test_the_caches_plans_run_with_its_own_scales_unchecked_and_a_copy_checked(r
     """The cache's own scales (``scale_options``, checked when set) are not checked again at
     each run, a caller's copy of them is (one check a run), and both attend alike; a plan
     built ``checked=False`` checks no scale array at all."""
-    from cupaged import _scales
+    from cupaged.attention import scales as _scales
 
     checks = []
     real = _scales._check_positive

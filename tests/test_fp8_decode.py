@@ -24,8 +24,8 @@ from helpers import (
 )
 
 import cupaged
-from cupaged import _launch
 from cupaged.dtypes import from_float, to_float
+from cupaged.kernels import launch as _launch
 
 NUM_KV_HEADS = 2
 FP8 = ("float8_e4m3", "float8_e5m2")

@@ -1,4 +1,4 @@
-"""The fp8 element types (cupaged.dtypes) and the scale arguments (cupaged._scales).
+"""The fp8 element types (cupaged.dtypes) and the scale arguments (cupaged.attention.scales).
 
 ``float_to_fp8_bits`` is the array-op oracle of every fp8 write, so it is checked against an
 independent one, ``ml_dtypes`` (clamped to +-max first: ``ml_dtypes`` itself overflows to NaN or
@@ -12,8 +12,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from cupaged import _scales
-from cupaged._backend import to_numpy
+from cupaged.attention import scales as _scales
+from cupaged.backend import to_numpy
 from cupaged.dtypes import (
     FP8_NAMES,
     Q_DTYPE_NAMES,
@@ -351,7 +351,7 @@ def test_an_array_of_another_module_is_refused():
 
 @pytest.mark.gpu
 def test_a_host_array_for_a_gpu_cache_is_refused():
-    from cupaged._backend import cuda_available, cupy_module
+    from cupaged.backend import cuda_available, cupy_module
 
     if not cuda_available():
         pytest.skip("needs a CUDA GPU (CuPy sees none)")

@@ -18,8 +18,8 @@ import pytest
 from helpers import TOLERANCES, assert_close, poison, random_array, scheduled
 
 import cupaged
-from cupaged import _launch
 from cupaged.dtypes import FP8_NAMES, from_float, to_float
+from cupaged.kernels import launch as _launch
 
 E4M3, E5M2 = FP8_NAMES
 NUM_KV_HEADS = 2
@@ -28,7 +28,7 @@ NUM_KV_HEADS = 2
 BATCH = ((37, 37), (20, 0), (300, 5), (17, 1), (90, 70), (9, 0))
 SPLIT_BATCH = ((37, 37), (300, 5), (130, 130), (200, 1))
 
-# The forms a scale takes (cupaged._scales): per-head values, all far from 1.
+# The forms a scale takes (cupaged.attention.scales): per-head values, all far from 1.
 SCALE_FORMS = {
     "none": (None, None, [1.0, 1.0], [1.0, 1.0]),
     "number": (0.3, 7.5, [0.3, 0.3], [7.5, 7.5]),

@@ -15,8 +15,9 @@ import pytest
 from helpers import recorded_cpu_launches
 
 import cupaged
-from cupaged import CacheSpec, _launch
-from cupaged._backend import to_numpy
+from cupaged import CacheSpec
+from cupaged.attention.reference import reference_copy_blocks, reference_write_kv
+from cupaged.backend import to_numpy
 from cupaged.dtypes import (
     FP8_NAMES,
     Q_DTYPE_NAMES,
@@ -25,7 +26,7 @@ from cupaged.dtypes import (
     from_float,
     to_float,
 )
-from cupaged.reference import reference_copy_blocks, reference_write_kv
+from cupaged.kernels import launch as _launch
 
 ML_DTYPES = {"float8_e4m3": ml_dtypes.float8_e4m3fn, "float8_e5m2": ml_dtypes.float8_e5m2}
 MAXES = {"float8_e4m3": 448.0, "float8_e5m2": 57344.0}

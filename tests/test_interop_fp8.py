@@ -148,7 +148,7 @@ def test_the_kv_dtype_of_fp8_bytes_is_the_caches_format():
     """What a call does with fp8 caches, which arrive as ``uint8`` bytes: the function's
     ``kv_dtype`` is filled in from their dtype and checked when the caller gave one; a function
     without ``kv_dtype`` could not check the bytes, and refuses them."""
-    from cupaged._interop import _with_kv_dtype
+    from cupaged._arrays.interop import _with_kv_dtype
 
     names = ("k_cache", "v_cache", "k", "v", "slot_mapping", "k_scale", "v_scale", "kv_dtype")
     e4m3 = {"float8_e4m3"}

@@ -22,9 +22,10 @@ from pathlib import Path
 
 import pytest
 
-from cupaged import _gpu_target, _launch
 from cupaged._util import cdiv
 from cupaged.dtypes import ITEMSIZES
+from cupaged.kernels import launch as _launch
+from cupaged.kernels import target as _gpu_target
 
 nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
 

@@ -136,7 +136,7 @@ def test_a_prefill_plan_over_a_native_cache_matches_the_uint16_one(rng):
 
 @pytest.mark.gpu
 def test_a_cupy_14_cache_is_native_and_torch_views_it_as_bfloat16(rng):
-    from cupaged._backend import cuda_available, cupy_module
+    from cupaged.backend import cuda_available, cupy_module
 
     cupy = cupy_module() if cuda_available() else None
     if cupy is None or not native_bfloat16(cupy):

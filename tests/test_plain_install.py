@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from cupaged import CupagedError, _cuda_headers
-from cupaged._cpu import toolchain
+from cupaged import CupagedError
+from cupaged.kernels import headers as _cuda_headers
+from cupaged.kernels.cpu import toolchain
 
 ROOT = Path(__file__).resolve().parents[1]
 

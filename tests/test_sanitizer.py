@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from cupaged._cpu import toolchain
+from cupaged.kernels.cpu import toolchain
 
 CHILD = """
 import numpy as np, cupaged

@@ -15,8 +15,8 @@ from helpers import assert_close
 
 import cupaged
 from cupaged import CupagedError, PagedCache
+from cupaged.cache.scales import KVScales
 from cupaged.dtypes import float_to_fp8_bits, fp8_max, to_float
-from cupaged.kv_scales import KVScales
 
 LAYERS, HEADS, HEAD_DIM, BS = 3, 2, 64, 16
 NAN_BYTE = 0x7F  # NaN in both fp8 formats

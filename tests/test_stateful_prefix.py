@@ -45,7 +45,7 @@ from test_stateful import assert_same_bits, bits, ceil_div, free_everything
 
 import cupaged
 from cupaged import CupagedError, OutOfBlocksError, PagedCache
-from cupaged.prefix_cache import PrefixCacheStats, blake2b_block_hash, salt_root
+from cupaged.paging.prefix import PrefixCacheStats, blake2b_block_hash, salt_root
 
 NUM_BLOCKS = 10
 BLOCK_SIZE = 4

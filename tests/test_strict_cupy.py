@@ -17,7 +17,7 @@ import strict_cupy
 from helpers import assert_close, random_array, seed_of
 
 import cupaged
-from cupaged._backend import cuda_available, cupy_module
+from cupaged.backend import cuda_available, cupy_module
 
 TESTS = Path(__file__).resolve().parent
 
@@ -144,7 +144,7 @@ def test_a_bfloat16_cache_on_cupy_13_and_14(rng, version, native):
 
 
 def test_kernels_refuse_host_arrays_and_unopted_shared_memory(cp):
-    from cupaged import _kernels
+    from cupaged.kernels import loader as _kernels
 
     kernel = _kernels.get_kernel("cuda", "copy_blocks.cu", _copy_kernel_name())
     with pytest.raises(TypeError, match="Unsupported type"):
@@ -156,7 +156,7 @@ def test_kernels_refuse_host_arrays_and_unopted_shared_memory(cp):
 
 
 def _copy_kernel_name() -> str:
-    from cupaged import _launch
+    from cupaged.kernels import launch as _launch
 
     return _launch.copy_blocks_launch(256, True, 1, 1)[0]
 
@@ -211,7 +211,7 @@ def test_rng_seeds_are_the_same_in_every_process():
 def test_each_kernel_load_is_logged_with_its_seconds(cp, caplog):
     """The CUDA loader (run here on the stand-in, whose device starts with no kernel loaded)
     logs a load once, on the ``cupaged.kernels`` logger; a later lookup logs nothing."""
-    from cupaged import _kernels
+    from cupaged.kernels import loader as _kernels
 
     name = _copy_kernel_name()
     with caplog.at_level(logging.DEBUG, logger="cupaged.kernels"):

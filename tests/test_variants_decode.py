@@ -2,7 +2,7 @@
 
 Each case runs ``paged_attention`` (and ``DecodePlan``) on a ragged batch with a zero-length
 context, scattered block tables and a NaN-poisoned output, against a float64 oracle written
-here from the issue's formula (it shares nothing with ``cupaged.reference``)::
+here from the issue's formula (it shares nothing with ``cupaged.attention.reference``)::
 
     s = scale * q.k;  s = cap * tanh(s / cap);  s += slope[h] * (j - i);  keys j >= i - window_left
     out = sum_j exp(s_j - m) v_j / (sum_j exp(s_j - m) + exp(sink[h] - m))
@@ -29,10 +29,10 @@ from helpers import (
 )
 
 import cupaged
-from cupaged import _launch
-from cupaged._backend import kernel_dir
-from cupaged._variants import ALIBI, SINKS, SOFT_CAP, WINDOW
+from cupaged.backend import kernel_dir
 from cupaged.dtypes import from_float, to_float
+from cupaged.kernels import launch as _launch
+from cupaged.variants import ALIBI, SINKS, SOFT_CAP, WINDOW
 
 NUM_KV_HEADS = 2
 SCHEDULES = ("forward", "warp_ahead")
@@ -440,7 +440,7 @@ def test_nvrtc_compiles_the_variant_instantiations():
     """NVRTC (no GPU needed: CuPy's binding) builds the variants' kernels for sm_90 without a
     warning: real cubins, so the register and shared-memory limits hold too."""
     nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
-    from cupaged._kernels import nvrtc_options
+    from cupaged.kernels.loader import nvrtc_options
 
     arch = 90
     source = "paged_attention.cu"

@@ -1,6 +1,6 @@
 """Attention variants in prefill (issue 24): sliding window, logits soft-cap, ALiBi and sinks in
 ``paged_prefill`` and ``PrefillPlan``, against a float64 NumPy oracle written here (it shares no
-code with ``cupaged.reference``).
+code with ``cupaged.attention.reference``).
 
 Every kernel call is one mixed batch (``BATCH``): a whole prompt, a sequence with no queries, a
 short chunk after a long cached prefix, a decode row, a chunk over several query tiles after a
@@ -24,8 +24,8 @@ import pytest
 from helpers import DTYPES, TOLERANCES, assert_close, poison, random_array, scheduled
 
 import cupaged
-from cupaged import _launch
 from cupaged.dtypes import from_float, to_float
+from cupaged.kernels import launch as _launch
 
 VARIANTS = ("window", "soft_cap", "alibi", "sinks", "gpt-oss", "gemma2", "all")
 HEAD_DIMS = (64, 96, 128, 256)
@@ -478,9 +478,9 @@ def test_nvrtc_compiles_the_variant_instantiations():
     warning, both paths (fp16 on tensor cores, fp32 on CUDA cores), split and not: real cubins,
     so the register and shared-memory limits hold too."""
     nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
-    from cupaged._backend import kernel_dir
-    from cupaged._kernels import nvrtc_options
-    from cupaged._variants import ALIBI, SOFT_CAP, WINDOW
+    from cupaged.backend import kernel_dir
+    from cupaged.kernels.loader import nvrtc_options
+    from cupaged.variants import ALIBI, SOFT_CAP, WINDOW
 
     target = _launch.Target.of_arch(90)
     names = set()

@@ -11,7 +11,7 @@
 // A sequence with context length 0 gets a zero row. NaN and Inf propagate as in the reference: a
 // NaN score (NaN in q or K, scale NaN) or a +Inf one makes the row NaN, a -Inf score weighs 0, a
 // row whose scores are all -Inf is NaN (0 / 0), Inf in V gives Inf (or NaN where it meets 0).
-// Reference: cupaged/reference.py, reference_attention (gather, then an explicit softmax).
+// Reference: cupaged/attention/reference.py, reference_attention (gather, then an explicit softmax).
 //
 // paged_decode: one thread block per (KV head, sequence, split). It serves all G query heads of
 //   the KV head's group, so each K/V element is read from global memory once per group. The
@@ -38,7 +38,7 @@
 
 namespace cupaged {
 
-constexpr int kDecodeThreads = 128;  // the launch table (cupaged/_launch.py) uses the same value
+constexpr int kDecodeThreads = 128;  // the launch table (cupaged/kernels/launch.py) uses the same value
 constexpr int kWarps = kDecodeThreads / 32;
 constexpr int kLanesPerDot = 8;  // lanes that share one (query head, token) dot product
 constexpr int kUnroll = 4;       // independent 16-byte loads in flight per thread

@@ -32,8 +32,8 @@ from importlib.util import find_spec
 from typing import Any
 
 from .. import CacheSpec, CupagedError, resolve_device
-from .._decode_launch import check_decode_shape
-from .._scales import scale_value
+from ..attention.scales import scale_value
+from ..kernels.launch_decode import check_decode_shape
 from .fetch import MODELS, ModelSource
 
 DEFAULT_MAX_NEW_TOKENS = 32
@@ -89,7 +89,7 @@ def real(low: float, high: float | None = None, above_low: bool = False) -> Call
 
 def kv_scale(text: str) -> float | str:
     """An argparse ``type`` of ``--kv-scales``: ``"auto"`` (calibrated by each layer's first
-    write, :mod:`cupaged.kv_scales`) or a number (every layer's K and V scale) that the cache
+    write, :mod:`cupaged.cache.scales`) or a number (every layer's K and V scale) that the cache
     takes: positive and finite in float32, as the library checks a scale (so ``1e39``, infinite
     in float32, is refused when parsing, not once the model is loaded)."""
     if text == "auto":

@@ -313,7 +313,7 @@ class Llama:
         Args:
             kv_scales: an fp8 cache's K and V scales: ``None`` (1.0), a positive number, or
                 ``"auto"`` (each layer's first write fixes them per KV head:
-                :mod:`cupaged.kv_scales`).
+                :mod:`cupaged.cache.scales`).
         """
         c = self.config
         fp8 = is_fp8(self.kv_dtype)

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from .._checks import require
+from .._arrays.checks import require
 from .pool import BlockPool
 from .prefix import PrefixCache, PrefixChain
 from .sequences import SequenceTable

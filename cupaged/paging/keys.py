@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from .._checks import require
+from .._arrays.checks import require
 
 
 class KeyMap:

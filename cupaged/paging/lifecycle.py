@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from .._checks import require
+from .._arrays.checks import require
 from .._util import cdiv
 from ..errors import OutOfBlocksError
 from .chains import Chains

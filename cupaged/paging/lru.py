@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from .._checks import require
+from .._arrays.checks import require
 
 NO_STAMP = -1  # the stamp of a block that is not evictable
 

@@ -39,10 +39,10 @@ from typing import Any
 
 import numpy as np
 
-from .._backend import device_module, resolve_device
-from .._checks import as_int
+from .._arrays.checks import as_int
 from .._util import cdiv
-from .._variants import check_window_left
+from ..backend import device_module, resolve_device
+from ..variants import check_window_left
 from .chains import Chains
 from .lifecycle import Lifecycle
 from .planner import NO_SLOTS, Planner
@@ -96,7 +96,7 @@ class BlockManager:
         enable_prefix_caching: register full blocks by content so that sequences sharing a prompt
             prefix share its blocks; ``tokens=`` then carries the new tokens' ids (it is accepted,
             and checked, in every mode, so callers need no branch).
-        block_hasher: the :data:`~cupaged.prefix_cache.BlockHasher` of prefix caching (BLAKE2b by
+        block_hasher: the :data:`~cupaged.paging.prefix.BlockHasher` of prefix caching (BLAKE2b by
             default); tests inject colliding ones.
         window_left: a sliding window ``W``: the query at ``i`` sees keys ``j >= i - W``, and each
             growing call first releases the blocks before its first query's window (their

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from .._checks import as_int, require
+from .._arrays.checks import as_int, require
 from ..errors import OutOfBlocksError
 from .keys import KeyMap
 from .lru import EvictionQueue

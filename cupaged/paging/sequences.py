@@ -44,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from .._checks import as_int, require
+from .._arrays.checks import as_int, require
 from .._util import cdiv
 from ..errors import CupagedError
 

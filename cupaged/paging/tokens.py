@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from .._checks import as_int
+from .._arrays.checks import as_int
 
 TOKEN_DTYPE = np.dtype("<i8")  # token ids are hashed as little-endian int64
 _MAX_TOKEN = 2**63 - 1

@@ -31,8 +31,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._checks import INT32_MAX, require
-from .._variants import check_window_left as check_window_left
+from .._arrays.checks import INT32_MAX, require
+from ..variants import check_window_left as check_window_left
 from .chains import Chains
 from .pool import BlockPool
 from .sequences import SequenceTable

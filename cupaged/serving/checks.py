@@ -2,7 +2,7 @@
 
 The engine is written against cupaged's public API only (an example a user can copy, held to it
 by ``tests/test_demo_public.py``), so it does not borrow cupaged's private checks
-(``cupaged._checks.as_int``): these follow the same rules.
+(``cupaged._arrays.checks.as_int``): these follow the same rules.
 """
 
 from __future__ import annotations

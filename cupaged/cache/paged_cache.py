@@ -4,7 +4,7 @@ The bookkeeping (tables, refcounts, copy-on-write plans, prefix caching) is the 
 this class adds the arrays: one ``[num_layers, num_blocks, num_kv_heads, block_size, head_dim]``
 array each for K and V, :meth:`PagedCache.append` (plan + write in one call), copy-on-write copies
 applied by ``copy_blocks``, swapping a sequence's K/V to host memory and back (preemption, by a
-:class:`~cupaged.swap.Swapper`), and the attention plans of a step over its own tables.
+:class:`~cupaged.cache.swap.Swapper`), and the attention plans of a step over its own tables.
 
 With ``window_left=W`` (a sliding window, :mod:`~cupaged.paging.window`) the cache releases the
 blocks no query can see any more, and its plans attend with that window: a model whose layers
@@ -19,23 +19,23 @@ from typing import Any
 
 import numpy as np
 
-from ._backend import array_module, to_numpy
-from ._checks import check_dtype, check_shape
-from ._decode_launch import check_decode_shape
-from .decode import DecodePlan
-from .dtypes import Q_DTYPE_NAMES, array_dtype_name, as_storage, cache_dtype, is_fp8
-from .errors import CupagedError
-from .kv_scales import KVScales
-from .memory import CacheSpec
-from .ops import copy_blocks, write_kv
-from .paging.manager import BlockManager
-from .paging.planner import NO_SLOTS
-from .paging.prefix import BlockHasher
-from .paging.results import StepPlan
-from .paging.sequences import SequenceBatch
-from .paging.tokens import step_tokens
-from .paging.transaction import atomic, run_atomically
-from .prefill import PrefillPlan
+from .._arrays.checks import check_dtype, check_shape
+from ..attention.decode import DecodePlan
+from ..attention.ops import copy_blocks, write_kv
+from ..attention.prefill import PrefillPlan
+from ..backend import array_module, to_numpy
+from ..dtypes import Q_DTYPE_NAMES, array_dtype_name, as_storage, cache_dtype, is_fp8
+from ..errors import CupagedError
+from ..kernels.launch_decode import check_decode_shape
+from ..paging.manager import BlockManager
+from ..paging.planner import NO_SLOTS
+from ..paging.prefix import BlockHasher
+from ..paging.results import StepPlan
+from ..paging.sequences import SequenceBatch
+from ..paging.tokens import step_tokens
+from ..paging.transaction import atomic, run_atomically
+from .scales import KVScales
+from .spec import CacheSpec
 from .swap import DeferredCopies, Swapper
 
 
@@ -56,7 +56,7 @@ class PagedCache(BlockManager):
         enable_prefix_caching: register full blocks by content so that sequences sharing a prompt
             prefix share its blocks; ``add_sequence``, ``admit``, ``append``, ``step`` and
             ``reserve`` then take token ids.
-        block_hasher: the :data:`~cupaged.prefix_cache.BlockHasher` of prefix caching (BLAKE2b by
+        block_hasher: the :data:`~cupaged.paging.prefix.BlockHasher` of prefix caching (BLAKE2b by
             default); tests inject colliding ones.
         attention_kernels: refuse, here and now, a shape that the fused attention kernels cannot
             take (dtype, ``head_dim`` in 64..256 in multiples of 16, ``block_size`` in 1..256),
@@ -271,7 +271,7 @@ class PagedCache(BlockManager):
 
     def scale_options(self, layer: int, *, write: bool = False) -> dict[str, Any]:
         """The keywords of ``layer``'s scales for a plan's ``run`` (``write_kv`` with ``write``:
-        ``kv_dtype`` too): :meth:`KVScales.options <cupaged.kv_scales.KVScales.options>`."""
+        ``kv_dtype`` too): :meth:`KVScales.options <cupaged.cache.scales.KVScales.options>`."""
         return self._scales.options(layer, write)
 
     @atomic
@@ -280,7 +280,7 @@ class PagedCache(BlockManager):
 
         ``k_scales``, ``v_scales``: each ``None`` (1.0), a positive finite number, a
         ``[num_layers]`` or ``[num_layers, num_kv_heads]`` array of them (copied), or ``"auto"``
-        (each layer's first write fixes them: :mod:`cupaged.kv_scales`).
+        (each layer's first write fixes them: :mod:`cupaged.cache.scales`).
 
         Raises:
             CupagedError: the cache holds K/V (a block in use or cached, a sequence swapped out).

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import CupagedError, KernelError
+from ...errors import CupagedError, KernelError
 from . import toolchain
 from .options import SCHEDULES, current_options
 from .threads import capped, launch_workers
@@ -210,7 +210,7 @@ class CpuModule:
     """A kernel source file built for the CPU, like ``cupy.RawModule(path=..., name_expressions=...)``.
 
     Builds on first use (a few seconds of g++) and caches the library on disk (see
-    :func:`cupaged._cpu.toolchain.cache_dir`) and in this process; a changed source, shim or flag
+    :func:`cupaged.kernels.cpu.toolchain.cache_dir`) and in this process; a changed source, shim or flag
     builds again.
 
     Args:

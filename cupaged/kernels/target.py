@@ -1,6 +1,6 @@
 """The GPU a launch is planned for: architectures, their limits and the occupancy arithmetic.
 
-What the launch table (``cupaged/_launch.py``) needs to know about a GPU without asking one: the
+What the launch table (``cupaged/kernels/launch.py``) needs to know about a GPU without asking one: the
 shared memory each compute capability grants a thread block, where WMMA exists for each element
 type, an H100's per-multiprocessor limits, and the registers ptxas gives the decode kernels of
 :data:`NOMINAL_TARGET`. A GPU reports its own limits (the attention plans read them from the device); these
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ._util import cdiv
+from .._util import cdiv
 
 # The CPU backend plans splits as an H100/H200 (132 multiprocessors) would, so that the CPU runs
 # the same split decisions that the GPU makes.

@@ -27,10 +27,10 @@ from typing import Any
 
 import numpy as np
 
-from ._backend import array_module
-from ._scales import scale_value
-from .dtypes import Q_DTYPE_NAMES, array_dtype_name, fp8_max, is_fp8, to_float
-from .errors import CupagedError
+from ..attention.scales import scale_value
+from ..backend import array_module
+from ..dtypes import Q_DTYPE_NAMES, array_dtype_name, fp8_max, is_fp8, to_float
+from ..errors import CupagedError
 
 AUTO = "auto"
 

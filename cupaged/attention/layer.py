@@ -14,11 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from . import _launch
-from ._backend import array_module, device_module
-from ._checks import as_int, check_dtype, check_shape, check_writable
-from ._kernels import get_kernel
-from .dtypes import (
+from .._arrays.checks import as_int, check_dtype, check_shape, check_writable
+from ..backend import array_module, device_module
+from ..dtypes import (
     Q_DTYPE_NAMES,
     array_dtype_name,
     as_storage,
@@ -27,6 +25,8 @@ from .dtypes import (
     dtype_name,
     is_fp8,
 )
+from ..kernels import launch as _launch
+from ..kernels.loader import get_kernel
 
 LAYER_AXES = ("num_blocks", "num_kv_heads", "block_size", "head_dim")
 
@@ -331,9 +331,9 @@ def _c_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
 
 
 def cpu_threads() -> Any:
-    """The CPU backend's thread policy (:mod:`cupaged._cpu.threads`), imported on first use: a
+    """The CPU backend's thread policy (:mod:`cupaged.kernels.cpu.threads`), imported on first use: a
     GPU-only program never loads the CPU backend."""
-    from ._cpu import threads
+    from ..kernels.cpu import threads
 
     return threads
 

@@ -3,10 +3,10 @@
 The array module of the inputs picks the backend: CuPy arrays run the CUDA kernels on the GPU
 (CuPy ``RawModule``), NumPy arrays run the *same kernel source* on the CPU backend; mixing them is
 a ``TypeError``. Every function checks shapes, dtypes, contiguity and alignment before launching,
-so a rejected call changes nothing. Launch configurations come from ``cupaged._launch``.
+so a rejected call changes nothing. Launch configurations come from ``cupaged.kernels.launch``.
 
 Arrays of other frameworks (PyTorch tensors, JAX arrays: anything with ``__dlpack__``) are taken
-without a copy and results handed back as the caller's type (``cupaged._interop.takes_dlpack``,
+without a copy and results handed back as the caller's type (``cupaged._arrays.interop.takes_dlpack``,
 docs/interop.md); the arrays of one call come from one framework.
 """
 
@@ -18,17 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _launch
-from ._attention import (
-    LAYER_AXES,
-    address,
-    check_contiguous,
-    cpu_threads,
-    device_id,
-    device_of,
-)
-from ._backend import array_module, to_numpy
-from ._checks import (
+from .._arrays.checks import (
     ITEMSIZES,
     check_attention_args,
     check_copy_pairs,
@@ -42,13 +32,23 @@ from ._checks import (
     check_writable,
     element_type,
 )
-from ._interop import takes_dlpack
-from ._kernels import get_kernel
-from ._scales import kv_scale_args
-from ._variants import check_sinks
+from .._arrays.interop import takes_dlpack
+from ..backend import array_module, to_numpy
+from ..dtypes import Q_DTYPE_NAMES, as_storage, dtype_name, is_fp8
+from ..kernels import launch as _launch
+from ..kernels.loader import get_kernel
+from ..variants import check_sinks
 from .decode import DecodePlan, fp8_query_dtype
-from .dtypes import Q_DTYPE_NAMES, as_storage, dtype_name, is_fp8
+from .layer import (
+    LAYER_AXES,
+    address,
+    check_contiguous,
+    cpu_threads,
+    device_id,
+    device_of,
+)
 from .prefill import PrefillPlan, check_batch_arrays
+from .scales import kv_scale_args
 
 
 @takes_dlpack
@@ -532,7 +532,7 @@ def paged_prefill(
         out: optional ``[total_query_tokens, num_q_heads, head_dim]`` C-contiguous output,
             ``q``'s dtype: ``q`` itself (in place) or memory that does not overlap ``q``.
         num_splits: cut every query tile's KV range into about this many pieces, one thread
-            block each, merged by log-sum-exp (split-K); the heuristic in ``cupaged._launch``
+            block each, merged by log-sum-exp (split-K); the heuristic in ``cupaged.kernels.launch``
             decides when ``None`` (it splits only batches too small to fill the GPU, from the
             host copies of the lengths that the ``query_start_loc`` check reads anyway).
         checked: check, before the launch and on the arrays' device, that every context length

@@ -27,10 +27,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ._checks import as_int
-from ._util import cdiv
-from ._variants import check_window_left
-from .dtypes import dtype_name, itemsize
+from .._arrays.checks import as_int
+from .._util import cdiv
+from ..dtypes import dtype_name, itemsize
+from ..variants import check_window_left
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,8 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from ._backend import array_module
-from .dtypes import is_fp8
+from ..backend import array_module
+from ..dtypes import is_fp8
 
 # (array module, CUDA device) -> a float32 [1] array of 1.0: the array under a number's scale.
 _ONES: dict[tuple, Any] = {}

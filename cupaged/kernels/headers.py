@@ -21,7 +21,7 @@ Two kinds of place hold them:
 NVRTC (:func:`nvrtc_include_dirs`) looks in the wheels before the toolkits, those of its own CUDA
 major version first: ``mma.h`` (the WMMA API of the tensor-core kernels) includes ``crt/mma.h``,
 which neither runtime wheel has, and a CUDA 12 NVRTC must not take CUDA 13 headers where CUDA 12
-ones exist. The CPU backend (``cupaged._cpu.toolchain.cuda_include_dir``) looks in the toolkits
+ones exist. The CPU backend (``cupaged.kernels.cpu.toolchain.cuda_include_dir``) looks in the toolkits
 first, then the wheels. Both ask :func:`include_dir_with` which folder holds the headers.
 """
 
@@ -38,7 +38,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
-from .errors import CupagedError
+from ..errors import CupagedError
 
 # Where CUDA toolkits install by default (a symlink to the versioned folder).
 DEFAULT_TOOLKIT = Path("/usr/local/cuda")

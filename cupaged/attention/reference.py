@@ -11,8 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from ._backend import array_module, to_numpy
-from ._checks import (
+from .._arrays.checks import (
     as_bool,
     check_attention_args,
     check_block_ids,
@@ -20,11 +19,10 @@ from ._checks import (
     check_prefill_args,
     check_query_start_loc,
 )
-from ._interop import takes_dlpack
-from ._scales import kv_scale_args
-from ._util import cdiv
-from ._variants import Variants, check_sinks, check_variants
-from .dtypes import (
+from .._arrays.interop import takes_dlpack
+from .._util import cdiv
+from ..backend import array_module, to_numpy
+from ..dtypes import (
     array_dtype_name,
     as_storage,
     dtype_name,
@@ -33,6 +31,8 @@ from .dtypes import (
     is_fp8,
     to_float,
 )
+from ..variants import Variants, check_sinks, check_variants
+from .scales import kv_scale_args
 
 
 @takes_dlpack

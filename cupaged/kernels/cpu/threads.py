@@ -1,6 +1,6 @@
 """How many OS threads run a CPU launch: the CPU backend's own policy.
 
-The launch table (``cupaged/_launch.py``) gives every kernel its CUDA geometry, grid and block.
+The launch table (``cupaged/kernels/launch.py``) gives every kernel its CUDA geometry, grid and block.
 How a launch's thread blocks are spread over the host's OS threads is the CPU backend's business
 alone, and is decided here. The *workers* of a launch are the calling thread and helper threads of
 the runtime's pool (``csrc/runtime.h``); each takes whole blocks from a shared counter, so a
@@ -11,7 +11,7 @@ Who decides, first match wins (:func:`launch_workers`):
 
 1. ``LaunchOptions.workers`` (``launch_options(workers=...)``, ``CUPAGED_CPU_WORKERS``);
 2. the call's ``workers=`` argument;
-3. the kernel's own cap (``CpuKernel.with_workers``), which ``cupaged.ops`` gives the kernels whose
+3. the kernel's own cap (``CpuKernel.with_workers``), which ``cupaged.attention.ops`` gives the kernels whose
    blocks' work it knows, from :func:`stride_workers` and :func:`attention_workers`;
 4. :func:`default_workers`, by the launch's CUDA threads.
 

@@ -19,8 +19,8 @@ import threading
 import time
 from typing import Any
 
-from ._backend import cupy_module, kernel_dir
-from ._cuda_headers import find_nvrtc_headers, nvrtc_include_dirs
+from ..backend import cupy_module, kernel_dir
+from .headers import find_nvrtc_headers, nvrtc_include_dirs
 
 logger = logging.getLogger("cupaged.kernels")
 _lock = threading.Lock()
@@ -73,7 +73,7 @@ def cpu_sanitize() -> bool:
 
 
 def _cpu_kernel(source: str, name: str) -> Any:
-    from ._cpu import CpuModule
+    from .cpu import CpuModule
 
     with _lock:
         kernel = _cpu_functions.get((source, name))
@@ -103,7 +103,7 @@ def nvrtc_options(wmma: bool = True) -> tuple[str, ...]:
 
     CuPy's on-disk cache keys a module by its source text and options only; the digest makes an
     edited ``common.cuh`` recompile the files that include it. The CUDA headers are the folder
-    with ``cuda_fp16.h`` and the one with ``crt/mma.h``, found by ``cupaged._cuda_headers``
+    with ``cuda_fp16.h`` and the one with ``crt/mma.h``, found by ``cupaged.kernels.headers``
     (NVIDIA's wheels of NVRTC's CUDA version first, then the CUDA toolkits).
 
     Args:

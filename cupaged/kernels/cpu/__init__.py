@@ -16,7 +16,7 @@ No installable package runs CUDA C on a CPU, so cupaged carries a small one (DES
 Example (not a doctest: it compiles for a second or two)::
 
     import numpy as np
-    from cupaged._cpu import CpuModule, schedule
+    from cupaged.kernels.cpu import CpuModule, schedule
 
     # tests/cpu_kernels/failures.cu: scale(out, x, float alpha, int n, long long, uchar, double)
     kernel = CpuModule("failures.cu", ["cpu_test::scale"]).get_function("cpu_test::scale")

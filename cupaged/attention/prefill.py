@@ -27,17 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _launch
-from ._attention import (
-    LayerArrays,
-    attention_kernel,
-    check_layer_and_heads,
-    device_of,
-    owned_int32,
-    target,
-)
-from ._backend import array_module, to_numpy
-from ._checks import (
+from .._arrays.checks import (
     INT32_MAX,
     MAX_CONTEXT_LEN,
     as_bool,
@@ -49,12 +39,22 @@ from ._checks import (
     check_shape,
     element_type,
 )
-from ._interop import takes_dlpack
-from ._kernels import get_kernel
-from ._scales import kv_scale_args
-from ._variants import Variants, check_sinks, check_variants
+from .._arrays.interop import takes_dlpack
+from ..backend import array_module, to_numpy
+from ..dtypes import dtype_name
+from ..kernels import launch as _launch
+from ..kernels.loader import get_kernel
+from ..variants import Variants, check_sinks, check_variants
 from .decode import own_scales, trusted_memory
-from .dtypes import dtype_name
+from .layer import (
+    LayerArrays,
+    attention_kernel,
+    check_layer_and_heads,
+    device_of,
+    owned_int32,
+    target,
+)
+from .scales import kv_scale_args
 
 Q_AXES = ("total_query_tokens", "num_q_heads", "head_dim")
 
@@ -104,7 +104,7 @@ class PrefillPlan:
         causal: mask the tokens after each query's position (``True``, prefill), or attend to
             the whole context (``False``). A bool.
         num_splits: cut every query tile's KV range into about this many pieces, one thread
-            block each, merged by log-sum-exp (split-K); the heuristic in ``cupaged._launch``
+            block each, merged by log-sum-exp (split-K); the heuristic in ``cupaged.kernels.launch``
             decides when ``None`` (it splits only batches too small to fill the GPU).
         checked: check, once here, that every context length is in
             ``[0, max_blocks * block_size]`` and every block id a length reaches is in

@@ -1,7 +1,7 @@
 """Decode's half of the launch table: the thread-block layout, shared memory, instantiation names
 and occupancy of ``paged_decode`` / ``paged_decode_mma`` and their merge (cuda/paged_attention.cu).
 
-``cupaged/_launch.py`` is the table's entry point: it re-exports these names and holds the rest
+``cupaged/kernels/launch.py`` is the table's entry point: it re-exports these names and holds the rest
 (prefill, ``write_kv``, ``copy_blocks``, the decode planner). The shape check, the queries'
 element type, CUDA's grid limits and the name-expression rule live here because every attention
 launch starts from them, prefill's too; so prefill's launch imports them from here, never the
@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ._gpu_target import DECODE_REGISTERS, NOMINAL_TARGET, Target, ctas_per_sm
-from ._util import cdiv
-from ._variants import SINKS, WINDOW
-from .dtypes import C_TYPES, Q_DTYPE_NAMES, is_fp8, itemsize
+from .._util import cdiv
+from ..dtypes import C_TYPES, Q_DTYPE_NAMES, is_fp8, itemsize
+from ..variants import SINKS, WINDOW
+from .target import DECODE_REGISTERS, NOMINAL_TARGET, Target, ctas_per_sm
 
 HEAD_DIMS = tuple(range(64, 257, 16))  # 64, 80, 96, ..., 256
 MAX_BLOCK_SIZE = 256
@@ -295,7 +295,7 @@ def decode_launch(
     ``target`` (the kernel that compiles and fits there).
 
     Nothing here depends on the context lengths: the work list carries them. ``variant``: the
-    attention variants' ``VARIANT`` bits (``cupaged._variants``); the window's and the sinks'
+    attention variants' ``VARIANT`` bits (``cupaged.variants``); the window's and the sinks'
     are not the kernel's (the planner's work list holds the window, ``sinks_name`` adds the
     sinks), so a window alone runs the plain kernels. ``dtype`` is the cache's element type,
     ``q_dtype`` the queries' (and the output's) over an fp8 cache (:func:`query_dtype`): the

@@ -17,7 +17,7 @@ captured around ``run`` replays for any lengths (pad the batch to a fixed size w
 rows). ``update`` checks the arrays it is given unless told ``checked=False``, whatever the plan
 was built with: a plan from the cache trusts the cache's tables, not later arrays.
 
-The attention variants (``cupaged/_variants.py``; docs/variants.md) of a model are fixed when
+The attention variants (``cupaged/variants.py``; docs/variants.md) of a model are fixed when
 planning: ``window_left`` goes to the planner, whose items cover only the tokens the window
 sees (a 32k context with a 4k window reads about 4k tokens' K/V, split as a 4k context is),
 ``logits_soft_cap`` and ``alibi_slopes`` to the kernel's ``VARIANT``. ``sinks`` are learned per
@@ -43,19 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _launch
-from ._attention import (
-    LayerArrays,
-    attention_kernel,
-    check_layer_and_heads,
-    check_query_dtype,
-    ctas_per_sm,
-    device_of,
-    owned_int32,
-    target,
-)
-from ._backend import array_module, to_numpy
-from ._checks import (
+from .._arrays.checks import (
     MAX_CONTEXT_LEN,
     as_bool,
     as_int,
@@ -65,12 +53,24 @@ from ._checks import (
     check_shape,
     element_type,
 )
-from ._interop import takes_dlpack
-from ._kernels import get_kernel
-from ._scales import kv_scale_args
-from ._util import cdiv
-from ._variants import check_sinks, check_variants
-from .dtypes import array_dtype_name, dtype_name, is_fp8
+from .._arrays.interop import takes_dlpack
+from .._util import cdiv
+from ..backend import array_module, to_numpy
+from ..dtypes import array_dtype_name, dtype_name, is_fp8
+from ..kernels import launch as _launch
+from ..kernels.loader import get_kernel
+from ..variants import check_sinks, check_variants
+from .layer import (
+    LayerArrays,
+    attention_kernel,
+    check_layer_and_heads,
+    check_query_dtype,
+    ctas_per_sm,
+    device_of,
+    owned_int32,
+    target,
+)
+from .scales import kv_scale_args
 
 Q_AXES = ("num_seqs", "num_q_heads", "head_dim")
 

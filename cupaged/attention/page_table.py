@@ -48,9 +48,9 @@ from typing import Any
 
 import numpy as np
 
-from ._backend import array_module, to_numpy
-from ._checks import INT32_MAX, as_int, check_context_lens, check_index_array, check_shape
-from ._interop import takes_dlpack
+from .._arrays.checks import INT32_MAX, as_int, check_context_lens, check_index_array, check_shape
+from .._arrays.interop import takes_dlpack
+from ..backend import array_module, to_numpy
 
 INT32_MIN = -(2**31)
 

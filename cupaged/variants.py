@@ -21,8 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from ._backend import array_module
-from ._checks import MAX_CONTEXT_LEN, as_int
+from ._arrays.checks import MAX_CONTEXT_LEN, as_int
+from .backend import array_module
 
 # The largest soft-cap: the kernels take it as a float32 (a larger one would be Inf there, and
 # Inf * tanh(s / Inf) is NaN).

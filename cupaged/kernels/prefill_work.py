@@ -1,5 +1,5 @@
 """What the split-K plan of ``paged_prefill`` needs to know about a batch: its query tiles and
-the KV tokens they read, from host copies of the batch's metadata (``cupaged._launch`` decides
+the KV tokens they read, from host copies of the batch's metadata (``cupaged.kernels.launch`` decides
 the splits from them).
 """
 
@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ._util import cdiv
+from .._util import cdiv
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,11 +4,11 @@ This is the only module that computes launch configurations; the functions in ``
 never compute a grid themselves. An unsupported shape raises here, before anything is compiled,
 and says what is supported. A launch is the same on both backends, but for the two stride kernels
 (``CPU_STRIDE_THREADS``); how the CPU backend spreads a launch's blocks over its OS threads is its
-own policy (``cupaged/_cpu/threads.py``). What the table knows of the GPU it plans for (shared
-memory per architecture, WMMA, occupancy) is ``cupaged/_gpu_target.py``.
+own policy (``cupaged/kernels/cpu/threads.py``). What the table knows of the GPU it plans for (shared
+memory per architecture, WMMA, occupancy) is ``cupaged/kernels/target.py``.
 
 The table is two modules: decode's geometry (and the shape check, query type and grid limits that
-prefill shares) is ``cupaged/_decode_launch.py``, re-exported here; prefill, ``write_kv``,
+prefill shares) is ``cupaged/kernels/launch_decode.py``, re-exported here; prefill, ``write_kv``,
 ``copy_blocks`` and the decode planner are below. Callers read both halves from here, but for the
 shape check of a cache, which ``cache.py`` and the command line take from the decode module.
 """
@@ -19,29 +19,30 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .._util import cdiv
+from ..dtypes import C_TYPES, Q_DTYPE_NAMES, is_fp8, itemsize
+from ..variants import SINKS, WINDOW
+
 # Decode's half of the table; the names imported ``as`` themselves are unused here: the table's
 # users (decode, tests, scripts) read them from it.
-from ._decode_launch import DECODE_MAX_CHUNK as DECODE_MAX_CHUNK
-from ._decode_launch import HEAD_DIMS as HEAD_DIMS
-from ._decode_launch import MAX_BLOCK_SIZE as MAX_BLOCK_SIZE
-from ._decode_launch import MAX_GRID_X, MAX_GRID_YZ, check_decode_shape, instantiation, query_dtype
-from ._decode_launch import decode_chunk as decode_chunk
-from ._decode_launch import decode_ctas_per_sm as decode_ctas_per_sm
-from ._decode_launch import decode_geometry as decode_geometry
-from ._decode_launch import decode_launch as decode_launch
-from ._decode_launch import decode_may_split as decode_may_split
-from ._decode_launch import decode_merge_block as decode_merge_block
-from ._decode_launch import uses_decode_mma as uses_decode_mma
+from .launch_decode import DECODE_MAX_CHUNK as DECODE_MAX_CHUNK
+from .launch_decode import HEAD_DIMS as HEAD_DIMS
+from .launch_decode import MAX_BLOCK_SIZE as MAX_BLOCK_SIZE
+from .launch_decode import MAX_GRID_X, MAX_GRID_YZ, check_decode_shape, instantiation, query_dtype
+from .launch_decode import decode_chunk as decode_chunk
+from .launch_decode import decode_ctas_per_sm as decode_ctas_per_sm
+from .launch_decode import decode_geometry as decode_geometry
+from .launch_decode import decode_launch as decode_launch
+from .launch_decode import decode_may_split as decode_may_split
+from .launch_decode import decode_merge_block as decode_merge_block
+from .launch_decode import uses_decode_mma as uses_decode_mma
+from .prefill_work import PrefillWork as PrefillWork
+from .prefill_work import prefill_work
 
 # Unused here: the launch table's users (ops, tests, scripts) read these two limits from it.
-from ._gpu_target import DEFAULT_SHARED_MEMORY as DEFAULT_SHARED_MEMORY
-from ._gpu_target import NOMINAL_SM_COUNT as NOMINAL_SM_COUNT
-from ._gpu_target import NOMINAL_TARGET, Target
-from ._prefill_work import PrefillWork as PrefillWork
-from ._prefill_work import prefill_work
-from ._util import cdiv
-from ._variants import SINKS, WINDOW
-from .dtypes import C_TYPES, Q_DTYPE_NAMES, is_fp8, itemsize
+from .target import DEFAULT_SHARED_MEMORY as DEFAULT_SHARED_MEMORY
+from .target import NOMINAL_SM_COUNT as NOMINAL_SM_COUNT
+from .target import NOMINAL_TARGET, Target
 
 SLOT_C_TYPES = {np.dtype(np.int32): "int", np.dtype(np.int64): "long long"}
 
@@ -257,7 +258,7 @@ def prefill_launch(
         splits: force about this many splits (tests); the heuristic decides when ``None``.
         total_query_tokens: rows of ``q``; sizes the grid and the merge grid.
         target: the GPU planned for: the kernel that compiles and fits there.
-        variant: the attention variants' ``VARIANT`` bits (``cupaged._variants``) without the
+        variant: the attention variants' ``VARIANT`` bits (``cupaged.variants``) without the
             sinks bit, which ``sinks_name`` / ``sinks_merge_name`` add.
         window_left: the window (with its bit in ``variant``): a tile's KV range, and so the
             split-K plan, starts at its first query's first key.

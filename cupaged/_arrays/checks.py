@@ -8,10 +8,10 @@ from typing import Any
 
 import numpy as np
 
-from ._backend import array_module
-from ._util import cdiv
-from .dtypes import ITEMSIZES as ITEMSIZES
-from .dtypes import array_dtype_name
+from .._util import cdiv
+from ..backend import array_module
+from ..dtypes import ITEMSIZES as ITEMSIZES
+from ..dtypes import array_dtype_name
 
 
 def require(condition: bool, message: str) -> None:

@@ -46,8 +46,8 @@ from typing import Any
 
 import numpy as np
 
-from ._backend import cupy_module, is_cupy_array
-from .dtypes import dtype_name
+from ..backend import cupy_module, is_cupy_array
+from ..dtypes import dtype_name
 
 _DL_CPU = 1  # DLPack device types (dlpack.h: kDLCPU, kDLCUDA, kDLCUDAHost)
 _DL_CUDA = 2

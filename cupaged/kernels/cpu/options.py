@@ -40,7 +40,7 @@ class LaunchOptions:
         workers: OS threads that share a launch's blocks (never more than the number of
             blocks). ``None``: the thread policy's choice, at most one per usable CPU (copies
             and KV writes by bytes, attention by blocks, other launches by CUDA threads: see
-            :mod:`cupaged._cpu.threads`).
+            :mod:`cupaged.kernels.cpu.threads`).
         strict: a ``__syncthreads`` reached at two different call sites by one block is a
             :class:`~cupaged.errors.KernelError` (hardware would let them meet).
     """
@@ -111,7 +111,7 @@ def launch_options(
     """Override some launch options for the launches made inside the ``with`` block.
 
     Example:
-        >>> from cupaged._cpu import launch_options, current_options
+        >>> from cupaged.kernels.cpu import launch_options, current_options
         >>> with launch_options(schedule="reverse", workers=1):
         ...     current_options().schedule
         'reverse'

@@ -19,14 +19,14 @@ from typing import Any
 
 import numpy as np
 
-from ._checks import require
-from ._util import cdiv
-from .dtypes import as_storage
-from .errors import CupagedError
-from .paging.chains import Chains
-from .paging.pool import BlockPool, grouped
-from .paging.sequences import SequenceTable
-from .paging.transaction import Transaction
+from .._arrays.checks import require
+from .._util import cdiv
+from ..dtypes import as_storage
+from ..errors import CupagedError
+from ..paging.chains import Chains
+from ..paging.pool import BlockPool, grouped
+from ..paging.sequences import SequenceTable
+from ..paging.transaction import Transaction
 
 
 class Swapper:
