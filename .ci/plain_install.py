@@ -12,7 +12,7 @@ import ml_dtypes
 import numpy as np
 
 import cupaged
-from cupaged._cpu.toolchain import cuda_include_dir
+from cupaged.kernels.cpu.toolchain import cuda_include_dir
 
 assert importlib.util.find_spec("cupy") is None, "the plain install must not bring CuPy"
 headers = cuda_include_dir()

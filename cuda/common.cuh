@@ -35,7 +35,7 @@ __host__ __device__ __forceinline__ long long ceil_div(long long n, long long d)
   return (n + d - 1) / d;
 }
 
-// ---- Attention variants (docs/variants.md; cupaged/_variants.py names the same bits) ---------
+// ---- Attention variants (docs/variants.md; cupaged/variants.py names the same bits) ---------
 // A kernel's VARIANT template argument is a set of these bits; what is off compiles away. For a
 // query at position i, a key at position j and query head h:
 //   s = scale * q.k;  kSoftCap: s = cap * tanh(s / cap);  kAlibi: s += slopes[h] * (j - i);

@@ -3,7 +3,7 @@
 //   for every pair i, layer l:  k_cache[l, dst[i]] = k_cache[l, src[i]];  same for v_cache
 //
 // Copy-on-write (a sequence's private copy of a shared block) and defragmentation use it.
-// Reference: cupaged/reference.py, reference_copy_blocks (array ops), bit-exact.
+// Reference: cupaged/attention/reference.py, reference_copy_blocks (array ops), bit-exact.
 // The copy is type-agnostic: W is the word moved per access, uint4 (16 bytes) whenever a block's
 // byte size and the base addresses allow it (the Python side checks), else a 4-, 2- or 1-byte
 // word (1 byte: an fp8 cache whose blocks or base address are odd).

@@ -6,7 +6,7 @@
 // A sequence with context length 0 gets a zero row. NaN and Inf propagate as in the reference: a
 // NaN score (NaN in q or K, scale NaN) or a +Inf one makes the row NaN, a -Inf score weighs 0, a
 // row whose scores are all -Inf is NaN (0 / 0), Inf in V gives Inf (or NaN where it meets 0).
-// Reference: cupaged/reference.py, reference_attention (gather, then an explicit softmax).
+// Reference: cupaged/attention/reference.py, reference_attention (gather, then an explicit softmax).
 //
 // Attention variants (common.cuh, "Attention variants"; docs/variants.md), bits of the kernels'
 // VARIANT template argument (0, the default: none of them, the kernels as they were), their values
@@ -118,7 +118,7 @@ __device__ __forceinline__ void load_unit_as_float(const KV* p, float* out) {
 }
 
 // The thread-block layout of one instantiation (see the header); the launch table
-// (cupaged/_launch.py, decode_launch) picks BDX, BDY, BDZ, TPZ and STAGES and passes them as
+// (cupaged/kernels/launch.py, decode_launch) picks BDX, BDY, BDZ, TPZ and STAGES and passes them as
 // template arguments, so nothing is kept equal by hand between Python and CUDA.
 template <typename T, int HEAD_DIM, int CHUNK, int BDX, int BDY, int BDZ, int TPZ, int STAGES,
           typename KV = T>

@@ -12,7 +12,7 @@
 // propagate as in paged_attention.cu (the same online-softmax rules): a NaN score makes its row
 // NaN, a -inf score weighs 0, a row whose scores are all -inf is NaN (0 / 0), and a token after a
 // row's position never reaches the row (not even as 0 * Inf).
-// Reference: cupaged/reference.py, reference_prefill (gather, mask, explicit softmax).
+// Reference: cupaged/attention/reference.py, reference_prefill (gather, mask, explicit softmax).
 //
 // Attention variants (common.cuh, "Attention variants"; docs/variants.md): the last template
 // argument VARIANT of each kernel is a set of bits (what is off compiles away; 0, the default,

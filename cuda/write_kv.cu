@@ -3,7 +3,7 @@
 //   token t -> block slot_mapping[t] / block_size, offset slot_mapping[t] % block_size
 //   slot -1 skips the token (padding in a batch).
 //
-// Reference: cupaged/reference.py, reference_write_kv (array ops), bit-exact.
+// Reference: cupaged/attention/reference.py, reference_write_kv (array ops), bit-exact.
 // Each thread moves VEC elements per access: 16 bytes when head_dim * sizeof(T) allows it (the
 // Python side picks VEC and checks the alignment), else one element. An fp8 cache takes its own
 // kernel, write_kv_fp8 (below), which quantizes as it writes.
