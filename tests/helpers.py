@@ -493,7 +493,7 @@ def inner_calls() -> list[tuple[object, str]]:
     the pool, its key map and LRU queue, the sequence table, the prefix cache and chains, the
     planner, the lifecycle, the swapper, the copy and write kernels. Patch them before the
     cache is made (some are bound at construction)."""
-    from cupaged import cache
+    from cupaged.cache import paged_cache
     from cupaged.cache.swap import DeferredCopies, Swapper
     from cupaged.paging import chains, keys, lifecycle, lru, planner, pool, prefix, sequences
 
@@ -517,7 +517,7 @@ def inner_calls() -> list[tuple[object, str]]:
         *_named(planner.Planner, "plan plan_rows plan_batch _decode _apply_growth"),
         *_named(lifecycle.Lifecycle, "admit _attach release _release_one fork"),
         *_named(Swapper, "swap_out swap_in drop"),
-        *_named(cache, "copy_blocks write_kv"),
+        *_named(paged_cache, "copy_blocks write_kv"),
         *_named(DeferredCopies, "leave take let_go forget"),
     ]
 

@@ -26,7 +26,7 @@ import pytest
 from helpers import inner_calls, internals, undo_calls
 
 from cupaged import BlockManager, CupagedError, PagedCache, paging
-from cupaged import cache as cache_module
+from cupaged.cache import paged_cache as cache_module
 from cupaged.cache import swap as swap_module
 from cupaged.paging import planner
 from cupaged.paging.prefix import blake2b_block_hash

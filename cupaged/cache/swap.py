@@ -80,14 +80,9 @@ class Swapper:
             else:
                 gathered.get(out=buffer)
             host.append(buffer)
-        self._log.append((table.put, row, table.snapshot(row)))
         self._log.append((self._forget, sid))
-        self.pool.release(blocks[::-1].copy())
-        table.tables[row] = 0
-        table.live[row] = -1
-        table.epoch += 1  # batches holding it must check again
-        table.shared[row] = False
-        table.touch(row)
+        held = table.detach(row)  # (its undo recorded; batches holding it check again)
+        self.pool.release(held[::-1].copy())
         self._host[sid] = (host[0], host[1])
 
     def swap_in(self, sid: int) -> None:
@@ -104,18 +99,13 @@ class Swapper:
         k_host, v_host = self._host[sid]
         n_blocks = k_host.shape[1]
         blocks = self.pool.allocate(n_blocks)  # raises before any change (its undo recorded)
-        self._log.append((table.put, row, table.snapshot(row)))
         self._log.append((self._host.__setitem__, sid, (k_host, v_host)))
         index = xp.asarray(np.asarray(blocks, dtype=np.intp))
         self.transaction.kv_written = True
         self.k[:, index] = xp.asarray(k_host)
         self.v[:, index] = xp.asarray(v_host)
         start = table.released.item(row)  # entries the window released stay released
-        table.ensure_width(start + n_blocks + 1)
-        table.tables[row, :start] = -1
-        table.tables[row, start : start + n_blocks] = blocks
-        table.live[row] = sid
-        table.touch(row)
+        table.attach(row, sid, blocks)  # (its undo recorded)
         del self._host[sid]
         self.chains.register_again(row, blocks, start)
 

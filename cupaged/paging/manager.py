@@ -135,7 +135,9 @@ class BlockManager:
         self._pool = BlockPool(num_blocks, self._transaction)
         self._index = PrefixCache(self._pool, block_size, block_hasher)
         tail = block_size if self.prefix_caching else 0
-        self._table = SequenceTable(block_size, tail, window_left=window)
+        self._table = SequenceTable(
+            block_size, tail, window_left=window, transaction=self._transaction
+        )
         self._chains = Chains(
             self._table, self._pool, self._index, self._transaction, self.prefix_caching
         )

@@ -47,6 +47,7 @@ import numpy as np
 from .._arrays.checks import as_int, require
 from .._util import cdiv
 from ..errors import CupagedError
+from .transaction import Transaction
 
 _EITHER = np.dtype("<u2")  # little-endian: the first flag (shared) is the low byte
 SHARED_BITS = 0xFF  # shared[row] in either[row]
@@ -61,6 +62,8 @@ class SequenceTable:
             prefix caching, else 0).
         window_left: the sliding window whose releases the rows follow (-1: none; read by the
             plans the table issues).
+        transaction: where the verbs record their undo (the manager's; a table of its own by
+            default).
     """
 
     def __init__(
@@ -70,8 +73,10 @@ class SequenceTable:
         rows: int = 16,
         width: int = 16,
         window_left: int = -1,
+        transaction: Transaction | None = None,
     ):
         self.block_size = block_size
+        self._log = (transaction or Transaction()).log  # (the same list for its life)
         self.window_left = window_left
         self.tables = np.zeros((rows, width), np.int32)
         self.flat = self.tables.reshape(-1)  # the same memory: entry row * width + j
@@ -310,6 +315,34 @@ class SequenceTable:
         self.version[row] = self.clock
         self.free_rows.append(row)
         self.epoch += 1  # after the change (see `epoch`)
+
+    # ------------------------------------------------------------------------------ swapping
+
+    def detach(self, row: int) -> np.ndarray:
+        """Swap resident ``row`` out: its held blocks (entries ``released .. held - 1``, in order,
+        a copy) are returned for the caller to release; the row keeps its length, released count
+        and id, with an all-zero table, ``live = -1`` and no shared block. Undo recorded."""
+        blocks = self.tables[row, self.released.item(row) : self.held(row)].copy()
+        self._log.append((self.put, row, self.snapshot(row)))
+        self.tables[row] = 0
+        self.live[row] = -1
+        self.shared[row] = False
+        self.version[row] = self.clock
+        self.epoch += 1  # after the change (see `epoch`): batches holding it check again
+        return blocks
+
+    def attach(self, row: int, sid: int, blocks: Any) -> None:
+        """Make swapped-out ``row`` (sequence ``sid``) resident again on ``blocks``, one per entry
+        it held: the entries its window released stay ``-1`` (one spare column kept past the
+        last). Undo recorded."""
+        blocks = np.asarray(blocks, np.int32)
+        self._log.append((self.put, row, self.snapshot(row)))
+        start = self.released.item(row)
+        self.ensure_width(start + blocks.size + 1)  # one spare column (see `ensure_width`)
+        self.tables[row, :start] = -1
+        self.tables[row, start : start + blocks.size] = blocks
+        self.live[row] = sid
+        self.version[row] = self.clock
 
     def check_room(self, n: int, what: str) -> None:
         """Refuse ``n`` new rows that the host's free memory cannot hold, before growing.
