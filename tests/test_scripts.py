@@ -3,10 +3,13 @@ results, and fail loudly where no GPU is visible."""
 
 from __future__ import annotations
 
+import importlib.machinery
 import os
 import subprocess
 import sys
 import time
+import types
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -191,3 +194,150 @@ def test_gpu_check_tests_summary_names_the_slowest_tests_and_kernel_loads(tmp_pa
         "0.2 s or more (NVRTC compiles), 2.2 s. Slowest:" in lines
     )
     assert "- 1.75 s cuda paged_attention.cu `cupaged::paged_decode<__half, 128, 16>`" in lines
+
+
+# ---- scripts/host-shape: writes into other objects' fields ---------------------------------------
+
+
+def _host_shape():
+    """scripts/host-shape as a module (the file has no .py suffix)."""
+    loader = importlib.machinery.SourceFileLoader("host_shape", str(SCRIPTS / "host-shape"))
+    module = types.ModuleType(loader.name)
+    module.__file__ = loader.path
+    loader.exec_module(module)
+    return module
+
+
+HOST_SHAPE_MODULE = '''\
+import ctypes
+import dataclasses
+import heapq
+import threading
+
+import numpy as np
+
+_LOCAL = threading.local()
+
+
+class Local:
+    def __init__(self):
+        self.own_field = 0
+
+
+class Writer:
+    def __init__(self):
+        self.table = None
+        self.count = 0
+        self.items = []
+        self.own_array = np.zeros(4)
+
+    def run(self, table, chain, rows, lib, record):
+        {body}
+'''
+# Fields that "some class of the package" keeps a container in (container_fields' answer).
+CONTAINERS = {"lens", "keys", "mapping", "items", "heap", "free_rows"}
+
+# (case, body of Writer.run, what field_writes reports of it): every kind of write once.
+WRITES = [
+    ("store", "table.lens = rows", ["table.lens ="]),
+    ("augmented store", "table.lens += 1", ["table.lens +="]),
+    ("subscript store", "table.lens[rows] = 0", ["table.lens[...] ="]),
+    ("augmented subscript", "table.lens[rows] += 1", ["table.lens[...] +="]),
+    ("nested subscripts", "table.tables[rows, 0][1] = 3", ["table.tables[...] ="]),
+    ("del subscript", "del table.tables[rows]", ["del table.tables[...]"]),
+    ("del attribute", "del table.extra", ["del table.extra"]),
+    ("tuple target", "table.epoch, chain.committed = 1, 2", ["table.epoch =", "chain.committed ="]),
+    ("self's field's field", "self.table.lens[rows] = 1", ["self.table.lens[...] ="]),
+    ("alias of self's field", "t = self.table\n        t.version[rows] = 2", ["t.version[...] ="]),
+    ("alias of a field", "flat = table.flat\n        flat[rows] = 4", ["flat (= table.flat)[...] ="]),
+    ("field of an item", "chain[0].committed = 1", ["chain[0].committed ="]),
+    ("append", "chain.keys.append(5)", ["chain.keys.append(...)"]),
+    ("extend", "chain.keys.extend([6])", ["chain.keys.extend(...)"]),
+    ("dict pop", "chain.mapping.pop(1)", ["chain.mapping.pop(...)"]),
+    ("dict update", "chain.mapping.update({})", ["chain.mapping.update(...)"]),
+    ("clear", "self.table.free_rows.clear()", ["self.table.free_rows.clear(...)"]),
+    ("array fill", "table.lens.fill(0)", ["table.lens.fill(...)"]),
+    ("alias then append", "keys = chain.keys\n        keys.append(1)", ["keys (= chain.keys).append(...)"]),
+    ("np.copyto", "np.copyto(table.lens, rows)", ["np.copyto(table.lens, ...)"]),
+    ("heappush", "heapq.heappush(table.heap, 1)", ["heapq.heappush(table.heap, ...)"]),
+    ("out=", "np.add(rows, 1, out=table.lens)", ["out=table.lens"]),
+    ("setattr", "setattr(table, 'lens', rows)", ["setattr(table, ...)"]),
+    ("flags", "table.lens.flags.writeable = False", ["table.lens.flags.writeable ="]),
+]  # fmt: skip
+
+# Bodies that write nothing of another object's (each exemption of the docstring once).
+NO_WRITES = [
+    ("own fields", "self.count += 1\n        self.items.append(1)\n        self.own_array[rows] = 0"),
+    ("alias of self", "me = self\n        me.count = 2"),
+    ("a local array", "rows[0] = 1\n        rows.fill(0)"),
+    ("alias rebound", "lens = table.lens\n        lens = lens + 1"),
+    ("reads", "x = table.lens[rows] + chain.keys[0]\n        table.lens.copy()"),
+    ("a verb named like a mutator", "table.cache.append(1)"),
+    ("an object it made", "made = Local()\n        made.value = 1\n        made.inner.x = 2"),
+    ("a replaced record", "record = dataclasses.replace(record, a=1)\n        record.b = 2"),
+    ("a function it defines", "def local_fn():\n            pass\n        local_fn.__name__ = 'x'"),
+    ("ctypes declarations", "lib.fn.restype = ctypes.c_int\n        lib.fn.argtypes = []"),
+    ("a module global it made", "_LOCAL.buffer = 1"),
+    ("a local array's flags", "array = np.zeros(3)\n        array.flags.writeable = False"),
+    ("a field of the module's class", "table.own_field = 1"),
+    ("documented exception", "table.lens[rows] = 0  # writes: the test's exception"),
+    ("a local function named put", "def put(a, b):\n            pass\n        put(table.lens, 1)"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("body", "expected"), [c[1:] for c in WRITES], ids=[c[0] for c in WRITES])
+def test_host_shape_counts_each_kind_of_write(tmp_path, body, expected):
+    host_shape = _host_shape()
+    path = tmp_path / "writer.py"
+    path.write_text(HOST_SHAPE_MODULE.format(body=body))
+    found = host_shape.field_writes(path, CONTAINERS, root=tmp_path)
+    assert [w.text for w in found] == expected, body
+    last = "        " + body.splitlines()[-1].strip()
+    line = HOST_SHAPE_MODULE.format(body=body).splitlines().index(last)
+    assert {w.site for w in found} == {f"writer.py:{line + 1}"}
+
+
+@pytest.mark.parametrize("body", [c[1] for c in NO_WRITES], ids=[c[0] for c in NO_WRITES])
+def test_host_shape_exempts_own_and_new_objects(tmp_path, body):
+    path = tmp_path / "writer.py"
+    path.write_text(HOST_SHAPE_MODULE.format(body=body))
+    assert _host_shape().field_writes(path, CONTAINERS, root=tmp_path) == []
+
+
+def test_host_shape_finds_container_fields_and_sequence_table_writes(tmp_path):
+    host_shape = _host_shape()
+    path = tmp_path / "owner.py"
+    path.write_text(HOST_SHAPE_MODULE.format(body="pass"))
+    assert host_shape.container_fields([path]) == {"items", "own_array"}  # not count, table
+    write = host_shape.Write
+    writes = [
+        write("cupaged/paging/planner.py:3", "lens", "table.lens[...] ="),
+        write("cupaged/paging/planner.py:4", "keys", "chain.keys +="),
+        write("cupaged/paging/sequences.py:5", "lens", "table.lens[...] ="),
+        write("cupaged/cache/swap.py:6", "epoch", "table.epoch +="),
+    ]
+    assert host_shape.sequence_table_writes(writes) == [writes[0], writes[3]]
+
+
+def test_host_shape_reports_writes_per_module_and_every_site():
+    run = subprocess.run(
+        [sys.executable, str(SCRIPTS / "host-shape"), "--details"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    lines = run.stdout.splitlines()
+    assert run.returncode in (0, 1), run.stderr
+    sites = [line.split()[1] for line in lines if line.startswith("write: ")]
+    table_sites = [line.split()[1] for line in lines if line.endswith("(SequenceTable)")]
+    for label, listed in (
+        ("writes into other objects' fields", sites),
+        ("of them into SequenceTable's", table_sites),
+    ):
+        at = next(i for i, line in enumerate(lines) if label in line)
+        assert int(lines[at].split()[-2]) == len(listed), lines[at]
+        per_module = {}
+        for line in lines[at + 1 :]:
+            if not line.startswith("      "):
+                break
+            module, count = line.split()
+            per_module[module] = int(count)
+        assert per_module == dict(Counter(s.rpartition(":")[0] for s in listed)), label
