@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import doctest
+import importlib
 import importlib.metadata
 import subprocess
 import sys
@@ -43,14 +44,15 @@ def test_docstring_examples_run(module):
     assert result.attempted > 0 and result.failed == 0
 
 
-def test_the_earlier_module_paths_still_import_the_same_names():
-    """``cupaged.paging.pool`` and ``cupaged.paging.prefix`` are where the docs and earlier
-    releases import from: they re-export the names of ``cupaged.paging``."""
-    assert cupaged.paging.pool.BlockPool is cupaged.paging.pool.BlockPool is cupaged.BlockPool
-    for name in cupaged.paging.prefix.__all__:
-        assert hasattr(cupaged.paging.prefix, name)
-    assert cupaged.paging.prefix.PrefixCache is cupaged.paging.prefix.PrefixCache
-    assert cupaged.paging.prefix.BlockHasher is cupaged.paging.prefix.BlockHasher
+def test_the_moved_module_paths_are_gone_and_cupaged_cache_still_imports():
+    """The layers' packages (docs/changelog.md): ``cupaged.cache`` is a package that still gives
+    ``PagedCache`` and ``CacheSpec``; the two shims of releases that never existed are gone."""
+    from cupaged.cache import CacheSpec, PagedCache
+
+    assert PagedCache is cupaged.PagedCache and CacheSpec is cupaged.CacheSpec
+    for gone in ("block_pool", "prefix_cache", "ops", "reference", "page_table", "memory"):
+        with pytest.raises(ModuleNotFoundError):
+            importlib.import_module(f"cupaged.{gone}")
 
 
 def test_public_names():
