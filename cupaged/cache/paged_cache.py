@@ -1,7 +1,8 @@
-"""PagedCache: a :class:`~cupaged.BlockManager` that owns the K/V pool and writes into it.
+"""PagedCache: the K/V pool and its writes, over a :class:`~cupaged.BlockManager`'s public verbs.
 
-The bookkeeping (tables, refcounts, copy-on-write plans, prefix caching) is the block manager's;
-this class adds the arrays: one ``[num_layers, num_blocks, num_kv_heads, block_size, head_dim]``
+The bookkeeping (tables, refcounts, copy-on-write plans, prefix caching, which blocks a swap
+frees or takes) is the block manager's, which the cache has (``cache.manager``) and calls only
+through its public verbs; this class adds the arrays: one ``[num_layers, num_blocks, num_kv_heads, block_size, head_dim]``
 array each for K and V, :meth:`PagedCache.append` (plan + write in one call), copy-on-write copies
 applied by ``copy_blocks``, swapping a sequence's K/V to host memory and back (preemption, by a
 :class:`~cupaged.cache.swap.Swapper`), and the attention plans of a step over its own tables.
@@ -20,27 +21,34 @@ from typing import Any
 import numpy as np
 
 from .._arrays.checks import check_dtype, check_shape
+from .._util import cdiv
 from ..attention.decode import DecodePlan
 from ..attention.ops import copy_blocks, write_kv
 from ..attention.prefill import PrefillPlan
-from ..backend import array_module, to_numpy
+from ..backend import array_module, device_module
 from ..dtypes import Q_DTYPE_NAMES, array_dtype_name, as_storage, cache_dtype, is_fp8
-from ..errors import CupagedError
+from ..errors import CupagedError, OutOfBlocksError
 from ..kernels.launch_decode import check_decode_shape
 from ..paging.manager import BlockManager
-from ..paging.planner import NO_SLOTS
 from ..paging.prefix import BlockHasher
 from ..paging.results import StepPlan
 from ..paging.sequences import SequenceBatch
 from ..paging.tokens import step_tokens
-from ..paging.transaction import atomic, run_atomically
+from ..paging.transaction import atomic, forwards, run_atomically
+from .forwarding import ManagerVerbs
 from .scales import KVScales
 from .spec import CacheSpec
-from .swap import DeferredCopies, Swapper
+from .swap import Swapper
 
 
-class PagedCache(BlockManager):
+class PagedCache(ManagerVerbs):
     """A paged KV cache: block pool, per-sequence block tables, refcounts and copy-on-write.
+
+    It has a :class:`BlockManager` (:attr:`manager`) for the bookkeeping and offers every public
+    verb of it too (:class:`~cupaged.cache.forwarding.ManagerVerbs`: ``add_sequence``,
+    ``admit``, ``fork``, ``seq_len``, ``block_tables``, ``transaction`` ...), adding the K/V
+    arrays to the calls that move K/V. It is no ``BlockManager`` subclass: code that takes a
+    manager takes ``cache.manager``.
 
     Args:
         num_blocks: physical blocks in the pool.
@@ -111,7 +119,7 @@ class PagedCache(BlockManager):
         self.spec = CacheSpec(num_layers, num_kv_heads, head_dim, dtype, block_size)
         if attention_kernels:
             check_decode_shape(self.spec.dtype, self.spec.head_dim, self.spec.block_size)
-        super().__init__(
+        self._manager = BlockManager(
             num_blocks,
             self.spec.block_size,
             device=device,
@@ -119,14 +127,15 @@ class PagedCache(BlockManager):
             block_hasher=block_hasher,
             window_left=window_left,
         )
+        self.device = self._manager.device
+        self.prefix_caching = self._manager.prefix_caching
+        self._xp = device_module(self.device)
+        self._transaction = self._manager.transaction()  # (what `atomic` enters)
         self._scales = KVScales(self._xp, self.spec.dtype, num_layers, num_kv_heads)
         self._scales.set(k_scales, v_scales)  # (before the K/V: a refusal allocates none)
         shape = (num_layers, self.num_blocks, num_kv_heads, self.spec.block_size, head_dim)
         self.k, self.v = (self._xp.zeros(shape, cache_dtype(dtype, self._xp)) for _ in "kv")
-        self._swapper = Swapper(
-            self._table, self._pool, self._chains, self._transaction, self.k, self.v, self._xp
-        )
-        self._deferred = DeferredCopies(self._table, self._pool, self._transaction)
+        self._swapper = Swapper(self.k, self.v, self._xp, self._transaction)
 
     # ----------------------------------------------------------------------------- writing
 
@@ -148,33 +157,33 @@ class PagedCache(BlockManager):
                 (full blocks are registered under keys of their token ids).
         """
         k, v = _check_kv(self._xp, self.device, self.spec, k, v)
-        transaction = self._transaction
-        row = self._table.resident_row(sid)  # (inside: no other thread's call in between)
-        n = int(k.shape[1])
-        new_tokens = step_tokens(True, 1, n, tokens, self.prefix_caching)
-        if n == 0:
+        manager, transaction, n = self._manager, self._transaction, int(k.shape[1])
+        if n == 0:  # nothing to plan: the checks only
+            manager.block_table(sid)  # (KeyError, or CupagedError for a swapped-out one)
+            step_tokens(True, 1, 0, tokens, self.prefix_caching)
             return
-        rows = np.array([row], np.intp)
-        if self._window is not None:  # what the step before wrote, registered before the plan
-            self._window.register_pending(rows, n)
-        slots, src, dst = self._planner.plan(
-            rows, n, new_tokens, f"appending {n} token(s) to sequence {sid}"
-        )
-        transaction.kv_written = True
-        self._copy(src, dst, checked=False)  # the cache's own plan: valid by construction
-        slots = self._on_device(slots)
+        what = f"appending {n} token(s) to sequence {sid}"
+        if n > manager.num_blocks * manager.block_size:  # more than the pool can ever hold
+            manager.block_table(sid)  # (KeyError, or CupagedError for a swapped-out one)
+            length, size = manager.seq_len(sid), manager.block_size
+            needed = cdiv(length + n, size) - cdiv(length, size)
+            raise OutOfBlocksError(needed, manager.num_free_blocks, what)
+        # The copies applied inside the step; with a window the step releases the blocks before
+        # its first new token's window, none of which holds one of its slots.
+        try:
+            plan = manager.step(sid, n, tokens, copy=self._copy_own)
+        except OutOfBlocksError as error:  # (nothing changed) named as the call the caller made
+            raise OutOfBlocksError(error.needed, error.available, what) from None
+        transaction.wrote_kv()
         for layer in range(self.spec.num_layers):
             self._scales.calibrate(layer, k[layer], v[layer], transaction.record)
             options = self._scales.options(layer, write=True)
             # The slots come from this cache's own plan: distinct and in range, so unchecked.
             pages = self.k[layer], self.v[layer]
-            write_kv(*pages, k[layer], v[layer], slots, checked=False, **options)
-        if self._table.pending.item(row):  # written: its full blocks may serve others now
-            self._chains.save([row])
-            self._chains.commit([row])
-        if self._window is not None:  # after the writes: none of them lands in a released block
-            self._window.release(rows, n, grown=True)
+            write_kv(*pages, k[layer], v[layer], plan.slots, checked=False, **options)
+        manager.commit(sid)  # written: its full blocks may serve others now
 
+    @forwards
     def step(
         self,
         sids: int | Iterable[int] | SequenceBatch,
@@ -196,14 +205,9 @@ class PagedCache(BlockManager):
                 them: a ``KeyboardInterrupt`` that lands once the step is done loses the plan,
                 never the pairs.
         """
-        if type(sids) is int and type(num_tokens) is int and num_tokens == 1 and not tables:
-            slot = self._one_token(sids, tokens)  # one token in its own last block: no copy
-            if slot is not None:
-                return StepPlan(slot, NO_SLOTS, NO_SLOTS, 1, 1)
-        if not isinstance(sids, (int, np.integer, SequenceBatch)):
-            sids = list(sids)  # (resolved twice: for the plan, for the copies it leaves)
-        return run_atomically(
-            self._transaction, self._step_and_copy, sids, num_tokens, tokens, apply_copies, tables
+        copy = self._copy_own if apply_copies else None
+        return self._manager.step(
+            sids, num_tokens, tokens, tables=tables, copy=copy, hold_copies=not apply_copies
         )
 
     def reserve(
@@ -245,11 +249,9 @@ class PagedCache(BlockManager):
             ValueError: a pair that is not such a copy still to apply: any other destination may
                 hold another sequence's written tokens, which the copy would overwrite.
         """
-        src_list, dst_list = to_numpy(src).tolist(), to_numpy(dst).tolist()
-        self._deferred.take(src_list, dst_list)  # refuses others
-        self._transaction.kv_written = True
+        self._manager.release_copies(src, dst)  # refuses others; copied below, in this call
+        self._transaction.wrote_kv()
         self._copy(src, dst, checked=True)
-        self._deferred.let_go(src_list)  # copied: the sources need no holding
 
     def pending_copies(self) -> tuple[np.ndarray, np.ndarray]:
         """The copy-on-write pairs that ``step(..., apply_copies=False)`` left and no
@@ -262,7 +264,7 @@ class PagedCache(BlockManager):
 
             cache.apply_copies(*cache.pending_copies())
         """
-        return self._deferred.pending()
+        return self._manager.pending_copies()
 
     def kv_scales(self, layer: int) -> tuple[Any, Any]:
         """``(k_scale, v_scale)``: ``[num_kv_heads]`` float32 device arrays that ``cache.k[layer]``
@@ -286,7 +288,7 @@ class PagedCache(BlockManager):
             CupagedError: the cache holds K/V (a block in use or cached, a sequence swapped out).
             ValueError, TypeError: not an fp8 cache, or bad values. (Refused: nothing changes.)
         """
-        _check_no_kv(self._pool, len(self._swapper))
+        _check_no_kv(self._manager.pool, len(self._swapper))
         self._scales.set(k_scales, v_scales, self._transaction.record)
 
     def calibrate_kv_scales(self, layer: int, k: Any, v: Any) -> None:
@@ -332,8 +334,7 @@ class PagedCache(BlockManager):
             q_dtype: the queries' dtype over an fp8 cache (a plan runs one; default float16),
                 else ``None`` or the cache's dtype. Then ``run(..., **cache.scale_options(layer))``.
         """
-        own = isinstance(sids, StepPlan)
-        tables, lens = self._step_tables(sids) if own else self.block_tables(sids)
+        tables, lens = self._manager.block_tables(sids)  # (a StepPlan: its step's)
         options = _variants(self.window_left, logits_soft_cap, alibi_slopes)
         options.update(scale=scale, num_splits=num_splits, **self._trusted())
         options.update(_fp8_plan_options(self.spec.dtype, q_dtype))
@@ -373,18 +374,18 @@ class PagedCache(BlockManager):
                 :class:`cupaged.PrefillPlan`.
             q_dtype: as :meth:`decode_plan` takes it.
         """
+        manager = self._manager
         if isinstance(step, StepPlan):
-            tables, _ = self._step_tables(step)
+            tables, _ = manager.block_tables(step)
             lens, starts = step.host_context_lens, step.query_start_loc
         else:
             if num_tokens is None:
                 raise TypeError("expected num_tokens= (query tokens per sequence) with ids")
             if not isinstance(step, SequenceBatch):
                 step = list(step)  # (resolved twice: for the tables, for the lengths)
-            tables, _ = self.block_tables(step)
-            rows = self._rows_of(step)
-            lens = self._table.lens[rows]
-            held_from = self._table.released[rows].astype(np.int64) * self.spec.block_size
+            tables, _ = manager.block_tables(step)
+            lens, released = manager.lengths(step)
+            held_from = released.astype(np.int64) * self.spec.block_size
             starts = _query_starts(self.window_left, held_from, lens, num_tokens)
         options = _variants(self.window_left, logits_soft_cap, alibi_slopes)
         options.update(scale=scale, causal=causal, num_splits=num_splits, **self._trusted())
@@ -399,7 +400,26 @@ class PagedCache(BlockManager):
             array dtype; ``k[:, pos]`` is position ``pos``. The tokens of blocks that the
             window released (entries ``-1`` of :meth:`block_table`) are zeros.
         """
-        return self._swapper.gather(self._table.resident_row(sid))
+        held = np.array(self._manager.block_table(sid), np.int32)  # (refuses a swapped one)
+        start = int(np.count_nonzero(held < 0))  # the window's released entries lead
+        return self._swapper.gather(held[start:], self._manager.seq_len(sid), start)
+
+    # ----------------------------------------------------------------------------- lifecycle
+
+    @atomic
+    def free(self, sid: int) -> None:
+        """:meth:`BlockManager.free`, and the host copy of a swapped-out sequence with it."""
+        self._manager.free(sid)
+        if len(self._swapper):  # mostly: no host copy to drop
+            self._swapper.drop([sid])
+
+    @atomic
+    def free_many(self, sids: Iterable[int]) -> None:
+        """:meth:`BlockManager.free_many`, and the host copies of swapped-out ones with them."""
+        sid_list = list(sids)
+        self._manager.free_many(sid_list)
+        if len(self._swapper):
+            self._swapper.drop(sid_list)
 
     # ----------------------------------------------------------------------------- swapping
 
@@ -413,9 +433,7 @@ class PagedCache(BlockManager):
         and ``swap_in`` work. A sequence with a copy left to apply (``step(...,
         apply_copies=False)``) is refused (``CupagedError``): apply it first.
         """
-        if len(self._deferred):
-            self._deferred.refuse_swap(sid)
-        self._swapper.swap_out(sid)
+        self._swapper.save(sid, self._manager.swap_out(sid))  # (the blocks: freed, unchanged)
 
     @atomic
     def swap_in(self, sid: int) -> None:
@@ -425,7 +443,7 @@ class PagedCache(BlockManager):
         cache again unless their key is taken. All or nothing: :class:`OutOfBlocksError` changes
         nothing and the sequence stays swapped out.
         """
-        self._swapper.swap_in(sid)
+        self._swapper.load(sid, self._manager.swap_in(sid))
 
     # ----------------------------------------------------------------------------- checking
 
@@ -438,20 +456,11 @@ class PagedCache(BlockManager):
         Raises:
             AssertionError: naming the first broken invariant.
         """
-        super().check_invariants()
-        self._swapper.check_invariants(self.block_size)
+        self._manager.check_invariants()
+        self._swapper.check_invariants(self._manager)
         self._scales.check_invariants()
 
     # ----------------------------------------------------------------------------- internals
-
-    def _before_release(self, rows: list[int]) -> None:
-        if len(self._swapper):  # mostly: no host copy to drop
-            self._swapper.drop([self._table.sids.item(row) for row in rows])
-        if len(self._deferred):  # mostly: no copy left to apply
-            self._deferred.forget([self._table.sids.item(row) for row in rows])
-
-    def _held_blocks(self) -> dict[int, int]:
-        return self._deferred.holds()
 
     def _trusted(self) -> dict[str, Any]:
         """The plans' keywords for what they need not check: the cache's own tables and
@@ -460,18 +469,9 @@ class PagedCache(BlockManager):
         own = self._scales.k, self._scales.v
         return {"tables_checked": False, "trusted_scales": () if own[0] is None else own}
 
-    def _step_and_copy(
-        self, sids: Any, num_tokens: Any, tokens: Any, apply_copies: bool, tables: bool
-    ) -> StepPlan:
-        plan = self._step(sids, num_tokens, tokens, tables)
-        if plan.copy_src.size:
-            if apply_copies:
-                self._transaction.kv_written = True
-                self._copy(plan.copy_src, plan.copy_dst, checked=False)  # its own plan
-                plan.copies_applied = True
-            else:
-                self._deferred.leave(plan.copy_src, plan.copy_dst, self._rows_of(sids))
-        return plan
+    def _copy_own(self, src: np.ndarray, dst: np.ndarray) -> None:
+        """A step's copies, inside it: the cache's own plan, valid by construction."""
+        self._copy(src, dst, checked=False)
 
     def _copy(self, src: Any, dst: Any, checked: bool) -> None:
         if len(src):

@@ -13,9 +13,10 @@ Its 8th token (position 7) fills block 2; the 9th takes a new block from the poo
 Blocks are shared by reference: :meth:`BlockManager.fork` gives a child the parent's table and bumps
 every block's refcount. The first write into a shared, partly filled last block gets a fresh block
 and a *copy* ``(src, dst)`` in the step's plan (copy-on-write); full shared blocks are never written
-again, so they are never copied. :class:`~cupaged.PagedCache` builds on this class, owns the K/V
+again, so they are never copied. :class:`~cupaged.PagedCache` has one of these, owns the K/V
 arrays and applies the copies itself; an engine that owns its own tensors uses ``BlockManager``
-directly and applies them (one ``copy_blocks`` per step, for all layers).
+directly and applies them (one ``copy_blocks`` per step, for all layers, or ``step(...,
+copy=...)`` to apply them inside the step's transaction).
 
 The manager composes one owner per piece of state and passes each what it works on::
 
@@ -26,14 +27,18 @@ The manager composes one owner per piece of state and passes each what it works 
     Chains          each sequence's prefix chain, and registering its blocks
     Planner         a step's slots, new blocks and copies
     Window          with window_left >= 0, releasing the blocks no query can see any more
+    DeferredCopies  copy-on-write pairs left to apply, holding their sources
 
 Every public call that changes state is ``validate -> plan -> apply`` inside the transaction: what
-can fail runs before the first change, and each change records its undo first.
+can fail runs before the first change, and each change records its undo first. Swapping is
+bookkeeping here too (``swap_out`` frees a sequence's blocks and hands their ids over,
+``swap_in`` takes fresh ones): whoever owns the K/V moves the bytes of those ids inside the same
+``with manager.transaction():``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -41,9 +46,11 @@ import numpy as np
 
 from .._arrays.checks import as_int
 from .._util import cdiv
-from ..backend import device_module, resolve_device
+from ..backend import device_module, resolve_device, to_numpy
+from ..errors import CupagedError
 from ..variants import check_window_left
 from .chains import Chains
+from .copies import DeferredCopies
 from .lifecycle import Lifecycle
 from .planner import NO_SLOTS, Planner
 from .pool import BlockPool
@@ -80,7 +87,7 @@ def _checked_sizes(num_blocks: Any, block_size: Any) -> tuple[int, int]:
 class BlockManager:
     """Block pool, per-sequence block tables, refcounts, copy-on-write plans and prefix caching.
 
-    No K/V arrays: this is what :class:`~cupaged.PagedCache` builds on, and what an engine that
+    No K/V arrays: this is what :class:`~cupaged.PagedCache` composes, and what an engine that
     owns its tensors uses. The step API works on whole batches::
 
         batch = manager.batch(sids)                  # resolve the ids once
@@ -148,6 +155,7 @@ class BlockManager:
         owners = (self._table, self._pool, self._chains, self._transaction)
         self._window = Window(window, *owners) if window >= 0 else None
         self._one_slot = OneSlots()
+        self._copies = DeferredCopies(self._table, self._pool, self._transaction)
         self._one_token_path = not self.prefix_caching and self._window is None
         # After any rollback every row counts as changed: batches refresh their device tables.
         self._transaction.after_rollback.append(self._table.touch_all)
@@ -178,6 +186,31 @@ class BlockManager:
     def pool(self) -> BlockPool:
         """The :class:`~cupaged.BlockPool` (read it; changing it by hand breaks the tables)."""
         return self._pool
+
+    def transaction(self) -> Transaction:
+        """The manager's :class:`~cupaged.paging.transaction.Transaction`, for compound calls.
+
+        ``with manager.transaction():`` runs a block as one call: exclusive (another thread is
+        refused) and all or nothing (an exception out of the block, ``KeyboardInterrupt``
+        included, undoes every change the block's calls made). The public calls made directly
+        in the block join it; a call from elsewhere meanwhile (a signal handler, a callback) is
+        refused. Owners of K/V record the undo of their own changes with ``record``::
+
+            with manager.transaction():
+                blocks = manager.swap_out(sid)          # the bookkeeping: ids handed over
+                host[sid] = k_pages[:, blocks].copy()   # the bytes, before anything reuses them
+        """
+        return self._transaction
+
+    def lengths(self, sids: Iterable[int] | SequenceBatch) -> tuple[np.ndarray, np.ndarray]:
+        """``(lens, released)`` of live sequences (resident or swapped out): each one's length
+        and the leading blocks its window released (0 without a window), ``[len(sids)]`` int32
+        host arrays (copies)."""
+        if isinstance(sids, SequenceBatch):
+            rows = self._rows_of(sids)
+        else:
+            rows = np.array([self._table.row(sid) for sid in sids], np.intp)
+        return self._table.lens[rows], self._table.released[rows]
 
     @property
     def prefix_cache_stats(self) -> PrefixCacheStats:
@@ -289,7 +322,8 @@ class BlockManager:
         prompt's head survives eviction longest. Blocks the window released were dropped then.
         """
         rows = [self._table.row(sid)]
-        self._before_release(rows)
+        if len(self._copies):  # mostly: no copy left to apply
+            self._copies.forget([self._table.sids.item(rows[0])])
         self._lifecycle.release(rows)
 
     @atomic
@@ -299,7 +333,8 @@ class BlockManager:
         rows = [self._table.row(sid) for sid in sid_list]  # raises for an unknown one
         if len(set(rows)) != len(rows):
             raise ValueError(f"expected distinct sequence ids, got {sid_list}")
-        self._before_release(rows)
+        if len(self._copies):  # mostly: no copy left to apply
+            self._copies.forget([self._table.sids.item(row) for row in rows])
         self._lifecycle.release(rows)
 
     @atomic
@@ -342,6 +377,8 @@ class BlockManager:
         tokens: Any = None,
         *,
         tables: bool = False,
+        copy: Callable[[np.ndarray, np.ndarray], None] | None = None,
+        hold_copies: bool = False,
     ) -> StepPlan:
         """Make room for the next tokens of a batch: the slots to write and the blocks to copy.
 
@@ -363,6 +400,12 @@ class BlockManager:
             tables: also build the batch's block tables and lengths (``plan.block_tables``,
                 ``plan.context_lens``): with ``plan.slots`` and ``plan.query_start_loc``, every
                 argument a mixed step's attention (``PrefillPlan``) needs, from one call.
+            copy: applies the copies inside the step's transaction: ``copy(src, dst)`` with the
+                ``[num_copies]`` int32 host arrays, when there are any (``plan.copies_applied``
+                is then ``True``); an exception from it undoes the step.
+            hold_copies: with ``copy=None``, leave the copies to apply later and hold each
+                source block (no other sequence takes it, whatever happens to its sharers) until
+                :meth:`release_copies` takes the pair; :meth:`pending_copies` lists them.
 
         Returns:
             The :class:`StepPlan`.
@@ -371,17 +414,22 @@ class BlockManager:
             slot = self._one_token(sids, tokens)
             if slot is not None:
                 return StepPlan(slot, NO_SLOTS, NO_SLOTS, 1, 1)
-        return run_atomically(self._transaction, self._step, sids, num_tokens, tokens, tables)
+        return run_atomically(
+            self._transaction, self._step, sids, num_tokens, tokens, tables, copy, hold_copies
+        )
 
     @atomic
-    def block_tables(self, sids: Iterable[int] | SequenceBatch) -> tuple[Any, Any]:
+    def block_tables(self, sids: Iterable[int] | SequenceBatch | StepPlan) -> tuple[Any, Any]:
         """Dense block tables and lengths of a batch, on the manager's device, for attention.
 
         Build them once per decode step and pass them to every layer's attention call.
 
         Args:
-            sids: a :class:`SequenceBatch`, or the batch's sequence ids in the order of the query
-                rows.
+            sids: a :class:`SequenceBatch`, the batch's sequence ids in the order of the query
+                rows, or a :class:`StepPlan` of this manager made with ``step(...,
+                tables=True)``: its step's tables, refused (``ValueError``) once a later call
+                changed its sequences (their lengths, residency, or the batch's order), which
+                would attend entries the window released since, or blocks that went to others.
 
         Returns:
             ``(block_tables, context_lens)``: ``[len(sids), width]`` int32, padded with 0 past
@@ -390,7 +438,77 @@ class BlockManager:
             batch's longest table (at least 1); for a :class:`SequenceBatch` it is at least
             that, and the array is the batch's own, refreshed in place by the next call.
         """
+        if isinstance(sids, StepPlan):
+            return self._step_tables(sids)
         return self._tables(self._rows_of(sids), sids)
+
+    # ----------------------------------------------------------------------------- swapping
+
+    @atomic
+    def swap_out(self, sid: int) -> np.ndarray:
+        """Swap sequence ``sid`` out: free its device blocks and keep its row (length, prefix
+        chain, released entries) for :meth:`swap_in`; shared blocks keep their other holders.
+
+        Returns the blocks it held, in order (``[n]`` int32 host array, the window's released
+        entries left out): copy their K/V out inside the same ``with manager.transaction():``,
+        before anything else takes them (:class:`~cupaged.PagedCache` does). Until
+        :meth:`swap_in` the sequence cannot be stepped, forked or attended to
+        (``CupagedError``); ``seq_len``, ``free`` and ``swap_in`` work.
+
+        Raises:
+            KeyError: unknown id. CupagedError: swapped out already, or a copy for it left to
+            apply (``hold_copies``): its block would travel without the copied bytes.
+        """
+        table = self._table
+        row = table.resident_row(sid)
+        if len(self._copies):
+            self._copies.refuse_swap(sid)
+        blocks = table.detach(row)  # (its undo recorded; batches holding it check again)
+        self._pool.release(blocks[::-1].copy())  # the last block first: the head stays longest
+        return blocks
+
+    @atomic
+    def swap_in(self, sid: int) -> np.ndarray:
+        """Bring a swapped-out sequence back on fresh blocks, one per block it held (sharing is
+        not restored; full ones are registered in the prefix cache again unless their key is
+        taken), and return them in order (``[n]`` int32 host array): copy its K/V into them
+        inside the same ``with manager.transaction():``.
+
+        Raises:
+            KeyError: unknown id. CupagedError: not swapped out. OutOfBlocksError: too few
+            blocks (nothing changes).
+        """
+        table = self._table
+        row = table.row(sid)
+        if table.live.item(row) >= 0:
+            raise CupagedError(f"sequence {sid} is not swapped out")
+        start = table.released.item(row)  # entries the window released stay released
+        blocks = self._pool.allocate(table.held(row) - start)  # raises before any change
+        table.attach(row, sid, blocks)  # (its undo recorded)
+        self._chains.register_again(row, blocks, start)
+        return np.array(blocks, np.int32)
+
+    # ----------------------------------------------------------------------------- copies left
+
+    def pending_copies(self) -> tuple[np.ndarray, np.ndarray]:
+        """The copy-on-write pairs that ``step(..., hold_copies=True)`` left and no
+        :meth:`release_copies` took yet: ``(src, dst)``, ``[num_pairs]`` int32 host arrays, in
+        the order the steps left them (pairs of freed sequences are gone)."""
+        return self._copies.pending()
+
+    @atomic
+    def release_copies(self, src: Any, dst: Any) -> None:
+        """Take pairs that ``step(..., hold_copies=True)`` left (host or device int32 arrays,
+        any order, all of a step's or some) and let their sources go: their bytes are copied
+        by the same ``with manager.transaction():`` (``PagedCache.apply_copies``).
+
+        Raises:
+            ValueError: a pair that is not such a copy still to apply: any other destination
+                may hold another sequence's written tokens, which the copy would overwrite.
+        """
+        src_list, dst_list = to_numpy(src).tolist(), to_numpy(dst).tolist()
+        self._copies.take(src_list, dst_list)  # refuses others
+        self._copies.let_go(src_list)
 
     # ----------------------------------------------------------------------------- checking
 
@@ -405,12 +523,14 @@ class BlockManager:
         Raises:
             AssertionError: naming the first broken invariant.
         """
-        self._lifecycle.check(self._window, self._held_blocks())
+        self._lifecycle.check(self._window, self._copies.holds())
 
     # ----------------------------------------------------------------------------- internals
-    # Called inside the transaction; PagedCache builds its calls on them.
+    # Called inside the transaction.
 
-    def _step(self, sids: Any, num_tokens: Any, tokens: Any, tables: bool) -> StepPlan:
+    def _step(
+        self, sids: Any, num_tokens: Any, tokens: Any, tables: bool, copy: Any, hold: bool
+    ) -> StepPlan:
         rows = self._rows_of(sids)
         counts = token_counts(num_tokens, rows.size, self._capacity)
         if tokens is None and not self.prefix_caching:
@@ -426,7 +546,15 @@ class BlockManager:
         slots, src, dst = self._planner.plan(rows, counts, new_tokens, None, bases)
         if self._window is not None:  # after the plan: it cannot take (and write) what goes
             self._window.release(rows, counts, grown=True)
-        plan = StepPlan(self._on_device(slots), src, dst, counts, rows.size)
+        copied = False
+        if src.size:
+            if copy is not None:
+                self._transaction.wrote_kv()
+                copy(src, dst)
+                copied = True
+            elif hold:
+                self._copies.leave(src, dst, rows)
+        plan = StepPlan(self._on_device(slots), src, dst, counts, rows.size, copied)
         plan.issuer = self._table
         if tables:
             table = self._table
@@ -437,13 +565,10 @@ class BlockManager:
             plan.stamp = StepStamp(own_rows, table.sids[rows], batch, table.epoch)
         return plan
 
-    @atomic
     def _step_tables(self, step: StepPlan) -> tuple[Any, Any]:
         """A ``step(..., tables=True)`` plan's block tables and lengths, for the attention of
-        its step: refused once a later call changed its sequences (their lengths, residency, or
-        the batch's order), which would attend entries the window released since, or blocks
-        that went to others. A swap-out and swap-in (the lengths as they were) moves a
-        sequence's blocks: the tables then follow them.
+        its step (see :meth:`block_tables`). A swap-out and swap-in (the lengths as they were)
+        moves a sequence's blocks: the tables then follow them.
 
         Raises:
             ValueError: a plan of another manager, one without tables, or a stale one.
@@ -514,12 +639,3 @@ class BlockManager:
 
     def _on_device(self, host: np.ndarray) -> Any:
         return host if self._xp is np else self._xp.asarray(host)
-
-    def _before_release(self, rows: list[int]) -> None:
-        """The sequences of ``rows`` are about to be freed: a subclass that keeps state per
-        sequence drops it here, recording its undo."""
-
-    def _held_blocks(self) -> dict[int, int]:
-        """References to blocks that no table holds (a subclass's), by block, for
-        :meth:`check_invariants`."""
-        return {}

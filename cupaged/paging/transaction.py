@@ -16,18 +16,29 @@ The rules that make it hold at *any* moment, an interrupt between two bytecodes 
    whatever is left then is finished by the next entry (any thread's) before anything else.
 3. **The commit is one C call** (``log.clear()``) in the frame of :func:`atomic`, right after
    the method returns: an interrupt lands before it (the call is undone) or after it (the
-   call's work stands), never inside. :func:`run_atomically` is the same five lines for a
-   function rather than a method; they are written twice, not shared, because a shared helper
-   would be one more Python frame on every call of the bookkeeping.
-4. **The guard is one atomic claim** (``dict.setdefault`` of ``(thread, token of the entry)``:
+   call's work stands), never inside. :func:`run_atomically` is the same lines for a function
+   rather than a method; they are written twice, not shared, because a shared helper would be
+   one more Python frame on every call of the bookkeeping.
+4. **The guard is one atomic claim** (``dict.setdefault`` of ``(thread, frame of the entry)``:
    one C call under the GIL), and ``depth`` says whether a call of the claiming thread is
    running. Python runs a signal's handler where it checks for pending calls: at a function's
    first instruction, after a call returns and at a loop's backward jump. A handler (or a
-   callback) that calls in finds this thread's claim held by another entry and the bookkeeping
-   on its stack: it is refused, however early in the outer call it lands. An interrupt while
+   callback) that calls in finds this thread's claim held, and the frame that took it still on
+   its stack: it is refused, however early in the outer call it lands. An interrupt while
    entering or leaving can leave the claim with the thread it interrupted; that thread's next
-   call, finding no call of the bookkeeping on its stack, takes it back. (Until then another
+   call, finding the claiming frame gone from its stack, takes it back. (Until then another
    thread is refused, never let in.)
+
+**Compound calls.** A call made from the *body* of an open call (the method :func:`atomic`
+wraps, the function :func:`run_atomically` runs, the frame that runs a ``with`` block) joins it
+rather than being refused: its undo goes to the open call's log, and it commits or rolls back
+with it (a joined call that raises first undoes its own changes, so the body may handle the
+error). That is how ``with manager.transaction():`` runs several public calls as one, and how
+:class:`~cupaged.PagedCache` builds its calls on the manager's public ones. The frames decide it,
+not file names: a handler or a callback runs in a frame of its own, so its call is refused
+however deep in the body it lands. (One case looks alike and joins: a C callable such as a
+``functools.partial`` of a public method installed as a signal handler itself, landing in the
+body's own frame.)
 
 Masking signals would not be enough: Python runs signal handlers in the main thread whatever
 thread received the signal, and the CPU backend and notebooks run other threads.
@@ -36,7 +47,6 @@ thread received the signal, and the CPU backend and notebooks run other threads.
 from __future__ import annotations
 
 import functools
-import os
 import sys
 import threading
 from collections.abc import Callable
@@ -45,25 +55,16 @@ from typing import Any
 from ..errors import CupagedError
 
 _get_ident = threading.get_ident
-_CLAIM = 0  # the one key of the claim dictionary: (thread, token of the entry that took it)
+_getframe = sys._getframe  # private: CPython's frames, the one thing the guard keys on
+_CLAIM = 0  # the one key of the claim dictionary: (thread, frame of the entry that took it)
 _ROLLBACK_TRIES = 8
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# The modules whose calls run inside a transaction (their public calls never call each other).
-_BOOKKEEPING = (
-    os.path.join(_PACKAGE, "paging") + os.sep,
-    os.path.join(_PACKAGE, "cache.py"),
-    os.path.join(_PACKAGE, "swap.py"),
-)
+_FORWARDERS: set[Any] = set()  # the code of functions that only pass a call on (see forwards)
 
 
-def _inside_a_call(frame: Any) -> bool:
-    """Whether a frame of the bookkeeping is on the stack below the entering call's own frames
-    (``frame`` and the bookkeeping frames right below it): another call is running, and a
-    signal handler or a callback above it calls in again."""
-    while frame is not None and frame.f_code.co_filename.startswith(_BOOKKEEPING):
-        frame = frame.f_back  # the entering call itself
+def _on_stack(frame: Any, target: Any) -> bool:
+    """Whether ``target`` is ``frame`` or one of the frames below it (its callers)."""
     while frame is not None:
-        if frame.f_code.co_filename.startswith(_BOOKKEEPING):
+        if frame is target:
             return True
         frame = frame.f_back
     return False
@@ -72,10 +73,15 @@ def _inside_a_call(frame: Any) -> bool:
 class Transaction:
     """The scope of one public call: exclusive, all or nothing, safe against interrupts.
 
-    Public calls run as :func:`atomic` methods (``with transaction:`` works too, for code that
-    can afford its ``__exit__``); record undo with :meth:`record` *before* each change. Scopes do not nest: a call from inside a call (a signal
-    handler, or a callback such as a block hasher, that calls the same object) is refused, so
-    the public calls of its owner never call each other.
+    Public calls run as :func:`atomic` methods (or through :func:`run_atomically`); record undo
+    with :meth:`record` *before* each change. ``with transaction:`` runs a block as one call
+    too (:meth:`BlockManager.transaction <cupaged.BlockManager.transaction>` hands it out for
+    compound calls): the public calls made directly in the block join it. It commits in
+    ``__exit__``, and an interrupt that lands at that method's first instruction leaves the
+    block's changes for the next call from outside the block's frame to undo (a call from the
+    same frame still joins the block): use :func:`atomic` where that matters. Any other call
+    from inside a call (a signal handler, or a callback such as a block hasher, that calls the
+    same object) is refused.
 
     Attributes:
         log: the undo records of the open call, oldest first: ``(function, *args)`` tuples
@@ -83,8 +89,9 @@ class Transaction:
         depth: 1 while a call of the claiming thread is inside, else 0.
         after_rollback: functions (each idempotent) run once a rollback has undone every
             record.
-        kv_written: set when K/V were written into blocks the call took; a rollback then leaves
-            evicted blocks out of the prefix cache (their content is gone), as free blocks.
+        kv_written: set (by :meth:`wrote_kv`) when K/V were written into blocks the call took;
+            a rollback then leaves evicted blocks out of the prefix cache (their content is
+            gone), as free blocks.
 
     Example:
         >>> state = {"n": 0}
@@ -100,11 +107,23 @@ class Transaction:
         0
     """
 
-    __slots__ = ("_claim", "_unfinished", "after_rollback", "depth", "kv_written", "log")
+    __slots__ = (
+        "_bodies",
+        "_claim",
+        "_unfinished",
+        "after_rollback",
+        "depth",
+        "kv_written",
+        "log",
+    )
 
     def __init__(self) -> None:
-        self._claim: dict[int, tuple[int, object]] = {}
-        self.depth = 0  # 1 while a call of the claiming thread is inside
+        self._claim: dict[int, tuple[int, Any]] = {}
+        # The open calls whose bodies may call in (outermost first): (opener, code, mark), the
+        # body being the frame of ``code`` that ``opener`` called (``code`` None: ``opener``
+        # itself), ``mark`` the length of the log when it joined.
+        self._bodies: list[tuple[Any, Any, int]] = []
+        self.depth = 0  # 1 while a call of this thread is inside
         self.log: list[tuple[Any, ...]] = []
         self.kv_written = False
         # Run (each must be idempotent) once a rollback has undone every record.
@@ -114,6 +133,10 @@ class Transaction:
     def record(self, undo: Callable[..., None], *args: Any) -> None:
         """Record ``undo(*args)``, which restores what the next change overwrites."""
         self.log.append((undo, *args))
+
+    def wrote_kv(self) -> None:
+        """Say that the open call writes K/V into blocks it took (see :attr:`kv_written`)."""
+        self.kv_written = True
 
     @property
     def owner(self) -> int | None:
@@ -125,8 +148,7 @@ class Transaction:
         """Take the guard without blocking, for a call that needs no undo (the one-store fast
         path); ``False`` when any call is inside or a rollback is unfinished (the full path then
         refuses, or finishes it). Release it with :meth:`leave`."""
-        me = _get_ident()
-        mine = (me, object())
+        mine = (_get_ident(), _getframe(1))  # the caller's frame: a handler above it is refused
         if self._claim.setdefault(_CLAIM, mine) is not mine:
             return False  # held: another thread's, or this thread's outer call (a re-entry)
         if self.log or self._unfinished:
@@ -135,11 +157,21 @@ class Transaction:
         self.depth = 1  # a call of this thread is inside: a re-entry is refused
         return True
 
-    def enter(self) -> None:
-        """Take the guard for a call of this thread (refused while another call is inside), and
-        finish first what an interrupted call left to undo."""
+    def enter(self, caller: Any, opener: Any, code: Any = None) -> bool:
+        """Take the guard for a call of this thread made from frame ``caller`` (refused while
+        another call is inside), and finish first what an interrupted call left to undo.
+
+        ``opener`` is the frame entering (it holds the claim while on the stack), and the new
+        call's body, whose calls join it, is the frame of ``code`` that ``opener`` calls
+        (``code`` ``None``: ``opener`` itself, a ``with`` block's frame).
+
+        Returns:
+            ``True`` for a new call (commit or :meth:`abort` it, then :meth:`leave`);
+            ``False`` when it joined the open call whose body made it (then :meth:`unjoin`,
+            after :meth:`abort_joined` if it failed).
+        """
         me = _get_ident()
-        mine = (me, object())  # this entry's claim: no earlier entry holds the same one
+        mine = (me, opener)
         fresh = False  # this entry took the claim: an interrupt from here on must drop it
         try:
             owner = self._claim.setdefault(_CLAIM, mine)
@@ -149,10 +181,13 @@ class Transaction:
                         "expected one thread at a time in a PagedCache/BlockManager, got a call "
                         "while another thread is inside one (guard the cache with your own lock)"
                     )
-                # This thread's own claim: a call of the bookkeeping still on the stack (a
-                # signal handler or a callback calling in, however early in that call), or one
-                # an interrupt left (nothing of the bookkeeping on the stack): take it back.
-                if _inside_a_call(sys._getframe(1)):  # private: CPython's frames
+                if self._made_by_a_body(caller):
+                    self._bodies.append((opener, code, len(self.log)))  # (one C call)
+                    return False
+                # This thread's own claim: the call that took it still on the stack (a signal
+                # handler or a callback calling in, however early in that call), or one an
+                # interrupt left (its frame gone): take it back.
+                if _on_stack(caller, owner[1]):
                     raise CupagedError(
                         "expected no call into a PagedCache/BlockManager from inside one of its "
                         "calls, got one (from a signal handler or a callback such as "
@@ -161,6 +196,7 @@ class Transaction:
                 self._claim[_CLAIM] = mine
             fresh = True
             self.depth = 1
+            self._bodies = [(opener, code, 0)]
             if self.log or self._unfinished:  # an interrupted call left changes: undo them
                 self.abort()
             self.kv_written = False
@@ -169,6 +205,7 @@ class Transaction:
                 self.depth = 0
                 self._claim.pop(_CLAIM, None)
             raise
+        return True
 
     def abort(self) -> None:
         """Undo every change of the call, newest first. A rollback that an interrupt cuts short
@@ -177,35 +214,71 @@ class Transaction:
         interrupt = None
         for _ in range(_ROLLBACK_TRIES):
             try:
-                self._rollback()
+                self._rollback(0)
                 break
             except BaseException as error:  # a second Ctrl-C, or a handler's exception
                 interrupt = interrupt or error
         if interrupt is not None:
             raise interrupt
 
+    def abort_joined(self) -> None:
+        """Undo the changes of the innermost joined call (a failed one): the open call goes on
+        as it was before that call. (An interrupt meanwhile goes to the open call, which
+        aborts everything.)"""
+        self._rollback(self._bodies[-1][2])
+
+    def unjoin(self) -> None:
+        """End the innermost joined call (its changes stay in the open call's log)."""
+        if len(self._bodies) > 1:
+            self._bodies.pop()
+
     def leave(self) -> None:
         """Give the guard back (the call committed or aborted)."""
         self.depth = 0
+        self._bodies = []
         self._claim.pop(_CLAIM, None)
 
     def __enter__(self) -> Transaction:
-        self.enter()
+        frame = _getframe(1)
+        self.enter(frame, frame)
         return self
 
     def __exit__(self, kind: Any, error: Any, trace: Any) -> None:
+        bodies = self._bodies
+        if len(bodies) > 1 and bodies[-1][1] is None and bodies[-1][0] is _getframe(1):
+            try:  # a block that joined an open call: that call commits it
+                if kind is not None:
+                    self.abort_joined()
+            finally:
+                self.unjoin()
+            return
         try:
             if kind is None:
                 self.log.clear()
             else:
-                self._rollback()
+                self._rollback(0)
         finally:
             self.leave()
 
-    def _rollback(self) -> None:
+    def _made_by_a_body(self, caller: Any) -> bool:
+        """Whether ``caller`` is the body of an open call: the frame that runs its ``with``
+        block, or the method (function) that its :func:`atomic` (:func:`run_atomically`)
+        frame called."""
+        while caller.f_code in _FORWARDERS:  # (a forwarder called from the body is the body's)
+            caller = caller.f_back
+        for opener, code, _ in self._bodies:
+            if (
+                caller is opener
+                if code is None
+                else (caller.f_code is code and caller.f_back is opener)
+            ):
+                return True
+        return False
+
+    def _rollback(self, mark: int) -> None:
         self._unfinished = True
         log = self.log
-        while log:
+        while len(log) > mark:
             undo, *args = log[-1]
             undo(*args)
             log.pop()  # only once undone: an interrupted rollback repeats this record
@@ -216,40 +289,67 @@ class Transaction:
 
 def run_atomically(transaction: Transaction, function: Callable[..., Any], *args: Any) -> Any:
     """``function(*args)`` as one call inside ``transaction`` (a public call whose fast path runs
-    before it): what :func:`atomic` does for a whole method, committed the same way."""
-    transaction.enter()
-    try:
-        result = function(*args)
-        transaction.log.clear()  # the commit (see atomic)
-    except BaseException:
-        transaction.abort()
-        raise
-    finally:
-        transaction.leave()
-    return result
-
-
-def atomic(method: Callable[..., Any]) -> Callable[..., Any]:
-    """Run a public method of an owner of ``self._transaction`` as one transaction.
-
-    The commit is ``log.clear()`` in this frame, right after the method returns: one C call, so
-    an interrupt lands before it (the call is undone) or after it (the call's work stands),
-    never inside. (A ``with`` block would commit in ``__exit__``, and an interrupt at the first
-    instruction of ``__exit__`` would leave the call neither committed nor undone.)
-    """
-
-    @functools.wraps(method)
-    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
-        transaction = self._transaction
-        transaction.enter()
+    before it): what :func:`atomic` does for a whole method, committed the same way. Made from
+    the body of an open call, it joins that call."""
+    frame = _getframe()
+    if transaction.enter(frame.f_back.f_back, frame, getattr(function, "__code__", None)):
         try:
-            result = method(self, *args, **kwargs)
-            transaction.log.clear()  # the commit
+            result = function(*args)
+            transaction.log.clear()  # the commit (see atomic)
         except BaseException:
             transaction.abort()
             raise
         finally:
             transaction.leave()
         return result
+    try:  # joined: the open call commits it
+        return function(*args)
+    except BaseException:
+        transaction.abort_joined()
+        raise
+    finally:
+        transaction.unjoin()
+
+
+def atomic(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Run a public method of an owner of ``self._transaction`` as one transaction; called from
+    the body of an open call of that transaction, it joins the open call.
+
+    The commit is ``log.clear()`` in this frame, right after the method returns: one C call, so
+    an interrupt lands before it (the call is undone) or after it (the call's work stands),
+    never inside. (A ``with`` block would commit in ``__exit__``, and an interrupt at the first
+    instruction of ``__exit__`` would leave the call neither committed nor undone.)
+    """
+    code = method.__code__
+
+    @functools.wraps(method)
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        transaction = self._transaction
+        frame = _getframe()
+        if transaction.enter(frame.f_back, frame, code):
+            try:
+                result = method(self, *args, **kwargs)
+                transaction.log.clear()  # the commit
+            except BaseException:
+                transaction.abort()
+                raise
+            finally:
+                transaction.leave()
+            return result
+        try:  # joined: the open call commits it
+            return method(self, *args, **kwargs)
+        except BaseException:
+            transaction.abort_joined()
+            raise
+        finally:
+            transaction.unjoin()
 
     return call
+
+
+def forwards(function: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark ``function`` as one that only passes a call on to another object's public calls
+    (``PagedCache.fork`` calls ``BlockManager.fork``): made from the body of an open call, the
+    call it passes on joins that call as if the body had made it."""
+    _FORWARDERS.add(function.__code__)
+    return function
