@@ -33,7 +33,7 @@ from timing import median_seconds, repeats
 import cupaged
 from cupaged import from_float, to_float
 from cupaged.attention.layer import sm_count
-from cupaged.kernels import launch as _launch
+from cupaged.kernels.launch_prefill import prefill_launch
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 8, 2, 128, 16
 ON_GPU = cupaged.resolve_device(None) == "cuda"
@@ -116,7 +116,7 @@ def launches(xp, impl: str, batch, dtype: str) -> str:
     starts = np.concatenate([[0], np.cumsum(counts)])
     lens = np.array([length for length, _ in batch])
     group = NUM_Q_HEADS // NUM_KV_HEADS
-    plan = _launch.prefill_launch(
+    plan = prefill_launch(
         dtype,
         len(batch),
         NUM_KV_HEADS,

@@ -254,19 +254,19 @@ def forget_cuda_state() -> None:
 @contextlib.contextmanager
 def cpu_stride_threads(threads: int):
     """Run ``write_kv`` and ``copy_blocks`` on the CPU backend with ``threads`` threads per block
-    inside (``_launch.CPU_STRIDE_THREADS``, one by default), their launch plans (kept per shape
+    inside (``launch_copies.CPU_STRIDE_THREADS``, one by default), their launch plans (kept per shape
     in ``cupaged.attention.ops``) made afresh on the way in and out."""
     import pytest
 
     from cupaged.attention import ops
-    from cupaged.kernels import launch as _launch
+    from cupaged.kernels import launch_copies
 
     def forget_plans():
         ops._write_plan.cache_clear()
         ops._copy_plan.cache_clear()
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(_launch, "CPU_STRIDE_THREADS", threads)
+        patch.setattr(launch_copies, "CPU_STRIDE_THREADS", threads)
         forget_plans()
         try:
             yield
@@ -290,8 +290,8 @@ class Internals:
     wherever it says enough.
 
     Attributes:
-        manager: the :class:`~cupaged.BlockManager` (a :class:`~cupaged.PagedCache`'s own), or
-            ``None`` for a bare pool or prefix cache.
+        manager: the :class:`~cupaged.BlockManager` (or :class:`~cupaged.PagedCache`), or ``None``
+            for a bare pool or prefix cache.
         transaction: the manager's :class:`~cupaged.paging.transaction.Transaction`.
         pool: the :class:`~cupaged.BlockPool`.
         index: the :class:`~cupaged.PrefixCache` (a manager's, or the bare one given).
@@ -302,16 +302,15 @@ class Internals:
     """
 
     def __init__(self, owner) -> None:
-        from cupaged import BlockManager, BlockPool, DecodePlan, PagedCache, PrefixCache
+        from cupaged import BlockManager, BlockPool, DecodePlan, PrefixCache
 
         self.manager = self.transaction = self.table = self.chains = self.swapper = None
         self.index = self.pool = self.plan = None
-        if isinstance(owner, PagedCache):  # its manager's state, and its host copies
-            self.swapper, owner = owner._swapper, owner._manager
         if isinstance(owner, BlockManager):
             self.manager = owner
             self.transaction, self.pool, self.index = owner._transaction, owner._pool, owner._index
             self.table, self.chains = owner._table, owner._chains
+            self.swapper = getattr(owner, "_swapper", None)
         elif isinstance(owner, BlockPool):
             self.pool = owner
         elif isinstance(owner, PrefixCache):
@@ -340,7 +339,7 @@ class Internals:
     @property
     def unapplied(self) -> dict:
         """A cache's copy-on-write copies left to the caller: ``dst -> (src, sid, column)``."""
-        return self.manager._copies._left
+        return self.manager._deferred._left
 
     def assert_no_call_inside(self) -> None:
         """No call is inside the manager: no undo left to run, no claim held."""
@@ -495,9 +494,8 @@ def inner_calls() -> list[tuple[object, str]]:
     planner, the lifecycle, the swapper, the copy and write kernels. Patch them before the
     cache is made (some are bound at construction)."""
     from cupaged.cache import paged_cache
-    from cupaged.cache.swap import Swapper
+    from cupaged.cache.swap import DeferredCopies, Swapper
     from cupaged.paging import chains, keys, lifecycle, lru, planner, pool, prefix, sequences
-    from cupaged.paging.copies import DeferredCopies
 
     return [
         *_named(
@@ -508,17 +506,17 @@ def inner_calls() -> list[tuple[object, str]]:
         *_named(lru.EvictionQueue, "push revive drop"),
         *_named(
             sequences.SequenceTable,
-            "acquire_many acquire_one release release_row ensure_width touch save save_row "
-            "snapshot next_free",
+            "acquire clone free make_room grow mark_pending write_tails restart_tail detach "
+            "attach _save",
         ),
         *_named(prefix.PrefixCache, "keys next_keys match_unchecked"),
         *_named(
             chains.Chains,
             "commit commit_and_take extend add_keys set drop save keys register_again",
         ),
-        *_named(planner.Planner, "plan plan_rows plan_batch _decode _apply_growth"),
-        *_named(lifecycle.Lifecycle, "admit _attach release _release_one fork"),
-        *_named(Swapper, "save load drop"),
+        *_named(planner.Planner, "plan _plan _decode _entries"),
+        *_named(lifecycle.Lifecycle, "admit _attach release fork"),
+        *_named(Swapper, "swap_out swap_in drop"),
         *_named(paged_cache, "copy_blocks write_kv"),
         *_named(DeferredCopies, "leave take let_go forget"),
     ]
@@ -527,9 +525,8 @@ def inner_calls() -> list[tuple[object, str]]:
 def undo_calls() -> list[tuple[object, str]]:
     """The undo records and the finishers a rollback runs, as ``(owner, name)`` (patched like
     :func:`inner_calls`)."""
-    from cupaged.cache.swap import Swapper
-    from cupaged.paging import chains, keys, lru, planner, pool, prefix, sequences
-    from cupaged.paging.copies import DeferredCopies
+    from cupaged.cache.swap import DeferredCopies, Swapper
+    from cupaged.paging import chains, keys, lru, pool, prefix, sequences
 
     return [
         *_named(
@@ -537,10 +534,9 @@ def undo_calls() -> list[tuple[object, str]]:
         ),
         *_named(keys.KeyMap, "_unregister restore"),
         *_named(lru.EvictionQueue, "_restore _restore_queue restore_dropped"),
-        *_named(sequences.SequenceTable, "restore put unacquire restore_row touch_all"),
+        *_named(sequences.SequenceTable, "_restore _unacquire _ungrow _unrelease _put touch_all"),
         *_named(prefix.PrefixCache, "restore_stats"),
         *_named(chains.Chains, "_restore_entries _restore_chains"),
-        *_named(planner.Planner, "_undo_rows _undo_decode"),
         *_named(Swapper, "_forget"),
         *_named(DeferredCopies, "_restore"),
     ]

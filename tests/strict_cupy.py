@@ -422,11 +422,11 @@ class RawKernel:
     _by_ptr: dict[int, RawKernel] = {}
 
     def __init__(self, source: str, name: str) -> None:
-        from cupaged.kernels import launch as _launch
+        from cupaged.kernels.target import DEFAULT_SHARED_MEMORY
 
         self.name, self._source = name, source
         self._cpu = None  # built at the first launch: the loader holds its lock while loading this
-        self._opted_in = _launch.DEFAULT_SHARED_MEMORY
+        self._opted_in = DEFAULT_SHARED_MEMORY
         self.kernel = types.SimpleNamespace(ptr=id(self))  # the handle the driver's calls take
         RawKernel._by_ptr[id(self)] = self
 
@@ -485,7 +485,7 @@ class RawModule:
 def _occupancy(ptr: int, threads: int, shared_mem: int) -> int:
     """Blocks per multiprocessor of a loaded kernel, as CUDA's calculator gives them for an
     H100 kernel of 64 registers per thread: the stand-in has no cubin, so its split plans may
-    differ from the CPU backend's (``_launch.decode_ctas_per_sm``, the cubins' registers), as a
+    differ from the CPU backend's (``decode_ctas_per_sm``, the cubins' registers), as a
     real GPU's may; the work list's length depends on it, never a result."""
     from cupaged.kernels.target import ctas_per_sm
 

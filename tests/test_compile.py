@@ -17,14 +17,16 @@ import pytest
 
 from cupaged.backend import kernel_dir
 from cupaged.dtypes import DTYPE_NAMES, FP8_NAMES, Q_DTYPE_NAMES
-from cupaged.kernels import launch as _launch
 from cupaged.kernels import target as _gpu_target
+from cupaged.kernels.launch_copies import copy_blocks_launch, write_kv_launch
+from cupaged.kernels.launch_decode import HEAD_DIMS, decode_launch
+from cupaged.kernels.launch_prefill import prefill_launch
 from cupaged.kernels.loader import nvrtc_options
 
 # Decode shapes: every head_dim at one block size, and a spread of block sizes (the extremes, odd
 # ones) at two head_dims; every dtype for each. About 0.6 s of NVRTC per instantiation and arch.
 DECODE_SHAPES = sorted(
-    {(hd, 16) for hd in _launch.HEAD_DIMS}
+    {(hd, 16) for hd in HEAD_DIMS}
     | {(128, bs) for bs in (1, 7, 32, 256)}
     | {(80, bs) for bs in (3, 255)}
 )
@@ -54,16 +56,14 @@ def requested_names(arch: str = "sm_90") -> dict[str, list[str]]:
         for slot, aligned, src, row in itertools.product(
             (np.int32, np.int64), (True, False), sources, (256, 72)
         ):
-            name, _, _ = _launch.write_kv_launch(
-                dtype, np.dtype(slot), 1, row, aligned, src_dtype=src
-            )
+            name, _, _ = write_kv_launch(dtype, np.dtype(slot), 1, row, aligned, src_dtype=src)
             names["write_kv.cu"].add(name)
         # fp8 (NVRTC time is CI time): every block size at two head_dims, not every head_dim
         shapes = (
             [s for s in DECODE_SHAPES if s[0] in (64, 128)] if dtype in FP8_NAMES else DECODE_SHAPES
         )
         for head_dim, block_size in shapes:
-            launch = _launch.decode_launch(dtype, 1, 4, head_dim, block_size, 1, target)
+            launch = decode_launch(dtype, 1, 4, head_dim, block_size, 1, target)
             names["paged_attention.cu"].update({launch.name, launch.merge_name})
         # fp8 decode: the shapes above under float16 queries (the default), the groups under
         # every query type for e4m3 (tensor cores or not), under float16 for e5m2
@@ -71,7 +71,7 @@ def requested_names(arch: str = "sm_90") -> dict[str, list[str]]:
         for head_dim, group, q_type in itertools.product((80, 128), DECODE_GROUPS, decode_q):
             if q_type not in (None, "float16") and head_dim != 128:
                 continue
-            launch = _launch.decode_launch(dtype, 1, group, head_dim, 16, 1, target, q_dtype=q_type)
+            launch = decode_launch(dtype, 1, group, head_dim, 16, 1, target, q_dtype=q_type)
             names["paged_attention.cu"].update({launch.name, launch.merge_name})
         # fp8 prefill: e4m3 under every query type (both kernels), e5m2 under float16
         q_types = {FP8_NAMES[0]: Q_DTYPE_NAMES, FP8_NAMES[1]: ("float16",)}.get(dtype, (None,))
@@ -79,12 +79,12 @@ def requested_names(arch: str = "sm_90") -> dict[str, list[str]]:
             if q_type not in (None, "float16") and (head_dim, block_size) != PREFILL_SHAPES[0]:
                 continue
             for group in (1, 8):
-                launch = _launch.prefill_launch(
+                launch = prefill_launch(
                     dtype, 1, 1, group, head_dim, block_size, 64, target=target, q_dtype=q_type
                 )
                 names["paged_prefill.cu"].update({launch.name, launch.merge_name})
     for block_bytes, aligned in ((4096, True), (4096, False), (12, True), (6, True), (7, True)):
-        name, *_ = _launch.copy_blocks_launch(block_bytes, aligned, 1, 1, element_bytes=1)
+        name, *_ = copy_blocks_launch(block_bytes, aligned, 1, 1, element_bytes=1)
         names["copy_blocks.cu"].add(name)
     return {source: sorted(found) for source, found in names.items()}
 

@@ -18,8 +18,8 @@ import pytest
 from cupaged import CupagedError
 from cupaged.backend import kernel_dir
 from cupaged.kernels import headers as _cuda_headers
-from cupaged.kernels import launch as _launch
 from cupaged.kernels.cpu import toolchain
+from cupaged.kernels.launch_decode import decode_launch
 from cupaged.kernels.loader import nvrtc_options, uses_wmma
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -216,9 +216,7 @@ def test_a_wmma_kernel_compiles_with_the_toolkits_crt_and_no_nvcc_wheel(tmp_path
     assert f"-I{SYSTEM_TOOLKIT / 'include'}" in options
     assert not any("cuda_nvcc" in option or "cu13" in option for option in options)
 
-    names = [
-        _launch.decode_launch(dtype, 1, 8, 128, 16, 1).name for dtype in ("float16", "bfloat16")
-    ]
+    names = [decode_launch(dtype, 1, 8, 128, 16, 1).name for dtype in ("float16", "bfloat16")]
     assert all("paged_decode_mma" in name for name in names), names
     source = "paged_attention.cu"
     program = nvrtc.createProgram((kernel_dir() / source).read_text(), source, [], [])

@@ -17,8 +17,10 @@ from helpers import DTYPES, TOLERANCES, assert_close, poison, random_paged_batch
 import cupaged
 from cupaged.attention.scales import kv_scale_args
 from cupaged.dtypes import from_float, to_float
-from cupaged.kernels import launch as _launch
+from cupaged.kernels.args import DecodeArgs, DecodeMergeArgs
+from cupaged.kernels.launch_decode import decode_launch, uses_decode_mma
 from cupaged.kernels.loader import get_kernel
+from cupaged.kernels.target import DEFAULT_SHARED_MEMORY
 
 SCHEDULES = ("forward", "warp_ahead")
 NUM_KV_HEADS = 2
@@ -51,7 +53,7 @@ def run_decode(xp, q, k_cache, v_cache, tables, lengths, chunk, scale=None, unus
         np.dtype(q.dtype), "bfloat16"
     )
     work, seq_items = host_work(lengths, chunk, unused)
-    launch = _launch.decode_launch(dtype, num_kv_heads, group, head_dim, block_size, len(work))
+    launch = decode_launch(dtype, num_kv_heads, group, head_dim, block_size, len(work))
     assert chunk % launch.tile == 0 or chunk >= max(lengths, default=0)
     capacity = len(work)
     partial_out = xp.asarray(np.full((capacity, num_q_heads, head_dim), np.nan, np.float32))
@@ -60,22 +62,42 @@ def run_decode(xp, q, k_cache, v_cache, tables, lengths, chunk, scale=None, unus
     scale = head_dim**-0.5 if scale is None else scale
     kernel = get_kernel(device, "paged_attention.cu", launch.name)
     # The variants' trailing arguments, all off (the pointers real arrays, never read).
-    no_variants = (np.int32(-1), np.float32(0.0), partial_lse, partial_lse)
-    if device == "cuda" and launch.shared_mem > _launch.DEFAULT_SHARED_MEMORY:
+    no_variants = {
+        "window_left": np.int32(-1),
+        "soft_cap": np.float32(0.0),
+        "alibi_slopes": partial_lse,
+        "sinks": partial_lse,
+    }
+    if device == "cuda" and launch.shared_mem > DEFAULT_SHARED_MEMORY:
         kernel.max_dynamic_shared_size_bytes = launch.shared_mem
-    args = (
-        out, partial_out, partial_lse, xp.asarray(q), xp.asarray(k_cache), xp.asarray(v_cache),
-        xp.asarray(tables), xp.asarray(work), xp.asarray(np.asarray(lengths, np.int32)),
-        np.int32(num_kv_heads), np.int32(group), np.int32(tables.shape[1]), np.float32(scale),
-        *kv_scale_args(xp, dtype, num_kv_heads, None, None), *no_variants,
-    )  # fmt: skip
+    args = DecodeArgs(
+        out=out,
+        partial_out=partial_out,
+        partial_lse=partial_lse,
+        q=xp.asarray(q),
+        k_cache=xp.asarray(k_cache),
+        v_cache=xp.asarray(v_cache),
+        block_tables=xp.asarray(tables),
+        work=xp.asarray(work),
+        context_lens=xp.asarray(np.asarray(lengths, np.int32)),
+        num_kv_heads=np.int32(num_kv_heads),
+        group_size=np.int32(group),
+        max_blocks=np.int32(tables.shape[1]),
+        scale=np.float32(scale),
+        **kv_scale_args(xp, dtype, num_kv_heads, None, None).named(),
+        **no_variants,
+    )
     kernel(launch.grid, launch.block, args, shared_mem=launch.shared_mem)
     merge = get_kernel(device, "paged_attention.cu", launch.merge_name)
-    merge(
-        (num_q_heads, num_seqs),
-        launch.merge_block,
-        (out, partial_out, partial_lse, xp.asarray(seq_items), np.int32(num_q_heads), *no_variants),
+    merge_args = DecodeMergeArgs(
+        out=out,
+        partial_out=partial_out,
+        partial_lse=partial_lse,
+        seq_items=xp.asarray(seq_items),
+        num_q_heads=np.int32(num_q_heads),
+        **no_variants,
     )
+    merge((num_q_heads, num_seqs), launch.merge_block, merge_args)
     return out
 
 
@@ -108,7 +130,7 @@ CASES = [
     ("float16", 96, 16, 40),  # three chunks of 14, 14 and 12 heads on tensor cores
     ("bfloat16", 64, 3, 17),  # two chunks, 9 and 8 heads: the last chunk's padded rows
 ]
-MMA_CASES = [c for c in CASES if _launch.uses_decode_mma(c[0], c[3], c[1])]
+MMA_CASES = [c for c in CASES if uses_decode_mma(c[0], c[3], c[1])]
 
 
 @pytest.mark.parametrize("order", SCHEDULES)
@@ -118,7 +140,7 @@ def test_work_items_match_the_reference(rng, xp, dtype, head_dim, block_size, gr
     q, k_cache, v_cache, tables, _, _ = random_paged_batch(
         rng, lengths, NUM_KV_HEADS, head_dim, group, block_size, dtype
     )
-    tile = _launch.decode_launch(dtype, NUM_KV_HEADS, group, head_dim, block_size, 1).tile
+    tile = decode_launch(dtype, NUM_KV_HEADS, group, head_dim, block_size, 1).tile
     chunk = tile * max(1, 64 // tile)  # several items for the long sequences
     expected = reference(q, k_cache, v_cache, tables, lengths)
     with scheduled(xp, order):
@@ -134,7 +156,7 @@ def test_any_chunk_of_whole_stages_gives_the_same_result(rng, chunk_tiles):
     q, k_cache, v_cache, tables, _, _ = random_paged_batch(
         rng, lengths, NUM_KV_HEADS, 64, 4, 16, "float32"
     )
-    tile = _launch.decode_launch("float32", NUM_KV_HEADS, 4, 64, 16, 1).tile
+    tile = decode_launch("float32", NUM_KV_HEADS, 4, 64, 16, 1).tile
     out = run_decode(np, q, k_cache, v_cache, tables, lengths, tile * chunk_tiles)
     assert_close(out, reference(q, k_cache, v_cache, tables, lengths), "float32")
 
@@ -147,7 +169,7 @@ def test_the_launch_table_takes_tensor_cores_for_16_bit_groups_of_8_or_more_to_h
     for dtype in DTYPES:
         for group in (1, 4, 7, 8, 12, 16, 17, 24, 48, 71, 128):
             for head_dim in (64, 128, 144, 256):
-                launch = _launch.decode_launch(dtype, NUM_KV_HEADS, group, head_dim, 16, 1)
+                launch = decode_launch(dtype, NUM_KV_HEADS, group, head_dim, 16, 1)
                 mma = dtype != "float32" and 8 <= group and head_dim <= 128
                 prefix = "cupaged::paged_decode_mma<" if mma else "cupaged::paged_decode<"
                 assert launch.name.startswith(prefix), launch.name
@@ -234,4 +256,4 @@ def test_a_query_not_16_byte_aligned_is_read_element_by_element(rng, dtype, grou
 
 def test_a_block_too_large_for_32_bit_offsets_is_refused():
     with pytest.raises(ValueError, match=r"expected num_kv_heads \* block_size \* head_dim"):
-        _launch.decode_launch("float16", 2**16, 1, 256, 256, 1)
+        decode_launch("float16", 2**16, 1, 256, 256, 1)

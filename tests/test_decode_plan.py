@@ -22,7 +22,8 @@ from hypothesis import strategies as st
 import cupaged
 from cupaged._util import cdiv
 from cupaged.dtypes import to_float
-from cupaged.kernels import launch as _launch
+from cupaged.kernels.args import PlanDecodeArgs
+from cupaged.kernels.launch_decode import PLAN_NAME, decode_may_split, plan_threads
 from cupaged.kernels.loader import get_kernel
 
 
@@ -32,21 +33,18 @@ def run_planner(xp, lens, capacity, min_chunk, tile):
     num_seqs = len(lens)
     work = xp.full((capacity, 4), -7, np.int32)
     seq_items = xp.full((num_seqs, 2), -7, np.int32)
-    kernel = get_kernel(device, "decode_plan.cu", _launch.PLAN_NAME)
-    kernel(
-        (1,),
-        (_launch.plan_threads(num_seqs, device),),
-        (
-            work,
-            seq_items,
-            xp.asarray(np.asarray(lens, np.int32)),
-            np.int32(num_seqs),
-            np.int32(capacity),
-            np.int32(min_chunk),
-            np.int32(tile),
-            np.int32(-1),  # window_left: none
-        ),
+    kernel = get_kernel(device, "decode_plan.cu", PLAN_NAME)
+    args = PlanDecodeArgs(
+        work=work,
+        seq_items=seq_items,
+        context_lens=xp.asarray(np.asarray(lens, np.int32)),
+        num_seqs=np.int32(num_seqs),
+        capacity=np.int32(capacity),
+        min_chunk=np.int32(min_chunk),
+        tile=np.int32(tile),
+        window_left=np.int32(-1),  # none
     )
+    kernel((1,), (plan_threads(num_seqs, device),), args)
     to_host = np.asarray if xp is np else xp.asnumpy
     return to_host(work), to_host(seq_items)
 
@@ -315,10 +313,10 @@ def test_the_host_knows_when_nothing_is_split(lens, spare, min_chunk, tile):
     capacity = len(lens) + spare
     work, _ = run_planner(np, lens, capacity, min_chunk, tile)
     split = bool((work[:, 0] >= 0).sum() > len(lens))
-    may = _launch.decode_may_split(capacity, len(lens), min_chunk, tile, max(lens))
+    may = decode_may_split(capacity, len(lens), min_chunk, tile, max(lens))
     assert may or not split
     assert not may or spare == 0 or max(lens) > cdiv(min_chunk, tile) * tile
-    assert _launch.decode_may_split(capacity, len(lens), min_chunk, tile, None) == (spare > 0)
+    assert decode_may_split(capacity, len(lens), min_chunk, tile, None) == (spare > 0)
 
 
 def test_a_plan_runs_only_on_the_device_it_was_made_on(rng, monkeypatch):

@@ -25,7 +25,7 @@ from helpers import (
 
 import cupaged
 from cupaged.dtypes import from_float, to_float
-from cupaged.kernels import launch as _launch
+from cupaged.kernels.launch_decode import decode_launch, uses_decode_mma
 
 NUM_KV_HEADS = 2
 FP8 = ("float8_e4m3", "float8_e5m2")
@@ -106,7 +106,7 @@ CASES = [
 def test_decode_over_fp8_matches_the_oracle(
     rng, xp, fmt, q_dtype, group, head_dim, block_size, kind, mma
 ):
-    assert _launch.uses_decode_mma(fmt, group, head_dim, q_dtype=q_dtype) == mma
+    assert uses_decode_mma(fmt, group, head_dim, q_dtype=q_dtype) == mma
     lengths = lengths_for(block_size)
     args = fp8_batch(rng, xp, fmt, q_dtype, lengths, group, head_dim, block_size, SCALES[kind])
     q, k, v, tables, lens, k_scale, v_scale, kv_dtype = args
@@ -318,18 +318,18 @@ def test_other_bad_calls_over_fp8_are_refused_and_nothing_runs(rng, xp):
 
 
 def test_fp8_names_spell_both_types_and_keep_the_16_bit_names():
-    fp8 = _launch.decode_launch("float8_e4m3", 8, 1, 128, 16, 4, q_dtype="float32")
-    plain = _launch.decode_launch("float32", 8, 1, 128, 16, 4)
+    fp8 = decode_launch("float8_e4m3", 8, 1, 128, 16, 4, q_dtype="float32")
+    plain = decode_launch("float32", 8, 1, 128, 16, 4)
     assert fp8.name.startswith("cupaged::paged_decode<float, 128, 16, 1,")
     assert fp8.name.endswith(", 0, __nv_fp8_e4m3>") and plain.name.endswith(", 3>")
     assert fp8.merge_name == plain.merge_name  # the merge reads float partials, writes q's type
-    mma = _launch.decode_launch("float8_e5m2", 2, 8, 64, 16, 4, q_dtype="bfloat16")
+    mma = decode_launch("float8_e5m2", 2, 8, 64, 16, 4, q_dtype="bfloat16")
     assert (
         mma.name == "cupaged::paged_decode_mma<__nv_bfloat16, 64, 16, 16, 4, 2, 0, __nv_fp8_e5m2>"
     )
     assert mma.sinks_name.endswith(", 8, __nv_fp8_e5m2>")
-    assert _launch.decode_launch("float8_e4m3", 2, 8, 64, 16, 4).name.startswith(
+    assert decode_launch("float8_e4m3", 2, 8, 64, 16, 4).name.startswith(
         "cupaged::paged_decode_mma<__half,"  # over fp8 the queries are float16 by default
     )
     with pytest.raises(TypeError, match="q_dtype"):
-        _launch.decode_launch("float16", 2, 8, 64, 16, 4, q_dtype="float32")
+        decode_launch("float16", 2, 8, 64, 16, 4, q_dtype="float32")

@@ -19,7 +19,7 @@ from helpers import TOLERANCES, assert_close, poison, random_array, scheduled
 
 import cupaged
 from cupaged.dtypes import FP8_NAMES, from_float, to_float
-from cupaged.kernels import launch as _launch
+from cupaged.kernels.launch_prefill import prefill_launch, uses_prefill_mma
 
 E4M3, E5M2 = FP8_NAMES
 NUM_KV_HEADS = 2
@@ -143,10 +143,8 @@ def test_fp8_prefill_matches_float64_oracle(rng, xp, case):
     fmt, q_dtype, head_dim, block_size, ratio, causal, form, order, mma = case
     if xp is not np and order != "forward":
         pytest.skip("scheduling orders belong to the CPU backend; the GPU runs once")
-    assert _launch.uses_prefill_mma(fmt, head_dim, q_dtype=q_dtype) is mma
-    launch = _launch.prefill_launch(
-        fmt, 1, NUM_KV_HEADS, ratio, head_dim, block_size, 70, q_dtype=q_dtype
-    )
+    assert uses_prefill_mma(fmt, head_dim, q_dtype=q_dtype) is mma
+    launch = prefill_launch(fmt, 1, NUM_KV_HEADS, ratio, head_dim, block_size, 70, q_dtype=q_dtype)
     assert launch.name.endswith(f", 0, {'__nv_fp8_e4m3' if fmt == E4M3 else '__nv_fp8_e5m2'}>")
     arrays = fp8_batch(rng, BATCH, fmt, q_dtype, head_dim, ratio, block_size, form)
     expected = oracle(*arrays, form, causal=causal)
@@ -169,7 +167,7 @@ def test_fp8_split_k_matches_oracle_and_the_unsplit_run(rng, xp, case):
     fmt, q_dtype, head_dim, block_size, ratio, causal, form, order, mma = case
     if xp is not np and order != "forward":
         pytest.skip("scheduling orders belong to the CPU backend; the GPU runs once")
-    assert _launch.uses_prefill_mma(fmt, head_dim, q_dtype=q_dtype) is mma
+    assert uses_prefill_mma(fmt, head_dim, q_dtype=q_dtype) is mma
     arrays = fp8_batch(rng, SPLIT_BATCH, fmt, q_dtype, head_dim, ratio, block_size, form)
     expected = oracle(*arrays, form, causal=causal)
     results = []

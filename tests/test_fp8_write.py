@@ -26,7 +26,7 @@ from cupaged.dtypes import (
     from_float,
     to_float,
 )
-from cupaged.kernels import launch as _launch
+from cupaged.kernels.launch_copies import copy_blocks_launch, write_kv_launch
 
 ML_DTYPES = {"float8_e4m3": ml_dtypes.float8_e4m3fn, "float8_e5m2": ml_dtypes.float8_e5m2}
 MAXES = {"float8_e4m3": 448.0, "float8_e5m2": 57344.0}
@@ -460,7 +460,7 @@ def test_a_16_bit_cache_takes_no_scales_and_its_own_dtype(rng, change, error, me
 
 def test_write_kv_launch_names():
     def name(*args, **kwargs):
-        return _launch.write_kv_launch(*args, **kwargs)[0]
+        return write_kv_launch(*args, **kwargs)[0]
 
     # 16/32-bit caches: the names they always had
     assert name("float16", np.int32, 1, 256, True) == "cupaged::write_kv<__half, int, 8>"
@@ -478,13 +478,13 @@ def test_write_kv_launch_names():
         name("float8_e4m3", np.int32, 1, 128, True, src_dtype="float8_e5m2")
     with pytest.raises(ValueError, match=r"expected src_dtype float16 \(the cache's\)"):
         name("float16", np.int32, 1, 256, True, src_dtype="float32")
-    _, grid, block = _launch.write_kv_launch("float8_e4m3", np.int32, 5, 128, True, 8)
+    _, grid, block = write_kv_launch("float8_e4m3", np.int32, 5, 128, True, 8)
     assert grid == (5,) and block == (64,)  # 8 heads x 8 vectors: two warps
 
 
 def test_copy_blocks_launch_moves_odd_or_unaligned_fp8_blocks_byte_by_byte():
     def word(block_bytes, aligned, element_bytes=2):
-        name, _, _, size = _launch.copy_blocks_launch(
+        name, _, _, size = copy_blocks_launch(
             block_bytes, aligned, 1, 1, element_bytes=element_bytes
         )
         return name.split("<")[1][:-1], size

@@ -24,8 +24,8 @@ import pytest
 
 from cupaged._util import cdiv
 from cupaged.dtypes import ITEMSIZES
-from cupaged.kernels import launch as _launch
 from cupaged.kernels import target as _gpu_target
+from cupaged.kernels.launch_decode import decode_ctas_per_sm
 
 nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
 
@@ -506,7 +506,7 @@ def test_the_planners_occupancy_is_the_cubins(quick):
         shape = (row["dtype"], row["head_dim"], row["group"], row["block_size"])
         table = _gpu_target.DECODE_REGISTERS[row["dtype"], row["head_dim"]][row["chunk"] - 1]
         assert table == row["registers"], (row["name"], table)
-        assert _launch.decode_ctas_per_sm(*shape) == row["ctas_per_sm"], row["name"]
+        assert decode_ctas_per_sm(*shape) == row["ctas_per_sm"], row["name"]
 
 
 def test_the_register_table_prints_as_the_launch_table_writes_it():

@@ -106,14 +106,18 @@ def test_stride_launches_take_helper_threads_by_bytes_on_the_cpu_backend():
     the runtime's helper threads only for a launch of many bytes in large blocks, or of very many
     bytes in any (helpers cost more than they save on small launches; the runtime's own rule counts
     CUDA threads, not bytes)."""
-    from cupaged.kernels import launch as _launch
     from cupaged.kernels.cpu import threads as cpu_threads
+    from cupaged.kernels.launch_copies import (
+        CPU_STRIDE_THREADS,
+        copy_blocks_launch,
+        write_kv_launch,
+    )
 
     enough, block = cpu_threads.POOL_MIN_BYTES, cpu_threads.POOL_MIN_BLOCK_BYTES
     for blocks in (1, 64, 4096, 1 << 16):
-        *_, threads = _launch.write_kv_launch("float16", np.int32, blocks, 256, True, 2, "cpu")
-        assert threads == (_launch.CPU_STRIDE_THREADS,) == (1,)
-        *_, threads, _ = _launch.copy_blocks_launch(4096, True, blocks, 1, "cpu")
+        *_, threads = write_kv_launch("float16", np.int32, blocks, 256, True, 2, "cpu")
+        assert threads == (CPU_STRIDE_THREADS,) == (1,)
+        *_, threads, _ = copy_blocks_launch(4096, True, blocks, 1, "cpu")
         assert threads == (1,)
     assert cpu_threads.stride_workers(enough // block, block) == enough // block
     assert cpu_threads.stride_workers(enough // block - 1, block) == 1  # too few bytes
@@ -122,7 +126,7 @@ def test_stride_launches_take_helper_threads_by_bytes_on_the_cpu_backend():
     assert cpu_threads.stride_workers(large // 256, 256) == large // 256  # past the caches
     assert cpu_threads.stride_workers(large // 256 - 1, 256) == 1
     assert cpu_threads.stride_workers(1, enough) == 1  # one block: one thread anyway
-    *_, threads = _launch.write_kv_launch("float16", np.int32, 1, 256, True, 2, "cuda")
+    *_, threads = write_kv_launch("float16", np.int32, 1, 256, True, 2, "cuda")
     assert threads == (32,)  # the GPU's warps whatever the size
 
 
@@ -167,13 +171,14 @@ def test_attention_launches_take_helper_threads_from_two_blocks_on_the_cpu_backe
     """Attention blocks are heavy on the CPU backend: a decode or prefill launch may use one OS
     thread per block (the runtime caps it at its CPUs), and the result does not depend on it."""
     from cupaged.attention import layer as _attention
-    from cupaged.kernels import launch as _launch
     from cupaged.kernels.cpu import launch_options
     from cupaged.kernels.cpu import threads as cpu_threads
+    from cupaged.kernels.launch_decode import decode_launch
+    from cupaged.kernels.launch_prefill import prefill_launch
 
     assert cpu_threads.attention_workers((2, 3)) == 6
     assert cpu_threads.attention_workers((1, 1, 1)) == 1
-    prefill = _launch.prefill_launch(
+    prefill = prefill_launch(
         "float16",
         2,
         2,
@@ -186,7 +191,7 @@ def test_attention_launches_take_helper_threads_from_two_blocks_on_the_cpu_backe
         total_query_tokens=16,
     )
     for source, launch in (
-        ("paged_attention.cu", _launch.decode_launch("float16", 2, 4, 128, 16, 8)),
+        ("paged_attention.cu", decode_launch("float16", 2, 4, 128, 16, 8)),
         ("paged_prefill.cu", prefill),
     ):
         kernel = _attention.attention_kernel("cpu", source, launch, 4, 128)

@@ -22,7 +22,8 @@ from helpers import (
 
 import cupaged
 from cupaged.dtypes import from_float, to_float
-from cupaged.kernels import launch as _launch
+from cupaged.kernels.launch_decode import HEAD_DIMS as SUPPORTED_HEAD_DIMS
+from cupaged.kernels.launch_decode import decode_ctas_per_sm, decode_geometry, decode_launch
 
 HEAD_DIMS = (64, 80, 128, 256)
 BLOCK_SIZES = (1, 7, 16, 32, 256)
@@ -174,14 +175,14 @@ def test_layout_errors(rng):
 
 
 def test_the_decode_launch_table():
-    launch = _launch.decode_launch("float16", 8, 4, 128, 16, 40)
+    launch = decode_launch("float16", 8, 4, 128, 16, 40)
     assert launch.name == "cupaged::paged_decode<__half, 128, 16, 4, 8, 2, 8, 2, 3>"
     assert (launch.grid, launch.block, launch.tile) == ((8, 40), (8, 2, 8), 16)
     assert launch.shared_mem == 24_576 and launch.merge_block == (128,)
     for dtype in DTYPES:
-        for head_dim in _launch.HEAD_DIMS:
+        for head_dim in SUPPORTED_HEAD_DIMS:
             for group in (*range(1, 18), 24, 48, 71, 128):
-                geo = _launch.decode_geometry(dtype, head_dim, group)
+                geo = decode_geometry(dtype, head_dim, group)
                 hpt = geo.heads_per_thread
                 if geo.mma:  # paged_decode_mma: the chunk's heads are the 16 rows of the MMA
                     assert dtype != "float32" and 8 <= group and 16 == hpt and head_dim <= 128
@@ -190,9 +191,9 @@ def test_the_decode_launch_table():
                     assert geo.bdy * hpt >= geo.chunk > geo.bdy * (hpt - 1)
                 assert geo.bdx in (4, 8, 16, 32) and geo.threads % 32 == 0
                 assert geo.threads <= 256
-                assert 1 <= _launch.decode_ctas_per_sm(dtype, head_dim, group, 16) <= 32
+                assert 1 <= decode_ctas_per_sm(dtype, head_dim, group, 16) <= 32
     with pytest.raises(ValueError, match=r"expected a work list of 1..65535 items, got 0"):
-        _launch.decode_launch("float16", 8, 4, 128, 16, 0)
+        decode_launch("float16", 8, 4, 128, 16, 0)
 
 
 # ---- NaN and Inf, untrusted max_context_len, read-only outputs (issue 10) ---------------------------

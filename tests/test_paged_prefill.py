@@ -33,7 +33,14 @@ from helpers import (
 
 import cupaged
 from cupaged.dtypes import from_float, to_float
-from cupaged.kernels import launch as _launch
+from cupaged.kernels.launch_prefill import (
+    PREFILL_SPLIT_BLOCKS_PER_SM,
+    prefill_launch,
+    prefill_shared_memory,
+    prefill_tile,
+)
+from cupaged.kernels.prefill_work import prefill_work
+from cupaged.kernels.target import NOMINAL_SM_COUNT
 
 HEAD_DIMS = (64, 128, 256)
 BLOCK_SIZES = (1, 16, 256)
@@ -142,7 +149,7 @@ MMA_BATCH = ((200, 200), (530, 33), (40, 1))
 def test_tensor_core_path_on_full_tiles_and_a_sharp_softmax(rng, xp, dtype, head_dim, ratio, order):
     if xp is not np and order != SCHEDULES[0]:
         pytest.skip("scheduling orders belong to the CPU backend; the GPU runs once")
-    launch = _launch.prefill_launch(dtype, 1, NUM_KV_HEADS, ratio, head_dim, 16, 1)
+    launch = prefill_launch(dtype, 1, NUM_KV_HEADS, ratio, head_dim, 16, 1)
     assert "paged_prefill_mma" in launch.name and launch.query_rows == 64 // ratio
     q, k_cache, v_cache, tables, lens, starts, _ = prefill_batch(
         rng, MMA_BATCH, head_dim, ratio, 16, dtype
@@ -178,7 +185,7 @@ def split_plan(batch, dtype, head_dim, ratio, block_size, causal, splits):
     counts = np.array([n for _, n in batch])
     starts = np.concatenate([[0], np.cumsum(counts)])
     lens = np.array([length for length, _ in batch])
-    return _launch.prefill_launch(
+    return prefill_launch(
         dtype,
         len(batch),
         NUM_KV_HEADS,
@@ -189,7 +196,7 @@ def split_plan(batch, dtype, head_dim, ratio, block_size, causal, splits):
         starts,
         lens,
         causal,
-        _launch.NOMINAL_SM_COUNT,
+        NOMINAL_SM_COUNT,
         splits,
         int(counts.sum()),
     )
@@ -242,12 +249,12 @@ def test_split_heuristic_fills_the_gpu_balanced_by_tokens():
     """A small batch with a long cached prefix splits; a big one does not; every thread block
     reads at most partition_tokens tokens, about the batch's tokens over every block an SM holds."""
     one = split_plan([(32768 + 64, 64)], "float16", 128, 4, 16, True, None)
-    work = _launch.prefill_work(np.array([0, 64]), np.array([32768 + 64]), one.query_rows, True)
+    work = prefill_work(np.array([0, 64]), np.array([32768 + 64]), one.query_rows, True)
     assert one.num_splits > 1 and one.partition_tokens % one.tile == 0
     tiles = one.grid[0] // one.num_splits
     assert one.query_rows == 16  # 64 rows of the tensor-core kernel over G = 4
     assert tiles == 64 // 16 + 1 and one.grid[1:] == (NUM_KV_HEADS, 1)  # and an empty head tile
-    blocks = _launch.NOMINAL_SM_COUNT * _launch.PREFILL_SPLIT_BLOCKS_PER_SM
+    blocks = NOMINAL_SM_COUNT * PREFILL_SPLIT_BLOCKS_PER_SM
     per_block = -(-work.kv_tokens * NUM_KV_HEADS // blocks)
     assert per_block <= one.partition_tokens < per_block + one.tile
     assert one.num_splits == -(-work.max_end // one.partition_tokens)
@@ -292,7 +299,7 @@ def test_query_tiles_cover_every_row_once_and_prefill_work_counts_them(causal):
             int(lens[seq] - counts[seq] + end - starts[seq]) if causal else int(lens[seq])
             for seq, _, end in tiles
         ]
-        work = _launch.prefill_work(starts, lens, rows, causal)
+        work = prefill_work(starts, lens, rows, causal)
         assert (work.query_tiles, work.kv_tokens, work.max_end) == (len(ends), sum(ends), max(ends))
     # A decode row is one block, not max_query_len / query_rows of them.
     mixed = np.concatenate([[0], np.cumsum([128] * 4 + [1] * 64)])
@@ -588,38 +595,36 @@ def test_launch_plan():
     (tensor cores); the grid: the aligned tiles of the packed rows (of max_query_len * num_seqs
     rows when total_query_tokens is not given) and a head tile per sequence; a group of more than
     16 heads is cut into chunks of 16, one thread block each."""
-    launch = _launch.prefill_launch("float32", 3, 2, 4, 128, 16, 37)
+    launch = prefill_launch("float32", 3, 2, 4, 128, 16, 37)
     assert launch.name.startswith("cupaged::paged_prefill<float, 128, 16, 16, 16, 2, 128>")
     assert launch.query_rows == 4 and launch.grid == (28 + 3, 2, 1) and launch.block == (128,)
     assert launch.tile == 16 and launch.num_splits == 1 and launch.heads_per_block == 4
-    exact = _launch.prefill_launch("float32", 3, 2, 4, 128, 16, 37, total_query_tokens=50)
+    exact = prefill_launch("float32", 3, 2, 4, 128, 16, 37, total_query_tokens=50)
     assert exact.grid == (13 + 3, 2, 1) and exact.merge_grid == (50, 8)
     for dtype, c_type in (("float16", "__half"), ("bfloat16", "__nv_bfloat16")):
-        mma = _launch.prefill_launch(dtype, 3, 2, 4, 128, 16, 37, total_query_tokens=50)
+        mma = prefill_launch(dtype, 3, 2, 4, 128, 16, 37, total_query_tokens=50)
         assert mma.name == f"cupaged::paged_prefill_mma<{c_type}, 128, 16, 32, 64, 2, 128>"
         assert (mma.query_rows, mma.heads_per_block, mma.tile) == (16, 4, 32)
         assert mma.grid == (4 + 3, 2, 1) and mma.block == (128,) and mma.merge_grid == (50, 8)
     # head_dim 256 stays on the FMA kernel (the tensor-core kernel's O would take 128 registers)
-    wide_head = _launch.prefill_launch("float16", 3, 2, 4, 256, 16, 37)
+    wide_head = prefill_launch("float16", 3, 2, 4, 256, 16, 37)
     assert wide_head.name.startswith("cupaged::paged_prefill<__half, 256, 16, 16, 16,")
     assert wide_head.query_rows == 4
-    wide = _launch.prefill_launch("float32", 1, 1, 40, 64, 1, 3)
+    wide = prefill_launch("float32", 1, 1, 40, 64, 1, 3)
     assert (wide.query_rows, wide.heads_per_block, wide.grid) == (1, 16, (12, 1, 1))
-    tiles = {
-        (d, hd): _launch.prefill_tile(d, hd) for d in ("float32", "float16") for hd in (64, 256)
-    }
+    tiles = {(d, hd): prefill_tile(d, hd) for d in ("float32", "float16") for hd in (64, 256)}
     assert tiles == {
         ("float32", 64): 32,
         ("float32", 256): 8,
         ("float16", 64): 32,
         ("float16", 256): 16,
     }
-    assert _launch.prefill_shared_memory("float32", 128, 16) == 4 * (2048 + 320 + 32) + 4 * 16 * 528
+    assert prefill_shared_memory("float32", 128, 16) == 4 * (2048 + 320 + 32) + 4 * 16 * 528
     # paged_prefill_mma: q_s, the ring, s_s, p_s, special_s
     mma_bytes = 64 * 272 + 4 * 32 * 272 + 64 * 36 * 4 + 64 * 40 * 2 + 64 * 128
-    assert _launch.prefill_shared_memory("float16", 128, 32) == mma_bytes == 74752
+    assert prefill_shared_memory("float16", 128, 32) == mma_bytes == 74752
     with pytest.raises(ValueError, match=r"expected num_q_heads in 1..65535"):
-        _launch.prefill_launch("float16", 1, 2, 32768, 128, 16, 1)
+        prefill_launch("float16", 1, 2, 32768, 128, 16, 1)
 
 
 # ---- PrefillPlan: planned once per step, run per layer (issue 22) -------------------------------

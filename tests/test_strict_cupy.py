@@ -156,9 +156,9 @@ def test_kernels_refuse_host_arrays_and_unopted_shared_memory(cp):
 
 
 def _copy_kernel_name() -> str:
-    from cupaged.kernels import launch as _launch
+    from cupaged.kernels.launch_copies import copy_blocks_launch
 
-    return _launch.copy_blocks_launch(256, True, 1, 1)[0]
+    return copy_blocks_launch(256, True, 1, 1)[0]
 
 
 def test_installing_the_stand_in_leaves_cupy_as_it_was():

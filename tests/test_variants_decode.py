@@ -31,7 +31,8 @@ from helpers import (
 import cupaged
 from cupaged.backend import kernel_dir
 from cupaged.dtypes import from_float, to_float
-from cupaged.kernels import launch as _launch
+from cupaged.kernels.launch_decode import decode_launch, uses_decode_mma
+from cupaged.kernels.target import Target
 from cupaged.variants import ALIBI, SINKS, SOFT_CAP, WINDOW
 
 NUM_KV_HEADS = 2
@@ -154,8 +155,8 @@ def test_the_cases_cover_every_axis():
     assert {c[3] for c in CASES} == set(GROUPS)
     assert {c[4] for c in CASES} == set(VARIANTS)
     assert {c[6] for c in CASES} == set(SCHEDULES)
-    mma = {c[4] for c in CASES if _launch.uses_decode_mma(c[0], c[3], c[1])}
-    core = {c[4] for c in CASES if not _launch.uses_decode_mma(c[0], c[3], c[1])}
+    mma = {c[4] for c in CASES if uses_decode_mma(c[0], c[3], c[1])}
+    core = {c[4] for c in CASES if not uses_decode_mma(c[0], c[3], c[1])}
     for kernel_variants in (mma, core):
         assert {"alibi", "all"} <= kernel_variants and kernel_variants & {"sinks", "window+sinks"}
         assert kernel_variants & {"soft_cap", "window+soft_cap", "all"}
@@ -284,7 +285,7 @@ def test_released_entries_on_tensor_cores_split_and_not(rng, splits):
     sequence in one item or cut in three (the items begin mid-block, after the released ones)."""
     window, block_size = 200, 16
     q, k_cache, v_cache, tables, lens = sink_batch(rng, "float16", 8, 64, lengths=(0, 3, 97, 700))
-    assert _launch.uses_decode_mma("float16", 8, 64)
+    assert uses_decode_mma("float16", 8, 64)
     released = released_tables(tables, lens, window, block_size)
     sinks = random_array(rng, q.shape[1], "float32")
     expected = oracle(q, k_cache, v_cache, tables, lens, window_left=window, sinks=sinks)
@@ -320,7 +321,7 @@ def test_the_planner_cuts_only_the_attended_tokens(rng):
     assert np.array_equal(np.sort(widths), np.sort(short_live[:, 2] - short_live[:, 1]))
     assert (live[:, 0] == 0).sum() > 1  # split
     first = length - 1 - window
-    tile = _launch.decode_launch("float32", 1, 1, 64, 16, 1).tile
+    tile = decode_launch("float32", 1, 1, 64, 16, 1).tile
     assert first % 16 and first % tile  # an item that begins mid-block and mid-stage
 
 
@@ -397,7 +398,7 @@ def test_one_plan_runs_with_and_without_sinks(rng):
             assert_close(plan.run(q, k_cache, v_cache), plain, "float32")
             assert_close(plan.run(q, k_cache, v_cache, sinks=sinks), with_sinks, "float32")
         names = [name for name, _ in launches if "decode_plan" not in name]
-        launch = _launch.decode_launch("float32", NUM_KV_HEADS, 1, 64, 16, 1)
+        launch = decode_launch("float32", NUM_KV_HEADS, 1, 64, 16, 1)
         assert names == [launch.name, launch.merge_name, launch.sinks_name,
                          launch.sinks_merge_name]  # fmt: skip
 
@@ -406,15 +407,15 @@ def test_the_launch_table_names_the_variant_instantiations():
     """The VARIANT template argument is written only when a kernel bit is on: the plain kernels
     keep their names, a window alone runs them (the work list holds it), the sinks bit goes to
     ``sinks_name`` and the merge's ``sinks_merge_name``."""
-    plain = _launch.decode_launch("float16", 8, 4, 128, 16, 40)
+    plain = decode_launch("float16", 8, 4, 128, 16, 40)
     assert plain.name == "cupaged::paged_decode<__half, 128, 16, 4, 8, 2, 8, 2, 3>"
     assert plain.sinks_name == "cupaged::paged_decode<__half, 128, 16, 4, 8, 2, 8, 2, 3, 8>"
     assert plain.merge_name == "cupaged::paged_decode_merge<__half, 128>"
     assert plain.sinks_merge_name == "cupaged::paged_decode_merge<__half, 128, 8>"
-    window = _launch.decode_launch("float16", 8, 4, 128, 16, 40, variant=WINDOW)
+    window = decode_launch("float16", 8, 4, 128, 16, 40, variant=WINDOW)
     assert window == plain
     every = WINDOW | SOFT_CAP | ALIBI | SINKS
-    everything = _launch.decode_launch("bfloat16", 1, 8, 64, 16, 1, variant=every)
+    everything = decode_launch("bfloat16", 1, 8, 64, 16, 1, variant=every)
     assert everything.name.startswith("cupaged::paged_decode_mma<")
     assert everything.name.endswith(", 6>") and everything.sinks_name.endswith(", 14>")
 
@@ -422,16 +423,16 @@ def test_the_launch_table_names_the_variant_instantiations():
 def variant_names(arch: int) -> list[str]:
     """The instantiations with variant bits that the cases above run, planned for ``arch`` (the
     plain ones are tests/test_compile.py's)."""
-    target = _launch.Target.of_arch(arch)
+    target = Target.of_arch(arch)
     names = set()
     for dtype, head_dim, block_size, group, variant, _, _ in CASES:
         spec = VARIANTS[variant]
         flags = (WINDOW if "window_left" in spec else 0) | (ALIBI if spec.get("alibi") else 0)
         flags |= SOFT_CAP if "logits_soft_cap" in spec else 0
-        launch = _launch.decode_launch(dtype, 1, group, head_dim, block_size, 1, target, flags)
+        launch = decode_launch(dtype, 1, group, head_dim, block_size, 1, target, flags)
         if spec.get("sinks"):
             names |= {launch.sinks_name, launch.sinks_merge_name}
-        elif launch.name != _launch.decode_launch(dtype, 1, group, head_dim, block_size, 1).name:
+        elif launch.name != decode_launch(dtype, 1, group, head_dim, block_size, 1).name:
             names.add(launch.name)
     return sorted(names)
 

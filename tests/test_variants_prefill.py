@@ -25,7 +25,9 @@ from helpers import DTYPES, TOLERANCES, assert_close, poison, random_array, sche
 
 import cupaged
 from cupaged.dtypes import from_float, to_float
-from cupaged.kernels import launch as _launch
+from cupaged.kernels.launch_prefill import prefill_launch
+from cupaged.kernels.prefill_work import prefill_work
+from cupaged.kernels.target import Target
 
 VARIANTS = ("window", "soft_cap", "alibi", "sinks", "gpt-oss", "gemma2", "all")
 HEAD_DIMS = (64, 96, 128, 256)
@@ -393,15 +395,15 @@ def test_window_reads_about_the_window_per_query_tile():
     query's first key, so the tiles read about (window + rows) tokens each, not the prefix."""
     starts, lens = np.array([0, 4096]), np.array([4096])
     rows = 16
-    whole = _launch.prefill_work(starts, lens, rows, True)
-    windowed = _launch.prefill_work(starts, lens, rows, True, window_left=64)
+    whole = prefill_work(starts, lens, rows, True)
+    windowed = prefill_work(starts, lens, rows, True, window_left=64)
     assert windowed.query_tiles == whole.query_tiles == 4096 // rows
     assert windowed.kv_tokens == (16 + 32 + 48 + 64) + (4096 // rows - 4) * (64 + rows)
     assert windowed.max_end == 64 + rows and whole.kv_tokens > 20 * windowed.kv_tokens
-    full = _launch.prefill_work(starts, lens, rows, False, window_left=64)
+    full = prefill_work(starts, lens, rows, False, window_left=64)
     assert full.max_end == 4096  # not causal: the window bounds the left side only
     # Split-K cuts the windowed ranges, not the prefix.
-    launch = _launch.prefill_launch(
+    launch = prefill_launch(
         "float16", 1, 1, 4, 128, 16, 64, np.array([0, 64]), np.array([32768]), True, 132, None,
         64, variant=1, window_left=4095,
     )  # fmt: skip
@@ -428,14 +430,14 @@ def test_windowed_work_counts_the_kernels_tiles(causal):
                 first = past + first_row - begin
                 end = first + tile_rows if causal else int(lens[seq])
                 ranges.append(end - max(0, first - window))
-        work = _launch.prefill_work(starts, lens, rows, causal, window_left=window)
+        work = prefill_work(starts, lens, rows, causal, window_left=window)
         assert (work.query_tiles, work.kv_tokens, work.max_end) == (
             len(ranges),
             sum(ranges),
             max(ranges),
         )
         if window == 10**6:  # wider than every context: no window
-            assert work == _launch.prefill_work(starts, lens, rows, causal)
+            assert work == prefill_work(starts, lens, rows, causal)
 
 
 # ---- refusals ----------------------------------------------------------------------------------
@@ -482,10 +484,10 @@ def test_nvrtc_compiles_the_variant_instantiations():
     from cupaged.kernels.loader import nvrtc_options
     from cupaged.variants import ALIBI, SOFT_CAP, WINDOW
 
-    target = _launch.Target.of_arch(90)
+    target = Target.of_arch(90)
     names = set()
     for dtype, splits in (("float16", 1), ("float32", 3)):
-        launch = _launch.prefill_launch(
+        launch = prefill_launch(
             dtype, 1, 1, 8, 128, 16, 64, splits=splits, target=target,
             variant=WINDOW | SOFT_CAP | ALIBI, window_left=48,
         )  # fmt: skip

@@ -57,7 +57,19 @@ from .._arrays.interop import takes_dlpack
 from .._util import cdiv
 from ..backend import array_module, to_numpy
 from ..dtypes import array_dtype_name, dtype_name, is_fp8
-from ..kernels import launch as _launch
+from ..kernels.args import DecodeArgs, DecodeMergeArgs, PlanDecodeArgs
+from ..kernels.launch_decode import (
+    MAX_GRID_YZ,
+    MIN_SPLIT_TOKENS,
+    PLAN_NAME,
+    check_decode_shape,
+    decode_ctas_per_sm,
+    decode_launch,
+    decode_may_split,
+    decode_merge_block,
+    plan_threads,
+    query_dtype,
+)
 from ..kernels.loader import get_kernel
 from ..variants import check_sinks, check_variants
 from .layer import (
@@ -138,6 +150,7 @@ class DecodePlan:
     """
 
     __slots__ = (
+        "_args",
         "_arrays",
         "_block",
         "_capacity",
@@ -148,16 +161,14 @@ class DecodePlan:
         "_lens",
         "_launch",
         "_merge",
+        "_merge_args",
         "_merge_block",
         "_merge_grid",
-        "_merge_scalars",
         "_min_chunk",
         "_num_q_heads",
-        "_partial_lse",
-        "_partial_out",
+        "_plan_args",
         "_planner",
         "_planner_block",
-        "_scalars",
         "_fp8",
         "_seq_items",
         "_shared_mem",
@@ -201,8 +212,8 @@ class DecodePlan:
             k_cache, num_q_heads
         )
         dtype = element_type(k_cache, kv_dtype)
-        q_dtype = _launch.query_dtype(dtype, None if q_dtype is None else dtype_name(q_dtype))
-        _launch.check_decode_shape(dtype, head_dim, block_size)
+        q_dtype = query_dtype(dtype, None if q_dtype is None else dtype_name(q_dtype))
+        check_decode_shape(dtype, head_dim, block_size)
         num_seqs, max_blocks = check_shape(
             "block_tables", block_tables, [("num_seqs", None), ("max_blocks", None)]
         )
@@ -227,7 +238,7 @@ class DecodePlan:
         # The kernel and its layout depend on the shape and the GPU, not on the work list's
         # length: planned (and, with sequences, loaded) first, so that its occupancy can size it.
         flags = variants.flags()
-        launch = _launch.decode_launch(
+        launch = decode_launch(
             dtype, num_kv_heads, group, head_dim, block_size, 1, gpu, flags, q_dtype=q_dtype
         )
         tile = launch.tile  # pieces are whole stages
@@ -238,13 +249,11 @@ class DecodePlan:
             # Items that fill the device: thread blocks per multiprocessor x multiprocessors,
             # over the thread blocks of one item (KV heads x head chunks).
             if kernel is None:
-                ctas = _launch.decode_ctas_per_sm(
-                    dtype, head_dim, group, block_size, q_dtype=q_dtype
-                )
+                ctas = decode_ctas_per_sm(dtype, head_dim, group, block_size, q_dtype=q_dtype)
             else:
                 ctas = ctas_per_sm(kernel, launch)
             capacity = num_seqs + cdiv(ctas * gpu.sm_count, launch.grid[0])
-            min_chunk = _launch.MIN_SPLIT_TOKENS
+            min_chunk = MIN_SPLIT_TOKENS
         elif splits == 1:
             capacity, min_chunk = num_seqs, tile
         else:
@@ -262,19 +271,19 @@ class DecodePlan:
             # this chunk, so every sequence of the longest length gets exactly `splits` pieces.
             capacity = num_seqs * (splits + 1)
             min_chunk = cdiv(cdiv(max_context, splits), tile) * tile
-        if capacity > _launch.MAX_GRID_YZ:
+        if capacity > MAX_GRID_YZ:
             spare = capacity - num_seqs
             if splits is not None and splits > 1:
                 raise ValueError(
-                    f"expected num_seqs * (num_splits + 1) <= {_launch.MAX_GRID_YZ} (the work "
+                    f"expected num_seqs * (num_splits + 1) <= {MAX_GRID_YZ} (the work "
                     f"list is one grid axis), got {num_seqs} sequences and {splits} splits; "
                     f"pass fewer splits, or num_splits=None"
                 )
             raise ValueError(
-                f"expected at most {_launch.MAX_GRID_YZ - spare} sequences in one decode plan "
+                f"expected at most {MAX_GRID_YZ - spare} sequences in one decode plan "
                 f"(the work list is one grid axis), got {num_seqs}"
             )
-        launch = _launch.decode_launch(
+        launch = decode_launch(
             dtype, num_kv_heads, group, head_dim, block_size, capacity, gpu, flags, q_dtype=q_dtype
         )
         self._xp = xp
@@ -303,42 +312,68 @@ class DecodePlan:
         self._launch = launch
         self._merge = get_kernel(device, "paged_attention.cu", launch.merge_name)
         self._merge_grid = (num_q_heads, num_seqs)
-        self._merge_block = _launch.decode_merge_block(launch, device)
-        self._planner = get_kernel(device, "decode_plan.cu", _launch.PLAN_NAME)
-        self._planner_block = (_launch.plan_threads(num_seqs, device),)
+        self._merge_block = decode_merge_block(launch, device)
+        self._planner = get_kernel(device, "decode_plan.cu", PLAN_NAME)
+        self._planner_block = (plan_threads(num_seqs, device),)
         self._work = xp.empty((capacity, 4), np.int32)
         self._seq_items = xp.empty((num_seqs, 2), np.int32)
         if capacity > num_seqs:
-            self._partial_out = xp.empty((capacity, num_q_heads, head_dim), np.float32)
-            self._partial_lse = xp.empty((capacity, num_q_heads), np.float32)
+            partial_out = xp.empty((capacity, num_q_heads, head_dim), np.float32)
+            partial_lse = xp.empty((capacity, num_q_heads), np.float32)
         else:  # never split: unused by the kernel; real arrays, so that no pointer is null
-            self._partial_out = self._partial_lse = xp.empty(1, np.float32)
+            partial_out = partial_lse = xp.empty(1, np.float32)
         scale = head_dim**-0.5 if scale is None else float(scale)
-        # The variants' trailing arguments (cuda/common.cuh): a pointer whose variant is off is
-        # never read, but is a real float32 array (the log-sum-exps), never null; the sinks'
-        # is the last, replaced by a run that passes them.
-        slopes = self._partial_lse if variants.alibi_slopes is None else variants.alibi_slopes
-        tail = (np.int32(window), np.float32(variants.logits_soft_cap), slopes, self._partial_lse)
-        # Its own five scalars, the fp8 scales' six (of 1.0; an fp8 run's), the variants' four.
-        self._scalars = (
-            self._lens,
-            np.int32(num_kv_heads),
-            np.int32(group),
-            np.int32(max_blocks),
-            np.float32(scale),
-            *kv_scale_args(xp, dtype, num_kv_heads, None, None),
-            *tail,
+        # A pointer whose variant is off is never read, but is a real float32 array (the
+        # log-sum-exps), never null; the sinks' is replaced by a run that passes them. The
+        # layer's arrays (None here) and an fp8 run's scales go in at each run.
+        slopes = partial_lse if variants.alibi_slopes is None else variants.alibi_slopes
+        self._args = DecodeArgs(
+            out=None,
+            partial_out=partial_out,
+            partial_lse=partial_lse,
+            q=None,
+            k_cache=None,
+            v_cache=None,
+            block_tables=self._tables,
+            work=self._work,
+            context_lens=self._lens,
+            num_kv_heads=np.int32(num_kv_heads),
+            group_size=np.int32(group),
+            max_blocks=np.int32(max_blocks),
+            scale=np.float32(scale),
+            **kv_scale_args(xp, dtype, num_kv_heads, None, None).named(),
+            window_left=np.int32(window),
+            soft_cap=np.float32(variants.logits_soft_cap),
+            alibi_slopes=slopes,
+            sinks=partial_lse,
         )
-        self._merge_scalars = (self._num_q_heads, *tail)
+        self._merge_args = DecodeMergeArgs(
+            out=None,
+            partial_out=partial_out,
+            partial_lse=partial_lse,
+            seq_items=self._seq_items,
+            num_q_heads=self._num_q_heads,
+            window_left=np.int32(window),
+            soft_cap=np.float32(variants.logits_soft_cap),
+            alibi_slopes=slopes,
+            sinks=partial_lse,
+        )
+        self._plan_args = PlanDecodeArgs(
+            work=self._work,
+            seq_items=self._seq_items,
+            context_lens=self._lens,
+            num_seqs=np.int32(num_seqs),
+            capacity=np.int32(capacity),
+            min_chunk=np.int32(min_chunk),
+            tile=np.int32(tile),
+            window_left=np.int32(window),
+        )
         self._plan(max_context if tables_checked else None)  # (else maybe a caller's hint)
 
     def _plan(self, max_context: int | None) -> None:
         """Plan the work list on the device; ``max_context``, the longest length when the
         checks read it on the host, lets a GPU skip the merge of a step that splits nothing."""
-        args = (self._work, self._seq_items, self._lens, np.int32(self.num_seqs))
-        sizes = (np.int32(self._capacity), np.int32(self._min_chunk), np.int32(self._tile))
-        window = np.int32(self._variants.window_left)
-        self._planner((1,), self._planner_block, (*args, *sizes, window))
+        self._planner((1,), self._planner_block, self._plan_args)
         if self._device == "cpu":
             # The CPU backend has run the planner already and the list is in host memory: launch
             # the items it holds, not the capacity (an idle thread block still starts all its
@@ -351,7 +386,7 @@ class DecodePlan:
         else:
             if max_context is not None:
                 max_context = _attended(max_context, self._variants.window_left)
-            self._split = _launch.decode_may_split(
+            self._split = decode_may_split(
                 self._capacity, self.num_seqs, self._min_chunk, self._tile, max_context
             )
 
@@ -464,38 +499,26 @@ class DecodePlan:
         out, q, k_cache, v_cache, out_storage, _ = self._arrays.views(q, k_cache, v_cache, out)
         if sinks is not None:
             sinks = check_sinks(self._xp, int(self._num_q_heads), sinks)
-        scales = None  # the plan's scalars hold those of 1.0
+        scales = None  # the plan's record holds those of 1.0
         if self._fp8 or k_scale is not None or v_scale is not None:  # unchecked: no host read
             heads, dtype = self._layout[1], self._arrays.dtype
             checked = self.checked and not own_scales(self._trusted, k_scale, v_scale)
             scales = kv_scale_args(self._xp, dtype, heads, k_scale, v_scale, checked=checked)
         if self.num_seqs == 0:
             return out
-        scalars = self._scalars  # its own five, the scales' six, the variants' four
-        if scales is not None:
-            scalars = (*scalars[:5], *scales, *scalars[11:])
         if sinks is None:
             kernel, merge = self._kernel, self._merge
-            merge_scalars = self._merge_scalars
         else:
             if self._sink_kernels is None:  # loaded at the first run with sinks
                 heads = (int(self._num_q_heads), *self._layout[1:])
                 self._sink_kernels = _sink_kernels(self._device, self._launch, *heads)
             kernel, merge = self._sink_kernels
-            scalars = (*scalars[:-1], sinks)  # the sinks' argument is the last
-            merge_scalars = (*self._merge_scalars[:-1], sinks)
         spare = self._capacity > self.num_seqs  # none: never split, whatever the lengths
         split = self._split or (self._device == "cuda" and spare and _capturing(self._xp))
-        partials = (self._partial_out, self._partial_lse)
-        kernel(
-            self._grid,
-            self._block,
-            (out_storage, *partials, q, k_cache, v_cache, self._tables, self._work, *scalars),
-            shared_mem=self._shared_mem,
-        )
+        args = self._args.filled(out_storage, q, k_cache, v_cache, scales, sinks)
+        kernel(self._grid, self._block, args, shared_mem=self._shared_mem)
         if split:
-            args = (out_storage, *partials, self._seq_items, *merge_scalars)
-            merge(self._merge_grid, self._merge_block, args)
+            merge(self._merge_grid, self._merge_block, self._merge_args.filled(out_storage, sinks))
         return out
 
 

@@ -25,8 +25,8 @@ from ..dtypes import (
     dtype_name,
     is_fp8,
 )
-from ..kernels import launch as _launch
 from ..kernels.loader import get_kernel
+from ..kernels.target import DEFAULT_SHARED_MEMORY, NOMINAL_TARGET, Target
 
 LAYER_AXES = ("num_blocks", "num_kv_heads", "block_size", "head_dim")
 
@@ -41,20 +41,20 @@ def device_id(xp: Any) -> int:
     return 0 if xp is np else int(xp.cuda.Device().id)
 
 
-def target(device: str) -> _launch.Target:
+def target(device: str) -> Target:
     """The GPU that launches are planned for: the current CUDA device's architecture, its
     multiprocessors and the shared memory a block may opt into; the nominal H100 for the CPU
     backend."""
     if device == "cpu":
-        return _launch.NOMINAL_TARGET
+        return NOMINAL_TARGET
     return _cuda_target(device_module("cuda").cuda.runtime.getDevice())
 
 
 @functools.cache
-def _cuda_target(cuda_device: int) -> _launch.Target:
+def _cuda_target(cuda_device: int) -> Target:
     device = device_module("cuda").cuda.Device(cuda_device)
     attributes = device.attributes
-    return _launch.Target(
+    return Target(
         int(device.compute_capability),  # "90" on an H100
         int(attributes["MultiProcessorCount"]),
         int(attributes["MaxSharedMemoryPerBlockOptin"]),
@@ -139,7 +139,7 @@ def attention_kernel(device: str, source: str, launch: Any, group: int, head_dim
             f"head, head_dim {head_dim})"
         )
     kernel = get_kernel(device, source, launch.name)
-    if device == "cuda" and launch.shared_mem > _launch.DEFAULT_SHARED_MEMORY:
+    if device == "cuda" and launch.shared_mem > DEFAULT_SHARED_MEMORY:
         kernel.max_dynamic_shared_size_bytes = launch.shared_mem
     if device == "cpu":  # heavy blocks: helper threads from two on (see _cpu.threads)
         kernel = kernel.with_workers(cpu_threads().attention_workers(launch.grid))
@@ -149,7 +149,7 @@ def attention_kernel(device: str, source: str, launch: Any, group: int, head_dim
 def ctas_per_sm(kernel: Any, launch: Any) -> int:
     """Thread blocks of a loaded CUDA kernel's launch resident per multiprocessor: CUDA's
     occupancy calculator on its real registers and shared memory (the CPU backend, which has no
-    cubin, takes ``_launch.decode_ctas_per_sm``: what an H100 would)."""
+    cubin, takes ``decode_ctas_per_sm``: what an H100 would)."""
     driver = device_module("cuda").cuda.driver
     ctas = driver.occupancyMaxActiveBlocksPerMultiprocessor(
         kernel.kernel.ptr, math.prod(launch.block), launch.shared_mem

@@ -3,7 +3,7 @@
 The array module of the inputs picks the backend: CuPy arrays run the CUDA kernels on the GPU
 (CuPy ``RawModule``), NumPy arrays run the *same kernel source* on the CPU backend; mixing them is
 a ``TypeError``. Every function checks shapes, dtypes, contiguity and alignment before launching,
-so a rejected call changes nothing. Launch configurations come from ``cupaged.kernels.launch``.
+so a rejected call changes nothing. Launch configurations come from ``cupaged.kernels.launch_copies``.
 
 Arrays of other frameworks (PyTorch tensors, JAX arrays: anything with ``__dlpack__``) are taken
 without a copy and results handed back as the caller's type (``cupaged._arrays.interop.takes_dlpack``,
@@ -35,7 +35,8 @@ from .._arrays.checks import (
 from .._arrays.interop import takes_dlpack
 from ..backend import array_module, to_numpy
 from ..dtypes import Q_DTYPE_NAMES, as_storage, dtype_name, is_fp8
-from ..kernels import launch as _launch
+from ..kernels.args import CopyBlocksArgs, ScaleArgs, WriteKvArgs, WriteKvFp8Args, fields
+from ..kernels.launch_copies import copy_blocks_launch, write_kv_launch
 from ..kernels.loader import get_kernel
 from ..variants import check_sinks
 from .decode import DecodePlan, fp8_query_dtype
@@ -112,7 +113,7 @@ def write_kv(
     )
     elem, src, num_blocks, num_kv_heads, block_size, head_dim, num_tokens = shapes
     _check_target_caches(k_cache, v_cache, num_blocks)
-    scale_args = _write_scale_args(xp, elem, num_kv_heads, k_scale, v_scale, checked)
+    scales = _write_scales(xp, elem, num_kv_heads, k_scale, v_scale, checked)
     if checked and num_tokens:
         check_slots(slot_mapping, num_blocks * block_size)
     if num_tokens == 0:
@@ -121,20 +122,23 @@ def write_kv(
     k, v = xp.ascontiguousarray(as_storage(k)), xp.ascontiguousarray(as_storage(v))
     slots = xp.ascontiguousarray(slot_mapping)
     aligned = all(address(x) % 16 == 0 for x in (k_cache, v_cache, k, v))
-    kernel, grid, block, scalars = _write_plan(
+    kernel, grid, block, args = _write_plan(
         device_of(xp), device_id(xp), elem, src, slots.dtype, shapes[3:], aligned
     )
-    kernel(grid, block, (k, v, k_cache, v_cache, slots, *scalars, *scale_args))
+    if scales is None:
+        kernel(grid, block, args.filled(k, v, k_cache, v_cache, slots))
+    else:
+        kernel(grid, block, args.filled(k, v, k_cache, v_cache, slots, scales))
 
 
-def _write_scale_args(
+def _write_scales(
     xp: Any, elem: str, num_kv_heads: int, k_scale: Any, v_scale: Any, checked: bool
-) -> tuple:
-    """The scale arguments of ``write_kv_fp8`` (``kv_scale_args``); none for ``write_kv``, whose
-    cache takes no scales (given ones are refused there)."""
+) -> ScaleArgs | None:
+    """The scale arguments of ``write_kv_fp8`` (``kv_scale_args``); ``None`` for ``write_kv``,
+    whose cache takes no scales (given ones are refused there)."""
     if is_fp8(elem) or k_scale is not None or v_scale is not None:
         return kv_scale_args(xp, elem, num_kv_heads, k_scale, v_scale, checked=checked)
-    return ()
+    return None
 
 
 _shape_and_dtype = operator.attrgetter("shape", "dtype")
@@ -209,12 +213,12 @@ def _write_plan(
     slot_dtype: np.dtype,
     dims: tuple[int, ...],
     aligned: bool,
-) -> tuple[Any, tuple, tuple, tuple]:
-    """Kernel, grid, block and scalar arguments of one ``write_kv`` shape (``elem``: the cache's
-    element type, ``src``: k's; ``dims``: num_kv_heads, block_size, head_dim, num_tokens), kept
-    like :func:`_copy_plan`'s."""
+) -> tuple[Any, tuple, tuple, WriteKvArgs | WriteKvFp8Args]:
+    """Kernel, grid, block and arguments (the arrays and an fp8 cache's scales left to each
+    call) of one ``write_kv`` shape (``elem``: the cache's element type, ``src``: k's; ``dims``:
+    num_kv_heads, block_size, head_dim, num_tokens), kept like :func:`_copy_plan`'s."""
     num_kv_heads, block_size, head_dim, num_tokens = dims
-    name, grid, block = _launch.write_kv_launch(
+    name, grid, block = write_kv_launch(
         elem,
         slot_dtype,
         num_tokens,
@@ -228,7 +232,17 @@ def _write_plan(
     if device == "cpu":  # one OS thread unless the launch is large (see _cpu.threads)
         token_bytes = 2 * num_kv_heads * head_dim * ITEMSIZES[src]
         kernel = kernel.with_workers(cpu_threads().stride_workers(num_tokens, token_bytes))
-    return kernel, grid, block, (np.int32(num_kv_heads), np.int32(block_size), np.int32(head_dim))
+    arrays = dict.fromkeys(("k", "v", "k_cache", "v_cache", "slots"))
+    sizes = {
+        "num_kv_heads": np.int32(num_kv_heads),
+        "block_size": np.int32(block_size),
+        "head_dim": np.int32(head_dim),
+    }
+    if is_fp8(elem):
+        args = WriteKvFp8Args(**arrays, **sizes, **dict.fromkeys(fields(ScaleArgs)))
+    else:
+        args = WriteKvArgs(**arrays, **sizes)
+    return kernel, grid, block, args
 
 
 @takes_dlpack
@@ -272,14 +286,14 @@ def copy_blocks(
     if num_copies == 0:
         return
     aligned = address(k_cache) % 16 == 0 and address(v_cache) % 16 == 0
-    kernel, grid, block, scalars = _copy_plan(
+    kernel, grid, block, args = _copy_plan(
         device_of(xp), device_id(xp), k_cache.shape, element_bytes, aligned, num_copies
     )
     if src.dtype != np.int32 or not src.flags.c_contiguous:
         src = xp.ascontiguousarray(src, dtype=np.int32)
     if dst.dtype != np.int32 or not dst.flags.c_contiguous:
         dst = xp.ascontiguousarray(dst, dtype=np.int32)
-    kernel(grid, block, (k_cache, v_cache, src, dst, *scalars))
+    kernel(grid, block, args.filled(k_cache, v_cache, src, dst))
 
 
 def _check_copy_shapes(
@@ -317,13 +331,14 @@ def _copy_plan(
     element_bytes: int,
     aligned: bool,
     num_copies: int,
-) -> tuple[Any, tuple, tuple, tuple]:
-    """Kernel, grid, block and scalar arguments of one ``copy_blocks`` shape (kept: a copy-on-write
-    step repeats the same shape, and each lookup would cost as much as a small copy)."""
+) -> tuple[Any, tuple, tuple, CopyBlocksArgs]:
+    """Kernel, grid, block and arguments (the arrays left to each call) of one ``copy_blocks``
+    shape (kept: a copy-on-write step repeats the same shape, and each lookup would cost as much
+    as a small copy)."""
     num_layers = shape[0] if len(shape) == 5 else 1
     num_blocks, heads, tokens, dim = shape[-4:]
     block_bytes = heads * tokens * dim * element_bytes
-    name, grid, block, word = _launch.copy_blocks_launch(
+    name, grid, block, word = copy_blocks_launch(
         block_bytes, aligned, num_copies, num_layers, device, element_bytes=element_bytes
     )
     kernel = get_kernel(device, "copy_blocks.cu", name)
@@ -331,7 +346,15 @@ def _copy_plan(
         kernel = kernel.with_workers(
             cpu_threads().stride_workers(grid[0] * grid[1] * grid[2], block_bytes)
         )
-    return kernel, grid, block, (np.int32(num_blocks), np.int64(block_bytes // word))
+    args = CopyBlocksArgs(
+        k_cache=None,
+        v_cache=None,
+        src=None,
+        dst=None,
+        num_blocks=np.int32(num_blocks),
+        words_per_block=np.int64(block_bytes // word),
+    )
+    return kernel, grid, block, args
 
 
 @takes_dlpack
@@ -532,7 +555,7 @@ def paged_prefill(
         out: optional ``[total_query_tokens, num_q_heads, head_dim]`` C-contiguous output,
             ``q``'s dtype: ``q`` itself (in place) or memory that does not overlap ``q``.
         num_splits: cut every query tile's KV range into about this many pieces, one thread
-            block each, merged by log-sum-exp (split-K); the heuristic in ``cupaged.kernels.launch``
+            block each, merged by log-sum-exp (split-K); the heuristic in ``cupaged.kernels.launch_prefill``
             decides when ``None`` (it splits only batches too small to fill the GPU, from the
             host copies of the lengths that the ``query_start_loc`` check reads anyway).
         checked: check, before the launch and on the arrays' device, that every context length

@@ -42,7 +42,9 @@ from .._arrays.checks import (
 from .._arrays.interop import takes_dlpack
 from ..backend import array_module, to_numpy
 from ..dtypes import dtype_name
-from ..kernels import launch as _launch
+from ..kernels.args import PrefillArgs, PrefillMergeArgs
+from ..kernels.launch_decode import check_decode_shape, query_dtype
+from ..kernels.launch_prefill import PREFILL_MERGE_THREADS, prefill_launch
 from ..kernels.loader import get_kernel
 from ..variants import Variants, check_sinks, check_variants
 from .decode import own_scales, trusted_memory
@@ -104,7 +106,7 @@ class PrefillPlan:
         causal: mask the tokens after each query's position (``True``, prefill), or attend to
             the whole context (``False``). A bool.
         num_splits: cut every query tile's KV range into about this many pieces, one thread
-            block each, merged by log-sum-exp (split-K); the heuristic in ``cupaged.kernels.launch``
+            block each, merged by log-sum-exp (split-K); the heuristic in ``cupaged.kernels.launch_prefill``
             decides when ``None`` (it splits only batches too small to fill the GPU).
         checked: check, once here, that every context length is in
             ``[0, max_blocks * block_size]`` and every block id a length reaches is in
@@ -155,12 +157,10 @@ class PrefillPlan:
         "_launch",
         "_merge",
         "_merge_args",
-        "_no_sinks",
         "_num_kv_heads",
         "_num_q_heads",
         "_sinks_kernels",
         "_trusted",
-        "_unit_scales",
         "_variants",
         "_xp",
         "causal",
@@ -210,8 +210,8 @@ class PrefillPlan:
         if splits is not None and splits < 1:
             raise ValueError(f"expected num_splits >= 1, got {splits}")
         dtype = element_type(k_cache, kv_dtype)
-        q_dtype = _launch.query_dtype(dtype, None if q_dtype is None else dtype_name(q_dtype))
-        _launch.check_decode_shape(dtype, head_dim, block_size)
+        q_dtype = query_dtype(dtype, None if q_dtype is None else dtype_name(q_dtype))
+        check_decode_shape(dtype, head_dim, block_size)
         num_seqs, max_blocks = check_batch_arrays(block_tables, context_lens, query_start_loc)
         check_num_blocks(num_blocks)
 
@@ -237,16 +237,13 @@ class PrefillPlan:
         self._arrays = LayerArrays(
             xp, dtype, tuple(k_cache.shape), Q_AXES, q_shape, kv_dtype=kv_dtype, q_dtype=q_dtype
         )
-        # The six scale arguments of a run without scales (1.0; a cache that is not fp8 never
-        # reads them).
-        self._unit_scales = kv_scale_args(xp, dtype, num_kv_heads, None, None)
         if total == 0:  # nothing to attend: run only checks its arguments
             self._launch = None
             return
 
         device = device_of(xp)
         group = num_q_heads // num_kv_heads
-        launch = _launch.prefill_launch(
+        launch = prefill_launch(
             dtype,
             num_seqs,
             num_kv_heads,
@@ -275,35 +272,54 @@ class PrefillPlan:
         else:  # unused by the kernel; real arrays so that no argument is a null pointer
             partial_out = partial_lse = xp.empty(1, np.float32)
         scale = head_dim**-0.5 if scale is None else float(scale)
-        # A pointer whose variant is off is never read; it gets a real array, never null.
-        self._no_sinks = partial_lse
+        # A pointer whose variant is off is never read; it gets a real array, never null. The
+        # layer's arrays (None here), a run's scales and sinks go in at each run; the scales
+        # here are those of 1.0 (a cache that is not fp8 never reads them).
         slopes = partial_lse if variants.alibi_slopes is None else variants.alibi_slopes
-        window = (np.int32(variants.window_left), np.float32(variants.logits_soft_cap), slopes)
-        scalars = (
-            num_kv_heads,
-            group,
-            launch.heads_per_block,
-            max_blocks,
-            num_seqs,
-            launch.query_rows,
-            int(causal),
-            launch.partition_tokens,
-            launch.num_splits,
-        )
-        # The kernel's arguments but out, q, the layer's K/V, the scales and the sinks: (before
-        # q, between the caches and the scales, between the scales and the sinks).
-        self._args = (
-            (partial_out, partial_lse),
-            (tables, lens, starts, *map(np.int32, scalars), np.float32(scale)),
-            window,
+        self._args = PrefillArgs(
+            out=None,
+            partial_out=partial_out,
+            partial_lse=partial_lse,
+            q=None,
+            k_cache=None,
+            v_cache=None,
+            block_tables=tables,
+            context_lens=lens,
+            query_start_loc=starts,
+            num_kv_heads=np.int32(num_kv_heads),
+            group_size=np.int32(group),
+            heads_per_block=np.int32(launch.heads_per_block),
+            max_blocks=np.int32(max_blocks),
+            num_seqs=np.int32(num_seqs),
+            query_rows=np.int32(launch.query_rows),
+            causal=np.int32(causal),
+            partition_tokens=np.int32(launch.partition_tokens),
+            num_splits=np.int32(launch.num_splits),
+            scale=np.float32(scale),
+            **kv_scale_args(xp, dtype, num_kv_heads, None, None).named(),
+            window_left=np.int32(variants.window_left),
+            soft_cap=np.float32(variants.logits_soft_cap),
+            alibi_slopes=slopes,
+            sinks=partial_lse,
         )
         self._merge = None
         if launch.num_splits > 1:
             self._merge = get_kernel(device, "paged_prefill.cu", launch.merge_name)
-            splits_of = (launch.partition_tokens, launch.num_splits, launch.query_rows)
-            self._merge_args = (
-                (partial_out, partial_lse, lens, starts),
-                (*map(np.int32, (num_seqs, int(causal), *splits_of)), *window),
+            self._merge_args = PrefillMergeArgs(
+                out=None,
+                partial_out=partial_out,
+                partial_lse=partial_lse,
+                context_lens=lens,
+                query_start_loc=starts,
+                num_seqs=np.int32(num_seqs),
+                causal=np.int32(causal),
+                partition_tokens=np.int32(launch.partition_tokens),
+                num_splits=np.int32(launch.num_splits),
+                query_rows=np.int32(launch.query_rows),
+                window_left=np.int32(variants.window_left),
+                soft_cap=np.float32(variants.logits_soft_cap),
+                alibi_slopes=slopes,
+                sinks=partial_lse,
             )
 
     @property
@@ -371,7 +387,7 @@ class PrefillPlan:
             self._arrays.check_kv_dtype(kv_dtype)
         if sinks is not None:
             sinks = check_sinks(self._xp, self._num_q_heads, sinks)
-        scales = self._unit_scales
+        scales = None  # the plan's record holds those of 1.0
         if k_scale is not None or v_scale is not None:
             elem, heads = self._arrays.dtype, self._num_kv_heads
             checked = self.checked and not own_scales(self._trusted, k_scale, v_scale)
@@ -381,20 +397,14 @@ class PrefillPlan:
         if launch is None:
             return out
         if sinks is None:
-            kernel, merge, sinks = self._kernel, self._merge, self._no_sinks
+            kernel, merge = self._kernel, self._merge
         else:
             kernel, merge = self._sinks_kernels or self._load_sinks_kernels()
-        partials, before, trailing = self._args
-        kernel(
-            launch.grid,
-            launch.block,
-            (out_storage, *partials, q, k_cache, v_cache, *before, *scales, *trailing, sinks),
-            shared_mem=launch.shared_mem,
-        )
+        args = self._args.filled(out_storage, q, k_cache, v_cache, scales, sinks)
+        kernel(launch.grid, launch.block, args, shared_mem=launch.shared_mem)
         if merge is not None:
-            threads = (_launch.PREFILL_MERGE_THREADS,)
-            arrays, merge_scalars = self._merge_args
-            merge(launch.merge_grid, threads, (out_storage, *arrays, *merge_scalars, sinks))
+            threads = (PREFILL_MERGE_THREADS,)
+            merge(launch.merge_grid, threads, self._merge_args.filled(out_storage, sinks))
         return out
 
     def _load_sinks_kernels(self) -> tuple[Any, Any]:

@@ -9,10 +9,11 @@ scale for K and one for V, each either one value for the whole layer or one per 
   the kernel where it lies, so that a step never waits on it;
 - ``None``: 1.0.
 
-The kernels take both as six arguments (``cuda/common.cuh``, "fp8 caches"): for each of K and V
-a value, an array and a stride, the head's scale ``value * array[head * stride]``; a number is
-the value over an array of 1.0, an array 1.0 over itself. Scales are refused for a cache that is
-not fp8: they would silently do nothing.
+The kernels take both as six arguments (``cuda/common.cuh``, "fp8 caches"; the record
+``cupaged.kernels.args.ScaleArgs``): for each of K and V a value, an array and a stride, the
+head's scale ``value * array[head * stride]``; a number is the value over an array of 1.0, an
+array 1.0 over itself. Scales are refused for a cache that is not fp8: they would silently do
+nothing.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import numpy as np
 
 from ..backend import array_module
 from ..dtypes import is_fp8
+from ..kernels.args import ScaleArgs
 
 # (array module, CUDA device) -> a float32 [1] array of 1.0: the array under a number's scale.
 _ONES: dict[tuple, Any] = {}
@@ -41,9 +43,9 @@ def _ones(xp: Any) -> Any:
 
 def kv_scale_args(
     xp: Any, elem: str, num_kv_heads: int, k_scale: Any, v_scale: Any, *, checked: bool = True
-) -> tuple[Any, ...]:
+) -> ScaleArgs:
     """The six kernel arguments of ``k_scale`` and ``v_scale`` for a cache of element type
-    ``elem`` on ``xp``'s device: ``(k_value, v_value, k_array, v_array, k_stride, v_stride)``.
+    ``elem`` on ``xp``'s device.
 
     For a cache that is not fp8 both must be ``None``; the arguments are then those of 1.0 (the
     kernels of such a cache never read them).
@@ -61,14 +63,28 @@ def kv_scale_args(
                 f"caches only), got k_scale={_shown(k_scale)}, v_scale={_shown(v_scale)}"
             )
         ones = _ones(xp)
-        return (np.float32(1.0), np.float32(1.0), ones, ones, np.int32(0), np.int32(0))
+        return ScaleArgs(
+            k_scale=np.float32(1.0),
+            v_scale=np.float32(1.0),
+            k_scales=ones,
+            v_scales=ones,
+            k_scale_stride=np.int32(0),
+            v_scale_stride=np.int32(0),
+        )
     k_value, k_array, k_stride = _scale_args(xp, num_kv_heads, k_scale, "k_scale")
     v_value, v_array, v_stride = _scale_args(xp, num_kv_heads, v_scale, "v_scale")
     if checked:
         arrays = [a for a, scale in ((k_array, k_scale), (v_array, v_scale)) if _is_array(scale)]
         if arrays:
             _check_positive(xp, arrays)
-    return (k_value, v_value, k_array, v_array, k_stride, v_stride)
+    return ScaleArgs(
+        k_scale=k_value,
+        v_scale=v_value,
+        k_scales=k_array,
+        v_scales=v_array,
+        k_scale_stride=k_stride,
+        v_scale_stride=v_stride,
+    )
 
 
 def scale_value(scale: Any, what: str) -> float:

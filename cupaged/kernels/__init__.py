@@ -4,8 +4,9 @@ Private to cupaged; :mod:`cupaged.attention` and :mod:`cupaged.cache` call it.
 
 ==================  ======================================================================
 ``target``          the GPU a launch is planned for: limits, the one occupancy calculator
-``launch_decode``   decode's thread-block layout, shared memory, instantiation names, splits
-``launch``          the other kernels' launches: prefill, KV write, block copy
+``launch_decode``   decode's thread-block layout, shared memory, instantiation names, planner
+``launch_prefill``  prefill's tiles, shared memory, split-K plan, instantiation names
+``launch_copies``   the KV write's and the block copy's instantiations, grids and blocks
 ``prefill_work``    a prefill batch's query tiles, for the split-K plan
 ``loader``          CuPy ``RawModule`` (NVRTC) on the GPU, the CPU backend for NumPy arrays
 ``headers``         where the CUDA headers are, for NVRTC, the CPU backend and the scripts

@@ -1,11 +1,13 @@
-"""Decode's half of the launch table: the thread-block layout, shared memory, instantiation names
-and occupancy of ``paged_decode`` / ``paged_decode_mma`` and their merge (cuda/paged_attention.cu).
+"""Decode's launches: the thread-block layout, shared memory, instantiation names and occupancy
+of ``paged_decode`` / ``paged_decode_mma`` and their merge (cuda/paged_attention.cu), and the
+decode planner's block (cuda/decode_plan.cu).
 
-``cupaged/kernels/launch.py`` is the table's entry point: it re-exports these names and holds the rest
-(prefill, ``write_kv``, ``copy_blocks``, the decode planner). The shape check, the queries'
-element type, CUDA's grid limits and the name-expression rule live here because every attention
-launch starts from them, prefill's too; so prefill's launch imports them from here, never the
-other way round.
+The launch table is three modules, one per kernel family, and callers import each name from the
+one that defines it: this one, ``launch_prefill`` and ``launch_copies`` (``write_kv``,
+``copy_blocks``). The shape check, the queries' element type, CUDA's grid limits, the
+whole-warp rule and the name-expression rule live here because every attention launch starts
+from them, prefill's too; so the other two import them from here, never the other way round.
+What the table knows of the GPU is ``target``.
 """
 
 from __future__ import annotations
@@ -21,6 +23,10 @@ HEAD_DIMS = tuple(range(64, 257, 16))  # 64, 80, 96, ..., 256
 MAX_BLOCK_SIZE = 256
 MAX_GRID_YZ = 65535  # CUDA's limit on gridDim.y and gridDim.z
 MAX_GRID_X = 2**31 - 1
+# Split-K (decode's and prefill's): a split holds at least this many tokens, so that its fixed
+# cost (loading the queries, writing a partial row and its log-sum-exp) stays small against the
+# K/V it reads.
+MIN_SPLIT_TOKENS = 256
 
 
 # paged_decode (cuda/paged_attention.cu): a ring of DECODE_STAGES shared-memory stages of K and V,
@@ -48,6 +54,23 @@ DECODE_MMA_MAX_HEAD_DIM = 128
 DECODE_MMA_WARPS = 4
 DECODE_MMA_STAGES = 2
 DECODE_MMA_DTYPES = ("float16", "bfloat16")
+
+# The decode step's planner (cuda/decode_plan.cu): one thread block, one thread per run of
+# sequences, up to PLAN_MAX_THREADS (its launch bounds, kPlanMaxThreads: tests/test_kernel_args.py
+# reads it from the source).
+PLAN_NAME = "cupaged::plan_decode"
+PLAN_MAX_THREADS = 256
+
+
+def whole_warps(items: int, most: int) -> int:
+    """Threads for ``items`` parallel items: whole warps of 32, at least one, at most ``most``."""
+    return min(most, max(32, cdiv(items, 32) * 32))
+
+
+def plan_threads(num_seqs: int, device: str = "cuda") -> int:
+    """Threads of the decode planner for a batch: whole warps, at most ``PLAN_MAX_THREADS``, on
+    both backends (``device`` is accepted for the callers that still pass it)."""
+    return whole_warps(num_seqs, PLAN_MAX_THREADS)
 
 
 def decode_chunk(group: int) -> int:

@@ -1,6 +1,6 @@
 """What the split-K plan of ``paged_prefill`` needs to know about a batch: its query tiles and
-the KV tokens they read, from host copies of the batch's metadata (``cupaged.kernels.launch`` decides
-the splits from them).
+the KV tokens they read, from host copies of the batch's metadata (``launch_prefill`` decides the
+splits from them).
 """
 
 from __future__ import annotations

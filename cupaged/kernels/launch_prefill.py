@@ -1,16 +1,10 @@
-"""The launch table: every kernel's instantiation name, grid, block, shared memory and split plan.
+"""Prefill's launches: the tile, rows, shared memory, split-K plan and instantiation names of
+``paged_prefill`` / ``paged_prefill_mma`` and their merge (cuda/paged_prefill.cu).
 
-This is the only module that computes launch configurations; the functions in ``ops`` ask it and
-never compute a grid themselves. An unsupported shape raises here, before anything is compiled,
-and says what is supported. A launch is the same on both backends, but for the two stride kernels
-(``CPU_STRIDE_THREADS``); how the CPU backend spreads a launch's blocks over its OS threads is its
-own policy (``cupaged/kernels/cpu/threads.py``). What the table knows of the GPU it plans for (shared
-memory per architecture, WMMA, occupancy) is ``cupaged/kernels/target.py``.
-
-The table is two modules: decode's geometry (and the shape check, query type and grid limits that
-prefill shares) is ``cupaged/kernels/launch_decode.py``, re-exported here; prefill, ``write_kv``,
-``copy_blocks`` and the decode planner are below. Callers read both halves from here, but for the
-shape check of a cache, which ``cache.py`` and the command line take from the decode module.
+The shape check, the queries' element type, CUDA's grid limits and the name-expression rule are
+decode's module's (``launch_decode``), which every attention launch starts from; what the table
+knows of the GPU is ``target``. An unsupported shape raises here, before anything is compiled,
+and says what is supported.
 """
 
 from __future__ import annotations
@@ -20,46 +14,18 @@ from dataclasses import dataclass
 import numpy as np
 
 from .._util import cdiv
-from ..dtypes import C_TYPES, Q_DTYPE_NAMES, is_fp8, itemsize
+from ..dtypes import C_TYPES, is_fp8, itemsize
 from ..variants import SINKS, WINDOW
-
-# Decode's half of the table; the names imported ``as`` themselves are unused here: the table's
-# users (decode, tests, scripts) read them from it.
-from .launch_decode import DECODE_MAX_CHUNK as DECODE_MAX_CHUNK
-from .launch_decode import HEAD_DIMS as HEAD_DIMS
-from .launch_decode import MAX_BLOCK_SIZE as MAX_BLOCK_SIZE
-from .launch_decode import MAX_GRID_X, MAX_GRID_YZ, check_decode_shape, instantiation, query_dtype
-from .launch_decode import decode_chunk as decode_chunk
-from .launch_decode import decode_ctas_per_sm as decode_ctas_per_sm
-from .launch_decode import decode_geometry as decode_geometry
-from .launch_decode import decode_launch as decode_launch
-from .launch_decode import decode_may_split as decode_may_split
-from .launch_decode import decode_merge_block as decode_merge_block
-from .launch_decode import uses_decode_mma as uses_decode_mma
-from .prefill_work import PrefillWork as PrefillWork
+from .launch_decode import (
+    MAX_GRID_X,
+    MAX_GRID_YZ,
+    MIN_SPLIT_TOKENS,
+    check_decode_shape,
+    instantiation,
+    query_dtype,
+)
 from .prefill_work import prefill_work
-
-# Unused here: the launch table's users (ops, tests, scripts) read these two limits from it.
-from .target import DEFAULT_SHARED_MEMORY as DEFAULT_SHARED_MEMORY
-from .target import NOMINAL_SM_COUNT as NOMINAL_SM_COUNT
 from .target import NOMINAL_TARGET, Target
-
-SLOT_C_TYPES = {np.dtype(np.int32): "int", np.dtype(np.int64): "long long"}
-
-WRITE_THREADS = 128
-COPY_THREADS = 256
-# The one block shape that differs between the backends (DecodePlan also launches only the work
-# items it planned there, not the capacity). The CPU backend runs a block's threads one after
-# another, each started by a call that costs many words of a copy loop, so copy_blocks and
-# write_kv, whose threads only stride over the words they move, run one thread per block there
-# whatever the size; every other kernel launches as on the GPU (the numbers: docs/benchmarks.md,
-# "One launch geometry and the helper threads of the CPU backend"). tests/test_ops.py runs both
-# on the CPU backend with several threads too, as the GPU splits the words.
-CPU_STRIDE_THREADS = 1
-# Split-K: a split holds at least this many tokens, so that its fixed cost (loading the queries,
-# writing a partial row and its log-sum-exp) stays small against the K/V it reads.
-MIN_SPLIT_TOKENS = 256
-
 
 PREFILL_THREADS = 128  # a template argument of paged_prefill: no constant to keep equal
 # Rows of a prefill thread block (query tokens x the query heads of one KV head's group, a
@@ -330,88 +296,3 @@ def _prefill_instantiation(stem: str, variant: int, kv_type: str | None) -> str:
     """A prefill kernel's name expression: over fp8 both trailing template arguments (``VARIANT``,
     then the cache's type ``KV``, whose default is the queries' type), else ``instantiation``."""
     return instantiation(stem, variant) if kv_type is None else f"{stem}, {variant}, {kv_type}>"
-
-
-def write_kv_launch(
-    dtype: str,
-    slot_dtype: np.dtype,
-    num_tokens: int,
-    row_bytes: int,
-    aligned: bool,
-    num_kv_heads: int = 1,
-    device: str = "cuda",
-    *,
-    src_dtype: str | None = None,
-) -> tuple[str, tuple[int], tuple[int]]:
-    """``(name, grid, block)`` of ``write_kv`` into a ``dtype`` cache of ``row_bytes`` rows;
-    16-byte vectors when rows and pointers (``aligned``) allow. An fp8 cache takes
-    ``write_kv_fp8``, which quantizes ``src_dtype`` (k's type, float16 when ``None``) as it
-    writes, 16 or 8 elements per access where aligned (16-byte loads, a 16- or 8-byte store).
-
-    A token's block has one thread per vector of its ``num_kv_heads`` rows (whole warps, at most
-    ``WRITE_THREADS``; on the CPU backend ``CPU_STRIDE_THREADS``): more would only start and
-    stop.
-    """
-    slot_c_type = SLOT_C_TYPES[np.dtype(slot_dtype)]
-    if is_fp8(dtype):
-        src = "float16" if src_dtype is None else src_dtype
-        if is_fp8(src) or src not in C_TYPES:
-            raise ValueError(f"expected src_dtype one of {Q_DTYPE_NAMES}, got {src}")
-        vec = next(n for n in (16, 8, 1) if n == 1 or (aligned and row_bytes % n == 0))
-        name = f"cupaged::write_kv_fp8<{C_TYPES[src]}, {slot_c_type}, {vec}, {C_TYPES[dtype]}>"
-    else:
-        if src_dtype not in (None, dtype):
-            raise ValueError(f"expected src_dtype {dtype} (the cache's) or None, got {src_dtype}")
-        vec = 16 // itemsize(dtype) if aligned and row_bytes % 16 == 0 else 1
-        name = f"cupaged::write_kv<{C_TYPES[dtype]}, {slot_c_type}, {vec}>"
-    vectors = num_kv_heads * row_bytes // (vec * itemsize(dtype))
-    if device == "cpu":
-        return name, (num_tokens,), (CPU_STRIDE_THREADS,)
-    return name, (num_tokens,), (_whole_warps(vectors, WRITE_THREADS),)
-
-
-def _whole_warps(items: int, most: int) -> int:
-    """Threads for ``items`` parallel items: whole warps of 32, at least one, at most ``most``."""
-    return min(most, max(32, cdiv(items, 32) * 32))
-
-
-_COPY_WORDS = ((16, "uint4"), (4, "unsigned int"), (2, "unsigned short"), (1, "unsigned char"))
-
-
-def copy_blocks_launch(
-    block_bytes: int,
-    aligned: bool,
-    num_pairs: int,
-    num_layers: int,
-    device: str = "cuda",
-    *,
-    element_bytes: int = 2,
-) -> tuple[str, tuple[int, int, int], tuple[int], int]:
-    """``(name, grid, block, word_bytes)`` of ``copy_blocks``: the widest word that divides a block,
-    at most ``min(2, element_bytes)`` bytes unless the caches are 16-byte ``aligned`` (fp8's
-    1-byte elements may sit at any address, and an odd block moves byte by byte).
-
-    One thread per word of a block (whole warps, at most ``COPY_THREADS``, each striding; on the
-    CPU backend ``CPU_STRIDE_THREADS``).
-    """
-    small = min(2, element_bytes)
-    word, c_type = next(
-        (w, c) for w, c in _COPY_WORDS if block_bytes % w == 0 and (aligned or w <= small)
-    )
-    if device == "cpu":
-        threads = CPU_STRIDE_THREADS
-    else:
-        threads = _whole_warps(block_bytes // word, COPY_THREADS)
-    return f"cupaged::copy_blocks<{c_type}>", (num_pairs, num_layers, 2), (threads,), word
-
-
-# The decode step's planner (cuda/decode_plan.cu): one thread block, one thread per run of
-# sequences, up to kPlanMaxThreads.
-PLAN_NAME = "cupaged::plan_decode"
-PLAN_MAX_THREADS = 256  # kPlanMaxThreads in cuda/decode_plan.cu
-
-
-def plan_threads(num_seqs: int, device: str = "cuda") -> int:
-    """Threads of the decode planner for a batch: whole warps, at most ``PLAN_MAX_THREADS``, on
-    both backends (``device`` is accepted for the callers that still pass it)."""
-    return _whole_warps(num_seqs, PLAN_MAX_THREADS)

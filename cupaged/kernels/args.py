@@ -1,0 +1,333 @@
+"""The kernels' arguments by name: one record per ``__global__`` signature of ``cuda/*.cu``.
+
+A kernel takes its arguments as one tuple in the order of its C++ parameters. Each record here
+is that tuple (a ``NamedTuple``), its fields named as the ``.cu`` names the parameters, in their
+order, each annotated with its C type (:data:`C_TYPES`), so that a plan sets every argument by
+name and the order is written once. ``tests/test_kernel_args.py`` parses the signatures of
+``cuda/*.cu`` and holds every record of :data:`KERNEL_ARGS` against them: a parameter reordered,
+renamed, added or retyped there fails it, and so does a kernel without a record.
+
+Two groups recur: the six scale arguments of an fp8 cache (:class:`ScaleArgs`, ``common.cuh``,
+"fp8 caches"), and the four variant arguments that end every attention kernel's list
+(``window_left, soft_cap, alibi_slopes, sinks``, ``common.cuh``, "Attention variants").
+
+A plan builds its record once, with the values of every layer (its tables, work list, scalars)
+and ``None`` where a layer's own go; ``filled`` then gives each launch its tuple with the
+layer's arrays in their places. It is a list set at the fields' positions, read once from the
+field names (``_at``): the cheapest way in Python to a tuple of two dozen values, as cheap as
+the star-unpacking of pre-sliced parts that it replaces, and with no offset written by hand::
+
+    plan:   DecodeArgs(out=None, partial_out=..., q=None, ..., sinks=partial_lse)
+    run:    kernel(grid, block, args.filled(out, q, k_cache, v_cache))
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import numpy as np
+
+# The annotations of the records' fields, one per C type of a kernel parameter. A pointer of any
+# element type is an array (a CuPy array on a GPU, a NumPy array on the CPU backend); a scalar
+# is the NumPy scalar of the exact C type, which both backends take as it is.
+Array = Any
+Int32 = np.int32
+Int64 = np.int64
+Float32 = np.float32
+C_TYPES = {"Array": "pointer", "Int32": "int", "Int64": "long long", "Float32": "float"}
+
+
+class ScaleArgs(NamedTuple):
+    """The scales of an fp8 cache as the kernels take them (``cupaged.attention.scales``): for
+    K and V a value, an array and a stride; the head's scale is ``value * array[head * stride]``.
+    Every kernel that reads an fp8 cache takes these six, in this order, in its list."""
+
+    k_scale: Float32
+    v_scale: Float32
+    k_scales: Array  # [1] or [num_kv_heads] float32
+    v_scales: Array
+    k_scale_stride: Int32
+    v_scale_stride: Int32
+
+    def named(self) -> dict[str, Any]:
+        """The six as keywords of a kernel's record: ``DecodeArgs(..., **scales.named())``."""
+        return self._asdict()
+
+
+class WriteKvArgs(NamedTuple):
+    """``write_kv`` (cuda/write_kv.cu): a 16/32-bit cache, written as it is."""
+
+    k: Array  # [num_tokens, num_kv_heads, head_dim]
+    v: Array
+    k_cache: Array  # [num_blocks, num_kv_heads, block_size, head_dim]
+    v_cache: Array
+    slots: Array  # [num_tokens] int32 or int64
+    num_kv_heads: Int32
+    block_size: Int32
+    head_dim: Int32
+
+    def filled(self, k: Any, v: Any, k_cache: Any, v_cache: Any, slots: Any) -> tuple:
+        """The arguments of one call: this record with its arrays in their places."""
+        args = list(self)
+        args[_WRITE.k], args[_WRITE.v] = k, v
+        args[_WRITE.k_cache], args[_WRITE.v_cache] = k_cache, v_cache
+        args[_WRITE.slots] = slots
+        return tuple(args)
+
+
+class WriteKvFp8Args(NamedTuple):
+    """``write_kv_fp8`` (cuda/write_kv.cu): an fp8 cache, quantized as it is written."""
+
+    k: Array  # [num_tokens, num_kv_heads, head_dim], float32, float16 or bfloat16
+    v: Array
+    k_cache: Array  # [num_blocks, num_kv_heads, block_size, head_dim], fp8 bytes
+    v_cache: Array
+    slots: Array  # [num_tokens] int32 or int64
+    num_kv_heads: Int32
+    block_size: Int32
+    head_dim: Int32
+    k_scale: Float32
+    v_scale: Float32
+    k_scales: Array
+    v_scales: Array
+    k_scale_stride: Int32
+    v_scale_stride: Int32
+
+    def filled(
+        self, k: Any, v: Any, k_cache: Any, v_cache: Any, slots: Any, scales: ScaleArgs
+    ) -> tuple:
+        """The arguments of one call: this record with its arrays and scales in their places."""
+        args = list(self)
+        args[_WRITE_FP8.k], args[_WRITE_FP8.v] = k, v
+        args[_WRITE_FP8.k_cache], args[_WRITE_FP8.v_cache] = k_cache, v_cache
+        args[_WRITE_FP8.slots] = slots
+        args[_WRITE_FP8_SCALES] = scales
+        return tuple(args)
+
+
+class CopyBlocksArgs(NamedTuple):
+    """``copy_blocks`` (cuda/copy_blocks.cu): whole blocks, every layer, in words of ``W``."""
+
+    k_cache: Array  # [num_layers, num_blocks, words_per_block]
+    v_cache: Array
+    src: Array  # [num_pairs] int32
+    dst: Array  # [num_pairs] int32
+    num_blocks: Int32
+    words_per_block: Int64
+
+    def filled(self, k_cache: Any, v_cache: Any, src: Any, dst: Any) -> tuple:
+        """The arguments of one call: this record with its arrays in their places."""
+        args = list(self)
+        args[_COPY.k_cache], args[_COPY.v_cache] = k_cache, v_cache
+        args[_COPY.src], args[_COPY.dst] = src, dst
+        return tuple(args)
+
+
+class PlanDecodeArgs(NamedTuple):
+    """``plan_decode`` (cuda/decode_plan.cu): a decode step's work list, planned on the device.
+    Every argument is the plan's own: the record is built once and launched at each update."""
+
+    work: Array  # [capacity, 4] int32: {seq, begin, end, count}
+    seq_items: Array  # [num_seqs, 2] int32: {first, count}
+    context_lens: Array  # [num_seqs] int32
+    num_seqs: Int32
+    capacity: Int32
+    min_chunk: Int32
+    tile: Int32
+    window_left: Int32
+
+
+class DecodeArgs(NamedTuple):
+    """``paged_decode`` and ``paged_decode_mma`` (cuda/paged_attention.cu; one interface)."""
+
+    out: Array  # [num_seqs, num_q_heads, head_dim]: per layer
+    partial_out: Array  # [capacity, num_q_heads, head_dim] float32
+    partial_lse: Array  # [capacity, num_q_heads] float32
+    q: Array  # [num_seqs, num_q_heads, head_dim]: per layer
+    k_cache: Array  # [num_blocks, num_kv_heads, block_size, head_dim]: per layer
+    v_cache: Array  # per layer
+    block_tables: Array  # [num_seqs, max_blocks] int32
+    work: Array  # [capacity, 4] int32
+    context_lens: Array  # [num_seqs] int32
+    num_kv_heads: Int32
+    group_size: Int32
+    max_blocks: Int32
+    scale: Float32
+    k_scale: Float32  # the fp8 scales (ScaleArgs): a run's, else the plan's of 1.0
+    v_scale: Float32
+    k_scales: Array
+    v_scales: Array
+    k_scale_stride: Int32
+    v_scale_stride: Int32
+    window_left: Int32
+    soft_cap: Float32
+    alibi_slopes: Array  # [num_q_heads] float32, read with the ALiBi bit
+    sinks: Array  # [num_q_heads] float32, read with the sinks bit: a run's
+
+    def filled(
+        self,
+        out: Any,
+        q: Any,
+        k_cache: Any,
+        v_cache: Any,
+        scales: ScaleArgs | None = None,
+        sinks: Any = None,
+    ) -> tuple:
+        """The arguments of one layer's launch: this record with the layer's arrays in their
+        places, and its scales and sinks when given (else the record's)."""
+        args = list(self)
+        args[_DECODE.out], args[_DECODE.q] = out, q
+        args[_DECODE.k_cache], args[_DECODE.v_cache] = k_cache, v_cache
+        if scales is not None:
+            args[_DECODE_SCALES] = scales
+        if sinks is not None:
+            args[_DECODE.sinks] = sinks
+        return tuple(args)
+
+
+class DecodeMergeArgs(NamedTuple):
+    """``paged_decode_merge`` (cuda/paged_attention.cu): a split sequence's items merged."""
+
+    out: Array  # [num_seqs, num_q_heads, head_dim]: per layer
+    partial_out: Array  # [capacity, num_q_heads, head_dim] float32
+    partial_lse: Array  # [capacity, num_q_heads] float32
+    seq_items: Array  # [num_seqs, 2] int32
+    num_q_heads: Int32
+    window_left: Int32
+    soft_cap: Float32
+    alibi_slopes: Array  # unused (the scores' variant)
+    sinks: Array  # [num_q_heads] float32, with the sinks bit: a run's
+
+    def filled(self, out: Any, sinks: Any = None) -> tuple:
+        """The arguments of one layer's merge: the layer's output, and its sinks when given."""
+        args = list(self)
+        args[_DECODE_MERGE.out] = out
+        if sinks is not None:
+            args[_DECODE_MERGE.sinks] = sinks
+        return tuple(args)
+
+
+class PrefillArgs(NamedTuple):
+    """``paged_prefill`` and ``paged_prefill_mma`` (cuda/paged_prefill.cu; one interface)."""
+
+    out: Array  # [total_query_tokens, num_q_heads, head_dim]: per layer
+    partial_out: Array  # [total_query_tokens, num_q_heads, num_splits, head_dim] float32
+    partial_lse: Array  # [total_query_tokens, num_q_heads, num_splits] float32
+    q: Array  # [total_query_tokens, num_q_heads, head_dim]: per layer
+    k_cache: Array  # [num_blocks, num_kv_heads, block_size, head_dim]: per layer
+    v_cache: Array  # per layer
+    block_tables: Array  # [num_seqs, max_blocks] int32
+    context_lens: Array  # [num_seqs] int32
+    query_start_loc: Array  # [num_seqs + 1] int32
+    num_kv_heads: Int32
+    group_size: Int32
+    heads_per_block: Int32
+    max_blocks: Int32
+    num_seqs: Int32
+    query_rows: Int32
+    causal: Int32
+    partition_tokens: Int32
+    num_splits: Int32
+    scale: Float32
+    k_scale: Float32  # the fp8 scales (ScaleArgs): a run's, else the plan's of 1.0
+    v_scale: Float32
+    k_scales: Array
+    v_scales: Array
+    k_scale_stride: Int32
+    v_scale_stride: Int32
+    window_left: Int32
+    soft_cap: Float32
+    alibi_slopes: Array  # [num_q_heads] float32, read with the ALiBi bit
+    sinks: Array  # [num_q_heads] float32, read with the sinks bit (without split-K): a run's
+
+    def filled(
+        self,
+        out: Any,
+        q: Any,
+        k_cache: Any,
+        v_cache: Any,
+        scales: ScaleArgs | None = None,
+        sinks: Any = None,
+    ) -> tuple:
+        """The arguments of one layer's launch: this record with the layer's arrays in their
+        places, and its scales and sinks when given (else the record's)."""
+        args = list(self)
+        args[_PREFILL.out], args[_PREFILL.q] = out, q
+        args[_PREFILL.k_cache], args[_PREFILL.v_cache] = k_cache, v_cache
+        if scales is not None:
+            args[_PREFILL_SCALES] = scales
+        if sinks is not None:
+            args[_PREFILL.sinks] = sinks
+        return tuple(args)
+
+
+class PrefillMergeArgs(NamedTuple):
+    """``paged_prefill_merge`` (cuda/paged_prefill.cu): a split query row's pieces merged."""
+
+    out: Array  # [total_query_tokens, num_q_heads, head_dim]: per layer
+    partial_out: Array  # [total_query_tokens, num_q_heads, num_splits, head_dim] float32
+    partial_lse: Array  # [total_query_tokens, num_q_heads, num_splits] float32
+    context_lens: Array  # [num_seqs] int32
+    query_start_loc: Array  # [num_seqs + 1] int32
+    num_seqs: Int32
+    causal: Int32
+    partition_tokens: Int32
+    num_splits: Int32
+    query_rows: Int32
+    window_left: Int32
+    soft_cap: Float32
+    alibi_slopes: Array  # unused (the scores' variant)
+    sinks: Array  # [num_q_heads] float32, with the sinks bit: a run's
+
+    def filled(self, out: Any, sinks: Any = None) -> tuple:
+        """The arguments of one layer's merge: the layer's output, and its sinks when given."""
+        args = list(self)
+        args[_PREFILL_MERGE.out] = out
+        if sinks is not None:
+            args[_PREFILL_MERGE.sinks] = sinks
+        return tuple(args)
+
+
+# Every kernel of cuda/, by (file, function name): its record (tests/test_kernel_args.py).
+KERNEL_ARGS: dict[tuple[str, str], type] = {
+    ("write_kv.cu", "write_kv"): WriteKvArgs,
+    ("write_kv.cu", "write_kv_fp8"): WriteKvFp8Args,
+    ("copy_blocks.cu", "copy_blocks"): CopyBlocksArgs,
+    ("decode_plan.cu", "plan_decode"): PlanDecodeArgs,
+    ("paged_attention.cu", "paged_decode"): DecodeArgs,
+    ("paged_attention.cu", "paged_decode_mma"): DecodeArgs,
+    ("paged_attention.cu", "paged_decode_merge"): DecodeMergeArgs,
+    ("paged_prefill.cu", "paged_prefill"): PrefillArgs,
+    ("paged_prefill.cu", "paged_prefill_mma"): PrefillArgs,
+    ("paged_prefill.cu", "paged_prefill_merge"): PrefillMergeArgs,
+}
+
+
+def fields(record: type) -> tuple[str, ...]:
+    """A record's field names: its kernel's parameters, in order."""
+    return tuple(record.__annotations__)
+
+
+def _at(record: type) -> Any:
+    """The record whose every field holds its own position: ``_at(DecodeArgs).q == 3``."""
+    return record(*range(len(fields(record))))
+
+
+def _span(record: type, group: type) -> slice:
+    """Where ``group``'s fields sit in ``record``, one run in the same order."""
+    names, run = fields(record), fields(group)
+    where = slice(names.index(run[0]), names.index(run[0]) + len(run))
+    assert names[where] == run, f"{group.__name__} split in {record.__name__}"
+    return where
+
+
+_WRITE = _at(WriteKvArgs)
+_WRITE_FP8 = _at(WriteKvFp8Args)
+_WRITE_FP8_SCALES = _span(WriteKvFp8Args, ScaleArgs)
+_COPY = _at(CopyBlocksArgs)
+_DECODE = _at(DecodeArgs)
+_DECODE_SCALES = _span(DecodeArgs, ScaleArgs)
+_DECODE_MERGE = _at(DecodeMergeArgs)
+_PREFILL = _at(PrefillArgs)
+_PREFILL_SCALES = _span(PrefillArgs, ScaleArgs)
+_PREFILL_MERGE = _at(PrefillMergeArgs)
