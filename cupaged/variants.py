@@ -9,8 +9,8 @@ One definition (docs/variants.md): for a query at position ``i`` and a key at po
     out = sum_j exp(s_j - m) v_j / (sum_j exp(s_j - m) + exp(sinks[h] - m)),  m = max(s, sinks[h])
 
 A query that sees no key gets a zero row, with or without a sink. The kernels take the variants
-as bits of one template argument (``VARIANT``, the constants below and in ``cuda/common.cuh``):
-what is off costs nothing.
+as bits of one template argument (``VARIANT``, the constants below, checked against
+``cuda/common.cuh`` by a test): what is off costs nothing.
 """
 
 from __future__ import annotations
@@ -28,7 +28,10 @@ from .backend import array_module
 # Inf * tanh(s / Inf) is NaN).
 MAX_SOFT_CAP = float(np.finfo(np.float32).max)
 
-# Bits of the kernels' VARIANT template argument; cuda/common.cuh names the same bits.
+# Bits of the kernels' VARIANT template argument, defined here once for the Python side (the
+# launch table, the plans and the tests take them from here). cuda/common.cuh names the same bits
+# (kWindow, kSoftCap, kAlibi, kSinks): tests/test_kernel_args.py reads them there and holds them,
+# and the four trailing variant arguments of every kernel with a VARIANT, against these.
 WINDOW = 1
 SOFT_CAP = 2
 ALIBI = 4
