@@ -290,8 +290,8 @@ class Internals:
     wherever it says enough.
 
     Attributes:
-        manager: the :class:`~cupaged.BlockManager` (or :class:`~cupaged.PagedCache`), or ``None``
-            for a bare pool or prefix cache.
+        manager: the :class:`~cupaged.BlockManager` (a :class:`~cupaged.PagedCache`'s own), or
+            ``None`` for a bare pool or prefix cache.
         transaction: the manager's :class:`~cupaged.paging.transaction.Transaction`.
         pool: the :class:`~cupaged.BlockPool`.
         index: the :class:`~cupaged.PrefixCache` (a manager's, or the bare one given).
@@ -302,15 +302,16 @@ class Internals:
     """
 
     def __init__(self, owner) -> None:
-        from cupaged import BlockManager, BlockPool, DecodePlan, PrefixCache
+        from cupaged import BlockManager, BlockPool, DecodePlan, PagedCache, PrefixCache
 
         self.manager = self.transaction = self.table = self.chains = self.swapper = None
         self.index = self.pool = self.plan = None
+        if isinstance(owner, PagedCache):  # its manager's state, and its host copies
+            self.swapper, owner = owner._swapper, owner._manager
         if isinstance(owner, BlockManager):
             self.manager = owner
             self.transaction, self.pool, self.index = owner._transaction, owner._pool, owner._index
             self.table, self.chains = owner._table, owner._chains
-            self.swapper = getattr(owner, "_swapper", None)
         elif isinstance(owner, BlockPool):
             self.pool = owner
         elif isinstance(owner, PrefixCache):
@@ -339,7 +340,7 @@ class Internals:
     @property
     def unapplied(self) -> dict:
         """A cache's copy-on-write copies left to the caller: ``dst -> (src, sid, column)``."""
-        return self.manager._deferred._left
+        return self.manager._copies._left
 
     def assert_no_call_inside(self) -> None:
         """No call is inside the manager: no undo left to run, no claim held."""
@@ -494,8 +495,9 @@ def inner_calls() -> list[tuple[object, str]]:
     planner, the lifecycle, the swapper, the copy and write kernels. Patch them before the
     cache is made (some are bound at construction)."""
     from cupaged.cache import paged_cache
-    from cupaged.cache.swap import DeferredCopies, Swapper
+    from cupaged.cache.swap import Swapper
     from cupaged.paging import chains, keys, lifecycle, lru, planner, pool, prefix, sequences
+    from cupaged.paging.copies import DeferredCopies
 
     return [
         *_named(
@@ -516,7 +518,7 @@ def inner_calls() -> list[tuple[object, str]]:
         ),
         *_named(planner.Planner, "plan _plan _decode _entries"),
         *_named(lifecycle.Lifecycle, "admit _attach release fork"),
-        *_named(Swapper, "swap_out swap_in drop"),
+        *_named(Swapper, "save load drop"),
         *_named(paged_cache, "copy_blocks write_kv"),
         *_named(DeferredCopies, "leave take let_go forget"),
     ]
@@ -525,8 +527,9 @@ def inner_calls() -> list[tuple[object, str]]:
 def undo_calls() -> list[tuple[object, str]]:
     """The undo records and the finishers a rollback runs, as ``(owner, name)`` (patched like
     :func:`inner_calls`)."""
-    from cupaged.cache.swap import DeferredCopies, Swapper
+    from cupaged.cache.swap import Swapper
     from cupaged.paging import chains, keys, lru, pool, prefix, sequences
+    from cupaged.paging.copies import DeferredCopies
 
     return [
         *_named(

@@ -2,7 +2,8 @@
 
 ==================  ===================================================================
 ``paged_cache``     :class:`~cupaged.PagedCache`: the K/V pool and its writes
-``swap``            moving a sequence's K/V bytes to host memory and back
+``forwarding``      the manager's other verbs on a cache, passed on as they are
+``swap``            moving a sequence's K/V bytes to host memory and back, for given block ids
 ``scales``          the per-layer K/V scales of an fp8 cache
 ``spec``            :class:`~cupaged.CacheSpec`: memory arithmetic, to size a cache
 ==================  ===================================================================

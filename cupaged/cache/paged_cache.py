@@ -210,6 +210,7 @@ class PagedCache(ManagerVerbs):
             sids, num_tokens, tokens, tables=tables, copy=copy, hold_copies=not apply_copies
         )
 
+    @forwards
     def reserve(
         self,
         sids: int | Iterable[int] | SequenceBatch,
@@ -300,6 +301,7 @@ class PagedCache(ManagerVerbs):
 
     # ----------------------------------------------------------------------------- attention
 
+    @forwards
     def decode_plan(
         self,
         sids: StepPlan | Iterable[int] | SequenceBatch,
@@ -340,6 +342,7 @@ class PagedCache(ManagerVerbs):
         options.update(_fp8_plan_options(self.spec.dtype, q_dtype))
         return DecodePlan(tables, lens, self.k[0], num_q_heads, **options)
 
+    @forwards
     def prefill_plan(
         self,
         step: StepPlan | Iterable[int] | SequenceBatch,

@@ -11,9 +11,13 @@ One owner per piece of state, composed by :class:`~cupaged.BlockManager`:
 ``tokens``             token ids and counts, checked at the boundary
 ``planner``            a step's slots, new blocks and copy-on-write copies
 ``window``             a sliding window's release of the blocks no query can see any more
-``manager``            :class:`~cupaged.BlockManager`: the public lifecycle
+``copies``             copy-on-write pairs left to apply, and the holds on their sources
+``manager``            :class:`~cupaged.BlockManager`: the public lifecycle, swapping's
+                       bookkeeping, ``transaction()`` for compound calls
 ``results``            :class:`~cupaged.StepPlan`, :class:`~cupaged.Admission`
 =====================  ===========================================================================
 
-The device copies of tables and slots are made at the manager's public boundary.
+The device copies of tables and slots are made at the manager's public boundary. Nothing here
+holds K/V: :class:`~cupaged.PagedCache` has a manager and calls only its public verbs, moving
+the bytes of the block ids they hand over.
 """

@@ -58,7 +58,7 @@ from .prefix import BlockHasher, PrefixCache, PrefixCacheStats, as_salt
 from .results import Admission, OneSlots, StepPlan, StepStamp
 from .sequences import SequenceBatch, SequenceTable
 from .tokens import step_tokens, token_array, token_counts
-from .transaction import Transaction, atomic, run_atomically
+from .transaction import Transaction, atomic, forwards, run_atomically
 from .window import Window
 
 _INT32_MAX = 2**31 - 1
@@ -293,6 +293,7 @@ class BlockManager:
         admission.slots = self._on_device(admission.slots)
         return admission
 
+    @forwards
     def fork(self, sid: int) -> int:
         """Start a sequence that shares every block of ``sid`` (parallel sampling, beam search).
 

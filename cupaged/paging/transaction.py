@@ -118,10 +118,10 @@ class Transaction:
     )
 
     def __init__(self) -> None:
-        self._claim: dict[int, tuple[int, Any]] = {}
-        # The open calls whose bodies may call in (outermost first): (opener, code, mark), the
-        # body being the frame of ``code`` that ``opener`` called (``code`` None: ``opener``
-        # itself), ``mark`` the length of the log when it joined.
+        # The claim: (thread, frame that entered, body) of the open call (see `enter`).
+        self._claim: dict[int, tuple[int, Any, Any]] = {}
+        # The calls that joined it, innermost last: (frame that entered, body, length of the
+        # log when it joined).
         self._bodies: list[tuple[Any, Any, int]] = []
         self.depth = 0  # 1 while a call of this thread is inside
         self.log: list[tuple[Any, ...]] = []
@@ -148,7 +148,8 @@ class Transaction:
         """Take the guard without blocking, for a call that needs no undo (the one-store fast
         path); ``False`` when any call is inside or a rollback is unfinished (the full path then
         refuses, or finishes it). Release it with :meth:`leave`."""
-        mine = (_get_ident(), _getframe(1))  # the caller's frame: a handler above it is refused
+        # The caller's frame: a handler above it is refused; no body: nothing joins it.
+        mine = (_get_ident(), _getframe(1), False)
         if self._claim.setdefault(_CLAIM, mine) is not mine:
             return False  # held: another thread's, or this thread's outer call (a re-entry)
         if self.log or self._unfinished:
@@ -157,13 +158,17 @@ class Transaction:
         self.depth = 1  # a call of this thread is inside: a re-entry is refused
         return True
 
-    def enter(self, caller: Any, opener: Any, code: Any = None) -> bool:
-        """Take the guard for a call of this thread made from frame ``caller`` (refused while
-        another call is inside), and finish first what an interrupted call left to undo.
+    def enter(self, opener: Any, body: Any = None, up: int = 0) -> bool:
+        """Take the guard for a call of this thread (refused while another call is inside), and
+        finish first what an interrupted call left to undo.
 
-        ``opener`` is the frame entering (it holds the claim while on the stack), and the new
-        call's body, whose calls join it, is the frame of ``code`` that ``opener`` calls
-        (``code`` ``None``: ``opener`` itself, a ``with`` block's frame).
+        Args:
+            opener: the frame entering; the claim holds it while it is on the stack.
+            body: the function whose frame, called by ``opener``, is the new call's body (its
+                calls join the call), or ``None``: ``opener`` itself is (a ``with`` block's
+                frame).
+            up: how far below ``opener`` the frame that made the call is (1 for :func:`atomic`,
+                2 for :func:`run_atomically`, 0 for a ``with`` block).
 
         Returns:
             ``True`` for a new call (commit or :meth:`abort` it, then :meth:`leave`);
@@ -171,7 +176,7 @@ class Transaction:
             after :meth:`abort_joined` if it failed).
         """
         me = _get_ident()
-        mine = (me, opener)
+        mine = (me, opener, body)
         fresh = False  # this entry took the claim: an interrupt from here on must drop it
         try:
             owner = self._claim.setdefault(_CLAIM, mine)
@@ -181,8 +186,11 @@ class Transaction:
                         "expected one thread at a time in a PagedCache/BlockManager, got a call "
                         "while another thread is inside one (guard the cache with your own lock)"
                     )
-                if self._made_by_a_body(caller):
-                    self._bodies.append((opener, code, len(self.log)))  # (one C call)
+                caller = opener
+                for _ in range(up):
+                    caller = caller.f_back
+                if self._made_by_a_body(caller, owner):
+                    self._bodies.append((opener, body, len(self.log)))  # (one C call)
                     return False
                 # This thread's own claim: the call that took it still on the stack (a signal
                 # handler or a callback calling in, however early in that call), or one an
@@ -194,9 +202,9 @@ class Transaction:
                         "block_hasher)"
                     )
                 self._claim[_CLAIM] = mine
+                self._bodies.clear()  # (what the call that left the claim had joined)
             fresh = True
             self.depth = 1
-            self._bodies = [(opener, code, 0)]
             if self.log or self._unfinished:  # an interrupted call left changes: undo them
                 self.abort()
             self.kv_written = False
@@ -229,23 +237,23 @@ class Transaction:
 
     def unjoin(self) -> None:
         """End the innermost joined call (its changes stay in the open call's log)."""
-        if len(self._bodies) > 1:
+        if self._bodies:
             self._bodies.pop()
 
     def leave(self) -> None:
         """Give the guard back (the call committed or aborted)."""
         self.depth = 0
-        self._bodies = []
+        if self._bodies:  # (only what an interrupt left)
+            self._bodies.clear()
         self._claim.pop(_CLAIM, None)
 
     def __enter__(self) -> Transaction:
-        frame = _getframe(1)
-        self.enter(frame, frame)
+        self.enter(_getframe(1))
         return self
 
     def __exit__(self, kind: Any, error: Any, trace: Any) -> None:
         bodies = self._bodies
-        if len(bodies) > 1 and bodies[-1][1] is None and bodies[-1][0] is _getframe(1):
+        if bodies and bodies[-1][1] is None and bodies[-1][0] is _getframe(1):
             try:  # a block that joined an open call: that call commits it
                 if kind is not None:
                     self.abort_joined()
@@ -260,19 +268,19 @@ class Transaction:
         finally:
             self.leave()
 
-    def _made_by_a_body(self, caller: Any) -> bool:
-        """Whether ``caller`` is the body of an open call: the frame that runs its ``with``
-        block, or the method (function) that its :func:`atomic` (:func:`run_atomically`)
-        frame called."""
+    def _made_by_a_body(self, caller: Any, claim: tuple[int, Any, Any]) -> bool:
+        """Whether ``caller`` is the body of an open call (``claim``'s, or one that joined it):
+        the frame that runs its ``with`` block, or the method (function) that its
+        :func:`atomic` (:func:`run_atomically`) frame called."""
         while caller.f_code in _FORWARDERS:  # (a forwarder called from the body is the body's)
             caller = caller.f_back
-        for opener, code, _ in self._bodies:
-            if (
-                caller is opener
-                if code is None
-                else (caller.f_code is code and caller.f_back is opener)
-            ):
-                return True
+        for opener, body in (claim[1:], *(joined[:2] for joined in self._bodies)):
+            if body is None:
+                if caller is opener:
+                    return True
+            elif body is not False and caller.f_back is opener:
+                if caller.f_code is getattr(body, "__code__", None):
+                    return True
         return False
 
     def _rollback(self, mark: int) -> None:
@@ -291,8 +299,7 @@ def run_atomically(transaction: Transaction, function: Callable[..., Any], *args
     """``function(*args)`` as one call inside ``transaction`` (a public call whose fast path runs
     before it): what :func:`atomic` does for a whole method, committed the same way. Made from
     the body of an open call, it joins that call."""
-    frame = _getframe()
-    if transaction.enter(frame.f_back.f_back, frame, getattr(function, "__code__", None)):
+    if transaction.enter(_getframe(), function, 2):
         try:
             result = function(*args)
             transaction.log.clear()  # the commit (see atomic)
@@ -320,13 +327,11 @@ def atomic(method: Callable[..., Any]) -> Callable[..., Any]:
     never inside. (A ``with`` block would commit in ``__exit__``, and an interrupt at the first
     instruction of ``__exit__`` would leave the call neither committed nor undone.)
     """
-    code = method.__code__
 
     @functools.wraps(method)
     def call(self: Any, *args: Any, **kwargs: Any) -> Any:
         transaction = self._transaction
-        frame = _getframe()
-        if transaction.enter(frame.f_back, frame, code):
+        if transaction.enter(_getframe(), method, 1):
             try:
                 result = method(self, *args, **kwargs)
                 transaction.log.clear()  # the commit

@@ -1,0 +1,190 @@
+"""Compound calls (``with manager.transaction():``) and the frame-keyed re-entry guard.
+
+A call made from the body of an open call joins it (one commit, one rollback); a call from any
+other frame while a call is inside (a signal handler, a callback, another thread) is refused,
+whatever file the frames' code lives in.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+from cupaged import BlockManager, CupagedError, OutOfBlocksError, PagedCache
+from helpers import internals
+
+
+def manager(**options) -> BlockManager:
+    return BlockManager(8, 4, device="cpu", **options)
+
+
+def state(m) -> tuple:
+    """Everything a call can change that the public API shows (the ids as a set: a rollback
+    of a free puts a sequence back at the end of ``sequence_ids``)."""
+    ids = sorted(m.sequence_ids)
+    return (
+        ids,
+        [(m.block_table(s), m.seq_len(s)) for s in ids],
+        m.num_free_blocks,
+        m.pool.refcounts.tolist(),
+    )
+
+
+def test_a_block_of_calls_commits_once():
+    m = manager()
+    a, b = m.add_sequence(), m.add_sequence()
+    m.step([a, b], 5)
+    with m.transaction():
+        m.free(a)
+        c = m.fork(b)
+        plan = m.step(c, 1)  # joins: b's partly filled last block is copied for c
+        assert plan.copy_src.tolist() == [m.block_table(b)[1]]
+    assert m.sequence_ids == [b, c]
+    assert (m.seq_len(b), m.seq_len(c)) == (5, 6)
+    m.check_invariants()
+    internals(m).assert_no_call_inside()
+
+
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+def test_an_exception_out_of_the_block_undoes_every_call_in_it(error):
+    m = manager()
+    a, b = m.add_sequence(), m.add_sequence()
+    m.step([a, b], 5)
+    before = state(m)
+    with pytest.raises(error):
+        with m.transaction():
+            m.free(a)
+            c = m.fork(b)
+            m.step([b, c], 3)
+            m.swap_out(b)
+            raise error
+    assert state(m) == before
+    m.check_invariants()
+    internals(m).assert_no_call_inside()
+
+
+def test_a_failed_call_in_the_block_undoes_only_its_own_changes():
+    m = manager()
+    a = m.add_sequence()
+    with m.transaction():
+        m.step(a, 6)
+        b = m.add_sequence()
+        with pytest.raises(OutOfBlocksError):
+            m.step([a, b], 16)  # 4 + 4 more blocks of 6 left: refused, its changes undone
+        m.step(b, 2)
+    assert (m.seq_len(a), m.seq_len(b)) == (6, 2)
+    assert m.num_free_blocks == 8 - 3
+    m.check_invariants()
+
+
+def test_blocks_nest_and_the_outer_one_commits():
+    m = manager()
+    a = m.add_sequence()
+    with pytest.raises(RuntimeError):
+        with m.transaction():
+            m.step(a, 4)
+            with m.transaction():  # joins the outer block
+                m.step(a, 4)
+            assert m.seq_len(a) == 8
+            raise RuntimeError
+    assert m.seq_len(a) == 0
+    m.check_invariants()
+
+
+def test_a_callback_inside_a_block_is_refused():
+    """A block hasher that calls the manager from inside a joined admit: refused, the admit is
+    undone and the block goes on."""
+    holder = {"m": None}
+
+    def hasher(parent, tokens):
+        if holder["m"] is not None:
+            holder["m"].add_sequence()
+        return bytes(16)
+
+    m = manager(enable_prefix_caching=True, block_hasher=hasher)
+    a = m.add_sequence()
+    with m.transaction():
+        m.step(a, 2, [1, 2])
+        holder["m"] = m
+        with pytest.raises(CupagedError, match="from inside one of its calls"):
+            m.admit([1, 2, 3, 4, 5])
+        holder["m"] = None
+        m.step(a, 1, [3])
+    assert m.sequence_ids == [a] and m.seq_len(a) == 3
+    m.check_invariants()
+
+
+def test_another_thread_is_refused_while_a_block_is_open():
+    m = manager()
+    a = m.add_sequence()
+    errors = []
+
+    def other():
+        try:
+            m.add_sequence()
+        except CupagedError as error:
+            errors.append(str(error))
+
+    with m.transaction():
+        m.step(a, 1)
+        thread = threading.Thread(target=other)
+        thread.start()
+        thread.join()
+    assert len(errors) == 1 and "one thread at a time" in errors[0]
+    assert m.sequence_ids == [a]
+
+
+def test_a_call_from_a_frameless_callable_inside_a_call_is_refused():
+    """A call that enters with no Python frame of its own between it and the interrupted code (a
+    bound method run as the local trace function, as a C-level signal handler would be): the
+    frame that took the claim is still on the stack, so it is refused. (The old guard skipped
+    every frame of the package's own files below an entry, found no call of the bookkeeping
+    left, took the claim back and rolled back the outer call's undo log.)"""
+    m = manager()
+    a, b = m.add_sequence(), m.add_sequence()
+    m.step([a, b], 3)
+    before = state(m)
+
+    def tracer(frame, event, arg):
+        if event == "call" and frame.f_code.co_name == "plan":
+            return m.free  # called by the interpreter itself at the plan's next line
+        return None
+
+    sys.settrace(tracer)
+    try:
+        with pytest.raises(CupagedError, match="from inside one of its calls"):
+            m.step([a, b], 2)
+    finally:
+        sys.settrace(None)
+    assert state(m) == before
+    m.check_invariants()
+    internals(m).assert_no_call_inside()
+    m.step([a, b], 2)
+    assert (m.seq_len(a), m.seq_len(b)) == (5, 5)
+
+
+def test_a_cache_block_joins_its_forwarded_and_own_calls():
+    """A PagedCache's calls in a block: its own (append, free), the ones it forwards to its
+    manager (fork) and the step, all undone together."""
+    rng = np.random.default_rng()
+    cache = PagedCache(8, 4, 1, 1, 64, "float32", "cpu", attention_kernels=False)
+    a = cache.add_sequence()
+    k = rng.standard_normal((1, 6, 1, 64)).astype(np.float32)
+    cache.append(a, k, k)
+    before = state(cache)
+    with pytest.raises(RuntimeError):
+        with cache.transaction():
+            child = cache.fork(a)
+            cache.append(child, k[:, :1], k[:, :1])  # copies block 1 first
+            cache.step(a, 1, apply_copies=False)
+            cache.free(a)
+            raise RuntimeError
+    assert state(cache) == before
+    assert cache.pending_copies()[0].size == 0
+    k_back, _ = cache.gather_kv(a)
+    np.testing.assert_array_equal(k_back, k)
+    cache.check_invariants()
+    internals(cache).assert_no_call_inside()
