@@ -207,7 +207,9 @@ def occupancy(
         regs_per_warp = cdiv(registers * WARP, sm.reg_alloc_unit) * sm.reg_alloc_unit
         by["registers"] = sm.regs_per_sm // (regs_per_warp * warps)
     unit = sm.smem_alloc_unit
-    by["smem"] = sm.smem_per_sm // (cdiv(shared_mem + sm.smem_reserved_per_cta, unit) * unit)
+    smem = cdiv(shared_mem + sm.smem_reserved_per_cta, unit) * unit
+    if smem:  # none used and none reserved (before sm_80): no bound
+        by["smem"] = sm.smem_per_sm // smem
     ctas = min(by.values())
     return Occupancy(ctas, ctas * warps, "/".join(k for k, v in by.items() if v == ctas))
 
