@@ -1,4 +1,5 @@
-"""scripts/kernel-report: the static performance report, and the properties it pins (issue 11).
+"""scripts/kernel-report (tools/kernel_report): the static performance report, and the properties
+it pins (issue 11).
 
 The report compiles with NVRTC (no GPU) and disassembles with nvdisasm. One ``--quick`` run (head_dim
 128, block 16, groups 1/4/8, every kernel and dtype, sm_80 and sm_90) feeds most tests here. Three
@@ -12,10 +13,9 @@ rows: no spills, 16-byte K/V copies, half of float16's bytes per token (issue 25
 
 from __future__ import annotations
 
-import importlib.machinery
-import importlib.util
 import json
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -25,24 +25,15 @@ import pytest
 from cupaged._util import cdiv
 from cupaged.dtypes import ITEMSIZES
 from cupaged.kernels import target as _gpu_target
-from cupaged.kernels.launch_decode import decode_ctas_per_sm
+from cupaged.kernels.launch_decode import HEAD_DIMS, decode_ctas_per_sm
 
 nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
 
+from tools.kernel_report import bank, cli, launches, models, registers, tables  # noqa: E402
+from tools.kernel_report.sass import Sass  # noqa: E402
+
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "kernel-report"
 HALF_DTYPES = ("float16", "bfloat16")
-
-
-def load_script():
-    loader = importlib.machinery.SourceFileLoader("kernel_report", str(SCRIPT))
-    spec = importlib.util.spec_from_loader("kernel_report", loader)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["kernel_report"] = module  # dataclasses look their module up
-    loader.exec_module(module)
-    return module
-
-
-kr = load_script()
 
 
 @pytest.fixture(scope="module")
@@ -83,12 +74,12 @@ def decode_rows(rows, gpu=None, dtypes=HALF_DTYPES):
 
 def test_the_subset_covers_every_kernel_dtype_gpu_and_group(quick):
     _, rows = quick
-    assert {r["kernel"] for r in rows} == set(kr.SOURCES)
+    assert {r["kernel"] for r in rows} == set(launches.SOURCES)
     assert {r["gpu"] for r in rows} == {"A100", "H100", "H200"}
     assert {r["dtype"] for r in rows} == {"float32", "float16", "bfloat16", ""}
-    decode = decode_rows(rows, "H100", kr.DTYPES)
+    decode = decode_rows(rows, "H100", launches.DTYPES)
     assert sorted((r["dtype"], r["group"]) for r in decode) == sorted(
-        (d, g) for d in kr.DEFAULT_DTYPES for g in (1, 4, 8)
+        (d, g) for d in launches.DEFAULT_DTYPES for g in (1, 4, 8)
     )
     assert {(r["head_dim"], r["block_size"]) for r in decode} == {(128, 16)}
 
@@ -97,7 +88,7 @@ def test_the_table_has_its_columns_and_labels_every_model(quick):
     markdown, rows = quick
     header = next(line for line in markdown.splitlines() if line.startswith("| GPU |"))
     cells = [c.strip() for c in header.strip("|").split("|")]
-    assert cells == list(kr.COLUMNS)
+    assert cells == list(tables.COLUMNS)
     for column in ("in flight", "cycles"):
         assert all("(model)" in c for c in cells if column in c), cells
     assert "Static analysis" in markdown and "not GPU measurements" in markdown
@@ -126,7 +117,7 @@ def test_the_table_has_its_columns_and_labels_every_model(quick):
     for row in rows:
         assert required <= set(row), required - set(row)
         assert all(not k.startswith(("model", "modelled")) or k.startswith("model_") for k in row)
-    for row in decode_rows(rows, dtypes=kr.DTYPES):
+    for row in decode_rows(rows, dtypes=launches.DTYPES):
         assert row["model_smem_cycles_per_tile"] > 0 and row["model_dram_cycles_per_tile"] > 0
 
 
@@ -153,7 +144,7 @@ def test_decode_kv_global_loads_are_16_byte_async_copies(quick):
     """K and V arrive by 16-byte cp.async copies (LDGSTS.128) only; the stage loop's other global
     loads are the prefetched block ids (32-bit, at most one per copy a thread issues)."""
     _, rows = quick
-    for row in decode_rows(rows, dtypes=kr.DTYPES):
+    for row in decode_rows(rows, dtypes=launches.DTYPES):
         fills = row["tile_fill_loops"]
         assert len(fills) == 1, row["name"]  # the stage loop
         counts = fills[0]
@@ -181,7 +172,7 @@ def test_no_16_bit_shared_loads_in_the_decode_loops(quick):
 
 def test_decode_shared_reads_are_128_bit(quick):
     _, rows = quick
-    for row in decode_rows(rows, dtypes=kr.DTYPES):
+    for row in decode_rows(rows, dtypes=launches.DTYPES):
         if row["note"] == "tensor cores":
             continue  # below
         reads = {k for k in row["memory_ops_in_loops"] if k.startswith("LD") and k[:3] != "LDG"}
@@ -235,7 +226,7 @@ def test_modelled_shared_time_below_dram_time_on_h100_up_to_group_8(quick):
 
 def test_the_issue_model_counts_the_stage_loop(quick):
     _, rows = quick
-    for row in decode_rows(rows, dtypes=kr.DTYPES):
+    for row in decode_rows(rows, dtypes=launches.DTYPES):
         issue = row["model_issue"]
         assert issue and issue["instructions"] > issue["fp32_math"] > 0, row["name"]
         warps = row["threads"] // 32
@@ -246,20 +237,21 @@ def test_the_issue_model_counts_the_stage_loop(quick):
 
 
 def assert_occupancy_is_the_most_ctas_every_limit_allows(rows):
+    """Independent of ``target.occupancy``: the most CTAs that every published limit allows."""
     for row in rows:
-        lim = kr.SM_LIMITS[row["arch"]]
+        lim = launches.sm_limits(row["arch"])
         warps = cdiv(row["threads"], 32)
         regs = cdiv(row["registers"] * 32, 256) * 256 * warps  # per CTA, allocated per warp
-        unit = lim["smem_alloc_unit"]
-        used = row["static_smem"] + row["dynamic_smem"] + lim["smem_reserved_per_cta"]
+        unit = lim.smem_alloc_unit
+        used = row["static_smem"] + row["dynamic_smem"] + lim.smem_reserved_per_cta
         smem = cdiv(used, unit) * unit
 
         def fits(ctas, lim=lim, warps=warps, regs=regs, smem=smem):
             return (
-                ctas <= lim["max_ctas_per_sm"]
-                and ctas * warps * 32 <= lim["max_threads_per_sm"]
-                and ctas * regs <= lim["regs_per_sm"]
-                and ctas * smem <= lim["smem_per_sm"]
+                ctas <= lim.max_ctas_per_sm
+                and ctas * warps * 32 <= lim.max_threads_per_sm
+                and ctas * regs <= lim.regs_per_sm
+                and ctas * smem <= lim.smem_per_sm
             )
 
         ctas = row["ctas_per_sm"]
@@ -272,31 +264,67 @@ def test_occupancy_is_the_most_ctas_every_limit_allows(quick, t4):
     assert_occupancy_is_the_most_ctas_every_limit_allows(quick[1] + t4)
 
 
+def test_the_one_occupancy_calculator_names_the_limits_that_bind():
+    """The report's CTAs per SM are ``target.occupancy``'s (the planner's ``ctas_per_sm`` too):
+    each limit binds where it should, a block over the per-block shared memory fits nowhere, and
+    unknown registers (0) bound nothing."""
+    h100, t4 = _gpu_target.SM_LIMITS[90], _gpu_target.SM_LIMITS[75]
+    occupancy = _gpu_target.occupancy
+    assert occupancy(32, 16, 0, h100) == _gpu_target.Occupancy(32, 32, "CTAs")
+    assert occupancy(1024, 16, 0, h100) == _gpu_target.Occupancy(2, 64, "threads")
+    assert occupancy(1024, 16, 0, t4) == _gpu_target.Occupancy(1, 32, "threads")
+    assert occupancy(256, 255, 0, h100).limiter == "registers"  # 256 x 256 registers a thread
+    assert occupancy(256, 0, 0, h100) == _gpu_target.Occupancy(8, 64, "threads")
+    # 100 KiB + 1 KiB reserved: two fit 228 KiB; T4 has no reservation but 64 KiB a block.
+    assert occupancy(128, 32, 100 * 1024, h100) == _gpu_target.Occupancy(2, 8, "smem")
+    assert occupancy(128, 32, 64 * 1024, t4) == _gpu_target.Occupancy(1, 4, "smem")
+    assert occupancy(128, 32, 64 * 1024 + 1, t4) == _gpu_target.Occupancy(0, 0, "smem per CTA")
+    # No shared memory and none reserved (a T4): no bound (a division by zero before, which
+    # crashed `--quick --arch sm_75` on copy_blocks and write_kv).
+    assert occupancy(256, 16, 0, t4) == _gpu_target.Occupancy(4, 32, "threads")
+    assert occupancy(128, 168, 60 * 1024).limiter == "registers/smem"  # an H100 by default
+    assert _gpu_target.ctas_per_sm(128, 168, 60 * 1024) == 3
+
+
 def test_the_published_limits():
-    assert kr.SM_LIMITS["sm_75"]["smem_per_sm"] == 64 * 1024
-    assert kr.SM_LIMITS["sm_80"]["smem_per_sm"] == 164 * 1024
-    assert kr.SM_LIMITS["sm_90"]["smem_per_sm"] == 228 * 1024
-    for arch, lim in kr.SM_LIMITS.items():
-        threads_ctas = (1024, 16) if arch == "sm_75" else (2048, 32)
-        assert (lim["regs_per_sm"], lim["max_threads_per_sm"], lim["max_ctas_per_sm"]) == (
-            65536,
-            *threads_ctas,
-        )
-        assert lim["max_warps_per_sm"] * 32 == lim["max_threads_per_sm"]
-        # Reserved per CTA from 8.0 on; allocated in 256-byte units before it, 128 from it.
-        assert (lim["smem_reserved_per_cta"], lim["smem_alloc_unit"]) == (
-            (0, 256) if arch == "sm_75" else (1024, 128)
-        )
-        # The launch table plans for the same shared memory per CTA.
-        assert kr.target_of(arch).shared_memory == lim["smem_per_cta_max"], arch
-    assert {g: (v["arch"], v["sms"]) for g, v in kr.GPUS.items()} == {
-        "T4": ("sm_75", 40),
-        "A100": ("sm_80", 108),
-        "H100": ("sm_90", 132),
-        "H200": ("sm_90", 132),
+    """``target.SM_LIMITS`` and ``GPUS`` (the one hardware table, the report's too) against the
+    CUDA C++ Programming Guide's per-SM limits and the datasheets."""
+    published = {  # threads, CTAs, KiB per SM, KiB per CTA (opt-in)
+        70: (2048, 32, 96, 96),
+        75: (1024, 16, 64, 64),
+        80: (2048, 32, 164, 163),
+        86: (1536, 16, 100, 99),
+        87: (1536, 16, 164, 163),
+        89: (1536, 24, 100, 99),
+        90: (2048, 32, 228, 227),
     }
-    for table in (kr.HMMA_FMA_PER_CYCLE, kr.FP32_FMA_LANES_PER_CYCLE, kr.TENSOR_FLOP_PER_CYCLE):
-        assert set(table) == set(kr.SM_LIMITS)
+    assert set(_gpu_target.SM_LIMITS) == set(published)
+    for arch, lim in _gpu_target.SM_LIMITS.items():
+        threads, ctas, smem, cta = published[arch]
+        assert (lim.max_threads_per_sm, lim.max_ctas_per_sm) == (threads, ctas), arch
+        assert (lim.smem_per_sm, lim.smem_per_cta_max) == (smem * 1024, cta * 1024), arch
+        assert (lim.regs_per_sm, lim.max_regs_per_thread, lim.reg_alloc_unit) == (65536, 255, 256)
+        assert lim.max_warps_per_sm * 32 == lim.max_threads_per_sm
+        # Reserved per CTA from 8.0 on; allocated in 256-byte units before it, 128 from it.
+        assert (lim.smem_reserved_per_cta, lim.smem_alloc_unit) == (
+            (0, 256) if arch < 80 else (1024, 128)
+        )
+        # The launch tables plan for the same shared memory per CTA.
+        assert _gpu_target.Target.of_arch(arch).shared_memory == lim.smem_per_cta_max, arch
+    assert {g: (v.arch, v.sms) for g, v in _gpu_target.GPUS.items()} == {
+        "T4": (75, 40),
+        "A100": (80, 108),
+        "H100": (90, 132),
+        "H200": (90, 132),
+    }
+    assert launches.ARCHS == ("sm_75", "sm_80", "sm_90")  # the GPUs' (no sm_70: nvdisasm)
+    assert _gpu_target.NOMINAL_SM_COUNT == 132
+    for table in (
+        models.HMMA_FMA_PER_CYCLE,
+        models.FP32_FMA_LANES_PER_CYCLE,
+        models.TENSOR_FLOP_PER_CYCLE,
+    ):
+        assert set(table) == set(launches.ARCHS)
 
 
 def test_dram_cycles_per_tile_from_the_published_bandwidth(quick):
@@ -306,7 +334,7 @@ def test_dram_cycles_per_tile_from_the_published_bandwidth(quick):
         "H100": 3.35e12 / (132 * 1.98e9),
         "H200": 4.8e12 / (132 * 1.98e9),
     }
-    for row in decode_rows(rows, dtypes=kr.DTYPES):
+    for row in decode_rows(rows, dtypes=launches.DTYPES):
         size = ITEMSIZES[row["dtype"]]
         tile_bytes = 2 * row["tile"] * 128 * size  # K and V of one tile
         assert row["model_dram_cycles_per_tile"] == round(tile_bytes / per_cycle[row["gpu"]])
@@ -314,13 +342,13 @@ def test_dram_cycles_per_tile_from_the_published_bandwidth(quick):
 
 def test_the_bank_model_on_known_patterns():
     contiguous = [16 * lane for lane in range(32)]
-    assert kr.bank_cycles(contiguous, 16) == 4  # 512 bytes at 128 a cycle
-    assert kr.bank_cycles([4 * lane for lane in range(32)], 4) == 1
-    assert kr.bank_cycles([0] * 32, 16) == 1  # a broadcast
-    assert kr.bank_cycles([128 * lane for lane in range(32)], 4) == 32  # one bank
-    assert kr.bank_cycles([2 * lane for lane in range(32)], 2) == 1
+    assert bank.bank_cycles(contiguous, 16) == 4  # 512 bytes at 128 a cycle
+    assert bank.bank_cycles([4 * lane for lane in range(32)], 4) == 1
+    assert bank.bank_cycles([0] * 32, 16) == 1  # a broadcast
+    assert bank.bank_cycles([128 * lane for lane in range(32)], 4) == 32  # one bank
+    assert bank.bank_cycles([2 * lane for lane in range(32)], 2) == 1
     # 4 tokens of a 256-byte row, 8 lanes each reading 8 bytes: 4-way on 16 banks.
-    assert kr.bank_cycles([256 * (lane // 8) + 16 * (lane % 8) for lane in range(32)], 8) == 4
+    assert bank.bank_cycles([256 * (lane // 8) + 16 * (lane % 8) for lane in range(32)], 8) == 4
 
 
 SASS = """\
@@ -350,12 +378,12 @@ TWINS = """\
 
 
 def test_never_executed_and_twin_copies_count_once():
-    sass = kr.Sass.parse(TWINS.splitlines())
+    sass = Sass.parse(TWINS.splitlines())
     assert sass.counts() == {"LDGSTS.128": 2}
 
 
 def test_sass_loops_are_the_innermost_backward_branches():
-    sass = kr.Sass.parse(SASS.splitlines())
+    sass = Sass.parse(SASS.splitlines())
     assert sass.loops == [(2, 3)]  # the inner loop, not the outer one nor the trap after EXIT
     assert sass.counts() == {"LDG.128": 1, "LDS.16": 1, "STS.128": 1, "STG.64": 1}
     assert sass.loop_counts() == {"LDS.16": 1}
@@ -396,7 +424,7 @@ def test_prefill_kv_arrives_by_16_byte_async_copies_and_is_read_128_bit(quick):
     scores 128 bits at a time, and the alpha accumulator's 64-bit reads; the rare path's narrow
     accesses apart. No spills."""
     _, rows = quick
-    prefill = prefill_rows(rows, dtypes=kr.DTYPES)
+    prefill = prefill_rows(rows, dtypes=launches.DTYPES)
     assert len(prefill) == 27  # 3 GPUs x 3 dtypes x 3 groups
     for row in prefill:
         whole = row["memory_ops_whole_kernel"]
@@ -445,9 +473,9 @@ def test_prefill_tile_model_before_and_after_the_tensor_cores(quick):
 
 
 def test_the_group_takes_1_to_128():
-    assert kr.parse_args(["--group", "1,71,128"]).groups == [1, 71, 128]
+    assert cli.parse_args(["--group", "1,71,128"]).groups == [1, 71, 128]
     with pytest.raises(SystemExit):
-        kr.parse_args(["--group", "129"])
+        cli.parse_args(["--group", "129"])
 
 
 def test_t4_rows_are_what_the_launch_table_picks_there(t4):
@@ -461,7 +489,9 @@ def test_t4_rows_are_what_the_launch_table_picks_there(t4):
         mma = row["dtype"] == "float16" and row["head_dim"] == 64
         assert ("paged_decode_mma<" in row["name"]) == mma, row["name"]
         assert row["note"].startswith("tensor cores") == mma, row["note"]
-        assert row["dynamic_smem"] + row["static_smem"] <= kr.SM_LIMITS["sm_75"]["smem_per_cta_max"]
+        assert (
+            row["dynamic_smem"] + row["static_smem"] <= _gpu_target.SM_LIMITS[75].smem_per_cta_max
+        )
 
 
 def test_a_group_of_128_runs_in_chunks_of_16_that_do_not_spill(t4):
@@ -487,20 +517,23 @@ def test_t4_copies_k_and_v_synchronously_128_bit(t4):
 
 # ---- the split planner's occupancy (issue 21) --------------------------------------------------
 
-# The NVRTC whose sm_90 cubins _gpu_target.DECODE_REGISTERS records (its comment); another one's
+# The NVRTC whose sm_90 cubins target.DECODE_REGISTERS records (its comment); another one's
 # ptxas allocates differently, and `scripts/kernel-report --decode-register-table` prints the
 # table anew.
 TABLE_NVRTC = (12, 9)
+needs_table_nvrtc = pytest.mark.skipif(
+    nvrtc.getVersion() != TABLE_NVRTC,
+    reason=f"DECODE_REGISTERS is of NVRTC {TABLE_NVRTC}, this is {nvrtc.getVersion()}",
+)
 
 
+@needs_table_nvrtc
 def test_the_planners_occupancy_is_the_cubins(quick):
     """``decode_ctas_per_sm`` (the CPU backend plans its splits with it) gives what the cubins'
     registers and shared memory give on an H100, for the quick subset's decode kernels; the
     table's registers are those of the cubins."""
-    if nvrtc.getVersion() != TABLE_NVRTC:
-        pytest.skip(f"DECODE_REGISTERS is of NVRTC {TABLE_NVRTC}, this is {nvrtc.getVersion()}")
     _, rows = quick
-    decode = decode_rows(rows, "H100", kr.DTYPES)
+    decode = decode_rows(rows, "H100", launches.DTYPES)
     assert len(decode) == 9
     for row in decode:
         shape = (row["dtype"], row["head_dim"], row["group"], row["block_size"])
@@ -509,8 +542,27 @@ def test_the_planners_occupancy_is_the_cubins(quick):
         assert decode_ctas_per_sm(*shape) == row["ctas_per_sm"], row["name"]
 
 
+@needs_table_nvrtc
+def test_the_librarys_register_table_is_a_fresh_reports():
+    """``target.DECODE_REGISTERS`` is data the report prints (``--decode-register-table``), not
+    computed: the whole table takes minutes of compiles. Every run compiles one random dtype's
+    decode kernels at two random head_dims (chunks 1-16) and holds the library's rows against
+    them; the table has a row for every dtype and head_dim the report prints."""
+    assert set(_gpu_target.DECODE_REGISTERS) == {(d, h) for d in launches.DTYPES for h in HEAD_DIMS}
+    seed = int.from_bytes(os.urandom(4), "little")
+    choose = random.Random(seed)
+    dtype = choose.choice(launches.DTYPES)
+    head_dims = tuple(sorted(choose.sample(HEAD_DIMS, 2)))
+    fresh = registers.decode_register_table(16, (dtype,), head_dims)
+    library = {key: _gpu_target.DECODE_REGISTERS[key] for key in fresh}
+    assert library == fresh, (
+        f"seed {seed}: target.DECODE_REGISTERS differs from the cubins; paste "
+        "`scripts/kernel-report --decode-register-table` over it"
+    )
+
+
 def test_the_register_table_prints_as_the_launch_table_writes_it():
-    text = kr.format_register_table(_gpu_target.DECODE_REGISTERS)
+    text = registers.format_register_table(_gpu_target.DECODE_REGISTERS)
     namespace: dict = {}
     exec(text, namespace)
     assert namespace["DECODE_REGISTERS"] == _gpu_target.DECODE_REGISTERS
