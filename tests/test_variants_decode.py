@@ -33,7 +33,7 @@ from cupaged.backend import kernel_dir
 from cupaged.dtypes import from_float, to_float
 from cupaged.kernels.launch_decode import decode_launch, uses_decode_mma
 from cupaged.kernels.target import Target
-from cupaged.variants import ALIBI, SINKS, SOFT_CAP, WINDOW
+from cupaged.variants import Variants
 
 NUM_KV_HEADS = 2
 SCHEDULES = ("forward", "warp_ahead")
@@ -412,10 +412,11 @@ def test_the_launch_table_names_the_variant_instantiations():
     assert plain.sinks_name == "cupaged::paged_decode<__half, 128, 16, 4, 8, 2, 8, 2, 3, 8>"
     assert plain.merge_name == "cupaged::paged_decode_merge<__half, 128>"
     assert plain.sinks_merge_name == "cupaged::paged_decode_merge<__half, 128, 8>"
-    window = decode_launch("float16", 8, 4, 128, 16, 40, variant=WINDOW)
+    window = decode_launch("float16", 8, 4, 128, 16, 40, variants=Variants(window_left=5))
     assert window == plain
-    every = WINDOW | SOFT_CAP | ALIBI | SINKS
-    everything = decode_launch("bfloat16", 1, 8, 64, 16, 1, variant=every)
+    slopes = np.ones(8, np.float32)
+    every = Variants(window_left=5, logits_soft_cap=1.0, alibi_slopes=slopes)
+    everything = decode_launch("bfloat16", 1, 8, 64, 16, 1, variants=every)
     assert everything.name.startswith("cupaged::paged_decode_mma<")
     assert everything.name.endswith(", 6>") and everything.sinks_name.endswith(", 14>")
 
@@ -427,9 +428,12 @@ def variant_names(arch: int) -> list[str]:
     names = set()
     for dtype, head_dim, block_size, group, variant, _, _ in CASES:
         spec = VARIANTS[variant]
-        flags = (WINDOW if "window_left" in spec else 0) | (ALIBI if spec.get("alibi") else 0)
-        flags |= SOFT_CAP if "logits_soft_cap" in spec else 0
-        launch = decode_launch(dtype, 1, group, head_dim, block_size, 1, target, flags)
+        variants = Variants(
+            window_left=spec.get("window_left", -1),
+            logits_soft_cap=spec.get("logits_soft_cap", 0.0),
+            alibi_slopes=np.ones(group, np.float32) if spec.get("alibi") else None,
+        )
+        launch = decode_launch(dtype, 1, group, head_dim, block_size, 1, target, variants)
         if spec.get("sinks"):
             names |= {launch.sinks_name, launch.sinks_merge_name}
         elif launch.name != decode_launch(dtype, 1, group, head_dim, block_size, 1).name:

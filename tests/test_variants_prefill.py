@@ -28,6 +28,7 @@ from cupaged.dtypes import from_float, to_float
 from cupaged.kernels.launch_prefill import prefill_launch
 from cupaged.kernels.prefill_work import prefill_work
 from cupaged.kernels.target import Target
+from cupaged.variants import Variants
 
 VARIANTS = ("window", "soft_cap", "alibi", "sinks", "gpt-oss", "gemma2", "all")
 HEAD_DIMS = (64, 96, 128, 256)
@@ -405,7 +406,7 @@ def test_window_reads_about_the_window_per_query_tile():
     # Split-K cuts the windowed ranges, not the prefix.
     launch = prefill_launch(
         "float16", 1, 1, 4, 128, 16, 64, np.array([0, 64]), np.array([32768]), True, 132, None,
-        64, variant=1, window_left=4095,
+        64, variants=Variants(window_left=4095),
     )  # fmt: skip
     assert launch.num_splits * launch.partition_tokens < 4096 + 2 * launch.partition_tokens
 
@@ -482,14 +483,14 @@ def test_nvrtc_compiles_the_variant_instantiations():
     nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
     from cupaged.backend import kernel_dir
     from cupaged.kernels.loader import nvrtc_options
-    from cupaged.variants import ALIBI, SOFT_CAP, WINDOW
 
     target = Target.of_arch(90)
     names = set()
+    slopes = np.ones(8, np.float32)
     for dtype, splits in (("float16", 1), ("float32", 3)):
         launch = prefill_launch(
             dtype, 1, 1, 8, 128, 16, 64, splits=splits, target=target,
-            variant=WINDOW | SOFT_CAP | ALIBI, window_left=48,
+            variants=Variants(window_left=48, logits_soft_cap=1.0, alibi_slopes=slopes),
         )  # fmt: skip
         names |= {launch.name, launch.sinks_name, launch.merge_name, launch.sinks_merge_name}
     names = sorted(names)

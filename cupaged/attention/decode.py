@@ -237,9 +237,8 @@ class DecodePlan:
         gpu = target(device)
         # The kernel and its layout depend on the shape and the GPU, not on the work list's
         # length: planned (and, with sequences, loaded) first, so that its occupancy can size it.
-        flags = variants.flags()
         launch = decode_launch(
-            dtype, num_kv_heads, group, head_dim, block_size, 1, gpu, flags, q_dtype=q_dtype
+            dtype, num_kv_heads, group, head_dim, block_size, 1, gpu, variants, q_dtype=q_dtype
         )
         tile = launch.tile  # pieces are whole stages
         kernel = None
@@ -284,7 +283,15 @@ class DecodePlan:
                 f"(the work list is one grid axis), got {num_seqs}"
             )
         launch = decode_launch(
-            dtype, num_kv_heads, group, head_dim, block_size, capacity, gpu, flags, q_dtype=q_dtype
+            dtype,
+            num_kv_heads,
+            group,
+            head_dim,
+            block_size,
+            capacity,
+            gpu,
+            variants,
+            q_dtype=q_dtype,
         )
         self._xp = xp
         self._device = device

@@ -257,8 +257,7 @@ class PrefillPlan:
             splits=splits,
             total_query_tokens=total,
             target=target(device),
-            variant=variants.flags(),
-            window_left=variants.window_left,
+            variants=variants,
             q_dtype=q_dtype,
         )
         self._launch, self._device = launch, device

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from .._util import cdiv
 from ..dtypes import C_TYPES, Q_DTYPE_NAMES, is_fp8, itemsize
-from ..variants import SINKS, WINDOW
+from ..variants import NO_VARIANTS, SINKS, WINDOW, Variants
 from .target import DECODE_REGISTERS, NOMINAL_TARGET, Target, ctas_per_sm
 
 HEAD_DIMS = tuple(range(64, 257, 16))  # 64, 80, 96, ..., 256
@@ -310,17 +310,17 @@ def decode_launch(
     block_size: int,
     capacity: int,
     target: Target = NOMINAL_TARGET,
-    variant: int = 0,
+    variants: Variants = NO_VARIANTS,
     *,
     q_dtype: str | None = None,
 ) -> DecodeLaunch:
     """The launch of ``paged_decode`` (and its merge) over a work list of ``capacity`` items, on
     ``target`` (the kernel that compiles and fits there).
 
-    Nothing here depends on the context lengths: the work list carries them. ``variant``: the
-    attention variants' ``VARIANT`` bits (``cupaged.variants``); the window's and the sinks'
-    are not the kernel's (the planner's work list holds the window, ``sinks_name`` adds the
-    sinks), so a window alone runs the plain kernels. ``dtype`` is the cache's element type,
+    Nothing here depends on the context lengths: the work list carries them. ``variants``: the
+    plan's attention variants (``cupaged.variants``), whose ``VARIANT`` bits name the kernels;
+    the window's and the sinks' are not the kernel's (the planner's work list holds the
+    window, ``sinks_name`` adds the sinks), so a window alone runs the plain kernels. ``dtype`` is the cache's element type,
     ``q_dtype`` the queries' (and the output's) over an fp8 cache (:func:`query_dtype`): the
     kernels are instantiated for both (``T`` the query's, the last argument ``KV`` the cache's,
     spelled only for fp8, so that the 16/32-bit names stay as they were).
@@ -348,7 +348,7 @@ def decode_launch(
         layout = f"{geo.bdx}, {geo.bdy}, {geo.bdz}, {geo.tokens_per_thread}, {geo.stages}"
         stem = f"cupaged::paged_decode<{shape}, {layout}"
     merge = f"cupaged::paged_decode_merge<{c_type}, {head_dim}"  # the output's type only
-    variant &= ~(WINDOW | SINKS)
+    variant = variants.flags() & ~(WINDOW | SINKS)
     kv = C_TYPES[dtype] if is_fp8(dtype) else None
     return DecodeLaunch(
         name=_decode_instantiation(stem, variant, kv),

@@ -15,7 +15,7 @@ import numpy as np
 
 from .._util import cdiv
 from ..dtypes import C_TYPES, is_fp8, itemsize
-from ..variants import SINKS, WINDOW
+from ..variants import NO_VARIANTS, SINKS, WINDOW, Variants
 from .launch_decode import (
     MAX_GRID_X,
     MAX_GRID_YZ,
@@ -202,8 +202,7 @@ def prefill_launch(
     splits: int | None = None,
     total_query_tokens: int = 0,
     target: Target = NOMINAL_TARGET,
-    variant: int = 0,
-    window_left: int = -1,
+    variants: Variants = NO_VARIANTS,
     *,
     q_dtype: str | None = None,
 ) -> PrefillLaunch:
@@ -225,10 +224,10 @@ def prefill_launch(
         splits: force about this many splits (tests); the heuristic decides when ``None``.
         total_query_tokens: rows of ``q``; sizes the grid and the merge grid.
         target: the GPU planned for: the kernel that compiles and fits there.
-        variant: the attention variants' ``VARIANT`` bits (``cupaged.variants``) without the
-            sinks bit, which ``sinks_name`` / ``sinks_merge_name`` add.
-        window_left: the window (with its bit in ``variant``): a tile's KV range, and so the
-            split-K plan, starts at its first query's first key.
+        variants: the plan's attention variants (``cupaged.variants``): their ``VARIANT``
+            bits name the kernels (the sinks bit, a run's, goes to ``sinks_name`` /
+            ``sinks_merge_name``), and with a window a tile's KV range, and so the split-K
+            plan, starts at its first query's first key.
     """
     if sm_count is None:
         sm_count = target.sm_count
@@ -251,6 +250,7 @@ def prefill_launch(
     tiles = max(1, cdiv(rows, query_rows) + num_seqs)
     num_splits, partition = 1, NO_SPLIT_PARTITION
     if query_start_loc is not None and context_lens is not None:
+        window_left = variants.window_left
         work = prefill_work(query_start_loc, context_lens, query_rows, causal, window_left)
         units = work.query_tiles * num_kv_heads * chunks
         partition = prefill_partition(
@@ -270,7 +270,7 @@ def prefill_launch(
         f"{block_size}, {tile}, {rows_per_block}, {PREFILL_STAGES}, {PREFILL_THREADS}"
     )
     merge = f"cupaged::paged_prefill_merge<{c_type}, {head_dim}, {PREFILL_MERGE_THREADS}"
-    variant &= ~SINKS
+    variant = variants.flags()  # the sinks bit off: a run's
     # With split-K a sink joins in the merge, once per row; the merge reads only the window
     # (which splits a row takes) and the sinks.
     sinks_variant = variant | SINKS if num_splits == 1 else variant
