@@ -6,10 +6,11 @@ import hashlib
 
 import numpy as np
 import pytest
-from helpers import Internals, internals, random_array
+from helpers import random_array
 
 import cupaged
 from cupaged import CupagedError, OutOfBlocksError, PagedCache
+from cupaged.paging.prefix import blake2b_block_hash
 
 BS = 4
 LAYERS, HEADS, DIM = 2, 2, 64  # head_dim 64: the smallest the attention kernel takes
@@ -247,45 +248,68 @@ def _bare_prefix(num_blocks=64):
     return pool, cupaged.PrefixCache(pool, block_size=BS)
 
 
-def test_remembered_heads_and_block_hashes_give_the_keys_of_the_chain_walk():
-    """The admission memos (a prompt head that hit, a block that hit) are caches of BLAKE2b:
-    every match gives the same blocks and keys as the plain chain walk, through evictions,
-    a salt and a head shorter than the one remembered."""
+def test_a_match_finds_the_blocks_and_keys_of_the_chain_walk_by_lookups():
+    """A prompt's cached blocks are found by their links (the parent's digest and the block's
+    tokens), and the chain a match returns holds what the walk computes, through evictions, a
+    salt, a shorter prompt and blocks computed again into other blocks."""
     pool, prefix = _bare_prefix()
     head = list(range(100, 100 + 6 * BS))  # 6 full blocks shared by every request
     own = pool.allocate(6)
     prefix.extend(prefix.chain(), head, own)
     walk = prefix.keys(prefix.chain(), np.array(head, np.int64))
-    for tail in ([1], [2, 3], list(range(BS + 1))):  # the first match remembers the head
+    keys, digests, links = (list(field) for field in zip(*walk, strict=True))
+    for tail in ([1], [2, 3], list(range(BS + 1))):
         blocks, chain = prefix.match(head + tail)
-        assert blocks == own and chain.keys == [key for key, _ in walk]
-    view = internals(prefix)
-    assert view.run_lengths == [6] and view.memo
-    blocks, chain = prefix.match(head[: 3 * BS] + [7])  # shorter than the head remembered
-    assert blocks == own[:3] and chain.keys == [key for key, _ in walk[:3]]
-    assert prefix.match(head + [1], cache_salt="other")[0] == []  # the salt is in the key
+        assert blocks == own and chain.committed == 6
+        assert (chain.keys, chain.digests, chain.links) == (keys, digests, links)
+    blocks, chain = prefix.match(head[: 3 * BS] + [7])  # shorter: the first three
+    assert blocks == own[:3] and chain.keys == keys[:3] and chain.links == links[:3]
+    assert prefix.match(head + [1], cache_salt="other")[0] == []  # the salt is in the link
     pool.decref(own[::-1])  # all evictable, the last block first
     taken = pool.allocate(60)  # the 58 free blocks, then the LRU's first two: own[5], own[4]
-    assert prefix.match(head + [1])[0] == own[:4]  # the remembered head stops at the first gone
+    assert prefix.match(head + [1])[0] == own[:4]  # up to the first block gone
     _, chain = prefix.match(head[: 4 * BS] + [1])
     pool.decref(taken[:2])
     again = pool.allocate(2)  # the two lost blocks computed again, into other blocks
     prefix.extend(chain, head[4 * BS :], again)
-    for _ in range(2):  # found through the chain walk, then remembered where they are now
-        assert prefix.match(head + [1])[0] == own[:4] + again
-    # What a collision would look like: block own[2] holding another content. Registering it
-    # anew would have unregistered a key first, which the key map counts.
-    internals(pool).content_of[own[2]] = b"not the prefix"
-    pool.keys.unregistrations += 1
-    assert prefix.match(head + [1])[0] == own[:2]  # the content check still ends the hits
+    assert prefix.match(head + [1])[0] == own[:4] + again
+    assert chain.links == links and chain.keys == keys
+    pool.check_invariants()
 
 
-def test_the_remembered_heads_are_bounded(monkeypatch):
-    Internals.bound_remembered_heads(monkeypatch, 5 * BS * 8)
-    pool, prefix = _bare_prefix()
-    for first in (0, 1000):  # two heads of 4 blocks each: the second clears the first
-        head = list(range(first, first + 4 * BS))
-        prefix.extend(prefix.chain(), head, pool.allocate(4))
-        assert len(prefix.match(head + [1])[0]) == 4
-        view = internals(prefix)
-        assert len(view.runs) == 1 and view.run_bytes == 4 * BS * 8
+def test_a_match_hashes_only_the_blocks_after_its_hits():
+    """Each full block is hashed once, when its tokens become known: a match looks the cached
+    head up and hashes only the prompt's blocks after it (which admission keeps)."""
+    calls = []
+
+    def counting(parent, tokens):
+        calls.append(tuple(tokens))
+        return blake2b_block_hash(parent, tokens)
+
+    pool = cupaged.BlockPool(16)
+    prefix = cupaged.PrefixCache(pool, block_size=BS, hasher=counting)
+    head = list(range(100, 100 + 4 * BS))
+    prefix.extend(prefix.chain(), head, pool.allocate(4))
+    assert len(calls) == 4
+    calls.clear()
+    blocks, _ = prefix.match(head + [1])
+    assert len(blocks) == 4 and calls == []  # all four found: nothing hashed
+    tail = list(range(900, 900 + 2 * BS))
+    blocks, chain = prefix.match(head + tail + [1])
+    assert len(blocks) == 4 and calls == [tuple(tail[:BS]), tuple(tail[BS:])]
+    assert len(chain.keys) == 4  # the chain of the hits; the two hashed blocks are admission's
+
+
+def test_a_colliding_key_is_never_served_for_another_prefix():
+    """With every key equal, only the first block registers; another prompt whose first block
+    differs finds nothing, and the same prompt finds only that block (the next one's key was
+    refused, so nothing holds its link)."""
+    pool = cupaged.BlockPool(16)
+    prefix = cupaged.PrefixCache(pool, block_size=BS, hasher=lambda parent, tokens: b"same")
+    first = list(range(2 * BS))
+    own = pool.allocate(2)
+    prefix.extend(prefix.chain(), first, own)
+    assert dict(pool.keys.mapping) == {b"same": own[0]}
+    assert prefix.match(first + [1])[0] == own[:1]
+    assert prefix.match([7] + first[1:] + [1])[0] == []
+    pool.check_invariants()

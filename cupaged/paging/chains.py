@@ -1,7 +1,7 @@
 """The prefix chains of the live sequences, and when their full blocks become findable.
 
 With prefix caching every live sequence has a :class:`~cupaged.PrefixChain`: the keys of its full
-blocks in order. A block's key is known once the block fills, but the block is *registered*
+blocks in order, each hashed once, when the block fills. The block is *registered*
 (findable by other sequences) only once its K/V are known written: at the sequence's next step,
 by ``append`` (which writes them itself), or by ``commit``. Until then the row is *pending*::
 
@@ -23,7 +23,7 @@ import numpy as np
 
 from .._arrays.checks import require
 from .pool import BlockPool
-from .prefix import PrefixCache, PrefixChain
+from .prefix import Block, PrefixCache, PrefixChain
 from .sequences import SequenceTable
 from .transaction import Transaction
 
@@ -98,13 +98,13 @@ class Chains:
         counts: int | np.ndarray,
         tokens: Any,
         fills: np.ndarray | None = None,
-    ) -> list[tuple[int, int, np.ndarray | None, list[tuple[bytes, bytes]]]]:
+    ) -> list[tuple[int, int, np.ndarray | None, list[Block]]]:
         """The keys of every block the new tokens fill, hashed before anything changes
         (``fills``: with one token each, the rows' mask of ``lens % block_size == block_size -
         1`` when the caller has it).
 
-        Returns ``(row, first full block, tail tokens left, [(key, digest), ...])`` per row that
-        fills a block or keeps tail tokens.
+        Returns ``(row, first full block, tail tokens left, [Block, ...])`` per row that fills a
+        block or keeps tail tokens (:data:`~cupaged.paging.prefix.Block`: key, digest, link).
         """
         bs, tail = self.table.block_size, self.table.tail
         if isinstance(counts, int) and counts == 1:  # a decode step: only rows that fill a block
@@ -139,7 +139,7 @@ class Chains:
         offset: np.ndarray | None,
         counts: int | np.ndarray,
         tokens: Any,
-        keys: list[tuple[int, int, np.ndarray | None, list[tuple[bytes, bytes]]]],
+        keys: list[tuple[int, int, np.ndarray | None, list[Block]]],
     ) -> None:
         """Store the new tail tokens and extend the chains by the blocks that filled (pending:
         registered at the next commit): the one place a step's tails are written. ``offset``:
@@ -151,7 +151,7 @@ class Chains:
         if keys:
             self.add_keys(keys)
 
-    def add_keys(self, keys: list[tuple[int, int, np.ndarray | None, list[tuple[bytes, bytes]]]]):
+    def add_keys(self, keys: list[tuple[int, int, np.ndarray | None, list[Block]]]):
         """The part of :meth:`extend` that follows :meth:`keys`' entries: each row's tail tokens
         left and the keys of the blocks it filled."""
         table = self.table
@@ -159,14 +159,7 @@ class Chains:
             if rest is not None:
                 table.tail[row, : rest.size] = rest
             if row_keys:
-                chain = self._chains[row]
-                if len(row_keys) == 1:
-                    chain.keys.append(row_keys[0][0])
-                    chain.digests.append(row_keys[0][1])
-                else:
-                    new_keys, new_digests = zip(*row_keys, strict=True)
-                    chain.keys += new_keys
-                    chain.digests += new_digests
+                self._chains[row].add(row_keys)
         if len(keys) > 2:  # (a few: scalar stores)
             table.pending[[entry[0] for entry in keys if entry[3]]] = True
         else:
@@ -178,8 +171,8 @@ class Chains:
 
     def commit(self, rows: Any, skipped: list | None = None) -> None:
         """Register the pending full blocks of ``rows`` (an int array or a list of ints), all in
-        one call to the pool; ``skipped`` collects ``(row, block, key, digest)`` of those refused
-        because another block holds their key. The caller recorded :meth:`save` of these rows."""
+        one call to the pool; ``skipped`` collects ``(row, block, key, digest, link)`` of those
+        refused because another block holds their key. The caller recorded :meth:`save` of these rows."""
         if not self.enabled:
             return
         table, chains = self.table, self._chains
@@ -193,6 +186,7 @@ class Chains:
         blocks: list[int] = []
         keys: list[bytes] = []
         digests: list[bytes] = []
+        links: list[bytes] = []
         owners: list[int] = []
         previous = None
         registered = self.pool.keys.mapping.__contains__
@@ -220,13 +214,14 @@ class Chains:
                 blocks += tables[row, start:end].tolist()
             keys += run
             digests += chain.digests[start:end]
+            links += chain.links[start:end]
         refused = [] if skipped is not None else None
         if blocks:
-            self.pool.keys.register_many(blocks, keys, digests, refused)
+            self.pool.keys.register_many(blocks, keys, digests, refused, links)
         for row in rows:
             chains[row].committed = len(chains[row].keys)
         if refused:
-            skipped += [(owners[i], blocks[i], keys[i], digests[i]) for i in refused]
+            skipped += [(owners[i], blocks[i], keys[i], digests[i], links[i]) for i in refused]
         if len(rows) == 1:
             table.pending[rows[0]] = False
         else:
@@ -261,7 +256,8 @@ class Chains:
             chain = self._chains[row]
             done = chain.committed
             keys, digests = chain.keys[start:done], chain.digests[start:done]
-            self.pool.keys.register_many(blocks[: len(keys)], keys, digests)
+            links = chain.links[start:done]
+            self.pool.keys.register_many(blocks[: len(keys)], keys, digests, links=links)
 
     # ------------------------------------------------------------------------------ checking
 
@@ -276,9 +272,9 @@ class Chains:
         require(chain is not None, f"sequence {sid} has no prefix chain")
         full = table.lens.item(row) // table.block_size
         require(
-            len(chain.keys) == len(chain.digests) == full,
+            len(chain.keys) == len(chain.digests) == len(chain.links) == full,
             f"sequence {sid} has {full} full blocks, {len(chain.keys)} keys, "
-            f"{len(chain.digests)} digests",
+            f"{len(chain.digests)} digests, {len(chain.links)} links",
         )
         require(
             0 <= chain.committed <= full and bool(table.pending[row]) == (chain.committed < full),
@@ -313,13 +309,13 @@ class Chains:
     def _restore_chains(self, saved: list[tuple[int, int, int, bool]]) -> None:
         for row, keys, committed, pending in saved:
             chain = self._chains[row]
-            del chain.keys[keys:], chain.digests[keys:]
+            del chain.keys[keys:], chain.digests[keys:], chain.links[keys:]
             chain.committed = committed
             self.table.pending[row] = pending
 
     def _register_freed(self, rows, needs, top, skipped, evicted) -> None:
         """The registrations :meth:`commit_and_take` owes: ``skipped`` holds ``(row, block, key,
-        digest)`` refused at the commit; ``evicted`` the keys the take dropped, in order, the
+        digest, link)`` refused at the commit; ``evicted`` the keys the take dropped, in order, the
         first one at position ``top`` of the take."""
         rows = rows.tolist() if isinstance(rows, np.ndarray) else list(rows)
         ends = np.cumsum(needs).tolist()  # each row's take ends before ends[i]
@@ -327,5 +323,5 @@ class Chains:
         lost = {key: bisect.bisect_right(ends, top + e) for e, key in enumerate(evicted)}
         late = [entry for entry in skipped if lost.get(entry[2], len(rows)) < turn[entry[0]]]
         if late:  # in row order: the first writer still wins among them
-            _, blocks, keys, digests = (list(field) for field in zip(*late, strict=True))
-            self.pool.keys.register_many(blocks, keys, digests)
+            _, blocks, keys, digests, links = (list(field) for field in zip(*late, strict=True))
+            self.pool.keys.register_many(blocks, keys, digests, links=links)

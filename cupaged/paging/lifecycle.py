@@ -20,7 +20,7 @@ from ..errors import OutOfBlocksError
 from .chains import Chains
 from .planner import NO_SLOTS, Planner
 from .pool import BlockPool
-from .prefix import PrefixCache, PrefixChain
+from .prefix import Block, PrefixCache, PrefixChain
 from .results import Admission
 from .sequences import SequenceTable
 from .transaction import Transaction
@@ -57,7 +57,7 @@ class Lifecycle:
         n_hits, n = len(hits), len(prompt)
         cached = n_hits * bs
         if n_hits:
-            hits = np.asarray(hits, np.intp)  # (the prefix memo's array as it is)
+            hits = np.asarray(hits, np.intp)
             held = pool.refcounts[hits]
             in_use = int(np.count_nonzero(held))
         else:
@@ -71,12 +71,10 @@ class Lifecycle:
         if self.chains.enabled:
             # The keys of the full blocks after the hits, hashed by the match: registered at
             # commit, once their K/V are written (the new row's undo covers these changes).
-            rest_keys, rest_digests = keys
-            if rest_keys:
-                chain.keys += rest_keys
-                chain.digests += rest_digests
+            if keys:
+                chain.add(keys)
                 table.pending[row] = True
-            full = n_hits + len(rest_keys)
+            full = n_hits + len(keys)
             if n > full * bs:  # the tokens of a last, partly filled block
                 table.tail[row, : n - full * bs] = prompt[full * bs :]
         offsets = self.planner.offsets
@@ -90,9 +88,9 @@ class Lifecycle:
 
     def _match(
         self, prompt: np.ndarray, salt: bytes | None
-    ) -> tuple[Any, PrefixChain | None, tuple[list[bytes], list[bytes]]]:
+    ) -> tuple[list[int], PrefixChain | None, list[Block]]:
         if not self.chains.enabled:
-            return [], None, ([], [])
+            return [], None, []
         self._log.append((self.index.restore_stats, self.index.save_stats()))
         return self.index.match_unchecked(prompt, salt)
 

@@ -437,8 +437,7 @@ class BlockPool:
         lru, keys = self._lru, self.keys
         blocks, head = lru.oldest(n)
         block_list = blocks.tolist()
-        dropped = [keys.key_of(block) for block in block_list]
-        contents = [keys.lookup(key)[1] for key in dropped]
+        dropped, contents = keys.entries(block_list)
         mark, stamps = lru.snapshot(), lru.stamps(blocks)
         self._log.append(
             (self._restore_evicted, mark, blocks, stamps, dropped, contents, self.evictions)

@@ -28,7 +28,7 @@ uses it, and an engine that owns its own tensors and uses ``BlockPool`` alone ca
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,16 +63,19 @@ def as_salt(cache_salt: str | bytes | None) -> bytes | None:
     return salt
 
 
-def _block_array(blocks: Sequence[int] | np.ndarray) -> np.ndarray:
-    """Block ids as a read-only ``intp`` array (what the prefix memo hands out, never copied)."""
-    array = np.array(blocks, np.intp)
-    array.flags.writeable = False
-    return array
+Block = tuple[Hashable, bytes, bytes]
+"""``(key, digest, link)`` of one full block: its lookup key (``block_hasher``), the BLAKE2b
+digest of the token prefix through it, and what that digest hashed (the parent's digest and the
+block's int64 token bytes), by which the pool finds the block again."""
 
 
 @dataclass(slots=True)
 class PrefixChain:
     """The keys of a sequence's full blocks, in order, and where its chain starts.
+
+    Each full block's entries are computed once, when the block's tokens become known (the
+    prompt's at admission, a decode step's when its block fills), and kept here: what is
+    registered, committed, forked and registered again after a swap is read, never hashed again.
 
     Attributes:
         root: the parent key of block 0 (:func:`salt_root` of ``salt``).
@@ -81,18 +84,45 @@ class PrefixChain:
         digests: ``digests[j]``: BLAKE2b of the whole token prefix through block ``j``, what a
             hit on ``keys[j]`` is verified against.
         committed: the leading blocks whose K/V are known written: only they are registered.
+        links: ``links[j]``: ``digests[j - 1]`` (``root`` for block 0) followed by block ``j``'s
+            token bytes, what ``digests[j]`` hashes; the pool finds a registered block by it.
     """
 
     root: bytes
     salt: bytes | None
-    keys: list[bytes] = field(default_factory=list)
+    keys: list[Hashable] = field(default_factory=list)
     digests: list[bytes] = field(default_factory=list)
     committed: int = 0
+    links: list[bytes] = field(default_factory=list)
 
     def copy(self) -> PrefixChain:
         return PrefixChain(
-            self.root, self.salt, list(self.keys), list(self.digests), self.committed
+            self.root,
+            self.salt,
+            list(self.keys),
+            list(self.digests),
+            self.committed,
+            list(self.links),
         )
+
+    def parent(self) -> tuple[Hashable, bytes]:
+        """``(key, digest)`` that the chain's next full block follows."""
+        if self.keys:
+            return self.keys[-1], self.digests[-1]
+        return self.root, self.root
+
+    def add(self, blocks: list[Block]) -> None:
+        """Append full blocks (what :meth:`PrefixCache.keys` gives) to the chain."""
+        if len(blocks) == 1:  # (a decode step's block)
+            key, digest, link = blocks[0]
+            self.keys.append(key)
+            self.digests.append(digest)
+            self.links.append(link)
+        elif blocks:
+            keys, digests, links = zip(*blocks, strict=True)
+            self.keys += keys
+            self.digests += digests
+            self.links += links
 
 
 @dataclass(slots=True)
@@ -121,8 +151,11 @@ class PrefixCacheStats:
 class PrefixCache:
     """Finds and registers full blocks by content over a :class:`~cupaged.BlockPool`.
 
-    The chain walk is written once (:meth:`keys`); :meth:`match` looks its keys up in the pool's
-    prefix map until the first miss, :meth:`extend` registers the blocks it reaches.
+    The chain walk is written once (``_walk``): each full block is hashed once, when its
+    tokens become known, and its entries go to its sequence's :class:`PrefixChain`. Matching a
+    prompt is lookups (:meth:`~cupaged.paging.keys.KeyMap.follow`): the pool finds each cached
+    block by its link, the parent's digest and the block's tokens, so a prompt's cached head
+    costs no hash; only the blocks after it are hashed, which admission keeps for registration.
 
     Args:
         pool: the pool whose prefix map holds the keys.
@@ -148,18 +181,6 @@ class PrefixCache:
         self.hasher = hasher or blake2b_block_hash
         self._default = self.hasher is blake2b_block_hash
         self.stats = PrefixCacheStats()
-        # BLAKE2b of (parent digest + block tokens) for blocks that hit, keyed by exactly those
-        # two byte strings: a prompt head that many requests share costs a dict lookup per block
-        # after its first hit, not a hash. A pure function's cache: exact, whatever the pool holds.
-        self._memo: dict[tuple[bytes, bytes], bytes] = {}
-        # Prompt heads that hit: (root, length in blocks, the last block's bytes) -> [all their
-        # digests, the blocks they hit, the pool's ``unregistrations`` when those blocks were
-        # seen, the head's bytes]. The lengths tried (newest first) and the bytes held are
-        # bounded.
-        self._runs: dict[tuple[bytes, int, bytes], list[Any]] = {}
-        self._run_keys: set[tuple[bytes, int]] = set()  # (root, length) of the runs held
-        self._run_lengths: list[int] = []
-        self._run_bytes = 0
 
     def save_stats(self) -> tuple[int, int, int]:
         """The counters a match changes, for :meth:`restore_stats` (a rollback)."""
@@ -175,39 +196,34 @@ class PrefixCache:
         salt = as_salt(cache_salt)
         return PrefixChain(salt_root(salt), salt)
 
-    def keys(self, chain: PrefixChain, tokens: np.ndarray) -> list[tuple[bytes, bytes]]:
-        """The chain walk, written once: ``(key, digest)`` of each full block of ``tokens``
-        (int64), the blocks that follow ``chain``'s last one; ``chain`` itself is not changed."""
+    def keys(self, chain: PrefixChain, tokens: np.ndarray) -> list[Block]:
+        """:data:`Block` of each full block of ``tokens`` (int64), the blocks that follow
+        ``chain``'s last one; ``chain`` itself is not changed."""
+        return self._walk([chain.parent()], tokens)
+
+    def next_keys(self, chains: list[PrefixChain], chunks: np.ndarray) -> list[Block]:
+        """:data:`Block` of one full block after each chain: ``chunks`` is ``[len(chains),
+        block_size]`` int64 (a decode step's blocks that filled, one per sequence)."""
+        return self._walk([chain.parent() for chain in chains], chunks.reshape(-1))
+
+    def _walk(self, parents: list[tuple[Hashable, bytes]], tokens: np.ndarray) -> list[Block]:
+        """The chain walk, written once: :data:`Block` of each full block of ``tokens`` (int64,
+        ``len(tokens) // block_size`` blocks). Block ``j`` follows ``parents[j]`` (``(key,
+        digest)``) where given, else block ``j - 1``."""
         data, bs = tokens.tobytes(), self.block_size
         width = bs * TOKEN_DTYPE.itemsize
-        key = chain.keys[-1] if chain.keys else chain.root
-        digest = chain.digests[-1] if chain.digests else chain.root
-        out, fresh, hasher = [], _BLAKE2B_16.copy, None if self._default else self.hasher
+        hasher = None if self._default else self.hasher
+        fresh, given, out = _BLAKE2B_16.copy, len(parents), []
         for j in range(len(tokens) // bs):
+            if j < given:
+                key, digest = parents[j]
+            link = digest + data[j * width : (j + 1) * width]
             h = fresh()
-            h.update(digest + data[j * width : (j + 1) * width])
+            h.update(link)
             digest = h.digest()
             # The default hasher's key chain and the digest chain are one.
             key = digest if hasher is None else hasher(key, tokens[j * bs : (j + 1) * bs].tolist())
-            out.append((key, digest))
-        return out
-
-    def next_keys(self, chains: list[PrefixChain], chunks: np.ndarray) -> list[tuple[bytes, bytes]]:
-        """``(key, digest)`` of one full block after each chain: ``chunks`` is ``[len(chains),
-        block_size]`` int64 (a decode step's blocks that filled, one per sequence)."""
-        if not self._default:
-            return [self.keys(chain, chunk)[0] for chain, chunk in zip(chains, chunks, strict=True)]
-        # The default hasher, one block per chain, inlined: :meth:`keys` for many short chains.
-        data, width = chunks.tobytes(), self.block_size * TOKEN_DTYPE.itemsize
-        out, fresh = [], _BLAKE2B_16.copy
-        for j, chain in enumerate(chains):
-            h = fresh()
-            h.update(
-                (chain.digests[-1] if chain.digests else chain.root)
-                + data[j * width : (j + 1) * width]
-            )
-            digest = h.digest()
-            out.append((digest, digest))
+            out.append((key, digest, link))
         return out
 
     def match(
@@ -224,139 +240,30 @@ class PrefixCache:
             ``len(blocks)`` blocks.
         """
         blocks, chain, _ = self.match_unchecked(token_array(tokens), as_salt(cache_salt))
-        return (blocks.tolist() if isinstance(blocks, np.ndarray) else blocks), chain
+        return blocks, chain
 
     def match_unchecked(
         self, tokens: np.ndarray, salt: bytes | None
-    ) -> tuple[list[int] | np.ndarray, PrefixChain, tuple[list[bytes], list[bytes]]]:
-        """:meth:`match` for checked int64 ``tokens`` and a ``bytes`` salt (the hit blocks as a
-        list, or as a read-only ``intp`` array when a remembered prompt head gave them all);
-        also returns the keys and digests of the prompt's full blocks after the hits, which
-        admission registers."""
-        chain = PrefixChain(salt_root(salt), salt)
-        full = len(tokens) // self.block_size
-        lookable = max(len(tokens) - 1, 0) // self.block_size
-        find = self.pool.keys.find
-        blocks: list[int] = []
-        if self._default:
-            blocks, digests = self._match_default(tokens.tobytes(), chain.root, full, lookable)
-            hits = len(blocks)
-            if hits:
-                chain.keys, chain.digests = digests[:hits], digests[:hits]
-            rest = digests[hits:]
-            rest = (rest, rest)  # key = digest
-        else:
-            keys = self.keys(chain, tokens[: full * self.block_size])
-            for key, digest in keys[:lookable]:
-                block = find(key, digest)
-                if block is None:
-                    break  # a miss, or a hash collision caught by the content check
-                blocks.append(block)
-            hits = len(blocks)
-            chain.keys = [key for key, _ in keys[:hits]]
-            chain.digests = [digest for _, digest in keys[:hits]]
-            rest = ([key for key, _ in keys[hits:]], [digest for _, digest in keys[hits:]])
-        chain.committed = hits  # cached blocks: written by whoever registered them
+    ) -> tuple[list[int], PrefixChain, list[Block]]:
+        """:meth:`match` for checked int64 ``tokens`` and a ``bytes`` salt; also returns the
+        :data:`Block` entries of the prompt's full blocks after the hits, hashed here once, which
+        admission keeps in the chain and registers once their K/V are written."""
+        bs, root = self.block_size, salt_root(salt)
+        full = len(tokens) // bs
+        lookable = max(len(tokens) - 1, 0) // bs
+        data = tokens[: lookable * bs].tobytes()
+        blocks, keys, digests, links = self.pool.keys.follow(
+            root, data, bs * TOKEN_DTYPE.itemsize, lookable
+        )
+        hits = len(blocks)
+        # The cached blocks are committed: written by whoever registered them.
+        chain = PrefixChain(root, salt, keys, digests, hits, links)
+        rest = self._walk([chain.parent()], tokens[hits * bs : full * bs]) if full > hits else []
         stats = self.stats
         stats.hits += hits
         stats.misses += full - hits
-        stats.cached_tokens += hits * self.block_size
+        stats.cached_tokens += hits * bs
         return blocks, chain, rest
-
-    def _match_default(
-        self, data: bytes, root: bytes, full: int, lookable: int
-    ) -> tuple[list[int] | np.ndarray, list[bytes]]:
-        """The default hasher's match over a prompt's bytes: the hit blocks, and the digests (=
-        keys) of its ``full`` full blocks.
-
-        Three phases: (1) a prompt head that an earlier match hit (the runs: its bytes, compared
-        exactly, give all its digests in one lookup); (2) block after block while blocks hit
-        (the memo saves the hash of a block that hit before); (3) the hashes of the blocks after
-        the hits, which admission registers once their K/V are written. Every digest is the
-        BLAKE2b chain of :meth:`keys`, however it was found.
-        """
-        width = self.block_size * TOKEN_DTYPE.itemsize
-        find = self.pool.keys.find
-        blocks: list[int] | np.ndarray = []
-        digests: list[bytes] = []
-        unregistrations = self.pool.keys.unregistrations
-        for length in self._run_lengths:  # (1)
-            if length > lookable:
-                continue
-            # Keyed by the head's last block (hashing all of it would cost more than the
-            # comparison): the whole head's bytes must match too.
-            run = self._runs.get((root, length, data[(length - 1) * width : length * width]))
-            if run is None or not data.startswith(run[3]):
-                continue
-            known, seen, when, _ = run
-            if when == unregistrations:  # no key lost its block since: the same blocks hit
-                blocks = seen  # an intp array, which admission takes as it is
-            else:
-                blocks = []  # up to the first evicted block or collision (content check)
-                for key in known:  # (the default hasher: key, digest and content are one)
-                    block = find(key, key)
-                    if block is None:
-                        break
-                    blocks.append(block)
-                if len(blocks) == len(known):  # all there again: remember where
-                    run[1], run[2] = _block_array(blocks), unregistrations
-            digests = list(known)
-            break
-        fresh = _BLAKE2B_16.copy
-        digest = digests[-1] if digests else root
-        found: list[int] = []
-        if len(blocks) == len(digests):  # (2): no run, or all of it hit
-            memo, remember = self._memo, self._memo.get
-            for j in range(len(digests), lookable):
-                chunk = data[j * width : (j + 1) * width]
-                known = remember((digest, chunk))
-                if known is None:
-                    h = fresh()
-                    h.update(digest + chunk)
-                    block = find(known := h.digest(), known)
-                    if block is None:
-                        digests.append(known)  # a miss, or a collision the content check caught
-                        digest = known
-                        break
-                    if len(memo) >= _MEMO_ENTRIES:
-                        memo.clear()
-                    memo[(digest, chunk)] = known
-                else:
-                    block = find(known, known)
-                    if block is None:
-                        digests.append(known)
-                        digest = known
-                        break
-                found.append(block)
-                digests.append(known)
-                digest = known
-        if found:
-            blocks = (blocks.tolist() if isinstance(blocks, np.ndarray) else blocks) + found
-        hits = len(blocks)
-        for j in range(len(digests), full):  # (3)
-            h = fresh()
-            h.update(digest + data[j * width : (j + 1) * width])
-            digest = h.digest()
-            digests.append(digest)
-        if hits >= _MIN_RUN:  # remember this head for the next request that shares it
-            if (root, hits) not in self._run_keys:
-                if self._run_bytes + hits * width > _RUN_BYTES:
-                    self._runs.clear()
-                    self._run_keys.clear()
-                    self._run_bytes = 0
-                last = data[(hits - 1) * width : hits * width]
-                self._runs[(root, hits, last)] = [
-                    digests[:hits],
-                    _block_array(blocks[:hits]),
-                    unregistrations,
-                    data[: hits * width],
-                ]
-                self._run_keys.add((root, hits))
-                self._run_bytes += hits * width
-            if not self._run_lengths or self._run_lengths[0] != hits:
-                lengths = [hits, *(n for n in self._run_lengths if n != hits)]
-                self._run_lengths = lengths[:_RUN_LENGTHS]
-        return blocks, digests
 
     def extend(self, chain: PrefixChain, tokens: Any, blocks: Sequence[int] | np.ndarray) -> None:
         """Register ``blocks`` (in use) as the full blocks that follow ``chain``, holding
@@ -374,21 +281,13 @@ class PrefixCache:
 
     def extend_unchecked(self, chain: PrefixChain, tokens: np.ndarray, blocks: list[int]) -> None:
         """:meth:`extend` with ``tokens`` an int64 array and ``blocks`` in use (unchecked)."""
-        pairs = self.keys(chain, tokens)
-        keys, digests = [key for key, _ in pairs], [digest for _, digest in pairs]
-        self.pool.keys.register_many(blocks, keys, digests)
-        chain.keys += keys
-        chain.digests += digests
+        new = self.keys(chain, tokens)
+        if new:
+            keys, digests, links = zip(*new, strict=True)
+            self.pool.keys.register_many(blocks, keys, digests, links=links)
+        chain.add(new)
         chain.committed = len(chain.keys)
 
-
-# Entries of PrefixCache._memo (about 250 bytes each) before it starts over.
-_MEMO_ENTRIES = 1 << 14
-# PrefixCache._runs: heads of at least this many blocks, of at most this many lengths at a time,
-# up to this many bytes of prompts in all before it starts over.
-_MIN_RUN = 4
-_RUN_LENGTHS = 4
-_RUN_BYTES = 8 << 20
 
 # BLAKE2b-128 of ``parent + data``: copying a prepared state is faster than parsing the keyword
 # arguments of a new one.
