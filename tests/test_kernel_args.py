@@ -243,3 +243,24 @@ def test_a_records_filled_tuple_puts_each_value_at_its_field():
             replaced |= set(kernel_args.ScaleArgs._fields)
         for field, value in zip(record._fields, filled, strict=True):
             assert value == (f"run:{field}" if field in replaced else f"plan:{field}"), field
+
+
+def test_a_records_filler_gives_what_filled_gives():
+    """The fast path of a run (slices taken at plan time) equals the name-based one, with and
+    without a run's scales and sinks."""
+    scales = kernel_args.ScaleArgs._make(f"run:{f}" for f in kernel_args.ScaleArgs._fields)
+    layer = ("run:out", "run:q", "run:k_cache", "run:v_cache")
+    cases = {
+        kernel_args.DecodeArgs: [layer, (*layer, scales), (*layer, None, "run:sinks")],
+        kernel_args.PrefillArgs: [layer, (*layer, scales, "run:sinks")],
+        kernel_args.DecodeMergeArgs: [("run:out",), ("run:out", "run:sinks")],
+        kernel_args.PrefillMergeArgs: [("run:out",), ("run:out", "run:sinks")],
+        kernel_args.WriteKvArgs: [("run:k", "run:v", "run:kc", "run:vc", "run:slots")],
+        kernel_args.WriteKvFp8Args: [("run:k", "run:v", "run:kc", "run:vc", "run:s", scales)],
+        kernel_args.CopyBlocksArgs: [("run:kc", "run:vc", "run:src", "run:dst")],
+    }
+    for record, calls in cases.items():
+        planned = record._make(f"plan:{f}" for f in record._fields)
+        fill = planned.filler()
+        for call in calls:
+            assert fill(*call) == planned.filled(*call), (record.__name__, call)

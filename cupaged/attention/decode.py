@@ -150,19 +150,19 @@ class DecodePlan:
     """
 
     __slots__ = (
-        "_args",
         "_arrays",
         "_block",
         "_capacity",
         "_device",
+        "_fill",
         "_grid",
         "_kernel",
         "_layout",
         "_lens",
         "_launch",
         "_merge",
-        "_merge_args",
         "_merge_block",
+        "_merge_fill",
         "_merge_grid",
         "_min_chunk",
         "_num_q_heads",
@@ -334,7 +334,7 @@ class DecodePlan:
         # log-sum-exps), never null; the sinks' is replaced by a run that passes them. The
         # layer's arrays (None here) and an fp8 run's scales go in at each run.
         slopes = partial_lse if variants.alibi_slopes is None else variants.alibi_slopes
-        self._args = DecodeArgs(
+        args = DecodeArgs(
             out=None,
             partial_out=partial_out,
             partial_lse=partial_lse,
@@ -354,7 +354,7 @@ class DecodePlan:
             alibi_slopes=slopes,
             sinks=partial_lse,
         )
-        self._merge_args = DecodeMergeArgs(
+        merge_args = DecodeMergeArgs(
             out=None,
             partial_out=partial_out,
             partial_lse=partial_lse,
@@ -365,6 +365,7 @@ class DecodePlan:
             alibi_slopes=slopes,
             sinks=partial_lse,
         )
+        self._fill, self._merge_fill = args.filler(), merge_args.filler()
         self._plan_args = PlanDecodeArgs(
             work=self._work,
             seq_items=self._seq_items,
@@ -522,10 +523,10 @@ class DecodePlan:
             kernel, merge = self._sink_kernels
         spare = self._capacity > self.num_seqs  # none: never split, whatever the lengths
         split = self._split or (self._device == "cuda" and spare and _capturing(self._xp))
-        args = self._args.filled(out_storage, q, k_cache, v_cache, scales, sinks)
+        args = self._fill(out_storage, q, k_cache, v_cache, scales, sinks)
         kernel(self._grid, self._block, args, shared_mem=self._shared_mem)
         if split:
-            merge(self._merge_grid, self._merge_block, self._merge_args.filled(out_storage, sinks))
+            merge(self._merge_grid, self._merge_block, self._merge_fill(out_storage, sinks))
         return out
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import operator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -122,13 +123,13 @@ def write_kv(
     k, v = xp.ascontiguousarray(as_storage(k)), xp.ascontiguousarray(as_storage(v))
     slots = xp.ascontiguousarray(slot_mapping)
     aligned = all(address(x) % 16 == 0 for x in (k_cache, v_cache, k, v))
-    kernel, grid, block, args = _write_plan(
+    kernel, grid, block, fill = _write_plan(
         device_of(xp), device_id(xp), elem, src, slots.dtype, shapes[3:], aligned
     )
     if scales is None:
-        kernel(grid, block, args.filled(k, v, k_cache, v_cache, slots))
+        kernel(grid, block, fill(k, v, k_cache, v_cache, slots))
     else:
-        kernel(grid, block, args.filled(k, v, k_cache, v_cache, slots, scales))
+        kernel(grid, block, fill(k, v, k_cache, v_cache, slots, scales))
 
 
 def _write_scales(
@@ -213,9 +214,9 @@ def _write_plan(
     slot_dtype: np.dtype,
     dims: tuple[int, ...],
     aligned: bool,
-) -> tuple[Any, tuple, tuple, WriteKvArgs | WriteKvFp8Args]:
-    """Kernel, grid, block and arguments (the arrays and an fp8 cache's scales left to each
-    call) of one ``write_kv`` shape (``elem``: the cache's element type, ``src``: k's; ``dims``:
+) -> tuple[Any, tuple, tuple, Callable[..., tuple]]:
+    """Kernel, grid, block and the filler of the arguments (the arrays and an fp8 cache's
+    scales left to each call; ``WriteKvArgs.filler``) of one ``write_kv`` shape (``elem``: the cache's element type, ``src``: k's; ``dims``:
     num_kv_heads, block_size, head_dim, num_tokens), kept like :func:`_copy_plan`'s."""
     num_kv_heads, block_size, head_dim, num_tokens = dims
     name, grid, block = write_kv_launch(
@@ -242,7 +243,7 @@ def _write_plan(
         args = WriteKvFp8Args(**arrays, **sizes, **dict.fromkeys(fields(ScaleArgs)))
     else:
         args = WriteKvArgs(**arrays, **sizes)
-    return kernel, grid, block, args
+    return kernel, grid, block, args.filler()
 
 
 @takes_dlpack
@@ -286,14 +287,14 @@ def copy_blocks(
     if num_copies == 0:
         return
     aligned = address(k_cache) % 16 == 0 and address(v_cache) % 16 == 0
-    kernel, grid, block, args = _copy_plan(
+    kernel, grid, block, fill = _copy_plan(
         device_of(xp), device_id(xp), k_cache.shape, element_bytes, aligned, num_copies
     )
     if src.dtype != np.int32 or not src.flags.c_contiguous:
         src = xp.ascontiguousarray(src, dtype=np.int32)
     if dst.dtype != np.int32 or not dst.flags.c_contiguous:
         dst = xp.ascontiguousarray(dst, dtype=np.int32)
-    kernel(grid, block, args.filled(k_cache, v_cache, src, dst))
+    kernel(grid, block, fill(k_cache, v_cache, src, dst))
 
 
 def _check_copy_shapes(
@@ -331,9 +332,9 @@ def _copy_plan(
     element_bytes: int,
     aligned: bool,
     num_copies: int,
-) -> tuple[Any, tuple, tuple, CopyBlocksArgs]:
-    """Kernel, grid, block and arguments (the arrays left to each call) of one ``copy_blocks``
-    shape (kept: a copy-on-write step repeats the same shape, and each lookup would cost as much
+) -> tuple[Any, tuple, tuple, Callable[..., tuple]]:
+    """Kernel, grid, block and the filler of the arguments (the arrays left to each call;
+    ``CopyBlocksArgs.filler``) of one ``copy_blocks`` shape (kept: a copy-on-write step repeats the same shape, and each lookup would cost as much
     as a small copy)."""
     num_layers = shape[0] if len(shape) == 5 else 1
     num_blocks, heads, tokens, dim = shape[-4:]
@@ -354,7 +355,7 @@ def _copy_plan(
         num_blocks=np.int32(num_blocks),
         words_per_block=np.int64(block_bytes // word),
     )
-    return kernel, grid, block, args
+    return kernel, grid, block, args.filler()
 
 
 @takes_dlpack

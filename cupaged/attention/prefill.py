@@ -150,13 +150,13 @@ class PrefillPlan:
 
     __slots__ = (
         "_arrays",
-        "_args",
         "_device",
+        "_fill",
         "_head_dim",
         "_kernel",
         "_launch",
         "_merge",
-        "_merge_args",
+        "_merge_fill",
         "_num_kv_heads",
         "_num_q_heads",
         "_sinks_kernels",
@@ -275,7 +275,7 @@ class PrefillPlan:
         # layer's arrays (None here), a run's scales and sinks go in at each run; the scales
         # here are those of 1.0 (a cache that is not fp8 never reads them).
         slopes = partial_lse if variants.alibi_slopes is None else variants.alibi_slopes
-        self._args = PrefillArgs(
+        self._fill = PrefillArgs(
             out=None,
             partial_out=partial_out,
             partial_lse=partial_lse,
@@ -300,11 +300,11 @@ class PrefillPlan:
             soft_cap=np.float32(variants.logits_soft_cap),
             alibi_slopes=slopes,
             sinks=partial_lse,
-        )
+        ).filler()
         self._merge = None
         if launch.num_splits > 1:
             self._merge = get_kernel(device, "paged_prefill.cu", launch.merge_name)
-            self._merge_args = PrefillMergeArgs(
+            self._merge_fill = PrefillMergeArgs(
                 out=None,
                 partial_out=partial_out,
                 partial_lse=partial_lse,
@@ -319,7 +319,7 @@ class PrefillPlan:
                 soft_cap=np.float32(variants.logits_soft_cap),
                 alibi_slopes=slopes,
                 sinks=partial_lse,
-            )
+            ).filler()
 
     @property
     def num_splits(self) -> int:
@@ -399,11 +399,11 @@ class PrefillPlan:
             kernel, merge = self._kernel, self._merge
         else:
             kernel, merge = self._sinks_kernels or self._load_sinks_kernels()
-        args = self._args.filled(out_storage, q, k_cache, v_cache, scales, sinks)
+        args = self._fill(out_storage, q, k_cache, v_cache, scales, sinks)
         kernel(launch.grid, launch.block, args, shared_mem=launch.shared_mem)
         if merge is not None:
             threads = (PREFILL_MERGE_THREADS,)
-            merge(launch.merge_grid, threads, self._merge_args.filled(out_storage, sinks))
+            merge(launch.merge_grid, threads, self._merge_fill(out_storage, sinks))
         return out
 
     def _load_sinks_kernels(self) -> tuple[Any, Any]:

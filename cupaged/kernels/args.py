@@ -12,17 +12,21 @@ Two groups recur: the six scale arguments of an fp8 cache (:class:`ScaleArgs`, `
 (``window_left, soft_cap, alibi_slopes, sinks``, ``common.cuh``, "Attention variants").
 
 A plan builds its record once, with the values of every layer (its tables, work list, scalars)
-and ``None`` where a layer's own go; ``filled`` then gives each launch its tuple with the
-layer's arrays in their places. It is a list set at the fields' positions, read once from the
-field names (``_at``): the cheapest way in Python to a tuple of two dozen values, as cheap as
-the star-unpacking of pre-sliced parts that it replaces, and with no offset written by hand::
+and ``None`` where a layer's own go. ``filled`` gives a launch its tuple with the layer's values
+in their places, set by name (at the fields' positions, read once from the names: ``_at``).
+``filler`` makes, once per plan, a function that does the same on a run's hot path: the
+record's runs between the layer's fields are sliced at plan time, so a run only joins them, as
+cheaply as a tuple written out by hand; the positions it relies on are asserted here at import,
+from the names::
 
-    plan:   DecodeArgs(out=None, partial_out=..., q=None, ..., sinks=partial_lse)
-    run:    kernel(grid, block, args.filled(out, q, k_cache, v_cache))
+    plan:   args = DecodeArgs(out=None, partial_out=..., q=None, ..., sinks=partial_lse)
+            fill = args.filler()
+    run:    kernel(grid, block, fill(out, q, k_cache, v_cache))
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -74,6 +78,15 @@ class WriteKvArgs(NamedTuple):
         args[_WRITE.slots] = slots
         return tuple(args)
 
+    def filler(self) -> Callable[[Any, Any, Any, Any, Any], tuple]:
+        """``fill(k, v, k_cache, v_cache, slots)``: what :meth:`filled` gives, made fast."""
+        sizes = self[_WRITE.slots + 1 :]
+
+        def fill(k: Any, v: Any, k_cache: Any, v_cache: Any, slots: Any) -> tuple:
+            return (k, v, k_cache, v_cache, slots, *sizes)
+
+        return fill
+
 
 class WriteKvFp8Args(NamedTuple):
     """``write_kv_fp8`` (cuda/write_kv.cu): an fp8 cache, quantized as it is written."""
@@ -104,6 +117,15 @@ class WriteKvFp8Args(NamedTuple):
         args[_WRITE_FP8_SCALES] = scales
         return tuple(args)
 
+    def filler(self) -> Callable[[Any, Any, Any, Any, Any, ScaleArgs], tuple]:
+        """``fill(k, v, k_cache, v_cache, slots, scales)``: :meth:`filled`, made fast."""
+        sizes = self[_WRITE_FP8.slots + 1 : _WRITE_FP8_SCALES.start]
+
+        def fill(k: Any, v: Any, k_cache: Any, v_cache: Any, slots: Any, scales: Any) -> tuple:
+            return (k, v, k_cache, v_cache, slots, *sizes, *scales)
+
+        return fill
+
 
 class CopyBlocksArgs(NamedTuple):
     """``copy_blocks`` (cuda/copy_blocks.cu): whole blocks, every layer, in words of ``W``."""
@@ -121,6 +143,15 @@ class CopyBlocksArgs(NamedTuple):
         args[_COPY.k_cache], args[_COPY.v_cache] = k_cache, v_cache
         args[_COPY.src], args[_COPY.dst] = src, dst
         return tuple(args)
+
+    def filler(self) -> Callable[[Any, Any, Any, Any], tuple]:
+        """``fill(k_cache, v_cache, src, dst)``: what :meth:`filled` gives, made fast."""
+        sizes = self[_COPY.dst + 1 :]
+
+        def fill(k_cache: Any, v_cache: Any, src: Any, dst: Any) -> tuple:
+            return (k_cache, v_cache, src, dst, *sizes)
+
+        return fill
 
 
 class PlanDecodeArgs(NamedTuple):
@@ -184,6 +215,11 @@ class DecodeArgs(NamedTuple):
             args[_DECODE.sinks] = sinks
         return tuple(args)
 
+    def filler(self) -> Callable[..., tuple]:
+        """``fill(out, q, k_cache, v_cache, scales=None, sinks=None)``: :meth:`filled`, with
+        the common run (no scales, no sinks) made fast."""
+        return _layer_filler(self, _DECODE)
+
 
 class DecodeMergeArgs(NamedTuple):
     """``paged_decode_merge`` (cuda/paged_attention.cu): a split sequence's items merged."""
@@ -205,6 +241,10 @@ class DecodeMergeArgs(NamedTuple):
         if sinks is not None:
             args[_DECODE_MERGE.sinks] = sinks
         return tuple(args)
+
+    def filler(self) -> Callable[..., tuple]:
+        """``fill(out, sinks=None)``: :meth:`filled`, with a run without sinks made fast."""
+        return _merge_filler(self)
 
 
 class PrefillArgs(NamedTuple):
@@ -260,6 +300,11 @@ class PrefillArgs(NamedTuple):
             args[_PREFILL.sinks] = sinks
         return tuple(args)
 
+    def filler(self) -> Callable[..., tuple]:
+        """``fill(out, q, k_cache, v_cache, scales=None, sinks=None)``: :meth:`filled`, with
+        the common run (no scales, no sinks) made fast."""
+        return _layer_filler(self, _PREFILL)
+
 
 class PrefillMergeArgs(NamedTuple):
     """``paged_prefill_merge`` (cuda/paged_prefill.cu): a split query row's pieces merged."""
@@ -286,6 +331,10 @@ class PrefillMergeArgs(NamedTuple):
         if sinks is not None:
             args[_PREFILL_MERGE.sinks] = sinks
         return tuple(args)
+
+    def filler(self) -> Callable[..., tuple]:
+        """``fill(out, sinks=None)``: :meth:`filled`, with a run without sinks made fast."""
+        return _merge_filler(self)
 
 
 # Every kernel of cuda/, by (file, function name): its record (tests/test_kernel_args.py).
@@ -331,3 +380,44 @@ _DECODE_MERGE = _at(DecodeMergeArgs)
 _PREFILL = _at(PrefillArgs)
 _PREFILL_SCALES = _span(PrefillArgs, ScaleArgs)
 _PREFILL_MERGE = _at(PrefillMergeArgs)
+
+# What the fillers rely on, from the names: a copy's or a write's own arrays lead its list, an
+# fp8 write's scales end it; an attention kernel's output leads and its q, K and V follow one
+# another; a merge's output leads.
+assert (
+    fields(WriteKvArgs)[:5]
+    == fields(WriteKvFp8Args)[:5]
+    == ("k", "v", "k_cache", "v_cache", "slots")
+)
+assert _WRITE_FP8_SCALES.stop == len(fields(WriteKvFp8Args))
+assert fields(CopyBlocksArgs)[:4] == ("k_cache", "v_cache", "src", "dst")
+for _layer in (_DECODE, _PREFILL):
+    assert _layer.out == 0 and (_layer.k_cache, _layer.v_cache) == (_layer.q + 1, _layer.q + 2)
+assert _DECODE_MERGE.out == _PREFILL_MERGE.out == 0
+
+
+def _layer_filler(record: Any, at: Any) -> Callable[..., tuple]:
+    """An attention kernel's layer: ``out``, the record's fields up to ``q``, then ``q``,
+    ``k_cache``, ``v_cache`` and the rest; with scales or sinks, :meth:`filled`."""
+    between, after = record[at.out + 1 : at.q], record[at.v_cache + 1 :]
+
+    def fill(
+        out: Any, q: Any, k_cache: Any, v_cache: Any, scales: Any = None, sinks: Any = None
+    ) -> tuple:
+        if scales is None and sinks is None:
+            return (out, *between, q, k_cache, v_cache, *after)
+        return record.filled(out, q, k_cache, v_cache, scales, sinks)
+
+    return fill
+
+
+def _merge_filler(record: Any) -> Callable[..., tuple]:
+    """A merge's layer: ``out`` and the record's others; with sinks, :meth:`filled`."""
+    rest = record[1:]
+
+    def fill(out: Any, sinks: Any = None) -> tuple:
+        if sinks is None:
+            return (out, *rest)
+        return record.filled(out, sinks)
+
+    return fill
