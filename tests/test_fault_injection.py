@@ -214,7 +214,6 @@ def fail_at_every_inner_call(faults, make, operation, observe, name):
 def test_an_exception_at_any_inner_call_changes_nothing(name, vectorised, monkeypatch):
     if vectorised:  # the batch paths, whatever the batch size
         monkeypatch.setattr(planner, "SMALL_BATCH", 0)
-        monkeypatch.setattr(planner, "SMALL_DECODE", 0)
     fail_at_every_inner_call(Faults(monkeypatch), scenario, OPERATIONS[name], observe, name)
 
 
@@ -337,7 +336,6 @@ def test_an_interrupt_at_any_line_of_the_bookkeeping_is_all_or_nothing(
     result it gives on an untouched cache."""
     if vectorised:
         monkeypatch.setattr(planner, "SMALL_BATCH", 0)
-        monkeypatch.setattr(planner, "SMALL_DECODE", 0)
     operation, interrupts = OPERATIONS[name], LineInterrupts()
     operation(*scenario())  # warm the memos of the process (each run then runs the same lines)
     cache, ids = scenario()
@@ -553,7 +551,6 @@ def test_every_listed_inner_call_is_reached(monkeypatch):
         with monkeypatch.context() as patch:
             if vectorised:
                 patch.setattr(planner, "SMALL_BATCH", 0)
-                patch.setattr(planner, "SMALL_DECODE", 0)
             for make, operation in cases:
                 cache, ids = make()
                 faults.arm()

@@ -352,7 +352,7 @@ def test_a_handler_calling_in_during_the_one_token_fast_path_is_refused():
             m.free(a)
         refused.append(True)
 
-    trace, fired = at_source("one_token", "table.lens[row] = length + 1", handler)
+    trace, fired = at_source("grow_one", "self.lens[row] = length + 1", handler)
     sys.settrace(trace)
     try:
         m.step(a)
@@ -415,8 +415,10 @@ def test_a_second_interrupt_during_the_rollback_is_finished_before_the_call_retu
     def second():
         raise KeyboardInterrupt
 
-    trace_1, fired_1 = at_source("release", "self.chains.drop(rows)", first)
-    trace_2, fired_2 = at_source("restore", "row_list = rows.tolist()", second)
+    trace_1, fired_1 = at_source("release", "if self.chains.enabled:", first)  # (rows freed)
+    trace_2, fired_2 = at_source(
+        "_restore", "rows, snapshot, mark, taken, next_id, cached = saved", second
+    )
 
     def both(frame, event, arg):
         trace_2(frame, event, arg)

@@ -1,8 +1,10 @@
 """The step API: BlockManager, SequenceBatch, StepPlan, admit, fork_many/free_many, bulk pool ops.
 
-The vectorised paths (a decode step of many sequences, a mixed batch) are checked against the
-scalar path (one ``step`` per sequence, in batch order) on a twin manager: same block ids, same
-slots, same copy-on-write pairs, same free stack, after every operation of seeded random walks.
+The batched steps (a decode step of many sequences, a mixed batch) are checked against the same
+steps one sequence at a time (one ``step`` per sequence, in batch order) on a twin manager, whose
+one-token steps may be forced through the planner's general branch rather than its decode
+branch: same block ids, same slots, same copy-on-write pairs, same free stack, after every
+operation of seeded random walks.
 """
 
 from __future__ import annotations
@@ -109,14 +111,20 @@ def test_a_step_that_cannot_finish_changes_nothing():
 # ------------------------------------------------------------------------------- random walks
 
 
-def _random_walk(seed: int, prefix: bool, monkeypatch, small: tuple[int, int], block_size: int):
+def _general(self, rows, counts, tokens, what, bases=None):
+    """``Planner.plan`` without its decode branch: every step by the general one."""
+    return self._plan(rows, counts, tokens, what)
+
+
+def _random_walk(
+    seed: int, prefix: bool, monkeypatch, small: int, block_size: int, general: bool = False
+):
     """Batched steps on one manager, the same steps one sequence at a time on its twin.
 
-    ``small`` is ``(SMALL_DECODE, SMALL_BATCH)``, the batch sizes up to which the batched
-    manager plans row by row (decode steps, other steps); decode batches above the first and up
-    to the second take the vectorised decode path's list tests. ``(0, 0)`` forces its vectorised
-    paths for every batch; the twin always plans one row. A block size that is not a power of
-    two takes the decode path's remainders instead of masks.
+    ``small`` is ``SMALL_BATCH``, the batch size up to which the decode branch tests its flags
+    through lists (0: array operations for every batch). ``general``: the twin plans its steps
+    by the planner's general branch only (the decode branch is then checked against it). A
+    block size that is not a power of two takes the decode branch's remainders instead of masks.
     """
     rnd = random.Random(seed)
     batched = manager(48, block_size=block_size, prefix=prefix)
@@ -145,15 +153,17 @@ def _random_walk(seed: int, prefix: bool, monkeypatch, small: tuple[int, int], b
             tokens = [[rnd.randrange(3) for _ in range(n)] for n in per]
             try:
                 with monkeypatch.context() as patch:
-                    patch.setattr(planner, "SMALL_DECODE", small[0])
-                    patch.setattr(planner, "SMALL_BATCH", small[1])
+                    patch.setattr(planner, "SMALL_BATCH", small)
                     plan = batched.step(batched.batch(sids), counts, tokens if prefix else None)
             except OutOfBlocksError:
                 assert state(batched) == state(scalar)
                 continue
             slots, src, dst = [], [], []
             for sid, n, ids in zip(sids, per, tokens, strict=True):
-                one = scalar.step(sid, n, ids if prefix else None)
+                with monkeypatch.context() as patch:
+                    if general:
+                        patch.setattr(planner.Planner, "plan", _general)
+                    one = scalar.step(sid, n, ids if prefix else None)
                 slots += one.slots.tolist()
                 src += one.copy_src.tolist()
                 dst += one.copy_dst.tolist()
@@ -176,25 +186,25 @@ def _random_walk(seed: int, prefix: bool, monkeypatch, small: tuple[int, int], b
         scalar.check_invariants()
 
 
-# (SMALL_DECODE, SMALL_BATCH), block size: see _random_walk.
-PATHS = [((0, 0), BS), ((3, 3), BS), ((2, 16), BS), ((0, 0), 3), ((2, 16), 3)]
-PATH_IDS = ["vectorised", "rows-below-3", "decode-lists", "vectorised-bs3", "decode-lists-bs3"]
+# SMALL_BATCH, block size, the twin by the general branch: see _random_walk.
+PATHS = [(0, BS, False), (16, BS, False), (16, BS, True), (0, 3, True), (16, 3, False)]
+PATH_IDS = ["vectorised", "decode-lists", "general-twin", "vectorised-bs3", "decode-lists-bs3"]
 
 
-@pytest.mark.parametrize("small, block_size", PATHS, ids=PATH_IDS)
+@pytest.mark.parametrize("small, block_size, general", PATHS, ids=PATH_IDS)
 @pytest.mark.parametrize("seed", range(6))
-def test_batched_steps_equal_one_sequence_at_a_time(seed, small, block_size, monkeypatch):
-    _random_walk(seed, False, monkeypatch, small, block_size)
+def test_batched_steps_equal_one_sequence_at_a_time(seed, small, block_size, general, monkeypatch):
+    _random_walk(seed, False, monkeypatch, small, block_size, general)
 
 
-@pytest.mark.parametrize("small, block_size", PATHS, ids=PATH_IDS)
+@pytest.mark.parametrize("small, block_size, general", PATHS, ids=PATH_IDS)
 @pytest.mark.parametrize("seed", [*range(4), 136, 198])  # 136, 198: steps that evict
 def test_batched_steps_equal_one_sequence_at_a_time_with_prefix_caching(
-    seed, small, block_size, monkeypatch
+    seed, small, block_size, general, monkeypatch
 ):
     """Also when a step's take evicts: each row's blocks are registered just before its own are
     taken, as one sequence at a time (an evicted key goes to the later row's block)."""
-    _random_walk(seed, True, monkeypatch, small, block_size)
+    _random_walk(seed, True, monkeypatch, small, block_size, general)
 
 
 # ------------------------------------------------------------------------------- batch handles

@@ -416,7 +416,6 @@ def test_random_walk(bs, window, prefix_caching, vectorised, monkeypatch):
     """Admits, appends, batched and mixed steps, forks, swaps and frees, checked after each."""
     if vectorised:
         monkeypatch.setattr(planner, "SMALL_BATCH", 0)
-        monkeypatch.setattr(planner, "SMALL_DECODE", 0)
     seed = (bs * 1000 + window) * 4 + 2 * prefix_caching + vectorised
     rng = np.random.default_rng(seed)
     walk = Walk(rng, bs, window, prefix_caching, num_blocks=max(48, 12 * bound(window, bs)))
@@ -688,9 +687,10 @@ WINDOWED_OPERATIONS = {
 
 
 def window_calls():
-    from cupaged.paging import window
+    from cupaged.paging import sequences, window
 
-    return [(window.Window, "release")]
+    table = sequences.SequenceTable
+    return [(window.Window, "release"), (table, "release_leading"), (table, "_unrelease")]
 
 
 PLANNED = ["decode step", "mixed step", "append"]  # the operations the planner paths change
@@ -706,7 +706,6 @@ def test_an_exception_at_any_inner_call_of_a_windowed_cache_changes_nothing(
 ):
     if vectorised:
         monkeypatch.setattr(planner, "SMALL_BATCH", 0)
-        monkeypatch.setattr(planner, "SMALL_DECODE", 0)
     faults = Faults(monkeypatch, inner_calls() + window_calls())
     operation = WINDOWED_OPERATIONS[name]
     _, cache = fail_at_every_inner_call(faults, windowed_scenario, operation, observe, name)
@@ -715,11 +714,7 @@ def test_an_exception_at_any_inner_call_of_a_windowed_cache_changes_nothing(
 
 def test_an_exception_inside_a_windowed_rollback_is_finished(monkeypatch):
     """The decode step's rollback (the window's release included) interrupted at each point."""
-    from cupaged.paging import window
-
-    faults = Faults(
-        monkeypatch, inner_calls() + window_calls() + undo_calls() + [(window.Window, "_restore")]
-    )
+    faults = Faults(monkeypatch, inner_calls() + window_calls() + undo_calls())
     operation = WINDOWED_OPERATIONS["decode step"]
     cache, ids = windowed_scenario()
     faults.arm()

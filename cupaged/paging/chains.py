@@ -147,7 +147,7 @@ class Chains:
         carries the tails of other steps. The caller recorded :meth:`save` of these rows (and
         the tails' undo)."""
         if isinstance(counts, int) and counts == 1:  # as the planner tells a uniform step
-            self.table.tail[rows, offset] = tokens
+            self.table.write_tails(rows, offset, tokens)
         if keys:
             self.add_keys(keys)
 
@@ -157,15 +157,12 @@ class Chains:
         table = self.table
         for row, _, rest, row_keys in keys:
             if rest is not None:
-                table.tail[row, : rest.size] = rest
+                table.restart_tail(row, rest)
             if row_keys:
                 self._chains[row].add(row_keys)
-        if len(keys) > 2:  # (a few: scalar stores)
-            table.pending[[entry[0] for entry in keys if entry[3]]] = True
-        else:
-            for row, _, _, row_keys in keys:
-                if row_keys:
-                    table.pending[row] = True
+        filled = [entry[0] for entry in keys if entry[3]]
+        if filled:  # (one: a scalar store)
+            table.mark_pending(filled[0] if len(filled) == 1 else filled, True)
 
     # ------------------------------------------------------------------------------ registration
 
@@ -222,10 +219,7 @@ class Chains:
             chains[row].committed = len(chains[row].keys)
         if refused:
             skipped += [(owners[i], blocks[i], keys[i], digests[i], links[i]) for i in refused]
-        if len(rows) == 1:
-            table.pending[rows[0]] = False
-        else:
-            table.pending[rows] = False
+        table.mark_pending(rows[0] if len(rows) == 1 else rows, False)
 
     def commit_and_take(self, rows: Any, needs: Callable[[], Any], total: int) -> np.ndarray | None:
         """Register the pending blocks of ``rows`` (their last step's K/V were written), then take
@@ -307,11 +301,10 @@ class Chains:
                 self._chains[row] = chain
 
     def _restore_chains(self, saved: list[tuple[int, int, int, bool]]) -> None:
-        for row, keys, committed, pending in saved:
+        for row, keys, committed, _ in saved:
             chain = self._chains[row]
             del chain.keys[keys:], chain.digests[keys:], chain.links[keys:]
-            chain.committed = committed
-            self.table.pending[row] = pending
+            chain.committed = committed  # (the table's own record restores its pending flag)
 
     def _register_freed(self, rows, needs, top, skipped, evicted) -> None:
         """The registrations :meth:`commit_and_take` owes: ``skipped`` holds ``(row, block, key,

@@ -49,7 +49,7 @@ class Lifecycle:
     def admit(self, prompt: np.ndarray, salt: bytes | None, reserve: bool = True) -> Admission:
         """A new sequence for ``prompt`` (checked int64): its cached prefix attached, and with
         ``reserve`` the rest of the prompt too (host slots in the admission)."""
-        bs, pool, table = self.block_size, self.pool, self.table
+        bs, pool = self.block_size, self.pool
         hits, chain, keys = self._match(prompt, salt)
         if not reserve:
             sid, _, _ = self._attach(hits, chain)
@@ -57,7 +57,7 @@ class Lifecycle:
         n_hits, n = len(hits), len(prompt)
         cached = n_hits * bs
         if n_hits:
-            hits = np.asarray(hits, np.intp)
+            hits = np.asarray(hits, np.intp)  # (the prefix memo's array as it is)
             held = pool.refcounts[hits]
             in_use = int(np.count_nonzero(held))
         else:
@@ -66,17 +66,19 @@ class Lifecycle:
         revived = n_hits - in_use  # evictable hits: reviving them leaves fewer to take
         if needed > pool.num_free - revived:  # (the transaction puts the match's counters back)
             raise OutOfBlocksError(needed, pool.num_free - revived, f"admitting a {n}-token prompt")
-        # The hits and the blocks for the rest of the prompt, in one pass over the row.
-        sid, row, new = self._attach(hits, chain, needed, n, held, in_use)
+        tail, pending = None, False
         if self.chains.enabled:
             # The keys of the full blocks after the hits, hashed by the match: registered at
-            # commit, once their K/V are written (the new row's undo covers these changes).
+            # commit, once their K/V are written (pending); the tokens of a last, partly filled
+            # block go to the new row's tail.
             if keys:
                 chain.add(keys)
-                table.pending[row] = True
+                pending = True
             full = n_hits + len(keys)
-            if n > full * bs:  # the tokens of a last, partly filled block
-                table.tail[row, : n - full * bs] = prompt[full * bs :]
+            if n > full * bs:
+                tail = prompt[full * bs :]
+        # The hits and the blocks for the rest of the prompt, in one pass over the row.
+        sid, _, new = self._attach(hits, chain, needed, n, held, in_use, tail, pending)
         offsets = self.planner.offsets
         if n == cached:
             slots = NO_SLOTS
@@ -102,96 +104,50 @@ class Lifecycle:
         length: int | None = None,
         held: np.ndarray | None = None,
         in_use: int | None = None,
+        tail: np.ndarray | None = None,
+        pending: bool = False,
     ) -> tuple[int, int, np.ndarray]:
         """A new sequence holding the cached blocks ``hits`` (full; a list or an intp array), then
         ``needed`` fresh blocks, ``length`` tokens long (``len(hits) * block_size`` when
-        ``None``); ``held``, ``in_use``: the hits' refcounts and their nonzero count, if known.
+        ``None``); ``held``, ``in_use``: the hits' refcounts and their nonzero count, if known;
+        ``tail``, ``pending``: see :meth:`SequenceTable.acquire`.
 
         Returns:
             ``(sid, row, fresh blocks)``.
         """
-        table, pool = self.table, self.pool
-        sid = table.next_id
-        if not table.free_rows:
-            table.next_free(1)  # grows the table (no undo needed)
-        row = table.free_rows[-1]  # the row acquire_one takes
-        self._log.append((table.unacquire, row, len(table.free_rows), sid))
-        table.acquire_one(sid)
-        n_hits = len(hits)
+        pool, n_hits = self.pool, len(hits)
         if n_hits:
             hits = np.asarray(hits, np.intp)
             pool.acquire_unchecked(hits, held=held, in_use=in_use)
         new = pool.take(needed) if needed else _NO_BLOCKS
-        if n_hits or needed:
-            table.ensure_width(n_hits + needed + 1)  # one spare column: see Planner._decode
-            table.tables[row, : n_hits + needed] = np.concatenate((hits, new)) if n_hits else new
-            table.lens[row] = n_hits * self.block_size if length is None else length
+        blocks = np.concatenate((hits, new)) if n_hits and needed else hits if n_hits else new
+        cached = n_hits * self.block_size
+        sid, row = self.table.acquire(
+            blocks, cached if length is None else length, cached, tail, pending
+        )
         if self.chains.enabled:
             self.chains.set([row], [chain])
-        if n_hits:
-            table.cached[sid] = n_hits * self.block_size
         return sid, row, new
 
     def fork(self, parent: int, n: int) -> list[int]:
         """``n`` new sequences sharing every block of row ``parent``."""
         table = self.table
         table.check_room(n, f"fork_many(..., {n})")
-        children = list(range(table.next_id, table.next_id + n))
-        rows = table.next_free(n)
-        self._log.append((table.restore, table.save(rows, acquiring=True)))
-        self._log.append((table.shared.__setitem__, parent, table.shared.item(parent)))
-        table.acquire_many(children)
-        length, released = table.lens.item(parent), table.released.item(parent)
-        table.tables[rows] = table.tables[parent]  # released entries (-1) too
-        table.lens[rows] = length
-        table.released[rows] = released
-        held = table.tables[parent, released : cdiv(length, self.block_size)]
+        children, rows = table.clone(parent, n)
+        held = table.tables[parent, table.released.item(parent) : table.held(parent)]
         self.pool.add_refs(held.astype(np.intp), n)
-        if length % self.block_size:  # a partly filled last block is now shared
-            table.shared[parent] = True
-            table.shared[rows] = True
         if self.chains.enabled:
-            table.tail[rows] = table.tail[parent]
-            table.pending[rows] = table.pending[parent]
             chain = self.chains[parent]
             self.chains.set(rows.tolist(), [chain.copy() for _ in range(n)])
         return children
 
     def release(self, rows: list[int]) -> None:
         """Drop the sequences' references (each one's last block first) and their rows."""
-        table = self.table
-        if len(rows) == 1:
-            return self._release_one(rows[0])
-        row_array = np.array(rows, np.intp)
-        self._log.append((table.restore, table.save(row_array)))
-        # Each row's blocks, last first, row after row (views of the flat table, joined once).
-        width, flat, lens, live = table.width, table.flat, table.lens, table.live
-        runs = []
-        for row in rows:
-            length = lens.item(row)
-            if length and live.item(row) >= 0:  # a swapped-out row holds none
-                start = row * width
-                end = start + cdiv(length, self.block_size)
-                runs.append(flat[start + table.released.item(row) : end][::-1])
-        if runs:
-            entries = np.concatenate(runs) if len(runs) > 1 else runs[0]
-            self.pool.release(entries, repeats=len(runs) > 1)
-        self.chains.drop(rows)
-        table.release(row_array)
-
-    def _release_one(self, row: int) -> None:
-        """:meth:`release` of one sequence (``free``, an engine's finished request): what it
-        does for many rows, in scalar reads and row stores."""
-        table, bs = self.table, self.block_size
-        self._log.append((table.restore_row, table.save_row(row)))
-        length = table.lens.item(row)
-        if length and table.live.item(row) >= 0:  # a swapped-out row holds none
-            start = row * table.width
-            end = start + cdiv(length, bs)
-            self.pool.release(table.flat[start + table.released.item(row) : end][::-1])
+        held = self.table.free(rows)
+        if held is not None:
+            self.pool.release(held, repeats=len(rows) > 1)
         if self.chains.enabled:
-            self.chains.drop([row])
-        table.release_row(row)
+            self.chains.drop(rows)
 
     def check(self, window: Any, held: dict[int, int] | None = None) -> None:
         """Check every row against the pool: a resident row's held blocks are distinct, its
@@ -206,7 +162,7 @@ class Lifecycle:
         held = held or {}
         references: Counter[int] = Counter(held)
         table, pool = self.table, self.pool
-        table.check_invariants()
+        check_table(table)
         for sid, row in table.rows.items():
             resident = table.live.item(row) >= 0
             self.chains.check(sid, row, resident)
@@ -229,3 +185,55 @@ class Lifecycle:
             references.update(blocks)
         self.chains.check_rows(set(table.rows.values()))
         pool.check_invariants(references)
+
+
+def check_table(table: SequenceTable) -> None:
+    """Check a table's rows against its ids; raises ``AssertionError`` naming the first break."""
+    rows = table.rows
+    free = set(table.free_rows)
+    require(len(free) == len(table.free_rows), "a table row is on the free list twice")
+    used = set(rows.values())
+    require(len(used) == len(rows), "two sequences share a table row")
+    require(not free & used, f"rows both free and in use: {sorted(free & used)}")
+    require(
+        len(free) + len(used) == table.tables.shape[0],
+        f"{table.tables.shape[0]} table rows but {len(free)} free and {len(used)} in use",
+    )
+    require(table.cached.keys() <= rows.keys(), "a freed sequence kept a cached-token count")
+    for sid, row in rows.items():
+        require(0 <= sid < table.next_id, f"sequence id {sid} was never handed out")
+        require(
+            table.sids[row] == sid,
+            f"row {row} of sequence {sid} names sequence {table.sids[row]}",
+        )
+        resident = table.live[row] == sid
+        require(
+            resident or table.live[row] == -1, f"row {row} of sequence {sid} is live as another"
+        )
+        held = table.held(row) if resident else 0
+        require(
+            not table.tables[row, held:].any(),
+            f"table row {row} (sequence {sid}) has non-zero entries past its {held} block(s)",
+        )
+        released = table.released.item(row)
+        require(
+            0 <= released <= table.held(row),
+            f"sequence {sid} released {released} of its {table.held(row)} table entries",
+        )
+        if resident:
+            require(held < table.width, f"sequence {sid} has no spare column past its table")
+            require(
+                (table.tables[row, :released] == -1).all()
+                and (table.tables[row, released:held] >= 0).all(),
+                f"table row {row} (sequence {sid}) is not {released} released entries (-1) "
+                f"then block ids: {table.tables[row, :held].tolist()}",
+            )
+    for row in free:
+        require(
+            table.sids[row] == -1
+            and table.lens[row] == 0
+            and table.live[row] == -1
+            and table.released[row] == 0,
+            f"free table row {row} is not empty",
+        )
+        require(not table.tables[row].any(), f"free table row {row} holds block ids")

@@ -156,7 +156,6 @@ class BlockManager:
         self._window = Window(window, *owners) if window >= 0 else None
         self._one_slot = OneSlots()
         self._copies = DeferredCopies(self._table, self._pool, self._transaction)
-        self._one_token_path = not self.prefix_caching and self._window is None
         # After any rollback every row counts as changed: batches refresh their device tables.
         self._transaction.after_rollback.append(self._table.touch_all)
 
@@ -600,20 +599,10 @@ class BlockManager:
         return step.block_tables, step.context_lens
 
     def _one_token(self, sid: int, tokens: Any) -> Any:
-        """``step(sid)`` of one token in the sequence's own last block, without prefix caching
-        or a window: one length grows, under the claim, with no undo to record. ``None`` when
-        the general path must run (a new or shared block, prefix caching, a window, tokens to
-        check, an unknown or swapped id, another call inside)."""
-        if not self._one_token_path or tokens is not None:
-            return None
-        transaction = self._transaction
-        if not transaction.try_claim():
-            return None  # another call is inside: the general path refuses it
-        try:  # every read and the store under the claim: another thread's call never interleaves
-            row = self._table.rows.get(sid)
-            slot = None if row is None else self._planner.one_token(row, sid)
-        finally:
-            transaction.leave()
+        """``step(sid)`` of one token by the planner's one-store path (:meth:`Planner.one_token
+        <cupaged.paging.planner.Planner.one_token>`): its slot array, or ``None`` when the
+        general path must run."""
+        slot = self._planner.one_token(sid, tokens)
         return None if slot is None else self._on_device(self._one_slot.cut(slot))
 
     def _rows_of(self, sids: Any) -> np.ndarray:

@@ -17,7 +17,6 @@ for a whole batch is a handful of vectorised operations on those arrays::
     version[row]     when the row's table last changed (a logical clock)
     tail[row]        token ids of the unfilled last block (prefix caching only)
     pending[row]     full blocks wait to be registered until their K/V are known written
-    either[row]      shared[row] + 256 * pending[row]: the two flags' bytes as one uint16
 
 Entries past a row's last block are 0 (padding, never read: the lengths say how many count).
 With a window, a row of 11 tokens (block_size 4) that released one block::
@@ -27,6 +26,11 @@ With a window, a row of 11 tokens (block_size 4) that released one block::
 
 The table also owns the ids: ``rows`` maps each live sequence id to its row, ids are handed out
 in order from ``next_id`` and never reused.
+
+The table is the only writer of these arrays: others read them and decide what changes, and a
+verb makes the change, keeps the invariants and records its undo in the transaction first. Every
+row keeps one spare column past its last block (``make_room``): a decode step writes its new
+block there without widening the table first.
 
 A :class:`SequenceBatch` is an ordered batch of sequences resolved to rows once, so that each step
 skips the id lookups. It keeps the batch's block table on the device and refreshes only the rows
@@ -44,16 +48,136 @@ from typing import Any
 
 import numpy as np
 
-from .._arrays.checks import as_int, require
+from .._arrays.checks import as_int
 from .._util import cdiv
 from ..errors import CupagedError
 from .transaction import Transaction
 
-_EITHER = np.dtype("<u2")  # little-endian: the first flag (shared) is the low byte
-SHARED_BITS = 0xFF  # shared[row] in either[row]
+NO_ENTRIES = np.zeros(0, np.intp)
+NO_ENTRIES.flags.writeable = False
+_ONE32 = np.int32(1)
 
 
-class SequenceTable:
+class _Undo:
+    """The undo records of :class:`SequenceTable`'s verbs, its base: each restores saved values
+    (running it twice, or when the change did not happen, leaves the same state)."""
+
+    tables: np.ndarray
+    lens: np.ndarray
+    released: np.ndarray
+    sids: np.ndarray
+    live: np.ndarray
+    version: np.ndarray
+    tail: np.ndarray
+    shared: np.ndarray
+    pending: np.ndarray
+    clock: int
+    epoch: int
+    free_rows: list[int]
+    rows: dict[int, int]
+    next_id: int
+    cached: dict[int, int]
+
+    def _save(self, rows: Any, acquiring: bool = False) -> tuple:
+        """What a change of ``rows`` (a row or an ``intp`` array) may overwrite, for
+        :meth:`_restore`: their entries, ids and cached counts, the free-row list and
+        ``next_id``. ``acquiring``: the rows are the free ones taken next: empty, so nothing of
+        them is saved."""
+        mark = len(self.free_rows)
+        if acquiring:
+            return rows, None, mark, self.free_rows[mark - rows.size :], self.next_id, None
+        cached = self.cached
+        if isinstance(rows, np.ndarray):  # (fancy indexing copies already)
+            snapshot = tuple(array[rows] for array in self._row_arrays())
+            kept = {sid: cached[sid] for sid in self.sids[rows].tolist() if sid in cached}
+            return rows, snapshot, mark, [], self.next_id, kept
+        row = rows  # one row (a free, a swap): scalars and its two rows' copies
+        sid = self.sids.item(row)
+        snapshot = (
+            self.tables[row].copy(),
+            self.lens.item(row),
+            self.released.item(row),
+            sid,
+            self.live.item(row),
+            self.shared.item(row),
+            self.pending.item(row),
+            self.tail[row].copy(),
+        )
+        kept = {sid: cached[sid]} if sid in cached else {}
+        return row, snapshot, mark, [], self.next_id, kept
+
+    def _restore(self, saved: tuple) -> None:
+        """Put back what :meth:`_save` saved (a rollback; running it twice changes nothing)."""
+        rows, snapshot, mark, taken, next_id, cached = saved
+        row_list = rows.tolist() if isinstance(rows, np.ndarray) else [rows]
+        for sid, row in zip(self.sids[rows].reshape(-1).tolist(), row_list, strict=True):
+            if sid >= 0 and self.rows.get(sid) == row:  # ids the rows hold now
+                del self.rows[sid]
+                self.cached.pop(sid, None)
+        if snapshot is None:  # rows that were free: empty again
+            self.tables[rows] = self.lens[rows] = self.released[rows] = 0
+            self.sids[rows] = self.live[rows] = -1
+            self.shared[rows] = self.pending[rows] = False
+        else:
+            for array, saved_rows in zip(self._row_arrays(), snapshot, strict=True):
+                if array.ndim == 2 and saved_rows.shape[-1] != array.shape[1]:  # widened since
+                    array[rows, saved_rows.shape[-1] :] = 0
+                    array[rows, : saved_rows.shape[-1]] = saved_rows
+                else:
+                    array[rows] = saved_rows
+            for sid, row in zip(self.sids[rows].reshape(-1).tolist(), row_list, strict=True):
+                if sid >= 0:
+                    self.rows[sid] = row
+            self.cached.update(cached)
+        self.version[rows] = self.clock  # batches refresh these rows
+        del self.free_rows[mark - len(taken) :]
+        self.free_rows += taken
+        self.next_id = next_id
+        self.epoch += 1  # residency may change back (after the change: see `epoch`)
+
+    def _unacquire(self, row: int, mark: int, sid: int) -> None:
+        """Undo of :meth:`acquire` of ``sid`` into free ``row`` (``mark``: the free-row count
+        before): the row is empty and free again."""
+        if self.rows.get(sid) == row:
+            del self.rows[sid]
+            self.cached.pop(sid, None)
+        self.tables[row] = self.lens[row] = self.released[row] = 0
+        self.sids[row] = self.live[row] = -1
+        self.shared[row] = self.pending[row] = False
+        self.version[row] = self.clock
+        del self.free_rows[mark - 1 :]
+        self.free_rows.append(row)
+        self.next_id = sid
+        self.epoch += 1  # a sequence stopped being one (after the change: see `epoch`)
+
+    def _ungrow(self, rows: Any, lens: Any, at: Any, old: Any, width: int, unshare: Any,
+                shared: Any) -> None:  # fmt: skip
+        """Undo of :meth:`grow` (``at``: flat entries at the table's ``width`` then)."""
+        if at.size:
+            self.tables[at // width, at % width] = old
+        self.lens[rows] = lens
+        if unshare is not None:
+            self.shared[unshare] = shared
+        self.version[rows] = self.clock
+
+    def _unrelease(self, rows: Any, start: Any, at: Any, width: int, blocks: Any) -> None:
+        """Undo of :meth:`release_leading` (the pool's own record restores the references)."""
+        self.tables[at // width, at % width] = blocks
+        self.released[rows] = start
+        self.version[rows] = self.clock
+
+    def _put(self, name: str, rows: Any, values: Any) -> None:
+        """Undo of a change of one array's entries (``name``: ``shared``, ``pending``, ``tail``),
+        read at rollback: the arrays may have grown since."""
+        getattr(self, name)[rows] = values
+        self.version[rows] = self.clock
+
+    def _row_arrays(self) -> tuple[np.ndarray, ...]:
+        t = self
+        return (t.tables, t.lens, t.released, t.sids, t.live, t.shared, t.pending, t.tail)
+
+
+class SequenceTable(_Undo):
     """The rows of the live sequences and their ids; grows by doubling (rows and width apart).
 
     Args:
@@ -62,7 +186,7 @@ class SequenceTable:
             prefix caching, else 0).
         window_left: the sliding window whose releases the rows follow (-1: none; read by the
             plans the table issues).
-        transaction: where the verbs record their undo (the manager's; a table of its own by
+        transaction: where the verbs record their undo (the manager's; one of its own by
             default).
     """
 
@@ -76,8 +200,8 @@ class SequenceTable:
         transaction: Transaction | None = None,
     ):
         self.block_size = block_size
-        self._log = (transaction or Transaction()).log  # (the same list for its life)
         self.window_left = window_left
+        self._log = (transaction or Transaction()).log  # (the same list for its life)
         self.tables = np.zeros((rows, width), np.int32)
         self.flat = self.tables.reshape(-1)  # the same memory: entry row * width + j
         self.lens = np.zeros(rows, np.int32)
@@ -86,9 +210,8 @@ class SequenceTable:
         self.live = np.full(rows, -1, np.int64)
         self.version = np.zeros(rows, np.int64)
         self.tail = np.zeros((rows, tail_width), np.int64)
-        # shared and pending: the columns of one [rows, 2] bool array; either: its rows as uint16
-        # (one gather tells a small step that none of its rows is shared or pending)
-        self.shared, self.pending, self.either = _flag_views(np.zeros((rows, 2), bool))
+        self.shared = np.zeros(rows, bool)
+        self.pending = np.zeros(rows, bool)
         self.clock = 1
         # An upper bound on the blocks any row holds: a decode step raises it by one without a
         # reduction over the batch, and only when it reaches the width is the true maximum taken.
@@ -167,32 +290,91 @@ class SequenceTable:
 
     # ------------------------------------------------------------------------------ rows
 
-    def acquire_many(self, sids: list[int]) -> np.ndarray:
-        """Rows for new sequences (ids ``next_id``, ``next_id + 1``, ...): resident, empty."""
-        rows = self.next_free(len(sids))
-        del self.free_rows[-len(sids) :]
-        self.sids[rows] = self.live[rows] = sids
-        self.version[rows] = self.clock
-        self.rows.update(zip(sids, rows.tolist(), strict=True))
-        self.next_id = max(self.next_id, sids[-1] + 1)
-        return rows
+    def acquire(
+        self,
+        blocks: np.ndarray | None = None,
+        length: int = 0,
+        cached: int = 0,
+        tail: np.ndarray | None = None,
+        pending: bool = False,
+    ) -> tuple[int, int]:
+        """A new resident sequence (the id ``next_id``) on a free row: holding ``blocks`` from
+        entry 0, ``length`` tokens long, ``cached`` of them found in the prefix cache, ``tail``
+        the ids of its partly filled last block, ``pending``: full blocks wait for a commit.
 
-    def acquire_one(self, sid: int) -> int:
-        """:meth:`acquire_many` of one id (an admission), in scalar stores: its row."""
+        Returns:
+            ``(sid, row)``.
+        """
         if not self.free_rows:
-            self._grow_rows(2 * self.tables.shape[0])
-        row = self.free_rows[-1]
+            self._grow_rows(2 * self.tables.shape[0])  # (no undo: growing keeps every row)
+        sid, row = self.next_id, self.free_rows[-1]
+        self._log.append((self._unacquire, row, len(self.free_rows), sid))
         self.free_rows.pop()
         self.sids[row] = self.live[row] = sid
         self.version[row] = self.clock
         self.rows[sid] = row
-        self.next_id = max(self.next_id, sid + 1)
-        return row
+        self.next_id = sid + 1
+        if blocks is not None and blocks.size:
+            self.make_room(blocks.size)
+            self.tables[row, : blocks.size] = blocks
+        if length:
+            self.lens[row] = length
+        if tail is not None and tail.size:
+            self.tail[row, : tail.size] = tail
+        if pending:
+            self.pending[row] = True
+        if cached:
+            self.cached[sid] = cached
+        return sid, row
 
-    def release(self, rows: np.ndarray) -> None:
-        """Give rows back, zeroed, and forget their sequences' ids."""
-        at: Any = rows.item(0) if rows.size == 1 else rows  # (one row: scalar stores)
-        for sid in self.sids[rows].tolist():
+    def clone(self, parent: int, n: int) -> tuple[list[int], np.ndarray]:
+        """``n`` new sequences that copy resident row ``parent``: its entries (released ones
+        too), length, released count, tail and pending flag; a partly filled last block is then
+        shared by all of them (the caller adds the blocks' references).
+
+        Returns:
+            ``(sids, rows)``.
+        """
+        while len(self.free_rows) < n:  # (no undo: growing keeps every row)
+            self._grow_rows(2 * self.tables.shape[0])
+        rows = np.array(self.free_rows[: -n - 1 : -1], dtype=np.intp)
+        sids = list(range(self.next_id, self.next_id + n))
+        self._log.append((self._restore, self._save(rows, acquiring=True)))
+        self._log.append((self._put, "shared", parent, self.shared.item(parent)))
+        del self.free_rows[-n:]
+        self.sids[rows] = self.live[rows] = sids
+        self.version[rows] = self.clock
+        self.rows.update(zip(sids, rows.tolist(), strict=True))
+        self.next_id += n
+        self.tables[rows] = self.tables[parent]  # released entries (-1) too
+        self.lens[rows] = self.lens.item(parent)
+        self.released[rows] = self.released.item(parent)
+        self.tail[rows] = self.tail[parent]
+        self.pending[rows] = self.pending.item(parent)
+        if self.lens.item(parent) % self.block_size:  # a partly filled last block: shared now
+            self.shared[parent] = True
+            self.shared[rows] = True
+        return sids, rows
+
+    def free(self, rows: list[int]) -> np.ndarray | None:
+        """End the sequences of ``rows``: their rows are zeroed and free, their ids forgotten.
+
+        Returns:
+            The blocks they held (each row's last block first, row after row: the order to drop
+            their references in), ``None`` when they held none.
+        """
+        runs = []
+        for row in rows:
+            length = self.lens.item(row)
+            if length and self.live.item(row) >= 0:  # a swapped-out row holds none
+                start = row * self.width
+                end = start + cdiv(length, self.block_size)
+                runs.append(self.flat[start + self.released.item(row) : end][::-1])
+        held = (np.concatenate(runs) if len(runs) > 1 else runs[0].copy()) if runs else None
+        at: Any = rows[0] if len(rows) == 1 else np.array(rows, np.intp)
+        self._log.append((self._restore, self._save(at)))
+        for row in rows:
+            sid = self.sids.item(row)
             del self.rows[sid]
             if self.cached:
                 self.cached.pop(sid, None)
@@ -201,129 +383,101 @@ class SequenceTable:
         self.sids[at] = self.live[at] = -1
         self.shared[at] = self.pending[at] = False
         self.version[at] = self.clock
-        self.free_rows.extend(rows.tolist()[::-1])
+        self.free_rows.extend(rows[::-1])
         self.epoch += 1  # after the change (see `epoch`)
+        return held
 
-    def save(self, rows: np.ndarray, acquiring: bool = False) -> tuple:
-        """What a change of ``rows`` may overwrite, for :meth:`restore` (its undo): their
-        entries, their ids, the free-row list and ``next_id``. ``acquiring``: the rows are the
-        free ones :meth:`acquire_many` takes next (see :meth:`next_free`): empty, so nothing of
-        them is saved."""
-        mark = len(self.free_rows)
-        if acquiring:
-            return rows, None, mark, self.free_rows[mark - rows.size :], self.next_id, None
-        if rows.size == 1:  # one sequence (a free): scalars and one row's copies
-            row = rows.item(0)
-            snapshot = (
-                self.tables[row].copy(),
-                self.lens.item(row),
-                self.released.item(row),
-                self.sids.item(row),
-                self.live.item(row),
-                self.shared.item(row),
-                self.pending.item(row),
-                self.tail[row].copy(),
-            )
-        else:
-            snapshot = self.snapshot(rows)
-        cached = self.cached
-        kept = {sid: cached[sid] for sid in self.sids[rows].tolist() if sid in cached}
-        return rows, snapshot, mark, [], self.next_id, kept
+    # ------------------------------------------------------------------------------ steps
 
-    def restore(self, saved: tuple) -> None:
-        """Put back what :meth:`save` saved (a rollback; running it twice changes nothing)."""
-        rows, snapshot, mark, taken, next_id, cached = saved
-        row_list = rows.tolist()
-        for sid, row in zip(self.sids[rows].tolist(), row_list, strict=True):
-            if sid >= 0 and self.rows.get(sid) == row:  # ids the rows hold now
-                del self.rows[sid]
-                self.cached.pop(sid, None)
-        if snapshot is None:  # rows that were free: empty again
-            self.tables[rows] = self.lens[rows] = self.released[rows] = 0
-            self.sids[rows] = self.live[rows] = -1
-            self.shared[rows] = self.pending[rows] = False
-            self.version[rows] = self.clock
-            self.epoch += 1  # sequences stopped being ones (after the change: see `epoch`)
-        else:
-            self.put(rows if rows.size > 1 else rows.item(0), snapshot)
-            for sid, row in zip(self.sids[rows].tolist(), row_list, strict=True):
-                if sid >= 0:
-                    self.rows[sid] = row
-            self.cached.update(cached)
-        del self.free_rows[mark - len(taken) :]
-        self.free_rows += taken
-        self.next_id = next_id
+    def make_room(self, held: int) -> None:
+        """Columns for rows holding up to ``held`` blocks, and one spare past them (the one
+        spare column: a decode step writes a row's next block there, and :meth:`grow` restores
+        it). Widening keeps every entry, so it needs no undo."""
+        if held > self.held_bound:
+            self.held_bound = held
+        if held + 1 > self.tables.shape[1]:
+            width = max(held + 1, 2 * self.tables.shape[1])
+            tables = np.zeros((self.tables.shape[0], width), np.int32)
+            tables[:, : self.tables.shape[1]] = self.tables
+            self.tables, self.flat = tables, tables.reshape(-1)
 
-    def unacquire(self, row: int, mark: int, sid: int) -> None:
-        """Undo of :meth:`acquire_one` of ``sid`` into free ``row`` (``mark``: the
-        free-row count before): the row is empty and free again."""
-        if self.rows.get(sid) == row:
-            del self.rows[sid]
-            self.cached.pop(sid, None)
-        self.tables[row] = self.lens[row] = self.released[row] = 0
-        self.sids[row] = self.live[row] = -1
-        self.shared[row] = self.pending[row] = False
-        self.version[row] = self.clock
-        del self.free_rows[mark - 1 :]
-        self.free_rows.append(row)
-        self.next_id = sid
-        self.epoch += 1  # a sequence stopped being one (after the change: see `epoch`)
+    def grow(
+        self,
+        rows: np.ndarray,
+        lens: np.ndarray,
+        ends: np.ndarray,
+        at: np.ndarray = NO_ENTRIES,
+        blocks: Any = None,
+        unshare: np.ndarray | None = None,
+    ) -> None:
+        """A step: rows ``rows`` (lengths ``lens``) grow to ``ends`` tokens; flat entries ``at``
+        (at the current width: padding, or a shared last block replaced by its copy) get
+        ``blocks``; ``unshare``: rows whose last block is their own now. Entries past a row's
+        spare column need :meth:`make_room` first."""
+        width = self.width
+        old = self.flat[at] if at.size else at
+        shared = None if unshare is None else self.shared[unshare]
+        self._log.append((self._ungrow, rows, lens, at, old, width, unshare, shared))
+        if at.size:
+            self.flat[at] = blocks
+            self.version[at // width] = self.clock
+        self.lens[rows] = ends
+        if unshare is not None:
+            self.shared[unshare] = False
+        if at.size:  # rows hold more blocks: the spare column again (see held_bound)
+            self.held_bound += 1
+            if self.held_bound + 1 > width:
+                self.held_bound = 0  # the true maximum over all rows, then widen if needed
+                self.make_room(cdiv(int(self.lens.max()), self.block_size))
 
-    def save_row(self, row: int) -> tuple:
-        """:meth:`save` of one row that holds a sequence, for :meth:`restore_row`."""
-        sid = self.sids.item(row)
-        return (
-            row,
-            self.tables[row].copy(),
-            self.lens.item(row),
-            self.released.item(row),
-            sid,
-            self.live.item(row),
-            self.shared.item(row),
-            self.pending.item(row),
-            self.tail[row].copy(),
-            len(self.free_rows),
-            self.cached.get(sid),
-        )
+    def grow_one(self, row: int, length: int) -> None:
+        """One token into row ``row``'s own last block (``length`` tokens before): a single
+        store, no undo (the caller holds the claim with an empty log: an interrupt lands before
+        or after it)."""
+        self.lens[row] = length + 1
 
-    def restore_row(self, saved: tuple) -> None:
-        """Put back what :meth:`save_row` saved (a rollback; running it twice changes nothing)."""
-        row, tables, length, released, sid, live, shared, pending, tail, mark, cached = saved
-        if tables.size != self.width:  # the table grew since
-            self.tables[row, tables.size :] = 0
-        self.tables[row, : tables.size] = tables
-        self.lens[row], self.released[row] = length, released
-        self.sids[row], self.live[row] = sid, live
-        self.shared[row], self.pending[row], self.tail[row] = shared, pending, tail
-        self.version[row] = self.clock
-        self.rows[sid] = row
-        if cached is not None:
-            self.cached[sid] = cached
-        del self.free_rows[mark:]
-        self.epoch += 1  # residency may change back (after the change: see `epoch`)
+    def release_leading(
+        self, rows: np.ndarray, start: np.ndarray, stop: np.ndarray, at: np.ndarray
+    ) -> np.ndarray:
+        """The window releases entries ``start[i] .. stop[i] - 1`` of ``rows[i]``, at flat
+        entries ``at`` (at the current width, in the order their blocks go): the entries become
+        ``-1`` and ``released`` is ``stop``.
 
-    def release_row(self, row: int) -> None:
-        """:meth:`release` of one row."""
-        sid = self.sids.item(row)
-        del self.rows[sid]
-        if self.cached:
-            self.cached.pop(sid, None)
-        self.tables[row] = 0
-        self.lens[row] = self.released[row] = 0
-        self.sids[row] = self.live[row] = -1
-        self.shared[row] = self.pending[row] = False
-        self.version[row] = self.clock
-        self.free_rows.append(row)
-        self.epoch += 1  # after the change (see `epoch`)
+        Returns:
+            Their blocks, in the order of ``at`` (``intp``).
+        """
+        blocks = self.flat[at].astype(np.intp)
+        self._log.append((self._unrelease, rows, start, at, self.width, blocks))
+        self.flat[at] = -1
+        self.released[rows] = stop
+        self.version[rows] = self.clock
+        return blocks
+
+    # ------------------------------------------------------------------------------ prefix chains
+
+    def mark_pending(self, rows: Any, pending: bool) -> None:
+        """Set the pending flag of ``rows`` (a row, a list or an array of rows)."""
+        self._log.append((self._put, "pending", rows, self.pending[rows]))  # (a copy)
+        self.pending[rows] = pending
+
+    def write_tails(self, rows: Any, offset: Any, tokens: Any) -> None:
+        """A step's new token ids into the tails of ``rows`` at ``offset`` (each row's length
+        modulo the block size before the step): past every id the tails hold, so no undo."""
+        self.tail[rows, offset] = tokens
+
+    def restart_tail(self, row: int, tokens: np.ndarray) -> None:
+        """Row ``row``'s tail is ``tokens`` from position 0 (a step filled its block)."""
+        self._log.append((self._put, "tail", row, self.tail[row].copy()))
+        self.tail[row, : tokens.size] = tokens
 
     # ------------------------------------------------------------------------------ swapping
 
     def detach(self, row: int) -> np.ndarray:
         """Swap resident ``row`` out: its held blocks (entries ``released .. held - 1``, in order,
         a copy) are returned for the caller to release; the row keeps its length, released count
-        and id, with an all-zero table, ``live = -1`` and no shared block. Undo recorded."""
+        and id, with an all-zero table, ``live = -1`` and no shared block."""
         blocks = self.tables[row, self.released.item(row) : self.held(row)].copy()
-        self._log.append((self.put, row, self.snapshot(row)))
+        self._log.append((self._restore, self._save(row)))
         self.tables[row] = 0
         self.live[row] = -1
         self.shared[row] = False
@@ -333,16 +487,30 @@ class SequenceTable:
 
     def attach(self, row: int, sid: int, blocks: Any) -> None:
         """Make swapped-out ``row`` (sequence ``sid``) resident again on ``blocks``, one per entry
-        it held: the entries its window released stay ``-1`` (one spare column kept past the
-        last). Undo recorded."""
+        it held: the entries its window released stay ``-1`` (one spare column kept)."""
         blocks = np.asarray(blocks, np.int32)
-        self._log.append((self.put, row, self.snapshot(row)))
+        self._log.append((self._restore, self._save(row)))
         start = self.released.item(row)
-        self.ensure_width(start + blocks.size + 1)  # one spare column (see `ensure_width`)
+        self.make_room(start + blocks.size)
         self.tables[row, :start] = -1
         self.tables[row, start : start + blocks.size] = blocks
         self.live[row] = sid
         self.version[row] = self.clock
+
+    # ------------------------------------------------------------------------------ batches
+
+    def tick(self) -> int:
+        """The clock now, then advanced: a batch that refreshes its device tables at this tick
+        refreshes next the rows whose ``version`` is past it."""
+        clock = self.clock
+        self.clock = clock + 1
+        return clock
+
+    def touch_all(self) -> None:
+        """Every row counts as changed (after a rollback: batches refresh all of theirs)."""
+        self.version[:] = self.clock
+
+    # ------------------------------------------------------------------------------ checking
 
     def check_room(self, n: int, what: str) -> None:
         """Refuse ``n`` new rows that the host's free memory cannot hold, before growing.
@@ -351,7 +519,7 @@ class SequenceTable:
             MemoryError: naming the call, the bytes it needs and the bytes available.
         """
         if len(self.free_rows) < n:
-            row_bytes = self.width * 4 + self.tail.shape[1] * 8 + 52  # every array's entries
+            row_bytes = self.width * 4 + self.tail.shape[1] * 8 + 50  # every array's entries
             need = (self.tables.shape[0] + n) * row_bytes
             available = _available_memory()
             if available is not None and need > available:
@@ -360,105 +528,6 @@ class SequenceTable:
                     f"memory ({available / 2**30:.1f} GiB), got {n} needing "
                     f"{need / 2**30:.1f} GiB"
                 )
-
-    def next_free(self, n: int) -> np.ndarray:
-        """The rows :meth:`acquire_many` gives ``n`` new sequences next (the table grows first
-        when too few are free: growing needs no undo)."""
-        while len(self.free_rows) < n:
-            self._grow_rows(2 * self.tables.shape[0])
-        return np.array(self.free_rows[: -n - 1 : -1], dtype=np.intp)
-
-    def snapshot(self, rows: Any) -> tuple:
-        """Every array's entries for ``rows`` (an index or an index array), for :meth:`put`."""
-        if isinstance(rows, np.ndarray):  # fancy indexing copies already
-            return tuple(array[rows] for array in self._row_arrays())
-        return tuple(array[rows].copy() for array in self._row_arrays())
-
-    def put(self, rows: Any, snapshot: tuple) -> None:
-        """Put back what :meth:`snapshot` saved (a rollback)."""
-        for array, saved in zip(self._row_arrays(), snapshot, strict=True):
-            if array.ndim == 2 and saved.shape[-1] != array.shape[1]:  # the table grew since
-                array[rows, saved.shape[-1] :] = 0
-                array[rows, : saved.shape[-1]] = saved
-            else:
-                array[rows] = saved
-        self.version[rows] = self.clock  # batches refresh these rows
-        self.epoch += 1  # residency may change back (after the change: see `epoch`)
-
-    def _row_arrays(self) -> tuple[np.ndarray, ...]:
-        t = self
-        return (t.tables, t.lens, t.released, t.sids, t.live, t.shared, t.pending, t.tail)
-
-    def touch(self, rows: Any) -> None:
-        """Record that the tables of ``rows`` changed (batches refresh them)."""
-        self.version[rows] = self.clock
-
-    def touch_all(self) -> None:
-        """:meth:`touch` of every row (after a rollback: batches refresh all of theirs)."""
-        self.version[:] = self.clock
-
-    def ensure_width(self, width: int) -> None:
-        """At least ``width`` columns (the block manager keeps one spare past every table, so
-        ``width - 1`` bounds the blocks of the row it grows). Growing keeps every entry, so it
-        needs no undo."""
-        if width > self.held_bound:
-            self.held_bound = width - 1
-        if width > self.tables.shape[1]:
-            tables = np.zeros(
-                (self.tables.shape[0], max(width, 2 * self.tables.shape[1])), np.int32
-            )
-            tables[:, : self.tables.shape[1]] = self.tables
-            self.tables, self.flat = tables, tables.reshape(-1)
-
-    def check_invariants(self) -> None:
-        """Check rows against ids; raises ``AssertionError`` naming the first break."""
-        rows = self.rows
-        free = set(self.free_rows)
-        require(len(free) == len(self.free_rows), "a table row is on the free list twice")
-        used = set(rows.values())
-        require(len(used) == len(rows), "two sequences share a table row")
-        require(not free & used, f"rows both free and in use: {sorted(free & used)}")
-        require(
-            len(free) + len(used) == self.tables.shape[0],
-            f"{self.tables.shape[0]} table rows but {len(free)} free and {len(used)} in use",
-        )
-        require(self.cached.keys() <= rows.keys(), "a freed sequence kept a cached-token count")
-        for sid, row in rows.items():
-            require(0 <= sid < self.next_id, f"sequence id {sid} was never handed out")
-            require(
-                self.sids[row] == sid,
-                f"row {row} of sequence {sid} names sequence {self.sids[row]}",
-            )
-            resident = self.live[row] == sid
-            require(
-                resident or self.live[row] == -1, f"row {row} of sequence {sid} is live as another"
-            )
-            held = self.held(row) if resident else 0
-            require(
-                not self.tables[row, held:].any(),
-                f"table row {row} (sequence {sid}) has non-zero entries past its {held} block(s)",
-            )
-            released = self.released.item(row)
-            require(
-                0 <= released <= self.held(row),
-                f"sequence {sid} released {released} of its {self.held(row)} table entries",
-            )
-            if resident:
-                require(
-                    (self.tables[row, :released] == -1).all()
-                    and (self.tables[row, released:held] >= 0).all(),
-                    f"table row {row} (sequence {sid}) is not {released} released entries (-1) "
-                    f"then block ids: {self.tables[row, :held].tolist()}",
-                )
-        for row in free:
-            require(
-                self.sids[row] == -1
-                and self.lens[row] == 0
-                and self.live[row] == -1
-                and self.released[row] == 0,
-                f"free table row {row} is not empty",
-            )
-            require(not self.tables[row].any(), f"free table row {row} holds block ids")
 
     def _grow_rows(self, rows: int) -> None:
         # No undo: growing keeps every row, and the new rows are free. Everything is built
@@ -473,21 +542,13 @@ class SequenceTable:
         tables, lens, released = grown(self.tables, 0), grown(self.lens, 0), grown(self.released, 0)
         flat = tables.reshape(-1)
         sids, live = grown(self.sids, -1), grown(self.live, -1)
-        flags = np.zeros((rows, 2), bool)
-        flags[:old, 0], flags[:old, 1] = self.shared, self.pending
-        shared, pending, either = _flag_views(flags)
+        shared, pending = grown(self.shared, False), grown(self.pending, False)
         version, tail = grown(self.version, 0), grown(self.tail, 0)
         free = list(range(rows - 1, old - 1, -1))
         self.tables, self.lens, self.flat, self.sids, self.live = tables, lens, flat, sids, live
-        self.released = released
-        self.shared, self.pending, self.either = shared, pending, either
+        self.released, self.shared, self.pending = released, shared, pending
         self.version, self.tail = version, tail
         self.free_rows[:0] = free
-
-
-def _flag_views(flags: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``(shared, pending, either)`` of a ``[rows, 2]`` bool array (see ``SequenceTable``)."""
-    return flags[:, 0], flags[:, 1], flags.view(_EITHER)[:, 0]
 
 
 def _available_memory() -> int | None:
@@ -610,6 +671,5 @@ class SequenceBatch:
                     self._device[positions] = rows
                 else:
                     self._device[xp.asarray(positions)] = xp.asarray(rows)
-        self._synced = table.clock
-        table.clock += 1
+        self._synced = table.tick()
         return self._device

@@ -106,13 +106,9 @@ class Window:
         else:  # each row's run, last block first: a prompt's head stays cached longest
             within = np.arange(counts.sum()) - (counts.cumsum() - counts).repeat(counts)
             at = (rows * width + stop - 1).repeat(counts) - within
-        blocks = table.flat[at].astype(np.intp)
+        blocks = table.release_leading(rows, start, stop, at)  # (its undo recorded)
         # A block appears twice only if it has two references (forks stepped together).
         repeats = rows.size > 1 and bool(np.count_nonzero(self.pool.refcounts[blocks] > 1))
-        self._log.append((self._restore, rows, start, at, width, blocks))
-        table.flat[at] = -1
-        table.released[rows] = stop
-        table.touch(rows)
         self.pool.release(blocks, repeats=repeats)
 
     def register_pending(self, rows: np.ndarray, counts: int | np.ndarray) -> None:
@@ -144,13 +140,3 @@ class Window:
             f"sequence {sid} of {length} tokens released {released} blocks, expected at most "
             f"{most} with window_left={self.window_left}",
         )
-
-    def _restore(
-        self, rows: np.ndarray, start: np.ndarray, at: np.ndarray, width: int, blocks: np.ndarray
-    ) -> None:
-        """Undo of :meth:`release` (``at``: flat entries at the table's ``width`` then; the
-        pool's own record restores the references)."""
-        table = self.table
-        table.tables[at // width, at % width] = blocks
-        table.released[rows] = start
-        table.touch(rows)
