@@ -375,3 +375,23 @@ def test_check_invariants_catches_a_corrupted_table_row(rng):
     view.table.tables[row, 3] = 7  # past the sequence's 2 blocks
     with pytest.raises(AssertionError, match="non-zero entries past its 2 block"):
         cache.check_invariants()
+
+
+def test_a_cache_has_a_manager_and_offers_every_public_name_of_one():
+    """PagedCache has a BlockManager (it is no subclass): every public name of the manager works
+    on the cache, passed on to it, except ``release_copies``, which the cache's
+    ``apply_copies`` calls after copying the bytes (releasing without them is no cache call)."""
+    cache = make_cache()
+    assert isinstance(cache.manager, cupaged.BlockManager)
+    assert not isinstance(cache, cupaged.BlockManager)
+    names = {n for n in dir(cupaged.BlockManager) if not n.startswith("_")}
+    missing = sorted(n for n in names - {"release_copies"} if not hasattr(cache, n))
+    assert missing == []
+    sid = cache.add_sequence()
+    child = cache.fork(cache.add_sequence())
+    cache.reserve([sid, child], 5)
+    assert cache.manager.seq_len(sid) == cache.seq_len(sid) == 5
+    assert cache.block_tables([sid])[0].tolist() == [cache.manager.block_table(sid)]
+    assert (cache.device, cache.prefix_caching) == (cache.manager.device, False)
+    assert cache.transaction() is cache.manager.transaction()
+    cache.check_invariants()

@@ -145,7 +145,7 @@ class PagedCache(ManagerVerbs):
 
         All or nothing: when the pool cannot hold every new token, :class:`OutOfBlocksError` is
         raised and nothing is allocated or written. With a window, the blocks before the window
-        of the first new token are released once the new tokens are written.
+        of the first new token are released in the same call (none of them takes a new token).
 
         Args:
             sid: the sequence.
@@ -205,10 +205,9 @@ class PagedCache(ManagerVerbs):
                 them: a ``KeyboardInterrupt`` that lands once the step is done loses the plan,
                 never the pairs.
         """
-        copy = self._copy_own if apply_copies else None
-        return self._manager.step(
-            sids, num_tokens, tokens, tables=tables, copy=copy, hold_copies=not apply_copies
-        )
+        if apply_copies:
+            return self._manager.step(sids, num_tokens, tokens, tables=tables, copy=self._copy_own)
+        return self._manager.step(sids, num_tokens, tokens, tables=tables, hold_copies=True)
 
     @forwards
     def reserve(
@@ -237,7 +236,7 @@ class PagedCache(ManagerVerbs):
             ``[sum(num_tokens)]`` int32 slot mapping on the cache's device, sequence after sequence
             in the order of ``sids``: ``slot = block * block_size + offset``.
         """
-        return self.step(sids, num_tokens, tokens).slots
+        return self._manager.step(sids, num_tokens, tokens, copy=self._copy_own).slots
 
     @atomic
     def apply_copies(self, src: Any, dst: Any) -> None:

@@ -118,11 +118,11 @@ class Transaction:
     )
 
     def __init__(self) -> None:
-        # The claim: (thread, frame that entered, body) of the open call (see `enter`).
-        self._claim: dict[int, tuple[int, Any, Any]] = {}
-        # The calls that joined it, innermost last: (frame that entered, body, length of the
-        # log when it joined).
-        self._bodies: list[tuple[Any, Any, int]] = []
+        # The claim: (thread, frame that entered) of the open call (see `enter`).
+        self._claim: dict[int, tuple[Any, ...]] = {}
+        # The calls that joined it, innermost last: (frame that entered, length of the log when
+        # it joined).
+        self._bodies: list[tuple[Any, int]] = []
         self.depth = 0  # 1 while a call of this thread is inside
         self.log: list[tuple[Any, ...]] = []
         self.kv_written = False
@@ -148,8 +148,9 @@ class Transaction:
         """Take the guard without blocking, for a call that needs no undo (the one-store fast
         path); ``False`` when any call is inside or a rollback is unfinished (the full path then
         refuses, or finishes it). Release it with :meth:`leave`."""
-        # The caller's frame: a handler above it is refused; no body: nothing joins it.
-        mine = (_get_ident(), _getframe(1), False)
+        # The caller's frame: a handler above it is refused; no body (the third item): nothing
+        # joins it.
+        mine = (_get_ident(), _getframe(1), None)
         if self._claim.setdefault(_CLAIM, mine) is not mine:
             return False  # held: another thread's, or this thread's outer call (a re-entry)
         if self.log or self._unfinished:
@@ -158,17 +159,14 @@ class Transaction:
         self.depth = 1  # a call of this thread is inside: a re-entry is refused
         return True
 
-    def enter(self, opener: Any, body: Any = None, up: int = 0) -> bool:
+    def enter(self, opener: Any) -> bool:
         """Take the guard for a call of this thread (refused while another call is inside), and
         finish first what an interrupted call left to undo.
 
-        Args:
-            opener: the frame entering; the claim holds it while it is on the stack.
-            body: the function whose frame, called by ``opener``, is the new call's body (its
-                calls join the call), or ``None``: ``opener`` itself is (a ``with`` block's
-                frame).
-            up: how far below ``opener`` the frame that made the call is (1 for :func:`atomic`,
-                2 for :func:`run_atomically`, 0 for a ``with`` block).
+        ``opener`` is the frame entering: the claim holds it while it is on the stack. The new
+        call's body, whose calls join it, is the method that :func:`atomic`'s frame calls, the
+        function that :func:`run_atomically`'s frame calls, or else ``opener`` itself (the frame
+        running a ``with`` block).
 
         Returns:
             ``True`` for a new call (commit or :meth:`abort` it, then :meth:`leave`);
@@ -176,7 +174,7 @@ class Transaction:
             after :meth:`abort_joined` if it failed).
         """
         me = _get_ident()
-        mine = (me, opener, body)
+        mine = (me, opener)
         fresh = False  # this entry took the claim: an interrupt from here on must drop it
         try:
             owner = self._claim.setdefault(_CLAIM, mine)
@@ -186,11 +184,11 @@ class Transaction:
                         "expected one thread at a time in a PagedCache/BlockManager, got a call "
                         "while another thread is inside one (guard the cache with your own lock)"
                     )
-                caller = opener
-                for _ in range(up):
+                caller = opener  # the frame that made the call: below the entry's own frames
+                for _ in range(_ENTRY_DEPTH.get(opener.f_code, 0)):
                     caller = caller.f_back
                 if self._made_by_a_body(caller, owner):
-                    self._bodies.append((opener, body, len(self.log)))  # (one C call)
+                    self._bodies.append((opener, len(self.log)))  # (one C call)
                     return False
                 # This thread's own claim: the call that took it still on the stack (a signal
                 # handler or a callback calling in, however early in that call), or one an
@@ -233,7 +231,7 @@ class Transaction:
         """Undo the changes of the innermost joined call (a failed one): the open call goes on
         as it was before that call. (An interrupt meanwhile goes to the open call, which
         aborts everything.)"""
-        self._rollback(self._bodies[-1][2])
+        self._rollback(self._bodies[-1][1])
 
     def unjoin(self) -> None:
         """End the innermost joined call (its changes stay in the open call's log)."""
@@ -241,10 +239,10 @@ class Transaction:
             self._bodies.pop()
 
     def leave(self) -> None:
-        """Give the guard back (the call committed or aborted)."""
+        """Give the guard back (the call committed or aborted). (A joined call that an
+        interrupt left in ``_bodies`` holds a finished frame: it matches no caller, and the next
+        claim taken back clears it.)"""
         self.depth = 0
-        if self._bodies:  # (only what an interrupt left)
-            self._bodies.clear()
         self._claim.pop(_CLAIM, None)
 
     def __enter__(self) -> Transaction:
@@ -253,7 +251,7 @@ class Transaction:
 
     def __exit__(self, kind: Any, error: Any, trace: Any) -> None:
         bodies = self._bodies
-        if bodies and bodies[-1][1] is None and bodies[-1][0] is _getframe(1):
+        if bodies and bodies[-1][0] is _getframe(1):
             try:  # a block that joined an open call: that call commits it
                 if kind is not None:
                     self.abort_joined()
@@ -268,19 +266,23 @@ class Transaction:
         finally:
             self.leave()
 
-    def _made_by_a_body(self, caller: Any, claim: tuple[int, Any, Any]) -> bool:
+    def _made_by_a_body(self, caller: Any, claim: tuple[Any, ...]) -> bool:
         """Whether ``caller`` is the body of an open call (``claim``'s, or one that joined it):
         the frame that runs its ``with`` block, or the method (function) that its
-        :func:`atomic` (:func:`run_atomically`) frame called."""
+        :func:`atomic` (:func:`run_atomically`) frame called. (Rare: read off the frames.)"""
         while caller.f_code in _FORWARDERS:  # (a forwarder called from the body is the body's)
             caller = caller.f_back
-        for opener, body in (claim[1:], *(joined[:2] for joined in self._bodies)):
-            if body is None:
-                if caller is opener:
+        openers = [] if len(claim) > 2 else [claim[1]]  # (the fast path's claim: no body)
+        openers += [joined[0] for joined in self._bodies]
+        for opener in openers:
+            code = opener.f_code
+            if code is _ATOMIC_CODE or code is _RUN_CODE:
+                local = "method" if code is _ATOMIC_CODE else "function"
+                body = getattr(opener.f_locals[local], "__code__", None)
+                if caller.f_back is opener and caller.f_code is body:
                     return True
-            elif body is not False and caller.f_back is opener:
-                if caller.f_code is getattr(body, "__code__", None):
-                    return True
+            elif caller is opener:
+                return True
         return False
 
     def _rollback(self, mark: int) -> None:
@@ -299,7 +301,7 @@ def run_atomically(transaction: Transaction, function: Callable[..., Any], *args
     """``function(*args)`` as one call inside ``transaction`` (a public call whose fast path runs
     before it): what :func:`atomic` does for a whole method, committed the same way. Made from
     the body of an open call, it joins that call."""
-    if transaction.enter(_getframe(), function, 2):
+    if transaction.enter(_getframe()):
         try:
             result = function(*args)
             transaction.log.clear()  # the commit (see atomic)
@@ -331,7 +333,7 @@ def atomic(method: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(method)
     def call(self: Any, *args: Any, **kwargs: Any) -> Any:
         transaction = self._transaction
-        if transaction.enter(_getframe(), method, 1):
+        if transaction.enter(_getframe()):
             try:
                 result = method(self, *args, **kwargs)
                 transaction.log.clear()  # the commit
@@ -358,3 +360,9 @@ def forwards(function: Callable[..., Any]) -> Callable[..., Any]:
     call it passes on joins that call as if the body had made it."""
     _FORWARDERS.add(function.__code__)
     return function
+
+
+_ATOMIC_CODE = atomic(lambda self: None).__code__  # the frame of every atomic method's entry
+_RUN_CODE = run_atomically.__code__
+# How far below an entry's frame the frame that made the call is (a ``with`` block's: 0).
+_ENTRY_DEPTH = {_ATOMIC_CODE: 1, _RUN_CODE: 2}
