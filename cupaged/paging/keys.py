@@ -107,6 +107,7 @@ class KeyMap:
         (and found by ``links[i]`` too, when given); a key another block holds keeps that block
         (the first writer wins), and ``refused`` collects each such ``i``."""
         block_of, key_of, content_of = self._block_of, self._key_of, self._content_of
+        link_of, block_of_link = self._link_of, self._block_of_link
         new: list[int] = []  # filled as blocks register: its undo is recorded first
         self._log.append((self._unregister, new))
         for i, (block, key) in enumerate(zip(blocks, keys, strict=True)):
@@ -121,8 +122,8 @@ class KeyMap:
             content_of[block] = contents[i]
             block_of[key] = block
             if links is not None:
-                self._link_of[block] = link = links[i]
-                self._block_of_link[link] = block
+                link_of[block] = link = links[i]
+                block_of_link[link] = block
         if len(new) <= 8:  # a few (an admission's own blocks, a decode step's)
             registered = self.registered
             for block in new:
@@ -130,29 +131,39 @@ class KeyMap:
         else:
             self.registered[new] = True
 
-    def entries(self, blocks: list[int]) -> tuple[list[Hashable], list[tuple[object, Any]]]:
+    def entries(self, blocks: list[int]) -> tuple[list[Hashable], tuple[list[object], list[Any]]]:
         """What :meth:`restore` needs to register ``blocks`` again after a :meth:`drop`: their
-        keys, and their contents with their links, in order."""
-        content_of, link_of = self._content_of, self._link_of
-        keys = [self._key_of[block] for block in blocks]
-        return keys, [(content_of[block], link_of[block]) for block in blocks]
+        keys, and their contents and links, in order."""
+        if len(blocks) > 1:  # gathered at C speed
+            pick = itemgetter(*blocks)
+            return list(pick(self._key_of)), (pick(self._content_of), pick(self._link_of))
+        return [self._key_of[b] for b in blocks], (
+            [self._content_of[b] for b in blocks],
+            [self._link_of[b] for b in blocks],
+        )
 
     def drop(self, blocks: np.ndarray) -> None:
         """Unregister ``blocks`` (evicted; the caller records the undo with :meth:`entries`)."""
         self.registered[blocks] = False
+        block_of, key_of, content_of = self._block_of, self._key_of, self._content_of
         block_of_link, link_of = self._block_of_link, self._link_of
         for block in blocks.tolist():
-            del self._block_of[self._key_of[block]]
-            self._key_of[block] = self._content_of[block] = None
-            if link_of[block] is not None:
-                del block_of_link[link_of[block]]
+            del block_of[key_of[block]]
+            key_of[block] = content_of[block] = None
+            link = link_of[block]
+            if link is not None:
+                del block_of_link[link]
                 link_of[block] = None
 
     def restore(
-        self, blocks: np.ndarray, keys: list[Hashable], entries: list[tuple[object, Any]]
+        self,
+        blocks: np.ndarray,
+        keys: list[Hashable],
+        entries: tuple[Sequence[object], Sequence[Any]],
     ) -> None:
         """Register ``blocks`` again under what :meth:`entries` gave (a rollback)."""
-        for block, key, (content, link) in zip(blocks.tolist(), keys, entries, strict=True):
+        contents, links = entries
+        for block, key, content, link in zip(blocks.tolist(), keys, contents, links, strict=True):
             self._block_of[key] = block
             self._key_of[block], self._content_of[block] = key, content
             if link is not None:
