@@ -34,7 +34,8 @@ wraps, the function :func:`run_atomically` runs, the frame that runs a ``with`` 
 rather than being refused: its undo goes to the open call's log, and it commits or rolls back
 with it (a joined call that raises first undoes its own changes, so the body may handle the
 error). That is how ``with manager.transaction():`` runs several public calls as one, and how
-:class:`~cupaged.PagedCache` builds its calls on the manager's public ones. The frames decide it,
+:class:`~cupaged.PagedCache` builds its calls on the manager's public ones (a function marked
+:func:`forwards`, which only passes a call on, counts as its caller). The frames decide it,
 not file names: a handler or a callback runs in a frame of its own, so its call is refused
 however deep in the body it lands. (One case looks alike and joins: a C callable such as a
 ``functools.partial`` of a public method installed as a signal handler itself, landing in the
