@@ -12,9 +12,9 @@ import threading
 
 import numpy as np
 import pytest
+from helpers import internals
 
 from cupaged import BlockManager, CupagedError, OutOfBlocksError, PagedCache
-from helpers import internals
 
 
 def manager(**options) -> BlockManager:
