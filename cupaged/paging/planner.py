@@ -88,11 +88,14 @@ class Planner:
         :class:`OutOfBlocksError` (``what`` names the call) before any change.
         """
         if type(counts) is int and counts == 1:  # the decode branch, unless a row is shared
-            shared = self.table.shared
-            if rows.size <= SMALL_BATCH:
-                if True not in shared[rows].tolist():
+            table = self.table
+            if rows.size <= SMALL_BATCH:  # both flags of each row, in one gather
+                flags = table.flags[rows].ravel().tolist()  # shared, pending, shared, ...
+                if True not in flags:
+                    return self._decode(rows, tokens, what, bases, settled=True)
+                if True not in flags[::2]:
                     return self._decode(rows, tokens, what, bases)
-            elif not np.count_nonzero(shared) or not np.count_nonzero(shared[rows]):
+            elif not np.count_nonzero(table.shared) or not np.count_nonzero(table.shared[rows]):
                 return self._decode(rows, tokens, what, bases)
         return self._plan(rows, counts, tokens, what)
 
@@ -159,7 +162,7 @@ class Planner:
         src = dst = NO_SLOTS
         at = NO_ENTRIES
         if total:
-            table.make_room(int((held + grow).max()))  # the rows' new widest, and the spare
+            table.make_room(cdiv(int(ends.max()), bs))  # the rows' new widest, and the spare
             # Each row's entries from its copied last block (if any) on, in the order the blocks
             # were taken: one run per row, the new blocks in order.
             first = held if copies is None else held - copies[0]
@@ -183,8 +186,11 @@ class Planner:
         elif uniform and not counts:
             slots = NO_SLOTS
         elif uniform:  # [rows, counts] positions
-            pos = lens[:, None] + np.arange(counts, dtype=np.int32)
-            slots = (flat[(rows * table.width)[:, None] + pos // bs] * bs + pos % bs).reshape(-1)
+            column, offset_in = np.divmod(lens[:, None] + np.arange(counts, dtype=np.int32), bs)
+            slots = flat[column + (rows * table.width)[:, None]]
+            slots *= bs
+            slots += offset_in
+            slots = slots.reshape(-1)
         else:
             ahead = counts.cumsum() - counts  # tokens of the rows before
             pos = (lens - ahead).repeat(counts) + np.arange(int(ahead[-1] + counts[-1]))
@@ -195,10 +201,16 @@ class Planner:
         return slots.astype(np.int32, copy=False), src, dst
 
     def _decode(
-        self, rows: np.ndarray, tokens: Any, what: str | None, bases: np.ndarray | None
+        self,
+        rows: np.ndarray,
+        tokens: Any,
+        what: str | None,
+        bases: np.ndarray | None,
+        settled: bool = False,
     ) -> Plan:
         """:meth:`plan` of one token per sequence, nothing shared: about 15 array operations,
-        entries read and written in the flat table (``bases``: ``rows * width``)."""
+        entries read and written in the flat table (``bases``: ``rows * width``; ``settled``:
+        no row is pending either)."""
         table, bs, pool, chains = self.table, self.block_size, self.pool, self.chains
         bs32 = self._bs32
         lens = table.lens[rows]
@@ -221,18 +233,20 @@ class Planner:
         registering = chains.enabled and tokens is not None
         # The chains this step commits (pending rows) or extends (rows that fill a block).
         touched = pending = None
-        if chains.enabled:
+        if chains.enabled and settled:  # (may_fill: some row fills)
+            touched = offset == bs - 1 if registering and may_fill else None
+        elif chains.enabled:
             pending = table.pending[rows]
             touched = pending | (offset == bs - 1) if registering and may_fill else pending
             if not _any(touched):
                 touched = None
         filling = touched is not None and registering and may_fill
-        keys = chains.keys(rows, lens, 1, tokens) if filling else []
+        keys = chains.keys(rows, lens, 1, tokens, touched if settled else None) if filling else []
 
         # -- from here on nothing fails: each change records its undo first
         if touched is not None:
             chains.save(rows[touched].tolist())
-            if np.count_nonzero(pending):  # their last step's K/V: written
+            if pending is not None and np.count_nonzero(pending):  # their last step's K/V
                 new = chains.commit_and_take(rows, lambda: offset == 0, crossing.size)
             elif crossing.size:
                 new = pool.take(crossing.size)
@@ -272,9 +286,10 @@ class Planner:
         refcount = self.pool.refcounts
         if self.pool.num_held:  # copies still to read some blocks hold references: no sharers
             refcount = refcount - self.pool.held_refs
+        # (A flagged row's last block is partly filled: a write clears the flag.)
         last = table.flat[(rows * table.width + held - 1)[partial]]
         refs = refcount[last]
-        shared = (refs > 1) & (lens[partial] % self.block_size != 0)
+        shared = refs > 1
         sharing = np.count_nonzero(shared)
         if not sharing:
             return None

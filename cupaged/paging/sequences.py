@@ -17,6 +17,8 @@ for a whole batch is a handful of vectorised operations on those arrays::
     version[row]     when the row's table last changed (a logical clock)
     tail[row]        token ids of the unfilled last block (prefix caching only)
     pending[row]     full blocks wait to be registered until their K/V are known written
+    flags[row]       [shared[row], pending[row]]: the two flags are its columns (a step gathers
+                     both of its rows' flags at once)
 
 Entries past a row's last block are 0 (padding, never read: the lengths say how many count).
 With a window, a row of 11 tokens (block_size 4) that released one block::
@@ -210,8 +212,8 @@ class SequenceTable(_Undo):
         self.live = np.full(rows, -1, np.int64)
         self.version = np.zeros(rows, np.int64)
         self.tail = np.zeros((rows, tail_width), np.int64)
-        self.shared = np.zeros(rows, bool)
-        self.pending = np.zeros(rows, bool)
+        self.flags = np.zeros((rows, 2), bool)
+        self.shared, self.pending = self.flags[:, 0], self.flags[:, 1]
         self.clock = 1
         # An upper bound on the blocks any row holds: a decode step raises it by one without a
         # reduction over the batch, and only when it reaches the width is the true maximum taken.
@@ -349,8 +351,10 @@ class SequenceTable(_Undo):
         self.tables[rows] = self.tables[parent]  # released entries (-1) too
         self.lens[rows] = self.lens.item(parent)
         self.released[rows] = self.released.item(parent)
-        self.tail[rows] = self.tail[parent]
-        self.pending[rows] = self.pending.item(parent)
+        if self.tail.shape[1]:  # (prefix caching)
+            self.tail[rows] = self.tail[parent]
+        if self.pending.item(parent):  # (the rows were free: not pending)
+            self.pending[rows] = True
         if self.lens.item(parent) % self.block_size:  # a partly filled last block: shared now
             self.shared[parent] = True
             self.shared[rows] = True
@@ -542,11 +546,11 @@ class SequenceTable(_Undo):
         tables, lens, released = grown(self.tables, 0), grown(self.lens, 0), grown(self.released, 0)
         flat = tables.reshape(-1)
         sids, live = grown(self.sids, -1), grown(self.live, -1)
-        shared, pending = grown(self.shared, False), grown(self.pending, False)
+        flags = grown(self.flags, False)
         version, tail = grown(self.version, 0), grown(self.tail, 0)
         free = list(range(rows - 1, old - 1, -1))
         self.tables, self.lens, self.flat, self.sids, self.live = tables, lens, flat, sids, live
-        self.released, self.shared, self.pending = released, shared, pending
+        self.released, self.flags, self.shared, self.pending = released, flags, *flags.T
         self.version, self.tail = version, tail
         self.free_rows[:0] = free
 
