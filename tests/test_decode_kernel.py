@@ -87,7 +87,7 @@ def run_decode(xp, q, k_cache, v_cache, tables, lengths, chunk, scale=None, unus
         **kv_scale_args(xp, dtype, num_kv_heads, None, None).named(),
         **no_variants,
     )
-    kernel(launch.grid, launch.block, args, shared_mem=launch.shared_mem)
+    kernel(launch.grid, launch.block, tuple(args), shared_mem=launch.shared_mem)
     merge = get_kernel(device, "paged_attention.cu", launch.merge_name)
     merge_args = DecodeMergeArgs(
         out=out,
@@ -97,7 +97,7 @@ def run_decode(xp, q, k_cache, v_cache, tables, lengths, chunk, scale=None, unus
         num_q_heads=np.int32(num_q_heads),
         **no_variants,
     )
-    merge((num_q_heads, num_seqs), launch.merge_block, merge_args)
+    merge((num_q_heads, num_seqs), launch.merge_block, tuple(merge_args))
     return out
 
 

@@ -366,7 +366,7 @@ class DecodePlan:
             sinks=partial_lse,
         )
         self._fill, self._merge_fill = args.filler(), merge_args.filler()
-        self._plan_args = PlanDecodeArgs(
+        plan_args = PlanDecodeArgs(
             work=self._work,
             seq_items=self._seq_items,
             context_lens=self._lens,
@@ -376,6 +376,7 @@ class DecodePlan:
             tile=np.int32(tile),
             window_left=np.int32(window),
         )
+        self._plan_args = tuple(plan_args)  # a plain tuple, as every launch passes one
         self._plan(max_context if tables_checked else None)  # (else maybe a caller's hint)
 
     def _plan(self, max_context: int | None) -> None:

@@ -17,7 +17,8 @@ in their places, set by name (at the fields' positions, read once from the names
 ``filler`` makes, once per plan, a function that does the same on a run's hot path: the
 record's runs between the layer's fields are sliced at plan time, so a run only joins them, as
 cheaply as a tuple written out by hand; the positions it relies on are asserted here at import,
-from the names::
+from the names. Both give a plain tuple, what CuPy and the CPU backend take (a record complete
+at plan time, the planner's, is launched as ``tuple(record)``)::
 
     plan:   args = DecodeArgs(out=None, partial_out=..., q=None, ..., sinks=partial_lse)
             fill = args.filler()
