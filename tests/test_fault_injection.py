@@ -718,20 +718,36 @@ def test_a_sequence_freed_just_before_a_call_claims_the_cache_is_refused(call):
 
 
 def test_a_swap_out_between_the_per_token_paths_two_claims_is_refused():
-    """At a block boundary the per-token path looks under its claim, lets it go and the general
-    path claims the cache again: a sequence swapped out in between must be refused (the general
-    path's error), not given a block in a row that holds none."""
+    """In a shared, partly filled last block the per-token path looks under its claim, lets it
+    go and the general path claims the cache again: a sequence swapped out in between must be
+    refused (the general path's error), not given a block in a row that holds none."""
     cache = PagedCache(8, block_size=BS, num_layers=LAYERS, num_kv_heads=1, head_dim=HEAD_DIM,
                        dtype="float32", device="cpu")  # fmt: skip
-    sid = cache.admit(list(range(BS))).sid  # a full last block: the next token opens one
+    sid = cache.admit(list(range(BS + 1))).sid
+    child = cache.fork(sid)  # the partly filled last block is shared: the next token copies it
     # The second claim: another thread's swap-out just before it.
     with internals(cache).before_claim(2, lambda: cache.swap_out(sid)):
         with pytest.raises(CupagedError, match=f"sequence {sid} is swapped out"):
             cache.reserve(sid, 1)
-    assert cache.is_swapped(sid) and cache.seq_len(sid) == BS
+    assert cache.is_swapped(sid) and cache.seq_len(sid) == BS + 1
     cache.check_invariants()
-    cache.free(sid)
+    cache.free_many([sid, child])
     assert cache.num_free_blocks == cache.num_blocks
+
+
+def test_the_per_token_path_opens_a_block_in_one_claim():
+    """At a block boundary the per-token path takes the new block under its own claim: no
+    second claim, so no other thread's call can land in between; its slot is the new block's
+    first."""
+    cache = PagedCache(8, block_size=BS, num_layers=LAYERS, num_kv_heads=1, head_dim=HEAD_DIM,
+                       dtype="float32", device="cpu")  # fmt: skip
+    sid = cache.admit(list(range(BS))).sid  # a full last block: the next token opens one
+    seen = []
+    with internals(cache).before_claim(2, lambda: seen.append(True)):
+        slots = cache.reserve(sid, 1)
+    assert not seen and cache.seq_len(sid) == BS + 1
+    assert slots.tolist() == [cache.block_table(sid)[1] * BS]
+    cache.check_invariants()
 
 
 def test_a_rolled_back_step_leaves_no_stale_device_tables(monkeypatch):

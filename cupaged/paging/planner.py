@@ -14,9 +14,9 @@ two fast branches:
   15 array operations, through the flat table and a batch's row offsets; up to ``SMALL_BATCH``
   rows it tests its per-row flags through a list (:func:`_any`), and it skips the work of rows
   that start or fill a block when none does;
-- :meth:`Planner.one_token`: ``step(sid)`` of one token into the sequence's own, unshared last
-  block, without prefix caching or a window: one store, under the transaction's claim, with no
-  undo to record.
+- :meth:`Planner.one_token`: ``step(sid)`` of one token without prefix caching or a window,
+  under the transaction's claim: into the sequence's own, unshared last block, one store with no
+  undo to record; into a new block, one take and one entry, committed as a call is.
 
 They call NumPy's array methods (``x.nonzero()[0]``, ``x.repeat(n)``, ``x.cumsum()``) rather than
 the functions of the same name, whose Python wrappers cost as much as the work on these arrays.
@@ -89,22 +89,21 @@ class Planner:
         """
         if type(counts) is int and counts == 1:  # the decode branch, unless a row is shared
             table = self.table
-            if rows.size <= SMALL_BATCH:  # both flags of each row, in one gather
-                flags = table.flags[rows].ravel().tolist()  # shared, pending, shared, ...
-                if True not in flags:
-                    return self._decode(rows, tokens, what, bases, settled=True)
-                if True not in flags[::2]:
-                    return self._decode(rows, tokens, what, bases)
+            if rows.size <= SMALL_BATCH:  # a few rows' flags: looked up in lists
+                if True not in table.shared[rows].tolist():
+                    settled = not self.chains.enabled or True not in table.pending[rows].tolist()
+                    return self._decode(rows, tokens, what, bases, settled)
             elif not np.count_nonzero(table.shared) or not np.count_nonzero(table.shared[rows]):
                 return self._decode(rows, tokens, what, bases)
         return self._plan(rows, counts, tokens, what)
 
     def one_token(self, sid: Any, tokens: Any) -> int | None:
-        """``plan`` of one token for sequence ``sid`` in its own, unshared last block, as one
-        store that needs no undo (an interrupt lands before or after it), under the
-        transaction's claim: its slot. ``None`` when :meth:`plan` must run inside a call (a new
-        or shared block, prefix caching, a window, tokens to check, an unknown or swapped id,
-        another call inside)."""
+        """``plan`` of one token for sequence ``sid`` without prefix caching or a window, under
+        the transaction's claim: its slot. Into the sequence's own, unshared last block, one
+        store that needs no undo (an interrupt lands before or after it); into a new block, the
+        block's take and the entry, committed here as a call would be. ``None`` when
+        :meth:`plan` must run inside a call (a shared block, no free block, prefix caching, a
+        window, tokens to check, an unknown or swapped id, another call inside)."""
         if not self._one_store or tokens is not None or type(sid) is not int:
             return None
         transaction = self.transaction
@@ -113,15 +112,25 @@ class Planner:
         try:  # every read and the store under the claim: another thread's call never interleaves
             table, bs = self.table, self.block_size
             row = table.rows.get(sid)
-            if row is None:
+            if row is None or table.live.item(row) != sid:
                 return None
             length = table.lens.item(row)
             offset = length % bs
-            if not offset or table.live.item(row) != sid or table.shared.item(row):
-                return None
-            slot = table.tables.item(row, length // bs) * bs + offset
-            table.grow_one(row, length)
-            return slot
+            if offset:
+                if table.shared.item(row):
+                    return None
+                slot = table.tables.item(row, length // bs) * bs + offset
+                table.grow_one(row, length)
+                return slot
+            if not self.pool.num_free:
+                return None  # the full path raises OutOfBlocksError
+            block = self.pool.take(1).item(0)  # (each change records its undo first)
+            table.grow_one(row, length, block)
+            transaction.log.clear()  # the commit (one C call, as in atomic)
+            return block * bs
+        except BaseException:
+            transaction.abort()  # (what was recorded: undone)
+            raise
         finally:
             transaction.leave()
 

@@ -17,8 +17,6 @@ for a whole batch is a handful of vectorised operations on those arrays::
     version[row]     when the row's table last changed (a logical clock)
     tail[row]        token ids of the unfilled last block (prefix caching only)
     pending[row]     full blocks wait to be registered until their K/V are known written
-    flags[row]       [shared[row], pending[row]]: the two flags are its columns (a step gathers
-                     both of its rows' flags at once)
 
 Entries past a row's last block are 0 (padding, never read: the lengths say how many count).
 With a window, a row of 11 tokens (block_size 4) that released one block::
@@ -162,6 +160,12 @@ class _Undo:
             self.shared[unshare] = shared
         self.version[rows] = self.clock
 
+    def _ungrow_one(self, row: int, length: int, column: int) -> None:
+        """Undo of :meth:`grow_one` with a new block (its entry was padding)."""
+        self.tables[row, column] = 0
+        self.lens[row] = length
+        self.version[row] = self.clock
+
     def _unrelease(self, rows: Any, start: Any, at: Any, width: int, blocks: Any) -> None:
         """Undo of :meth:`release_leading` (the pool's own record restores the references)."""
         self.tables[at // width, at % width] = blocks
@@ -212,8 +216,8 @@ class SequenceTable(_Undo):
         self.live = np.full(rows, -1, np.int64)
         self.version = np.zeros(rows, np.int64)
         self.tail = np.zeros((rows, tail_width), np.int64)
-        self.flags = np.zeros((rows, 2), bool)
-        self.shared, self.pending = self.flags[:, 0], self.flags[:, 1]
+        self.shared = np.zeros(rows, bool)
+        self.pending = np.zeros(rows, bool)
         self.clock = 1
         # An upper bound on the blocks any row holds: a decode step raises it by one without a
         # reduction over the batch, and only when it reaches the width is the true maximum taken.
@@ -418,6 +422,10 @@ class SequenceTable(_Undo):
         (at the current width: padding, or a shared last block replaced by its copy) get
         ``blocks``; ``unshare``: rows whose last block is their own now. Entries past a row's
         spare column need :meth:`make_room` first."""
+        if not at.size and unshare is None:  # (a decode step that takes no block: mostly)
+            self._log.append((self._ungrow, rows, lens, at, at, 1, None, None))
+            self.lens[rows] = ends
+            return
         width = self.width
         old = self.flat[at] if at.size else at
         shared = None if unshare is None else self.shared[unshare]
@@ -428,17 +436,30 @@ class SequenceTable(_Undo):
         self.lens[rows] = ends
         if unshare is not None:
             self.shared[unshare] = False
-        if at.size:  # rows hold more blocks: the spare column again (see held_bound)
-            self.held_bound += 1
-            if self.held_bound + 1 > width:
-                self.held_bound = 0  # the true maximum over all rows, then widen if needed
-                self.make_room(cdiv(int(self.lens.max()), self.block_size))
+        if at.size:
+            self._spare()
 
-    def grow_one(self, row: int, length: int) -> None:
-        """One token into row ``row``'s own last block (``length`` tokens before): a single
-        store, no undo (the caller holds the claim with an empty log: an interrupt lands before
-        or after it)."""
+    def grow_one(self, row: int, length: int, block: int = -1) -> None:
+        """One token for row ``row`` (``length`` tokens before). Into its own last block: a
+        single store, no undo (the caller holds the claim with an empty log: an interrupt lands
+        before or after it). With ``block``: into that new block, its next entry (the spare
+        column), undo recorded."""
+        if block < 0:
+            self.lens[row] = length + 1
+            return
+        column = length // self.block_size
+        self._log.append((self._ungrow_one, row, length, column))
+        self.tables[row, column] = block
         self.lens[row] = length + 1
+        self.version[row] = self.clock
+        self._spare()
+
+    def _spare(self) -> None:
+        """Rows hold one more block each (at most): the spare column again (see held_bound)."""
+        self.held_bound += 1
+        if self.held_bound + 1 > self.tables.shape[1]:
+            self.held_bound = 0  # the true maximum over all rows, then widen if needed
+            self.make_room(cdiv(int(self.lens.max()), self.block_size))
 
     def release_leading(
         self, rows: np.ndarray, start: np.ndarray, stop: np.ndarray, at: np.ndarray
@@ -546,11 +567,11 @@ class SequenceTable(_Undo):
         tables, lens, released = grown(self.tables, 0), grown(self.lens, 0), grown(self.released, 0)
         flat = tables.reshape(-1)
         sids, live = grown(self.sids, -1), grown(self.live, -1)
-        flags = grown(self.flags, False)
+        shared, pending = grown(self.shared, False), grown(self.pending, False)
         version, tail = grown(self.version, 0), grown(self.tail, 0)
         free = list(range(rows - 1, old - 1, -1))
         self.tables, self.lens, self.flat, self.sids, self.live = tables, lens, flat, sids, live
-        self.released, self.flags, self.shared, self.pending = released, flags, *flags.T
+        self.released, self.shared, self.pending = released, shared, pending
         self.version, self.tail = version, tail
         self.free_rows[:0] = free
 
