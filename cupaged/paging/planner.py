@@ -126,7 +126,7 @@ class Planner:
                 return None  # the full path raises OutOfBlocksError
             block = self.pool.take(1).item(0)  # (each change records its undo first)
             table.grow_one(row, length, block)
-            transaction.log.clear()  # the commit (one C call, as in atomic)
+            transaction.log.clear()  # writes: the commit, one C call in this frame (as atomic's)
             return block * bs
         except BaseException:
             transaction.abort()  # (what was recorded: undone)
