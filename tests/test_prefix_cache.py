@@ -6,11 +6,10 @@ import hashlib
 
 import numpy as np
 import pytest
-from helpers import random_array
+from helpers import internals, random_array
 
 import cupaged
 from cupaged import CupagedError, OutOfBlocksError, PagedCache
-from cupaged.paging.prefix import blake2b_block_hash
 
 BS = 4
 LAYERS, HEADS, DIM = 2, 2, 64  # head_dim 64: the smallest the attention kernel takes
@@ -248,23 +247,23 @@ def _bare_prefix(num_blocks=64):
     return pool, cupaged.PrefixCache(pool, block_size=BS)
 
 
-def test_a_match_finds_the_blocks_and_keys_of_the_chain_walk_by_lookups():
-    """A prompt's cached blocks are found by their links (the parent's digest and the block's
-    tokens), and the chain a match returns holds what the walk computes, through evictions, a
-    salt, a shorter prompt and blocks computed again into other blocks."""
+def test_a_match_finds_the_blocks_and_keys_of_the_chain_walk():
+    """A match looks the walk's keys up until the first miss, and the chain it returns holds
+    what the walk computes, through evictions, a salt, a shorter prompt and blocks computed
+    again into other blocks."""
     pool, prefix = _bare_prefix()
     head = list(range(100, 100 + 6 * BS))  # 6 full blocks shared by every request
     own = pool.allocate(6)
     prefix.extend(prefix.chain(), head, own)
     walk = prefix.keys(prefix.chain(), np.array(head, np.int64))
-    keys, digests, links = (list(field) for field in zip(*walk, strict=True))
+    keys, digests = (list(field) for field in zip(*walk, strict=True))
     for tail in ([1], [2, 3], list(range(BS + 1))):
         blocks, chain = prefix.match(head + tail)
         assert blocks == own and chain.committed == 6
-        assert (chain.keys, chain.digests, chain.links) == (keys, digests, links)
+        assert (chain.keys, chain.digests) == (keys, digests)
     blocks, chain = prefix.match(head[: 3 * BS] + [7])  # shorter: the first three
-    assert blocks == own[:3] and chain.keys == keys[:3] and chain.links == links[:3]
-    assert prefix.match(head + [1], cache_salt="other")[0] == []  # the salt is in the link
+    assert blocks == own[:3] and chain.keys == keys[:3]
+    assert prefix.match(head + [1], cache_salt="other")[0] == []  # the salt is in the key
     pool.decref(own[::-1])  # all evictable, the last block first
     taken = pool.allocate(60)  # the 58 free blocks, then the LRU's first two: own[5], own[4]
     assert prefix.match(head + [1])[0] == own[:4]  # up to the first block gone
@@ -273,37 +272,41 @@ def test_a_match_finds_the_blocks_and_keys_of_the_chain_walk_by_lookups():
     again = pool.allocate(2)  # the two lost blocks computed again, into other blocks
     prefix.extend(chain, head[4 * BS :], again)
     assert prefix.match(head + [1])[0] == own[:4] + again
-    assert chain.links == links and chain.keys == keys
-    pool.check_invariants()
+    assert chain.keys == keys and chain.digests == digests
+    # What a collision would look like: block own[2] holding another content.
+    internals(pool).content_of[own[2]] = b"not the prefix"
+    assert prefix.match(head + [1])[0] == own[:2]  # the content check ends the hits
 
 
-def test_a_match_hashes_only_the_blocks_after_its_hits():
-    """Each full block is hashed once, when its tokens become known: a match looks the cached
-    head up and hashes only the prompt's blocks after it (which admission keeps)."""
-    calls = []
+def test_each_full_block_is_hashed_once_and_nothing_is_remembered(monkeypatch):
+    """A match hashes each full block of its prompt once (the walk, which admission keeps),
+    whatever earlier matches found: no memo of blocks or prompt heads that hit."""
+    from cupaged.paging import prefix as module  # (its prepared BLAKE2b state)
 
-    def counting(parent, tokens):
-        calls.append(tuple(tokens))
-        return blake2b_block_hash(parent, tokens)
+    hashed = []
 
-    pool = cupaged.BlockPool(16)
-    prefix = cupaged.PrefixCache(pool, block_size=BS, hasher=counting)
-    head = list(range(100, 100 + 4 * BS))
-    prefix.extend(prefix.chain(), head, pool.allocate(4))
-    assert len(calls) == 4
-    calls.clear()
-    blocks, _ = prefix.match(head + [1])
-    assert len(blocks) == 4 and calls == []  # all four found: nothing hashed
-    tail = list(range(900, 900 + 2 * BS))
-    blocks, chain = prefix.match(head + tail + [1])
-    assert len(blocks) == 4 and calls == [tuple(tail[:BS]), tuple(tail[BS:])]
-    assert len(chain.keys) == 4  # the chain of the hits; the two hashed blocks are admission's
+    class Counting:  # the prepared BLAKE2b state the walk copies once per block
+        def copy(self):
+            hashed.append(1)
+            return hashlib.blake2b(digest_size=16)
+
+    monkeypatch.setattr(module, "_BLAKE2B_16", Counting())
+    pool, prefix = _bare_prefix()
+    head = list(range(100, 100 + 6 * BS))
+    prefix.extend(prefix.chain(), head, pool.allocate(6))
+    assert len(hashed) == 6
+    for _ in range(3):  # the same prompt again and again: all six hit, all six hashed
+        hashed.clear()
+        assert len(prefix.match(head + [1])[0]) == 6
+        assert len(hashed) == 6
+    hashed.clear()
+    hits, chain = prefix.match(head + list(range(900, 900 + 2 * BS)) + [1])
+    assert len(hits) == 6 and len(hashed) == 8 and len(chain.keys) == 6
 
 
 def test_a_colliding_key_is_never_served_for_another_prefix():
     """With every key equal, only the first block registers; another prompt whose first block
-    differs finds nothing, and the same prompt finds only that block (the next one's key was
-    refused, so nothing holds its link)."""
+    differs finds nothing (the content check), and the same prompt finds only that block."""
     pool = cupaged.BlockPool(16)
     prefix = cupaged.PrefixCache(pool, block_size=BS, hasher=lambda parent, tokens: b"same")
     first = list(range(2 * BS))

@@ -104,7 +104,7 @@ class Chains:
         1`` when the caller has it).
 
         Returns ``(row, first full block, tail tokens left, [Block, ...])`` per row that fills a
-        block or keeps tail tokens (:data:`~cupaged.paging.prefix.Block`: key, digest, link).
+        block or keeps tail tokens (:data:`~cupaged.paging.prefix.Block`: key and digest).
         """
         bs, tail = self.table.block_size, self.table.tail
         if isinstance(counts, int) and counts == 1:  # a decode step: only rows that fill a block
@@ -168,7 +168,7 @@ class Chains:
 
     def commit(self, rows: Any, skipped: list | None = None) -> None:
         """Register the pending full blocks of ``rows`` (an int array or a list of ints), all in
-        one call to the pool; ``skipped`` collects ``(row, block, key, digest, link)`` of those
+        one call to the pool; ``skipped`` collects ``(row, block, key, digest)`` of those
         refused because another block holds their key. The caller recorded :meth:`save` of these rows."""
         if not self.enabled:
             return
@@ -183,7 +183,6 @@ class Chains:
         blocks: list[int] = []
         keys: list[bytes] = []
         digests: list[bytes] = []
-        links: list[bytes] = []
         owners: list[int] = []
         previous = None
         registered = self.pool.keys.mapping.__contains__
@@ -211,14 +210,13 @@ class Chains:
                 blocks += tables[row, start:end].tolist()
             keys += run
             digests += chain.digests[start:end]
-            links += chain.links[start:end]
         refused = [] if skipped is not None else None
         if blocks:
-            self.pool.keys.register_many(blocks, keys, digests, refused, links)
+            self.pool.keys.register_many(blocks, keys, digests, refused)
         for row in rows:
             chains[row].committed = len(chains[row].keys)
         if refused:
-            skipped += [(owners[i], blocks[i], keys[i], digests[i], links[i]) for i in refused]
+            skipped += [(owners[i], blocks[i], keys[i], digests[i]) for i in refused]
         table.mark_pending(rows[0] if len(rows) == 1 else rows, False)
 
     def commit_and_take(self, rows: Any, needs: Callable[[], Any], total: int) -> np.ndarray | None:
@@ -250,8 +248,7 @@ class Chains:
             chain = self._chains[row]
             done = chain.committed
             keys, digests = chain.keys[start:done], chain.digests[start:done]
-            links = chain.links[start:done]
-            self.pool.keys.register_many(blocks[: len(keys)], keys, digests, links=links)
+            self.pool.keys.register_many(blocks[: len(keys)], keys, digests)
 
     # ------------------------------------------------------------------------------ checking
 
@@ -266,9 +263,9 @@ class Chains:
         require(chain is not None, f"sequence {sid} has no prefix chain")
         full = table.lens.item(row) // table.block_size
         require(
-            len(chain.keys) == len(chain.digests) == len(chain.links) == full,
+            len(chain.keys) == len(chain.digests) == full,
             f"sequence {sid} has {full} full blocks, {len(chain.keys)} keys, "
-            f"{len(chain.digests)} digests, {len(chain.links)} links",
+            f"{len(chain.digests)} digests",
         )
         require(
             0 <= chain.committed <= full and bool(table.pending[row]) == (chain.committed < full),
@@ -303,12 +300,12 @@ class Chains:
     def _restore_chains(self, saved: list[tuple[int, int, int, bool]]) -> None:
         for row, keys, committed, _ in saved:
             chain = self._chains[row]
-            del chain.keys[keys:], chain.digests[keys:], chain.links[keys:]
+            del chain.keys[keys:], chain.digests[keys:]
             chain.committed = committed  # (the table's own record restores its pending flag)
 
     def _register_freed(self, rows, needs, top, skipped, evicted) -> None:
         """The registrations :meth:`commit_and_take` owes: ``skipped`` holds ``(row, block, key,
-        digest, link)`` refused at the commit; ``evicted`` the keys the take dropped, in order, the
+        digest)`` refused at the commit; ``evicted`` the keys the take dropped, in order, the
         first one at position ``top`` of the take."""
         rows = rows.tolist() if isinstance(rows, np.ndarray) else list(rows)
         ends = np.cumsum(needs).tolist()  # each row's take ends before ends[i]
@@ -316,5 +313,5 @@ class Chains:
         lost = {key: bisect.bisect_right(ends, top + e) for e, key in enumerate(evicted)}
         late = [entry for entry in skipped if lost.get(entry[2], len(rows)) < turn[entry[0]]]
         if late:  # in row order: the first writer still wins among them
-            _, blocks, keys, digests, links = (list(field) for field in zip(*late, strict=True))
-            self.pool.keys.register_many(blocks, keys, digests, links=links)
+            _, blocks, keys, digests = (list(field) for field in zip(*late, strict=True))
+            self.pool.keys.register_many(blocks, keys, digests)

@@ -63,17 +63,16 @@ def as_salt(cache_salt: str | bytes | None) -> bytes | None:
     return salt
 
 
-Block = tuple[Hashable, bytes, bytes]
-"""``(key, digest, link)`` of one full block: its lookup key (``block_hasher``), the BLAKE2b
-digest of the token prefix through it, and what that digest hashed (the parent's digest and the
-block's int64 token bytes), by which the pool finds the block again."""
+Block = tuple[Hashable, bytes]
+"""``(key, digest)`` of one full block: its lookup key (``block_hasher``) and the BLAKE2b digest
+of the token prefix through it, which a hit is verified against."""
 
 
 @dataclass(slots=True)
 class PrefixChain:
     """The keys of a sequence's full blocks, in order, and where its chain starts.
 
-    Each full block's entries are computed once, when the block's tokens become known (the
+    Each full block's key and digest are computed once, when the block's tokens become known (a
     prompt's at admission, a decode step's when its block fills), and kept here: what is
     registered, committed, forked and registered again after a swap is read, never hashed again.
 
@@ -84,8 +83,6 @@ class PrefixChain:
         digests: ``digests[j]``: BLAKE2b of the whole token prefix through block ``j``, what a
             hit on ``keys[j]`` is verified against.
         committed: the leading blocks whose K/V are known written: only they are registered.
-        links: ``links[j]``: ``digests[j - 1]`` (``root`` for block 0) followed by block ``j``'s
-            token bytes, what ``digests[j]`` hashes; the pool finds a registered block by it.
     """
 
     root: bytes
@@ -93,16 +90,10 @@ class PrefixChain:
     keys: list[Hashable] = field(default_factory=list)
     digests: list[bytes] = field(default_factory=list)
     committed: int = 0
-    links: list[bytes] = field(default_factory=list)
 
     def copy(self) -> PrefixChain:
         return PrefixChain(
-            self.root,
-            self.salt,
-            list(self.keys),
-            list(self.digests),
-            self.committed,
-            list(self.links),
+            self.root, self.salt, list(self.keys), list(self.digests), self.committed
         )
 
     def parent(self) -> tuple[Hashable, bytes]:
@@ -114,15 +105,13 @@ class PrefixChain:
     def add(self, blocks: list[Block]) -> None:
         """Append full blocks (what :meth:`PrefixCache.keys` gives) to the chain."""
         if len(blocks) == 1:  # (a decode step's block)
-            key, digest, link = blocks[0]
+            key, digest = blocks[0]
             self.keys.append(key)
             self.digests.append(digest)
-            self.links.append(link)
         elif blocks:
-            keys, digests, links = zip(*blocks, strict=True)
+            keys, digests = zip(*blocks, strict=True)
             self.keys += keys
             self.digests += digests
-            self.links += links
 
 
 @dataclass(slots=True)
@@ -152,10 +141,9 @@ class PrefixCache:
     """Finds and registers full blocks by content over a :class:`~cupaged.BlockPool`.
 
     The chain walk is written once (``_walk``): each full block is hashed once, when its
-    tokens become known, and its entries go to its sequence's :class:`PrefixChain`. Matching a
-    prompt is lookups (:meth:`~cupaged.paging.keys.KeyMap.follow`): the pool finds each cached
-    block by its link, the parent's digest and the block's tokens, so a prompt's cached head
-    costs no hash; only the blocks after it are hashed, which admission keeps for registration.
+    tokens become known, and its key and digest go to its sequence's :class:`PrefixChain`.
+    Matching a prompt hashes its full blocks (its chain's entries, which admission keeps) and
+    looks them up in the pool's prefix map until the first miss: lookups, nothing remembered.
 
     Args:
         pool: the pool whose prefix map holds the keys.
@@ -217,13 +205,12 @@ class PrefixCache:
         for j in range(len(tokens) // bs):
             if j < given:
                 key, digest = parents[j]
-            link = digest + data[j * width : (j + 1) * width]
             h = fresh()
-            h.update(link)
+            h.update(digest + data[j * width : (j + 1) * width])
             digest = h.digest()
             # The default hasher's key chain and the digest chain are one.
             key = digest if hasher is None else hasher(key, tokens[j * bs : (j + 1) * bs].tolist())
-            out.append((key, digest, link))
+            out.append((key, digest))
         return out
 
     def match(
@@ -246,24 +233,29 @@ class PrefixCache:
         self, tokens: np.ndarray, salt: bytes | None
     ) -> tuple[list[int], PrefixChain, list[Block]]:
         """:meth:`match` for checked int64 ``tokens`` and a ``bytes`` salt; also returns the
-        :data:`Block` entries of the prompt's full blocks after the hits, hashed here once, which
-        admission keeps in the chain and registers once their K/V are written."""
-        bs, root = self.block_size, salt_root(salt)
+        :data:`Block` entries of the prompt's full blocks after the hits, which admission keeps in
+        the chain and registers once their K/V are written."""
+        bs = self.block_size
         full = len(tokens) // bs
         lookable = max(len(tokens) - 1, 0) // bs
-        data = tokens[: lookable * bs].tobytes()
-        blocks, keys, digests, links = self.pool.keys.follow(
-            root, data, bs * TOKEN_DTYPE.itemsize, lookable
-        )
+        chain = PrefixChain(salt_root(salt), salt)
+        entries = self._walk([chain.parent()], tokens[: full * bs])  # each block hashed once
+        find = self.pool.keys.find
+        blocks: list[int] = []
+        for key, digest in entries[:lookable]:
+            block = find(key, digest)
+            if block is None:
+                break  # a miss, or a hash collision caught by the content check
+            blocks.append(block)
         hits = len(blocks)
-        # The cached blocks are committed: written by whoever registered them.
-        chain = PrefixChain(root, salt, keys, digests, hits, links)
-        rest = self._walk([chain.parent()], tokens[hits * bs : full * bs]) if full > hits else []
+        if hits:
+            chain.add(entries[:hits])
+        chain.committed = hits  # cached blocks: written by whoever registered them
         stats = self.stats
         stats.hits += hits
         stats.misses += full - hits
         stats.cached_tokens += hits * bs
-        return blocks, chain, rest
+        return blocks, chain, entries[hits:]
 
     def extend(self, chain: PrefixChain, tokens: Any, blocks: Sequence[int] | np.ndarray) -> None:
         """Register ``blocks`` (in use) as the full blocks that follow ``chain``, holding
@@ -283,8 +275,8 @@ class PrefixCache:
         """:meth:`extend` with ``tokens`` an int64 array and ``blocks`` in use (unchecked)."""
         new = self.keys(chain, tokens)
         if new:
-            keys, digests, links = zip(*new, strict=True)
-            self.pool.keys.register_many(blocks, keys, digests, links=links)
+            keys, digests = zip(*new, strict=True)
+            self.pool.keys.register_many(blocks, keys, digests)
         chain.add(new)
         chain.committed = len(chain.keys)
 
