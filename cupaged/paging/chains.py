@@ -214,7 +214,7 @@ class Chains:
         if blocks:
             self.pool.keys.register_many(blocks, keys, digests, refused)
         for row in rows:
-            chains[row].committed = len(chains[row].keys)
+            chains[row].commit_all()
         if refused:
             skipped += [(owners[i], blocks[i], keys[i], digests[i]) for i in refused]
         table.mark_pending(rows[0] if len(rows) == 1 else rows, False)
@@ -299,9 +299,8 @@ class Chains:
 
     def _restore_chains(self, saved: list[tuple[int, int, int, bool]]) -> None:
         for row, keys, committed, _ in saved:
-            chain = self._chains[row]
-            del chain.keys[keys:], chain.digests[keys:]
-            chain.committed = committed  # (the table's own record restores its pending flag)
+            # (the table's own record restores its pending flag)
+            self._chains[row].truncate(keys, committed)
 
     def _register_freed(self, rows, needs, top, skipped, evicted) -> None:
         """The registrations :meth:`commit_and_take` owes: ``skipped`` holds ``(row, block, key,

@@ -102,6 +102,15 @@ class PrefixChain:
             return self.keys[-1], self.digests[-1]
         return self.root, self.root
 
+    def commit_all(self) -> None:
+        """Count every block of the chain committed (registered, or refused for a key held)."""
+        self.committed = len(self.keys)
+
+    def truncate(self, length: int, committed: int) -> None:
+        """Keep the first ``length`` blocks, ``committed`` of them committed (an undo)."""
+        del self.keys[length:], self.digests[length:]
+        self.committed = committed
+
     def add(self, blocks: list[Block]) -> None:
         """Append full blocks (what :meth:`PrefixCache.keys` gives) to the chain."""
         if len(blocks) == 1:  # (a decode step's block)
@@ -278,7 +287,7 @@ class PrefixCache:
             keys, digests = zip(*new, strict=True)
             self.pool.keys.register_many(blocks, keys, digests)
         chain.add(new)
-        chain.committed = len(chain.keys)
+        chain.commit_all()
 
 
 # BLAKE2b-128 of ``parent + data``: copying a prepared state is faster than parsing the keyword
