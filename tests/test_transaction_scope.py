@@ -7,6 +7,8 @@ whatever file the frames' code lives in.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import sys
 import threading
 
@@ -188,3 +190,62 @@ def test_a_cache_block_joins_its_forwarded_and_own_calls():
     np.testing.assert_array_equal(k_back, k)
     cache.check_invariants()
     internals(cache).assert_no_call_inside()
+
+
+def _exit_stack_scope(m):
+    stack = contextlib.ExitStack()
+    stack.enter_context(m.transaction())
+    return stack
+
+
+@contextlib.contextmanager
+def _generator_scope(m):
+    with m.transaction():
+        yield
+
+
+@pytest.mark.parametrize("scope", [_exit_stack_scope, _generator_scope])
+def test_a_block_entered_outside_the_frame_of_its_calls_says_they_were_not_one(scope):
+    """A ``with`` entered by ``ExitStack`` or a generator context manager holds its claim in a
+    frame that is not on the stack of the calls: they run (and commit) one by one. The block
+    says so at its end rather than pass for all or nothing."""
+    m = manager()
+    a = m.add_sequence()
+    with pytest.raises(CupagedError, match="one by one"):
+        with scope(m):
+            m.step(a, 3)
+            m.step(a, 2)
+    assert m.seq_len(a) == 5  # each call committed (what the error says)
+    m.check_invariants()
+    internals(m).assert_no_call_inside()
+
+
+def test_a_block_that_lost_its_claim_leaves_another_threads_call_alone():
+    """Such a block ends while another thread's call is inside: it neither drops that call's
+    claim (which would let a third call in beside it) nor its undo."""
+    inside, go_on = threading.Event(), threading.Event()
+
+    def hasher(parent, tokens):
+        if threading.current_thread() is not threading.main_thread():
+            inside.set()
+            go_on.wait(10)
+        return hashlib.blake2b(parent + bytes(tokens), digest_size=16).digest()
+
+    m = manager(enable_prefix_caching=True, block_hasher=hasher)
+    a = m.add_sequence()
+    admitted = []
+    other = threading.Thread(target=lambda: admitted.append(m.admit([1, 2, 3, 4, 5])))
+    with pytest.raises(CupagedError, match="one by one"):
+        with _generator_scope(m):
+            m.step(a, 1, [9])  # takes the lost claim back, commits, leaves
+            other.start()
+            assert inside.wait(10)  # the other thread's admit is inside, hashing
+    try:
+        with pytest.raises(CupagedError, match="one thread at a time"):
+            m.add_sequence()
+    finally:
+        go_on.set()
+        other.join(10)
+    assert len(admitted) == 1 and m.seq_len(admitted[0].sid) == 5
+    m.check_invariants()
+    internals(m).assert_no_call_inside()

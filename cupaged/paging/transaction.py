@@ -37,9 +37,12 @@ error). That is how ``with manager.transaction():`` runs several public calls as
 :class:`~cupaged.PagedCache` builds its calls on the manager's public ones (a function marked
 :func:`forwards`, which only passes a call on, counts as its caller). The frames decide it,
 not file names: a handler or a callback runs in a frame of its own, so its call is refused
-however deep in the body it lands. (One case looks alike and joins: a C callable such as a
+however deep in the body it lands (and so is one from a function that a ``with`` block calls:
+make the block's calls in the block). (One case looks alike and joins: a C callable such as a
 ``functools.partial`` of a public method installed as a signal handler itself, landing in the
-body's own frame.)
+body's own frame.) A block entered outside the frame of its calls (``contextlib.ExitStack``, a
+generator's ``with`` around its ``yield``) holds no call: each runs and commits alone, and the
+block raises ``CupagedError`` at its end to say so, leaving any other thread's call alone.
 
 Masking signals would not be enough: Python runs signal handlers in the main thread whatever
 thread received the signal, and the CPU backend and notebooks run other threads.
@@ -197,8 +200,9 @@ class Transaction:
                 if _on_stack(caller, owner[1]):
                     raise CupagedError(
                         "expected no call into a PagedCache/BlockManager from inside one of its "
-                        "calls, got one (from a signal handler or a callback such as "
-                        "block_hasher)"
+                        "calls, got one (from a signal handler, a callback such as "
+                        "block_hasher, or a function that a `with transaction():` block "
+                        "called: make the block's calls in the block itself)"
                     )
                 self._claim[_CLAIM] = mine
                 self._bodies.clear()  # (what the call that left the claim had joined)
@@ -251,14 +255,25 @@ class Transaction:
         return self
 
     def __exit__(self, kind: Any, error: Any, trace: Any) -> None:
-        bodies = self._bodies
-        if bodies and bodies[-1][0] is _getframe(1):
+        bodies, frame = self._bodies, _getframe(1)
+        if bodies and bodies[-1][0] is frame:
             try:  # a block that joined an open call: that call commits it
                 if kind is not None:
                     self.abort_joined()
             finally:
                 self.unjoin()
             return
+        if self._claim.get(_CLAIM) != (_get_ident(), frame):
+            # Entered from a frame that was not on the stack of its calls (ExitStack, a
+            # generator's `with` around a `yield`): the first call took the claim back and each
+            # committed alone. The log and the claim, if any, are another call's: left alone.
+            if kind is not None and not issubclass(kind, Exception):
+                return  # (an interrupt goes on as it is)
+            raise CupagedError(
+                "expected the calls of a `with transaction():` block made in the frame that "
+                "entered it, got a block entered elsewhere (contextlib.ExitStack, a generator "
+                "context manager): its calls ran and committed one by one"
+            )
         try:
             if kind is None:
                 self.log.clear()
