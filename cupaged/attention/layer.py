@@ -2,7 +2,8 @@
 arrays against a plan, and the loaded kernel of a launch plan.
 
 The layering reads top-down: ``ops`` (the one-shot forms) -> ``decode`` / ``prefill`` (the plans)
--> this module -> ``_launch`` (the launch table), ``_kernels`` (compiled kernels), ``_backend``.
+-> this module -> ``kernels.launch_*`` (the launch table), ``kernels.loader`` (compiled kernels),
+``backend``.
 """
 
 from __future__ import annotations
@@ -141,7 +142,7 @@ def attention_kernel(device: str, source: str, launch: Any, group: int, head_dim
     kernel = get_kernel(device, source, launch.name)
     if device == "cuda" and launch.shared_mem > DEFAULT_SHARED_MEMORY:
         kernel.max_dynamic_shared_size_bytes = launch.shared_mem
-    if device == "cpu":  # heavy blocks: helper threads from two on (see _cpu.threads)
+    if device == "cpu":  # heavy blocks: helper threads from two on (see kernels/cpu/threads.py)
         kernel = kernel.with_workers(cpu_threads().attention_workers(launch.grid))
     return kernel
 
@@ -163,9 +164,10 @@ class LayerArrays:
 
     The query (and the output, ``q``'s dtype) is of the cache's element type, or, over an fp8
     cache, ``q_dtype``: the one of float32, float16 and bfloat16 the plan was made for
-    (``kv_dtype`` names the fp8 of a ``uint8`` cache; an ``ml_dtypes`` fp8 cache names itself). :meth:`views` compares the common case in a
-    handful of comparisons (exact array type, storage dtype, shapes and C strides) and takes the
-    full checks, which name what was expected and what arrived, for anything else.
+    (``kv_dtype`` names the fp8 of a ``uint8`` cache; an ``ml_dtypes`` fp8 cache names itself).
+    :meth:`views` compares the common case in a handful of comparisons (exact array type,
+    storage dtype, shapes and C strides) and takes the full checks, which name what was expected
+    and what arrived, for anything else.
     """
 
     __slots__ = (

@@ -216,8 +216,9 @@ def _write_plan(
     aligned: bool,
 ) -> tuple[Any, tuple, tuple, Callable[..., tuple]]:
     """Kernel, grid, block and the filler of the arguments (the arrays and an fp8 cache's
-    scales left to each call; ``WriteKvArgs.filler``) of one ``write_kv`` shape (``elem``: the cache's element type, ``src``: k's; ``dims``:
-    num_kv_heads, block_size, head_dim, num_tokens), kept like :func:`_copy_plan`'s."""
+    scales left to each call; ``WriteKvArgs.filler``) of one ``write_kv`` shape (``elem``: the
+    cache's element type, ``src``: k's; ``dims``: num_kv_heads, block_size, head_dim,
+    num_tokens), kept like :func:`_copy_plan`'s."""
     num_kv_heads, block_size, head_dim, num_tokens = dims
     name, grid, block = write_kv_launch(
         elem,
@@ -230,7 +231,7 @@ def _write_plan(
         src_dtype=src,
     )
     kernel = get_kernel(device, "write_kv.cu", name)
-    if device == "cpu":  # one OS thread unless the launch is large (see _cpu.threads)
+    if device == "cpu":  # one OS thread unless the launch is large (see kernels/cpu/threads.py)
         token_bytes = 2 * num_kv_heads * head_dim * ITEMSIZES[src]
         kernel = kernel.with_workers(cpu_threads().stride_workers(num_tokens, token_bytes))
     arrays = dict.fromkeys(("k", "v", "k_cache", "v_cache", "slots"))
@@ -334,8 +335,8 @@ def _copy_plan(
     num_copies: int,
 ) -> tuple[Any, tuple, tuple, Callable[..., tuple]]:
     """Kernel, grid, block and the filler of the arguments (the arrays left to each call;
-    ``CopyBlocksArgs.filler``) of one ``copy_blocks`` shape (kept: a copy-on-write step repeats the same shape, and each lookup would cost as much
-    as a small copy)."""
+    ``CopyBlocksArgs.filler``) of one ``copy_blocks`` shape (kept: a copy-on-write step repeats
+    the same shape, and each lookup would cost as much as a small copy)."""
     num_layers = shape[0] if len(shape) == 5 else 1
     num_blocks, heads, tokens, dim = shape[-4:]
     block_bytes = heads * tokens * dim * element_bytes
@@ -343,7 +344,7 @@ def _copy_plan(
         block_bytes, aligned, num_copies, num_layers, device, element_bytes=element_bytes
     )
     kernel = get_kernel(device, "copy_blocks.cu", name)
-    if device == "cpu":  # one OS thread unless the launch is large (see _cpu.threads)
+    if device == "cpu":  # one OS thread unless the launch is large (see kernels/cpu/threads.py)
         kernel = kernel.with_workers(
             cpu_threads().stride_workers(grid[0] * grid[1] * grid[2], block_bytes)
         )
@@ -556,9 +557,10 @@ def paged_prefill(
         out: optional ``[total_query_tokens, num_q_heads, head_dim]`` C-contiguous output,
             ``q``'s dtype: ``q`` itself (in place) or memory that does not overlap ``q``.
         num_splits: cut every query tile's KV range into about this many pieces, one thread
-            block each, merged by log-sum-exp (split-K); the heuristic in ``cupaged.kernels.launch_prefill``
-            decides when ``None`` (it splits only batches too small to fill the GPU, from the
-            host copies of the lengths that the ``query_start_loc`` check reads anyway).
+            block each, merged by log-sum-exp (split-K); the heuristic in
+            ``cupaged.kernels.launch_prefill`` decides when ``None`` (it splits only batches too
+            small to fill the GPU, from the host copies of the lengths that the
+            ``query_start_loc`` check reads anyway).
         checked: check, before the launch and on the arrays' device, that every context length
             is in ``[0, max_blocks * block_size]`` and every block id a length reaches is in
             ``[0, num_blocks)``. ``checked=False`` skips that and *trusts* the caller: a bad id

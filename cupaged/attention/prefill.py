@@ -106,8 +106,9 @@ class PrefillPlan:
         causal: mask the tokens after each query's position (``True``, prefill), or attend to
             the whole context (``False``). A bool.
         num_splits: cut every query tile's KV range into about this many pieces, one thread
-            block each, merged by log-sum-exp (split-K); the heuristic in ``cupaged.kernels.launch_prefill``
-            decides when ``None`` (it splits only batches too small to fill the GPU).
+            block each, merged by log-sum-exp (split-K); the heuristic in
+            ``cupaged.kernels.launch_prefill`` decides when ``None`` (it splits only batches too
+            small to fill the GPU).
         checked: check, once here, that every context length is in
             ``[0, max_blocks * block_size]`` and every block id a length reaches is in
             ``[0, num_blocks)``, on the arrays' own dtypes before they are narrowed to int32

@@ -2,9 +2,10 @@
 
 The bookkeeping (tables, refcounts, copy-on-write plans, prefix caching, which blocks a swap
 frees or takes) is the block manager's, which the cache has (``cache.manager``) and calls only
-through its public verbs; this class adds the arrays: one ``[num_layers, num_blocks, num_kv_heads, block_size, head_dim]``
-array each for K and V, :meth:`PagedCache.append` (plan + write in one call), copy-on-write copies
-applied by ``copy_blocks``, swapping a sequence's K/V to host memory and back (preemption, by a
+through its public verbs; this class adds the arrays: one
+``[num_layers, num_blocks, num_kv_heads, block_size, head_dim]`` array each for K and V,
+:meth:`PagedCache.append` (plan + write in one call), copy-on-write copies applied by
+``copy_blocks``, swapping a sequence's K/V to host memory and back (preemption, by a
 :class:`~cupaged.cache.swap.Swapper`), and the attention plans of a step over its own tables.
 
 With ``window_left=W`` (a sliding window, :mod:`~cupaged.paging.window`) the cache releases the

@@ -320,10 +320,11 @@ def decode_launch(
     Nothing here depends on the context lengths: the work list carries them. ``variants``: the
     plan's attention variants (``cupaged.variants``), whose ``VARIANT`` bits name the kernels;
     the window's and the sinks' are not the kernel's (the planner's work list holds the
-    window, ``sinks_name`` adds the sinks), so a window alone runs the plain kernels. ``dtype`` is the cache's element type,
-    ``q_dtype`` the queries' (and the output's) over an fp8 cache (:func:`query_dtype`): the
-    kernels are instantiated for both (``T`` the query's, the last argument ``KV`` the cache's,
-    spelled only for fp8, so that the 16/32-bit names stay as they were).
+    window, ``sinks_name`` adds the sinks), so a window alone runs the plain kernels.
+    ``dtype`` is the cache's element type, ``q_dtype`` the queries' (and the output's) over an
+    fp8 cache (:func:`query_dtype`): the kernels are instantiated for both (``T`` the query's,
+    the last argument ``KV`` the cache's, spelled only for fp8, so that the 16/32-bit names stay
+    as they were).
     """
     check_decode_shape(dtype, head_dim, block_size)
     q_dtype = query_dtype(dtype, q_dtype)

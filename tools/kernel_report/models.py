@@ -165,9 +165,9 @@ def prefill_mma_tile_model(
     position) runs its straight-line instructions (the crossing tiles' branches included, an
     overcount) and the nested loops that hold HMMAs, each as many times as makes the tile's
     multiply-adds ``2 x 16 x tile x head_dim`` per warp (two products over its 16 rows; an
-    HMMA.16816 does 2,048 of them, sm_75's HMMA.1688 1,024); its other nested loops (the crossing tiles' Inf/NaN check, the rare path that
-    keeps a masked token's Inf out of a row) do not run, and their memory operations are
-    reported apart. Per warp, times 4 warps:
+    HMMA.16816 does 2,048 of them, sm_75's HMMA.1688 1,024); its other nested loops (the
+    crossing tiles' Inf/NaN check, the rare path that keeps a masked token's Inf out of a row)
+    do not run, and their memory operations are reported apart. Per warp, times 4 warps:
 
     - ``issue``: instructions / 4 per cycle; ``hmma_pipe``: multiply-adds at
       ``HMMA_FMA_PER_CYCLE`` (mma.sync); ``mufu_pipe`` and ``shfl_pipe`` as in
