@@ -44,7 +44,7 @@ def run_planner(xp, lens, capacity, min_chunk, tile):
         tile=np.int32(tile),
         window_left=np.int32(-1),  # none
     )
-    kernel((1,), (plan_threads(num_seqs, device),), tuple(args))
+    kernel((1,), (plan_threads(num_seqs),), tuple(args))
     to_host = np.asarray if xp is np else xp.asnumpy
     return to_host(work), to_host(seq_items)
 

@@ -66,7 +66,6 @@ from ..kernels.launch_decode import (
     decode_ctas_per_sm,
     decode_launch,
     decode_may_split,
-    decode_merge_block,
     plan_threads,
     query_dtype,
 )
@@ -319,9 +318,9 @@ class DecodePlan:
         self._launch = launch
         self._merge = get_kernel(device, "paged_attention.cu", launch.merge_name)
         self._merge_grid = (num_q_heads, num_seqs)
-        self._merge_block = decode_merge_block(launch, device)
+        self._merge_block = launch.merge_block
         self._planner = get_kernel(device, "decode_plan.cu", PLAN_NAME)
-        self._planner_block = (plan_threads(num_seqs, device),)
+        self._planner_block = (plan_threads(num_seqs),)
         self._work = xp.empty((capacity, 4), np.int32)
         self._seq_items = xp.empty((num_seqs, 2), np.int32)
         if capacity > num_seqs:

@@ -67,9 +67,9 @@ def whole_warps(items: int, most: int) -> int:
     return min(most, max(32, cdiv(items, 32) * 32))
 
 
-def plan_threads(num_seqs: int, device: str = "cuda") -> int:
+def plan_threads(num_seqs: int) -> int:
     """Threads of the decode planner for a batch: whole warps, at most ``PLAN_MAX_THREADS``, on
-    both backends (``device`` is accepted for the callers that still pass it)."""
+    both backends."""
     return whole_warps(num_seqs, PLAN_MAX_THREADS)
 
 
@@ -377,12 +377,6 @@ def instantiation(stem: str, variant: int) -> str:
     """A kernel's name expression: its ``VARIANT`` template argument (last, default 0) is
     written only when some variant is on, so that the plain kernels keep their names."""
     return f"{stem}, {variant}>" if variant else f"{stem}>"
-
-
-def decode_merge_block(launch: DecodeLaunch, device: str = "cuda") -> tuple[int]:
-    """Threads of ``paged_decode_merge``: ``launch.merge_block``, on both backends (``device`` is
-    accepted for the callers that still pass it)."""
-    return launch.merge_block
 
 
 def decode_may_split(
