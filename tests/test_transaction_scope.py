@@ -249,3 +249,28 @@ def test_a_block_that_lost_its_claim_leaves_another_threads_call_alone():
     assert len(admitted) == 1 and m.seq_len(admitted[0].sid) == 5
     m.check_invariants()
     internals(m).assert_no_call_inside()
+
+
+def test_calls_from_a_comprehension_in_the_block_join_it():
+    """A list, set or dict comprehension runs in a frame of its own before Python 3.12, called
+    by the block's: its calls are the block's, as a loop's would be."""
+    m = manager()
+    a, b, c = (m.add_sequence() for _ in range(3))
+    m.step([a, b, c], 2)
+    before = state(m)
+    with pytest.raises(RuntimeError):
+        with m.transaction():
+            forks = [m.fork(s) for s in (a, b)]
+            lengths = {s: m.seq_len(s) for s in forks}
+            freed = {m.free(s) for s in (a, c)}
+            assert m.sequence_ids == [b, *forks] and set(lengths.values()) == {2}
+            assert freed == {None}
+            raise RuntimeError
+    assert state(m) == before
+    # A generator expression is no part of the frame it is written in: consumed inside a call
+    # (free_many's list of ids), its call would land in the middle of that one: refused.
+    with pytest.raises(CupagedError, match="from inside one of its calls"):
+        m.free_many(m.add_sequence() for _ in range(1))
+    assert state(m) == before
+    m.check_invariants()
+    internals(m).assert_no_call_inside()

@@ -40,9 +40,11 @@ not file names: a handler or a callback runs in a frame of its own, so its call 
 however deep in the body it lands (and so is one from a function that a ``with`` block calls:
 make the block's calls in the block). (One case looks alike and joins: a C callable such as a
 ``functools.partial`` of a public method installed as a signal handler itself, landing in the
-body's own frame.) A block entered outside the frame of its calls (``contextlib.ExitStack``, a
-generator's ``with`` around its ``yield``) holds no call: each runs and commits alone, and the
-block raises ``CupagedError`` at its end to say so, leaving any other thread's call alone.
+body's own frame.) A list, set or dict comprehension in the body counts as the body, as a loop
+would; a generator expression does not (it runs wherever it is consumed). A block entered
+outside the frame of its calls (``contextlib.ExitStack``, a generator's ``with`` around its
+``yield``) holds no call: each runs and commits alone, and the block raises ``CupagedError`` at
+its end to say so, leaving any other thread's call alone.
 
 Masking signals would not be enough: Python runs signal handlers in the main thread whatever
 thread received the signal, and the CPU backend and notebooks run other threads.
@@ -63,6 +65,10 @@ _getframe = sys._getframe  # private: CPython's frames, the one thing the guard 
 _CLAIM = 0  # the one key of the claim dictionary: (thread, frame of the entry that took it)
 _ROLLBACK_TRIES = 8
 _FORWARDERS: set[Any] = set()  # the code of functions that only pass a call on (see forwards)
+# Comprehensions that run in a frame of their own (before Python 3.12) at once, called by the
+# frame they are written in: their calls are that frame's. (Not generator expressions: one runs
+# wherever it is consumed, a library call's body included.)
+_COMPREHENSIONS = frozenset({"<listcomp>", "<setcomp>", "<dictcomp>"})
 
 
 def _on_stack(frame: Any, target: Any) -> bool:
@@ -286,7 +292,8 @@ class Transaction:
         """Whether ``caller`` is the body of an open call (``claim``'s, or one that joined it):
         the frame that runs its ``with`` block, or the method (function) that its
         :func:`atomic` (:func:`run_atomically`) frame called. (Rare: read off the frames.)"""
-        while caller.f_code in _FORWARDERS:  # (a forwarder called from the body is the body's)
+        # (a forwarder called from the body, or a comprehension in it, is the body's)
+        while caller.f_code in _FORWARDERS or caller.f_code.co_name in _COMPREHENSIONS:
             caller = caller.f_back
         openers = [] if len(claim) > 2 else [claim[1]]  # (the fast path's claim: no body)
         openers += [joined[0] for joined in self._bodies]
