@@ -439,35 +439,6 @@ class Internals:
         """The content registered with each block, writable."""
         return self.pool.keys._content_of
 
-    # -- the prefix cache's memos
-
-    @property
-    def memo(self) -> dict:
-        """Block hashes remembered from hits: ``(parent digest, block bytes) -> digest``."""
-        return self.index._memo
-
-    @property
-    def runs(self) -> dict:
-        """Prompt heads remembered from hits."""
-        return self.index._runs
-
-    @property
-    def run_lengths(self) -> list[int]:
-        """The lengths (in blocks) of the remembered heads, tried newest first."""
-        return self.index._run_lengths
-
-    @property
-    def run_bytes(self) -> int:
-        """The prompt bytes the remembered heads hold."""
-        return self.index._run_bytes
-
-    @staticmethod
-    def bound_remembered_heads(monkeypatch, nbytes: int) -> None:
-        """Make prefix caches start their remembered heads over past ``nbytes`` of prompts."""
-        from cupaged.paging import prefix
-
-        monkeypatch.setattr(prefix, "_RUN_BYTES", nbytes)
-
     # -- a decode plan
 
     @property
