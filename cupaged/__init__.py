@@ -29,11 +29,11 @@ from .cache.paged_cache import PagedCache
 from .cache.spec import CacheSpec
 from .dtypes import from_float, to_float
 from .errors import CupagedError, KernelError, OutOfBlocksError
+from .paging.batch import SequenceBatch
 from .paging.manager import BlockManager
 from .paging.pool import BlockPool
 from .paging.prefix import PrefixCache, PrefixCacheStats, PrefixChain
 from .paging.results import Admission, StepPlan
-from .paging.sequences import SequenceBatch
 
 __version__ = "0.1.0"
 

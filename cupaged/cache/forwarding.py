@@ -16,11 +16,11 @@ from typing import Any
 
 import numpy as np
 
+from ..paging.batch import SequenceBatch
 from ..paging.manager import BlockManager
 from ..paging.pool import BlockPool
 from ..paging.prefix import PrefixCacheStats
 from ..paging.results import Admission, StepPlan
-from ..paging.sequences import SequenceBatch
 from ..paging.transaction import Transaction, forwards
 
 

@@ -30,10 +30,10 @@ from ..backend import array_module, device_module
 from ..dtypes import Q_DTYPE_NAMES, array_dtype_name, as_storage, cache_dtype, is_fp8
 from ..errors import CupagedError, OutOfBlocksError
 from ..kernels.launch_decode import check_decode_shape
+from ..paging.batch import SequenceBatch
 from ..paging.manager import BlockManager
 from ..paging.prefix import BlockHasher
 from ..paging.results import StepPlan
-from ..paging.sequences import SequenceBatch
 from ..paging.tokens import step_tokens
 from ..paging.transaction import atomic, forwards, run_atomically
 from .forwarding import ManagerVerbs

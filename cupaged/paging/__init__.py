@@ -5,7 +5,8 @@ One owner per piece of state, composed by :class:`~cupaged.BlockManager`:
 =====================  ===========================================================================
 ``transaction``        :class:`Transaction`: the guard and undo log of the call in progress
 ``pool``               :class:`~cupaged.BlockPool`: free stack, refcounts, key map; ``lru`` its LRU
-``sequences``          :class:`SequenceTable` (rows, lengths, ids), :class:`~cupaged.SequenceBatch`
+``sequences``          :class:`SequenceTable` (rows, lengths, ids) and the verbs that write them
+``batch``              :class:`~cupaged.SequenceBatch`: a step's rows, its device block tables
 ``prefix``             :class:`~cupaged.PrefixCache`: the chain walk, matching a prompt
 ``chains``             each sequence's prefix chain and the registration of its full blocks
 ``tokens``             token ids and counts, checked at the boundary

@@ -49,6 +49,7 @@ from .._util import cdiv
 from ..backend import device_module, resolve_device, to_numpy
 from ..errors import CupagedError
 from ..variants import check_window_left
+from .batch import SequenceBatch
 from .chains import Chains
 from .copies import DeferredCopies
 from .lifecycle import Lifecycle
@@ -56,7 +57,7 @@ from .planner import NO_SLOTS, Planner
 from .pool import BlockPool
 from .prefix import BlockHasher, PrefixCache, PrefixCacheStats, as_salt
 from .results import Admission, OneSlots, StepPlan, StepStamp
-from .sequences import SequenceBatch, SequenceTable
+from .sequences import SequenceTable
 from .tokens import step_tokens, token_array, token_counts
 from .transaction import Transaction, atomic, forwards, run_atomically
 from .window import Window
