@@ -50,7 +50,7 @@ def test_a_bare_pytest_collects_the_tests_only():
     assert not [i for i in ids if i.startswith("benches/")]
     # the benchmarks' axis-naming ids stay in benches/: tests keep pytest's own ids
     assert (
-        "tests/test_output_dtypes.py::test_output_has_q_dtype_object[numpy-float32-paged_attention]"
+        "tests/attention/test_output_dtypes.py::test_output_has_q_dtype_object[numpy-float32-paged_attention]"
         in ids
     )
 

@@ -47,7 +47,8 @@ EXPECTED = {
 
 def child_environment(**extra: str) -> dict[str, str]:
     env = dict(os.environ, **extra)
-    env["PYTHONPATH"] = os.pathsep.join([str(TESTS.parent), str(TESTS), env.get("PYTHONPATH", "")])
+    folders = [TESTS.parents[1], TESTS.parent, TESTS]  # the checkout, tests/ (helpers), the cases
+    env["PYTHONPATH"] = os.pathsep.join([*map(str, folders), env.get("PYTHONPATH", "")])
     return env
 
 

@@ -2,7 +2,7 @@
 
 The CPU counterpart of compute-sanitizer: an out-of-range block id passed with ``checked=False``
 (which trusts the caller) becomes an ASan report instead of a silent garbage read; and every input
-that used to crash or read out of range (tests/kernel_safety_cases.py), passed with the default
+that used to crash or read out of range (tests/kernels/kernel_safety_cases.py), passed with the default
 checks, is refused before the launch with nothing for ASan to report.
 """
 
@@ -43,8 +43,9 @@ def asan_environment() -> dict[str, str]:
         pytest.skip("no AddressSanitizer runtime (libasan) next to g++")
     env = dict(os.environ, LD_PRELOAD=libasan, ASAN_OPTIONS="detect_leaks=0",
                CUPAGED_CPU_SANITIZE="1")  # fmt: skip
-    tests = Path(__file__).parent
-    env["PYTHONPATH"] = os.pathsep.join([str(tests.parent), str(tests), env.get("PYTHONPATH", "")])
+    here = Path(__file__).parent  # (the checkout, tests/ for helpers, here for the cases)
+    folders = [here.parents[1], here.parent, here]
+    env["PYTHONPATH"] = os.pathsep.join([*map(str, folders), env.get("PYTHONPATH", "")])
     return env
 
 
