@@ -30,7 +30,7 @@ MAX_SOFT_CAP = float(np.finfo(np.float32).max)
 
 # Bits of the kernels' VARIANT template argument, defined here once for the Python side (the
 # launch table, the plans and the tests take them from here). cuda/common.cuh names the same bits
-# (kWindow, kSoftCap, kAlibi, kSinks): tests/test_kernel_args.py reads them there and holds them,
+# (kWindow, kSoftCap, kAlibi, kSinks): tests/kernels/test_kernel_args.py reads them there and holds them,
 # and the four trailing variant arguments of every kernel with a VARIANT, against these.
 WINDOW = 1
 SOFT_CAP = 2

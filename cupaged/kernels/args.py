@@ -3,7 +3,7 @@
 A kernel takes its arguments as one tuple in the order of its C++ parameters. Each record here
 is that tuple (a ``NamedTuple``), its fields named as the ``.cu`` names the parameters, in their
 order, each annotated with its C type (:data:`C_TYPES`), so that a plan sets every argument by
-name and the order is written once. ``tests/test_kernel_args.py`` parses the signatures of
+name and the order is written once. ``tests/kernels/test_kernel_args.py`` parses the signatures of
 ``cuda/*.cu`` and holds every record of :data:`KERNEL_ARGS` against them: a parameter reordered,
 renamed, added or retyped there fails it, and so does a kernel without a record.
 
@@ -338,7 +338,7 @@ class PrefillMergeArgs(NamedTuple):
         return _merge_filler(self)
 
 
-# Every kernel of cuda/, by (file, function name): its record (tests/test_kernel_args.py).
+# Every kernel of cuda/, by (file, function name): its record (tests/kernels/test_kernel_args.py).
 KERNEL_ARGS: dict[tuple[str, str], type] = {
     ("write_kv.cu", "write_kv"): WriteKvArgs,
     ("write_kv.cu", "write_kv_fp8"): WriteKvFp8Args,

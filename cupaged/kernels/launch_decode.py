@@ -56,7 +56,7 @@ DECODE_MMA_STAGES = 2
 DECODE_MMA_DTYPES = ("float16", "bfloat16")
 
 # The decode step's planner (cuda/decode_plan.cu): one thread block, one thread per run of
-# sequences, up to PLAN_MAX_THREADS (its launch bounds, kPlanMaxThreads: tests/test_kernel_args.py
+# sequences, up to PLAN_MAX_THREADS (its launch bounds, kPlanMaxThreads: tests/kernels/test_kernel_args.py
 # reads it from the source).
 PLAN_NAME = "cupaged::plan_decode"
 PLAN_MAX_THREADS = 256
@@ -407,7 +407,7 @@ def decode_ctas_per_sm(
     (``DECODE_REGISTERS``) and its shared memory, by the occupancy calculator's rules
     (:func:`ctas_per_sm`). The CPU backend plans its splits with it, as an H100 would; a GPU asks
     CUDA's occupancy calculator about the loaded kernel instead (``DecodePlan``). The table is
-    of block size 16, where it equals the cubins (tests/test_kernel_report.py holds it against
+    of block size 16, where it equals the cubins (tests/kernels/test_kernel_report.py holds it against
     fresh ones); other block sizes change the address arithmetic (``pos / BLOCK_SIZE``) by -40
     to +16 registers, and the blocks per multiprocessor by up to two (sampled at block sizes 1,
     7, 32 and 256: 163 of 2,496 instantiations differ, by one but for two at block size 1).

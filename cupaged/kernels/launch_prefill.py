@@ -49,7 +49,7 @@ PREFILL_MMA_DTYPES = ("float16", "bfloat16")
 PREFILL_MMA_MAX_HEAD_DIM = 128
 PREFILL_MMA_ROWS = 64
 # Split-K aims for this many thread blocks per multiprocessor: as many as fit one (4, the launch
-# bounds of cuda/paged_prefill.cu up to head_dim 192, kPrefillBlocks; tests/test_kernel_args.py
+# bounds of cuda/paged_prefill.cu up to head_dim 192, kPrefillBlocks; tests/kernels/test_kernel_args.py
 # reads it there), since a block of 4 warps alone leaves an SM's issue slots idle while its loads
 # are in flight. A heuristic, not a limit: any count gives the same result.
 PREFILL_SPLIT_BLOCKS_PER_SM = 4

@@ -67,7 +67,7 @@ def cpu_sanitize() -> bool:
     """``CUPAGED_CPU_SANITIZE=1``: build every kernel with AddressSanitizer (read once).
 
     The process must start with libasan preloaded; an out-of-range access then stops it with a
-    report (tests/test_sanitizer.py).
+    report (tests/kernels/test_sanitizer.py).
     """
     return os.environ.get("CUPAGED_CPU_SANITIZE", "") == "1"
 

@@ -225,7 +225,7 @@ def ctas_per_sm(threads: int, registers: int, shared_mem: int, sm: SmLimits = SM
 # head_dim) and chunk = 1 .. 16 heads, at block size 16: ptxas of NVRTC 12.9 for sm_90. Data, not
 # computed: planning needs no NVRTC and cannot wait for its minutes of compiles. The output of
 # `scripts/kernel-report --decode-register-table`, which prints this table anew after a change to
-# the kernels; tests/test_kernel_report.py holds it against a fresh compile of part of it.
+# the kernels; tests/kernels/test_kernel_report.py holds it against a fresh compile of part of it.
 # fmt: off
 DECODE_REGISTERS = {
     ("float32", 64): (66, 102, 79, 140, 138, 138, 128, 128, 125, 125, 144, 144, 126, 126, 128, 128),

@@ -20,7 +20,7 @@ two fast branches:
 
 They call NumPy's array methods (``x.nonzero()[0]``, ``x.repeat(n)``, ``x.cumsum()``) rather than
 the functions of the same name, whose Python wrappers cost as much as the work on these arrays.
-``tests/test_step_api.py`` checks the batched plans against the same steps one sequence at a
+``tests/paging/test_step_api.py`` checks the batched plans against the same steps one sequence at a
 time on a twin manager after every operation of seeded random walks.
 """
 

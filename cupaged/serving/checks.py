@@ -1,7 +1,7 @@
 """The serving engine's argument checks, with "expected X, got Y" messages.
 
 The engine is written against cupaged's public API only (an example a user can copy, held to it
-by ``tests/test_demo_public.py``), so it does not borrow cupaged's private checks
+by ``tests/serving/test_demo_public.py``), so it does not borrow cupaged's private checks
 (``cupaged._arrays.checks.as_int``): these follow the same rules.
 """
 

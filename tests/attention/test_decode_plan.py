@@ -381,7 +381,7 @@ def test_a_graph_captured_while_nothing_splits_still_merges_after_an_update(rng)
 def run_in_child(code: str) -> str:
     """Run ``code`` in a fresh Python process; its stdout. A crash there (SIGSEGV on an
     unchecked read outside the cache) fails the test instead of killing the run."""
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     env = dict(
         os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])
     )

@@ -2,7 +2,7 @@
 caches, and their memory arithmetic.
 
 The kernel's bytes equal ``reference_write_kv``'s bit for bit (whose quantization,
-``float_to_fp8_bits``, tests/test_fp8_dtypes.py checks against ``ml_dtypes``), and the reference
+``float_to_fp8_bits``, tests/attention/test_fp8_dtypes.py checks against ``ml_dtypes``), and the reference
 equals a plain loop over ``ml_dtypes`` here. Caches start as random bytes (NaN bytes included),
 so a slot the kernel skips or misses keeps bytes that no write would leave.
 """

@@ -423,7 +423,7 @@ def test_the_launch_table_names_the_variant_instantiations():
 
 def variant_names(arch: int) -> list[str]:
     """The instantiations with variant bits that the cases above run, planned for ``arch`` (the
-    plain ones are tests/test_compile.py's)."""
+    plain ones are tests/kernels/test_compile.py's)."""
     target = Target.of_arch(arch)
     names = set()
     for dtype, head_dim, block_size, group, variant, _, _ in CASES:

@@ -32,7 +32,7 @@ import pytest
 from cupaged.errors import CupagedError
 
 KERNELS = Path(__file__).parent / "cpu_kernels"
-ROOT = Path(__file__).parents[1]
+ROOT = Path(__file__).parents[2]
 
 # Builds cached.cu into the cache named by CUPAGED_CACHE_DIR and runs it; prints the outcome.
 CHILD = """

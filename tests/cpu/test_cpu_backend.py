@@ -1,6 +1,6 @@
 """The CPU backend (cupaged.kernels.cpu): CUDA kernel sources built by g++ and run as fibers on the CPU.
 
-The kernels are in ``tests/cpu_kernels/*.cu``, written to the source rules of DESIGN.md §4 (the last
+The kernels are in ``tests/cpu/cpu_kernels/*.cu``, written to the source rules of DESIGN.md §4 (the last
 test compiles them with NVRTC too). Correctness tests run under every scheduling order; the
 failure tests check that a deadlock, a failed assert or a divergent barrier is a ``KernelError``
 naming the kernel and the line, returned at once.
@@ -653,7 +653,7 @@ print("ok")
 def _run_child(code: str, **env: str) -> subprocess.CompletedProcess:
     environment = dict(os.environ, **env)
     environment["PYTHONPATH"] = os.pathsep.join(
-        [str(Path(__file__).parents[1]), environment.get("PYTHONPATH", "")]
+        [str(Path(__file__).parents[2]), environment.get("PYTHONPATH", "")]
     )
     return subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, env=environment, timeout=120
@@ -836,7 +836,7 @@ def test_sanitize_build_reports_an_out_of_range_read(tmp_path):
         _ASAN_CHILD.format(basics=str(KERNELS / "basics.cu"), failures=str(KERNELS / "failures.cu"))
     )
     env = dict(os.environ, LD_PRELOAD=_libasan(), ASAN_OPTIONS="detect_leaks=0")
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1]), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[2]), env.get("PYTHONPATH", "")])
     result = subprocess.run(
         [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300
     )

@@ -1,6 +1,6 @@
 """The CPU backend's async copies (cuda_pipeline_primitives.h): a missing wait must show.
 
-The kernels are in ``tests/cpu_kernels/pipeline.cu``. A copy's destination is poison (NaN) from
+The kernels are in ``tests/cpu/cpu_kernels/pipeline.cu``. A copy's destination is poison (NaN) from
 the moment the copy is issued until the issuing thread's ``__pipeline_wait_prior`` completes its
 batch, so each bug planted in the double-buffered loop gives NaN in the output or a
 ``KernelError`` (a thread returning with copies pending) under the scheduling orders; the

@@ -1,7 +1,7 @@
 """The CPU backend's tensor-core fragments (mma.h, nvcuda::wmma): faithful enough that a kernel's
 mistakes show.
 
-The kernels are in ``tests/cpu_kernels/wmma.cu``. Loads and mma_sync run once the whole warp has
+The kernels are in ``tests/cpu/cpu_kernels/wmma.cu``. Loads and mma_sync run once the whole warp has
 arrived; a store poisons its tile, then each lane writes its own elements, so reading another
 lane's elements without a ``__syncwarp`` gives NaN; the element layout is a scramble (opaque, as
 on the GPU); malformed calls are a ``KernelError`` naming the call site. The same file compiles

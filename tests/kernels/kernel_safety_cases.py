@@ -3,8 +3,8 @@
 Each case builds fresh random arrays, makes one public call and returns what happened: ``"refused
 <Error>: <message>"`` for a clear exception, ``"correct"`` when the call must succeed and match the
 reference. Run as ``python kernel_safety_cases.py CASE...`` (one line per case on stdout, exit 0),
-by tests/test_safety_kernels.py (one child per case, so a crash fails one test) and by
-tests/test_sanitizer.py (every case in one child of the ASan build, which must report nothing).
+by tests/kernels/test_safety_kernels.py (one child per case, so a crash fails one test) and by
+tests/kernels/test_sanitizer.py (every case in one child of the ASan build, which must report nothing).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from cupaged.kernels.cpu import toolchain
 from cupaged.kernels.launch_decode import decode_launch
 from cupaged.kernels.loader import nvrtc_options, uses_wmma
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SYSTEM_TOOLKIT = Path("/usr/local/cuda")
 RUNTIME = ("cuda_fp16.h", "cuda_bf16.h")
 

@@ -32,7 +32,7 @@ nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
 from tools.kernel_report import bank, cli, launches, models, registers, tables  # noqa: E402
 from tools.kernel_report.sass import Sass  # noqa: E402
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "kernel-report"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "kernel-report"
 HALF_DTYPES = ("float16", "bfloat16")
 
 

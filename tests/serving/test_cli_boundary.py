@@ -1,8 +1,8 @@
 """The command line at its edges (issue 39): output files that are not regular files, Ctrl-C,
 the progress bar of ``demo`` and ``generate``, and the messages that named the wrong option.
 
-Refusals are checked before the work, as in ``tests/test_cli_errors.py``: loading the model or
-setting up the demo fails the test. Nothing here loads the real model (``tests/test_real_model.py``
+Refusals are checked before the work, as in ``tests/serving/test_cli_errors.py``: loading the model or
+setting up the demo fails the test. Nothing here loads the real model (``tests/serving/test_real_model.py``
 runs ``generate`` with it); the bar is tested on a ``rich`` console forced to be a terminal.
 """
 

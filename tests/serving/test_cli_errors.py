@@ -102,7 +102,7 @@ def test_the_registry_records_the_shape_of_the_model_it_pins():
 
     path = gguf_path("smollm2")
     if not path.exists():
-        pytest.skip("smollm2 is not in the cache (tests/test_real_model.py fetches it)")
+        pytest.skip("smollm2 is not in the cache (tests/serving/test_real_model.py fetches it)")
     gguf = GGUFFile(path)
     config, source = LlamaConfig.from_gguf(gguf), MODELS["smollm2"]
     assert (config.num_layers, config.num_kv_heads, config.head_dim) == (

@@ -239,7 +239,7 @@ def test_chunked_prefill_check_catches_a_wrong_chunk(model, monkeypatch):
 
 
 def test_the_readme_main_command_is_the_one_ci_runs():
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     readme, ci = (root / "README.md").read_text(), (root / ".ci" / "run").read_text()
     commands = re.findall(r"^python3 -m venv \.venv && .*$", readme, flags=re.M)
     assert len(commands) == 1, commands

@@ -5,7 +5,7 @@ The accuracy study (perplexity over 2,083 tokens, greedy agreement) is ``scripts
 (docs/fp8.md); here the model runs a few steps, so that the wiring is checked in CI: the cache
 is fp8, its scales are calibrated by the first prefill and stay fixed, and the next-token
 distribution stays close to the float16 cache's (the only new error is the quantization of K/V).
-The first run downloads the model, as ``tests/test_real_model.py`` does.
+The first run downloads the model, as ``tests/serving/test_real_model.py`` does.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 The CPU backend plans decode splits as an H100 would, which needs the registers ptxas gives each
 decode kernel; planning cannot wait for minutes of NVRTC compiles (nor needs NVRTC at all), so
 the library keeps them as data, and ``scripts/kernel-report --decode-register-table`` prints that
-data anew: paste its output over the table when the kernels change. ``tests/test_kernel_report.py``
+data anew: paste its output over the table when the kernels change. ``tests/kernels/test_kernel_report.py``
 holds the library's copy against a fresh compile of part of it on every run.
 """
 

@@ -18,7 +18,7 @@ Example (not a doctest: it compiles for a second or two)::
     import numpy as np
     from cupaged.kernels.cpu import CpuModule, schedule
 
-    # tests/cpu_kernels/failures.cu: scale(out, x, float alpha, int n, long long, uchar, double)
+    # tests/cpu/cpu_kernels/failures.cu: scale(out, x, float alpha, int n, long long, uchar, double)
     kernel = CpuModule("failures.cu", ["cpu_test::scale"]).get_function("cpu_test::scale")
     x = np.arange(100, dtype=np.float32)
     out = np.empty_like(x)

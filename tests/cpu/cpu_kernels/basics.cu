@@ -1,4 +1,4 @@
-// basics.cu: kernels that exercise the CPU backend's CUDA emulation (tests/test_cpu_backend.py).
+// basics.cu: kernels that exercise the CPU backend's CUDA emulation (tests/cpu/test_cpu_backend.py).
 //
 // Element-wise work over a 3-D grid, block and warp reductions, shuffles with a width, warp votes,
 // dynamic shared memory and threads that return before a barrier. Written to the source rules of

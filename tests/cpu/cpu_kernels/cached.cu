@@ -1,4 +1,4 @@
-// cached.cu: a minimal kernel for the CPU backend's build-cache test (tests/test_cpu_backend.py).
+// cached.cu: a minimal kernel for the CPU backend's build-cache test (tests/cpu/test_cpu_backend.py).
 // The value it writes comes from cached_helper.cuh, so that editing the header must rebuild.
 #include "cached_helper.cuh"
 

@@ -1,5 +1,5 @@
 // failures.cu: kernels that fail on purpose, to check that the CPU backend reports each failure
-// as a KernelError naming the kernel and the line (tests/test_cpu_backend.py). They break the
+// as a KernelError naming the kernel and the line (tests/cpu/test_cpu_backend.py). They break the
 // source rules of DESIGN.md §4 deliberately (a barrier or a shuffle not reached by every thread);
 // they still compile with NVRTC. scale is well-formed: it checks argument types.
 #include "common.cuh"

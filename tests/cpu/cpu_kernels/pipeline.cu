@@ -1,5 +1,5 @@
 // pipeline.cu: asynchronous copies (cuda_pipeline_primitives.h) for the CPU backend's emulation
-// (tests/test_cpu_pipeline.py), also compiled by NVRTC for sm_80 and sm_90.
+// (tests/cpu/test_cpu_pipeline.py), also compiled by NVRTC for sm_80 and sm_90.
 //
 // double_buffer is the staging loop a decode kernel uses: tile t + 1 is copied into one stage
 // while tile t is read from the other. Its template argument plants one bug at a time (a missing

@@ -1,5 +1,5 @@
 // races.cu: a kernel with a missing __syncthreads, for the CPU backend's scheduling orders
-// (tests/test_cpu_backend.py). Under "forward" every thread runs after the thread one warp below
+// (tests/cpu/test_cpu_backend.py). Under "forward" every thread runs after the thread one warp below
 // it, so the race is invisible; under "reverse" and "warp_ahead" a thread reads before the other
 // warp has written, and the result is wrong. (It breaks DESIGN.md §4 on purpose.)
 #include "common.cuh"

@@ -1,5 +1,5 @@
 // wmma.cu: tensor-core fragments (mma.h, nvcuda::wmma) for the CPU backend's emulation
-// (tests/test_cpu_wmma.py), also compiled by NVRTC for sm_80 and sm_90.
+// (tests/cpu/test_cpu_wmma.py), also compiled by NVRTC for sm_80 and sm_90.
 //
 // wmma_gemm is the pattern of the decode kernel's MMA path: load A and B (16-bit, either layout,
 // a padded leading dimension), load C, D = A B + C, store D to shared memory, then every lane
