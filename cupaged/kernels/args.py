@@ -169,6 +169,73 @@ class PlanDecodeArgs(NamedTuple):
     window_left: Int32
 
 
+# The layer's methods of the attention records (``filled`` and ``filler`` of DecodeArgs and
+# PrefillArgs, of their merges), written once: each finds its record's field positions by the
+# record's type in _LAYER_AT or _MERGE_AT (at the end, read from the names).
+
+
+def _layer_filled(
+    record: Any,
+    out: Any,
+    q: Any,
+    k_cache: Any,
+    v_cache: Any,
+    scales: ScaleArgs | None = None,
+    sinks: Any = None,
+) -> tuple:
+    """The arguments of one layer's launch: this record with the layer's arrays in their
+    places, and its scales and sinks when given (else the record's)."""
+    at, scales_at = _LAYER_AT[type(record)]
+    args = list(record)
+    args[at.out], args[at.q] = out, q
+    args[at.k_cache], args[at.v_cache] = k_cache, v_cache
+    if scales is not None:
+        args[scales_at] = scales
+    if sinks is not None:
+        args[at.sinks] = sinks
+    return tuple(args)
+
+
+def _layer_filler(record: Any) -> Callable[..., tuple]:
+    """``fill(out, q, k_cache, v_cache, scales=None, sinks=None)``: :meth:`filled`, with
+    the common run (no scales, no sinks) made fast: ``out``, the record's fields up to ``q``,
+    then ``q``, ``k_cache``, ``v_cache`` and the rest."""
+    at, _ = _LAYER_AT[type(record)]
+    between, after = record[at.out + 1 : at.q], record[at.v_cache + 1 :]
+
+    def fill(
+        out: Any, q: Any, k_cache: Any, v_cache: Any, scales: Any = None, sinks: Any = None
+    ) -> tuple:
+        if scales is None and sinks is None:
+            return (out, *between, q, k_cache, v_cache, *after)
+        return _layer_filled(record, out, q, k_cache, v_cache, scales, sinks)
+
+    return fill
+
+
+def _merge_filled(record: Any, out: Any, sinks: Any = None) -> tuple:
+    """The arguments of one layer's merge: the layer's output, and its sinks when given."""
+    at = _MERGE_AT[type(record)]
+    args = list(record)
+    args[at.out] = out
+    if sinks is not None:
+        args[at.sinks] = sinks
+    return tuple(args)
+
+
+def _merge_filler(record: Any) -> Callable[..., tuple]:
+    """``fill(out, sinks=None)``: :meth:`filled`, with a run without sinks made fast (the
+    output leads: ``out`` and the record's others)."""
+    rest = record[1:]
+
+    def fill(out: Any, sinks: Any = None) -> tuple:
+        if sinks is None:
+            return (out, *rest)
+        return _merge_filled(record, out, sinks)
+
+    return fill
+
+
 class DecodeArgs(NamedTuple):
     """``paged_decode`` and ``paged_decode_mma`` (cuda/paged_attention.cu; one interface)."""
 
@@ -196,30 +263,8 @@ class DecodeArgs(NamedTuple):
     alibi_slopes: Array  # [num_q_heads] float32, read with the ALiBi bit
     sinks: Array  # [num_q_heads] float32, read with the sinks bit: a run's
 
-    def filled(
-        self,
-        out: Any,
-        q: Any,
-        k_cache: Any,
-        v_cache: Any,
-        scales: ScaleArgs | None = None,
-        sinks: Any = None,
-    ) -> tuple:
-        """The arguments of one layer's launch: this record with the layer's arrays in their
-        places, and its scales and sinks when given (else the record's)."""
-        args = list(self)
-        args[_DECODE.out], args[_DECODE.q] = out, q
-        args[_DECODE.k_cache], args[_DECODE.v_cache] = k_cache, v_cache
-        if scales is not None:
-            args[_DECODE_SCALES] = scales
-        if sinks is not None:
-            args[_DECODE.sinks] = sinks
-        return tuple(args)
-
-    def filler(self) -> Callable[..., tuple]:
-        """``fill(out, q, k_cache, v_cache, scales=None, sinks=None)``: :meth:`filled`, with
-        the common run (no scales, no sinks) made fast."""
-        return _layer_filler(self, _DECODE)
+    filled = _layer_filled
+    filler = _layer_filler
 
 
 class DecodeMergeArgs(NamedTuple):
@@ -235,17 +280,8 @@ class DecodeMergeArgs(NamedTuple):
     alibi_slopes: Array  # unused (the scores' variant)
     sinks: Array  # [num_q_heads] float32, with the sinks bit: a run's
 
-    def filled(self, out: Any, sinks: Any = None) -> tuple:
-        """The arguments of one layer's merge: the layer's output, and its sinks when given."""
-        args = list(self)
-        args[_DECODE_MERGE.out] = out
-        if sinks is not None:
-            args[_DECODE_MERGE.sinks] = sinks
-        return tuple(args)
-
-    def filler(self) -> Callable[..., tuple]:
-        """``fill(out, sinks=None)``: :meth:`filled`, with a run without sinks made fast."""
-        return _merge_filler(self)
+    filled = _merge_filled
+    filler = _merge_filler
 
 
 class PrefillArgs(NamedTuple):
@@ -281,30 +317,8 @@ class PrefillArgs(NamedTuple):
     alibi_slopes: Array  # [num_q_heads] float32, read with the ALiBi bit
     sinks: Array  # [num_q_heads] float32, read with the sinks bit (without split-K): a run's
 
-    def filled(
-        self,
-        out: Any,
-        q: Any,
-        k_cache: Any,
-        v_cache: Any,
-        scales: ScaleArgs | None = None,
-        sinks: Any = None,
-    ) -> tuple:
-        """The arguments of one layer's launch: this record with the layer's arrays in their
-        places, and its scales and sinks when given (else the record's)."""
-        args = list(self)
-        args[_PREFILL.out], args[_PREFILL.q] = out, q
-        args[_PREFILL.k_cache], args[_PREFILL.v_cache] = k_cache, v_cache
-        if scales is not None:
-            args[_PREFILL_SCALES] = scales
-        if sinks is not None:
-            args[_PREFILL.sinks] = sinks
-        return tuple(args)
-
-    def filler(self) -> Callable[..., tuple]:
-        """``fill(out, q, k_cache, v_cache, scales=None, sinks=None)``: :meth:`filled`, with
-        the common run (no scales, no sinks) made fast."""
-        return _layer_filler(self, _PREFILL)
+    filled = _layer_filled
+    filler = _layer_filler
 
 
 class PrefillMergeArgs(NamedTuple):
@@ -325,17 +339,8 @@ class PrefillMergeArgs(NamedTuple):
     alibi_slopes: Array  # unused (the scores' variant)
     sinks: Array  # [num_q_heads] float32, with the sinks bit: a run's
 
-    def filled(self, out: Any, sinks: Any = None) -> tuple:
-        """The arguments of one layer's merge: the layer's output, and its sinks when given."""
-        args = list(self)
-        args[_PREFILL_MERGE.out] = out
-        if sinks is not None:
-            args[_PREFILL_MERGE.sinks] = sinks
-        return tuple(args)
-
-    def filler(self) -> Callable[..., tuple]:
-        """``fill(out, sinks=None)``: :meth:`filled`, with a run without sinks made fast."""
-        return _merge_filler(self)
+    filled = _merge_filled
+    filler = _merge_filler
 
 
 # Every kernel of cuda/, by (file, function name): its record (tests/kernels/test_kernel_args.py).
@@ -395,30 +400,5 @@ assert fields(CopyBlocksArgs)[:4] == ("k_cache", "v_cache", "src", "dst")
 for _layer in (_DECODE, _PREFILL):
     assert _layer.out == 0 and (_layer.k_cache, _layer.v_cache) == (_layer.q + 1, _layer.q + 2)
 assert _DECODE_MERGE.out == _PREFILL_MERGE.out == 0
-
-
-def _layer_filler(record: Any, at: Any) -> Callable[..., tuple]:
-    """An attention kernel's layer: ``out``, the record's fields up to ``q``, then ``q``,
-    ``k_cache``, ``v_cache`` and the rest; with scales or sinks, :meth:`filled`."""
-    between, after = record[at.out + 1 : at.q], record[at.v_cache + 1 :]
-
-    def fill(
-        out: Any, q: Any, k_cache: Any, v_cache: Any, scales: Any = None, sinks: Any = None
-    ) -> tuple:
-        if scales is None and sinks is None:
-            return (out, *between, q, k_cache, v_cache, *after)
-        return record.filled(out, q, k_cache, v_cache, scales, sinks)
-
-    return fill
-
-
-def _merge_filler(record: Any) -> Callable[..., tuple]:
-    """A merge's layer: ``out`` and the record's others; with sinks, :meth:`filled`."""
-    rest = record[1:]
-
-    def fill(out: Any, sinks: Any = None) -> tuple:
-        if sinks is None:
-            return (out, *rest)
-        return record.filled(out, sinks)
-
-    return fill
+_LAYER_AT = {DecodeArgs: (_DECODE, _DECODE_SCALES), PrefillArgs: (_PREFILL, _PREFILL_SCALES)}
+_MERGE_AT = {DecodeMergeArgs: _DECODE_MERGE, PrefillMergeArgs: _PREFILL_MERGE}
