@@ -11,7 +11,7 @@ import numpy as np
 from .._util import cdiv
 from ..backend import array_module
 from ..dtypes import ITEMSIZES as ITEMSIZES
-from ..dtypes import array_dtype_name
+from ..dtypes import Q_DTYPE_NAMES, array_dtype_name
 
 
 def require(condition: bool, message: str) -> None:
@@ -65,13 +65,31 @@ def check_dtype(name: str, x: Any, expected: str, why: str = "", kv_dtype: Any =
     Raises:
         TypeError: e.g. "expected k of dtype float16 (the cache's dtype), got float32".
     """
-    try:
-        got = array_dtype_name(x, kv_dtype)
-    except TypeError:
-        got = str(x.dtype)
+    got = _dtype_shown(x, kv_dtype)
     if got != expected:
         suffix = f" ({why})" if why else ""
         raise TypeError(f"expected {name} of dtype {expected}{suffix}, got {got}")
+
+
+def check_fp8_source(name: str, x: Any, expected: str) -> str:
+    """The element type of ``x``, values that an fp8 cache quantizes as it takes them: float32,
+    float16 or bfloat16 (``dtypes.Q_DTYPE_NAMES``).
+
+    Raises:
+        TypeError: "expected {name} of dtype {expected}, got {what x holds}".
+    """
+    got = _dtype_shown(x)
+    if got not in Q_DTYPE_NAMES:
+        raise TypeError(f"expected {name} of dtype {expected}, got {got}")
+    return got
+
+
+def _dtype_shown(x: Any, kv_dtype: Any = None) -> str:
+    """The element type ``x`` holds, or (none of cupaged's) its dtype as NumPy writes it."""
+    try:
+        return array_dtype_name(x, kv_dtype)
+    except TypeError:
+        return str(x.dtype)
 
 
 def check_index_array(name: str, x: Any) -> None:

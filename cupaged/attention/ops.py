@@ -24,6 +24,7 @@ from .._arrays.checks import (
     check_attention_args,
     check_copy_pairs,
     check_dtype,
+    check_fp8_source,
     check_index_array,
     check_num_blocks,
     check_prefill_args,
@@ -35,7 +36,7 @@ from .._arrays.checks import (
 )
 from .._arrays.interop import takes_dlpack
 from ..backend import array_module, to_numpy
-from ..dtypes import Q_DTYPE_NAMES, as_storage, dtype_name, is_fp8
+from ..dtypes import as_storage, dtype_name, is_fp8
 from ..kernels.args import CopyBlocksArgs, ScaleArgs, WriteKvArgs, WriteKvFp8Args, fields
 from ..kernels.launch_copies import copy_blocks_launch, write_kv_launch
 from ..kernels.loader import get_kernel
@@ -185,24 +186,14 @@ def _check_write_shapes(
     check_index_array("slot_mapping", slot_mapping)
     elem = element_type(k_cache, kv_dtype)
     check_dtype("v_cache", v_cache, elem, "k_cache's dtype", kv_dtype)
-    src = _quantized_source(k, elem) if is_fp8(elem) else elem
+    if is_fp8(elem):
+        why = f"a {elem} cache quantizes it as it writes"
+        src = check_fp8_source("k", k, f"float32, float16 or bfloat16 ({why})")
+    else:
+        src = elem
     check_dtype("k", k, src, "the cache's dtype")
     check_dtype("v", v, src, "k's dtype" if is_fp8(elem) else "the cache's dtype")
     return elem, src, num_blocks, num_kv_heads, block_size, head_dim, num_tokens
-
-
-def _quantized_source(k: Any, elem: str) -> str:
-    """The element type of the keys written into an fp8 cache: float32, float16 or bfloat16."""
-    try:
-        got = element_type(k)
-    except TypeError:
-        got = str(k.dtype)
-    if got not in Q_DTYPE_NAMES:
-        raise TypeError(
-            f"expected k of dtype float32, float16 or bfloat16 (a {elem} cache quantizes it as "
-            f"it writes), got {got}"
-        )
-    return got
 
 
 @functools.lru_cache(maxsize=256)

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from .._arrays.checks import check_dtype, check_shape
+from .._arrays.checks import check_dtype, check_fp8_source, check_shape
 from .._util import cdiv
 from ..attention.decode import DecodePlan
 from ..attention.ops import copy_blocks, write_kv
@@ -163,18 +163,18 @@ class PagedCache(ManagerVerbs):
             manager.block_table(sid)  # (KeyError, or CupagedError for a swapped-out one)
             step_tokens(True, 1, 0, tokens, self.prefix_caching)
             return
-        what = f"appending {n} token(s) to sequence {sid}"
+        what = "appending {} token(s) to sequence {}"  # (formatted on a refusal only)
         if n > manager.num_blocks * manager.block_size:  # more than the pool can ever hold
             manager.block_table(sid)  # (KeyError, or CupagedError for a swapped-out one)
             length, size = manager.seq_len(sid), manager.block_size
             needed = cdiv(length + n, size) - cdiv(length, size)
-            raise OutOfBlocksError(needed, manager.num_free_blocks, what)
+            raise OutOfBlocksError(needed, manager.num_free_blocks, what.format(n, sid))
         # The copies applied inside the step; with a window the step releases the blocks before
         # its first new token's window, none of which holds one of its slots.
         try:
             plan = manager.step(sid, n, tokens, copy=self._copy_own)
         except OutOfBlocksError as error:  # (nothing changed) named as the call the caller made
-            raise OutOfBlocksError(error.needed, error.available, what) from None
+            raise OutOfBlocksError(error.needed, error.available, what.format(n, sid)) from None
         transaction.wrote_kv()
         for layer in range(self.spec.num_layers):
             self._scales.calibrate(layer, k[layer], v[layer], transaction.record)
@@ -182,7 +182,8 @@ class PagedCache(ManagerVerbs):
             # The slots come from this cache's own plan: distinct and in range, so unchecked.
             pages = self.k[layer], self.v[layer]
             write_kv(*pages, k[layer], v[layer], plan.slots, checked=False, **options)
-        manager.commit(sid)  # written: its full blocks may serve others now
+        if self.prefix_caching:  # written: its full blocks may serve others now
+            manager.commit(sid)
 
     @forwards
     def step(
@@ -517,16 +518,9 @@ def _check_kv(xp: Any, device: str, spec: CacheSpec, k: Any, v: Any) -> tuple[An
         check_dtype("k", k, spec.dtype, "the cache's dtype")
         check_dtype("v", v, spec.dtype, "the cache's dtype")
         return as_storage(k), as_storage(v)
+    why = f"quantized into the {spec.dtype} cache"
     for name, x in (("k", k), ("v", v)):
-        try:
-            elem = array_dtype_name(x)
-        except TypeError:
-            elem = str(x.dtype)
-        if elem not in Q_DTYPE_NAMES:
-            raise TypeError(
-                f"expected {name} of dtype one of {Q_DTYPE_NAMES} (quantized into the "
-                f"{spec.dtype} cache), got {elem}"
-            )
+        check_fp8_source(name, x, f"one of {Q_DTYPE_NAMES} ({why})")
     check_dtype("v", v, array_dtype_name(k), "k's dtype")
     return as_storage(k), as_storage(v)
 
