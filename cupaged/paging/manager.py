@@ -411,7 +411,9 @@ class BlockManager:
         Returns:
             The :class:`StepPlan`.
         """
-        if type(sids) is int and type(num_tokens) is int and num_tokens == 1 and not tables:
+        # The one-store path, unless a call is inside already (it would refuse: `append`).
+        one = type(sids) is int and type(num_tokens) is int and num_tokens == 1
+        if one and not tables and not self._transaction.depth:
             slot = self._one_token(sids, tokens)
             if slot is not None:
                 return StepPlan(slot, NO_SLOTS, NO_SLOTS, 1, 1)

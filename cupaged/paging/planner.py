@@ -30,7 +30,6 @@ from typing import Any
 
 import numpy as np
 
-from .._util import cdiv
 from ..errors import OutOfBlocksError
 from .chains import Chains
 from .pool import BlockPool, grouped
@@ -39,7 +38,9 @@ from .transaction import Transaction
 
 NO_SLOTS = np.zeros(0, np.int32)
 NO_SLOTS.flags.writeable = False
-_ONE32 = np.int32(1)
+# Constants as 0-d arrays: an operation of a small array with one costs less than with a
+# NumPy or Python scalar (no scalar conversion).
+_ONE32 = np.array(1, np.int32)
 NO_ROWS = NO_ENTRIES
 # Up to this many rows the decode branch tests its flags through a list: a few array operations
 # cost more than a short Python loop (the W1 and W3b workloads of benches/bench_block_manager.py
@@ -65,12 +66,13 @@ class Planner:
         self.transaction = transaction
         self.block_size = table.block_size
         self.offsets = np.arange(table.block_size, dtype=np.int32)  # slot offsets in a block
-        # The block size as the lengths' type: arithmetic on an int32 array with a Python int
-        # converts the int at every operation.
-        self._bs32 = np.int32(table.block_size)
+        # The block size (and one less) as the lengths' type, 0-d: arithmetic on an int32
+        # array with a Python int converts the int at every operation.
+        self._bs32 = np.array(table.block_size, np.int32)
+        self._bs_less1 = np.array(table.block_size - 1, np.int32)
         # A power-of-two block size takes offsets with a mask, cheaper than a remainder.
         power_of_two = not table.block_size & (table.block_size - 1)
-        self._mask = np.int32(table.block_size - 1) if power_of_two else None
+        self._mask = self._bs_less1 if power_of_two else None
         # The one-store path: no chain to extend, no window to move.
         self._one_store = not chains.enabled and table.window_left < 0
 
@@ -145,69 +147,88 @@ class Planner:
     ) -> Plan:
         """:meth:`plan` of any step, copy-on-write included, in a fixed number of array
         operations. Table entries are addressed in the flat table (``row * width + column``):
-        1-D gathers and stores, cheaper than 2-D ones on the arrays of a step."""
-        table = self.table
-        bs, chains = self.block_size, self.chains
+        1-D gathers and stores, cheaper than 2-D ones on the arrays of a step. Up to
+        ``SMALL_BATCH`` rows its sums and maxima are taken over lists (cheaper than reductions)."""
+        table, pool, chains = self.table, self.pool, self.chains
+        bs, bs32 = self.block_size, self._bs32
+        small = rows.size <= SMALL_BATCH
         lens = table.lens[rows]
         uniform = isinstance(counts, int)
         ends = lens + counts
         writing = None if uniform else counts > 0  # (None: every row writes, or none does)
-        held = cdiv(lens, bs)
-        grow = cdiv(ends, bs) - held
-        copies = None if uniform and not counts else self._copies(rows, lens, held, writing)
-        need = grow if copies is None else grow + copies[0]
-        total = int(need.sum())
-        if total > self.pool.num_free:
+        held = (lens + self._bs_less1) // bs32  # cdiv (of non-negative lengths)
+        after = (ends + self._bs_less1) // bs32
+        # Rows that write into a last block that may be shared: none, mostly (one check).
+        flagged = None
+        if not uniform or counts:
+            flagged = table.shared[rows]
+            if writing is not None:
+                flagged &= writing
+            if not (True in flagged.tolist() if small else np.count_nonzero(flagged)):
+                flagged = None  # (none to copy, none to unshare)
+        copies = None if flagged is None else self._copies(rows, flagged, held)
+        need = after - held if copies is None else after - held + copies[0]
+        total = sum(need.tolist()) if small else int(need.sum())
+        if total > pool.num_free:
             if what is None:
                 tokens_in = counts * rows.size if uniform else int(counts.sum())
                 what = f"reserving {tokens_in} token(s) for {rows.size} sequence(s)"
-            raise OutOfBlocksError(total, self.pool.num_free, what)
+            raise OutOfBlocksError(total, pool.num_free, what)
         registering = chains.enabled and tokens is not None
         keys = chains.keys(rows, lens, counts, tokens) if registering else None
 
         # -- from here on nothing fails: each change records its undo first
-        chains.save(rows.tolist())
-        new = chains.commit_and_take(rows, lambda: need, total)  # (their last step's K/V)
+        if chains.enabled:
+            chains.save(rows.tolist())
+            new = chains.commit_and_take(rows, lambda: need, total)  # (their last step's K/V)
+        else:
+            new = pool.take(total) if total else None
         src = dst = NO_SLOTS
         at = NO_ENTRIES
         if total:
-            table.make_room(cdiv(int(ends.max()), bs))  # the rows' new widest, and the spare
+            # The rows' new widest, and the spare column.
+            table.make_room(max(after.tolist()) if small else int(after.max()))
             # Each row's entries from its copied last block (if any) on, in the order the blocks
             # were taken: one run per row, the new blocks in order.
-            first = held if copies is None else held - copies[0]
-            ahead = need.cumsum() - need
-            at = (rows * table.width + first - ahead).repeat(need) + np.arange(total)
+            first = rows * table.width + (held if copies is None else held - copies[0])
+            ahead = None  # blocks taken for the rows before (one row: none)
+            if rows.size > 1:
+                ahead = need.cumsum() - need
+                first -= ahead
+            at = first.repeat(need) + np.arange(total)
             if copies is not None:  # each copying row's run starts at its copied entry
-                taken = ahead[copies[0].nonzero()[0]]
+                copying = copies[0].nonzero()[0]
+                taken = copying if ahead is None else ahead[copying]
                 src, dst = table.flat[at[taken]], new[taken].astype(np.int32)
-        if uniform:
-            unshare = rows if counts else None
-        else:
-            unshare = rows[writing]
-        table.grow(rows, lens, ends, at, new, unshare)  # (each writer's last block: its own)
+        unshare = None  # writing rows flagged shared: each writer's last block is its own after
+        if flagged is not None:
+            unshare = rows if uniform else rows[writing]
+        table.grow(rows, lens, ends, at, new, unshare)
         if copies is not None:  # never the last reference (see _copies): none goes to the pool
-            self.pool.add_refs(copies[1], -copies[2])
+            pool.add_refs(copies[1], -copies[2])
         flat = table.flat
         offset = None  # (of one token each: where it goes in its block)
         if uniform and counts == 1:
-            offset = lens % bs
-            slots = flat[rows * table.width + lens // bs] * bs + offset
+            offset = lens % bs32
+            slots = flat[rows * table.width + lens // bs32] * bs32 + offset
         elif uniform and not counts:
             slots = NO_SLOTS
         elif uniform:  # [rows, counts] positions
-            column, offset_in = np.divmod(lens[:, None] + np.arange(counts, dtype=np.int32), bs)
-            slots = flat[column + (rows * table.width)[:, None]]
-            slots *= bs
+            steps = self.offsets[:counts] if counts <= bs else np.arange(counts, dtype=np.int32)
+            column, offset_in = np.divmod(lens[:, None] + steps, bs32)
+            column += (rows * table.width)[:, None]
+            slots = flat[column]
+            slots *= bs32
             slots += offset_in
             slots = slots.reshape(-1)
         else:
             ahead = counts.cumsum() - counts  # tokens of the rows before
             pos = (lens - ahead).repeat(counts) + np.arange(int(ahead[-1] + counts[-1]))
             first = (rows * table.width).repeat(counts)
-            slots = flat[first + pos // bs] * bs + pos % bs
+            slots = (flat[first + pos // bs] * bs + pos % bs).astype(np.int32)
         if registering:
             chains.extend(rows, offset, counts, tokens, keys)
-        return slots.astype(np.int32, copy=False), src, dst
+        return slots, src, dst
 
     def _decode(
         self,
@@ -275,23 +296,19 @@ class Planner:
         return blocks, NO_SLOTS, NO_SLOTS
 
     def _copies(
-        self, rows: np.ndarray, lens: np.ndarray, held: np.ndarray, writing: np.ndarray | None
+        self, rows: np.ndarray, flagged: np.ndarray, held: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
         """Per row, 1 where the write lands in a partly filled last block that another sequence
         still holds (copy it first), else 0, with the copied blocks and how many rows copy each
-        (``writing``: the rows that write, ``None`` for all); ``None`` when no row copies.
+        (``flagged``: the writing rows whose ``shared`` flag is set, some); ``None`` when no row
+        copies.
 
         Forked siblings of one batch that share a block are counted exactly: with ``r``
         references, the first ``r - 1`` writers (in batch order) copy, and a last writer from the
         batch writes in place once the others have let go.
         """
         table = self.table
-        flagged = table.shared[rows]  # (a superset of the rows whose last block is shared)
-        if writing is not None:
-            flagged &= writing
-        partial = flagged.nonzero()[0]
-        if not partial.size:
-            return None
+        partial = flagged.nonzero()[0]  # (a superset of the rows whose last block is shared)
         refcount = self.pool.refcounts
         if self.pool.num_held:  # copies still to read some blocks hold references: no sharers
             refcount = refcount - self.pool.held_refs
