@@ -57,7 +57,7 @@ from .._arrays.interop import takes_dlpack
 from .._util import cdiv
 from ..backend import array_module, to_numpy
 from ..dtypes import array_dtype_name, dtype_name, is_fp8
-from ..kernels.args import DecodeArgs, DecodeMergeArgs, PlanDecodeArgs
+from ..kernels.args import DecodeArgs, DecodeMergeArgs, PlanDecodeArgs, merge_record
 from ..kernels.launch_decode import (
     MAX_GRID_YZ,
     MIN_SPLIT_TOKENS,
@@ -353,16 +353,8 @@ class DecodePlan:
             alibi_slopes=slopes,
             sinks=partial_lse,
         )
-        merge_args = DecodeMergeArgs(
-            out=None,
-            partial_out=partial_out,
-            partial_lse=partial_lse,
-            seq_items=self._seq_items,
-            num_q_heads=self._num_q_heads,
-            window_left=np.int32(window),
-            soft_cap=np.float32(variants.logits_soft_cap),
-            alibi_slopes=slopes,
-            sinks=partial_lse,
+        merge_args = merge_record(
+            args, DecodeMergeArgs, seq_items=self._seq_items, num_q_heads=self._num_q_heads
         )
         self._fill, self._merge_fill = args.filler(), merge_args.filler()
         plan_args = PlanDecodeArgs(

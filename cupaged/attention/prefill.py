@@ -42,7 +42,7 @@ from .._arrays.checks import (
 from .._arrays.interop import takes_dlpack
 from ..backend import array_module, to_numpy
 from ..dtypes import dtype_name
-from ..kernels.args import PrefillArgs, PrefillMergeArgs
+from ..kernels.args import PrefillArgs, PrefillMergeArgs, merge_record
 from ..kernels.launch_decode import check_decode_shape, query_dtype
 from ..kernels.launch_prefill import PREFILL_MERGE_THREADS, prefill_launch
 from ..kernels.loader import get_kernel
@@ -276,7 +276,7 @@ class PrefillPlan:
         # layer's arrays (None here), a run's scales and sinks go in at each run; the scales
         # here are those of 1.0 (a cache that is not fp8 never reads them).
         slopes = partial_lse if variants.alibi_slopes is None else variants.alibi_slopes
-        self._fill = PrefillArgs(
+        args = PrefillArgs(
             out=None,
             partial_out=partial_out,
             partial_lse=partial_lse,
@@ -301,26 +301,12 @@ class PrefillPlan:
             soft_cap=np.float32(variants.logits_soft_cap),
             alibi_slopes=slopes,
             sinks=partial_lse,
-        ).filler()
+        )
+        self._fill = args.filler()
         self._merge = None
         if launch.num_splits > 1:
             self._merge = get_kernel(device, "paged_prefill.cu", launch.merge_name)
-            self._merge_fill = PrefillMergeArgs(
-                out=None,
-                partial_out=partial_out,
-                partial_lse=partial_lse,
-                context_lens=lens,
-                query_start_loc=starts,
-                num_seqs=np.int32(num_seqs),
-                causal=np.int32(causal),
-                partition_tokens=np.int32(launch.partition_tokens),
-                num_splits=np.int32(launch.num_splits),
-                query_rows=np.int32(launch.query_rows),
-                window_left=np.int32(variants.window_left),
-                soft_cap=np.float32(variants.logits_soft_cap),
-                alibi_slopes=slopes,
-                sinks=partial_lse,
-            ).filler()
+            self._merge_fill = merge_record(args, PrefillMergeArgs).filler()
 
     @property
     def num_splits(self) -> int:

@@ -363,6 +363,18 @@ def fields(record: type) -> tuple[str, ...]:
     return tuple(record.__annotations__)
 
 
+def merge_record(record: Any, merge: type, **own: Any) -> Any:
+    """The record of ``merge``, the kernel that merges the pieces of ``record``'s launch: every
+    field the two share holds ``record``'s value (the partial buffers it writes, the lengths,
+    the variants: what the merge must read as the kernel did), the others are ``own``.
+
+    Raises:
+        AttributeError: a field of ``merge`` that ``record`` lacks and ``own`` does not give.
+    """
+    shared = {name: getattr(record, name) for name in fields(merge) if name not in own}
+    return merge(**shared, **own)
+
+
 def _at(record: type) -> Any:
     """The record whose every field holds its own position: ``_at(DecodeArgs).q == 3``."""
     return record(*range(len(fields(record))))
