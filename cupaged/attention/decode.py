@@ -79,6 +79,7 @@ from .layer import (
     ctas_per_sm,
     device_of,
     owned_int32,
+    planned_tail,
     target,
 )
 from .scales import kv_scale_args
@@ -328,11 +329,7 @@ class DecodePlan:
             partial_lse = xp.empty((capacity, num_q_heads), np.float32)
         else:  # never split: unused by the kernel; real arrays, so that no pointer is null
             partial_out = partial_lse = xp.empty(1, np.float32)
-        scale = head_dim**-0.5 if scale is None else float(scale)
-        # A pointer whose variant is off is never read, but is a real float32 array (the
-        # log-sum-exps), never null; the sinks' is replaced by a run that passes them. The
-        # layer's arrays (None here) and an fp8 run's scales go in at each run.
-        slopes = partial_lse if variants.alibi_slopes is None else variants.alibi_slopes
+        # The layer's arrays (None here) and an fp8 run's scales go in at each run.
         args = DecodeArgs(
             out=None,
             partial_out=partial_out,
@@ -346,12 +343,7 @@ class DecodePlan:
             num_kv_heads=np.int32(num_kv_heads),
             group_size=np.int32(group),
             max_blocks=np.int32(max_blocks),
-            scale=np.float32(scale),
-            **kv_scale_args(xp, dtype, num_kv_heads, None, None).named(),
-            window_left=np.int32(window),
-            soft_cap=np.float32(variants.logits_soft_cap),
-            alibi_slopes=slopes,
-            sinks=partial_lse,
+            **planned_tail(xp, dtype, head_dim, num_kv_heads, scale, variants, partial_lse),
         )
         merge_args = merge_record(
             args, DecodeMergeArgs, seq_items=self._seq_items, num_q_heads=self._num_q_heads

@@ -28,6 +28,7 @@ from ..dtypes import (
 )
 from ..kernels.loader import get_kernel
 from ..kernels.target import DEFAULT_SHARED_MEMORY, NOMINAL_TARGET, Target
+from .scales import kv_scale_args
 
 LAYER_AXES = ("num_blocks", "num_kv_heads", "block_size", "head_dim")
 
@@ -353,3 +354,24 @@ def check_layer_and_heads(k_cache: Any, num_q_heads: Any) -> tuple[int, int, int
             f"got {num_q_heads}"
         )
     return num_blocks, num_kv_heads, block_size, head_dim, num_q_heads
+
+
+def planned_tail(
+    xp: Any, elem: str, head_dim: int, num_kv_heads: int, scale: Any, variants: Any, spare: Any
+) -> dict[str, Any]:
+    """The arguments that end an attention kernel's record, from ``scale`` on, as its plan
+    holds them: the softmax scale (``head_dim ** -0.5`` when ``None``), the fp8 scales of 1.0
+    (a run's replace them; a cache that is not fp8 never reads them), then the variants.
+
+    A pointer whose variant is off is never read, but gets ``spare`` (a real float32 array,
+    never null): the ALiBi slopes' without slopes, and the sinks' always (a run that passes
+    sinks replaces it).
+    """
+    return {
+        "scale": np.float32(head_dim**-0.5 if scale is None else float(scale)),
+        **kv_scale_args(xp, elem, num_kv_heads, None, None).named(),
+        "window_left": np.int32(variants.window_left),
+        "soft_cap": np.float32(variants.logits_soft_cap),
+        "alibi_slopes": spare if variants.alibi_slopes is None else variants.alibi_slopes,
+        "sinks": spare,
+    }

@@ -54,6 +54,7 @@ from .layer import (
     check_layer_and_heads,
     device_of,
     owned_int32,
+    planned_tail,
     target,
 )
 from .scales import kv_scale_args
@@ -271,11 +272,7 @@ class PrefillPlan:
             partial_lse = xp.empty(split_shape, np.float32)
         else:  # unused by the kernel; real arrays so that no argument is a null pointer
             partial_out = partial_lse = xp.empty(1, np.float32)
-        scale = head_dim**-0.5 if scale is None else float(scale)
-        # A pointer whose variant is off is never read; it gets a real array, never null. The
-        # layer's arrays (None here), a run's scales and sinks go in at each run; the scales
-        # here are those of 1.0 (a cache that is not fp8 never reads them).
-        slopes = partial_lse if variants.alibi_slopes is None else variants.alibi_slopes
+        # The layer's arrays (None here), a run's scales and sinks go in at each run.
         args = PrefillArgs(
             out=None,
             partial_out=partial_out,
@@ -295,12 +292,7 @@ class PrefillPlan:
             causal=np.int32(causal),
             partition_tokens=np.int32(launch.partition_tokens),
             num_splits=np.int32(launch.num_splits),
-            scale=np.float32(scale),
-            **kv_scale_args(xp, dtype, num_kv_heads, None, None).named(),
-            window_left=np.int32(variants.window_left),
-            soft_cap=np.float32(variants.logits_soft_cap),
-            alibi_slopes=slopes,
-            sinks=partial_lse,
+            **planned_tail(xp, dtype, head_dim, num_kv_heads, scale, variants, partial_lse),
         )
         self._fill = args.filler()
         self._merge = None
