@@ -70,6 +70,7 @@ class Planner:
         # array with a Python int converts the int at every operation.
         self._bs32 = np.array(table.block_size, np.int32)
         self._bs_less1 = np.array(table.block_size - 1, np.int32)
+        self._bs_less1p = np.array(table.block_size - 1, np.intp)
         # A power-of-two block size takes offsets with a mask, cheaper than a remainder.
         power_of_two = not table.block_size & (table.block_size - 1)
         self._mask = self._bs_less1 if power_of_two else None
@@ -153,11 +154,15 @@ class Planner:
         bs, bs32 = self.block_size, self._bs32
         small = rows.size <= SMALL_BATCH
         lens = table.lens[rows]
+        width = table.width
+        base = rows * width  # each row's first flat entry (at this width)
         uniform = isinstance(counts, int)
         ends = lens + counts
         writing = None if uniform else counts > 0  # (None: every row writes, or none does)
-        held = (lens + self._bs_less1) // bs32  # cdiv (of non-negative lengths)
-        after = (ends + self._bs_less1) // bs32
+        # Blocks held before and after (cdiv of non-negative lengths), as entry offsets (intp):
+        # they index, repeat and add to ``base`` without a cast each.
+        held = (lens + self._bs_less1p) // bs32
+        after = (ends + self._bs_less1p) // bs32
         # Rows that write into a last block that may be shared: none, mostly (one check).
         flagged = None
         if not uniform or counts:
@@ -166,7 +171,7 @@ class Planner:
                 flagged &= writing
             if not (True in flagged.tolist() if small else np.count_nonzero(flagged)):
                 flagged = None  # (none to copy, none to unshare)
-        copies = None if flagged is None else self._copies(rows, flagged, held)
+        copies = None if flagged is None else self._copies(flagged, base + held, small)
         need = after - held if copies is None else after - held + copies[0]
         total = sum(need.tolist()) if small else int(need.sum())
         if total > pool.num_free:
@@ -188,9 +193,12 @@ class Planner:
         if total:
             # The rows' new widest, and the spare column.
             table.make_room(max(after.tolist()) if small else int(after.max()))
+            if table.width != width:  # (widened)
+                width = table.width
+                base = rows * width
             # Each row's entries from its copied last block (if any) on, in the order the blocks
             # were taken: one run per row, the new blocks in order.
-            first = rows * table.width + (held if copies is None else held - copies[0])
+            first = base + (held if copies is None else held - copies[0])
             ahead = None  # blocks taken for the rows before (one row: none)
             if rows.size > 1:
                 ahead = need.cumsum() - need
@@ -204,27 +212,29 @@ class Planner:
         if flagged is not None:
             unshare = rows if uniform else rows[writing]
         table.grow(rows, lens, ends, at, new, unshare)
+        if table.width != width:  # (widened for the spare column)
+            width = table.width
+            base = rows * width
         if copies is not None:  # never the last reference (see _copies): none goes to the pool
             pool.add_refs(copies[1], -copies[2])
         flat = table.flat
         offset = None  # (of one token each: where it goes in its block)
         if uniform and counts == 1:
             offset = lens % bs32
-            slots = flat[rows * table.width + lens // bs32] * bs32 + offset
+            slots = flat[base + lens // bs32] * bs32 + offset
         elif uniform and not counts:
             slots = NO_SLOTS
         elif uniform:  # [rows, counts] positions
             steps = self.offsets[:counts] if counts <= bs else np.arange(counts, dtype=np.int32)
-            column, offset_in = np.divmod(lens[:, None] + steps, bs32)
-            column += (rows * table.width)[:, None]
-            slots = flat[column]
+            pos = lens[:, None] + steps
+            slots = flat[pos // bs32 + base[:, None]]  # (two operations beat one divmod)
             slots *= bs32
-            slots += offset_in
+            slots += pos % bs32
             slots = slots.reshape(-1)
         else:
             ahead = counts.cumsum() - counts  # tokens of the rows before
             pos = (lens - ahead).repeat(counts) + np.arange(int(ahead[-1] + counts[-1]))
-            first = (rows * table.width).repeat(counts)
+            first = base.repeat(counts)
             slots = (flat[first + pos // bs] * bs + pos % bs).astype(np.int32)
         if registering:
             chains.extend(rows, offset, counts, tokens, keys)
@@ -296,12 +306,12 @@ class Planner:
         return blocks, NO_SLOTS, NO_SLOTS
 
     def _copies(
-        self, rows: np.ndarray, flagged: np.ndarray, held: np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        self, flagged: np.ndarray, ends: np.ndarray, small: bool
+    ) -> tuple[np.ndarray, Any, Any] | None:
         """Per row, 1 where the write lands in a partly filled last block that another sequence
         still holds (copy it first), else 0, with the copied blocks and how many rows copy each
-        (``flagged``: the writing rows whose ``shared`` flag is set, some); ``None`` when no row
-        copies.
+        (one block: two ints; ``flagged``: the writing rows whose ``shared`` flag is set, some;
+        ``ends``: each row's flat entry past its last block); ``None`` when no row copies.
 
         Forked siblings of one batch that share a block are counted exactly: with ``r``
         references, the first ``r - 1`` writers (in batch order) copy, and a last writer from the
@@ -313,7 +323,7 @@ class Planner:
         if self.pool.num_held:  # copies still to read some blocks hold references: no sharers
             refcount = refcount - self.pool.held_refs
         # (A flagged row's last block is partly filled: a write clears the flag.)
-        last = table.flat[(rows * table.width + held - 1)[partial]]
+        last = table.flat[ends[partial] - 1]
         refs = refcount[last]
         shared = refs > 1
         sharing = np.count_nonzero(shared)
@@ -321,13 +331,17 @@ class Planner:
             return None
         if sharing < partial.size:
             partial, last, refs = partial[shared], last[shared], refs[shared]
-        copy = np.zeros(rows.size, np.int64)
-        if last.min() == last.max():  # mostly: forks of one sequence, one block
+        copy = np.zeros(flagged.size, np.int64)
+        if small:
+            one_block = len(set(last.tolist())) == 1
+        else:
+            one_block = last.min() == last.max()
+        if one_block:  # mostly: forks of one sequence, one block
             holders, writers = refs.item(0), last.size
             # A holder outside the batch stays: all copy; else the first r - 1 writers.
             copying = writers if holders > writers else holders - 1
             copy[partial[:copying]] = 1
-            return copy, last[:1].astype(np.intp), np.array([copying])
+            return copy, last.item(0), copying
         blocks, writers = grouped(last)
         if np.count_nonzero(writers < refcount[blocks]) == blocks.size:
             copy[partial] = 1  # a holder outside the batch stays for every block: all copy
