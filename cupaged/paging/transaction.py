@@ -14,11 +14,11 @@ The rules that make it hold at *any* moment, an interrupt between two bytecodes 
 2. **Rollback is resumable.** Records are undone newest first and dropped only once undone. A
    rollback that a second interrupt cuts short is taken up again at once (a few times), and
    whatever is left then is finished by the next entry (any thread's) before anything else.
-3. **The commit is one C call** (``log.clear()``) in the frame of :func:`atomic`, right after
-   the method returns: an interrupt lands before it (the call is undone) or after it (the
-   call's work stands), never inside. :func:`run_atomically` is the same lines for a function
-   rather than a method; they are written twice, not shared, because a shared helper would be
-   one more Python frame on every call of the bookkeeping.
+3. **The commit is one C call** (``log.clear()``) in the frame of :func:`run_atomically`,
+   right after the call's function returns: an interrupt lands before it (the call is undone)
+   or after it (the call's work stands), never inside. An :func:`atomic` method runs through
+   it too: one Python frame more per call than a copy of these lines would cost, which the
+   per-token path does not pay (``step``'s one-token fast path runs before any transaction).
 4. **The guard is one atomic claim** (``dict.setdefault`` of ``(thread, frame of the entry)``:
    one C call under the GIL), and ``depth`` says whether a call of the claiming thread is
    running. Python runs a signal's handler where it checks for pending calls: at a function's
@@ -174,8 +174,8 @@ class Transaction:
         finish first what an interrupted call left to undo.
 
         ``opener`` is the frame entering: the claim holds it while it is on the stack. The new
-        call's body, whose calls join it, is the method that :func:`atomic`'s frame calls, the
-        function that :func:`run_atomically`'s frame calls, or else ``opener`` itself (the frame
+        call's body, whose calls join it, is the function that :func:`run_atomically`'s frame
+        calls (an :func:`atomic` method's included), or else ``opener`` itself (the frame
         running a ``with`` block).
 
         Returns:
@@ -290,8 +290,8 @@ class Transaction:
 
     def _made_by_a_body(self, caller: Any, claim: tuple[Any, ...]) -> bool:
         """Whether ``caller`` is the body of an open call (``claim``'s, or one that joined it):
-        the frame that runs its ``with`` block, or the method (function) that its
-        :func:`atomic` (:func:`run_atomically`) frame called. (Rare: read off the frames.)"""
+        the frame that runs its ``with`` block, or the function (an :func:`atomic` method) that
+        its :func:`run_atomically` frame called. (Rare: read off the frames.)"""
         # (a forwarder called from the body, or a comprehension in it, is the body's)
         while caller.f_code in _FORWARDERS or caller.f_code.co_name in _COMPREHENSIONS:
             caller = caller.f_back
@@ -299,9 +299,8 @@ class Transaction:
         openers += [joined[0] for joined in self._bodies]
         for opener in openers:
             code = opener.f_code
-            if code is _ATOMIC_CODE or code is _RUN_CODE:
-                local = "method" if code is _ATOMIC_CODE else "function"
-                body = getattr(opener.f_locals[local], "__code__", None)
+            if code is _RUN_CODE:
+                body = getattr(opener.f_locals["function"], "__code__", None)
                 if caller.f_back is opener and caller.f_code is body:
                     return True
             elif caller is opener:
@@ -320,14 +319,22 @@ class Transaction:
         self._unfinished = False
 
 
-def run_atomically(transaction: Transaction, function: Callable[..., Any], *args: Any) -> Any:
-    """``function(*args)`` as one call inside ``transaction`` (a public call whose fast path runs
-    before it): what :func:`atomic` does for a whole method, committed the same way. Made from
-    the body of an open call, it joins that call."""
+def run_atomically(
+    transaction: Transaction, function: Callable[..., Any], *args: Any, **kwargs: Any
+) -> Any:
+    """``function(*args, **kwargs)`` as one call inside ``transaction`` (a public call whose
+    fast path runs before it, and every :func:`atomic` method). Made from the body of an open
+    call, it joins that call.
+
+    The commit is ``log.clear()`` in this frame, right after the function returns: one C call,
+    so an interrupt lands before it (the call is undone) or after it (the call's work stands),
+    never inside. (A ``with`` block would commit in ``__exit__``, and an interrupt at the first
+    instruction of ``__exit__`` would leave the call neither committed nor undone.)
+    """
     if transaction.enter(_getframe()):
         try:
-            result = function(*args)
-            transaction.log.clear()  # the commit (see atomic)
+            result = function(*args, **kwargs)
+            transaction.log.clear()  # the commit
         except BaseException:
             transaction.abort()
             raise
@@ -335,7 +342,7 @@ def run_atomically(transaction: Transaction, function: Callable[..., Any], *args
             transaction.leave()
         return result
     try:  # joined: the open call commits it
-        return function(*args)
+        return function(*args, **kwargs)
     except BaseException:
         transaction.abort_joined()
         raise
@@ -344,35 +351,13 @@ def run_atomically(transaction: Transaction, function: Callable[..., Any], *args
 
 
 def atomic(method: Callable[..., Any]) -> Callable[..., Any]:
-    """Run a public method of an owner of ``self._transaction`` as one transaction; called from
-    the body of an open call of that transaction, it joins the open call.
-
-    The commit is ``log.clear()`` in this frame, right after the method returns: one C call, so
-    an interrupt lands before it (the call is undone) or after it (the call's work stands),
-    never inside. (A ``with`` block would commit in ``__exit__``, and an interrupt at the first
-    instruction of ``__exit__`` would leave the call neither committed nor undone.)
-    """
+    """Run a public method of an owner of ``self._transaction`` as one transaction
+    (:func:`run_atomically`); called from the body of an open call of that transaction, it
+    joins the open call."""
 
     @functools.wraps(method)
     def call(self: Any, *args: Any, **kwargs: Any) -> Any:
-        transaction = self._transaction
-        if transaction.enter(_getframe()):
-            try:
-                result = method(self, *args, **kwargs)
-                transaction.log.clear()  # the commit
-            except BaseException:
-                transaction.abort()
-                raise
-            finally:
-                transaction.leave()
-            return result
-        try:  # joined: the open call commits it
-            return method(self, *args, **kwargs)
-        except BaseException:
-            transaction.abort_joined()
-            raise
-        finally:
-            transaction.unjoin()
+        return run_atomically(self._transaction, method, self, *args, **kwargs)
 
     return call
 
@@ -385,7 +370,7 @@ def forwards(function: Callable[..., Any]) -> Callable[..., Any]:
     return function
 
 
-_ATOMIC_CODE = atomic(lambda self: None).__code__  # the frame of every atomic method's entry
-_RUN_CODE = run_atomically.__code__
-# How far below an entry's frame the frame that made the call is (a ``with`` block's: 0).
-_ENTRY_DEPTH = {_ATOMIC_CODE: 1, _RUN_CODE: 2}
+_RUN_CODE = run_atomically.__code__  # the frame of every atomic call's entry
+# How far below an entry's frame the frame that made the call is (a ``with`` block's: 0; below
+# run_atomically, the public method or atomic's ``call`` that called it, then its caller).
+_ENTRY_DEPTH = {_RUN_CODE: 2}
