@@ -411,10 +411,8 @@ class BlockManager:
         Returns:
             The :class:`StepPlan`.
         """
-        # The one-store path, unless a call is inside already (it would refuse: `append`).
-        one = type(sids) is int and type(num_tokens) is int and num_tokens == 1
-        if one and not tables and not self._transaction.depth:
-            slot = self._one_token(sids, tokens)
+        if type(sids) is int and type(num_tokens) is int and num_tokens == 1 and not tables:
+            slot = None if self._transaction.depth else self._one_token(sids, tokens)
             if slot is not None:
                 return StepPlan(slot, NO_SLOTS, NO_SLOTS, 1, 1)
         return run_atomically(
