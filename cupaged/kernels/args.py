@@ -171,7 +171,8 @@ class PlanDecodeArgs(NamedTuple):
 
 # The layer's methods of the attention records (``filled`` and ``filler`` of DecodeArgs and
 # PrefillArgs, of their merges), written once: each finds its record's field positions by the
-# record's type in _LAYER_AT or _MERGE_AT (at the end, read from the names).
+# record's type in _LAYER_AT or _MERGE_AT (at the end, read from the names); a filler, once, at
+# plan time.
 
 
 def _layer_filled(
@@ -186,9 +187,22 @@ def _layer_filled(
     """The arguments of one layer's launch: this record with the layer's arrays in their
     places, and its scales and sinks when given (else the record's)."""
     at, scales_at = _LAYER_AT[type(record)]
+    return _fill_layer(record, at, scales_at, out, q, k_cache, v_cache, scales, sinks)
+
+
+def _fill_layer(
+    record: Any,
+    at: Any,
+    scales_at: slice,
+    out: Any,
+    q: Any,
+    k: Any,
+    v: Any,
+    scales: Any,
+    sinks: Any,
+) -> tuple:
     args = list(record)
-    args[at.out], args[at.q] = out, q
-    args[at.k_cache], args[at.v_cache] = k_cache, v_cache
+    args[at.out], args[at.q], args[at.k_cache], args[at.v_cache] = out, q, k, v
     if scales is not None:
         args[scales_at] = scales
     if sinks is not None:
@@ -200,7 +214,7 @@ def _layer_filler(record: Any) -> Callable[..., tuple]:
     """``fill(out, q, k_cache, v_cache, scales=None, sinks=None)``: :meth:`filled`, with
     the common run (no scales, no sinks) made fast: ``out``, the record's fields up to ``q``,
     then ``q``, ``k_cache``, ``v_cache`` and the rest."""
-    at, _ = _LAYER_AT[type(record)]
+    at, scales_at = _LAYER_AT[type(record)]
     between, after = record[at.out + 1 : at.q], record[at.v_cache + 1 :]
 
     def fill(
@@ -208,30 +222,33 @@ def _layer_filler(record: Any) -> Callable[..., tuple]:
     ) -> tuple:
         if scales is None and sinks is None:
             return (out, *between, q, k_cache, v_cache, *after)
-        return _layer_filled(record, out, q, k_cache, v_cache, scales, sinks)
+        return _fill_layer(record, at, scales_at, out, q, k_cache, v_cache, scales, sinks)
 
     return fill
 
 
 def _merge_filled(record: Any, out: Any, sinks: Any = None) -> tuple:
     """The arguments of one layer's merge: the layer's output, and its sinks when given."""
-    at = _MERGE_AT[type(record)]
+    return _fill_merge(record, _MERGE_AT[type(record)].sinks, out, sinks)
+
+
+def _fill_merge(record: Any, sinks_at: int, out: Any, sinks: Any) -> tuple:
     args = list(record)
-    args[at.out] = out
+    args[0] = out  # (a merge's output leads: asserted below)
     if sinks is not None:
-        args[at.sinks] = sinks
+        args[sinks_at] = sinks
     return tuple(args)
 
 
 def _merge_filler(record: Any) -> Callable[..., tuple]:
     """``fill(out, sinks=None)``: :meth:`filled`, with a run without sinks made fast (the
     output leads: ``out`` and the record's others)."""
-    rest = record[1:]
+    rest, sinks_at = record[1:], _MERGE_AT[type(record)].sinks
 
     def fill(out: Any, sinks: Any = None) -> tuple:
         if sinks is None:
             return (out, *rest)
-        return _merge_filled(record, out, sinks)
+        return _fill_merge(record, sinks_at, out, sinks)
 
     return fill
 
