@@ -42,7 +42,7 @@
 
 namespace cupaged {
 
-constexpr int kPlanMaxThreads = 256;  // the launch table (cupaged/kernels/launch.py) uses at most this
+constexpr int kPlanMaxThreads = 256;  // the launch table (cupaged/kernels/launch_decode.py) uses at most this
 constexpr long long kWholeSequence = 2147483647;  // a chunk no int length exceeds: 2^31 - 1
 
 // Items of a sequence of `len` attended tokens (at least 1), at most 2^31 / chunk + 1.

@@ -118,7 +118,7 @@ __device__ __forceinline__ void load_unit_as_float(const KV* p, float* out) {
 }
 
 // The thread-block layout of one instantiation (see the header); the launch table
-// (cupaged/kernels/launch.py, decode_launch) picks BDX, BDY, BDZ, TPZ and STAGES and passes them as
+// (cupaged/kernels/launch_decode.py, decode_launch) picks BDX, BDY, BDZ, TPZ and STAGES and passes them as
 // template arguments, so nothing is kept equal by hand between Python and CUDA.
 template <typename T, int HEAD_DIM, int CHUNK, int BDX, int BDY, int BDZ, int TPZ, int STAGES,
           typename KV = T>

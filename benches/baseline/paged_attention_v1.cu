@@ -38,7 +38,7 @@
 
 namespace cupaged {
 
-constexpr int kDecodeThreads = 128;  // the launch table (cupaged/kernels/launch.py) uses the same value
+constexpr int kDecodeThreads = 128;  // the launch table (cupaged/kernels/launch_decode.py) uses the same value
 constexpr int kWarps = kDecodeThreads / 32;
 constexpr int kLanesPerDot = 8;  // lanes that share one (query head, token) dot product
 constexpr int kUnroll = 4;       // independent 16-byte loads in flight per thread

@@ -1,6 +1,7 @@
 """How many OS threads run a CPU launch: the CPU backend's own policy.
 
-The launch table (``cupaged/kernels/launch.py``) gives every kernel its CUDA geometry, grid and block.
+The launch tables (``cupaged/kernels/launch_*.py``) give every kernel its CUDA geometry, grid
+and block.
 How a launch's thread blocks are spread over the host's OS threads is the CPU backend's business
 alone, and is decided here. The *workers* of a launch are the calling thread and helper threads of
 the runtime's pool (``csrc/runtime.h``); each takes whole blocks from a shared counter, so a
