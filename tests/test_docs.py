@@ -9,6 +9,7 @@ the ``docs`` extra (Sphinx, furo, MyST) and is skipped without it.
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import re
 import subprocess
@@ -167,3 +168,51 @@ def test_code_blocks_fit_the_text_column(page):
         f"expected code lines of at most {CODE_COLUMNS} characters in {page.name}, got "
         f"(line, length) {wide}"
     )
+
+
+# ---- module paths the docs name ---------------------------------------------------------------
+
+DOTTED = re.compile(r"\bcupaged(?:\.[A-Za-z_]\w*)+")
+SOURCE_PATH = re.compile(r"`(cupaged/[\w/.*]+)`")
+CHANGELOG = DOCS / "changelog.md"
+
+
+def _named_paths(text: str) -> set[str]:
+    return set(DOTTED.findall(text)) | set(SOURCE_PATH.findall(text))
+
+
+def _resolves(name: str) -> bool:
+    """A ``cupaged/...`` path (globs allowed) exists, or a dotted name is a module, or a module's
+    attribute (imported: what ``{mod}``/``{func}`` roles resolve)."""
+    if "/" in name:
+        return any(ROOT.glob(name.rstrip("/")))
+    parts = name.split(".")
+    for cut in range(len(parts), 0, -1):
+        module = ".".join(parts[:cut])
+        try:
+            if importlib.util.find_spec(module) is None:
+                continue
+        except ModuleNotFoundError:  # a parent that is a module, not a package
+            continue
+        target = importlib.import_module(module)
+        for attribute in parts[cut:]:
+            if not hasattr(target, attribute):
+                return False
+            target = getattr(target, attribute)
+        return True
+    return False
+
+
+@pytest.mark.parametrize(
+    "page",
+    [p for p in [*PAGES, DOCS / "api.rst", ROOT / "README.md"] if p != CHANGELOG],
+    ids=lambda p: p.name,
+)
+def test_every_module_path_the_docs_name_exists(page):
+    """A page names only modules, files and attributes that exist, or the old paths the
+    changelog lists (where a page says what moved): a module move that a page missed fails."""
+    old = _named_paths(CHANGELOG.read_text())
+    missing = sorted(
+        name for name in _named_paths(page.read_text()) - old if not _resolves(name.rstrip(".,"))
+    )
+    assert not missing, f"expected existing modules and paths in {page.name}, got {missing}"
