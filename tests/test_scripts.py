@@ -209,7 +209,7 @@ def _host_shape():
     return module
 
 
-HOST_SHAPE_MODULE = '''\
+HOST_SHAPE_MODULE = """\
 import ctypes
 import dataclasses
 import heapq
@@ -234,7 +234,7 @@ class Writer:
 
     def run(self, table, chain, rows, lib, record):
         {body}
-'''
+"""
 # Fields that "some class of the package" keeps a container in (container_fields' answer).
 CONTAINERS = {"lens", "keys", "mapping", "items", "heap", "free_rows"}
 
