@@ -76,9 +76,10 @@ class _Undo:
         :meth:`_restore`: their entries, ids and cached counts, the free-row list and
         ``next_id``. ``acquiring``: the rows are the free ones taken next: empty, so nothing of
         them is saved."""
-        mark = len(self.free_rows)
+        mark = self._free_mark()
         if acquiring:
-            return rows, None, mark, self.free_rows[mark - rows.size :], self.next_id, None
+            taken = self.free_rows[len(self.free_rows) - rows.size :]
+            return rows, None, mark, taken, self.next_id, None
         cached = self.cached
         if isinstance(rows, np.ndarray):  # (fancy indexing copies already)
             snapshot = tuple(array[rows] for array in self._row_arrays())
@@ -123,13 +124,13 @@ class _Undo:
                     self.rows[sid] = row
             self.cached.update(cached)
         self.version[rows] = self.clock  # batches refresh these rows
-        del self.free_rows[mark - len(taken) :]
+        del self.free_rows[mark + self.tables.shape[0] - len(taken) :]
         self.free_rows += taken
         self.next_id = next_id
         self.epoch += 1  # residency may change back (after the change: see `epoch`)
 
     def _unacquire(self, row: int, mark: int, sid: int) -> None:
-        """Undo of :meth:`acquire` of ``sid`` into free ``row`` (``mark``: the free-row count
+        """Undo of :meth:`acquire` of ``sid`` into free ``row`` (``mark``: :meth:`_free_mark`
         before): the row is empty and free again."""
         if self.rows.get(sid) == row:
             del self.rows[sid]
@@ -138,10 +139,16 @@ class _Undo:
         self.sids[row] = self.live[row] = -1
         self.shared[row] = self.pending[row] = False
         self.version[row] = self.clock
-        del self.free_rows[mark - 1 :]
+        del self.free_rows[mark + self.tables.shape[0] - 1 :]
         self.free_rows.append(row)
         self.next_id = sid
         self.epoch += 1  # a sequence stopped being one (after the change: see `epoch`)
+
+    def _free_mark(self) -> int:
+        """Where the free-row list ends now, counted back from the table's row count: growing
+        the rows puts the new ones at the list's head (taken last), which moves its end and the
+        row count alike, so a later rollback in the same call finds the same place."""
+        return len(self.free_rows) - self.tables.shape[0]
 
     def _ungrow(self, rows: Any, lens: Any, at: Any, old: Any, width: int, unshare: Any,
                 shared: Any) -> None:  # fmt: skip
@@ -307,7 +314,7 @@ class SequenceTable(_Undo):
         if not self.free_rows:
             self._grow_rows(2 * self.tables.shape[0])  # (no undo: growing keeps every row)
         sid, row = self.next_id, self.free_rows[-1]
-        self._log.append((self._unacquire, row, len(self.free_rows), sid))
+        self._log.append((self._unacquire, row, self._free_mark(), sid))
         self.free_rows.pop()
         self.sids[row] = self.live[row] = sid
         self.version[row] = self.clock

@@ -1,0 +1,45 @@
+"""A rollback across a growth of the sequence table's rows gives every row back.
+
+Growing the rows puts the new free rows at the head of the free-row list; the undo records of
+the verbs made before the growth in the same call must still find their place in that list.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from helpers import internals
+
+from cupaged import BlockManager
+
+
+@pytest.mark.parametrize("last", ["add_sequence", "fork_many"])
+def test_a_rolled_back_call_that_grew_the_rows_keeps_every_row(last):
+    rng = np.random.default_rng()
+    m = BlockManager(256, 4, device="cpu")
+    table = internals(m).table
+    parent = m.add_sequence()
+    m.step(parent, int(rng.integers(1, 9)))
+    while True:  # fill the table's rows but one (the table starts with some free)
+        sid = m.add_sequence()
+        if not table.free_rows:  # (the add that took the last row: give it back)
+            m.free(sid)
+            break
+    rows_before = table.tables.shape[0]
+    ids_before = sorted(m.sequence_ids)
+    with pytest.raises(RuntimeError, match="undo"):
+        with m.transaction():
+            m.add_sequence()  # the last free row
+            if last == "add_sequence":
+                m.add_sequence()  # grows the rows
+            else:
+                m.fork_many(parent, int(rng.integers(2, 5)))  # grows the rows
+            assert table.tables.shape[0] > rows_before, "expected the rows to grow"
+            raise RuntimeError("undo the block")
+    assert sorted(m.sequence_ids) == ids_before
+    m.check_invariants()  # every row is free or in use, none twice
+    rows = table.tables.shape[0]
+    for _ in range(rows - len(ids_before)):  # every free row can be taken again
+        m.add_sequence()
+    assert table.tables.shape[0] == rows, "expected the rows freed by the rollback reused"
+    m.check_invariants()
