@@ -458,8 +458,11 @@ class SequenceTable(_Undo):
         """Rows hold one more block each (at most): the spare column again (see held_bound)."""
         self.held_bound += 1
         if self.held_bound + 1 > self.tables.shape[1]:
-            self.held_bound = 0  # the true maximum over all rows, then widen if needed
-            self.make_room(cdiv(int(self.lens.max()), self.block_size))
+            # The true maximum over all rows, then widen if needed, and only then the lower
+            # bound stored: an interrupt before leaves the old one (an upper bound still).
+            held = cdiv(int(self.lens.max()), self.block_size)
+            self.make_room(held)
+            self.held_bound = held
 
     def release_leading(
         self, rows: np.ndarray, start: np.ndarray, stop: np.ndarray, at: np.ndarray

@@ -43,3 +43,25 @@ def test_a_rolled_back_call_that_grew_the_rows_keeps_every_row(last):
         m.add_sequence()
     assert table.tables.shape[0] == rows, "expected the rows freed by the rollback reused"
     m.check_invariants()
+
+
+def test_an_interrupt_while_the_table_widens_keeps_a_spare_column():
+    """``held_bound`` (what decode steps trust for the spare column) stays an upper bound when
+    Ctrl-C lands while a step widens the table: a decode step never writes past a row."""
+    from test_interrupts import interrupted_at
+
+    rng = np.random.default_rng()
+    m = BlockManager(400, 1, device="cpu")
+    sids = [m.add_sequence() for _ in range(int(rng.integers(2, 5)))]
+    batch = m.batch(sids)
+    table = internals(m).table
+    width = table.width
+    with interrupted_at("make_room", "if held > self.held_bound:"):  # (reached by widening)
+        for _ in range(2 * width):
+            m.step(batch)
+    tables = [m.block_table(sid) for sid in sids]
+    for _ in range(2 * width):  # the decode path writes each new block into the spare column
+        m.step(batch)
+        m.check_invariants()
+    after = [m.block_table(sid)[: len(before)] for sid, before in zip(sids, tables, strict=True)]
+    assert after == tables, f"expected the blocks held before kept, got {after} for {tables}"
