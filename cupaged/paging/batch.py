@@ -96,8 +96,12 @@ class SequenceBatch:
         # (a later replace may refuse an id spuriously, never accept a duplicate).
         self._members.add(sid)
         self._replaced.append(position)
+        # The rows as a new array, not changed in place: the undo records of an open
+        # ``with transaction():`` block's steps hold the old one (a rollback restores those rows).
+        rows = self._rows.copy()
+        rows[position] = row
         self._sids[position] = sid
-        self._rows[position] = row
+        self._rows = rows
         if self._bases_width:
             self._bases[position] = row * self._bases_width
         if old != sid:

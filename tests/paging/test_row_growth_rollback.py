@@ -1,7 +1,8 @@
-"""A rollback across a growth of the sequence table's rows gives every row back.
+"""Rollbacks that must restore the sequence table exactly.
 
 Growing the rows puts the new free rows at the head of the free-row list; the undo records of
-the verbs made before the growth in the same call must still find their place in that list.
+the verbs made before the growth in the same call must still find their place in that list. A
+step's undo names its rows: a batch replaced later in the same block must not move them.
 """
 
 from __future__ import annotations
@@ -65,3 +66,24 @@ def test_an_interrupt_while_the_table_widens_keeps_a_spare_column():
         m.check_invariants()
     after = [m.block_table(sid)[: len(before)] for sid, before in zip(sids, tables, strict=True)]
     assert after == tables, f"expected the blocks held before kept, got {after} for {tables}"
+
+
+def test_a_rolled_back_step_of_a_batch_replaced_in_the_block_restores_its_rows():
+    """A step's undo names the rows it grew: a ``replace`` later in the same block must not
+    move them (the rollback would shrink the newcomer and leave the stepped row grown)."""
+    rng = np.random.default_rng()
+    m = BlockManager(64, 4, device="cpu")
+    stepped = [m.add_sequence() for _ in range(3)]
+    newcomer = m.add_sequence()
+    m.step(newcomer, int(rng.integers(1, 9)))
+    batch = m.batch(stepped)
+    ids = [*stepped, newcomer]
+    before = [(m.seq_len(s), m.block_table(s)) for s in ids]
+    with pytest.raises(RuntimeError, match="undo"):
+        with m.transaction():
+            m.step(batch)
+            batch.replace(int(rng.integers(0, 3)), newcomer)
+            raise RuntimeError("undo the block")
+    after = [(m.seq_len(s), m.block_table(s)) for s in ids]
+    assert after == before, f"expected (length, blocks) {before} after the rollback, got {after}"
+    m.check_invariants()
