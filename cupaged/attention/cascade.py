@@ -1,0 +1,303 @@
+"""Cascade decode: a prefix that several rows of a step share is read once for all of them.
+
+Decode is bound by the K/V bytes it reads, and rows that share leading blocks (forks for parallel
+sampling and beam search, prompts that hit the prefix cache, a GRPO group of one prompt) read the
+same blocks again, row after row. The block tables say which: the same block id at the same
+position of two rows is one block (a block's contents at a position are fixed by what precedes
+it; ``PagedCache`` shares a block only through a fork or the prefix cache). So the shared part of
+a step is a tree of block ids, found here from the tables alone, with no token compared::
+
+    rows   blocks (ids)                 the tree's nodes (tokens, block_size 4)
+    0      7  8  9 | 11 12              {0, 1, 2}: [0, 12)         read once for three rows
+    1      7  8  9 | 11 13              {0, 1}:    [12, 16)        read once for two rows
+    2      7  8  9 | 14                 own:  row 0 [16, len0), row 1 [16, len1), row 2 [12, len2)
+    3      5  6                         own:  row 3 [0, len3)
+
+Each node's range is attended by every member's query at once (``cuda/cascade.cu``: the members'
+query heads are the rows of tensor-core products over each K/V tile, read once per tile of
+``rows_per_tile`` query rows), each row's own ranges by ``paged_decode`` as items of the work
+list, and the pieces of a row, its nodes and its own items, are merged by their log-sum-exp
+(``paged_decode_merge``): the softmax of a row over the union of disjoint key ranges is their
+partial softmaxes weighted by ``exp(lse - max lse)``. A row's pieces take consecutive slots of the
+work list (its ``seq_items``), those of its nodes marked idle (``seq = -1``) for ``paged_decode``,
+whose partial rows the shared level writes instead::
+
+    slots     0      1      2      3      4      5  ...
+    row 0     node0  node1  own                             seq_items[0] = {0, 3}
+    row 1                          node0  node1  own        seq_items[1] = {3, 3}
+
+When a node pays: per KV head, a node of ``n`` rows and ``L`` tokens costs the plain plan
+``n * L`` token rows of K and V (``2 * head_dim`` elements each); the cascade reads them once per
+tile of query rows, ``ceil(n * G / rows_per_tile) * L``, and adds, per member and per piece of the
+node, a partial row and its log-sum-exp written and read back (``G * (head_dim + 1)`` float32
+values, twice). A node is taken when that is fewer bytes; a step takes cascade (``cascade=None``)
+when the nodes it takes save at least :data:`MIN_SAVED_BYTES` per layer, about what one more
+kernel launch costs in DRAM time, and never when no row shares a block (the plain plan, as
+before). The plan counts both figures (:attr:`CascadeWork.bytes_read`, ``bytes_plain``).
+
+Window, soft-cap, ALiBi, sinks and fp8 keep their meaning: the shared level masks each row's keys
+before its own window and applies soft-cap and ALiBi with the row's own query position; sinks
+join the merge's denominator once; fp8 scales are applied as ``paged_decode`` applies them, so
+every piece is merged alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .._util import cdiv
+
+# A step takes cascade (cascade=None) when it saves at least this many bytes of K/V per layer: a
+# launch more (the shared level) costs a few microseconds of a GPU's time, in which an H100 or
+# H200 reads about this much.
+MIN_SAVED_BYTES = 8 << 20
+
+# A shared node is cut into pieces of at least this many tokens to fill the GPU (each piece is
+# one more partial row per member, merged; as MIN_SPLIT_TOKENS for split-K).
+MIN_SHARED_PIECE = 512
+
+
+@dataclass(frozen=True, slots=True)
+class Node:
+    """Rows that share every block of a token range: ``rows`` (int64, ascending) attend keys
+    ``[begin, end)`` through the same block ids."""
+
+    rows: np.ndarray
+    begin: int
+    end: int
+
+    @property
+    def tokens(self) -> int:
+        return self.end - self.begin
+
+
+def first_attended(lens: np.ndarray, window_left: int) -> np.ndarray:
+    """The first key each row's query attends (int64): 0, or ``len - 1 - window_left``."""
+    lens = lens.astype(np.int64)
+    if window_left < 0:
+        return np.zeros_like(lens)
+    return np.maximum(lens - 1 - window_left, 0)
+
+
+def shared_nodes(
+    tables: np.ndarray, lens: np.ndarray, block_size: int, window_left: int = -1
+) -> list[Node]:
+    """The tree of shared ranges of a step, as a list of nodes, parents before children.
+
+    Rows are grouped by the id of their first block, then each group is extended block by block
+    while every member holds the same id and the block lies within every member's length (the
+    shortest member ends the node, mid-block if its length does: a partial block is shared up to
+    there); the members that go on are grouped again by their next id. A group of one row shares
+    nothing. Ids below 0 (a window's released entries) are never shared. With a window, a node
+    starts at the first key any member attends (the kernel masks the others' earlier keys), and
+    a node no member attends is dropped.
+
+    Args:
+        tables: ``[num_rows, max_blocks]`` int host array, entries past a row's length ignored.
+        lens: ``[num_rows]`` int host array, each in ``[0, max_blocks * block_size]``.
+        block_size: tokens per block.
+        window_left: the plan's window (``-1``: none).
+    """
+    lens = np.asarray(lens, dtype=np.int64)
+    tables = np.asarray(tables)
+    first = first_attended(lens, window_left)
+    nodes: list[Node] = []
+    if tables.shape[0] < 2:
+        return nodes
+    live = np.flatnonzero(lens > 0)
+    pending: list[tuple[np.ndarray, int]] = [(live, 0)]  # rows sharing every block before t
+    while pending:
+        rows, t = pending.pop()
+        column = t // block_size
+        ids = tables[rows, column]
+        order = np.argsort(ids, kind="stable")
+        rows, ids = rows[order], ids[order]
+        cuts = np.flatnonzero(ids[1:] != ids[:-1]) + 1
+        for part, part_ids in zip(np.split(rows, cuts), np.split(ids, cuts), strict=True):
+            if part.size < 2 or part_ids[0] < 0:
+                continue
+            shortest = int(lens[part].min())
+            columns = tables[part, column : cdiv(shortest, block_size)]
+            differs = np.flatnonzero((columns != columns[0]).any(axis=0))
+            end = shortest if differs.size == 0 else (column + int(differs[0])) * block_size
+            end = min(end, shortest)
+            begin = max(t, int(first[part].min()))
+            if begin < end:
+                nodes.append(Node(part, begin, end))
+            rest = part[lens[part] > end]
+            if rest.size >= 2:
+                pending.append((rest, end))
+    nodes.sort(key=lambda node: (node.begin, int(node.rows[0])))
+    return nodes
+
+
+def node_pays(node: Node, group: int, head_dim: int, kv_bytes: int, rows_per_tile: int) -> int:
+    """Bytes of one KV head that the node saves per layer (negative: it costs), the module
+    docstring's arithmetic: K/V rows not read, less the partial rows written and read back."""
+    members = node.rows.size
+    row_bytes = 2 * head_dim * kv_bytes
+    reads = cdiv(members * group, rows_per_tile)
+    pieces = max(1, node.tokens // MIN_SHARED_PIECE)
+    partials = members * pieces * group * (head_dim + 1) * 4 * 2
+    return (members - reads) * node.tokens * row_bytes - partials
+
+
+@dataclass(frozen=True, slots=True)
+class CascadeWork:
+    """The host plan of a cascade step: every array the kernels read, and the bytes counted.
+
+    Attributes:
+        work: ``[capacity, 4]`` int32 ``paged_decode``'s items ``{seq, begin, end, count}``, the
+            slots of shared pieces idle (``seq = -1``).
+        seq_items: ``[num_rows, 2]`` int32 ``{first, count}``: a row's consecutive slots.
+        tiles: ``[num_tiles, 4]`` int32 ``{first_row, num_rows, begin, end}``: the shared
+            level's thread blocks per KV head; its rows index ``members`` times ``group``.
+        members: ``[num_members, 2]`` int32 ``{seq, slot}``: a piece's rows and where each
+            writes its partial row.
+        bytes_read: K/V bytes the cascade reads per layer (every KV head).
+        bytes_plain: K/V bytes the plain plan reads per layer.
+        nodes: the shared nodes taken.
+    """
+
+    work: np.ndarray
+    seq_items: np.ndarray
+    tiles: np.ndarray
+    members: np.ndarray
+    bytes_read: int
+    bytes_plain: int
+    nodes: tuple[Node, ...]
+
+    @property
+    def capacity(self) -> int:
+        return int(self.work.shape[0])
+
+
+def plan_cascade(
+    tables: np.ndarray,
+    lens: np.ndarray,
+    *,
+    block_size: int,
+    window_left: int,
+    group: int,
+    num_kv_heads: int,
+    head_dim: int,
+    kv_bytes: int,
+    rows_per_tile: int,
+    tile: int,
+    fill_blocks: int,
+    force: bool,
+) -> CascadeWork | None:
+    """The cascade of one step, or ``None`` when it does not pay (``force``: whenever a row
+    shares a block; ``None`` then only when none does).
+
+    Args:
+        tables, lens: the step's host block tables and lengths (:func:`shared_nodes`).
+        block_size, window_left: the cache's.
+        group: query heads per KV head; num_kv_heads, head_dim: the layer's.
+        kv_bytes: bytes of one cache element.
+        rows_per_tile: query rows of one shared-level thread block (its launch's).
+        tile: tokens per stage of the kernels: pieces and items are cut at multiples of it.
+        fill_blocks: thread blocks per KV head that fill the GPU: long shared nodes and long
+            own ranges are cut into pieces until each level has about this many.
+        force: take every node that shares a block (``cascade=True``), paying or not.
+    """
+    lens = np.asarray(lens, dtype=np.int64)
+    num_rows = lens.shape[0]
+    first = first_attended(lens, window_left)
+    row_bytes = 2 * head_dim * kv_bytes * num_kv_heads
+    bytes_plain = int((lens - first).sum()) * row_bytes
+    nodes = shared_nodes(tables, lens, block_size, window_left)
+    if not force:
+        nodes = [n for n in nodes if node_pays(n, group, head_dim, kv_bytes, rows_per_tile) > 0]
+    if not nodes:
+        return None
+
+    # Each row's pieces: its nodes, then its own ranges (the gaps between them).
+    row_nodes: list[list[int]] = [[] for _ in range(num_rows)]
+    for index, node in enumerate(nodes):
+        for row in node.rows:
+            row_nodes[row].append(index)
+    own: list[list[tuple[int, int]]] = []
+    for row in range(num_rows):
+        ranges, at = [], int(first[row])
+        for index in row_nodes[row]:
+            node = nodes[index]
+            if node.begin > at:
+                ranges.append((at, node.begin))
+            at = max(at, node.end)
+        if at < lens[row]:
+            ranges.append((at, int(lens[row])))
+        own.append(ranges)
+
+    shared_tokens = sum(cdiv(n.rows.size * group, rows_per_tile) * n.tokens for n in nodes)
+    own_tokens = sum(e - b for ranges in own for b, e in ranges)
+    bytes_read = (shared_tokens + own_tokens) * row_bytes
+    if not force and bytes_plain - bytes_read < MIN_SAVED_BYTES:
+        return None
+
+    # Pieces of shared nodes: enough to fill the GPU, of at least MIN_SHARED_PIECE tokens.
+    tiles_per_layer = sum(cdiv(n.rows.size * group, rows_per_tile) for n in nodes)
+    cuts = max(1, cdiv(fill_blocks, tiles_per_layer))
+    node_pieces = [_cut(n.begin, n.end, cuts, MIN_SHARED_PIECE, tile) for n in nodes]
+    # Own ranges: the device planner's rule, chunks of the balanced size over the spare items.
+    own_chunk = _round_up(max(256, cdiv(max(own_tokens, 1), max(fill_blocks, 1))), tile)
+    own_items = [[p for b, e in ranges for p in _chunks(b, e, own_chunk)] for ranges in own]
+
+    counts = np.array(
+        [sum(len(node_pieces[i]) for i in row_nodes[r]) + max(len(own_items[r]), 1)
+         for r in range(num_rows)],
+        dtype=np.int64,
+    )  # fmt: skip
+    starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
+    work = np.zeros((int(counts.sum()), 4), np.int32)
+    work[:, 0] = -1
+    slot_of: dict[tuple[int, int, int], int] = {}  # (node, piece, row) -> slot
+    for row in range(num_rows):
+        slot = int(starts[row])
+        for index in row_nodes[row]:
+            for piece in range(len(node_pieces[index])):
+                slot_of[index, piece, row] = slot
+                slot += 1
+        items = own_items[row] or [(int(lens[row]), int(lens[row]))]  # an empty item: count >= 2
+        if not row_nodes[row] and not own_items[row]:
+            items = [(int(first[row]), int(lens[row]))]
+        for begin, end in items:
+            work[slot] = (row, begin, end, counts[row])
+            slot += 1
+    seq_items = np.stack([starts, counts], axis=1).astype(np.int32)
+
+    members, tiles = [], []
+    for index, node in enumerate(nodes):
+        for piece, (begin, end) in enumerate(node_pieces[index]):
+            first_row = len(members) * group
+            members += [(int(row), slot_of[index, piece, int(row)]) for row in node.rows]
+            rows = node.rows.size * group
+            for offset in range(0, rows, rows_per_tile):
+                count = min(rows_per_tile, rows - offset)
+                tiles.append((first_row + offset, count, begin, end))
+    return CascadeWork(
+        work=work,
+        seq_items=seq_items,
+        tiles=np.array(tiles, np.int32).reshape(-1, 4),
+        members=np.array(members, np.int32).reshape(-1, 2),
+        bytes_read=bytes_read,
+        bytes_plain=bytes_plain,
+        nodes=tuple(nodes),
+    )
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return cdiv(n, multiple) * multiple
+
+
+def _cut(begin: int, end: int, pieces: int, least: int, tile: int) -> list[tuple[int, int]]:
+    """``[begin, end)`` in at most ``pieces`` ranges of at least ``least`` tokens (whole tiles),
+    the last one shorter."""
+    size = _round_up(max(least, cdiv(end - begin, pieces)), tile)
+    return _chunks(begin, end, size)
+
+
+def _chunks(begin: int, end: int, size: int) -> list[tuple[int, int]]:
+    return [(b, min(b + size, end)) for b in range(begin, end, size)]
