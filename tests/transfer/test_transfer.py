@@ -1,0 +1,247 @@
+"""KV blocks moved between two processes on NIXL over loopback (issue 41).
+
+The parent (this pytest process) is the receiver (decode side); a spawned process is the sender
+(prefill side, ``transfer_peer.serve``). UCX sees only ``lo``; every wait is bounded and every
+child is killed in ``finally``.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import uuid
+
+import numpy as np
+import pytest
+
+pytest.importorskip("nixl._api", reason="NIXL not installed: pip install --no-deps nixl nixl-cu12")
+
+import transfer_peer  # noqa: E402
+
+from cupaged import PagedCache  # noqa: E402
+from cupaged.transfer import KVTransferAgent, TransferError  # noqa: E402
+from cupaged.transfer.blocks import runs  # noqa: E402
+
+SPEC = dict(
+    num_blocks=48, block_size=16, num_layers=3, num_kv_heads=2, head_dim=64, dtype="float16"
+)
+WAIT_S = 60.0  # the most any step of a test waits for the other process (spawn included)
+
+
+class Peer:
+    """The sender process and its pipe; every call bounded by ``WAIT_S``."""
+
+    def __init__(self, spec: dict, seed: int) -> None:
+        context = multiprocessing.get_context("spawn")
+        self.conn, child = context.Pipe()
+        self.name = f"prefill-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.process = context.Process(
+            target=transfer_peer.serve, args=(child, spec, self.name, seed), daemon=True
+        )
+        self.process.start()
+        child.close()
+        self.metadata = self._recv()
+
+    def _recv(self):
+        if not self.conn.poll(WAIT_S):
+            raise TimeoutError(f"the sender process sent nothing in {WAIT_S} s")
+        return self.conn.recv()
+
+    def post(self, command: str, *args, **kwargs) -> None:
+        self.conn.send((command, args, kwargs))
+
+    def result(self):
+        status, value = self._recv()
+        assert status == "ok", value
+        return value
+
+    def call(self, command: str, *args, **kwargs):
+        self.post(command, *args, **kwargs)
+        return self.result()
+
+    def kill(self) -> None:
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join(WAIT_S)
+        self.conn.close()
+
+
+@pytest.fixture
+def receiver(monkeypatch):
+    """A CPU cache with prefix caching and its agent (unique name: xdist workers run side by side)."""
+    monkeypatch.setenv("UCX_NET_DEVICES", "lo")
+
+    def make(spec=SPEC):
+        cache = PagedCache(**spec, device="cpu", enable_prefix_caching=True)
+        agent = KVTransferAgent(cache, f"decode-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        made.append(agent)
+        return cache, agent
+
+    made = []
+    yield make
+    for agent in made:
+        agent.close()
+
+
+@pytest.fixture
+def sender(request):
+    """A function that starts a sender process of a spec; each one killed at the end."""
+    started = []
+
+    def start(spec=SPEC):
+        peer = Peer(spec, seed=len(started) + hash(request.node.nodeid) % 1000)
+        started.append(peer)
+        return peer
+
+    yield start
+    for peer in started:
+        peer.kill()
+
+
+def _pair(receiver, sender, spec=SPEC):
+    cache, agent = receiver(spec)
+    peer = sender(spec)
+    name = agent.connect(peer.metadata)
+    assert peer.call("connect", agent.metadata()) == agent.name
+    return cache, agent, peer, name
+
+
+def _move(agent, peer, name, prompt, sid, incoming=None):
+    """expect (unless given), send in the sender while this process waits; both stats."""
+    incoming = incoming or agent.expect(prompt, peer=name)
+    peer.post("send", sid, incoming.request, timeout=WAIT_S)
+    stats = agent.wait(incoming, timeout=WAIT_S)
+    return incoming, stats, peer.result()
+
+
+def test_scattered_blocks_of_every_layer_arrive_bit_for_bit_and_a_cached_prefix_stays(
+    receiver, sender, rng
+):
+    cache, agent, peer, name = _pair(receiver, sender)
+    bs = SPEC["block_size"]
+    held = peer.call("scatter", 6)  # both sides' free blocks scattered, so runs break
+    filler = [cache.admit([5] * bs + [i]).sid for i in range(5)]
+    cache.free_many(filler[::2])
+    prompt = rng.integers(0, 30000, 5 * bs + 9).tolist()  # 5 full blocks and a partial one
+    sid, k, v, table = peer.call("prefill", prompt)
+
+    incoming, stats, sent = _move(agent, peer, name, prompt, sid)
+    assert (incoming.blocks_cached, incoming.blocks_to_move) == (0, 6)
+    got_k, got_v = cache.gather_kv(incoming.sid)
+    np.testing.assert_array_equal(got_k.view(np.uint8), k)
+    np.testing.assert_array_equal(got_v.view(np.uint8), v)
+    assert cache.seq_len(incoming.sid) == len(prompt)
+    src_runs = runs(np.array(table), np.array(cache.block_table(incoming.sid)))[0].size
+    assert 1 < src_runs < 6  # scattered, yet some runs merged
+    assert stats.descriptors == sent[4] == 2 * SPEC["num_layers"] * src_runs
+    block_bytes = 2 * SPEC["num_layers"] * SPEC["num_kv_heads"] * bs * SPEC["head_dim"] * 2
+    assert stats.bytes_moved == sent[2] == 6 * block_bytes
+    cache.check_invariants()
+
+    # A second request sharing 3 full blocks: the receiver holds them (committed), so they stay.
+    second = prompt[: 3 * bs] + rng.integers(0, 30000, 2 * bs + 1).tolist()
+    sid2, k2, v2, _ = peer.call("prefill", second)
+    incoming2, stats2, sent2 = _move(agent, peer, name, second, sid2)
+    assert (incoming2.blocks_cached, incoming2.blocks_to_move) == (3, 3)
+    assert (stats2.blocks_moved, stats2.blocks_cached, sent2[0], sent2[1]) == (3, 3, 3, 3)
+    assert cache.block_table(incoming2.sid)[:3] == cache.block_table(incoming.sid)[:3]
+    got_k, got_v = cache.gather_kv(incoming2.sid)
+    np.testing.assert_array_equal(got_k.view(np.uint8), k2)
+    np.testing.assert_array_equal(got_v.view(np.uint8), v2)
+    cache.check_invariants()
+    cache.free_many([incoming.sid, incoming2.sid])
+    cache.check_invariants()
+    assert held
+
+
+def test_a_sender_killed_before_its_notification_leaves_nothing_visible(receiver, sender, rng):
+    cache, agent, peer, name = _pair(receiver, sender)
+    bs = SPEC["block_size"]
+    free_before = cache.num_free_blocks
+    prompt = rng.integers(0, 30000, 4 * bs + 3).tolist()
+    sid, *_ = peer.call("prefill", prompt)
+    incoming = agent.expect(prompt, peer=name)
+    assert cache.num_free_blocks == free_before - 5
+    # The blocks are written but the sender dies before it says so.
+    peer.post("send", sid, incoming.request, timeout=WAIT_S, notify=False)
+    with pytest.raises(TransferError, match="timed out.*freed the 5 block"):
+        agent.wait(incoming, timeout=3.0)
+    peer.kill()
+    cache.check_invariants()
+    assert cache.num_free_blocks == free_before
+    assert cache.sequence_ids == []
+    again = cache.admit(prompt)  # nothing of the abandoned request is a prefix hit
+    assert again.num_cached_tokens == 0
+    cache.free(again.sid)
+    cache.check_invariants()
+
+
+def _spec(**changes):
+    return {**SPEC, **changes}
+
+
+@pytest.mark.parametrize(
+    "change, named",
+    [
+        (dict(dtype="float32"), "dtype"),
+        (dict(block_size=8), "block_size"),
+        (dict(num_kv_heads=4), "num_kv_heads"),
+        (dict(num_layers=2), "num_layers"),
+        (dict(head_dim=128), "head_dim"),
+    ],
+)
+def test_mismatched_caches_are_refused_before_anything_moves(receiver, change, named):
+    cache, agent = receiver()
+    _, other = receiver(_spec(**change))
+    with pytest.raises(TransferError, match=f"expected {named} .* got "):
+        agent.connect(other.metadata())
+    with pytest.raises(TransferError, match=f"expected {named} .* got "):
+        other.connect(agent.metadata())
+    assert agent.peers == [] and other.peers == []
+
+
+@pytest.mark.parametrize(
+    "data, says",
+    [
+        (b"", "bad peer metadata"),
+        (b"garbage" * 10, "bad peer metadata"),
+        (b"cupaged-kv-metadata/1\n\xff\xff\xff\x7f{}", "header"),
+        (b"cupaged-kv-metadata/1\n\x02\x00\x00\x00{}", "expected name"),
+    ],
+)
+def test_bad_metadata_is_refused(receiver, data, says):
+    _, agent = receiver()
+    with pytest.raises(TransferError, match=says):
+        agent.connect(data)
+
+
+def test_bad_request_bytes_are_refused_and_the_receiver_is_freed(receiver, sender, rng):
+    cache, agent, peer, name = _pair(receiver, sender)
+    prompt = rng.integers(0, 30000, 40).tolist()
+    sid, *_ = peer.call("prefill", prompt)
+    incoming = agent.expect(prompt, peer=name)
+    good = incoming.request
+    bad = [
+        b"not a request",
+        good[:-5],
+        good.replace(b'"first_block":0', b'"first_block":-1'),
+        good.replace(b'"num_tokens":40', b'"num_tokens":400'),
+        good.replace(f'"sender":"{name}"'.encode(), b'"sender":"someone-else"'),
+    ]
+    for data in bad:
+        peer.post("send", sid, data, timeout=5.0)
+        status, message = peer._recv()
+        assert status == "error" and "TransferError" in message, message
+    # A request for more tokens than the sequence holds: refused, and the receiver told at once.
+    peer.post("send", sid + 1000, good, timeout=5.0)
+    status, message = peer._recv()
+    assert status == "error" and "KeyError" in message, message
+    cache.check_invariants()
+    incoming2 = agent.expect(prompt + [1] * 30, peer=name)
+    peer.post("send", sid, incoming2.request, timeout=5.0)
+    with pytest.raises(TransferError, match="sender failed: .*expected sequence .* 70 tokens"):
+        agent.wait(incoming2, timeout=WAIT_S)
+    assert peer._recv()[0] == "error"
+    agent.cancel(incoming)
+    cache.check_invariants()
+    assert cache.num_free_blocks == cache.num_blocks

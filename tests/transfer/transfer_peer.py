@@ -1,0 +1,75 @@
+"""The other process of the transfer tests: a sender (prefill side) serving commands on a pipe.
+
+Spawned by ``tests/transfer/test_transfer.py`` (``multiprocessing`` spawn: a fresh interpreter, as
+a separate prefill worker would be); every command answers ``("ok", result)`` or ``("error",
+"Type: message")``, and the parent bounds each wait.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+
+def serve(conn: Any, spec: dict[str, Any], name: str, seed: int) -> None:
+    """Make a CPU cache of ``spec`` and its agent, send the agent's metadata, then serve
+    ``connect``, ``prefill``, ``send`` and ``exit``."""
+    os.environ["UCX_NET_DEVICES"] = "lo"  # (before NIXL starts UCX: loopback only)
+    from cupaged import PagedCache
+    from cupaged.transfer import KVTransferAgent
+
+    cache = PagedCache(**spec, device="cpu", enable_prefix_caching=True)
+    rng = np.random.default_rng(seed)
+    with KVTransferAgent(cache, name) as agent:
+        conn.send(agent.metadata())
+        while True:
+            command, args, kwargs = conn.recv()
+            if command == "exit":
+                break
+            try:
+                if command == "connect":
+                    result = agent.connect(*args)
+                elif command == "prefill":
+                    result = prefill(cache, rng, *args)
+                elif command == "send":
+                    stats = agent.send(*args, **kwargs)
+                    result = (
+                        stats.blocks_moved,
+                        stats.blocks_cached,
+                        stats.bytes_moved,
+                        stats.seconds,
+                        stats.descriptors,
+                    )
+                elif command == "scatter":
+                    result = scatter(cache, *args)
+                else:
+                    raise ValueError(f"unknown command {command!r}")
+            except Exception as error:  # noqa: BLE001  (reported to the parent, which fails)
+                conn.send(("error", f"{type(error).__name__}: {error}"))
+            else:
+                conn.send(("ok", result))
+
+
+def prefill(cache: Any, rng: np.random.Generator, prompt: list[int]) -> tuple:
+    """Admit ``prompt`` and write random K/V bits (no zeros: every byte drawn) into the blocks
+    it computes, as a model's prefill would; ``(sid, k, v, table)`` of the whole prompt."""
+    admission = cache.admit(prompt)
+    sid, bs = admission.sid, cache.block_size
+    table = cache.block_table(sid)
+    for block in table[admission.num_cached_tokens // bs :]:
+        for pages in (cache.k, cache.v):
+            page = pages[:, block]
+            bits = rng.integers(1, 255, page.nbytes, dtype=np.uint8)
+            page.view(np.uint8)[...] = bits.reshape(page.view(np.uint8).shape)
+    cache.commit(sid)
+    k, v = cache.gather_kv(sid)
+    return sid, k.view(np.uint8), v.view(np.uint8), table
+
+
+def scatter(cache: Any, n: int) -> list[int]:
+    """Take ``n`` blocks and free every other one, so that later blocks are not consecutive."""
+    sids = [cache.admit([7] * cache.block_size * 1 + [i]).sid for i in range(n)]
+    cache.free_many(sids[::2])
+    return sids[1::2]
