@@ -66,6 +66,7 @@ from ..kernels.launch_decode import (
     decode_ctas_per_sm,
     decode_launch,
     decode_may_split,
+    invariant_work,
     plan_threads,
     query_dtype,
 )
@@ -101,7 +102,16 @@ class DecodePlan:
         num_splits: cut every sequence into at most this many pieces of equal length (tests and
             experiments; a count above the pieces of whole tiles a context holds gives those
             pieces); ``None`` balances the work by tokens over the device (see
-            ``cuda/decode_plan.cu``).
+            ``cuda/decode_plan.cu``). Refused with ``batch_invariant=True``.
+        batch_invariant: ``True``: a sequence's output is bitwise the same in any batch, at any
+            position in it (on one device and build; docs/batch-invariance.md). Every sequence
+            is cut into pieces of a fixed size (``INVARIANT_SPLIT_TOKENS`` of
+            ``cupaged.kernels.launch_decode``, rounded up to the kernel's tile) merged in
+            order, so its reduction order depends on its own length alone; the work list holds
+            ``num_seqs * (1 + ceil(max_blocks * block_size / chunk))`` items (window-capped),
+            whatever the lengths, and so do the split-K buffers. ``False`` (default): the work
+            is balanced by tokens over the batch, and a sequence's last bits depend on the
+            others' lengths.
         max_context_len: the longest context, used only with ``num_splits`` and
             ``checked=False`` to size the pieces without a read-back; a wrong value changes how
             the work is cut, never the result.
@@ -141,7 +151,8 @@ class DecodePlan:
         TypeError: arrays on different devices, or wrong dtypes (``q_dtype``, ``kv_dtype`` too).
         ValueError: wrong shapes, an unsupported head_dim or block_size, a bad variant
             (``window_left < -1``, a negative or non-finite soft-cap, slopes of the wrong
-            shape), or (checked) bad lengths or block ids.
+            shape), or (checked) bad lengths or block ids, ``num_splits`` with
+            ``batch_invariant=True``, or a batch-invariant work list past CUDA's grid limit.
 
     Example::
 
@@ -180,6 +191,7 @@ class DecodePlan:
         "_variants",
         "_work",
         "_xp",
+        "batch_invariant",
         "checked",
         "num_seqs",
     )
@@ -194,6 +206,7 @@ class DecodePlan:
         *,
         scale: float | None = None,
         num_splits: int | None = None,
+        batch_invariant: bool = False,
         max_context_len: int | None = None,
         checked: bool = True,
         tables_checked: bool | None = None,
@@ -234,6 +247,12 @@ class DecodePlan:
         splits = None if num_splits is None else as_int(num_splits, "num_splits")
         if splits is not None and splits < 1:
             raise ValueError(f"expected num_splits >= 1, got {splits}")
+        batch_invariant = as_bool(batch_invariant, "batch_invariant")
+        if batch_invariant and splits is not None:
+            raise ValueError(
+                f"expected num_splits=None with batch_invariant=True (its pieces have a fixed "
+                f"size, whatever the batch), got num_splits={splits}"
+            )
         gpu = target(device)
         # The kernel and its layout depend on the shape and the GPU, not on the work list's
         # length: planned (and, with sequences, loaded) first, so that its occupancy can size it.
@@ -244,44 +263,25 @@ class DecodePlan:
         kernel = None
         if num_seqs and device == "cuda":  # its occupancy sizes the work list
             kernel = attention_kernel(device, "paged_attention.cu", launch, group, head_dim)
-        if splits is None:
-            # Items that fill the device: thread blocks per multiprocessor x multiprocessors,
-            # over the thread blocks of one item (KV heads x head chunks).
+        fill = 0  # items that fill the device, for the default split
+        if splits is None and not batch_invariant:
+            # Thread blocks per multiprocessor x multiprocessors, over the thread blocks of one
+            # item (KV heads x head chunks).
             if kernel is None:
                 ctas = decode_ctas_per_sm(dtype, head_dim, group, block_size, q_dtype=q_dtype)
             else:
                 ctas = ctas_per_sm(kernel, launch)
-            capacity = num_seqs + cdiv(ctas * gpu.sm_count, launch.grid[0])
-            min_chunk = MIN_SPLIT_TOKENS
-        elif splits == 1:
-            capacity, min_chunk = num_seqs, tile
-        else:
-            if max_context is None:
-                if max_context_len is None:
-                    max_context = int(to_numpy(context_lens).max()) if num_seqs else 0
-                else:
-                    max_context = as_int(max_context_len, "max_context_len")
-            max_context = min(max(max_context, 1), max_blocks * block_size, MAX_CONTEXT_LEN)
-            max_context = _attended(max_context, window)  # the pieces cut what is attended
-            # No more pieces than whole tiles in the longest context: a larger count cuts the
-            # same way, and would only lengthen the work list.
-            splits = min(splits, cdiv(max_context, tile))
-            # capacity - num_seqs = num_seqs * splits keeps the planner's bound at or below
-            # this chunk, so every sequence of the longest length gets exactly `splits` pieces.
-            capacity = num_seqs * (splits + 1)
-            min_chunk = cdiv(cdiv(max_context, splits), tile) * tile
-        if capacity > MAX_GRID_YZ:
-            spare = capacity - num_seqs
-            if splits is not None and splits > 1:
-                raise ValueError(
-                    f"expected num_seqs * (num_splits + 1) <= {MAX_GRID_YZ} (the work "
-                    f"list is one grid axis), got {num_seqs} sequences and {splits} splits; "
-                    f"pass fewer splits, or num_splits=None"
-                )
-            raise ValueError(
-                f"expected at most {MAX_GRID_YZ - spare} sequences in one decode plan "
-                f"(the work list is one grid axis), got {num_seqs}"
-            )
+            fill = cdiv(ctas * gpu.sm_count, launch.grid[0])
+        longest = None  # the longest context, read for a count of splits
+        if splits is not None and splits > 1:
+            longest = max_context
+            if longest is None and max_context_len is None:
+                longest = int(to_numpy(context_lens).max()) if num_seqs else 0
+            elif longest is None:
+                longest = as_int(max_context_len, "max_context_len")
+        capacity, min_chunk = _work_list(
+            num_seqs, max_blocks * block_size, tile, window, splits, batch_invariant, fill, longest
+        )
         launch = decode_launch(
             dtype,
             num_kv_heads,
@@ -304,6 +304,7 @@ class DecodePlan:
         self._min_chunk = min_chunk
         self._tile = tile
         self.num_seqs = num_seqs
+        self.batch_invariant = batch_invariant
         self.checked = checked  # of each run's arguments
         self._trusted = trusted_memory(trusted_scales)
         self._variants = variants
@@ -512,6 +513,62 @@ class DecodePlan:
         if split:
             merge(self._merge_grid, self._merge_block, self._merge_fill(out_storage, sinks))
         return out
+
+
+def _work_list(
+    num_seqs: int,
+    width: int,
+    tile: int,
+    window: int,
+    splits: int | None,
+    batch_invariant: bool,
+    fill: int,
+    longest: int | None,
+) -> tuple[int, int]:
+    """The work list's ``(capacity, min_chunk)``, the planner's inputs (cuda/decode_plan.cu), for
+    a batch of ``num_seqs`` over a table of ``width`` tokens: batch-invariant (fixed pieces,
+    room for any lengths), balanced by tokens (``fill`` spare items), never split
+    (``splits == 1``) or ``splits`` pieces of the ``longest`` context.
+
+    Raises:
+        ValueError: a work list past CUDA's grid limit (it is one grid axis).
+    """
+    if batch_invariant:
+        attended = _attended(min(width, MAX_CONTEXT_LEN), window)
+        capacity, min_chunk = invariant_work(num_seqs, attended, tile)
+    elif splits is None:
+        capacity, min_chunk = num_seqs + fill, MIN_SPLIT_TOKENS
+    elif splits == 1:
+        capacity, min_chunk = num_seqs, tile
+    else:
+        longest = min(max(longest, 1), width, MAX_CONTEXT_LEN)
+        longest = _attended(longest, window)  # the pieces cut what is attended
+        # No more pieces than whole tiles in the longest context: a larger count cuts the same
+        # way, and would only lengthen the work list.
+        splits = min(splits, cdiv(longest, tile))
+        # capacity - num_seqs = num_seqs * splits keeps the planner's bound at or below this
+        # chunk, so every sequence of the longest length gets exactly `splits` pieces.
+        capacity = num_seqs * (splits + 1)
+        min_chunk = cdiv(cdiv(longest, splits), tile) * tile
+    if capacity <= MAX_GRID_YZ:
+        return capacity, min_chunk
+    if splits is not None and splits > 1:
+        raise ValueError(
+            f"expected num_seqs * (num_splits + 1) <= {MAX_GRID_YZ} (the work list is one grid "
+            f"axis), got {num_seqs} sequences and {splits} splits; pass fewer splits, or "
+            f"num_splits=None"
+        )
+    if batch_invariant:
+        raise ValueError(
+            f"expected num_seqs * (1 + ceil(attended / {min_chunk})) <= {MAX_GRID_YZ} with "
+            f"batch_invariant=True (the work list is one grid axis; attended: max_blocks * "
+            f"block_size, window-capped), got {num_seqs} sequences and {capacity} items; pass "
+            f"fewer sequences or a narrower table"
+        )
+    raise ValueError(
+        f"expected at most {MAX_GRID_YZ - (capacity - num_seqs)} sequences in one decode plan "
+        f"(the work list is one grid axis), got {num_seqs}"
+    )
 
 
 def _sink_kernels(

@@ -362,6 +362,7 @@ def paged_attention(
     max_context_len: int | None = None,
     out: Any = None,
     num_splits: int | None = None,
+    batch_invariant: bool = False,
     checked: bool = True,
     window_left: int = -1,
     logits_soft_cap: float = 0.0,
@@ -412,6 +413,9 @@ def paged_attention(
             ``q`` itself (in place) or memory that does not overlap ``q``.
         num_splits: cut each sequence into at most this many pieces (tests, experiments); when
             ``None`` the work is balanced by tokens over the device (:class:`DecodePlan`).
+        batch_invariant: ``True``: each sequence's output is bitwise the same in any batch
+            and at any position in it (fixed-size pieces; :class:`DecodePlan`,
+            docs/batch-invariance.md); not with ``num_splits``.
         checked: check, before the launch and on the arrays' device (one synchronisation on a
             GPU), that every context length is in ``[0, max_blocks * block_size]`` and that every
             block id a length reaches is in ``[0, num_blocks)`` (entries past a sequence's
@@ -445,7 +449,8 @@ def paged_attention(
             or one that overlaps ``q`` without being ``q``, ``window_left < -1``, a negative or
             non-finite ``logits_soft_cap``, slopes or sinks not of shape ``[num_q_heads]``,
             scales for a cache that is not fp8 or not positive and finite (a device array: when
-            checked) or of another shape, or (checked) bad context lengths or block ids.
+            checked) or of another shape, (checked) bad context lengths or block ids, or
+            ``num_splits`` with ``batch_invariant=True``.
     """
     xp = array_module(q, k_cache, v_cache, block_tables, context_lens)
     q_dtype = fp8_query_dtype(q, k_cache, kv_dtype)  # None: not an fp8 cache
@@ -464,6 +469,7 @@ def paged_attention(
         q.shape[1],
         scale=scale,
         num_splits=num_splits,
+        batch_invariant=batch_invariant,
         max_context_len=max_context_len,
         checked=checked,
         window_left=window_left,

@@ -27,6 +27,12 @@ MAX_GRID_X = 2**31 - 1
 # cost (loading the queries, writing a partial row and its log-sum-exp) stays small against the
 # K/V it reads.
 MIN_SPLIT_TOKENS = 256
+# Batch-invariant decode (DecodePlan(batch_invariant=True), docs/batch-invariance.md): every
+# sequence is cut into pieces of this many attended tokens (rounded up to the launch's tile),
+# whatever the batch. MIN_SPLIT_TOKENS, the smallest piece the default split ever makes: a lone
+# sequence is cut exactly as the default cuts it (its chunk never falls below this), and a 32k
+# context still gives 128 pieces per KV head, enough to fill a GPU at batch size 1.
+INVARIANT_SPLIT_TOKENS = MIN_SPLIT_TOKENS
 
 
 # paged_decode (cuda/paged_attention.cu): a ring of DECODE_STAGES shared-memory stages of K and V,
@@ -395,6 +401,24 @@ def decode_may_split(
     if capacity <= num_seqs:
         return False
     return max_context is None or max_context > cdiv(min_chunk, tile) * tile
+
+
+def invariant_work(num_seqs: int, longest: int, tile: int) -> tuple[int, int]:
+    """The work list of a batch-invariant decode plan: ``(capacity, chunk)``.
+
+    ``chunk`` is ``INVARIANT_SPLIT_TOKENS`` rounded up to the launch's ``tile``, the same for
+    every batch of a shape. ``longest`` bounds every sequence's attended tokens (the table's
+    width, window-capped), so ``capacity - num_seqs = num_seqs * ceil(longest / chunk)`` is at
+    least ``ceil(total / chunk)`` for any lengths the table holds, and the planner's chunk
+    (cuda/decode_plan.cu: ``round_up(max(min_chunk, ceil(total / (capacity - num_seqs))),
+    tile)``) is then exactly ``chunk``: a sequence's pieces depend on its own length alone.
+    At least one item, so that an empty plan has a valid launch.
+
+    >>> invariant_work(4, 1000, 64), invariant_work(4, 1000, 24), invariant_work(3, 0, 64)
+    ((20, 256), (20, 264), (3, 256))
+    """
+    chunk = cdiv(INVARIANT_SPLIT_TOKENS, tile) * tile
+    return max(1, num_seqs * (1 + cdiv(max(longest, 0), chunk))), chunk
 
 
 def decode_ctas_per_sm(

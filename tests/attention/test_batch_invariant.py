@@ -1,0 +1,234 @@
+"""``batch_invariant=True`` (DESIGN §3, docs/batch-invariance.md): a sequence's output is bitwise
+the same in any batch and at any position in it, on one device and build.
+
+The CPU backend runs a thread block's work on one OS thread in a fixed order, so equal bits are
+a real check there: a sequence whose reduction order changed with the batch shows it in its
+last bits. Each case draws a pool of 64 sequences of random lengths (a zero-length one, a
+one-token one, and long ones that the fixed chunk cuts into several pieces), then runs each
+sequence in batches of 64, 7 and 1, at different positions, among others of any length, and
+holds every run of a sequence to the same bits (outputs NaN-poisoned first), and the batch of
+64 to the float64 reference through ``assert_close``. The default mode is shown to differ on a
+case built for it (a long sequence that a busy batch cuts into larger pieces), so the tests can
+fail.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from helpers import assert_close, poison, random_array, random_paged_batch
+
+import cupaged
+from cupaged.backend import to_numpy
+from cupaged.dtypes import from_float
+from cupaged.kernels.launch_decode import INVARIANT_SPLIT_TOKENS, MAX_GRID_YZ
+
+NUM_KV_HEADS = 2
+HEAD_DIM = 64
+BLOCK_SIZE = 16
+POOL = 64
+LONG = (1500, 900)  # cut into 6 and 4 pieces of 256 tokens
+K_SCALE, V_SCALE = 0.8, 1.3  # an fp8 cache's scales
+VARIANTS = {
+    "plain": {},
+    "window": dict(window_left=300),
+    "soft_cap": dict(logits_soft_cap=2.0),
+    "alibi": dict(alibi=True),
+    "sinks": dict(sinks=True),
+    "all": dict(window_left=600, logits_soft_cap=2.5, alibi=True, sinks=True),
+}
+# (cache dtype, GQA group, variant): every dtype plain and with every variant at once (fp8:
+# float8_e4m3 under float16 queries), each variant alone; groups of 8 at 16 bits take the
+# tensor-core kernels.
+CASES = [
+    ("float32", 2, "plain"),
+    ("float32", 2, "all"),
+    ("float16", 8, "plain"),
+    ("float16", 8, "all"),
+    ("bfloat16", 4, "plain"),
+    ("bfloat16", 4, "all"),
+    ("float8_e4m3", 8, "plain"),
+    ("float8_e4m3", 2, "all"),
+    ("float32", 1, "window"),
+    ("float16", 2, "soft_cap"),
+    ("bfloat16", 8, "alibi"),
+    ("float32", 4, "sinks"),
+]
+
+
+def bits(x) -> np.ndarray:
+    """``x`` on the host as unsigned integers of its width: equal bits, NaN included."""
+    x = np.ascontiguousarray(to_numpy(x))
+    return x.view(np.dtype(f"u{x.dtype.itemsize}"))
+
+
+def q_dtype_of(dtype: str) -> str:
+    return "float16" if dtype.startswith("float8") else dtype
+
+
+def pool_lengths(rng: np.random.Generator) -> list[int]:
+    """64 lengths: the long ones first, then 0, 1 and random lengths up to 600."""
+    rest = rng.integers(2, 600, POOL - len(LONG) - 2).tolist()
+    return [*LONG, 0, 1, *rest]
+
+
+def decode_pool(rng, dtype, group):
+    """A pool of sequences over one cache: ``(q, k, v, tables, lens, scales)`` (NumPy), fp8 K/V
+    written as a write does (``x / scale``)."""
+    lengths = pool_lengths(rng)
+    store = "float32" if dtype.startswith("float8") else dtype
+    q, k, v, tables, lens, _ = random_paged_batch(
+        rng, lengths, NUM_KV_HEADS, HEAD_DIM, group, BLOCK_SIZE, store
+    )
+    scales = {}
+    if dtype.startswith("float8"):
+        k, v = from_float(k / K_SCALE, dtype), from_float(v / V_SCALE, dtype)
+        q = random_array(rng, q.shape, "float16")
+        scales = dict(k_scale=K_SCALE, v_scale=V_SCALE)
+    return q, k, v, tables, lens, scales
+
+
+def variant_arrays(rng, num_q_heads: int, spec: dict) -> dict:
+    kwargs = {k: v for k, v in spec.items() if k in ("window_left", "logits_soft_cap")}
+    if spec.get("alibi"):
+        kwargs["alibi_slopes"] = rng.uniform(0.01, 0.3, num_q_heads).astype(np.float32)
+    if spec.get("sinks"):
+        kwargs["sinks"] = rng.uniform(0.5, 4.0, num_q_heads).astype(np.float32)
+    return kwargs
+
+
+def batches(rng, target: int) -> list[np.ndarray]:
+    """Row orders of the pool: the whole pool with ``target`` first and then last, the pool cut
+    into batches of 7 (and one of 1), ``target`` at each of the 7 positions of a batch of 7
+    among random others, and ``target`` alone."""
+    others = np.array([i for i in range(POOL) if i != target])
+    runs = [
+        np.array([target, *rng.permutation(others)]),
+        np.array([*rng.permutation(others), target]),
+    ]
+    shuffled = rng.permutation(POOL)
+    runs += [shuffled[i : i + 7] for i in range(0, POOL, 7)]
+    for position in range(7):
+        run = rng.choice(others, 6, replace=False).tolist()
+        runs.append(np.array(run[:position] + [target] + run[position:]))
+    runs.append(np.array([target]))
+    return runs
+
+
+def every_row_the_same(outputs: list[tuple[np.ndarray, np.ndarray]]) -> int:
+    """Assert that every sequence's rows over all ``(rows, output)`` runs have one bit
+    pattern; return how many runs the sequence seen most often was in."""
+    seen: dict[int, np.ndarray] = {}
+    counts: dict[int, int] = {}
+    for rows, out in outputs:
+        out = bits(out)
+        for position, row in enumerate(rows.tolist()):
+            if row in seen:
+                assert np.array_equal(seen[row], out[position]), (
+                    f"expected sequence {row}'s output bitwise equal in every batch, got a "
+                    f"difference in a batch of {len(rows)} at position {position}"
+                )
+            else:
+                seen[row] = out[position]
+            counts[row] = counts.get(row, 0) + 1
+    assert sorted(seen) == list(range(POOL))
+    return max(counts.values())
+
+
+# ---- decode ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype, group, variant", CASES)
+def test_decode_rows_are_bitwise_the_same_in_any_batch(rng, dtype, group, variant):
+    q, k, v, tables, lens, scales = decode_pool(rng, dtype, group)
+    kwargs = variant_arrays(rng, q.shape[1], VARIANTS[variant])
+    q_dtype = q_dtype_of(dtype)
+    outputs = []
+    for rows in batches(rng, 0) + batches(rng, 1)[:2]:
+        out = poison((len(rows), *q.shape[1:]), q_dtype)
+        got = cupaged.paged_attention(
+            q[rows], k, v, tables[rows], lens[rows], out=out, batch_invariant=True,
+            **kwargs, **scales,
+        )  # fmt: skip
+        outputs.append((rows, got))
+    assert every_row_the_same(outputs) >= 10  # the long sequence: 2 + 1 + 7 + 1 runs
+    expected = cupaged.reference_attention(
+        q, k, v, tables, lens, compute_dtype="float64", out_dtype="float64", **kwargs, **scales
+    )
+    rows, got = outputs[0]
+    assert_close(got, expected[rows], q_dtype)
+
+    # A plan re-planned for another order of the same size (update: the same buffers, a CUDA
+    # graph's replay) gives the same bits as the one-shot calls.
+    sinks = kwargs.pop("sinks", None)
+    first, second = outputs[0][0], outputs[1][0]
+    plan = cupaged.DecodePlan(
+        tables[first], lens[first], k, q.shape[1], batch_invariant=True, q_dtype=q_dtype,
+        **kwargs,
+    )  # fmt: skip
+    items = plan.num_items
+    plan.update(tables[second], lens[second])
+    assert plan.num_items == items
+    out = poison((POOL, *q.shape[1:]), q_dtype)
+    again = plan.run(q[second], k, v, sinks=sinks, out=out, **scales)
+    assert np.array_equal(bits(again), bits(outputs[1][1]))
+
+
+def test_decode_pieces_are_fixed_and_the_work_list_holds_any_lengths(rng):
+    """Every piece but a sequence's last holds the fixed chunk, from its first attended token;
+    the capacity is ``num_seqs * (1 + ceil(attended / chunk))`` of the table's width
+    (window-capped), so the planner never grows the chunk, whatever the lengths."""
+    q, k, v, tables, lens, _ = decode_pool(rng, "float32", 2)
+    width = tables.shape[1] * BLOCK_SIZE
+    for window in (-1, 300):
+        plan = cupaged.DecodePlan(tables, lens, k, q.shape[1], batch_invariant=True,
+                                  window_left=window)  # fmt: skip
+        chunk = INVARIANT_SPLIT_TOKENS  # the float32 kernel's tile (16) divides it
+        attended = width if window < 0 else min(width, window + 1)
+        assert plan.num_items == POOL * (1 + -(-attended // chunk)) and plan.batch_invariant
+        work = plan.work()
+        for s, length in enumerate(lens.tolist()):
+            first = 0 if window < 0 else max(0, length - 1 - window)
+            pieces = work[work[:, 0] == s]
+            count = max(1, -(-(length - first) // chunk))
+            assert len(pieces) == count and (pieces[:, 3] == count).all()
+            assert pieces[:, 1].tolist() == [first + j * chunk for j in range(count)]
+            assert pieces[-1, 2] == length
+        # Every sequence as long as the table: exactly the capacity, no chunk growth.
+        plan.update(tables, np.full(POOL, width, np.int32), checked=False)
+        assert (plan.work()[:, 0] >= 0).sum() == plan.num_items - POOL
+        sizes = np.diff(plan.work()[:, 1:3], axis=1)
+        assert sizes.max() == min(chunk, attended)
+
+
+def test_decode_default_mode_differs_with_the_batch(rng):
+    """The default split is balanced by tokens over the batch: a long sequence among many long
+    ones gets larger pieces than alone, and other bits; batch_invariant keeps them."""
+    lengths = [1500] + rng.integers(300, 700, POOL - 1).tolist()
+    q, k, v, tables, lens, _ = random_paged_batch(rng, lengths, 4, HEAD_DIM, 4, 16, "float32")
+    alone, busy = np.array([0]), np.arange(POOL)
+    results = {}
+    for invariant in (False, True):
+        for rows in (alone, busy):
+            plan = cupaged.DecodePlan(tables[rows], lens[rows], k, q.shape[1],
+                                      batch_invariant=invariant)  # fmt: skip
+            work = plan.work()
+            out = plan.run(q[rows], k, v, out=poison((len(rows), 16, HEAD_DIM), "float32"))
+            results[invariant, len(rows)] = (work[work[:, 0] == 0], bits(out)[0])
+    (work_alone, row_alone), (work_busy, row_busy) = results[False, 1], results[False, POOL]
+    assert len(work_alone) > len(work_busy)  # the busy batch cut it into fewer, larger pieces
+    assert not np.array_equal(row_alone, row_busy)  # and its bits changed
+    (work_alone, row_alone), (work_busy, row_busy) = results[True, 1], results[True, POOL]
+    assert np.array_equal(work_alone, work_busy) and np.array_equal(row_alone, row_busy)
+
+
+def test_decode_refusals(rng):
+    q, k, v, tables, lens, _ = decode_pool(rng, "float32", 2)
+    with pytest.raises(ValueError, match=r"expected num_splits=None with batch_invariant=True"):
+        cupaged.paged_attention(q, k, v, tables, lens, num_splits=2, batch_invariant=True)
+    with pytest.raises(TypeError, match="batch_invariant"):
+        cupaged.DecodePlan(tables, lens, k, q.shape[1], batch_invariant="yes")
+    # The work list is one grid axis: a wide table of many sequences outgrows it.
+    wide = np.zeros((POOL, MAX_GRID_YZ // POOL * INVARIANT_SPLIT_TOKENS // BLOCK_SIZE), np.int32)
+    with pytest.raises(ValueError, match=r"with batch_invariant=True .* narrower table"):
+        cupaged.DecodePlan(wide, np.zeros(POOL, np.int32), k, q.shape[1], batch_invariant=True)
