@@ -100,6 +100,8 @@ class CacheLayout:
                 return (
                     f"expected {field} {mine!r} (this cache), got {theirs!r} (peer {other.name!r})"
                 )
+        if self.k_scales is None or other.k_scales is None:  # not fp8, or "auto" still pending:
+            return None  # compared again by the sender, once both are fixed
         return scales_mismatch(self.k_scales, self.v_scales, other.k_scales, other.v_scales)
 
 
@@ -109,6 +111,9 @@ def scales_mismatch(k_mine: Any, v_mine: Any, k_theirs: Any, v_theirs: Any) -> s
     so the two must be equal (``None``: they can)."""
     if (k_mine, v_mine) == (k_theirs, v_theirs):
         return None
+    if k_mine is None or k_theirs is None:
+        side = "this cache's" if k_mine is None else "the peer's"
+        return f'expected fixed fp8 scales on both caches, got {side} "auto" scales still pending'
     return (
         f"expected the peer's fp8 scales equal to this cache's (k {k_mine}, v {v_mine}), got "
         f"k {k_theirs}, v {v_theirs}: set the same scales on both caches (set_kv_scales)"

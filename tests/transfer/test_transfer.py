@@ -166,6 +166,7 @@ def test_a_sender_killed_before_its_notification_leaves_nothing_visible(receiver
     peer.post("send", sid, incoming.request, timeout=WAIT_S, notify=False)
     with pytest.raises(TransferError, match="timed out.*freed the 5 block"):
         agent.wait(incoming, timeout=3.0)
+    assert peer.result()[0] == 5  # (the writes had completed: written, never visible)
     peer.kill()
     cache.check_invariants()
     assert cache.num_free_blocks == free_before
@@ -245,3 +246,37 @@ def test_bad_request_bytes_are_refused_and_the_receiver_is_freed(receiver, sende
     agent.cancel(incoming)
     cache.check_invariants()
     assert cache.num_free_blocks == cache.num_blocks
+
+
+K_SCALES = np.array([0.5, 0.25, 2.0], np.float32)  # per layer (3 layers)
+FP8 = _spec(
+    dtype="float8_e4m3", k_scales=K_SCALES, v_scales=np.array([1.5, 3.0, 0.125], np.float32)
+)
+
+
+def test_fp8_blocks_arrive_bit_for_bit_between_caches_of_equal_scales(receiver, sender, rng):
+    cache, agent, peer, name = _pair(receiver, sender, FP8)
+    prompt = rng.integers(0, 30000, 2 * SPEC["block_size"] + 5).tolist()
+    sid, k, v, _ = peer.call("prefill", prompt)
+    incoming, stats, _ = _move(agent, peer, name, prompt, sid)
+    assert stats.blocks_moved == 3
+    got_k, got_v = cache.gather_kv(incoming.sid)
+    np.testing.assert_array_equal(got_k.view(np.uint8), k)
+    np.testing.assert_array_equal(got_v.view(np.uint8), v)
+    assert cache.kv_scales(2)[0].tolist() == [2.0, 2.0]  # the scales the bytes were made with
+    cache.check_invariants()
+
+
+def test_fp8_caches_of_other_or_pending_scales_are_refused(receiver):
+    cache, agent = receiver(FP8)
+    _, other = receiver(_spec(dtype="float8_e4m3", k_scales=K_SCALES, v_scales=1.0))
+    with pytest.raises(TransferError, match="fp8 scales"):
+        agent.connect(other.metadata())
+    # "auto" scales: not known until the first write, so connecting is allowed but a receiver
+    # whose scales are still pending refuses to reserve (the moved bytes would be misread).
+    pending, waiting = receiver(_spec(dtype="float8_e4m3", k_scales="auto", v_scales="auto"))
+    name = waiting.connect(agent.metadata())
+    with pytest.raises(TransferError, match="pending"):
+        waiting.expect([1, 2, 3], peer=name)
+    assert pending.num_free_blocks == pending.num_blocks
+    pending.check_invariants()
