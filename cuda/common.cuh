@@ -185,6 +185,47 @@ __device__ __forceinline__ void fp8_words_as_float(const unsigned (&words)[N], f
   }
 }
 
+// Two fp8 bytes (the low one first) as two elements of the 16-bit type of a tensor-core tile,
+// packed as they lie in memory. Exact: every value of both fp8 formats is an fp16 and a bf16 value.
+template <typename KV>
+__device__ __forceinline__ unsigned fp8x2_as_pair(unsigned pair, const __half*) {
+  const __half2_raw h =
+      __nv_cvt_fp8x2_to_halfraw2(static_cast<unsigned short>(pair), IsFp8<KV>::kFormat);
+  return static_cast<unsigned>(h.x) | static_cast<unsigned>(h.y) << 16;
+}
+template <typename KV>
+__device__ __forceinline__ unsigned fp8x2_as_pair(unsigned pair, const __nv_bfloat16*) {
+  const float2 f = fp8x2_to_float2<KV>(static_cast<unsigned short>(pair));
+  const __nv_bfloat16 lo = __float2bfloat16_rn(f.x);
+  const __nv_bfloat16 hi = __float2bfloat16_rn(f.y);
+  return static_cast<unsigned>(*reinterpret_cast<const unsigned short*>(&lo)) |
+         static_cast<unsigned>(*reinterpret_cast<const unsigned short*>(&hi)) << 16;
+}
+
+// Over fp8, the conversion pass of one stage of the tensor-core kernels (paged_decode_mma,
+// cascade_shared): the ring's K and V rows ([TILE, HEAD_DIM] of KV each) into the T tiles
+// ([TILE, LDK]) that the WMMA loads read, 8 elements per step (an LDS.64 and an STS.128), steps
+// spread over the block's threads.
+template <typename T, int HEAD_DIM, int TILE, int LDK, int THREADS, typename KV>
+__device__ __forceinline__ void convert_stage(const KV* k_src, const KV* v_src, T* k_dst,
+                                              T* v_dst, int tid) {
+  constexpr int kRowUnits = HEAD_DIM / 8;
+#pragma unroll 1  // a rolled loop: unrolled, the bf16 tiles spill on sm_80 at head_dim 128
+  for (int k = 0; k < TILE * kRowUnits / THREADS; ++k) {
+    const int j = tid + k * THREADS;
+    const int src = j / kRowUnits * HEAD_DIM + j % kRowUnits * 8;
+    const int dst = j / kRowUnits * LDK + j % kRowUnits * 8;
+    const uint2 k_raw = *reinterpret_cast<const uint2*>(k_src + src);
+    const uint2 v_raw = *reinterpret_cast<const uint2*>(v_src + src);
+    *reinterpret_cast<uint4*>(k_dst + dst) =
+        make_uint4(fp8x2_as_pair<KV>(k_raw.x & 0xffffu, k_dst), fp8x2_as_pair<KV>(k_raw.x >> 16, k_dst),
+                   fp8x2_as_pair<KV>(k_raw.y & 0xffffu, k_dst), fp8x2_as_pair<KV>(k_raw.y >> 16, k_dst));
+    *reinterpret_cast<uint4*>(v_dst + dst) =
+        make_uint4(fp8x2_as_pair<KV>(v_raw.x & 0xffffu, v_dst), fp8x2_as_pair<KV>(v_raw.x >> 16, v_dst),
+                   fp8x2_as_pair<KV>(v_raw.y & 0xffffu, v_dst), fp8x2_as_pair<KV>(v_raw.y >> 16, v_dst));
+  }
+}
+
 // ---- 16-byte vectors: asynchronous staging and conversion in pairs --------------------------
 // Shared by the attention kernels: K/V rows are staged into shared memory 16 bytes per copy, then
 // read back 16 bytes per lane (LDS.128) and widened to float32. 16-bit types convert two elements

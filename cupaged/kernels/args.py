@@ -301,6 +301,35 @@ class DecodeMergeArgs(NamedTuple):
     filler = _merge_filler
 
 
+class CascadeSharedArgs(NamedTuple):
+    """``cascade_shared`` (cuda/cascade.cu): the shared level of cascade decode attention, its
+    partial rows and log-sum-exps in the slots of ``members``, merged by ``paged_decode_merge``."""
+
+    partial_out: Array  # [capacity, num_q_heads, head_dim] float32
+    partial_lse: Array  # [capacity, num_q_heads] float32
+    q: Array  # [num_seqs, num_q_heads, head_dim]: per layer
+    k_cache: Array  # [num_blocks, num_kv_heads, block_size, head_dim]: per layer
+    v_cache: Array  # per layer
+    block_tables: Array  # [num_seqs, max_blocks] int32
+    tiles: Array  # [num_tiles, 4] int32: {first_row, num_rows, begin, end}
+    members: Array  # [num_members, 2] int32: {seq, slot}
+    context_lens: Array  # [num_seqs] int32
+    num_kv_heads: Int32
+    group_size: Int32
+    max_blocks: Int32
+    scale: Float32
+    k_scale: Float32  # the fp8 scales (ScaleArgs): a run's, else the plan's of 1.0
+    v_scale: Float32
+    k_scales: Array
+    v_scales: Array
+    k_scale_stride: Int32
+    v_scale_stride: Int32
+    window_left: Int32
+    soft_cap: Float32
+    alibi_slopes: Array  # [num_q_heads] float32, read with the ALiBi bit
+    sinks: Array  # never read (the merge adds the sinks): any float32 array
+
+
 class PrefillArgs(NamedTuple):
     """``paged_prefill`` and ``paged_prefill_mma`` (cuda/paged_prefill.cu; one interface)."""
 
@@ -369,6 +398,7 @@ KERNEL_ARGS: dict[tuple[str, str], type] = {
     ("paged_attention.cu", "paged_decode"): DecodeArgs,
     ("paged_attention.cu", "paged_decode_mma"): DecodeArgs,
     ("paged_attention.cu", "paged_decode_merge"): DecodeMergeArgs,
+    ("cascade.cu", "cascade_shared"): CascadeSharedArgs,
     ("paged_prefill.cu", "paged_prefill"): PrefillArgs,
     ("paged_prefill.cu", "paged_prefill_mma"): PrefillArgs,
     ("paged_prefill.cu", "paged_prefill_merge"): PrefillMergeArgs,

@@ -10,14 +10,17 @@ each architecture (bf16 takes the CUDA-core kernels below sm_80, and what does n
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 
 import numpy as np
 import pytest
 
+from cupaged import variants
 from cupaged.backend import kernel_dir
 from cupaged.dtypes import DTYPE_NAMES, FP8_NAMES, Q_DTYPE_NAMES
 from cupaged.kernels import target as _gpu_target
+from cupaged.kernels.launch_cascade import CASCADE_CACHE_DTYPES, cascade_launch
 from cupaged.kernels.launch_copies import copy_blocks_launch, write_kv_launch
 from cupaged.kernels.launch_decode import HEAD_DIMS, decode_launch
 from cupaged.kernels.launch_prefill import prefill_launch
@@ -37,7 +40,7 @@ DECODE_GROUPS = (1, 2, 3, 5, 8, 16, 17, 48, 71, 128)
 PREFILL_SHAPES = sorted({(hd, 16) for hd in (64, 80, 128, 256)} | {(128, bs) for bs in (1, 7, 256)})
 
 
-SOURCES = ["write_kv.cu", "copy_blocks.cu", "paged_attention.cu", "paged_prefill.cu"]
+SOURCES = ["write_kv.cu", "copy_blocks.cu", "paged_attention.cu", "paged_prefill.cu", "cascade.cu"]
 
 
 def requested_names(arch: str = "sm_90") -> dict[str, list[str]]:
@@ -49,6 +52,7 @@ def requested_names(arch: str = "sm_90") -> dict[str, list[str]]:
         "copy_blocks.cu": set(),
         "paged_attention.cu": set(),
         "paged_prefill.cu": set(),
+        "cascade.cu": set(),
     }
     for dtype in DTYPE_NAMES:
         # fp8 caches: every source type, with 16-, 8- and 1-element vectors (rows of 256, 72)
@@ -83,6 +87,22 @@ def requested_names(arch: str = "sm_90") -> dict[str, list[str]]:
                     dtype, 1, 1, group, head_dim, block_size, 64, target=target, q_dtype=q_type
                 )
                 names["paged_prefill.cu"].update({launch.name, launch.merge_name})
+    # The cascade's shared level: 16-bit caches at the decode shapes, fp8 ones under each query
+    # type at two head_dims, the variants once; none where the GPU has no tensor cores or shared
+    # memory for it (a T4).
+    for dtype, q_type, (head_dim, block_size) in itertools.product(
+        CASCADE_CACHE_DTYPES, ("float16", "bfloat16"), DECODE_SHAPES
+    ):
+        fp8 = dtype in FP8_NAMES and (head_dim, block_size) in ((64, 16), (128, 16))
+        if fp8 or dtype == q_type:
+            try:
+                launch = cascade_launch(dtype, 1, 4, head_dim, block_size, target, q_dtype=q_type)
+            except ValueError:
+                continue
+            names["cascade.cu"].add(launch.name)
+    every = variants.Variants(window_left=3, logits_soft_cap=1.0, alibi_slopes=np.ones(1))
+    with contextlib.suppress(ValueError):
+        names["cascade.cu"].add(cascade_launch("float16", 1, 4, 128, 16, target, every).name)
     for block_bytes, aligned in ((4096, True), (4096, False), (12, True), (6, True), (7, True)):
         name, *_ = copy_blocks_launch(block_bytes, aligned, 1, 1, element_bytes=1)
         names["copy_blocks.cu"].add(name)
@@ -110,6 +130,8 @@ def nvrtc_archs() -> list[str]:
 def test_nvrtc_compiles_every_requested_instantiation(source, arch):
     nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
     names = requested_names(arch)[source]
+    if not names:
+        pytest.skip(f"the launch table plans no {source} kernel for {arch}")
     if arch != "sm_90":  # every name on sm_90; on sm_80 what differs from sm_90's plan, below
         # sm_80 what differs from sm_80's, and every 8th name (a sample: every template family
         # is compiled for each architecture, not every instantiation, to keep CI short)

@@ -1,0 +1,389 @@
+// cascade.cu: the shared level of cascade decode attention: many decode queries over one range of
+// K/V that their block tables share, each K/V tile read once for all of them, on tensor cores.
+//
+// A decode batch whose sequences share leading blocks (forks, beams, a common prompt) is planned
+// in levels (issue 40): this kernel for the shared ranges, paged_decode for each sequence's own
+// suffix, and paged_decode_merge to combine the pieces of a row by their log-sum-exp. Here, a
+// tile's query rows r (flattened: member r / G, query head kv_head * G + r % G, G the GQA group)
+// attend to the keys j in [begin, end) of KV head kv_head, which every member's table maps to the
+// same blocks:
+//   s_rj = scale * q_r . k_j  (over fp8: times k_scale of the KV head), then the variants
+//          (common.cuh, variant_score: soft-cap, then ALiBi slope[h] * (j - i_r)), then the
+//          window: s_rj = -inf for j < i_r - window_left (window_left >= 0), i_r = len - 1 the
+//          row's query position, so that rows of one tile mask differently;
+//   partial_out[slot_r, h] = sum_j exp(s_rj - m) v_j / sum_j exp(s_rj - m)  (over fp8: times
+//          v_scale of the KV head; 0 when every s_rj is -inf),
+//   partial_lse[slot_r, h] = m + log(sum_j exp(s_rj - m))  (-inf when every s_rj is -inf),
+// exactly what a split item of paged_decode writes (cuda/paged_attention.cu), so that the merge
+// takes both alike. No sinks: the merge adds a sink once per row. NaN and Inf as there.
+// Reference: tests/kernels/test_cascade_kernel.py, a float64 NumPy softmax per row over its keys.
+//
+// cascade_shared: one thread block per (KV head, tile) of WARPS warps; a tile is up to ROWS query
+// rows (ROWS a multiple of 16: the rows of the WMMA m16n16k16 products, rows past the tile's
+// num_rows are zero queries whose results are never written) and the stage TILE = 16 * WARPS
+// tokens, as in paged_decode_mma, whose scheme this follows with ROWS / 16 row blocks in place of
+// one. Each K/V byte of [begin, end) is read from global memory once per thread block and serves
+// all ROWS rows: the reason for the kernel.
+//   0. q rows of the tile into q_s (16-bit, as they are; zeros past num_rows): ROWS x HEAD_DIM
+//      would take 4 * ROWS * HEAD_DIM / (32 * WARPS) registers per lane as fragments, so the
+//      fragments are loaded from shared memory where used. K and V go through the ring
+//      (common.cuh, KvRing with SPLIT_KV), begin at any position.
+//   Per stage:
+//   1. wait for K of stage i (over fp8: K and V, converted to T in shared memory), __syncthreads;
+//      refill the slot of stage i - 1, prefetch the block ids of stage i + STAGES;
+//   2. scores: warp w computes S[:, 16w .. 16w + 15] = Q K^T for every row block, head_dim in
+//      k-steps of 16 (K of the step as a column-major B fragment, loaded once for all row blocks;
+//      Q's A fragments from q_s), and stores its ROWS x 16 float tiles to s_s; __syncthreads;
+//   3. online softmax in float32, THREADS / ROWS threads per row (consecutive lanes of a warp,
+//      TILE * ROWS / THREADS consecutive tokens each; max and sum by shuffles over those lanes):
+//      score scale, variants and masks (past end, before the window) as above; p = exp(s - m_new)
+//      rounded to T, l sums the rounded values; P is written over the row's own scores in s_s
+//      (every lane of the warp has read them first: __syncwarp), alpha per row to alpha_s;
+//   4. wait for V of stage i, __syncthreads; P V: the output is (ROWS / 16) x (HEAD_DIM / 16)
+//      tiles of 16 x 16, tile t = warp + k * WARPS for warp `warp` (row block t / (HEAD_DIM / 16),
+//      column slice t % (HEAD_DIM / 16)); per tile, O_t = P V (A from P, B from the stage) into a
+//      fresh accumulator, stored to the warp's o_s tile, and each lane folds the 8 elements it
+//      owns (row lane / 2, columns 8 * (lane % 2) ..) into its registers, acc = alpha acc + O_t.
+//      (WMMA's accumulator layout is opaque: the per-row rescale runs on the layout of o_s.)
+//   5. after the last stage, every row's l to l_s; each lane writes its elements of its rows as
+//      acc / l (times v_scale over fp8), one thread per row its log-sum-exp.
+// Precision as paged_decode_mma (docs/kernels.md, "Tensor cores"): S and O accumulate in float32,
+// P is rounded to T before P V.
+#ifndef CUPAGED_CPU
+#include <mma.h>  // WMMA; the CPU backend's shim provides nvcuda::wmma itself
+#endif
+
+#include "common.cuh"
+
+namespace cupaged {
+
+// The thread-block layout and shared memory of one instantiation; the launch table
+// (cupaged/kernels/launch_cascade.py, cascade_launch) picks ROWS, WARPS and STAGES and passes them
+// as template arguments, and computes kBytes by the same arithmetic (its shared_mem).
+template <typename T, int HEAD_DIM, int ROWS, int WARPS, int STAGES, typename KV = T>
+struct CascadeLayout {
+  static constexpr bool kFp8 = IsFp8<KV>::value;
+  static constexpr int kThreads = 32 * WARPS;
+  static constexpr int kTile = 16 * WARPS;                   // tokens per stage
+  static constexpr int kSteps = HEAD_DIM / 16;               // k-steps of Q K^T, column slices of O
+  static constexpr int kRowBlocks = ROWS / 16;               // row blocks of 16 (the MMA's rows)
+  static constexpr int kOutTiles = kRowBlocks * kSteps;      // 16 x 16 tiles of the output
+  static constexpr int kWarpTiles = (kOutTiles + WARPS - 1) / WARPS;  // output tiles per warp
+  static constexpr int kRowThreads = kThreads / ROWS;        // softmax threads per row
+  static constexpr int kRowTokens = kTile / kRowThreads;     // tokens per softmax thread
+  static constexpr int kLdk = HEAD_DIM + 8;  // K/V/Q row, elements: +16 bytes, no conflicts
+  static constexpr int kLds = kTile + 4;     // scores row, floats
+  static constexpr int kLdp = 2 * kLds;      // P row, elements of T: P overwrites its scores
+  static constexpr int kLdo = 16 + 4;        // a warp's O tile row, floats
+  static constexpr int kRowVectors = HEAD_DIM * 2 / 16;      // 16-byte vectors per T row (q)
+  static constexpr int kStageVectors =  // 16-byte copies per K stage
+      kTile * HEAD_DIM * static_cast<int>(sizeof(KV)) / 16;
+  // The ring's rows: padded T rows that the WMMA loads read; over fp8 unpadded fp8 rows (the
+  // conversion pass, common.cuh's convert_stage, reads them 8 bytes per thread).
+  static constexpr int kRingLd = kFp8 ? HEAD_DIM : kLdk;
+  // Byte offsets of the dynamic shared memory (each a multiple of 32: WMMA tiles are 256-bit
+  // aligned): k_s, v_s [STAGES, TILE, kRingLd] KV; over fp8 kc_s, vc_s [TILE, kLdk] T (the
+  // converted stage); q_s [ROWS, kLdk] T; s_s [ROWS, kLds] float, P [ROWS, kLdp] T in its
+  // bytes; o_s [WARPS, 16, kLdo] float; alpha_s, l_s [ROWS] float.
+  static constexpr int kStageBytes = STAGES * kTile * kRingLd * static_cast<int>(sizeof(KV));
+  static constexpr int kTileBytes = kFp8 ? kTile * kLdk * 2 : 0;  // one converted K (V) stage
+  static constexpr int kKc = 2 * kStageBytes;
+  static constexpr int kVc = kKc + kTileBytes;
+  static constexpr int kQ = kVc + kTileBytes;
+  static constexpr int kS = kQ + ROWS * kLdk * 2;
+  static constexpr int kO = kS + ROWS * kLds * 4;
+  static constexpr int kAlpha = kO + WARPS * 16 * kLdo * 4;
+  static constexpr int kL = kAlpha + ROWS * 4;
+  static constexpr int kBytes = kL + ROWS * 4;  // the launch table's shared_mem
+  static_assert(sizeof(T) == 2, "tensor cores take the 16-bit types");
+  static_assert(ROWS >= 16 && ROWS % 16 == 0, "rows in blocks of 16, the rows of the MMA");
+  static_assert(HEAD_DIM % 16 == 0, "head_dim in k-steps and output slices of 16");
+  static_assert(kThreads % ROWS == 0 && kRowThreads <= 32 && (kRowThreads & (kRowThreads - 1)) == 0,
+                "a row's softmax threads: a power of two of consecutive lanes of one warp");
+  static_assert(kRowTokens % 8 == 0, "a softmax thread's tokens: whole 16-byte P vectors");
+  static_assert(kFp8 || kStageVectors % kThreads == 0, "the stage's copies split evenly");
+  static_assert(kStageBytes % 32 == 0 && kKc % 32 == 0 && kVc % 32 == 0 && kQ % 32 == 0 &&
+                    kS % 32 == 0 && kO % 32 == 0 && (16 * kLds * 4) % 32 == 0,
+                "WMMA tiles are 32-byte aligned");
+  static_assert(STAGES >= 2 && 2 * STAGES - 2 <= 8, "the waits count at most 8 batches");
+};
+
+// Grid: (num_kv_heads, num_tiles). Block: (32, WARPS, 1).
+// Dynamic shared memory: CascadeLayout::kBytes (the layout above), 32-byte aligned.
+// tiles[t] = {first_row, num_rows, begin, end}: flattened rows first_row .. first_row + num_rows
+// - 1 (num_rows <= ROWS, all of one group: members whose tables hold the same block ids over
+// [begin, end)), keys [begin, end). members[m] = {seq, slot}: row r's query is q[seq, h], its
+// results go to partial_out[slot, h] and partial_lse[slot, h]. The tables are read from the row
+// of the tile's first member. Every slot a tile names is written (all rows, every element).
+template <typename T, int HEAD_DIM, int BLOCK_SIZE, int ROWS, int WARPS, int STAGES,
+          int VARIANT, typename KV>
+__global__ void __launch_bounds__(32 * WARPS)
+    cascade_shared(float* __restrict__ partial_out,       // [capacity, num_q_heads, HEAD_DIM]
+                   float* __restrict__ partial_lse,       // [capacity, num_q_heads]
+                   const T* __restrict__ q,               // [num_seqs, num_q_heads, HEAD_DIM]
+                   const KV* __restrict__ k_cache,        // [num_blocks, num_kv_heads, BLOCK_SIZE, HEAD_DIM]
+                   const KV* __restrict__ v_cache,        // [num_blocks, num_kv_heads, BLOCK_SIZE, HEAD_DIM]
+                   const int* __restrict__ block_tables,  // [num_seqs, max_blocks]
+                   const int4* __restrict__ tiles,        // [num_tiles] {first_row, num_rows, begin, end}
+                   const int2* __restrict__ members,      // [num_members] {seq, slot}
+                   const int* __restrict__ context_lens,  // [num_seqs], under kAlibi or kWindow
+                   int num_kv_heads, int group_size, int max_blocks, float scale,
+                   float k_scale, float v_scale,
+                   const float* __restrict__ k_scales,    // [1] or [num_kv_heads], read over fp8
+                   const float* __restrict__ v_scales,    // [1] or [num_kv_heads], read over fp8
+                   int k_scale_stride, int v_scale_stride,
+                   int window_left,                       // under kWindow, < 0: none
+                   float soft_cap,
+                   const float* __restrict__ alibi_slopes,  // [num_q_heads], read under kAlibi
+                   const float* __restrict__ sinks) {       // never read: the merge's
+  using namespace nvcuda;
+  using L = CascadeLayout<T, HEAD_DIM, ROWS, WARPS, STAGES, KV>;
+  constexpr bool kFp8 = L::kFp8;
+  constexpr int TILE = L::kTile;
+  constexpr int THREADS = L::kThreads;
+  constexpr int LDK = L::kLdk;
+  constexpr int RT = L::kRowThreads;
+  constexpr int RTOK = L::kRowTokens;
+  using Ring = KvRing<KV, HEAD_DIM, BLOCK_SIZE, TILE, STAGES, THREADS, true, true, L::kRingLd>;
+
+  const int4 tile = tiles[blockIdx.y];
+  const int first_row = tile.x;
+  const int num_rows = tile.y;
+  const int begin = tile.z;
+  const int end = tile.w;
+  const int kv_head = blockIdx.x;
+  const int lane = threadIdx.x;
+  const int warp = threadIdx.y;
+  const int tid = warp * 32 + lane;
+  const int num_q_heads = num_kv_heads * group_size;
+
+  CUPAGED_DYNAMIC_SHARED_ALIGNED(unsigned char, smem, 32);  // WMMA tiles: 256-bit aligned
+  KV* k_s = reinterpret_cast<KV*>(smem);                     // [STAGES, TILE, kRingLd]
+  KV* v_s = reinterpret_cast<KV*>(smem + L::kStageBytes);    // [STAGES, TILE, kRingLd]
+  T* kc_s = reinterpret_cast<T*>(smem + L::kKc);             // [TILE, LDK], over fp8
+  T* vc_s = reinterpret_cast<T*>(smem + L::kVc);             // [TILE, LDK], over fp8
+  T* q_s = reinterpret_cast<T*>(smem + L::kQ);               // [ROWS, LDK]
+  float* s_s = reinterpret_cast<float*>(smem + L::kS);       // [ROWS, kLds]
+  T* p_s = reinterpret_cast<T*>(smem + L::kS);               // [ROWS, kLdp], over the scores
+  float* o_s = reinterpret_cast<float*>(smem + L::kO) + warp * 16 * L::kLdo;  // [16, kLdo]
+  float* alpha_s = reinterpret_cast<float*>(smem + L::kAlpha);  // [ROWS]
+  float* l_s = reinterpret_cast<float*>(smem + L::kL);          // [ROWS]
+
+  // Softmax role: row `row` of the tile, tokens RTOK * sub .. RTOK * sub + RTOK - 1. P V role:
+  // row lane / 2 of a row block, columns 8 * (lane % 2) .. + 7 of a column slice.
+  const int row = tid / RT;
+  const int sub = tid % RT;
+  const int out_row = lane / 2;
+  const int out_col = lane % 2 * 8;
+  // The softmax row's query position (ALiBi's i, the window's origin) and slope.
+  constexpr bool kHasAlibi = (VARIANT & kAlibi) != 0;
+  constexpr bool kHasWindow = (VARIANT & kWindow) != 0;
+  int query_pos = 0;
+  float slope = 0.0f;
+  if ((kHasAlibi || kHasWindow) && row < num_rows) {
+    const int r = first_row + row;
+    query_pos = context_lens[members[r / group_size].x] - 1;
+    if (kHasAlibi) slope = alibi_slopes[kv_head * group_size + r % group_size];
+  }
+  // The row's first key: keys before i - window_left are masked (no overflow: i >= -1).
+  const int first_key = kHasWindow && window_left >= 0 ? query_pos - window_left : begin;
+  // Over fp8, K's scale of the KV head joins the score's scale, V's the output rows' (once).
+  const float score_scale =
+      kFp8 ? scale * head_scale(k_scale, k_scales, k_scale_stride, kv_head) : scale;
+  const float out_scale = kFp8 ? head_scale(v_scale, v_scales, v_scale_stride, kv_head) : 1.0f;
+  float m = neg_inf(), l = 0.0f;
+  float acc[L::kWarpTiles][8];
+#pragma unroll
+  for (int j = 0; j < L::kWarpTiles; ++j) {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc[j][e] = 0.0f;
+  }
+
+  if (begin < end) {  // uniform over the block
+    // 0. q rows of the tile into q_s; rows past num_rows are zeros.
+    const bool q_aligned = (reinterpret_cast<unsigned long long>(q) & 15u) == 0;
+#pragma unroll
+    for (int k = 0; k < (ROWS * L::kRowVectors + THREADS - 1) / THREADS; ++k) {
+      const int j = tid + k * THREADS;
+      if (j >= ROWS * L::kRowVectors) break;
+      const int g = j / L::kRowVectors;
+      const int col = j % L::kRowVectors * 8;
+      uint4 value = make_uint4(0u, 0u, 0u, 0u);
+      if (g < num_rows) {
+        const int r = first_row + g;
+        const long long q_row = static_cast<long long>(members[r / group_size].x) * num_q_heads +
+                                kv_head * group_size + r % group_size;
+        const T* src = q + q_row * HEAD_DIM + col;
+        if (q_aligned) {
+          value = *reinterpret_cast<const uint4*>(src);
+        } else {
+          alignas(16) T parts[8];
+#pragma unroll
+          for (int e = 0; e < 8; ++e) parts[e] = src[e];
+          value = *reinterpret_cast<const uint4*>(parts);
+        }
+      }
+      *reinterpret_cast<uint4*>(q_s + g * LDK + col) = value;
+    }
+
+    // The shared blocks, read from the table of the tile's first member.
+    const int table_seq = members[first_row / group_size].x;
+    Ring ring(k_s, v_s, k_cache, v_cache,
+              block_tables + static_cast<long long>(table_seq) * max_blocks, num_kv_heads,
+              kv_head, begin, end, tid);
+    ring.start();
+    __syncthreads();  // q_s is complete
+
+    for (int stage = 0; stage < ring.num_stages; ++stage) {
+      const T* k_tile;  // the warp's 16 K rows, T, rows of LDK elements
+      const T* v_tile;  // the stage's V rows, the same
+      if constexpr (kFp8) {
+        Ring::wait_kv();
+        __syncthreads();  // K and V of `stage` are in; every thread is done with stage - 1
+        ring.refill(stage);
+        convert_stage<T, HEAD_DIM, TILE, LDK, THREADS>(ring.k_row(stage, 0), ring.v_row(stage, 0),
+                                                        kc_s, vc_s, tid);
+        __syncthreads();  // the converted tiles are complete
+        k_tile = kc_s + warp * 16 * LDK;
+        v_tile = vc_s;
+      } else {
+        Ring::wait_k();
+        __syncthreads();  // all of K of `stage` is in; every thread is done with stage - 1
+        ring.refill(stage);
+        k_tile = ring.k_row(stage, warp * 16);
+        v_tile = ring.v_row(stage, 0);
+      }
+
+      {  // 2. scores of the warp's 16 tokens, every row block
+        wmma::fragment<wmma::accumulator, 16, 16, 16, float> s[L::kRowBlocks];
+#pragma unroll
+        for (int rb = 0; rb < L::kRowBlocks; ++rb) wmma::fill_fragment(s[rb], 0.0f);
+        // Rolled k-steps and P V steps by two: unrolled, ptxas hoists every step's fragment
+        // loads (sm_90, fp16, head_dim 128: 255 registers and spills; so: 225, none).
+#pragma unroll 1
+        for (int kk = 0; kk < L::kSteps; ++kk) {
+          wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> kb;
+          wmma::load_matrix_sync(kb, k_tile + kk * 16, LDK);
+#pragma unroll
+          for (int rb = 0; rb < L::kRowBlocks; ++rb) {
+            wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> qa;
+            wmma::load_matrix_sync(qa, q_s + rb * 16 * LDK + kk * 16, LDK);
+            wmma::mma_sync(s[rb], qa, kb, s[rb]);
+          }
+        }
+#pragma unroll
+        for (int rb = 0; rb < L::kRowBlocks; ++rb) {
+          wmma::store_matrix_sync(s_s + rb * 16 * L::kLds + warp * 16, s[rb], L::kLds,
+                                  wmma::mem_row_major);
+        }
+      }
+      __syncthreads();  // every warp's scores are in s_s
+
+      {  // 3. online softmax of row `row`, tokens RTOK * sub .. RTOK * sub + RTOK - 1
+        const int first = begin + stage * TILE + sub * RTOK;
+        float sc[RTOK];
+#pragma unroll
+        for (int e = 0; e < RTOK; e += 4) load16_as_float(s_s + row * L::kLds + sub * RTOK + e, sc + e);
+        __syncwarp();  // every lane of the warp has read its scores: P may overwrite them
+        float m_new = m;
+#pragma unroll
+        for (int e = 0; e < RTOK; ++e) {
+          const int key = first + e;
+          sc[e] = key < end && key >= first_key
+                      ? variant_score<VARIANT>(sc[e] * score_scale, soft_cap, slope, key - query_pos)
+                      : neg_inf();
+          m_new = fmaxf(m_new, sc[e]);
+        }
+#pragma unroll
+        for (int width = RT / 2; width > 0; width /= 2) {
+          m_new = fmaxf(m_new, __shfl_xor_sync(0xffffffffu, m_new, width));
+        }
+        const float base = m_new == neg_inf() ? 0.0f : m_new;
+        float sum = 0.0f;
+#pragma unroll
+        for (int e = 0; e < RTOK; e += 8) {
+          alignas(16) T p[8];
+#pragma unroll
+          for (int x = 0; x < 8; ++x) {
+            p[x] = from_float<T>(expf(sc[e + x] - base));
+            sum += to_float(p[x]);  // the rounded weight, as P V sees it
+          }
+          *reinterpret_cast<uint4*>(p_s + row * L::kLdp + sub * RTOK + e) =
+              *reinterpret_cast<const uint4*>(p);
+        }
+#pragma unroll
+        for (int width = RT / 2; width > 0; width /= 2) {
+          sum += __shfl_xor_sync(0xffffffffu, sum, width);
+        }
+        const float alpha = expf(m - base);  // 0 while m = -inf
+        l = l * alpha + sum;
+        m = m_new;
+        if (sub == 0) alpha_s[row] = alpha;
+      }
+
+      if constexpr (!kFp8) Ring::wait_v();  // over fp8 V landed with K
+      __syncthreads();  // all of V of `stage`, P and alpha are in
+
+      // 4. O = alpha O + P V over the warp's output tiles
+#pragma unroll
+      for (int j = 0; j < L::kWarpTiles; ++j) {
+        const int t = warp + j * WARPS;
+        if (L::kOutTiles % WARPS != 0 && t >= L::kOutTiles) break;  // uniform over the warp
+        const int rb = t / L::kSteps;
+        const int slice = t % L::kSteps;
+        wmma::fragment<wmma::accumulator, 16, 16, 16, float> o;
+        wmma::fill_fragment(o, 0.0f);
+#pragma unroll 2  // see step 2
+        for (int kt = 0; kt < TILE / 16; ++kt) {
+          wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> pa;
+          wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> vb;
+          wmma::load_matrix_sync(pa, p_s + rb * 16 * L::kLdp + kt * 16, L::kLdp);
+          wmma::load_matrix_sync(vb, v_tile + kt * 16 * LDK + slice * 16, LDK);
+          wmma::mma_sync(o, pa, vb, o);
+        }
+        wmma::store_matrix_sync(o_s, o, L::kLdo, wmma::mem_row_major);
+        __syncwarp();  // every lane's part of the tile is in
+        const float alpha = alpha_s[rb * 16 + out_row];
+        float part[8];
+        load16_as_float(o_s + out_row * L::kLdo + out_col, part);
+        load16_as_float(o_s + out_row * L::kLdo + out_col + 4, part + 4);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[j][e] = acc[j][e] * alpha + part[e];
+        __syncwarp();  // every lane has read the tile before the next tile's store
+      }
+    }
+    __pipeline_wait_prior(0);  // only empty batches are left
+  }
+
+  // 5. the rows' results, to the slots of their members
+  if (sub == 0) l_s[row] = l;
+  __syncthreads();  // l of every row is in
+#pragma unroll
+  for (int j = 0; j < L::kWarpTiles; ++j) {
+    const int t = warp + j * WARPS;
+    if (t >= L::kOutTiles) break;
+    const int r = t / L::kSteps * 16 + out_row;
+    if (r >= num_rows) continue;
+    const int flat = first_row + r;
+    const long long out_row_index =
+        static_cast<long long>(members[flat / group_size].y) * num_q_heads +
+        kv_head * group_size + flat % group_size;
+    const float l_row = l_s[r];
+    const int col = t % L::kSteps * 16 + out_col;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      const float value = kFp8 ? acc[j][e] * out_scale : acc[j][e];
+      // All -inf: weight 0 in the merge, and a zero row, not 0 / 0.
+      partial_out[out_row_index * HEAD_DIM + col + e] = l_row == 0.0f ? 0.0f : value / l_row;
+    }
+  }
+  if (sub == 0 && row < num_rows) {
+    const int flat = first_row + row;
+    const long long lse_index = static_cast<long long>(members[flat / group_size].y) *
+                                    num_q_heads + kv_head * group_size + flat % group_size;
+    const float base = m == neg_inf() ? 0.0f : m;
+    partial_lse[lse_index] = base + logf(l);  // l = 0 (no key, or all -inf): -inf
+  }
+}
+
+}  // namespace cupaged

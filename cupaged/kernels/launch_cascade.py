@@ -1,0 +1,162 @@
+"""Cascade's launch: the thread-block layout, shared memory and instantiation name of
+``cascade_shared`` (cuda/cascade.cu), the shared level of cascade decode attention.
+
+The suffix level and the merge are decode's own launches (``launch_decode``). A tile of the
+shared level is up to ``rows_per_tile`` query rows (a group's rows x its GQA heads, flattened)
+over one token range that their block tables share; the planner cuts a group of ``n`` rows of
+``G`` heads into ``ceil(n * G / rows_per_tile)`` tiles, each of which reads the shared K/V once,
+so the larger ``rows_per_tile``, the fewer bytes::
+
+    rows of a group (n = 3 sequences, G = 4 heads)   tiles of rows_per_tile = 8
+    seq a: a0 a1 a2 a3 | seq b: b0 b1 b2 b3 | seq c: c0 c1 c2 c3
+    [ tile 0: a0 .. b3 (8 rows)            ] [ tile 1: c0 .. c3 (4 rows, 4 zero) ]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..dtypes import C_TYPES, is_fp8, itemsize
+from ..variants import NO_VARIANTS, SINKS, Variants
+from .launch_decode import HEAD_DIMS, MAX_BLOCK_SIZE, query_dtype
+from .target import NOMINAL_TARGET, Target
+
+# The tensor-core layout: CASCADE_WARPS warps of 32 threads, a stage of 16 tokens per warp,
+# CASCADE_STAGES stages in the cp.async ring (as paged_decode_mma). The rows of a tile: 64 up to
+# head_dim 128, where the block's K/V ring, q rows and scores (108 KiB at head_dim 128, fp16) let
+# two blocks share an H100's multiprocessor and a lane keeps 64 accumulators; 32 above, where 64
+# rows' accumulators (128 per lane) would outgrow the registers.
+CASCADE_WARPS = 4
+CASCADE_STAGES = 2
+CASCADE_ROWS = 64
+CASCADE_WIDE_ROWS = 32  # head_dim above CASCADE_ROWS_MAX_HEAD_DIM
+CASCADE_ROWS_MAX_HEAD_DIM = 128
+CASCADE_Q_DTYPES = ("float16", "bfloat16")  # the WMMA operand types
+CASCADE_CACHE_DTYPES = ("float16", "bfloat16", "float8_e4m3", "float8_e5m2")
+CASCADE_NAME = "cupaged::cascade_shared"
+
+
+@dataclass(frozen=True, slots=True)
+class CascadeLaunch:
+    """How ``cascade_shared`` runs for one shape.
+
+    Attributes:
+        name: the instantiation (a RawModule name expression), every template argument spelled:
+            ``cupaged::cascade_shared<T, HEAD_DIM, BLOCK_SIZE, ROWS, WARPS, STAGES, VARIANT, KV>``.
+        block: ``(32, warps, 1)``; the grid is ``(num_kv_heads, num_tiles)``.
+        shared_mem: dynamic shared memory in bytes (``CascadeLayout::kBytes``).
+        rows_per_tile: the most query rows a tile may hold (``ROWS``, a multiple of 16).
+        tile: tokens per pipeline stage (a tile's range may start and end anywhere).
+        warps: warps per thread block.
+        stages: stages of the ``cp.async`` ring.
+    """
+
+    name: str
+    block: tuple[int, int, int]
+    shared_mem: int
+    rows_per_tile: int
+    tile: int
+    warps: int
+    stages: int
+
+
+def check_cascade_shape(dtype: str, q_dtype: str, head_dim: int, block_size: int) -> None:
+    """Raise ``ValueError`` naming what ``cascade_shared`` supports when it cannot take this
+    shape: fp16/bf16 queries (the tensor cores' operands) over fp16, bf16 or fp8 caches, a
+    16-bit cache of the queries' own type, head_dim 64..256 in multiples of 16, block sizes
+    1..256."""
+    if q_dtype not in CASCADE_Q_DTYPES:
+        raise ValueError(
+            f"expected queries of one of {CASCADE_Q_DTYPES} for the cascade kernel (tensor "
+            f"cores), got {q_dtype}"
+        )
+    if dtype not in CASCADE_CACHE_DTYPES:
+        raise ValueError(f"expected a cache of one of {CASCADE_CACHE_DTYPES}, got {dtype}")
+    if not is_fp8(dtype) and dtype != q_dtype:
+        raise ValueError(f"expected queries of the cache's type {dtype}, got {q_dtype}")
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(
+            f"expected head_dim in 64..256, a multiple of 16 ({', '.join(map(str, HEAD_DIMS))}), "
+            f"got {head_dim}"
+        )
+    if not 1 <= block_size <= MAX_BLOCK_SIZE:
+        raise ValueError(f"expected block_size in 1..{MAX_BLOCK_SIZE}, got {block_size}")
+
+
+def cascade_rows(head_dim: int) -> int:
+    """Query rows per tile (``ROWS``) at ``head_dim``."""
+    return CASCADE_ROWS if head_dim <= CASCADE_ROWS_MAX_HEAD_DIM else CASCADE_WIDE_ROWS
+
+
+def cascade_shared_memory(dtype: str, head_dim: int, rows: int, warps: int, stages: int) -> int:
+    """Bytes of dynamic shared memory of ``cascade_shared`` (``CascadeLayout::kBytes`` in
+    cuda/cascade.cu): the K/V ring (over fp8 of unpadded fp8 rows, and one stage converted to
+    the queries' type), the q rows, the scores (P overwrites them), the warps' O tiles, and two
+    floats per row."""
+    tile, ldk = 16 * warps, head_dim + 8
+    ring_row, converted = (head_dim, 2 * tile * ldk * 2) if is_fp8(dtype) else (ldk, 0)
+    return (
+        2 * stages * tile * ring_row * itemsize(dtype)
+        + converted
+        + rows * ldk * 2
+        + rows * (tile + 4) * 4
+        + warps * 16 * 20 * 4
+        + 2 * rows * 4
+    )
+
+
+def cascade_launch(
+    dtype: str,
+    num_kv_heads: int,
+    group: int,
+    head_dim: int,
+    block_size: int,
+    gpu: Target = NOMINAL_TARGET,
+    variants: Variants = NO_VARIANTS,
+    *,
+    q_dtype: str | None = None,
+) -> CascadeLaunch:
+    """The launch of ``cascade_shared`` over a ``dtype`` cache on ``gpu``.
+
+    ``q_dtype``: the queries' type over an fp8 cache (:func:`~.launch_decode.query_dtype`,
+    float16 when ``None``). ``variants``: the plan's (``cupaged.variants``); their ``VARIANT``
+    bits name the kernel as decode's do, the window's included (this kernel masks each row's
+    window itself: the rows of a tile have different positions), the sinks' never (the merge
+    adds a sink once per row). ``group`` and ``num_kv_heads`` change no template argument; they
+    are checked against the kernel's limits.
+
+    Raises:
+        ValueError: a shape the kernel does not take (:func:`check_cascade_shape`), or a GPU
+            without the tensor cores or shared memory for it.
+    """
+    q_dtype = query_dtype(dtype) if q_dtype is None else q_dtype
+    check_cascade_shape(dtype, q_dtype, head_dim, block_size)
+    if group < 1 or num_kv_heads < 1:
+        raise ValueError(
+            f"expected at least one KV head and one query head per KV head, got "
+            f"{num_kv_heads} and {group}"
+        )
+    if num_kv_heads * block_size * head_dim >= 2**32:  # the ring's 32-bit block stride
+        raise ValueError(
+            f"expected num_kv_heads * block_size * head_dim < 2**32 (the elements of one block), "
+            f"got {num_kv_heads} * {block_size} * {head_dim}"
+        )
+    rows, warps, stages = cascade_rows(head_dim), CASCADE_WARPS, CASCADE_STAGES
+    shared_mem = cascade_shared_memory(dtype, head_dim, rows, warps, stages)
+    if not gpu.has_wmma(q_dtype) or not gpu.fits(shared_mem):
+        raise ValueError(
+            f"expected a GPU with {q_dtype} tensor cores and {shared_mem} bytes of shared memory "
+            f"per block for the cascade kernel, got sm_{gpu.arch} with {gpu.shared_memory}"
+        )
+    variant = variants.flags() & ~SINKS
+    kv = C_TYPES[dtype]
+    shape = f"{C_TYPES[q_dtype]}, {head_dim}, {block_size}, {rows}, {warps}, {stages}"
+    return CascadeLaunch(
+        name=f"{CASCADE_NAME}<{shape}, {variant}, {kv}>",
+        block=(32, warps, 1),
+        shared_mem=shared_mem,
+        rows_per_tile=rows,
+        tile=16 * warps,
+        warps=warps,
+        stages=stages,
+    )
