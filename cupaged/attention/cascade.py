@@ -44,10 +44,15 @@ every piece is merged alike.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from .._util import cdiv
+from ..backend import array_module
+from ..kernels.args import CascadeSharedArgs, merge_record
+from ..kernels.launch_cascade import cascade_launch
+from .layer import attention_kernel, target
 
 # A step takes cascade (cascade=None) when it saves at least this many bytes of K/V per layer: a
 # launch more (the shared level) costs a few microseconds of a GPU's time, in which an H100 or
@@ -159,6 +164,7 @@ class CascadeWork:
         bytes_read: K/V bytes the cascade reads per layer (every KV head).
         bytes_plain: K/V bytes the plain plan reads per layer.
         nodes: the shared nodes taken.
+        rows_per_tile: query rows of one shared-level thread block.
     """
 
     work: np.ndarray
@@ -168,6 +174,7 @@ class CascadeWork:
     bytes_read: int
     bytes_plain: int
     nodes: tuple[Node, ...]
+    rows_per_tile: int
 
     @property
     def capacity(self) -> int:
@@ -285,6 +292,7 @@ def plan_cascade(
         bytes_read=bytes_read,
         bytes_plain=bytes_plain,
         nodes=tuple(nodes),
+        rows_per_tile=rows_per_tile,
     )
 
 
@@ -301,3 +309,123 @@ def _cut(begin: int, end: int, pieces: int, least: int, tile: int) -> list[tuple
 
 def _chunks(begin: int, end: int, size: int) -> list[tuple[int, int]]:
     return [(b, min(b + size, end)) for b in range(begin, end, size)]
+
+
+def shared_level(
+    device: str,
+    decode_args: Any,
+    dtype: str,
+    q_dtype: str,
+    layout: tuple[int, ...],
+    group: int,
+    variants: Any,
+    required: bool,
+) -> SharedLevel | None:
+    """A decode plan's shared level: ``cascade_shared`` for its shape and variants, loaded, and
+    its arguments from the plan's ``paged_decode`` record (the same tables, lengths, scale and
+    variants, by name); ``None`` for a shape the kernel does not take.
+
+    Raises:
+        ValueError: that shape, when the plan requires a cascade (``cascade=True``).
+    """
+    _, num_kv_heads, block_size, head_dim = layout
+    try:
+        launch = cascade_launch(
+            dtype, num_kv_heads, group, head_dim, block_size, target(device), variants,
+            q_dtype=q_dtype,
+        )  # fmt: skip
+    except ValueError as error:
+        if required:
+            raise ValueError(f"cascade=True: {error}") from None
+        return None
+    grid = (num_kv_heads, 2)  # the CPU backend's helper threads: the launches hold many tiles
+    kernel = attention_kernel(device, "cascade.cu", launch, group, head_dim, grid=grid)
+    args = merge_record(decode_args, CascadeSharedArgs, tiles=None, members=None)
+    return SharedLevel(kernel, launch, args, head_dim, required)
+
+
+class SharedLevel:
+    """The shared level of a plan's cascades: the loaded ``cascade_shared`` kernel and the
+    arguments every step's launch shares (the tables, lengths and variants of the plan), built
+    once per plan; :meth:`levels` lays a step's :class:`CascadeWork` onto the device."""
+
+    __slots__ = ("_args", "_block", "_head_dim", "_kernel", "_shared_mem", "launch", "required")
+
+    def __init__(self, kernel: Any, launch: Any, args: Any, head_dim: int, required: bool) -> None:
+        self._kernel = kernel
+        self._block = launch.block
+        self._shared_mem = launch.shared_mem
+        self._head_dim = head_dim
+        self._args = args  # CascadeSharedArgs: q, caches, tiles, members, partials per launch
+        self.launch = launch
+        self.required = required  # cascade=True: every shared block taken
+
+    def levels(self, work: CascadeWork, decode_args: Any, merge_args: Any) -> CascadeLevels:
+        """A step's cascade on the device: its own work list, slots and partial buffers, and
+        the records of ``paged_decode`` and its merge (the plan's, with those in place)."""
+        xp = array_module(decode_args.block_tables)
+        capacity, num_q_heads = work.capacity, int(merge_args.num_q_heads)
+        partial_out = xp.empty((capacity, num_q_heads, self._head_dim), np.float32)
+        partial_lse = xp.empty((capacity, num_q_heads), np.float32)
+        own = dict(partial_out=partial_out, partial_lse=partial_lse)
+        shared = self._args._replace(
+            tiles=xp.asarray(work.tiles), members=xp.asarray(work.members), **own
+        )
+        decode = decode_args._replace(work=xp.asarray(work.work), **own)
+        merge = merge_args._replace(seq_items=xp.asarray(work.seq_items), **own)
+        return CascadeLevels(self, work, shared, decode, merge)
+
+    def run(self, args: Any, num_kv_heads: int, num_tiles: int) -> None:
+        """``cascade_shared`` over ``num_tiles`` tiles of every KV head."""
+        grid = (num_kv_heads, num_tiles)
+        self._kernel(grid, self._block, tuple(args), shared_mem=self._shared_mem)
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeGeometry:
+    """How a plan launches ``paged_decode`` and its merge, whatever the work list's length."""
+
+    grid_x: int
+    block: tuple[int, ...]
+    shared_mem: int
+    merge_block: tuple[int, ...]
+
+
+class CascadeLevels:
+    """One step's cascade, launched per layer: the shared level, then ``paged_decode`` over
+    each row's own items (the shared slots idle), then the merge of every row's pieces."""
+
+    __slots__ = ("_decode", "_merge", "_shared", "_shared_args", "work")
+
+    def __init__(
+        self, shared: SharedLevel, work: CascadeWork, shared_args: Any, decode: Any, merge: Any
+    ) -> None:
+        self._shared = shared
+        self._shared_args = shared_args
+        self._decode = decode
+        self._merge = merge
+        self.work = work
+
+    def run(
+        self,
+        kernels: tuple[Any, Any],
+        geometry: DecodeGeometry,
+        layer: tuple[Any, Any, Any, Any],
+        scales: Any,
+        sinks: Any,
+    ) -> None:
+        """One layer: ``layer`` is ``(out, q, k_cache, v_cache)``, ``scales`` a run's
+        :class:`~cupaged.kernels.args.ScaleArgs` or ``None``, ``sinks`` the layer's or
+        ``None``; ``kernels`` the plan's decode kernel and merge (with the sinks bit when
+        ``sinks`` are given)."""
+        out, q, k_cache, v_cache = layer
+        kernel, merge = kernels
+        scale_fields = {} if scales is None else scales.named()
+        shared = self._shared_args._replace(q=q, k_cache=k_cache, v_cache=v_cache, **scale_fields)
+        num_kv_heads = int(shared.num_kv_heads)
+        self._shared.run(shared, num_kv_heads, self.work.tiles.shape[0])
+        decode = self._decode.filled(out, q, k_cache, v_cache, scales, sinks)
+        grid = (geometry.grid_x, self.work.capacity)
+        kernel(grid, geometry.block, decode, shared_mem=geometry.shared_mem)
+        merge_grid = (int(self._merge.num_q_heads), self.work.seq_items.shape[0])
+        merge(merge_grid, geometry.merge_block, self._merge.filled(out, sinks))

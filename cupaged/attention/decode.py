@@ -56,7 +56,7 @@ from .._arrays.checks import (
 from .._arrays.interop import takes_dlpack
 from .._util import cdiv
 from ..backend import array_module, to_numpy
-from ..dtypes import array_dtype_name, dtype_name, is_fp8
+from ..dtypes import array_dtype_name, dtype_name, is_fp8, itemsize
 from ..kernels.args import DecodeArgs, DecodeMergeArgs, PlanDecodeArgs, merge_record
 from ..kernels.launch_decode import (
     MAX_GRID_YZ,
@@ -72,6 +72,14 @@ from ..kernels.launch_decode import (
 )
 from ..kernels.loader import get_kernel
 from ..variants import check_sinks, check_variants
+from .cascade import (
+    CascadeLevels,
+    CascadeWork,
+    DecodeGeometry,
+    first_attended,
+    plan_cascade,
+    shared_level,
+)
 from .layer import (
     LayerArrays,
     attention_kernel,
@@ -103,6 +111,14 @@ class DecodePlan:
             experiments; a count above the pieces of whole tiles a context holds gives those
             pieces); ``None`` balances the work by tokens over the device (see
             ``cuda/decode_plan.cu``). Refused with ``batch_invariant=True``.
+        cascade: rows that share leading blocks (forks, prefix-cache hits) read them once for
+            all of them (docs/cascade.md): ``None`` (default) when that reads at least
+            ``MIN_SAVED_BYTES`` fewer K/V bytes per layer (cupaged/attention/cascade.py, the
+            arithmetic), ``True`` whenever two rows share a block, ``False`` never. The sharing
+            is read from the tables (one read-back of them on a GPU per plan and ``update``,
+            unless no two rows share a first block); a cascade step's buffers are its own, so
+            a CUDA graph of ``run`` needs ``cascade=False``. Off with ``batch_invariant=True``;
+            16-bit queries only (tensor cores): ``True`` over a float32 cache is refused.
         batch_invariant: ``True``: a sequence's output is bitwise the same in any batch, at any
             position in it (on one device and build; docs/batch-invariance.md). Every sequence
             is cut into pieces of a fixed size (``INVARIANT_SPLIT_TOKENS`` of
@@ -164,6 +180,8 @@ class DecodePlan:
         "_arrays",
         "_block",
         "_capacity",
+        "_cascade",
+        "_cascade_args",
         "_device",
         "_fill",
         "_grid",
@@ -182,6 +200,7 @@ class DecodePlan:
         "_planner_block",
         "_fp8",
         "_seq_items",
+        "_shared_level",
         "_shared_mem",
         "_sink_kernels",
         "_split",
@@ -207,6 +226,7 @@ class DecodePlan:
         scale: float | None = None,
         num_splits: int | None = None,
         batch_invariant: bool = False,
+        cascade: bool | None = None,
         max_context_len: int | None = None,
         checked: bool = True,
         tables_checked: bool | None = None,
@@ -252,6 +272,13 @@ class DecodePlan:
             raise ValueError(
                 f"expected num_splits=None with batch_invariant=True (its pieces have a fixed "
                 f"size, whatever the batch), got num_splits={splits}"
+            )
+        if cascade is not None:
+            cascade = as_bool(cascade, "cascade")
+        if cascade and batch_invariant:
+            raise ValueError(
+                "expected cascade=None or False with batch_invariant=True (a shared level "
+                "changes a row's reduction with the batch), got cascade=True"
             )
         gpu = target(device)
         # The kernel and its layout depend on the shape and the GPU, not on the work list's
@@ -312,6 +339,7 @@ class DecodePlan:
         self._lens = owned_int32(xp, context_lens)
         self._num_q_heads = np.int32(num_q_heads)
         self._sink_kernels = None
+        self._cascade = self._shared_level = None
         if num_seqs == 0:
             return
         # Of the final launch: the CPU backend caps its helper threads by the launch's blocks.
@@ -350,6 +378,11 @@ class DecodePlan:
             args, DecodeMergeArgs, seq_items=self._seq_items, num_q_heads=self._num_q_heads
         )
         self._fill, self._merge_fill = args.filler(), merge_args.filler()
+        self._cascade_args = (args, merge_args)
+        if cascade is not False and not batch_invariant and num_seqs > 1:
+            self._shared_level = shared_level(
+                device, args, dtype, q_dtype, self._layout, group, variants, cascade is True
+            )
         plan_args = PlanDecodeArgs(
             work=self._work,
             seq_items=self._seq_items,
@@ -382,6 +415,59 @@ class DecodePlan:
             self._split = decode_may_split(
                 self._capacity, self.num_seqs, self._min_chunk, self._tile, max_context
             )
+        if self._shared_level is not None:
+            self._cascade = self._plan_cascade()
+
+    def _plan_cascade(self) -> CascadeLevels | None:
+        """The step's cascade from the plan's tables (on the host), or ``None``: nothing shared,
+        or too little (``cascade=None``), or a work list past CUDA's grid limit."""
+        tables, lens = to_numpy(self._tables), to_numpy(self._lens)
+        num_blocks, num_kv_heads, block_size, head_dim = self._layout
+        level = self._shared_level
+        work = plan_cascade(
+            tables,
+            lens,
+            block_size=block_size,
+            window_left=self._variants.window_left,
+            group=int(self._num_q_heads) // num_kv_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            kv_bytes=self._kv_bytes(),
+            rows_per_tile=level.launch.rows_per_tile,
+            tile=self._tile,
+            fill_blocks=max(self._capacity - self.num_seqs, 1),
+            force=level.required,
+        )
+        if work is None or max(work.capacity, work.tiles.shape[0]) > MAX_GRID_YZ:
+            return None
+        return level.levels(work, *self._cascade_args)
+
+    def _kv_bytes(self) -> int:
+        """Bytes of one cache element (an fp8 cache's one byte, a bfloat16's two)."""
+        return 1 if self._fp8 else itemsize(self._arrays.dtype)
+
+    @property
+    def cascade(self) -> CascadeWork | None:
+        """The step's cascade (its shared nodes, work and byte counts), ``None`` when the plan
+        attends without one (docs/cascade.md)."""
+        return None if self._cascade is None else self._cascade.work
+
+    @property
+    def kv_bytes_plain(self) -> int:
+        """K/V bytes per layer that the plain plan reads: every attended key of every row, K
+        and V of every KV head (one read-back of the lengths on a GPU)."""
+        lens = to_numpy(self._lens).astype(np.int64)
+        _, num_kv_heads, _, head_dim = self._layout
+        attended = lens - first_attended(lens, self._variants.window_left)
+        return int(attended.sum()) * 2 * head_dim * num_kv_heads * self._kv_bytes()
+
+    @property
+    def kv_bytes_read(self) -> int:
+        """K/V bytes per layer that this plan reads: :attr:`kv_bytes_plain`, or less with a
+        cascade (its shared ranges once per tile of query rows)."""
+        if self._cascade is not None:
+            return self._cascade.work.bytes_read
+        return self.kv_bytes_plain
 
     @property
     def window_left(self) -> int:
@@ -508,6 +594,13 @@ class DecodePlan:
             kernel, merge = self._sink_kernels
         spare = self._capacity > self.num_seqs  # none: never split, whatever the lengths
         split = self._split or (self._device == "cuda" and spare and _capturing(self._xp))
+        if self._cascade is not None:
+            geometry = DecodeGeometry(
+                self._grid[0], self._block, self._shared_mem, self._merge_block
+            )
+            layer = (out_storage, q, k_cache, v_cache)
+            self._cascade.run((kernel, merge), geometry, layer, scales, sinks)
+            return out
         args = self._fill(out_storage, q, k_cache, v_cache, scales, sinks)
         kernel(self._grid, self._block, args, shared_mem=self._shared_mem)
         if split:

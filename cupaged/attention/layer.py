@@ -130,10 +130,13 @@ def owned_int32(xp: Any, x: Any) -> Any:
     return x.astype(np.int32, order="C")  # astype copies
 
 
-def attention_kernel(device: str, source: str, launch: Any, group: int, head_dim: int) -> Any:
+def attention_kernel(
+    device: str, source: str, launch: Any, group: int, head_dim: int, grid: Any = None
+) -> Any:
     """The kernel of an attention launch plan, with the dynamic shared memory it asks for
     (opted into above the default). The launch table picked it for this device's target
-    (:func:`target`), so it fits; the check stays as the last guard before a launch."""
+    (:func:`target`), so it fits; the check stays as the last guard before a launch. ``grid``:
+    the launch's (``launch.grid`` when ``None``), which sizes the CPU backend's threads."""
     if device == "cuda" and not target(device).fits(launch.shared_mem):
         raise ValueError(
             f"expected at most {target(device).shared_memory} bytes of shared memory per block "
@@ -144,7 +147,7 @@ def attention_kernel(device: str, source: str, launch: Any, group: int, head_dim
     if device == "cuda" and launch.shared_mem > DEFAULT_SHARED_MEMORY:
         kernel.max_dynamic_shared_size_bytes = launch.shared_mem
     if device == "cpu":  # heavy blocks: helper threads from two on (see kernels/cpu/threads.py)
-        kernel = kernel.with_workers(cpu_threads().attention_workers(launch.grid))
+        kernel = kernel.with_workers(cpu_threads().attention_workers(grid or launch.grid))
     return kernel
 
 
