@@ -159,6 +159,10 @@ def demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             input_file(config.weights)
         except argparse.ArgumentTypeError as error:
             parser.error(f"argument --weights: {error}")
+    if args.disaggregated:
+        from .demo.disaggregated import command as disaggregated
+
+        return disaggregated(args, config, parser)
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         return error_line(
             parser.prog, RuntimeError("--plot needs matplotlib: pip install matplotlib")
@@ -397,6 +401,13 @@ def build_parser() -> tuple[
         default=None,
         metavar="FILE",
         help="write every number as JSON (default: none written)",
+    )
+    add(
+        "--disaggregated",
+        action="store_true",
+        help="prefill in one process, decode in another, each request's KV moved between their "
+        "caches over NIXL on loopback; the decode side's logits checked against a "
+        "single-process run (default: off; needs NIXL: pip install --no-deps nixl nixl-cu12)",
     )
     example = commands.add_parser(
         "example",

@@ -16,13 +16,15 @@ import cupaged
 import cupaged.demo
 import cupaged.models
 import cupaged.serving
+import cupaged.transfer
 
 PUBLIC = set(cupaged.__all__) | {"__version__"}
-# cupaged.models and cupaged.serving are public subpackages (docs/api.rst): their own __all__ is
-# public too.
+# cupaged.models, cupaged.serving and cupaged.transfer are public subpackages (docs/api.rst):
+# their own __all__ is public too.
 SUBPACKAGES_PUBLIC = {
     "cupaged.models": set(cupaged.models.__all__),
     "cupaged.serving": set(cupaged.serving.__all__),
+    "cupaged.transfer": set(cupaged.transfer.__all__),
 }
 # Packages whose modules are checked; each may import its own modules.
 CHECKED = [cupaged.demo, cupaged.serving]
