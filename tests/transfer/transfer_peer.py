@@ -13,43 +13,51 @@ from typing import Any
 import numpy as np
 
 
-def serve(conn: Any, spec: dict[str, Any], name: str, seed: int) -> None:
-    """Make a CPU cache of ``spec`` and its agent, send the agent's metadata, then serve
-    ``connect``, ``prefill``, ``send`` and ``exit``."""
+def serve(conn: Any, specs: dict[str, dict[str, Any]], name: str, seed: int) -> None:
+    """Make a CPU cache of each of ``specs`` and an agent over each (named ``{name}-{key}``),
+    send ``{key: metadata}``, then serve ``(command, key, args, kwargs)``: ``connect``,
+    ``prefill``, ``send``, ``scatter`` on cache ``key``, until ``exit``."""
     os.environ["UCX_NET_DEVICES"] = "lo"  # (before NIXL starts UCX: loopback only)
     from cupaged import PagedCache
     from cupaged.transfer import KVTransferAgent
 
-    cache = PagedCache(**spec, device="cpu", enable_prefix_caching=True)
     rng = np.random.default_rng(seed)
-    with KVTransferAgent(cache, name) as agent:
-        conn.send(agent.metadata())
+    caches, agents = {}, {}
+    try:
+        for key, spec in specs.items():
+            caches[key] = PagedCache(**spec, device="cpu", enable_prefix_caching=True)
+            agents[key] = KVTransferAgent(caches[key], f"{name}-{key}")
+        conn.send({key: agent.metadata() for key, agent in agents.items()})
         while True:
-            command, args, kwargs = conn.recv()
+            command, key, args, kwargs = conn.recv()
             if command == "exit":
                 break
             try:
-                if command == "connect":
-                    result = agent.connect(*args)
-                elif command == "prefill":
-                    result = prefill(cache, rng, *args)
-                elif command == "send":
-                    stats = agent.send(*args, **kwargs)
-                    result = (
-                        stats.blocks_moved,
-                        stats.blocks_cached,
-                        stats.bytes_moved,
-                        stats.seconds,
-                        stats.descriptors,
-                    )
-                elif command == "scatter":
-                    result = scatter(cache, *args)
-                else:
-                    raise ValueError(f"unknown command {command!r}")
+                conn.send(("ok", _run(command, caches[key], agents[key], rng, args, kwargs)))
             except Exception as error:  # noqa: BLE001  (reported to the parent, which fails)
                 conn.send(("error", f"{type(error).__name__}: {error}"))
-            else:
-                conn.send(("ok", result))
+    finally:
+        for agent in agents.values():
+            agent.close()
+
+
+def _run(command: str, cache: Any, agent: Any, rng: np.random.Generator, args, kwargs) -> Any:
+    if command == "connect":
+        return agent.connect(*args)
+    if command == "prefill":
+        return prefill(cache, rng, *args)
+    if command == "send":
+        stats = agent.send(*args, **kwargs)
+        return (
+            stats.blocks_moved,
+            stats.blocks_cached,
+            stats.bytes_moved,
+            stats.seconds,
+            stats.descriptors,
+        )
+    if command == "scatter":
+        return scatter(cache, *args)
+    raise ValueError(f"unknown command {command!r}")
 
 
 def prefill(cache: Any, rng: np.random.Generator, prompt: list[int]) -> tuple:
