@@ -39,11 +39,11 @@
 //      score scale, variants and masks (past end, before the window) as above; p = exp(s - m_new)
 //      rounded to T, l sums the rounded values; P is written over the row's own scores in s_s
 //      (every lane of the warp has read them first: __syncwarp), alpha per row to alpha_s;
-//   4. wait for V of stage i, __syncthreads; P V: the output is (ROWS / 16) x (HEAD_DIM / 16)
-//      tiles of 16 x 16, tile t = warp + k * WARPS for warp `warp` (row block t / (HEAD_DIM / 16),
-//      column slice t % (HEAD_DIM / 16)); per tile, O_t = P V (A from P, B from the stage) into a
-//      fresh accumulator, stored to the warp's o_s tile, and each lane folds the 8 elements it
-//      owns (row lane / 2, columns 8 * (lane % 2) ..) into its registers, acc = alpha acc + O_t.
+//   4. wait for V of stage i, __syncthreads; P V: warp w owns the 16-column slices w, w + WARPS,
+//      ... of the output, every row block of each; per slice it loads the stage's V fragments
+//      once (B, from the stage), and per row block computes O = P V (A from P) into a fresh
+//      accumulator, stores it to the warp's o_s tile, and each lane folds the 8 elements it owns
+//      (row lane / 2, columns 8 * (lane % 2) ..) into its registers, acc = alpha acc + O.
 //      (WMMA's accumulator layout is opaque: the per-row rescale runs on the layout of o_s.)
 //   5. after the last stage, every row's l to l_s; each lane writes its elements of its rows as
 //      acc / l (times v_scale over fp8), one thread per row its log-sum-exp.
@@ -67,8 +67,12 @@ struct CascadeLayout {
   static constexpr int kTile = 16 * WARPS;                   // tokens per stage
   static constexpr int kSteps = HEAD_DIM / 16;               // k-steps of Q K^T, column slices of O
   static constexpr int kRowBlocks = ROWS / 16;               // row blocks of 16 (the MMA's rows)
-  static constexpr int kOutTiles = kRowBlocks * kSteps;      // 16 x 16 tiles of the output
-  static constexpr int kWarpTiles = (kOutTiles + WARPS - 1) / WARPS;  // output tiles per warp
+  static constexpr int kSlices = (kSteps + WARPS - 1) / WARPS;  // output column slices per warp
+  static constexpr int kWarpTiles = kSlices * kRowBlocks;    // 16 x 16 output tiles per warp
+  // Loops unrolled up to head_dim 128; above it rolled (k-steps) or by two (P V steps), where
+  // ptxas, hoisting every step's fragment loads, would run out of registers and spill.
+  static constexpr int kUnrollSteps = HEAD_DIM <= 128 ? kSteps : 1;
+  static constexpr int kUnrollPv = HEAD_DIM <= 128 ? kTile / 16 : 2;
   static constexpr int kRowThreads = kThreads / ROWS;        // softmax threads per row
   static constexpr int kRowTokens = kTile / kRowThreads;     // tokens per softmax thread
   static constexpr int kLdk = HEAD_DIM + 8;  // K/V/Q row, elements: +16 bytes, no conflicts
@@ -258,9 +262,7 @@ __global__ void __launch_bounds__(32 * WARPS)
         wmma::fragment<wmma::accumulator, 16, 16, 16, float> s[L::kRowBlocks];
 #pragma unroll
         for (int rb = 0; rb < L::kRowBlocks; ++rb) wmma::fill_fragment(s[rb], 0.0f);
-        // Rolled k-steps and P V steps by two: unrolled, ptxas hoists every step's fragment
-        // loads (sm_90, fp16, head_dim 128: 255 registers and spills; so: 225, none).
-#pragma unroll 1
+#pragma unroll L::kUnrollSteps
         for (int kk = 0; kk < L::kSteps; ++kk) {
           wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> kb;
           wmma::load_matrix_sync(kb, k_tile + kk * 16, LDK);
@@ -324,32 +326,38 @@ __global__ void __launch_bounds__(32 * WARPS)
       if constexpr (!kFp8) Ring::wait_v();  // over fp8 V landed with K
       __syncthreads();  // all of V of `stage`, P and alpha are in
 
-      // 4. O = alpha O + P V over the warp's output tiles
+      // 4. O = alpha O + P V over the warp's column slices, every row block of each
 #pragma unroll
-      for (int j = 0; j < L::kWarpTiles; ++j) {
-        const int t = warp + j * WARPS;
-        if (L::kOutTiles % WARPS != 0 && t >= L::kOutTiles) break;  // uniform over the warp
-        const int rb = t / L::kSteps;
-        const int slice = t % L::kSteps;
-        wmma::fragment<wmma::accumulator, 16, 16, 16, float> o;
-        wmma::fill_fragment(o, 0.0f);
-#pragma unroll 2  // see step 2
+      for (int i = 0; i < L::kSlices; ++i) {
+        const int slice = warp + i * WARPS;
+        if (L::kSteps % WARPS != 0 && slice >= L::kSteps) break;  // uniform over the warp
+        // The slice's V fragments, loaded once for all row blocks.
+        wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> vb[TILE / 16];
+#pragma unroll
         for (int kt = 0; kt < TILE / 16; ++kt) {
-          wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> pa;
-          wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> vb;
-          wmma::load_matrix_sync(pa, p_s + rb * 16 * L::kLdp + kt * 16, L::kLdp);
-          wmma::load_matrix_sync(vb, v_tile + kt * 16 * LDK + slice * 16, LDK);
-          wmma::mma_sync(o, pa, vb, o);
+          wmma::load_matrix_sync(vb[kt], v_tile + kt * 16 * LDK + slice * 16, LDK);
         }
-        wmma::store_matrix_sync(o_s, o, L::kLdo, wmma::mem_row_major);
-        __syncwarp();  // every lane's part of the tile is in
-        const float alpha = alpha_s[rb * 16 + out_row];
-        float part[8];
-        load16_as_float(o_s + out_row * L::kLdo + out_col, part);
-        load16_as_float(o_s + out_row * L::kLdo + out_col + 4, part + 4);
 #pragma unroll
-        for (int e = 0; e < 8; ++e) acc[j][e] = acc[j][e] * alpha + part[e];
-        __syncwarp();  // every lane has read the tile before the next tile's store
+        for (int rb = 0; rb < L::kRowBlocks; ++rb) {
+          wmma::fragment<wmma::accumulator, 16, 16, 16, float> o;
+          wmma::fill_fragment(o, 0.0f);
+#pragma unroll L::kUnrollPv
+          for (int kt = 0; kt < TILE / 16; ++kt) {
+            wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> pa;
+            wmma::load_matrix_sync(pa, p_s + rb * 16 * L::kLdp + kt * 16, L::kLdp);
+            wmma::mma_sync(o, pa, vb[kt], o);
+          }
+          wmma::store_matrix_sync(o_s, o, L::kLdo, wmma::mem_row_major);
+          __syncwarp();  // every lane's part of the tile is in
+          const float alpha = alpha_s[rb * 16 + out_row];
+          float part[8];
+          load16_as_float(o_s + out_row * L::kLdo + out_col, part);
+          load16_as_float(o_s + out_row * L::kLdo + out_col + 4, part + 4);
+          float* a = acc[i * L::kRowBlocks + rb];
+#pragma unroll
+          for (int e = 0; e < 8; ++e) a[e] = a[e] * alpha + part[e];
+          __syncwarp();  // every lane has read the tile before the next tile's store
+        }
       }
     }
     __pipeline_wait_prior(0);  // only empty batches are left
@@ -360,16 +368,16 @@ __global__ void __launch_bounds__(32 * WARPS)
   __syncthreads();  // l of every row is in
 #pragma unroll
   for (int j = 0; j < L::kWarpTiles; ++j) {
-    const int t = warp + j * WARPS;
-    if (t >= L::kOutTiles) break;
-    const int r = t / L::kSteps * 16 + out_row;
+    const int slice = warp + j / L::kRowBlocks * WARPS;
+    if (slice >= L::kSteps) break;
+    const int r = j % L::kRowBlocks * 16 + out_row;
     if (r >= num_rows) continue;
     const int flat = first_row + r;
     const long long out_row_index =
         static_cast<long long>(members[flat / group_size].y) * num_q_heads +
         kv_head * group_size + flat % group_size;
     const float l_row = l_s[r];
-    const int col = t % L::kSteps * 16 + out_col;
+    const int col = slice * 16 + out_col;
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
       const float value = kFp8 ? acc[j][e] * out_scale : acc[j][e];
