@@ -313,6 +313,7 @@ class PagedCache(ManagerVerbs):
         logits_soft_cap: float = 0.0,
         alibi_slopes: Any = None,
         q_dtype: Any = None,
+        cascade: bool | None = None,
     ) -> DecodePlan:
         """The decode attention of a batch, planned once for every layer of this step.
 
@@ -336,10 +337,13 @@ class PagedCache(ManagerVerbs):
                 takes them.
             q_dtype: the queries' dtype over an fp8 cache (a plan runs one; default float16),
                 else ``None`` or the cache's dtype. Then ``run(..., **cache.scale_options(layer))``.
+            cascade: rows sharing leading blocks (forks, prefix-cache hits) read them once
+                (docs/cascade.md): ``None`` when that saves enough bytes, ``True`` whenever
+                two rows share a block, ``False`` never.
         """
         tables, lens = self._manager.block_tables(sids)  # (a StepPlan: its step's)
         options = _variants(self.window_left, logits_soft_cap, alibi_slopes)
-        options.update(scale=scale, num_splits=num_splits, **self._trusted())
+        options.update(scale=scale, num_splits=num_splits, cascade=cascade, **self._trusted())
         options.update(_fp8_plan_options(self.spec.dtype, q_dtype))
         return DecodePlan(tables, lens, self.k[0], num_q_heads, **options)
 
