@@ -84,6 +84,9 @@ class Incoming:
         blocks_cached: leading prompt blocks this cache held already (prefix caching): not moved.
         transfer_id: names the transfer in the notifications.
         peer: the sending agent's name.
+        digest: what the sender's "done" notification must carry (a hash of the transfer id and
+            the block ids): a notification for other blocks commits nothing.
+        started: ``time.perf_counter()`` at :meth:`KVTransferAgent.expect`.
     """
 
     sid: int

@@ -126,7 +126,7 @@ def receiver(monkeypatch):
     monkeypatch.setenv("UCX_NET_DEVICES", "lo")
 
     def make(spec=SPEC):
-        cache = PagedCache(**spec, device="cpu", enable_prefix_caching=True)
+        cache = PagedCache(**{"device": "cpu", **spec}, enable_prefix_caching=True)
         agent = KVTransferAgent(cache, f"decode-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         made.append(agent)
         return cache, agent
@@ -316,3 +316,28 @@ def test_fp8_caches_of_other_or_pending_scales_are_refused(receiver):
         waiting.expect([1, 2, 3], peer=name)
     assert pending.num_free_blocks == pending.num_blocks
     pending.check_invariants()
+
+
+@pytest.mark.gpu
+def test_gpu_caches_move_blocks_between_registered_device_memory(receiver, sender, rng):
+    """VRAM registration: CuPy caches on both sides (skipped without a GPU)."""
+    from cupaged.backend import cuda_available
+
+    if not cuda_available():
+        pytest.skip("needs a CUDA GPU (CuPy sees none)")
+    gpu = {**SPEC, "device": "cuda"}
+    cache, agent = receiver(gpu)
+    peer = Sender(Peer({"gpu": gpu}, seed=3), "gpu")
+    try:
+        name = agent.connect(peer.metadata)
+        assert peer.call("connect", agent.metadata()) == agent.name
+        prompt = rng.integers(0, 30000, 3 * SPEC["block_size"] + 1).tolist()
+        sid, k, v, _ = peer.call("prefill", prompt)
+        incoming, stats, _ = _move(agent, peer, name, prompt, sid)
+        assert stats.blocks_moved == 4
+        got_k, got_v = cache.gather_kv(incoming.sid)
+        np.testing.assert_array_equal(got_k.view(np.uint8).get(), k)
+        np.testing.assert_array_equal(got_v.view(np.uint8).get(), v)
+        cache.check_invariants()
+    finally:
+        peer.kill()

@@ -25,7 +25,7 @@ def serve(conn: Any, specs: dict[str, dict[str, Any]], name: str, seed: int) -> 
     caches, agents = {}, {}
     try:
         for key, spec in specs.items():
-            caches[key] = PagedCache(**spec, device="cpu", enable_prefix_caching=True)
+            caches[key] = PagedCache(**{"device": "cpu", **spec}, enable_prefix_caching=True)
             agents[key] = KVTransferAgent(caches[key], f"{name}-{key}")
         conn.send({key: agent.metadata() for key, agent in agents.items()})
         while True:
@@ -62,18 +62,30 @@ def _run(command: str, cache: Any, agent: Any, rng: np.random.Generator, args, k
 
 def prefill(cache: Any, rng: np.random.Generator, prompt: list[int]) -> tuple:
     """Admit ``prompt`` and write random K/V bits (no zeros: every byte drawn) into the blocks
-    it computes, as a model's prefill would; ``(sid, k, v, table)`` of the whole prompt."""
+    it computes, as a model's prefill would; ``(sid, k, v, table)`` of the whole prompt, ``k`` and
+    ``v`` as host ``uint8`` arrays (a GPU cache's copied)."""
     admission = cache.admit(prompt)
     sid, bs = admission.sid, cache.block_size
     table = cache.block_table(sid)
     for block in table[admission.num_cached_tokens // bs :]:
         for pages in (cache.k, cache.v):
-            page = pages[:, block]
-            bits = rng.integers(1, 255, page.nbytes, dtype=np.uint8)
-            page.view(np.uint8)[...] = bits.reshape(page.view(np.uint8).shape)
+            page = pages[:, block].view(np.uint8)
+            bits = rng.integers(1, 255, page.shape, dtype=np.uint8)
+            page[...] = bits if isinstance(page, np.ndarray) else _on_gpu(bits)
     cache.commit(sid)
     k, v = cache.gather_kv(sid)
-    return sid, k.view(np.uint8), v.view(np.uint8), table
+    return sid, _host(k.view(np.uint8)), _host(v.view(np.uint8)), table
+
+
+def _on_gpu(host: np.ndarray) -> Any:
+    """``host`` as a CuPy array (a GPU cache's pages take no NumPy array)."""
+    import cupy
+
+    return cupy.asarray(host)
+
+
+def _host(x: Any) -> np.ndarray:
+    return x if isinstance(x, np.ndarray) else x.get()
 
 
 def scatter(cache: Any, n: int) -> list[int]:
