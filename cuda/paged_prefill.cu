@@ -268,19 +268,53 @@ __device__ __forceinline__ int sequence_of(const int* __restrict__ query_start_l
   return lo;
 }
 
+// A query tile (see "Query tiles" below): packed rows [begin, end) of q, of sequence seq; empty
+// (begin >= end) for a unit without one.
+struct QueryTile {
+  int seq;
+  int begin;
+  int end;
+};
+
+// The query tile of grid unit `unit`, for units < ceil(total / query_rows) + num_seqs.
+__device__ __forceinline__ QueryTile query_tile(const int* __restrict__ query_start_loc,
+                                                int num_seqs, int query_rows, int unit) {
+  const int runs = ceil_div(query_start_loc[num_seqs], query_rows);
+  QueryTile tile;
+  if (unit < runs) {  // the later tile that starts in rows [unit * query_rows, + query_rows)
+    const int row = unit * query_rows;
+    tile.seq = sequence_of(query_start_loc, num_seqs, row);
+    const int first = query_start_loc[tile.seq];
+    tile.begin = first + ceil_div(row - first, query_rows) * query_rows;
+    const int end = min(tile.begin + query_rows, query_start_loc[tile.seq + 1]);
+    tile.end = tile.begin == first ? first : end;  // at `first`: the sequence's first tile
+  } else {  // the first tile of sequence unit - runs
+    tile.seq = unit - runs;
+    tile.begin = query_start_loc[tile.seq];
+    tile.end = min(tile.begin + query_rows, query_start_loc[tile.seq + 1]);
+  }
+  return tile;
+}
+
 }  // namespace prefill
 
-// Query tiles: packed rows of q, query_rows at a time, never across a sequence boundary:
+// Query tiles: a sequence's packed rows of q, query_rows at a time from its first row, so that
+// a tile's rows, its KV range and so every row's result depend on its own sequence alone, never
+// on where the sequence sits in the batch (batch_invariant; docs/batch-invariance.md):
 //
-//   rows      0 1 2 3 | 4 5 6 7 | 8 9 ...         query_rows = 4, three sequences:
-//   sequence  a a a a | a b b c | c c ...         a = rows 0..4, b = 5..6, c = 7..
-//   aligned   [0 ... 3] [4]       [8 ...          tile g: rows 4 g .. of the sequence of row 4 g
-//   head                  [5 6] [7]               a sequence that starts off a multiple of 4: its
-//                                                 rows up to the next multiple (one per sequence)
+//   rows      0 1 2 3 | 4 5 6 7 | 8 9 10 11 | 12 13 14   query_rows = 4, runs = 4 (15 rows)
+//   sequence  a a a a | a b b c | c c c  c  | c  c  c    a = rows 0..4, b = 5..6, c = 7..14
+//   unit      4 4 4 4 | 1 5 5 6 | 6 6 6  2  | 2  2  2
+//   units 0 .. runs - 1: the later tile that starts in run u (rows 4u .. 4u + 3) past its
+//   sequence's first row (a's [4], c's [11 .. 14]; none in runs 0 and 3); units runs + s: the
+//   first tile of sequence s (a's [0 .. 3], b's [5 6], c's [7 .. 10]).
 //
-// units = ceil(total_query_tokens / query_rows) aligned tiles, then num_seqs head tiles (empty
-// for a sequence that starts on a multiple of query_rows or has no queries): a mixed batch of
-// long chunks and decode rows has a block per decode row, not max_query_len / query_rows each.
+// units = runs + num_seqs, runs = ceil(total_query_tokens / query_rows). At most one later tile
+// starts in a run of query_rows rows: a sequence's tiles start query_rows apart, and the later
+// tiles of a sequence that starts inside the run start past its end; the sequence of the run's
+// first row is the only one that can have one there. So a mixed batch of long chunks and decode
+// rows has a block per decode row, not max_query_len / query_rows each, and no more blocks than
+// tiles cut from multiples of query_rows would take.
 //
 // Grid: (units * head_chunks * num_splits, num_kv_heads), x = (unit * head_chunks + head chunk) *
 // num_splits + split, head_chunks = ceil(G / heads_per_block).
@@ -350,20 +384,12 @@ __global__ void __launch_bounds__(THREADS, kPrefillBlocks<KV, HEAD_DIM>)
   const int chunk = blockIdx.x / num_splits % head_chunks;
   const int unit = blockIdx.x / num_splits / head_chunks;
   const int kv_head = blockIdx.y;
-  const int aligned_tiles = ceil_div(query_start_loc[num_seqs], query_rows);
-  int seq;
-  int tile_begin;  // packed rows [tile_begin, tile_end) of q
-  int tile_end;
-  if (unit >= aligned_tiles + num_seqs) return;  // a grid planned for more rows than q has
-  if (unit < aligned_tiles) {
-    tile_begin = unit * query_rows;
-    seq = prefill::sequence_of(query_start_loc, num_seqs, tile_begin);
-    tile_end = min(tile_begin + query_rows, query_start_loc[seq + 1]);
-  } else {
-    seq = unit - aligned_tiles;
-    tile_begin = query_start_loc[seq];
-    tile_end = min(ceil_div(tile_begin, query_rows) * query_rows, query_start_loc[seq + 1]);
-  }
+  // a grid planned for more rows than q has
+  if (unit >= ceil_div(query_start_loc[num_seqs], query_rows) + num_seqs) return;
+  const prefill::QueryTile tile = prefill::query_tile(query_start_loc, num_seqs, query_rows, unit);
+  const int seq = tile.seq;
+  const int tile_begin = tile.begin;  // packed rows [tile_begin, tile_end) of q
+  const int tile_end = tile.end;
   if (tile_begin >= tile_end) return;  // the same for every thread of the block
   const int q_begin = query_start_loc[seq];
   const int num_queries = query_start_loc[seq + 1] - q_begin;
@@ -712,20 +738,12 @@ __global__ void __launch_bounds__(THREADS, kPrefillMmaBlocks)
   const int chunk = blockIdx.x / num_splits % head_chunks;
   const int unit = blockIdx.x / num_splits / head_chunks;
   const int kv_head = blockIdx.y;
-  const int aligned_tiles = ceil_div(query_start_loc[num_seqs], query_rows);
-  int seq;
-  int tile_begin;  // packed rows [tile_begin, tile_end) of q (query tiles as in paged_prefill)
-  int tile_end;
-  if (unit >= aligned_tiles + num_seqs) return;
-  if (unit < aligned_tiles) {
-    tile_begin = unit * query_rows;
-    seq = prefill::sequence_of(query_start_loc, num_seqs, tile_begin);
-    tile_end = min(tile_begin + query_rows, query_start_loc[seq + 1]);
-  } else {
-    seq = unit - aligned_tiles;
-    tile_begin = query_start_loc[seq];
-    tile_end = min(ceil_div(tile_begin, query_rows) * query_rows, query_start_loc[seq + 1]);
-  }
+  if (unit >= ceil_div(query_start_loc[num_seqs], query_rows) + num_seqs) return;
+  // packed rows [tile_begin, tile_end) of q (query tiles as in paged_prefill)
+  const prefill::QueryTile tile = prefill::query_tile(query_start_loc, num_seqs, query_rows, unit);
+  const int seq = tile.seq;
+  const int tile_begin = tile.begin;
+  const int tile_end = tile.end;
   if (tile_begin >= tile_end) return;  // uniform
   const int q_begin = query_start_loc[seq];
   const int num_queries = query_start_loc[seq + 1] - q_begin;
@@ -1074,7 +1092,7 @@ __global__ void __launch_bounds__(THREADS, kPrefillMmaBlocks)
 // sees: the first ceil(visible / partition_tokens) of them (at most num_splits), visible =
 // pos_j + 1 (causal) or context_lens[s]; every one of those was computed by its tile (whose range
 // reaches at least as far). With a window the splits count from the range start of the row's
-// query tile (from a multiple of query_rows, or the sequence's first row), and the row skips
+// query tile (query_rows rows at a time from the sequence's first row), and the row skips
 // those before the one that holds its first key. A split's log-sum-exp is -inf when all its
 // scores the row sees are -inf (weight 0), NaN when a NaN reached it (fmaxf skips it, its weight
 // exp(NaN) makes the row NaN); every split -inf is 0 / 0, NaN, as in the reference (with a sink:
@@ -1099,12 +1117,12 @@ __global__ void __launch_bounds__(THREADS)
   const int position = past + token - q_begin;
   const int visible = causal ? position + 1 : context_lens[lo];
   // With a window, the splits cut the range of the row's query tile, from its first row's first
-  // key (the tile: rows from a multiple of query_rows, or the sequence's head tile), and the row
-  // reads those from the one that holds its own first key.
+  // key (the tile: query_rows rows at a time from the sequence's first row), and the row reads
+  // those from the one that holds its own first key.
   int begin = 0;
   int skipped = 0;
   if (WINDOW) {
-    const int tile_begin = max(q_begin, token - token % query_rows);
+    const int tile_begin = q_begin + (token - q_begin) / query_rows * query_rows;
     begin = max(0, past + tile_begin - q_begin - window_left);
     skipped = min(num_splits - 1, (max(0, position - window_left) - begin) / partition_tokens);
   }

@@ -494,6 +494,7 @@ def paged_prefill(
     *,
     out: Any = None,
     num_splits: int | None = None,
+    batch_invariant: bool = False,
     checked: bool = True,
     window_left: int = -1,
     logits_soft_cap: float = 0.0,
@@ -558,6 +559,9 @@ def paged_prefill(
             ``cupaged.kernels.launch_prefill`` decides when ``None`` (it splits only batches too
             small to fill the GPU, from the host copies of the lengths that the
             ``query_start_loc`` check reads anyway).
+        batch_invariant: ``True``: each query row's output is bitwise the same in any batch
+            and at any position in it (no split-K; :class:`PrefillPlan`,
+            docs/batch-invariance.md); not with ``num_splits``.
         checked: check, before the launch and on the arrays' device, that every context length
             is in ``[0, max_blocks * block_size]`` and every block id a length reaches is in
             ``[0, num_blocks)``. ``checked=False`` skips that and *trusts* the caller: a bad id
@@ -590,8 +594,9 @@ def paged_prefill(
             ``query_start_loc``, ``n_i > context_lens[i]``, a read-only ``out`` or one that
             overlaps ``q`` without being ``q``, (checked) bad context lengths or block ids,
             ``window_left < -1``, a negative or non-finite soft-cap, slopes or sinks not of
-            shape ``[num_q_heads]``, or scales that are not positive and finite (a device array:
-            when checked), of another shape, or given for a cache that is not fp8.
+            shape ``[num_q_heads]``, scales that are not positive and finite (a device array:
+            when checked), of another shape, or given for a cache that is not fp8, or
+            ``num_splits`` with ``batch_invariant=True``.
     """
     xp = array_module(q, k_cache, v_cache, block_tables, context_lens, query_start_loc)
     q_dtype = fp8_query_dtype(q, k_cache, kv_dtype)  # None: not an fp8 cache
@@ -613,6 +618,7 @@ def paged_prefill(
         scale=scale,
         causal=causal,
         num_splits=num_splits,
+        batch_invariant=batch_invariant,
         checked=checked,
         window_left=window_left,
         logits_soft_cap=logits_soft_cap,

@@ -109,7 +109,13 @@ class PrefillPlan:
         num_splits: cut every query tile's KV range into about this many pieces, one thread
             block each, merged by log-sum-exp (split-K); the heuristic in
             ``cupaged.kernels.launch_prefill`` decides when ``None`` (it splits only batches too
-            small to fill the GPU).
+            small to fill the GPU). Refused with ``batch_invariant=True``.
+        batch_invariant: ``True``: every query row's output is bitwise the same in any batch and
+            at any position in it (on one device and build; docs/batch-invariance.md): no
+            split-K, so a row's KV range is walked by one thread block in one order (a query
+            tile's rows are its own sequence's, from that sequence's first row, in either
+            mode). ``False`` (default): split-K when the batch is small, whose pieces depend on
+            the whole batch's tokens.
         checked: check, once here, that every context length is in
             ``[0, max_blocks * block_size]`` and every block id a length reaches is in
             ``[0, num_blocks)``, on the arrays' own dtypes before they are narrowed to int32
@@ -146,8 +152,9 @@ class PrefillPlan:
             cache without ``kv_dtype`` or a ``kv_dtype`` for a cache that is not fp8.
         ValueError: wrong shapes, an unsupported head_dim or block_size (the message lists the
             supported ones), a bad ``query_start_loc``, ``n_i > context_lens[i]``, (checked)
-            bad context lengths or block ids, or a bad variant (``window_left < -1``, a negative
-            or non-finite soft-cap, slopes of the wrong shape).
+            bad context lengths or block ids, a bad variant (``window_left < -1``, a negative
+            or non-finite soft-cap, slopes of the wrong shape), or ``num_splits`` with
+            ``batch_invariant=True``.
     """
 
     __slots__ = (
@@ -165,6 +172,7 @@ class PrefillPlan:
         "_trusted",
         "_variants",
         "_xp",
+        "batch_invariant",
         "causal",
         "checked",
         "num_seqs",
@@ -183,6 +191,7 @@ class PrefillPlan:
         scale: float | None = None,
         causal: bool = True,
         num_splits: int | None = None,
+        batch_invariant: bool = False,
         checked: bool = True,
         tables_checked: bool | None = None,
         trusted_scales: tuple[Any, ...] = (),
@@ -211,6 +220,14 @@ class PrefillPlan:
         splits = None if num_splits is None else as_int(num_splits, "num_splits")
         if splits is not None and splits < 1:
             raise ValueError(f"expected num_splits >= 1, got {splits}")
+        batch_invariant = as_bool(batch_invariant, "batch_invariant")
+        if batch_invariant:
+            if splits is not None:
+                raise ValueError(
+                    f"expected num_splits=None with batch_invariant=True (which never splits), "
+                    f"got num_splits={splits}"
+                )
+            splits = 1  # split-K's pieces follow the batch's tokens; one block walks a range
         dtype = element_type(k_cache, kv_dtype)
         q_dtype = query_dtype(dtype, None if q_dtype is None else dtype_name(q_dtype))
         check_decode_shape(dtype, head_dim, block_size)
@@ -230,6 +247,7 @@ class PrefillPlan:
             check_prefill_tables(block_tables, lens, block_size, num_blocks, first_keys)
         self.num_seqs, self.total_query_tokens = num_seqs, total
         self.causal, self.checked = causal, checked  # (checked: of each run's arguments)
+        self.batch_invariant = batch_invariant
         self._trusted = trusted_memory(trusted_scales)
         self._xp, self._variants = xp, variants
         self._num_q_heads, self._head_dim = num_q_heads, head_dim

@@ -64,8 +64,9 @@ class PrefillLaunch:
         name: ``paged_prefill`` or ``paged_prefill_mma`` (tensor cores: fp16/bf16 up to
             head_dim 128) instantiation (a RawModule name expression).
         merge_name: ``paged_prefill_merge`` instantiation, used when ``num_splits > 1``.
-        grid: ``(units * head_chunks * num_splits, num_kv_heads, 1)``, ``units`` the aligned
-            tiles of the packed query rows plus one head tile per sequence.
+        grid: ``(units * head_chunks * num_splits, num_kv_heads, 1)``, ``units`` the runs of
+            ``query_rows`` packed rows plus one per sequence (each sequence's tiles start at its
+            first row: cuda/paged_prefill.cu, "Query tiles").
         block: ``(PREFILL_THREADS,)``.
         shared_mem: dynamic shared memory in bytes.
         query_rows: query tokens per thread block.
@@ -245,7 +246,7 @@ def prefill_launch(
     heads = min(group, PREFILL_ROWS)
     chunks = cdiv(group, heads)
     query_rows = max(1, rows_per_block // heads)
-    # Aligned tiles of the packed rows, then one head tile per sequence (cuda/paged_prefill.cu).
+    # Runs of query_rows packed rows, then one unit per sequence (cuda/paged_prefill.cu).
     rows = total_query_tokens if total_query_tokens else max_query_len * num_seqs
     tiles = max(1, cdiv(rows, query_rows) + num_seqs)
     num_splits, partition = 1, NO_SPLIT_PARTITION

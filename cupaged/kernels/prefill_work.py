@@ -36,27 +36,24 @@ def prefill_work(
 ) -> PrefillWork:
     """The query tiles of a batch and the KV tokens they read, per KV head and head chunk.
 
-    The tiles are those of cuda/paged_prefill.cu: packed rows of q, ``query_rows`` at a time from
-    a multiple of ``query_rows``, cut at sequence boundaries. Sequence ``i`` (first row ``a``,
-    ``n`` queries after ``past = L - n`` tokens) has a head tile of ``h = min(-a mod query_rows,
-    n)`` rows when ``h > 0``, then ``T = ceil((n - h) / query_rows)`` tiles. Causal, a tile reads
-    the tokens up to its last query; so the head reads ``past + h`` and the others
-    ``T (past + h) + query_rows T (T + 1) / 2 - (T query_rows - (n - h))`` (the last is short
-    by ``T query_rows - (n - h)`` rows). Not causal, every tile reads all ``L`` tokens.
-    With a window (``window_left >= 0``) a tile reads from its first query's first key on,
-    ``max(0, p - window_left)``: ``prefill_window_work``.
+    The tiles are those of cuda/paged_prefill.cu: each sequence's packed rows of q,
+    ``query_rows`` at a time from its first row. Sequence ``i`` (``n`` queries after ``past = L -
+    n`` tokens) has ``T = ceil(n / query_rows)`` tiles; causal, tile ``k`` reads the tokens up to
+    its last query, ``past + min((k + 1) query_rows, n)``, so the sequence's tiles read ``T past
+    + query_rows T (T + 1) / 2 - (T query_rows - n)`` (the last is short by ``T query_rows -
+    n`` rows). Not causal, every tile reads all ``L`` tokens. With a window
+    (``window_left >= 0``) a tile reads from its first query's first key on, ``max(0, p -
+    window_left)``: ``prefill_window_work``.
     """
     if window_left >= 0:
         return prefill_window_work(query_start_loc, context_lens, query_rows, causal, window_left)
-    lens, n, head, rest, tiles, past = _tiles(query_start_loc, context_lens, query_rows)
+    lens, n, tiles, past = _tiles(query_start_loc, context_lens, query_rows)
     if causal:
-        short = tiles * query_rows - rest  # rows missing from each sequence's last tile
-        tokens = np.where(head > 0, past + head, 0) + tiles * (past + head)
-        tokens += query_rows * tiles * (tiles + 1) // 2 - short
+        tokens = tiles * past + query_rows * tiles * (tiles + 1) // 2 - (tiles * query_rows - n)
     else:
-        tokens = (tiles + (head > 0)) * lens
+        tokens = tiles * lens
     max_end = int(lens[n > 0].max()) if (n > 0).any() else 0
-    return PrefillWork(int((tiles + (head > 0)).sum()), int(tokens.sum()), max_end)
+    return PrefillWork(int(tiles.sum()), int(tokens.sum()), max_end)
 
 
 def prefill_window_work(
@@ -69,25 +66,20 @@ def prefill_window_work(
     """``prefill_work`` with a window: tile by tile (vectorised), since a tile of first position
     ``p`` and ``r`` rows reads ``[max(0, p - window_left), p + r)`` (causal; ``.. L`` not), a
     length that the closed form of ``prefill_work`` does not sum."""
-    lens, n, head, rest, tiles, past = _tiles(query_start_loc, context_lens, query_rows)
-    seq = np.repeat(np.arange(len(n)), tiles)  # the aligned tiles' sequences, then the heads'
+    lens, n, tiles, past = _tiles(query_start_loc, context_lens, query_rows)
+    seq = np.repeat(np.arange(len(n)), tiles)  # each tile's sequence, and its index k in it
     k = np.arange(len(seq)) - np.repeat(np.cumsum(tiles) - tiles, tiles)
-    heads = np.flatnonzero(head > 0)
-    first = np.concatenate([past[seq] + head[seq] + k * query_rows, past[heads]])
-    rows = np.concatenate([np.minimum(query_rows, rest[seq] - k * query_rows), head[heads]])
-    seq = np.concatenate([seq, heads])
+    first = past[seq] + k * query_rows
+    rows = np.minimum(query_rows, n[seq] - k * query_rows)
     end = first + rows if causal else lens[seq]
     length = end - np.maximum(first - window_left, 0)
     return PrefillWork(len(seq), int(length.sum()), int(length.max()) if len(seq) else 0)
 
 
 def _tiles(query_start_loc: np.ndarray, context_lens: np.ndarray, query_rows: int) -> tuple:
-    """Per sequence, int64: ``(lens, n, head, rest, tiles, past)``: its length, its query rows,
-    its head tile's rows (to the next multiple of ``query_rows``), the rows after the head, the
-    aligned tiles of those, and the tokens before its first query."""
+    """Per sequence, int64: ``(lens, n, tiles, past)``: its length, its query rows, its query
+    tiles, and the tokens before its first query."""
     starts = np.asarray(query_start_loc, np.int64)
     lens = np.asarray(context_lens, np.int64)
     n = np.diff(starts)
-    head = np.minimum(-starts[:-1] % query_rows, n)
-    rest = n - head
-    return lens, n, head, rest, cdiv(rest, query_rows), lens - n
+    return lens, n, cdiv(n, query_rows), lens - n

@@ -232,3 +232,115 @@ def test_decode_refusals(rng):
     wide = np.zeros((POOL, MAX_GRID_YZ // POOL * INVARIANT_SPLIT_TOKENS // BLOCK_SIZE), np.int32)
     with pytest.raises(ValueError, match=r"with batch_invariant=True .* narrower table"):
         cupaged.DecodePlan(wide, np.zeros(POOL, np.int32), k, q.shape[1], batch_invariant=True)
+
+
+# ---- prefill -----------------------------------------------------------------------------------
+
+PREFILL_VARIANTS = {**VARIANTS, "window": dict(window_left=40), "all": dict(
+    window_left=70, logits_soft_cap=2.5, alibi=True, sinks=True)}  # fmt: skip
+
+
+def prefill_pool(rng, dtype, group):
+    """64 sequences over one cache, each with its own query rows: ``(queries, k, v, tables,
+    lens, scales)``, ``queries[s]`` sequence ``s``'s ``[n_s, num_q_heads, head_dim]`` rows (the
+    last ``n_s`` of its ``lens[s]`` tokens). Long prompts, chunks after a cached prefix (some
+    past the fixed decode chunk), decode rows and an empty one."""
+    counts = [37, 5, 0, 1, 1, *rng.integers(1, 24, POOL - 5).tolist()]
+    past = [0, 700, 30, 0, 300, *rng.integers(0, 200, POOL - 5).tolist()]
+    lengths = [n + p for n, p in zip(counts, past, strict=True)]
+    q, k, v, tables, lens, scales = decode_pool_of(rng, lengths, dtype, group)
+    num_q_heads = q.shape[1]
+    q_dtype = q_dtype_of(dtype)
+    queries = [random_array(rng, (n, num_q_heads, HEAD_DIM), q_dtype) for n in counts]
+    return queries, k, v, tables, lens, scales
+
+
+def decode_pool_of(rng, lengths, dtype, group):
+    """``decode_pool`` of given lengths."""
+    store = "float32" if dtype.startswith("float8") else dtype
+    q, k, v, tables, lens, _ = random_paged_batch(
+        rng, lengths, NUM_KV_HEADS, HEAD_DIM, group, BLOCK_SIZE, store
+    )
+    scales = {}
+    if dtype.startswith("float8"):
+        k, v = from_float(k / K_SCALE, dtype), from_float(v / V_SCALE, dtype)
+        scales = dict(k_scale=K_SCALE, v_scale=V_SCALE)
+    return q, k, v, tables, lens, scales
+
+
+def packed(queries, rows):
+    """The packed query rows of the sequences ``rows`` in that order, and their starts."""
+    counts = [len(queries[s]) for s in rows]
+    starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    return np.concatenate([queries[s] for s in rows]), starts
+
+
+def per_sequence(out, starts) -> list[np.ndarray]:
+    out = bits(out)
+    return [out[a:b] for a, b in zip(starts[:-1], starts[1:], strict=True)]
+
+
+@pytest.mark.parametrize("dtype, group, variant", CASES)
+def test_prefill_rows_are_bitwise_the_same_in_any_batch(rng, dtype, group, variant):
+    queries, k, v, tables, lens, scales = prefill_pool(rng, dtype, group)
+    kwargs = variant_arrays(rng, queries[0].shape[1], PREFILL_VARIANTS[variant])
+    q_dtype = q_dtype_of(dtype)
+    outputs = []
+    for rows in batches(rng, 0) + batches(rng, 1)[:2]:
+        q, starts = packed(queries, rows)
+        out = poison(q.shape, q_dtype)
+        got = cupaged.paged_prefill(
+            q, k, v, tables[rows], lens[rows], starts, out=out, batch_invariant=True,
+            **kwargs, **scales,
+        )  # fmt: skip
+        outputs.append((rows, per_sequence(got, starts)))
+    seen: dict[int, list[np.ndarray]] = {}
+    for rows, pieces in outputs:
+        for position, (row, piece) in enumerate(zip(rows.tolist(), pieces, strict=True)):
+            first = seen.setdefault(row, piece)
+            assert np.array_equal(first, piece), (
+                f"expected sequence {row}'s rows bitwise equal in every batch, got a "
+                f"difference in a batch of {len(rows)} at position {position}"
+            )
+    assert sorted(seen) == list(range(POOL))
+    rows = outputs[0][0]
+    q, starts = packed(queries, rows)
+    expected = cupaged.reference_prefill(
+        q, k, v, tables[rows], lens[rows], starts, compute_dtype="float64", out_dtype="float64",
+        **kwargs, **scales,
+    )  # fmt: skip
+    got = np.concatenate(outputs[0][1]).view(poison((1,), q_dtype).dtype)
+    assert_close(got, expected, q_dtype)
+
+
+def test_prefill_default_mode_differs_with_the_batch(rng):
+    """The default splits the KV ranges of a batch too small to fill the GPU (split-K, pieces
+    from the batch's tokens), and not those of a busy batch: a few queries over a long context
+    get other bits alone than among many sequences; batch_invariant keeps them."""
+    counts = [4, *rng.integers(9, 24, POOL - 1).tolist()]
+    lengths = [3000, *(n + int(rng.integers(0, 200)) for n in counts[1:])]
+    _, k, v, tables, lens, _ = decode_pool_of(rng, lengths, "float32", 2)
+    queries = [random_array(rng, (n, 2 * NUM_KV_HEADS, HEAD_DIM), "float32") for n in counts]
+    results = {}
+    for invariant in (False, True):
+        for rows in (np.array([0]), np.arange(POOL)):
+            q, starts = packed(queries, rows)
+            plan = cupaged.PrefillPlan(tables[rows], lens[rows], starts, k, q.shape[1],
+                                       batch_invariant=invariant)  # fmt: skip
+            out = plan.run(q, k, v, out=poison(q.shape, "float32"))
+            results[invariant, len(rows)] = (plan.num_splits, per_sequence(out, starts)[0])
+    (splits_alone, alone), (splits_busy, busy) = results[False, 1], results[False, POOL]
+    assert splits_alone > 1 == splits_busy and not np.array_equal(alone, busy)
+    (splits_alone, alone), (splits_busy, busy) = results[True, 1], results[True, POOL]
+    assert splits_alone == splits_busy == 1 and np.array_equal(alone, busy)
+
+
+def test_prefill_refusals(rng):
+    queries, k, v, tables, lens, _ = prefill_pool(rng, "float32", 2)
+    q, starts = packed(queries, np.arange(POOL))
+    with pytest.raises(ValueError, match=r"expected num_splits=None with batch_invariant=True"):
+        cupaged.paged_prefill(q, k, v, tables, lens, starts, num_splits=1, batch_invariant=True)
+    with pytest.raises(TypeError, match="batch_invariant"):
+        cupaged.PrefillPlan(tables, lens, starts, k, q.shape[1], batch_invariant=1)
+    plan = cupaged.PrefillPlan(tables, lens, starts, k, q.shape[1], batch_invariant=True)
+    assert plan.batch_invariant and plan.num_splits == 1

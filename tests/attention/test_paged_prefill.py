@@ -268,17 +268,18 @@ def kernel_tiles(starts, rows):
     """The query tiles of cuda/paged_prefill.cu, unit by unit: ``(sequence, first row, end row)``
     of the packed rows, or None for a unit that returns at once."""
     total, num_seqs = int(starts[-1]), len(starts) - 1
-    aligned = -(-total // rows)
+    runs = -(-total // rows)
     tiles = []
-    for unit in range(aligned + num_seqs):
-        if unit < aligned:
-            begin = unit * rows
-            seq = int(np.searchsorted(starts, begin, side="right")) - 1
-            end = min(begin + rows, int(starts[seq + 1]))
-        else:
-            seq = unit - aligned
+    for unit in range(runs + num_seqs):
+        if unit < runs:  # the later tile that starts in this run of rows
+            seq = int(np.searchsorted(starts, unit * rows, side="right")) - 1
+            first = int(starts[seq])
+            begin = first + -(-(unit * rows - first) // rows) * rows
+            end = first if begin == first else min(begin + rows, int(starts[seq + 1]))
+        else:  # the sequence's first tile
+            seq = unit - runs
             begin = int(starts[seq])
-            end = min(-(-begin // rows) * rows, int(starts[seq + 1]))
+            end = min(begin + rows, int(starts[seq + 1]))
         tiles.append((seq, begin, end) if begin < end else None)
     return tiles
 
@@ -295,6 +296,8 @@ def test_query_tiles_cover_every_row_once_and_prefill_work_counts_them(causal):
         covered = sorted(row for _, begin, end in tiles for row in range(begin, end))
         assert covered == list(range(int(starts[-1])))
         assert all(starts[seq] <= begin < end <= starts[seq + 1] for seq, begin, end in tiles)
+        # Each sequence's tiles start at its first row, query_rows apart (batch invariance).
+        assert all((begin - starts[seq]) % rows == 0 for seq, begin, _ in tiles)
         ends = [
             int(lens[seq] - counts[seq] + end - starts[seq]) if causal else int(lens[seq])
             for seq, _, end in tiles

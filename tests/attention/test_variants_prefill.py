@@ -415,7 +415,7 @@ def test_window_reads_about_the_window_per_query_tile():
 def test_windowed_work_counts_the_kernels_tiles(causal):
     """prefill_work with a window, tile by tile: a query tile of first position p and r rows
     reads [max(0, p - window_left), p + r) (causal) or [.., L) (not); ranges as the kernels
-    cut them (query tiles from multiples of query_rows, a head tile per sequence)."""
+    cut them (query tiles of query_rows rows from each sequence's first row)."""
     rng = np.random.default_rng(7)
     counts = rng.integers(0, 40, 30)
     counts[[3, 4, 9]] = (0, 1, 1)
@@ -425,9 +425,8 @@ def test_windowed_work_counts_the_kernels_tiles(causal):
         ranges = []
         for seq, n in enumerate(counts):
             begin, past = int(starts[seq]), int(lens[seq] - n)
-            cuts = sorted({begin, *range(-(-begin // rows) * rows, begin + int(n), rows)})
-            for first_row in (c for c in cuts if c < begin + n):
-                tile_rows = min(rows - first_row % rows, begin + int(n) - first_row)
+            for first_row in range(begin, begin + int(n), rows):
+                tile_rows = min(rows, begin + int(n) - first_row)
                 first = past + first_row - begin
                 end = first + tile_rows if causal else int(lens[seq])
                 ranges.append(end - max(0, first - window))
