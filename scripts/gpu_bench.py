@@ -217,6 +217,58 @@ def measure(xp, device, row, repeats, copy_gbs):
     )
 
 
+# Cascade (docs/cascade.md): (groups, rows per group, shared prefix, own tokens), fp16, G = 4,
+# page 16; the issue's shape, then the same tokens with nothing shared (cascade=None must fall
+# back to the plain plan there).
+CASCADE_SHAPES = ((8, 8, 16384, 512), (64, 1, 0, 16896))
+CASCADE_QUICK = ((2, 3, 200, 40), (6, 1, 0, 240))
+
+
+def cascade_batch(xp, groups, per_group, shared, own, group=4, page=16):
+    """Rows in ``groups`` of ``per_group`` whose tables share ``shared`` tokens' blocks, then
+    ``own`` tokens of their own; the blocks scattered over the cache."""
+    shared_blocks, own_blocks = cdiv(shared, page), cdiv(own, page)
+    rows = groups * per_group
+    num_blocks = groups * shared_blocks + rows * own_blocks
+    ids = np.random.default_rng(2).permutation(num_blocks).astype(np.int32)
+    prefixes = ids[: groups * shared_blocks].reshape(groups, shared_blocks)
+    owns = ids[groups * shared_blocks :].reshape(rows, own_blocks)
+    tables = np.concatenate([np.repeat(prefixes, per_group, axis=0), owns], axis=1)
+    shape = (num_blocks, NUM_KV_HEADS, page, HEAD_DIM)
+    k_cache, v_cache = normal(xp, shape, "float16"), normal(xp, shape, "float16")
+    q = normal(xp, (rows, NUM_KV_HEADS * group, HEAD_DIM), "float16")
+    lens = xp.full(rows, shared + own, dtype=np.int32)
+    return q, k_cache, v_cache, xp.asarray(tables), lens
+
+
+def measure_cascade(xp, shape, repeats):
+    """One row of the cascade table: cascade=None, True and False on one batch."""
+    groups, per_group, shared, own = shape
+    q, k_cache, v_cache, tables, lens = cascade_batch(xp, groups, per_group, shared, own)
+    cells, outs = {}, {}
+    for mode in (None, True, False):
+        plan = cupaged.DecodePlan(tables, lens, k_cache, q.shape[1], checked=False, cascade=mode)
+        out = xp.empty_like(q)
+        seconds = timer(xp, lambda p=plan, o=out: p.run(q, k_cache, v_cache, out=o), repeats)
+        cells[mode] = (seconds, plan.kv_bytes_read, plan.cascade is not None)
+        outs[mode] = cupaged.to_float(out).astype(np.float32)
+    err = float(xp.abs(outs[True] - outs[False]).max())
+    none_s, _, none_on = cells[None]
+    on_s, on_bytes, _ = cells[True]
+    off_s, off_bytes, _ = cells[False]
+    return (
+        f"| {groups} x {per_group} | {shared:,} + {own:,} | {off_bytes / 1e9:.3f} | "
+        f"{on_bytes / 1e9:.3f} | {off_s * 1e6:,.1f} | {on_s * 1e6:,.1f} | {off_s / on_s:.2f} | "
+        f"{none_s * 1e6:,.1f} ({'cascade' if none_on else 'plain'}) | {err:.1e} |"
+    )
+
+
+CASCADE_HEADER = (
+    "| groups x rows | shared + own tokens | plain GB read | cascade GB read | plain µs | "
+    "cascade µs | plain / cascade | None µs (took) | max abs diff |"
+)
+
+
 def device_name(xp):
     if xp is np:
         return "CPU backend (numbers are not GPU numbers)"
@@ -269,6 +321,20 @@ def main(argv=None):
             )
             break
         lines.append(measure(xp, args.device, row, repeats, copy_gbs))
+        print(lines[-1], flush=True)
+        if xp is not np:
+            xp.get_default_memory_pool().free_all_blocks()
+    lines += [
+        "",
+        f"Cascade decode (docs/cascade.md): fp16, G 4, page 16, head_dim {HEAD_DIM}, "
+        f"{NUM_KV_HEADS} KV heads; bytes: K/V read per layer as the plan counts them.",
+        "",
+        CASCADE_HEADER,
+        "|" + "---:|" * (CASCADE_HEADER.count("|") - 1),
+    ]
+    print("\n".join(lines[-5:]), flush=True)
+    for shape in CASCADE_QUICK if args.quick else CASCADE_SHAPES:
+        lines.append(measure_cascade(xp, shape, repeats))
         print(lines[-1], flush=True)
         if xp is not np:
             xp.get_default_memory_pool().free_all_blocks()

@@ -36,15 +36,24 @@ def test_gpu_bench_smoke_on_the_cpu_backend(tmp_path):
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
-    rows = [line for line in report.read_text().splitlines() if line.startswith("| ")]
+    text = report.read_text()
+    decode, cascade = text.split("Cascade decode")
+    rows = [line for line in decode.splitlines() if line.startswith("| ")]
     assert len(rows) == 1 + 3  # header + the quick rows
-    assert "CPU backend (numbers are not GPU numbers)" in report.read_text()
+    assert "CPU backend (numbers are not GPU numbers)" in text
     # Old and new kernels agree on every row: each is within the tolerance of the exact result
     # (outputs are averages of standard-normal V, |out| < 1 here), so the two within twice it.
     for row in rows[1:]:
         cells = [c.strip() for c in row.strip("|").split("|")]
         tol = TOLERANCES[cells[0]]
         assert float(cells[-1]) <= 2 * (tol["atol"] + tol["rtol"]), row
+    # Cascade on and off agree (fp16); it reads fewer bytes where rows share, none elsewhere.
+    shared, alone = table_rows(cascade)
+    tol = TOLERANCES["float16"]
+    for row in (shared, alone):
+        assert float(row[-1]) <= 2 * (tol["atol"] + tol["rtol"]), row
+    assert float(shared[3]) < float(shared[2]) and alone[3] == alone[2]
+    assert alone[7].endswith("(plain)")
 
 
 def table_rows(text: str) -> list[list[str]]:
