@@ -267,7 +267,8 @@ class KVTransferAgent:
         tid = incoming.transfer_id
         if self._waiting.get(tid) is not incoming:
             raise ValueError(
-                f"expected a transfer waiting at agent {self.name!r}, got {tid!r} (done or cancelled)"
+                f"expected a transfer waiting at agent {self.name!r}, got {tid!r} (done or "
+                f"cancelled)"
             )
         deadline = time.monotonic() + timeout
         while tid not in self._inbox:
@@ -384,7 +385,8 @@ class KVTransferAgent:
         layout = self._peers.get(peer)
         if layout is None:
             raise TransferError(
-                f"expected a connected peer (connect() its metadata first), got {peer!r}; connected: {self.peers}"
+                f"expected a connected peer (connect() its metadata first), got {peer!r}; "
+                f"connected: {self.peers}"
             )
         return layout
 
@@ -432,7 +434,10 @@ class KVTransferAgent:
         """Free a reservation (and tell its sender, best effort); what was done, as words."""
         del self._waiting[incoming.transfer_id]
         self._inbox.pop(incoming.transfer_id, None)
-        self.cache.free(incoming.sid)
+        try:
+            self.cache.free(incoming.sid)
+        except KeyError:  # the application freed it already: nothing left to free
+            pass
         if incoming.peer in self._peers:
             self._notify(incoming.peer, cancel_message(incoming.transfer_id))
         return (

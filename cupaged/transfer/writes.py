@@ -38,7 +38,8 @@ def source_blocks(cache: Any, sid: int, req: Request) -> np.ndarray:
     )
     if (table < 0).any():
         raise TransferError(
-            f"expected sequence {sid} to hold every requested block, got some released by its window"
+            f"expected sequence {sid} to hold every requested block, got some released by its "
+            f"window"
         )
     if is_fp8(cache.spec.dtype):
         mismatch = scales_mismatch(*cache_scales(cache), req.k_scales, req.v_scales)

@@ -122,7 +122,8 @@ def sender(sender_process):
 
 @pytest.fixture
 def receiver(monkeypatch):
-    """A CPU cache with prefix caching and its agent (unique name: xdist workers run side by side)."""
+    """A CPU cache with prefix caching and its agent (a unique name: xdist workers run side by
+    side)."""
     monkeypatch.setenv("UCX_NET_DEVICES", "lo")
 
     def make(spec=SPEC):
