@@ -83,6 +83,12 @@ def block_copy_bytes(num_pairs: int, num_layers: int, block_bytes: int) -> int:
     return 2 * 2 * num_pairs * num_layers * block_bytes
 
 
+def transfer_bytes(num_blocks: int, num_layers: int, block_bytes: int) -> int:
+    """The K and V blocks of every layer moved to another cache, counted once (what arrives: a
+    transfer reads them on one side and writes them on the other, as a copy would)."""
+    return 2 * num_blocks * num_layers * block_bytes
+
+
 def gb_per_s(nbytes: int, seconds: float) -> float:
     """Decimal gigabytes (1e9 bytes) per second."""
     return nbytes / seconds / 1e9
