@@ -69,10 +69,9 @@ struct CascadeLayout {
   static constexpr int kRowBlocks = ROWS / 16;               // row blocks of 16 (the MMA's rows)
   static constexpr int kSlices = (kSteps + WARPS - 1) / WARPS;  // output column slices per warp
   static constexpr int kWarpTiles = kSlices * kRowBlocks;    // 16 x 16 output tiles per warp
-  // Loops unrolled up to head_dim 128; above it rolled (k-steps) or by two (P V steps), where
-  // ptxas, hoisting every step's fragment loads, would run out of registers and spill.
-  static constexpr int kUnrollSteps = HEAD_DIM <= 128 ? kSteps : 1;
-  static constexpr int kUnrollPv = HEAD_DIM <= 128 ? kTile / 16 : 2;
+  // The k-steps of Q K^T and of P V unrolled by two: unrolled whole, ptxas hoists every step's
+  // fragment loads and spills (bf16 at head_dim 128 on sm_80, 255 registers).
+  static constexpr int kUnroll = 2;
   static constexpr int kRowThreads = kThreads / ROWS;        // softmax threads per row
   static constexpr int kRowTokens = kTile / kRowThreads;     // tokens per softmax thread
   static constexpr int kLdk = HEAD_DIM + 8;  // K/V/Q row, elements: +16 bytes, no conflicts
@@ -262,7 +261,7 @@ __global__ void __launch_bounds__(32 * WARPS)
         wmma::fragment<wmma::accumulator, 16, 16, 16, float> s[L::kRowBlocks];
 #pragma unroll
         for (int rb = 0; rb < L::kRowBlocks; ++rb) wmma::fill_fragment(s[rb], 0.0f);
-#pragma unroll L::kUnrollSteps
+#pragma unroll L::kUnroll
         for (int kk = 0; kk < L::kSteps; ++kk) {
           wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> kb;
           wmma::load_matrix_sync(kb, k_tile + kk * 16, LDK);
@@ -341,7 +340,7 @@ __global__ void __launch_bounds__(32 * WARPS)
         for (int rb = 0; rb < L::kRowBlocks; ++rb) {
           wmma::fragment<wmma::accumulator, 16, 16, 16, float> o;
           wmma::fill_fragment(o, 0.0f);
-#pragma unroll L::kUnrollPv
+#pragma unroll L::kUnroll
           for (int kt = 0; kt < TILE / 16; ++kt) {
             wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> pa;
             wmma::load_matrix_sync(pa, p_s + rb * 16 * L::kLdp + kt * 16, L::kLdp);
