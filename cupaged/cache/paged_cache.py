@@ -310,6 +310,7 @@ class PagedCache(ManagerVerbs):
         *,
         scale: float | None = None,
         num_splits: int | None = None,
+        batch_invariant: bool = False,
         logits_soft_cap: float = 0.0,
         alibi_slopes: Any = None,
         q_dtype: Any = None,
@@ -332,7 +333,7 @@ class PagedCache(ManagerVerbs):
                 swapped out one of them).
             num_q_heads: query heads, a multiple of ``spec.num_kv_heads``.
             scale: softmax scale; ``head_dim ** -0.5`` when ``None``.
-            num_splits: see :class:`cupaged.DecodePlan`.
+            num_splits, batch_invariant: see :class:`cupaged.DecodePlan` (docs/batch-invariance.md).
             logits_soft_cap, alibi_slopes: the model's variants, as :class:`cupaged.DecodePlan`
                 takes them.
             q_dtype: the queries' dtype over an fp8 cache (a plan runs one; default float16),
@@ -344,7 +345,7 @@ class PagedCache(ManagerVerbs):
         tables, lens = self._manager.block_tables(sids)  # (a StepPlan: its step's)
         options = _variants(self.window_left, logits_soft_cap, alibi_slopes)
         options.update(scale=scale, num_splits=num_splits, cascade=cascade, **self._trusted())
-        options.update(_fp8_plan_options(self.spec.dtype, q_dtype))
+        options.update(_fp8_plan_options(self.spec.dtype, q_dtype), batch_invariant=batch_invariant)
         return DecodePlan(tables, lens, self.k[0], num_q_heads, **options)
 
     @forwards
@@ -357,6 +358,7 @@ class PagedCache(ManagerVerbs):
         scale: float | None = None,
         causal: bool = True,
         num_splits: int | None = None,
+        batch_invariant: bool = False,
         logits_soft_cap: float = 0.0,
         alibi_slopes: Any = None,
         q_dtype: Any = None,
@@ -378,7 +380,7 @@ class PagedCache(ManagerVerbs):
                 prompt chunk).
             num_q_heads: query heads, a multiple of ``spec.num_kv_heads``.
             num_tokens: with ids or a batch: the query tokens per sequence (host ints).
-            scale, causal, num_splits, logits_soft_cap, alibi_slopes: see
+            scale, causal, num_splits, batch_invariant, logits_soft_cap, alibi_slopes: see
                 :class:`cupaged.PrefillPlan`.
             q_dtype: as :meth:`decode_plan` takes it.
         """
@@ -397,7 +399,7 @@ class PagedCache(ManagerVerbs):
             starts = _query_starts(self.window_left, held_from, lens, num_tokens)
         options = _variants(self.window_left, logits_soft_cap, alibi_slopes)
         options.update(scale=scale, causal=causal, num_splits=num_splits, **self._trusted())
-        options.update(_fp8_plan_options(self.spec.dtype, q_dtype))
+        options.update(_fp8_plan_options(self.spec.dtype, q_dtype), batch_invariant=batch_invariant)
         return PrefillPlan(tables, lens, starts, self.k[0], num_q_heads, **options)
 
     def gather_kv(self, sid: int) -> tuple[Any, Any]:

@@ -52,6 +52,7 @@ def load_model(
     dtype: str = "float32",
     progress: Callable[[str], None] | None = None,
     kv_dtype: str | None = None,
+    batch_invariant: bool = False,
 ) -> tuple[Llama, Tokenizer]:
     """Fetch (once) and load a model of :data:`MODELS` on a device.
 
@@ -62,6 +63,8 @@ def load_model(
             element type unless ``kv_dtype`` is given.
         progress: receives the download message (default: stderr).
         kv_dtype: the KV cache's element type: ``dtype`` or an fp8 format (docs/fp8.md).
+        batch_invariant: the model's attention bitwise the same for a sequence whatever the
+            batch (:class:`Llama`; docs/batch-invariance.md).
 
     Raises:
         CupagedError: unknown model, failed or corrupt download, missing ``model`` extra, or a
@@ -91,7 +94,14 @@ def load_model(
             f"tokenizer.ggml.tokens of {file.path.name}, got {tokenizer.vocab_size}"
         )
     weights = load_weights(file, config)
-    model = Llama(config, weights, device_module(device), dtype=dtype, kv_dtype=kv_dtype)
+    model = Llama(
+        config,
+        weights,
+        device_module(device),
+        dtype=dtype,
+        kv_dtype=kv_dtype,
+        batch_invariant=batch_invariant,
+    )
     return model, tokenizer
 
 

@@ -249,6 +249,11 @@ class Llama:
         kv_dtype: the cache's element type: ``dtype`` (``None``) or an fp8 format
             (``"float8_e4m3"``, ``"float8_e5m2"``), which ``write_kv`` quantizes K/V into with the
             cache's per-layer scales (docs/fp8.md).
+        batch_invariant: plan every step's attention with ``batch_invariant=True``, and a step
+            of decode rows only as a mixed one is (a :class:`~cupaged.PrefillPlan` in
+            :meth:`forward`), so that a sequence's attention is bitwise the same whatever the
+            step holds beside it (docs/batch-invariance.md). Only the attention: the matmuls
+            are NumPy's or CuPy's, whose results may depend on the batch's rows.
 
     Raises:
         ValueError: a weight missing or of a shape other than :func:`weight_shapes`' (checked
@@ -267,6 +272,7 @@ class Llama:
         xp: Any,
         dtype: str = "float32",
         kv_dtype: str | None = None,
+        batch_invariant: bool = False,
     ) -> None:
         c = config
         for name, shape in weight_shapes(c).items():
@@ -275,6 +281,7 @@ class Llama:
                 raise ValueError(f"expected weight {name!r} of shape {shape}, got {found}")
         self.config, self.xp, self.dtype = c, xp, dtype
         self.kv_dtype = check_kv_dtype(dtype, kv_dtype)
+        self.batch_invariant = bool(batch_invariant)
         self.device = "cpu" if xp is np else "cuda"
         self.seconds = {"attention": 0.0, "other": 0.0}
 
@@ -356,7 +363,7 @@ class Llama:
         slots = xp.concatenate([xp.asarray(a.slots) for a in admissions])
         tokens = xp.asarray(np.concatenate([np.asarray(ch, np.int64) for ch in chunks]))
         plan = cache.prefill_plan(
-            sids, self.config.num_q_heads, num_tokens=counts, **self._q_dtype(cache)
+            sids, self.config.num_q_heads, num_tokens=counts, **self._plan_options(cache)
         )
 
         h = self._layers(tokens, positions, self._writing(cache, slots, plan))
@@ -376,7 +383,7 @@ class Llama:
         # Once per step: slots (copy-on-write applied by the cache), then the attention plan over
         # the batch's tables (the cache's own: unchecked, planned on the device).
         slots = cache.step(batch, tokens=np.asarray(tokens)).slots
-        plan = cache.decode_plan(batch, self.config.num_q_heads, **self._q_dtype(cache))
+        plan = cache.decode_plan(batch, self.config.num_q_heads, **self._plan_options(cache))
         tokens = xp.asarray(np.asarray(tokens, np.int64))
         h = self._layers(tokens, xp.asarray(positions), self._writing(cache, slots, plan))
         return self._logits(h)
@@ -389,8 +396,9 @@ class Llama:
 
         Planned once for the step: a :class:`~cupaged.PrefillPlan` over every row, chunks and
         decode rows together (the prefill page's decision: one launch for a mixed batch), or a
-        :class:`~cupaged.DecodePlan` (the decode kernel) for a step of decode rows only. Per
-        layer, one ``write_kv`` for every new token, then the plan's ``run``.
+        :class:`~cupaged.DecodePlan` (the decode kernel) for a step of decode rows only (but
+        for a :attr:`batch_invariant` model). Per layer, one ``write_kv`` for every new token,
+        then the plan's ``run``.
 
         Args:
             plan: ``cache.step(sids, num_tokens, tokens, tables=True)``: slots, tables, lengths
@@ -406,8 +414,9 @@ class Llama:
         """
         xp = self.xp
         # Over the step's own tables (the cache refuses another cache's plan).
-        options = self._q_dtype(cache)
-        if (plan.num_tokens == 1).all():
+        options = self._plan_options(cache)
+        # Batch-invariant: every row through one kernel, whatever else the step holds.
+        if (plan.num_tokens == 1).all() and not self.batch_invariant:
             attention = cache.decode_plan(plan, self.config.num_q_heads, **options)
         else:
             attention = cache.prefill_plan(plan, self.config.num_q_heads, **options)
@@ -463,9 +472,13 @@ class Llama:
 
         return run
 
-    def _q_dtype(self, cache: PagedCache) -> dict[str, str]:
-        """The plans' ``q_dtype`` over an fp8 cache: the model's dtype (none otherwise)."""
-        return {"q_dtype": self.dtype} if is_fp8(cache.spec.dtype) else {}
+    def _plan_options(self, cache: PagedCache) -> dict[str, Any]:
+        """The plans' options: :attr:`batch_invariant`, and over an fp8 cache ``q_dtype``, the
+        model's dtype."""
+        options: dict[str, Any] = {"batch_invariant": self.batch_invariant}
+        if is_fp8(cache.spec.dtype):
+            options["q_dtype"] = self.dtype
+        return options
 
     def _through_fp8(self, layer: int, k: Any, v: Any, cache: PagedCache | None) -> tuple:
         """float32 K/V of ``layer`` as an fp8 cache holds and reads them: ``fp8(x / scale) *

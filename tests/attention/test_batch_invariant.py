@@ -344,3 +344,59 @@ def test_prefill_refusals(rng):
         cupaged.PrefillPlan(tables, lens, starts, k, q.shape[1], batch_invariant=1)
     plan = cupaged.PrefillPlan(tables, lens, starts, k, q.shape[1], batch_invariant=True)
     assert plan.batch_invariant and plan.num_splits == 1
+
+
+# ---- the cache's plans and the model -----------------------------------------------------------
+
+
+@pytest.fixture
+def made_plans(monkeypatch) -> list[tuple[str, bool]]:
+    """``(class name, batch_invariant)`` of every DecodePlan and PrefillPlan made meanwhile."""
+    made = []
+    for cls in (cupaged.DecodePlan, cupaged.PrefillPlan):
+
+        def init(self, *args, _real=cls.__init__, **kwargs):
+            _real(self, *args, **kwargs)
+            made.append((type(self).__name__, self.batch_invariant))
+
+        monkeypatch.setattr(cls, "__init__", init)
+    return made
+
+
+@pytest.mark.parametrize("invariant", [False, True])
+def test_the_cache_and_the_model_pass_batch_invariant_on(rng, made_plans, invariant):
+    from cupaged.models import Llama, LlamaConfig
+
+    config = LlamaConfig(num_layers=1, hidden=64, num_q_heads=4, num_kv_heads=NUM_KV_HEADS,
+                         head_dim=HEAD_DIM, ffn=32, vocab_size=50, rms_eps=1e-5,
+                         rope_base=10000.0)  # fmt: skip
+    shapes = {
+        "token_embd.weight": (50, 64), "output_norm.weight": (64,), "output.weight": (50, 64),
+        "blk.0.attn_norm.weight": (64,), "blk.0.attn_q.weight": (256, 64),
+        "blk.0.attn_k.weight": (128, 64), "blk.0.attn_v.weight": (128, 64),
+        "blk.0.attn_output.weight": (64, 256), "blk.0.ffn_norm.weight": (64,),
+        "blk.0.ffn_gate.weight": (32, 64), "blk.0.ffn_up.weight": (32, 64),
+        "blk.0.ffn_down.weight": (64, 32),
+    }  # fmt: skip
+    weights = {name: rng.standard_normal(shape).astype(np.float32) * 0.2
+               for name, shape in shapes.items()}  # fmt: skip
+    model = Llama(config, weights, np, dtype="float32", batch_invariant=invariant)
+    cache = model.make_cache(num_blocks=16, block_size=BLOCK_SIZE)
+    prompts = [rng.integers(0, 50, n).tolist() for n in (20, 7)]
+    admissions = [cache.admit(prompt) for prompt in prompts]
+    logits = model.prefill(cache, admissions, prompts)
+    batch = cache.batch([a.sid for a in admissions])
+    model.decode(cache, batch, np.argmax(logits, axis=1).tolist())
+    # A step of decode rows only through forward: the decode kernel, or (invariant) the prefill
+    # kernel that a mixed step runs them through.
+    sids = batch.sids.tolist()
+    step = cache.step(sids, num_tokens=[1, 1], tokens=[[3], [4]], tables=True)
+    positions = [cache.seq_len(sid) - 1 for sid in sids]
+    model.forward(cache, step, np.array([3, 4]), np.array(positions), np.array([0, 1]))
+    last = "PrefillPlan" if invariant else "DecodePlan"
+    assert made_plans == [("PrefillPlan", invariant), ("DecodePlan", invariant), (last, invariant)]
+    # The cache's plan methods take it as a keyword.
+    made_plans.clear()
+    cache.decode_plan(batch, 4, batch_invariant=invariant)
+    cache.prefill_plan(batch, 4, num_tokens=[1, 1], batch_invariant=invariant)
+    assert made_plans == [("DecodePlan", invariant), ("PrefillPlan", invariant)]
