@@ -342,3 +342,28 @@ def test_gpu_caches_move_blocks_between_registered_device_memory(receiver, sende
         cache.check_invariants()
     finally:
         peer.kill()
+
+
+def test_expect_reserves_all_or_nothing_and_close_frees_what_still_waits(receiver):
+    from cupaged import OutOfBlocksError
+
+    cache, agent = receiver()
+    _, other = receiver()
+    name = agent.connect(other.metadata())
+    bs, free = SPEC["block_size"], cache.num_free_blocks
+    with pytest.raises(OutOfBlocksError):
+        agent.expect([3] * (free * bs + 1), peer=name)
+    assert cache.num_free_blocks == free and cache.sequence_ids == []
+    with pytest.raises(TransferError, match="expected a connected peer"):
+        agent.expect([1, 2], peer="nobody")
+    first = agent.expect(list(range(2 * bs + 1)), peer=name)
+    agent.cancel(first)
+    with pytest.raises(ValueError, match="done or cancelled"):
+        agent.wait(first, timeout=0.1)
+    agent.expect(list(range(3 * bs)), peer=name)
+    assert cache.num_free_blocks == free - 3
+    agent.close()  # frees the reservation still waiting
+    cache.check_invariants()
+    assert cache.num_free_blocks == free and cache.sequence_ids == []
+    with pytest.raises(ValueError, match="closed"):
+        agent.metadata()
