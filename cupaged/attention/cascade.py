@@ -119,10 +119,13 @@ def shared_nodes(
         ids = tables[rows, column]
         order = np.argsort(ids, kind="stable")
         rows, ids = rows[order], ids[order]
-        cuts = np.flatnonzero(ids[1:] != ids[:-1]) + 1
-        for part, part_ids in zip(np.split(rows, cuts), np.split(ids, cuts), strict=True):
-            if part.size < 2 or part_ids[0] < 0:
-                continue
+        # Runs of one id, of two rows or more (most steps of a batch that shares nothing end
+        # here, without a Python loop over the rows).
+        starts = np.flatnonzero(np.concatenate(([True], ids[1:] != ids[:-1])))
+        sizes = np.diff(np.append(starts, ids.size))
+        shared = (sizes >= 2) & (ids[starts] >= 0)
+        for start, size in zip(starts[shared].tolist(), sizes[shared].tolist(), strict=True):
+            part = rows[start : start + size]
             shortest = int(lens[part].min())
             columns = tables[part, column : cdiv(shortest, block_size)]
             differs = np.flatnonzero((columns != columns[0]).any(axis=0))
@@ -136,6 +139,13 @@ def shared_nodes(
                 pending.append((rest, end))
     nodes.sort(key=lambda node: (node.begin, int(node.rows[0])))
     return nodes
+
+
+def shares_a_first_block(tables: np.ndarray, lens: np.ndarray) -> bool:
+    """Whether two rows of non-zero length hold the same first block id: every shared range
+    starts there, so a step where none do shares nothing (the common case, checked first)."""
+    firsts = np.sort(np.asarray(tables)[:, 0][np.asarray(lens) > 0])
+    return bool((firsts[1:] == firsts[:-1]).any())
 
 
 def node_pays(node: Node, group: int, head_dim: int, kv_bytes: int, rows_per_tile: int) -> int:
@@ -211,15 +221,17 @@ def plan_cascade(
         force: take every node that shares a block (``cascade=True``), paying or not.
     """
     lens = np.asarray(lens, dtype=np.int64)
-    num_rows = lens.shape[0]
-    first = first_attended(lens, window_left)
-    row_bytes = 2 * head_dim * kv_bytes * num_kv_heads
-    bytes_plain = int((lens - first).sum()) * row_bytes
+    if not shares_a_first_block(tables, lens):
+        return None
     nodes = shared_nodes(tables, lens, block_size, window_left)
     if not force:
         nodes = [n for n in nodes if node_pays(n, group, head_dim, kv_bytes, rows_per_tile) > 0]
     if not nodes:
         return None
+    num_rows = lens.shape[0]
+    first = first_attended(lens, window_left)
+    row_bytes = 2 * head_dim * kv_bytes * num_kv_heads
+    bytes_plain = int((lens - first).sum()) * row_bytes
 
     # Each row's pieces: its nodes, then its own ranges (the gaps between them).
     row_nodes: list[list[int]] = [[] for _ in range(num_rows)]
@@ -320,52 +332,82 @@ def shared_level(
     group: int,
     variants: Any,
     required: bool,
-) -> SharedLevel | None:
-    """A decode plan's shared level: ``cascade_shared`` for its shape and variants, loaded, and
-    its arguments from the plan's ``paged_decode`` record (the same tables, lengths, scale and
-    variants, by name); ``None`` for a shape the kernel does not take.
+) -> SharedLevel:
+    """A decode plan's shared level (``cascade_shared``), planned and loaded at the first step
+    that shares a block, so that a plan whose steps share none costs next to nothing more than
+    the plain one (``cascade=None``).
 
     Raises:
-        ValueError: that shape, when the plan requires a cascade (``cascade=True``).
+        ValueError: a shape the kernel does not take, when the plan requires a cascade
+            (``cascade=True``): checked here, at once.
     """
-    _, num_kv_heads, block_size, head_dim = layout
-    try:
-        launch = cascade_launch(
-            dtype, num_kv_heads, group, head_dim, block_size, target(device), variants,
-            q_dtype=q_dtype,
-        )  # fmt: skip
-    except ValueError as error:
-        if required:
-            raise ValueError(f"cascade=True: {error}") from None
-        return None
-    grid = (num_kv_heads, 2)  # the CPU backend's helper threads: the launches hold many tiles
-    kernel = attention_kernel(device, "cascade.cu", launch, group, head_dim, grid=grid)
-    args = merge_record(decode_args, CascadeSharedArgs, tiles=None, members=None)
-    return SharedLevel(kernel, launch, args, head_dim, required)
+    level = SharedLevel(device, decode_args, dtype, q_dtype, layout, group, variants, required)
+    if required:
+        level.launch()
+    return level
 
 
 class SharedLevel:
-    """The shared level of a plan's cascades: the loaded ``cascade_shared`` kernel and the
-    arguments every step's launch shares (the tables, lengths and variants of the plan), built
-    once per plan; :meth:`levels` lays a step's :class:`CascadeWork` onto the device."""
+    """The shared level of a plan's cascades: ``cascade_shared``'s launch, its kernel and the
+    arguments every step's launch shares (the plan's tables, lengths, scale and variants, taken
+    from its ``paged_decode`` record by name), each made when a step first needs it;
+    :meth:`levels` lays a step's :class:`CascadeWork` onto the device."""
 
-    __slots__ = ("_args", "_block", "_head_dim", "_kernel", "_shared_mem", "launch", "required")
+    __slots__ = ("_args", "_decode_args", "_kernel", "_launch", "_shape", "required")
 
-    def __init__(self, kernel: Any, launch: Any, args: Any, head_dim: int, required: bool) -> None:
-        self._kernel = kernel
-        self._block = launch.block
-        self._shared_mem = launch.shared_mem
-        self._head_dim = head_dim
-        self._args = args  # CascadeSharedArgs: q, caches, tiles, members, partials per launch
-        self.launch = launch
+    def __init__(
+        self,
+        device: str,
+        decode_args: Any,
+        dtype: str,
+        q_dtype: str,
+        layout: tuple[int, ...],
+        group: int,
+        variants: Any,
+        required: bool,
+    ) -> None:
+        self._shape = (device, dtype, q_dtype, layout, group, variants)
+        self._decode_args = decode_args
+        self._launch: Any = None
+        self._kernel: Any = None
+        self._args: Any = None
         self.required = required  # cascade=True: every shared block taken
+
+    def launch(self) -> Any:
+        """The kernel's launch (``CascadeLaunch``), or ``None`` for a shape it does not take.
+
+        Raises:
+            ValueError: that shape, when the plan requires a cascade.
+        """
+        if self._launch is None:
+            device, dtype, q_dtype, layout, group, variants = self._shape
+            _, num_kv_heads, block_size, head_dim = layout
+            try:
+                self._launch = cascade_launch(
+                    dtype, num_kv_heads, group, head_dim, block_size, target(device), variants,
+                    q_dtype=q_dtype,
+                )  # fmt: skip
+            except ValueError as error:
+                if self.required:
+                    raise ValueError(f"cascade=True: {error}") from None
+                self._launch = False  # never again
+        return self._launch or None
 
     def levels(self, work: CascadeWork, decode_args: Any, merge_args: Any) -> CascadeLevels:
         """A step's cascade on the device: its own work list, slots and partial buffers, and
         the records of ``paged_decode`` and its merge (the plan's, with those in place)."""
+        device, _, _, layout, group, _ = self._shape
+        head_dim = layout[3]
+        if self._kernel is None:
+            grid = (layout[1], 2)  # the CPU backend's threads: a launch has many tiles
+            launch = self.launch()
+            self._kernel = attention_kernel(device, "cascade.cu", launch, group, head_dim, grid)
+            self._args = merge_record(
+                self._decode_args, CascadeSharedArgs, tiles=None, members=None
+            )
         xp = array_module(decode_args.block_tables)
         capacity, num_q_heads = work.capacity, int(merge_args.num_q_heads)
-        partial_out = xp.empty((capacity, num_q_heads, self._head_dim), np.float32)
+        partial_out = xp.empty((capacity, num_q_heads, head_dim), np.float32)
         partial_lse = xp.empty((capacity, num_q_heads), np.float32)
         own = dict(partial_out=partial_out, partial_lse=partial_lse)
         shared = self._args._replace(
@@ -377,8 +419,9 @@ class SharedLevel:
 
     def run(self, args: Any, num_kv_heads: int, num_tiles: int) -> None:
         """``cascade_shared`` over ``num_tiles`` tiles of every KV head."""
+        launch = self._launch
         grid = (num_kv_heads, num_tiles)
-        self._kernel(grid, self._block, tuple(args), shared_mem=self._shared_mem)
+        self._kernel(grid, launch.block, tuple(args), shared_mem=launch.shared_mem)
 
 
 @dataclass(frozen=True, slots=True)

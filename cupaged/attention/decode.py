@@ -79,6 +79,7 @@ from .cascade import (
     first_attended,
     plan_cascade,
     shared_level,
+    shares_a_first_block,
 )
 from .layer import (
     LayerArrays,
@@ -422,8 +423,10 @@ class DecodePlan:
         """The step's cascade from the plan's tables (on the host), or ``None``: nothing shared,
         or too little (``cascade=None``), or a work list past CUDA's grid limit."""
         tables, lens = to_numpy(self._tables), to_numpy(self._lens)
-        num_blocks, num_kv_heads, block_size, head_dim = self._layout
         level = self._shared_level
+        if not shares_a_first_block(tables, lens) or (launch := level.launch()) is None:
+            return None
+        num_blocks, num_kv_heads, block_size, head_dim = self._layout
         work = plan_cascade(
             tables,
             lens,
@@ -433,7 +436,7 @@ class DecodePlan:
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
             kv_bytes=self._kv_bytes(),
-            rows_per_tile=level.launch.rows_per_tile,
+            rows_per_tile=launch.rows_per_tile,
             tile=self._tile,
             fill_blocks=max(self._capacity - self.num_seqs, 1),
             force=level.required,
