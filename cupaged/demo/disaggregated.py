@@ -383,6 +383,11 @@ def command(args: argparse.Namespace, config: DemoConfig, parser: argparse.Argum
     for flag, given in (("--plot", args.plot), ("--prefill-chunk", config.prefill_chunk)):
         if given is not None:  # the decode side prefills nothing, and keeps no per-step series
             parser.error(f"{flag}: expected none with --disaggregated, got {given}")
+    if config.kv_scales == "auto":  # the receiver's scales would be fixed after the K/V came
+        parser.error(
+            "--kv-scales: expected a number with --disaggregated (both caches' fp8 scales fixed "
+            "and equal before blocks move), got auto"
+        )
     if not nixl_available():
         return error_line(parser.prog, RuntimeError(f"--disaggregated needs NIXL: {INSTALL}"))
     console = Console()

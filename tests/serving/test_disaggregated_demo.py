@@ -8,6 +8,7 @@ not. Every run is bounded (``TIMEOUT``) and leaves no process behind.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import multiprocessing
 
@@ -102,6 +103,14 @@ def test_the_command_prints_the_report_and_writes_the_numbers(run, tmp_path, cap
     assert not multiprocessing.active_children()
 
 
+@needs_nixl
+def test_an_fp8_cache_with_fixed_scales_moves_and_decodes_the_same():
+    config = dataclasses.replace(CONFIG, requests=2, kv_dtype="float8_e4m3", kv_scales=0.5)
+    checks = run_disaggregated(config, timeout=TIMEOUT).summary["checks"]
+    assert checks["passed"] and checks["tokens_equal"], checks
+    assert checks["logits_compared"] == checks["logits_expected"] > 0
+
+
 def disaggregated_main(options: list[str]) -> int:
     from cupaged.__main__ import main
 
@@ -121,6 +130,10 @@ def test_without_nixl_the_command_names_the_install_in_one_line(monkeypatch, cap
     [
         (["--plot", "out.png"], "--plot: expected none with --disaggregated, got out.png"),
         (["--prefill-chunk", "8"], "--prefill-chunk: expected none with --disaggregated, got 8"),
+        (
+            ["--kv-dtype", "float8_e4m3", "--kv-scales", "auto"],
+            "--kv-scales: expected a number with --disaggregated",
+        ),
     ],
 )
 def test_options_it_cannot_honour_are_refused_before_the_work(
