@@ -363,6 +363,7 @@ def paged_attention(
     out: Any = None,
     num_splits: int | None = None,
     batch_invariant: bool = False,
+    cascade: bool | None = None,
     checked: bool = True,
     window_left: int = -1,
     logits_soft_cap: float = 0.0,
@@ -416,6 +417,9 @@ def paged_attention(
         batch_invariant: ``True``: each sequence's output is bitwise the same in any batch
             and at any position in it (fixed-size pieces; :class:`DecodePlan`,
             docs/batch-invariance.md); not with ``num_splits``.
+        cascade: rows that share leading blocks read them once (:class:`DecodePlan`,
+            docs/cascade.md): ``None`` when that saves enough bytes, ``True`` whenever two
+            rows share a block, ``False`` never.
         checked: check, before the launch and on the arrays' device (one synchronisation on a
             GPU), that every context length is in ``[0, max_blocks * block_size]`` and that every
             block id a length reaches is in ``[0, num_blocks)`` (entries past a sequence's
@@ -470,6 +474,7 @@ def paged_attention(
         scale=scale,
         num_splits=num_splits,
         batch_invariant=batch_invariant,
+        cascade=cascade,
         max_context_len=max_context_len,
         checked=checked,
         window_left=window_left,

@@ -199,3 +199,13 @@ def test_the_plan_counts_what_plan_cascade_counts(rng):
         force=True,
     )
     assert (plan.kv_bytes_read, plan.kv_bytes_plain) == (direct.bytes_read, direct.bytes_plain)
+
+
+def test_the_one_shot_function_takes_cascade(rng, xp):
+    q, k, v, tables, lens = batch(rng, "bfloat16")
+    expected = oracle(q, k, v, tables, lens)
+    args = (xp.asarray(x) for x in (q, k, v, tables, lens))
+    got = cupaged.paged_attention(*args, cascade=True, out=xp.asarray(poison(q.shape, "bfloat16")))
+    assert_close(got, expected, "bfloat16")
+    with pytest.raises(ValueError, match="cascade=True"):
+        cupaged.paged_attention(q, k, v, tables, lens, cascade=True, batch_invariant=True)
