@@ -12,7 +12,9 @@ For each row (head_dim 128, 8 KV heads, group G = query heads per KV head):
 
 Rows: every page size 1..256 at batch 64 x 4,096 tokens, G = 4; and every batch x context of the
 issue (1 x 32k, 4 x 16k, 17 x 4k, 64 x 4k, 256 x 1k) at page size 16 for G = 1, 4, 8; float16
-and bfloat16. ``--device cpu --quick`` runs the same code on tiny shapes through the CPU backend
+and bfloat16. Then the cascade table, and the batch-invariance table (``batch_invariant`` off
+and on: items, time, and whether a sequence's row is bitwise the same alone and in the batch).
+``--device cpu --quick`` runs the same code on tiny shapes through the CPU backend
 (a smoke test of this script; its numbers mean nothing).
 """
 
@@ -269,6 +271,61 @@ CASCADE_HEADER = (
 )
 
 
+# Batch invariance (docs/batch-invariance.md): (batch, contexts) at fp16, G = 4, page 16, each
+# run with batch_invariant off and on; the first sequence is run alone too, and its row compared
+# bit for bit with its row in the batch. "mixed": contexts drawn from 100 .. the longest.
+INVARIANT_SHAPES = ((1, 32768), (64, 1024), (64, "mixed 8192"), (256, 2048))
+INVARIANT_QUICK = ((1, 700), (6, "mixed 600"))
+
+
+def invariant_batch(xp, batch, context, group=4, page=16):
+    """``(q, k_cache, v_cache, tables, lens)``: ``batch`` sequences of ``context`` tokens, or of
+    random lengths up to the one a ``"mixed N"`` context names; scattered blocks."""
+    if isinstance(context, str):
+        longest = int(context.split()[1])
+        lens = np.random.default_rng(3).integers(100, longest + 1, batch).astype(np.int32)
+        lens[0] = longest
+    else:
+        lens = np.full(batch, context, np.int32)
+    q, k_cache, v_cache, paged, _, _ = build(xp, "float16", group, page, batch, int(lens.max()))
+    return q, k_cache, v_cache, paged, xp.asarray(lens)
+
+
+def measure_invariant(xp, shape, repeats):
+    """One row of the invariance table: the default split and batch_invariant=True."""
+    batch, context = shape
+    q, k_cache, v_cache, tables, lens = invariant_batch(xp, batch, context)
+    cells = {}
+    for invariant in (False, True):
+        plan = cupaged.DecodePlan(
+            tables, lens, k_cache, q.shape[1], checked=False, batch_invariant=invariant
+        )
+        out = xp.empty_like(q)
+        seconds = timer(xp, lambda p=plan, o=out: p.run(q, k_cache, v_cache, out=o), repeats)
+        items = int((plan.work()[:, 0] >= 0).sum())
+        alone = cupaged.DecodePlan(
+            tables[:1], lens[:1], k_cache, q.shape[1], checked=False, batch_invariant=invariant
+        ).run(q[:1], k_cache, v_cache)
+        same = bool(xp.all(alone.view(np.uint16) == out[:1].view(np.uint16)))
+        cells[invariant] = (seconds, items, plan.num_items, same, out)
+    off_s, off_items, _, off_same, off_out = cells[False]
+    on_s, on_items, on_capacity, on_same, on_out = cells[True]
+    on_f, off_f = (cupaged.to_float(x).astype(np.float32) for x in (on_out, off_out))
+    err = float(xp.abs(on_f - off_f).max())
+    return (
+        f"| {batch} x {context} | {off_items} | {on_items} ({on_capacity}) | "
+        f"{off_s * 1e6:,.1f} | {on_s * 1e6:,.1f} | {on_s / off_s:.2f} | "
+        f"{'yes' if off_same else 'no'} | {'yes' if on_same else 'no'} | {err:.1e} |"
+    )
+
+
+INVARIANT_HEADER = (
+    "| batch x context | default items | invariant items (capacity) | default µs | "
+    "invariant µs | invariant / default | default: row 0 alone = in batch | "
+    "invariant: row 0 alone = in batch | max abs diff |"
+)
+
+
 def device_name(xp):
     if xp is np:
         return "CPU backend (numbers are not GPU numbers)"
@@ -335,6 +392,22 @@ def main(argv=None):
     print("\n".join(lines[-5:]), flush=True)
     for shape in CASCADE_QUICK if args.quick else CASCADE_SHAPES:
         lines.append(measure_cascade(xp, shape, repeats))
+        print(lines[-1], flush=True)
+        if xp is not np:
+            xp.get_default_memory_pool().free_all_blocks()
+    lines += [
+        "",
+        f"Batch-invariant decode (docs/batch-invariance.md): fp16, G 4, page 16, head_dim "
+        f"{HEAD_DIM}, {NUM_KV_HEADS} KV heads; items: planned work items per KV head (the "
+        "invariant work list's capacity in brackets); row 0 alone: the first sequence planned "
+        "and run as a batch of one, its output compared bit for bit.",
+        "",
+        INVARIANT_HEADER,
+        "|" + "---:|" * (INVARIANT_HEADER.count("|") - 1),
+    ]
+    print("\n".join(lines[-5:]), flush=True)
+    for shape in INVARIANT_QUICK if args.quick else INVARIANT_SHAPES:
+        lines.append(measure_invariant(xp, shape, repeats))
         print(lines[-1], flush=True)
         if xp is not np:
             xp.get_default_memory_pool().free_all_blocks()

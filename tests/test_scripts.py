@@ -37,7 +37,8 @@ def test_gpu_bench_smoke_on_the_cpu_backend(tmp_path):
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     text = report.read_text()
-    decode, cascade = text.split("Cascade decode")
+    decode, rest = text.split("Cascade decode")
+    cascade, invariant = rest.split("Batch-invariant decode")
     rows = [line for line in decode.splitlines() if line.startswith("| ")]
     assert len(rows) == 1 + 3  # header + the quick rows
     assert "CPU backend (numbers are not GPU numbers)" in text
@@ -54,6 +55,12 @@ def test_gpu_bench_smoke_on_the_cpu_backend(tmp_path):
         assert float(row[-1]) <= 2 * (tol["atol"] + tol["rtol"]), row
     assert float(shared[3]) < float(shared[2]) and alone[3] == alone[2]
     assert alone[7].endswith("(plain)")
+    # batch_invariant: the first sequence's row alone is bitwise its row in the batch, and the
+    # two modes agree within the tolerance.
+    rows = table_rows(invariant)
+    assert len(rows) == 2
+    for row in rows:
+        assert row[7] == "yes" and float(row[-1]) <= 2 * (tol["atol"] + tol["rtol"]), row
 
 
 def table_rows(text: str) -> list[list[str]]:

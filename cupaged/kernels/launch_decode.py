@@ -29,9 +29,12 @@ MAX_GRID_X = 2**31 - 1
 MIN_SPLIT_TOKENS = 256
 # Batch-invariant decode (DecodePlan(batch_invariant=True), docs/batch-invariance.md): every
 # sequence is cut into pieces of this many attended tokens (rounded up to the launch's tile),
-# whatever the batch. MIN_SPLIT_TOKENS, the smallest piece the default split ever makes: a lone
-# sequence is cut exactly as the default cuts it (its chunk never falls below this), and a 32k
-# context still gives 128 pieces per KV head, enough to fill a GPU at batch size 1.
+# whatever the batch. MIN_SPLIT_TOKENS, the smallest piece the default split makes, so that no
+# piece costs more in fixed work (its queries, its partial row and their merge) than the
+# default's do: a lone sequence that the default cuts at its floor (up to this many tokens per
+# item that fills the GPU) is cut alike, and a 4k context still gives 16 pieces per KV head.
+# Larger batches pay more items and merge traffic than the default's (2 G / this of the K/V
+# bytes: the docs' table).
 INVARIANT_SPLIT_TOKENS = MIN_SPLIT_TOKENS
 
 
