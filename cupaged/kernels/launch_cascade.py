@@ -22,15 +22,18 @@ from .launch_decode import HEAD_DIMS, MAX_BLOCK_SIZE, query_dtype
 from .target import NOMINAL_TARGET, Target
 
 # The tensor-core layout: CASCADE_WARPS warps of 32 threads, a stage of 16 tokens per warp,
-# CASCADE_STAGES stages in the cp.async ring (as paged_decode_mma). The rows of a tile: 64 up to
-# head_dim 128, where the block's K/V ring, q rows and scores (108 KiB at head_dim 128, fp16) let
-# two blocks share an H100's multiprocessor and a lane keeps 64 accumulators; 32 above, where 64
-# rows' accumulators (128 per lane) would outgrow the registers.
+# CASCADE_STAGES stages in the cp.async ring (as paged_decode_mma). The rows of a tile: at most
+# 64 up to head_dim 128, where the block's K/V ring, q rows and scores (108 KiB at head_dim 128,
+# fp16) let two blocks share an H100's multiprocessor and a lane keeps 64 accumulators; at most
+# 32 above, where 64 rows' accumulators (128 per lane) would outgrow the registers. Fewer (16 or
+# 32) where no group of the step has more rows: a tile's shared-memory and tensor-core work
+# grows with its rows, zero rows included, while its K/V bytes do not.
 CASCADE_WARPS = 4
 CASCADE_STAGES = 2
 CASCADE_ROWS = 64
 CASCADE_WIDE_ROWS = 32  # head_dim above CASCADE_ROWS_MAX_HEAD_DIM
 CASCADE_ROWS_MAX_HEAD_DIM = 128
+CASCADE_SMALL_ROWS = (16, 32)  # the smaller tiles, for steps whose groups fit them
 CASCADE_Q_DTYPES = ("float16", "bfloat16")  # the WMMA operand types
 CASCADE_CACHE_DTYPES = ("float16", "bfloat16", "float8_e4m3", "float8_e5m2")
 CASCADE_NAME = "cupaged::cascade_shared"
@@ -83,9 +86,20 @@ def check_cascade_shape(dtype: str, q_dtype: str, head_dim: int, block_size: int
         raise ValueError(f"expected block_size in 1..{MAX_BLOCK_SIZE}, got {block_size}")
 
 
-def cascade_rows(head_dim: int) -> int:
-    """Query rows per tile (``ROWS``) at ``head_dim``."""
-    return CASCADE_ROWS if head_dim <= CASCADE_ROWS_MAX_HEAD_DIM else CASCADE_WIDE_ROWS
+def cascade_rows(head_dim: int, rows: int | None = None) -> int:
+    """Query rows per tile (``ROWS``) at ``head_dim``: the most the registers allow, or, for a
+    step whose groups have at most ``rows`` query rows each, the smallest tile that holds one
+    (the same number of tiles, so the same K/V bytes, with less work per tile).
+
+    >>> cascade_rows(128), cascade_rows(128, 32), cascade_rows(128, 33), cascade_rows(256, 64)
+    (64, 32, 64, 32)
+    """
+    most = CASCADE_ROWS if head_dim <= CASCADE_ROWS_MAX_HEAD_DIM else CASCADE_WIDE_ROWS
+    if rows is None:
+        return most
+    if rows < 1:
+        raise ValueError(f"expected a group of at least 1 query row, got {rows}")
+    return next((r for r in CASCADE_SMALL_ROWS if rows <= r < most), most)
 
 
 def cascade_shared_memory(dtype: str, head_dim: int, rows: int, warps: int, stages: int) -> int:
@@ -115,6 +129,7 @@ def cascade_launch(
     variants: Variants = NO_VARIANTS,
     *,
     q_dtype: str | None = None,
+    rows: int | None = None,
 ) -> CascadeLaunch:
     """The launch of ``cascade_shared`` over a ``dtype`` cache on ``gpu``.
 
@@ -122,8 +137,10 @@ def cascade_launch(
     float16 when ``None``). ``variants``: the plan's (``cupaged.variants``); their ``VARIANT``
     bits name the kernel as decode's do, the window's included (this kernel masks each row's
     window itself: the rows of a tile have different positions), the sinks' never (the merge
-    adds a sink once per row). ``group`` and ``num_kv_heads`` change no template argument; they
-    are checked against the kernel's limits.
+    adds a sink once per row). ``rows``: the most query rows (members x ``group``) of one group
+    of the step, when known: a step of small groups takes smaller tiles (:func:`cascade_rows`);
+    ``None``: the largest. ``group`` and ``num_kv_heads`` change no template argument otherwise;
+    they are checked against the kernel's limits.
 
     Raises:
         ValueError: a shape the kernel does not take (:func:`check_cascade_shape`), or a GPU
@@ -141,8 +158,8 @@ def cascade_launch(
             f"expected num_kv_heads * block_size * head_dim < 2**32 (the elements of one block), "
             f"got {num_kv_heads} * {block_size} * {head_dim}"
         )
-    rows, warps, stages = cascade_rows(head_dim), CASCADE_WARPS, CASCADE_STAGES
-    shared_mem = cascade_shared_memory(dtype, head_dim, rows, warps, stages)
+    tile_rows, warps, stages = cascade_rows(head_dim, rows), CASCADE_WARPS, CASCADE_STAGES
+    shared_mem = cascade_shared_memory(dtype, head_dim, tile_rows, warps, stages)
     if not gpu.has_wmma(q_dtype) or not gpu.fits(shared_mem):
         raise ValueError(
             f"expected a GPU with {q_dtype} tensor cores and {shared_mem} bytes of shared memory "
@@ -150,12 +167,12 @@ def cascade_launch(
         )
     variant = variants.flags() & ~SINKS
     kv = C_TYPES[dtype]
-    shape = f"{C_TYPES[q_dtype]}, {head_dim}, {block_size}, {rows}, {warps}, {stages}"
+    shape = f"{C_TYPES[q_dtype]}, {head_dim}, {block_size}, {tile_rows}, {warps}, {stages}"
     return CascadeLaunch(
         name=f"{CASCADE_NAME}<{shape}, {variant}, {kv}>",
         block=(32, warps, 1),
         shared_mem=shared_mem,
-        rows_per_tile=rows,
+        rows_per_tile=tile_rows,
         tile=16 * warps,
         warps=warps,
         stages=stages,

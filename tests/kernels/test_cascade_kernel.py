@@ -165,7 +165,7 @@ def oracle(batch, dtype, group, scale, window_left=-1, soft_cap=0.0, alibi=None)
     return expected
 
 
-def run_cascade(xp, batch, dtype, q_dtype, group, scale, variants=None, order="forward"):
+def run_cascade(xp, batch, dtype, q_dtype, group, scale, variants=None, order="forward", rows=None):
     """Launch cascade_shared over ``batch``; returns ``(partial_out, partial_lse)`` on the host,
     started as NaN."""
     device = "cpu" if xp is np else "cuda"
@@ -173,7 +173,14 @@ def run_cascade(xp, batch, dtype, q_dtype, group, scale, variants=None, order="f
     num_q_heads, head_dim = batch.q.shape[1:]
     block_size = batch.k_cache.shape[2]
     launch = cascade_launch(
-        dtype, NUM_KV_HEADS, group, head_dim, block_size, variants=variants, q_dtype=q_dtype
+        dtype,
+        NUM_KV_HEADS,
+        group,
+        head_dim,
+        block_size,
+        variants=variants,
+        q_dtype=q_dtype,
+        rows=rows,
     )
     partial_out = xp.asarray(np.full((batch.capacity, num_q_heads, head_dim), np.nan, np.float32))
     partial_lse = xp.asarray(np.full((batch.capacity, num_q_heads), np.nan, np.float32))
@@ -247,6 +254,30 @@ def test_tiles_match_the_oracle(rng, q_dtype, dtype, head_dim, block_size, group
     scale = head_dim**-0.5
     got = run_cascade(np, batch, dtype, q_dtype, group, scale)
     check(batch, got, oracle(batch, dtype, group, scale), q_dtype)
+
+
+@pytest.mark.parametrize(
+    "q_dtype, dtype, group, rows",
+    [
+        ("float16", "float16", 4, 16),
+        ("bfloat16", "float8_e4m3", 8, 32),
+        ("float16", "float16", 1, 256),  # more rows than any tile: the largest
+    ],
+)
+def test_a_step_of_small_groups_takes_smaller_tiles(rng, q_dtype, dtype, group, rows):
+    """Groups of at most ``rows`` query rows run in tiles of 16 or 32 rows."""
+    launch = cascade_launch(dtype, NUM_KV_HEADS, group, 128, 16, q_dtype=q_dtype, rows=rows)
+    assert launch.rows_per_tile == {16: 16, 32: 32}.get(rows, 64)
+    most = rows // group
+    groups = (
+        Group(min(most, 3), 150, ((5, 150),), own=(0, 9, 40)),
+        Group(1, 37, ((0, 37),), own=(3,)),
+        Group(most, 100, ((20, 60), (60, 100)), own=tuple(range(most))),
+    )
+    batch = build_batch(rng, groups, q_dtype, dtype, 128, 16, group, launch.rows_per_tile)
+    assert (batch.tiles[:, 1] <= launch.rows_per_tile).all()
+    got = run_cascade(np, batch, dtype, q_dtype, group, 128**-0.5, rows=rows)
+    check(batch, got, oracle(batch, dtype, group, 128**-0.5), q_dtype)
 
 
 @pytest.mark.parametrize("order", SCHEDULES)
