@@ -141,6 +141,7 @@ class TinyDecoder(Llama):
         seed: seed of the random weights.
         dtype: the model's attention dtype; Q/K/V are rounded to it.
         kv_dtype: the KV cache's element type: ``dtype`` (``None``) or fp8.
+        cascade: the decode plans' cascade (:class:`~cupaged.models.Llama`).
         weights: the weights (GGUF names, float32) instead of seeded random ones.
 
     Attributes:
@@ -156,12 +157,13 @@ class TinyDecoder(Llama):
         dtype: str = "float32",
         weights: dict[str, np.ndarray] | None = None,
         kv_dtype: str | None = None,
+        cascade: bool | None = None,
     ) -> None:
         self.shape = config
         self.weights = dict(weights) if weights is not None else random_weights(config, seed)
         self.weights.pop("output.weight", None)
         tied = self.weights | {"output.weight": self.weights["token_embd.weight"]}
-        super().__init__(config.llama(), tied, xp, dtype=dtype, kv_dtype=kv_dtype)
+        super().__init__(config.llama(), tied, xp, dtype=dtype, kv_dtype=kv_dtype, cascade=cascade)
 
     def save(self, path: str | Path) -> None:
         """Write the weights and the config to a ``.npz`` file that :meth:`load` reads."""
@@ -173,7 +175,12 @@ class TinyDecoder(Llama):
 
     @classmethod
     def load(
-        cls, path: str | Path, xp: Any, dtype: str = "float32", kv_dtype: str | None = None
+        cls,
+        path: str | Path,
+        xp: Any,
+        dtype: str = "float32",
+        kv_dtype: str | None = None,
+        cascade: bool | None = None,
     ) -> TinyDecoder:
         """Read a model written by :meth:`save` (the same architecture, any sizes).
 
@@ -202,7 +209,7 @@ class TinyDecoder(Llama):
                 weights = {name: npz.array(name, shape) for name, shape in shapes.items()}
         except (OSError, EOFError, ValueError, zipfile.BadZipFile, zlib.error) as error:
             raise WeightsError(f"weights {path}: {error}") from None
-        return cls(config, xp, dtype=dtype, weights=weights, kv_dtype=kv_dtype)
+        return cls(config, xp, dtype=dtype, weights=weights, kv_dtype=kv_dtype, cascade=cascade)
 
 
 class _Npz:

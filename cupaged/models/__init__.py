@@ -53,6 +53,7 @@ def load_model(
     progress: Callable[[str], None] | None = None,
     kv_dtype: str | None = None,
     batch_invariant: bool = False,
+    cascade: bool | None = None,
 ) -> tuple[Llama, Tokenizer]:
     """Fetch (once) and load a model of :data:`MODELS` on a device.
 
@@ -65,6 +66,7 @@ def load_model(
         kv_dtype: the KV cache's element type: ``dtype`` or an fp8 format (docs/fp8.md).
         batch_invariant: the model's attention bitwise the same for a sequence whatever the
             batch (:class:`Llama`; docs/batch-invariance.md).
+        cascade: the decode plans' cascade (:class:`Llama`; docs/cascade.md).
 
     Raises:
         CupagedError: unknown model, failed or corrupt download, missing ``model`` extra, or a
@@ -101,6 +103,7 @@ def load_model(
         dtype=dtype,
         kv_dtype=kv_dtype,
         batch_invariant=batch_invariant,
+        cascade=cascade,
     )
     return model, tokenizer
 

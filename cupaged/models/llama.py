@@ -237,6 +237,30 @@ def load_weights(gguf: GGUFFile, config: LlamaConfig) -> dict[str, np.ndarray]:
     return weights
 
 
+@dataclass(slots=True)
+class CascadeReads:
+    """K/V bytes of the decode steps that a cascade planned (docs/cascade.md), over every layer:
+    what they read, and what their plain plans would have read. Counted from each plan's own
+    arithmetic (no read-back)."""
+
+    steps: int = 0
+    bytes_read: int = 0
+    bytes_plain: int = 0
+
+    @property
+    def bytes_not_read(self) -> int:
+        return self.bytes_plain - self.bytes_read
+
+    def add(self, plan: Any, num_layers: int) -> None:
+        """Count a step's decode plan, run over ``num_layers`` layers (one without a cascade
+        counts nothing)."""
+        work = plan.cascade
+        if work is not None:
+            self.steps += 1
+            self.bytes_read += work.bytes_read * num_layers
+            self.bytes_plain += work.bytes_plain * num_layers
+
+
 class Llama:
     """The model on one device, reading and writing K/V through a :class:`~cupaged.PagedCache`.
 
@@ -254,12 +278,17 @@ class Llama:
             :meth:`forward`), so that a sequence's attention is bitwise the same whatever the
             step holds beside it (docs/batch-invariance.md). Only the attention: the matmuls
             are NumPy's or CuPy's, whose results may depend on the batch's rows.
+        cascade: the decode plans' ``cascade`` (:class:`~cupaged.DecodePlan`,
+            docs/cascade.md): rows that share leading blocks (a request's samples, prompts that
+            hit the prefix cache) read them once. ``None``: when it saves enough bytes.
 
     Raises:
         ValueError: a weight missing or of a shape other than :func:`weight_shapes`' (checked
             before anything is copied to the device).
 
     Attributes:
+        cascade_reads: the K/V bytes that the steps planned with a cascade read, and what
+            their plain plans would have read (:class:`CascadeReads`), over every layer.
         seconds: wall time spent so far in ``"attention"`` (``write_kv`` and the attention
             kernels) and in ``"other"`` (everything else), summed over calls. Meaningful on the
             CPU only: CuPy launches return before the GPU finishes.
@@ -273,6 +302,7 @@ class Llama:
         dtype: str = "float32",
         kv_dtype: str | None = None,
         batch_invariant: bool = False,
+        cascade: bool | None = None,
     ) -> None:
         c = config
         for name, shape in weight_shapes(c).items():
@@ -282,6 +312,8 @@ class Llama:
         self.config, self.xp, self.dtype = c, xp, dtype
         self.kv_dtype = check_kv_dtype(dtype, kv_dtype)
         self.batch_invariant = bool(batch_invariant)
+        self.cascade = cascade
+        self.cascade_reads = CascadeReads()
         self.device = "cpu" if xp is np else "cuda"
         self.seconds = {"attention": 0.0, "other": 0.0}
 
@@ -383,7 +415,8 @@ class Llama:
         # Once per step: slots (copy-on-write applied by the cache), then the attention plan over
         # the batch's tables (the cache's own: unchecked, planned on the device).
         slots = cache.step(batch, tokens=np.asarray(tokens)).slots
-        plan = cache.decode_plan(batch, self.config.num_q_heads, **self._plan_options(cache))
+        plan = cache.decode_plan(batch, self.config.num_q_heads, **self._decode_options(cache))
+        self.cascade_reads.add(plan, self.config.num_layers)
         tokens = xp.asarray(np.asarray(tokens, np.int64))
         h = self._layers(tokens, xp.asarray(positions), self._writing(cache, slots, plan))
         return self._logits(h)
@@ -417,7 +450,9 @@ class Llama:
         options = self._plan_options(cache)
         # Batch-invariant: every row through one kernel, whatever else the step holds.
         if (plan.num_tokens == 1).all() and not self.batch_invariant:
+            options = self._decode_options(cache)
             attention = cache.decode_plan(plan, self.config.num_q_heads, **options)
+            self.cascade_reads.add(attention, self.config.num_layers)
         else:
             attention = cache.prefill_plan(plan, self.config.num_q_heads, **options)
         tokens = xp.asarray(np.asarray(tokens, np.int64))
@@ -479,6 +514,10 @@ class Llama:
         if is_fp8(cache.spec.dtype):
             options["q_dtype"] = self.dtype
         return options
+
+    def _decode_options(self, cache: PagedCache) -> dict[str, Any]:
+        """The decode plans' options: :meth:`_plan_options` and :attr:`cascade`."""
+        return {**self._plan_options(cache), "cascade": self.cascade}
 
     def _through_fp8(self, layer: int, k: Any, v: Any, cache: PagedCache | None) -> tuple:
         """float32 K/V of ``layer`` as an fp8 cache holds and reads them: ``fp8(x / scale) *

@@ -1,0 +1,50 @@
+"""The model's decode steps through a cascade (issue 40): a prompt's samples, forked, are one
+group of each step's plan; their logits equal those of the plain plan within float16's
+tolerance, and the model counts the K/V bytes the cascade did not read."""
+
+from __future__ import annotations
+
+import numpy as np
+from helpers import TOLERANCES
+from test_model_plans import CONFIG, random_weights
+
+from cupaged import to_numpy
+from cupaged.models import Llama
+
+
+def test_forked_samples_decode_through_a_cascade():
+    weights = random_weights(seed=3)
+    rng = np.random.default_rng(5)
+    prompt = rng.integers(0, CONFIG.vocab_size, 70).tolist()  # four full blocks and 6 tokens
+    model = Llama(CONFIG, weights, np, dtype="float16", cascade=True)
+    cache = model.make_cache(num_blocks=48, block_size=16)
+    admission = cache.admit(prompt)
+    first = to_numpy(model.prefill(cache, [admission], [prompt]))[0]
+    samples = [admission.sid] + [cache.fork(admission.sid) for _ in range(3)]
+    batch = cache.batch(samples)
+    seqs = [[*prompt, int(np.argmax(first)) + i] for i in range(4)]  # each its own token
+    for _ in range(3):
+        logits = to_numpy(model.decode(cache, batch, [seq[-1] for seq in seqs]))
+        for seq, row in zip(seqs, logits, strict=True):
+            # As the demo checks the paged paths (LogitsCheck): against the model's own
+            # recomputation, the relative tolerance taken of the largest logit.
+            expected = to_numpy(model.forward_full(seq))
+            tol = TOLERANCES["float16"]
+            bound = tol["atol"] + tol["rtol"] * np.abs(expected).max()
+            assert np.abs(row - expected).max() <= bound
+            seq.append(int(np.argmax(row)))
+    cache.check_invariants()
+    # Every step shares the prompt's four full blocks among the four samples: one tile of
+    # 4 rows x G query heads reads them instead of four rows.
+    reads = model.cascade_reads
+    assert reads.steps == 3 and 0 < reads.bytes_read < reads.bytes_plain
+    per_token = 2 * CONFIG.num_kv_heads * CONFIG.head_dim * 2 * CONFIG.num_layers
+    assert reads.bytes_not_read == 3 * (4 - 1) * 64 * per_token
+
+    plain = Llama(CONFIG, weights, np, dtype="float16", cascade=False)
+    cache = plain.make_cache(num_blocks=48, block_size=16)
+    admission = cache.admit(prompt)
+    plain.prefill(cache, [admission], [prompt])
+    batch = cache.batch([admission.sid, cache.fork(admission.sid)])
+    plain.decode(cache, batch, [1, 2])
+    assert plain.cascade_reads.steps == 0 and plain.cascade_reads.bytes_not_read == 0
