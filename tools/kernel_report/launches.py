@@ -13,7 +13,7 @@ import numpy as np
 
 from cupaged._util import cdiv
 from cupaged.dtypes import FP8_NAMES, Q_DTYPE_NAMES, itemsize
-from cupaged.kernels import launch_copies, launch_decode, launch_prefill
+from cupaged.kernels import launch_cascade, launch_copies, launch_decode, launch_prefill
 from cupaged.kernels import target as _gpu_target
 
 # The architectures of the GPUs the kernels are tuned for (T4, A100, H100/H200). sm_70 (V100) is
@@ -48,6 +48,7 @@ SOURCES = {
     "paged_decode_merge": "paged_attention.cu",
     "paged_prefill": "paged_prefill.cu",
     "paged_prefill_merge": "paged_prefill.cu",
+    "cascade_shared": "cascade.cu",
     "write_kv": "write_kv.cu",
     "copy_blocks": "copy_blocks.cu",
 }
@@ -87,6 +88,36 @@ def _note(*parts: str) -> str:
 
 def _chunks_note(chunk: int, head_chunks: int) -> str:
     return f"{chunk}-head chunks x {head_chunks}" if head_chunks > 1 else ""
+
+
+def _cascade_launches(
+    dtype: str, head_dim: int, block_size: int, target: _gpu_target.Target
+) -> list[Launch]:
+    """``cascade_shared`` at its largest tile and at 32 rows (a group of 8 sequences of GQA 4),
+    where the launch table has it (fp16/bf16 queries, fp8 caches under float16; a GPU with the
+    tensor cores and the shared memory)."""
+    out = []
+    for rows in (None, 32):
+        try:
+            c = launch_cascade.cascade_launch(dtype, 1, 1, head_dim, block_size, target, rows=rows)
+        except ValueError:  # float32, or a GPU without what it needs
+            return []
+        note = f"{c.rows_per_tile} query rows, tensor cores"
+        launch = Launch(
+            "cascade_shared",
+            c.name,
+            dtype,
+            head_dim,
+            32 * c.warps,
+            block_size=block_size,
+            note=note,
+            dynamic_smem=c.shared_mem,
+            tile=c.tile,
+            chunk=c.rows_per_tile,
+        )
+        if launch not in out:
+            out.append(launch)
+    return out
 
 
 def launches(args: argparse.Namespace, arch: str) -> list[Launch]:
@@ -145,6 +176,7 @@ def launches(args: argparse.Namespace, arch: str) -> list[Launch]:
                             head_chunks=chunks,
                         )
                     )
+                out += _cascade_launches(dtype, head_dim, block_size, target)
             d = launch_decode.decode_launch(dtype, 1, 1, head_dim, 16, 1, target=target)
             out.append(
                 Launch("paged_decode_merge", d.merge_name, dtype, head_dim, d.merge_block[0])

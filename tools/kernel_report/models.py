@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import collections
 
+from cupaged._util import cdiv
+from cupaged.dtypes import is_fp8
 from cupaged.kernels import launch_prefill
 from cupaged.kernels import target as _gpu_target
 from cupaged.kernels.target import WARP
@@ -79,6 +81,50 @@ def decode_issue_model(sass: Sass, threads: int, arch: str = "sm_90") -> dict[st
         cycles["issue"], cycles["mufu_pipe"], cycles["shfl_pipe"], cycles["hmma_pipe"]
     )
     return cycles
+
+
+def cascade_tile_model(launch: Launch, arch: str, gpu: str) -> dict[str, float]:
+    """MODEL: cycles of one ``cascade_shared`` CTA per stage of ``tile`` tokens on one SM
+    (cuda/cascade.cu), counted from the kernel's structure, not its SASS:
+
+    - ``dram``: the stage's K and V at the SM's share of DRAM bandwidth (read once per CTA:
+      the point of the kernel);
+    - ``smem``: the bytes the stage moves through shared memory at 128 bytes per cycle (32 banks,
+      no conflicts assumed: the rows are padded by 16 bytes): the ring's copies in (and over fp8
+      the conversion pass), Q's and K's fragments for Q K^T (each 16 x 16 fragment 512 bytes, Q's
+      once per warp and k-step, K's once per warp and k-step), the scores out and back and P
+      over them, V's fragments once per warp and column slice, P's once per slice and row block,
+      and each warp's O tile out and back once per output tile;
+    - ``hmma``: the two products' multiply-adds (``2 x rows x tile x head_dim``) at the
+      mma.sync rate (``HMMA_FMA_PER_CYCLE``);
+    - ``mufu``: one exponential per score and one per row (16 lanes per cycle).
+    The bound is the largest; the CTAs of one SM share its DRAM share and its shared memory.
+    """
+    rows, tile, hd = launch.chunk, launch.tile, launch.head_dim
+    warps = launch.threads // WARP
+    steps, blocks = hd // 16, rows // 16
+    slices = cdiv(steps, warps)
+    kv = kv_tile_bytes(launch)
+    fragment = 16 * 16 * 2
+    smem = kv  # the ring's copies in
+    if is_fp8(launch.dtype):
+        smem += kv + 2 * kv  # the conversion pass: fp8 out, 16-bit in
+    smem += warps * steps * (blocks + 1) * fragment  # Q K^T: Q's and K's fragments
+    smem += rows * tile * (4 + 4 + 2)  # scores out and back, P over them
+    smem += warps * slices * (tile // 16) * (1 + blocks) * fragment  # P V: V's and P's
+    smem += warps * slices * blocks * 2 * 16 * 16 * 4  # the O tiles out and back
+    model = dict(
+        rows=rows,
+        tile=tile,
+        dram_bytes=kv,
+        dram=kv / dram_bytes_per_sm_cycle(gpu),
+        smem_bytes=smem,
+        smem=smem / 128,
+        hmma=2 * rows * tile * hd / HMMA_FMA_PER_CYCLE[arch],
+        mufu=(rows * tile + rows) / MUFU_LANES_PER_CYCLE,
+    )
+    model["bound"] = max(model["smem"], model["hmma"], model["mufu"])
+    return model
 
 
 # ---------------------------------------------------------------------------------------------

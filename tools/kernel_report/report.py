@@ -6,7 +6,7 @@ import argparse
 from dataclasses import dataclass
 
 from cupaged.dtypes import is_fp8
-from cupaged.kernels import launch_prefill
+from cupaged.kernels import launch_cascade, launch_prefill
 from cupaged.kernels import target as _gpu_target
 from cupaged.kernels.target import WARP
 
@@ -20,6 +20,7 @@ from .bank import (
 from .compile import compile_source
 from .launches import DTYPES, SOURCES, Launch, arch_of, kv_tile_bytes, launches, sm_limits
 from .models import (
+    cascade_tile_model,
     decode_issue_model,
     dram_bytes_per_sm_cycle,
     prefill_mma_tile_model,
@@ -155,11 +156,29 @@ class Analysis:
                 model_shared_read_widths=self.widths,
                 tile_fill_loops=[code.counts(span) for span in code.fill_loops()],
             )
+        if launch.kernel == "cascade_shared":
+            self._cascade_columns(row, gpu, occ.ctas)
         if "paged_prefill_mma" in launch.name:
             self._prefill_mma_columns(row, gpu, occ.ctas)
         elif launch.kernel == "paged_prefill":
             self._prefill_columns(row, gpu, occ.ctas)
         return row
+
+    def _cascade_columns(self, row: Row, gpu: str, ctas: int) -> None:
+        launch = self.launch
+        tile = cascade_tile_model(launch, self.arch, gpu)
+        # In flight per CTA: the ring's STAGES - 1 stages of K and V, issued a stage ahead.
+        ring = (launch_cascade.CASCADE_STAGES - 1) * tile["dram_bytes"]
+        row.update(
+            model_bytes_in_flight_per_warp=ring // (launch.threads // WARP),
+            model_bytes_in_flight_per_sm=ring * ctas,
+            tile=launch.tile,
+            model_dram_bytes_per_tile=tile["dram_bytes"],
+            model_dram_cycles_per_tile=round(tile["dram"]),
+            model_smem_cycles_per_tile=round(tile["smem"]),
+            model_issue_cycles_per_tile=round(max(tile["hmma"], tile["mufu"])),
+            model_cascade_tile=tile,
+        )
 
     def _prefill_mma_columns(self, row: Row, gpu: str, ctas: int) -> None:
         launch, bank = self.launch, self.bank

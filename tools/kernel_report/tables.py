@@ -69,7 +69,7 @@ def markdown(rows: list[Row]) -> str:
     for r in rows:
         loops = r["memory_ops_in_loops"]
         model = issue = "-"
-        if r["kernel"] in ("paged_decode", "paged_prefill"):
+        if r["kernel"] in ("paged_decode", "paged_prefill", "cascade_shared"):
             dram = r["model_dram_cycles_per_tile"]
             # A prefill tile's model is per 16-head chunk already (its rows are query rows).
             ctas = r["head_chunks"] if r["kernel"] == "paged_decode" else 1
@@ -96,6 +96,25 @@ def markdown(rows: list[Row]) -> str:
             issue,
         ]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    cascade = [r for r in rows if r["kernel"] == "cascade_shared"]
+    if cascade:
+        lines += [
+            "",
+            "cascade_shared (the shared level of cascade decode), one CTA's stage of K/V read once "
+            "for all its query rows (model, cycles on one SM; see cascade_tile_model): its "
+            "smem/DRAM column is the shared-memory bytes of the stage at 128 B per cycle, its "
+            "issue/DRAM column the larger of the HMMA pipe (mma.sync rate) and the exponentials; "
+            "B in flight/SM is its cp.async ring, one stage of K and V per CTA x CTAs per SM.",
+            "",
+        ]
+        for r in cascade:
+            m = r["model_cascade_tile"]
+            lines.append(
+                f"- {r['gpu']} {r['dtype']} hd {r['head_dim']} bs {r['block_size']} "
+                f"({m['rows']} rows x {m['tile']} tokens): DRAM {m['dram']:.0f} "
+                f"({m['dram_bytes']} B), smem {m['smem']:.0f} ({m['smem_bytes']} B), HMMA "
+                f"{m['hmma']:.0f}, MUFU {m['mufu']:.0f}, x{r['ctas_per_sm']} CTAs/SM (model)"
+            )
     prefill = [r for r in rows if r["kernel"] == "paged_prefill"]
     if prefill:
         lines += [
