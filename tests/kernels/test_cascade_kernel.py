@@ -147,20 +147,21 @@ def oracle(batch, dtype, group, scale, window_left=-1, soft_cap=0.0, alibi=None)
         i = int(batch.lens[seq]) - 1
         for h in range(num_q_heads):
             kv = h // group
-            s = scale * (k[blocks, kv, keys % block_size] @ q[seq, h])
-            if soft_cap:
-                s = soft_cap * np.tanh(s / soft_cap)
-            if alibi is not None:
-                s = s + alibi[h] * (keys - i)
-            if window_left >= 0:
-                s = np.where(keys < i - window_left, -np.inf, s)
-            if np.isneginf(s).all():
-                lses[h] = -np.inf
-                continue
-            top = s.max()
-            w = np.exp(s - top)
-            rows[h] = w @ v[blocks, kv, keys % block_size] / w.sum()
-            lses[h] = top + np.log(w.sum())
+            with np.errstate(invalid="ignore"):  # the NaN cases: NaN as the formula gives it
+                s = scale * (k[blocks, kv, keys % block_size] @ q[seq, h])
+                if soft_cap:
+                    s = soft_cap * np.tanh(s / soft_cap)
+                if alibi is not None:
+                    s = s + alibi[h] * (keys - i)
+                if window_left >= 0:
+                    s = np.where(keys < i - window_left, -np.inf, s)
+                if np.isneginf(s).all():
+                    lses[h] = -np.inf
+                    continue
+                top = s.max()
+                w = np.exp(s - top)
+                rows[h] = w @ v[blocks, kv, keys % block_size] / w.sum()
+                lses[h] = top + np.log(w.sum())
         expected[int(slot)] = (rows, lses)
     return expected
 
@@ -351,3 +352,34 @@ def test_a_gpu_without_the_tensor_cores_or_the_shared_memory_is_refused():
         cascade_launch("bfloat16", 2, 4, 64, 16, Target.of_arch(75))
     with pytest.raises(ValueError, match="bytes of shared memory"):
         cascade_launch("float16", 2, 4, 256, 16, Target.of_arch(75))
+
+
+NAN_CASES = ("nan_q", "nan_k", "pos_inf_k", "neg_inf_k", "inf_v")
+
+
+@pytest.mark.parametrize("case", NAN_CASES)
+def test_nan_and_inf_like_the_oracle(rng, case):
+    """NaN and Inf reach exactly the rows the oracle's softmax gives them to: a NaN in q its
+    row, a NaN in K or a score of +Inf the rows of that KV head whose range holds the key (as
+    NaN), a score of -Inf weighs 0, an Inf in V makes its column Inf."""
+    dtype, group, head_dim = "float16", 4, 64
+    batch = build_batch(rng, GROUPS[:2], dtype, dtype, head_dim, 16, group, 64)
+    key = 20  # a key of the first group's range [5, 150), in its shared blocks
+    block, offset = batch.tables[0, key // 16], key % 16
+    one = np.array([1.0], np.float32)
+    if case == "nan_q":
+        batch.q[1, 2, 7] = from_float(np.nan * one, dtype)[0]
+    elif case == "nan_k":
+        batch.k_cache[block, 1, offset, 5] = from_float(np.nan * one, dtype)[0]
+    elif case in ("pos_inf_k", "neg_inf_k"):
+        # Signed against query head 4 (KV head 1) of sequence 0: its score +Inf or -Inf.
+        sign = np.sign(to_float(batch.q[0, 4], np.float32)) * (1 if case == "pos_inf_k" else -1)
+        batch.k_cache[block, 1, offset] = from_float((sign * np.inf).astype(np.float32), dtype)
+    else:
+        batch.v_cache[block, 0, offset, 9] = from_float(np.inf * one, dtype)[0]
+    scale = head_dim**-0.5
+    expected = oracle(batch, dtype, group, scale)
+    assert any(not np.isfinite(rows).all() for rows, _ in expected.values())  # can fail
+    assert any(np.isfinite(rows).all() for rows, _ in expected.values())
+    got = run_cascade(np, batch, dtype, dtype, group, scale)
+    check(batch, got, expected, dtype)
