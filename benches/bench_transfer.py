@@ -1,23 +1,24 @@
 """KV blocks moved between two processes over NIXL (:mod:`cupaged.transfer`, docs/transfer.md)
 against an in-process NumPy copy of as many blocks of the same size.
 
-A sender process holds ``MAX_REQUESTS`` sequences of ``TOKENS`` tokens; this process is the
-receiver. One timed round is what a decode worker pays for ``requests`` requests: ``expect``
-each (reserve its blocks), ship the requests through the pipe, the sender writes every block of
-every layer and notifies, ``wait`` commits each. Every request moves ``TOKENS`` tokens: 64 blocks
-of 32 KiB at block size 16, 4 of 512 KiB at 256 (the same 2 MiB). The receiver's cache has no
-prefix caching, so every round moves every block. UCX on loopback (``UCX_NET_DEVICES=lo``), no
-progress thread.
+A sender process holds sequences of ``TOKENS`` tokens; this process is the receiver. One timed
+round is what a decode worker pays for ``requests`` requests: ``expect`` each (reserve its
+blocks), ship the requests through the pipe, the sender writes every block of every layer and
+notifies, ``wait`` commits each. Every request moves ``TOKENS`` tokens: 64 blocks of 32 KiB at
+block size 16, 4 of 512 KiB at 256 (the same 2 MiB). The receiver's cache has no prefix caching,
+so every round moves every block; its free blocks are in order (``runs``: a request's blocks are
+one run) or shuffled (``scattered``: about one descriptor per block per layer per K/V). UCX on
+loopback (``UCX_NET_DEVICES=lo``), no progress thread.
 
 ``numpy`` copies as many blocks, each of every layer's K and V, between two arrays of the same
-layout in this process, one fancy-indexed copy per request, between random (scattered) block
-ids: the floor a transfer compares with.
+layout in this process, one copy per request (a slice for ``runs``, fancy indexing between random
+block ids for ``scattered``): the floor a transfer compares with.
 
 ``extra_info``: the bytes moved (each block's K and V of every layer once: ``bandwidth.py``),
 decimal GB/s and blocks per second of the round, the shapes; for NIXL also the descriptors and
-the sender's own time (post to completion of its writes) and GB/s. The blocks that arrive are
-checked bit for bit, so ``pytest benches --benchmark-disable`` (one untimed round of each) tests
-the transfer too.
+the sender's own time (post to completion of its writes) and GB/s, of the last round. The blocks
+that arrive are checked bit for bit, so ``pytest benches --benchmark-disable`` (one untimed round
+of each) tests the transfer too.
 """
 
 from __future__ import annotations
