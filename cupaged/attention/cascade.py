@@ -50,7 +50,7 @@ import numpy as np
 
 from .._util import cdiv
 from ..backend import array_module
-from ..kernels.args import CascadeSharedArgs, merge_record
+from ..kernels.args import CascadeSharedArgs, merge_record, with_fields
 from ..kernels.launch_cascade import cascade_launch
 from .layer import attention_kernel, target
 
@@ -410,11 +410,11 @@ class SharedLevel:
         partial_out = xp.empty((capacity, num_q_heads, head_dim), np.float32)
         partial_lse = xp.empty((capacity, num_q_heads), np.float32)
         own = dict(partial_out=partial_out, partial_lse=partial_lse)
-        shared = self._args._replace(
-            tiles=xp.asarray(work.tiles), members=xp.asarray(work.members), **own
+        shared = with_fields(
+            self._args, tiles=xp.asarray(work.tiles), members=xp.asarray(work.members), **own
         )
-        decode = decode_args._replace(work=xp.asarray(work.work), **own)
-        merge = merge_args._replace(seq_items=xp.asarray(work.seq_items), **own)
+        decode = with_fields(decode_args, work=xp.asarray(work.work), **own)
+        merge = with_fields(merge_args, seq_items=xp.asarray(work.seq_items), **own)
         return CascadeLevels(self, work, shared, decode, merge)
 
     def run(self, args: Any, num_kv_heads: int, num_tiles: int) -> None:
@@ -464,7 +464,9 @@ class CascadeLevels:
         out, q, k_cache, v_cache = layer
         kernel, merge = kernels
         scale_fields = {} if scales is None else scales.named()
-        shared = self._shared_args._replace(q=q, k_cache=k_cache, v_cache=v_cache, **scale_fields)
+        shared = with_fields(
+            self._shared_args, q=q, k_cache=k_cache, v_cache=v_cache, **scale_fields
+        )
         num_kv_heads = int(shared.num_kv_heads)
         self._shared.run(shared, num_kv_heads, self.work.tiles.shape[0])
         decode = self._decode.filled(out, q, k_cache, v_cache, scales, sinks)

@@ -56,7 +56,7 @@ from .._arrays.checks import (
 from .._arrays.interop import takes_dlpack
 from .._util import cdiv
 from ..backend import array_module, to_numpy
-from ..dtypes import array_dtype_name, dtype_name, is_fp8, itemsize
+from ..dtypes import dtype_name, is_fp8, itemsize
 from ..kernels.args import DecodeArgs, DecodeMergeArgs, PlanDecodeArgs, merge_record
 from ..kernels.launch_decode import (
     MAX_GRID_YZ,
@@ -82,19 +82,19 @@ from .cascade import (
     shares_a_first_block,
 )
 from .layer import (
+    DECODE_Q_AXES,
     LayerArrays,
     attention_kernel,
     check_layer_and_heads,
-    check_query_dtype,
     ctas_per_sm,
     device_of,
     owned_int32,
     planned_tail,
     target,
 )
-from .scales import kv_scale_args
+from .scales import kv_scale_args, own_scales, trusted_memory
 
-Q_AXES = ("num_seqs", "num_q_heads", "head_dim")
+Q_AXES = DECODE_Q_AXES
 
 
 class DecodePlan:
@@ -691,48 +691,3 @@ def _attended(max_context: int, window_left: int) -> int:
     """The most keys a decode query attends in a batch whose longest context is
     ``max_context``: all of them, or ``window_left + 1`` with a window."""
     return max_context if window_left < 0 else min(max_context, window_left + 1)
-
-
-def fp8_query_dtype(q: Any, k_cache: Any, kv_dtype: Any = None) -> str | None:
-    """For a one-shot call: the element type of ``q`` over an fp8 ``k_cache`` (an ``ml_dtypes``
-    fp8 array, or ``uint8`` bytes that ``kv_dtype`` names), checked with ``q``'s three axes;
-    ``None`` for a cache of another type (without ``kv_dtype``), whose checks are the caller's.
-
-    Raises:
-        TypeError: a ``uint8`` cache without ``kv_dtype``, a ``kv_dtype`` for a cache that is
-            not fp8, or a ``q`` that is not float32, float16 or bfloat16.
-        ValueError: ``q`` is not ``[num_seqs, num_q_heads, head_dim]``.
-    """
-    if kv_dtype is None and k_cache.dtype != np.uint8:
-        try:
-            name = array_dtype_name(k_cache)
-        except TypeError:
-            return None  # the caller's checks name it
-        if not is_fp8(name):
-            return None
-    else:
-        name = array_dtype_name(k_cache, kv_dtype)
-    check_shape("q", q, [(axis, None) for axis in Q_AXES])
-    return check_query_dtype(q, name)
-
-
-def own_scales(trusted: tuple[Any, ...], k_scale: Any, v_scale: Any) -> bool:
-    """Whether every array among ``k_scale`` and ``v_scale`` is one of ``trusted`` (a plan's
-    :func:`trusted_memory`) or a view whose base is; numbers and ``None`` are checked on the
-    host whatever this says."""
-    for scale in (k_scale, v_scale):
-        if hasattr(scale, "shape") and not isinstance(scale, np.generic):
-            base = getattr(scale, "base", None)
-            if not any(scale is array or base is array for array in trusted):
-                return False
-    return True
-
-
-def trusted_memory(arrays: Any) -> tuple[Any, ...]:
-    """``arrays`` and the arrays that own their memory: the bases a view of one of them names
-    (NumPy names the owner; a view of a view may name the view)."""
-    found: list[Any] = []
-    for array in arrays:
-        base = getattr(array, "base", None)
-        found += [array] if base is None else [array, base]
-    return tuple(found)

@@ -31,6 +31,7 @@ from ..kernels.target import DEFAULT_SHARED_MEMORY, NOMINAL_TARGET, Target
 from .scales import kv_scale_args
 
 LAYER_AXES = ("num_blocks", "num_kv_heads", "block_size", "head_dim")
+DECODE_Q_AXES = ("num_seqs", "num_q_heads", "head_dim")  # a decode step's queries
 
 
 def device_of(xp: Any) -> str:
@@ -378,3 +379,26 @@ def planned_tail(
         "alibi_slopes": spare if variants.alibi_slopes is None else variants.alibi_slopes,
         "sinks": spare,
     }
+
+
+def fp8_query_dtype(q: Any, k_cache: Any, kv_dtype: Any = None) -> str | None:
+    """For a one-shot call: the element type of ``q`` over an fp8 ``k_cache`` (an ``ml_dtypes``
+    fp8 array, or ``uint8`` bytes that ``kv_dtype`` names), checked with ``q``'s three axes;
+    ``None`` for a cache of another type (without ``kv_dtype``), whose checks are the caller's.
+
+    Raises:
+        TypeError: a ``uint8`` cache without ``kv_dtype``, a ``kv_dtype`` for a cache that is
+            not fp8, or a ``q`` that is not float32, float16 or bfloat16.
+        ValueError: ``q`` is not ``[num_seqs, num_q_heads, head_dim]``.
+    """
+    if kv_dtype is None and k_cache.dtype != np.uint8:
+        try:
+            name = array_dtype_name(k_cache)
+        except TypeError:
+            return None  # the caller's checks name it
+        if not is_fp8(name):
+            return None
+    else:
+        name = array_dtype_name(k_cache, kv_dtype)
+    check_shape("q", q, [(axis, None) for axis in DECODE_Q_AXES])
+    return check_query_dtype(q, name)

@@ -41,7 +41,7 @@ from ..kernels.args import CopyBlocksArgs, ScaleArgs, WriteKvArgs, WriteKvFp8Arg
 from ..kernels.launch_copies import copy_blocks_launch, write_kv_launch
 from ..kernels.loader import get_kernel
 from ..variants import check_sinks
-from .decode import DecodePlan, fp8_query_dtype
+from .decode import DecodePlan
 from .layer import (
     LAYER_AXES,
     address,
@@ -49,6 +49,7 @@ from .layer import (
     cpu_threads,
     device_id,
     device_of,
+    fp8_query_dtype,
 )
 from .prefill import PrefillPlan, check_batch_arrays
 from .scales import kv_scale_args

@@ -47,7 +47,6 @@ from ..kernels.launch_decode import check_decode_shape, query_dtype
 from ..kernels.launch_prefill import PREFILL_MERGE_THREADS, prefill_launch
 from ..kernels.loader import get_kernel
 from ..variants import Variants, check_sinks, check_variants
-from .decode import own_scales, trusted_memory
 from .layer import (
     LayerArrays,
     attention_kernel,
@@ -57,7 +56,7 @@ from .layer import (
     planned_tail,
     target,
 )
-from .scales import kv_scale_args
+from .scales import kv_scale_args, own_scales, trusted_memory
 
 Q_AXES = ("total_query_tokens", "num_q_heads", "head_dim")
 

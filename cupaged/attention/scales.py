@@ -162,3 +162,25 @@ def _shown(x: Any) -> str:
     if x is None or isinstance(x, (int, float)):
         return repr(x)
     return f"{type(x).__module__}.{type(x).__name__}"
+
+
+def own_scales(trusted: tuple[Any, ...], k_scale: Any, v_scale: Any) -> bool:
+    """Whether every array among ``k_scale`` and ``v_scale`` is one of ``trusted`` (a plan's
+    :func:`trusted_memory`) or a view whose base is; numbers and ``None`` are checked on the
+    host whatever this says."""
+    for scale in (k_scale, v_scale):
+        if hasattr(scale, "shape") and not isinstance(scale, np.generic):
+            base = getattr(scale, "base", None)
+            if not any(scale is array or base is array for array in trusted):
+                return False
+    return True
+
+
+def trusted_memory(arrays: Any) -> tuple[Any, ...]:
+    """``arrays`` and the arrays that own their memory: the bases a view of one of them names
+    (NumPy names the owner; a view of a view may name the view)."""
+    found: list[Any] = []
+    for array in arrays:
+        base = getattr(array, "base", None)
+        found += [array] if base is None else [array, base]
+    return tuple(found)

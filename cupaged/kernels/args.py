@@ -422,6 +422,17 @@ def merge_record(record: Any, merge: type, **own: Any) -> Any:
     return merge(**shared, **own)
 
 
+def with_fields(record: Any, **values: Any) -> Any:
+    """``record`` with ``values`` in the fields they name, the others as they are (a plan that
+    lays a step's own buffers into the records it built once: the one place that calls the
+    ``NamedTuple``'s ``_replace``).
+
+    Raises:
+        ValueError: a name that is not a field of ``record``.
+    """
+    return record._replace(**values)
+
+
 def _at(record: type) -> Any:
     """The record whose every field holds its own position: ``_at(DecodeArgs).q == 3``."""
     return record(*range(len(fields(record))))
