@@ -400,3 +400,28 @@ def test_the_cache_and_the_model_pass_batch_invariant_on(rng, made_plans, invari
     cache.decode_plan(batch, 4, batch_invariant=invariant)
     cache.prefill_plan(batch, 4, num_tokens=[1, 1], batch_invariant=invariant)
     assert made_plans == [("DecodePlan", invariant), ("PrefillPlan", invariant)]
+
+
+def test_the_device_paths_keep_the_bits(rng, xp):
+    """The library's CUDA paths (the strict stand-in here, a GPU where there is one): a long
+    sequence's decode row and a chunk's prefill rows, alone and at the end of the pool."""
+    q, k, v, tables, lens, _ = decode_pool(rng, "float16", 4)
+    queries, *_ = prefill_pool(rng, "float16", 4)
+    queries = [x[: min(len(x), int(n))] for x, n in zip(queries, lens, strict=True)]
+    kwargs = variant_arrays(rng, q.shape[1], VARIANTS["all"])
+    dev = {name: xp.asarray(x) if isinstance(x, np.ndarray) else x for name, x in kwargs.items()}
+    k, v = xp.asarray(k), xp.asarray(v)
+    decode_rows, prefill_rows = [], []
+    for rows in (np.array([0]), np.array([*range(1, POOL), 0])):
+        got = cupaged.paged_attention(
+            xp.asarray(q[rows]), k, v, xp.asarray(tables[rows]), xp.asarray(lens[rows]),
+            batch_invariant=True, **dev,
+        )  # fmt: skip
+        decode_rows.append(bits(got)[-1])
+        packed_q, starts = packed(queries, rows)
+        got = cupaged.paged_prefill(
+            xp.asarray(packed_q), k, v, xp.asarray(tables[rows]), xp.asarray(lens[rows]),
+            xp.asarray(starts), batch_invariant=True, **dev,
+        )  # fmt: skip
+        prefill_rows.append(per_sequence(got, starts)[-1])
+    assert np.array_equal(*decode_rows) and np.array_equal(*prefill_rows)
