@@ -49,6 +49,7 @@ from .writes import source_blocks, write_blocks
 
 INSTALL = ".venv/bin/pip install --no-deps nixl nixl-cu12"  # (nixl-cu12's torch requirement: no)
 _RECEIVER_POLL_S = 2e-4  # between notification polls: a waiting receiver leaves the core to others
+_FLUSH_S = 0.25  # progress after a refusal's notification, so that it leaves (see _flush)
 
 
 def nixl_available() -> bool:
@@ -344,6 +345,7 @@ class KVTransferAgent:
             self._notify(
                 req.receiver, fail_message(req.transfer_id, f"{type(error).__name__}: {error}")
             )
+            self._flush()
             raise
         if notify:
             self._notify(
@@ -414,6 +416,16 @@ class KVTransferAgent:
                 raise TransferError(
                     f"the blocks are written but {peer!r} could not be notified: {error}"
                 ) from error
+
+    def _flush(self) -> None:
+        """Progress NIXL for ``_FLUSH_S``: a notification to a peer that no transfer went to yet
+        waits for the connection's wire-up, which needs this side's progress too; without the
+        progress thread, an agent that goes idle after notifying would hold it back until its
+        next call (NIXL reports no completion of a notification to wait for)."""
+        end = time.monotonic() + _FLUSH_S
+        while time.monotonic() < end:
+            self._poll()
+            time.sleep(_RECEIVER_POLL_S)
 
     def _poll(self) -> None:
         """Take NIXL's new notifications: ours for a waiting transfer into the inbox (from its
