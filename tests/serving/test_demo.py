@@ -308,7 +308,8 @@ def test_cli_help_gives_every_option_a_help_text_and_its_default():
     assert result.returncode == 0
     options = result.stdout.split("options:", 1)[1]
     entries = [e for e in options.split("\n  -") if e.strip()][1:]  # [0] is -h/--help
-    assert len(entries) == len(DemoConfig.__dataclass_fields__) + 2  # + --plot, --json
+    # + --plot, --json, --disaggregated
+    assert len(entries) == len(DemoConfig.__dataclass_fields__) + 3
     for entry in entries:
         text = " ".join(entry.split())
         assert "(default: " in text, f"expected a default in the help of -{text}"
