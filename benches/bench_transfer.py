@@ -5,7 +5,7 @@ A sender process holds sequences of ``TOKENS`` tokens; this process is the recei
 round is what a decode worker pays for ``requests`` requests: ``expect`` each (reserve its
 blocks), ship the requests through the pipe, the sender writes every block of every layer and
 notifies, ``wait`` commits each. Every request moves ``TOKENS`` tokens: 64 blocks of 32 KiB at
-block size 16, 4 of 512 KiB at 256 (the same 2 MiB). The receiver's cache has no prefix caching,
+block size 16, 4 of 512 KiB at 256 (the same 2 MiB); ``QUICK_TOKENS`` when untimed. The receiver's cache has no prefix caching,
 so every round moves every block; its free blocks are in order (``runs``: a request's blocks are
 one run) or shuffled (``scattered``: about one descriptor per block per layer per K/V). UCX on
 loopback (``UCX_NET_DEVICES=lo``), no progress thread.
@@ -43,24 +43,25 @@ REQUESTS = (1, 8, 64)
 LAYOUTS = ("runs", "scattered")  # a request's blocks on the receiver: consecutive, or not
 MAX_REQUESTS = max(REQUESTS)
 TOKENS = 1024  # per request: 64 blocks of 16 tokens, 4 of 256
+QUICK_TOKENS = 256  # per request when untimed (--benchmark-disable): 16 blocks, or 1
 SHAPE = dict(num_layers=4, num_kv_heads=2, head_dim=64, dtype="float16")  # 2 KiB a token
 ROUNDS = 10
 TIMEOUT = 60.0  # seconds any one wait may take
 
 
-def make_cache(block_size: int, prefix_caching: bool) -> PagedCache:
-    blocks = MAX_REQUESTS * TOKENS // block_size + 1
+def make_cache(block_size: int, prefix_caching: bool, tokens: int) -> PagedCache:
+    blocks = MAX_REQUESTS * tokens // block_size + 1
     return PagedCache(
         blocks, block_size=block_size, device="cpu", enable_prefix_caching=prefix_caching, **SHAPE
     )
 
 
-def sequence_kv(block_size: int, i: int) -> tuple[np.ndarray, np.ndarray]:
-    """The K and V of the sender's sequence ``i``: ``[num_layers, TOKENS, num_kv_heads,
+def sequence_kv(block_size: int, i: int, tokens: int) -> tuple[np.ndarray, np.ndarray]:
+    """The K and V of the sender's sequence ``i``: ``[num_layers, tokens, num_kv_heads,
     head_dim]`` float16 each, seeded (so the receiver can check what arrived), normal positive
     numbers drawn as bits (quicker than drawing floats)."""
     rng = np.random.default_rng([block_size, i])
-    shape = (2, SHAPE["num_layers"], TOKENS, SHAPE["num_kv_heads"], SHAPE["head_dim"])
+    shape = (2, SHAPE["num_layers"], tokens, SHAPE["num_kv_heads"], SHAPE["head_dim"])
     k, v = rng.integers(0x0400, 0x7C00, shape, dtype=np.uint16).view(np.float16)
     return k, v
 
@@ -71,8 +72,9 @@ def receive(link: Connection, timeout: float = TIMEOUT):
     return link.recv()
 
 
-def sender(link: Connection, distinct: int) -> None:
-    """The sending process: a cache and an agent per block size, ``distinct`` sequences in each
+def sender(link: Connection, distinct: int, tokens: int) -> None:
+    """The sending process: a cache and an agent per block size, ``distinct`` sequences of
+    ``tokens`` tokens in each
     (request ``i`` is sent from sequence ``i % distinct``); sends what the receiver asks for until
     told to stop."""
     os.environ["UCX_NET_DEVICES"] = "lo"
@@ -80,11 +82,11 @@ def sender(link: Connection, distinct: int) -> None:
     agents, sids = {}, {}
     try:
         for bs in BLOCK_SIZES:
-            cache = make_cache(bs, prefix_caching=False)
+            cache = make_cache(bs, prefix_caching=False, tokens=tokens)
             sids[bs] = []
             for i in range(distinct):
                 sid = cache.add_sequence()
-                cache.append(sid, *sequence_kv(bs, i))
+                cache.append(sid, *sequence_kv(bs, i, tokens))
                 sids[bs].append(sid)
             agents[bs] = KVTransferAgent(cache, name=f"sender-{bs}")
         link.send({bs: agent.metadata() for bs, agent in agents.items()})
@@ -114,16 +116,16 @@ class Receiver:
     """This process's side, for each block size and each layout of the blocks a request gets
     (``"runs"``: consecutive ids, one run per request; ``"scattered"``): a cache without prefix
     caching and its agent; and the sender process, connected. The sender sends from
-    ``distinct`` sequences per block size."""
+    ``distinct`` sequences per block size; a request is ``tokens`` tokens."""
 
-    def __init__(self, distinct: int) -> None:
-        self.distinct = distinct
+    def __init__(self, distinct: int, tokens: int) -> None:
+        self.distinct, self.tokens = distinct, tokens
         os.environ["UCX_NET_DEVICES"] = "lo"  # (this process's agents start below)
         os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
         ctx = multiprocessing.get_context("spawn")
         self.link, there = ctx.Pipe()
         self.process = ctx.Process(
-            target=sender, args=(there, distinct), name="bench-transfer-sender"
+            target=sender, args=(there, distinct, tokens), name="bench-transfer-sender"
         )
         self.process.start()
         there.close()
@@ -131,17 +133,18 @@ class Receiver:
         self.caches, self.agents = {}, {}
         for bs in BLOCK_SIZES:
             for layout in LAYOUTS:
-                cache = self.caches[(bs, layout)] = make_cache(bs, prefix_caching=False)
+                cache = make_cache(bs, prefix_caching=False, tokens=tokens)
+                self.caches[(bs, layout)] = cache
                 if layout == "scattered":
                     scatter(cache, rng)
                 self.agents[(bs, layout)] = KVTransferAgent(cache, name=f"receiver-{bs}-{layout}")
         metadata = receive(self.link, 300)
         self.peers = {key: agent.connect(metadata[key[0]]) for key, agent in self.agents.items()}
         self.link.send({key: agent.metadata() for key, agent in self.agents.items()})
-        self.prompt = list(range(TOKENS))  # no prefix caching here: the same prompt every time
+        self.prompt = list(range(tokens))  # no prefix caching here: the same prompt every time
 
     def round(self, key: tuple[int, str], n: int) -> tuple[list, list]:
-        """Move ``n`` requests of ``TOKENS`` tokens into the cache of ``key`` (block size,
+        """Move ``n`` requests of :attr:`tokens` tokens into the cache of ``key`` (block size,
         layout); the incomings and the sender's ``(seconds, descriptors)`` of each."""
         agent = self.agents[key]
         incomings = [agent.expect(self.prompt, peer=self.peers[key]) for _ in range(n)]
@@ -169,17 +172,20 @@ class Receiver:
 @pytest.fixture(scope="module")
 def receiver(pytestconfig):
     # Timed: every request from its own source blocks (none warm in a cache from the last one).
-    # Untimed (CI's --benchmark-disable): fewer to fill, for a run of a few seconds.
-    side = Receiver(8 if pytestconfig.getoption("benchmark_disable", False) else MAX_REQUESTS)
+    # Untimed (CI's --benchmark-disable): fewer and shorter, for a run of a few seconds.
+    if pytestconfig.getoption("benchmark_disable", False):
+        side = Receiver(distinct=8, tokens=QUICK_TOKENS)
+    else:
+        side = Receiver(distinct=MAX_REQUESTS, tokens=TOKENS)
     try:
         yield side
     finally:
         side.close()
 
 
-def assert_arrived(cache: PagedCache, sid: int, bs: int, i: int) -> None:
+def assert_arrived(cache: PagedCache, sid: int, bs: int, i: int, tokens: int) -> None:
     """The receiver's sequence ``sid`` holds the sender's sequence ``i`` bit for bit."""
-    k, v = sequence_kv(bs, i)
+    k, v = sequence_kv(bs, i, tokens)
     table = cache.block_table(sid)
     for name, tokens, array in (("K", k, cache.k), ("V", v, cache.v)):
         # [layers, tokens, heads, dim] -> [layers, blocks, heads, bs, dim], the cache's layout
@@ -193,7 +199,8 @@ def assert_arrived(cache: PagedCache, sid: int, bs: int, i: int) -> None:
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
 @pytest.mark.parametrize("impl", ["nixl", "numpy"])
 def test_transfer(benchmark, receiver, impl, block_size, requests, layout):
-    blocks = requests * TOKENS // block_size
+    tokens = receiver.tokens
+    blocks = requests * tokens // block_size
     spec = CacheSpec(block_size=block_size, **SHAPE)
     block_bytes = SHAPE["num_kv_heads"] * block_size * SHAPE["head_dim"] * 2  # one layer's K
     nbytes = transfer_bytes(blocks, SHAPE["num_layers"], block_bytes)
@@ -201,7 +208,7 @@ def test_transfer(benchmark, receiver, impl, block_size, requests, layout):
     benchmark.group = f"transfer: block_size={block_size} requests={requests} layout={layout}"
     info = benchmark.extra_info
     info.update(SHAPE, impl=impl, block_size=block_size, requests=requests, layout=layout,
-                blocks=blocks, tokens_per_request=TOKENS, bytes=nbytes, device="cpu",
+                blocks=blocks, tokens_per_request=tokens, bytes=nbytes, device="cpu",
                 transport="NIXL over UCX, loopback" if impl == "nixl" else "in-process")  # fmt: skip
     if impl == "nixl":
         key = (block_size, layout)
@@ -219,7 +226,7 @@ def test_transfer(benchmark, receiver, impl, block_size, requests, layout):
         incomings, sent = last["incomings"], last["sender"]
         cache = receiver.caches[key]
         for i in sorted({0, requests - 1}):
-            assert_arrived(cache, incomings[i].sid, block_size, i % receiver.distinct)
+            assert_arrived(cache, incomings[i].sid, block_size, i % receiver.distinct, tokens)
         receiver.free(key, incomings)
         cache.check_invariants()
         sender_seconds = sum(seconds for seconds, _ in sent)
@@ -238,7 +245,7 @@ def test_transfer(benchmark, receiver, impl, block_size, requests, layout):
         )
         src = rng.integers(0, 2**16, shape, dtype=np.uint16)  # float16 bits: the bytes only
         dst = np.zeros_like(src)
-        per = TOKENS // block_size
+        per = tokens // block_size
         if layout == "runs":  # request i: blocks i * per ... (i + 1) * per - 1, both sides
             src_ids = dst_ids = [slice(i * per, (i + 1) * per) for i in range(requests)]
         else:
