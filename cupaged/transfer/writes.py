@@ -3,7 +3,10 @@
 One request is one NIXL transfer: the blocks pair up with the receiver's in order, runs that are
 consecutive on both sides merge (:func:`~cupaged.transfer.blocks.runs`), and each run is one
 descriptor per layer per K/V. The sender polls the transfer to completion itself (no progress
-thread); its notification to the receiver follows only a completed write.
+thread); its notification to the receiver follows only a completed write. NIXL's UCX backend
+reports a transfer done after flushing its connections (remote completion, not just the local
+buffers free), so the notification never overtakes the bytes; the flush needs the receiver's
+progress too, which is why a receiver polls while its sender sends.
 """
 
 from __future__ import annotations
