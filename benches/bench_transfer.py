@@ -46,7 +46,10 @@ TOKENS = 1024  # per request: 64 blocks of 16 tokens, 4 of 256
 QUICK_TOKENS = 256  # per request when untimed (--benchmark-disable): 16 blocks, or 1
 SHAPE = dict(num_layers=4, num_kv_heads=2, head_dim=64, dtype="float16")  # 2 KiB a token
 ROUNDS = 10
-TIMEOUT = 60.0  # seconds any one wait may take
+TIMEOUT = 60.0  # seconds a message, or a request's writes, may take
+# The receiver waits longer than the sender writes: a slow write ends at the sender, never at a
+# receiver freeing blocks still being written (docs/transfer.md).
+WAIT_TIMEOUT = 2 * TIMEOUT
 
 
 def make_cache(block_size: int, prefix_caching: bool, tokens: int) -> PagedCache:
@@ -150,7 +153,7 @@ class Receiver:
         incomings = [agent.expect(self.prompt, peer=self.peers[key]) for _ in range(n)]
         self.link.send(("send", key, [incoming.request for incoming in incomings]))
         for incoming in incomings:
-            agent.wait(incoming, timeout=TIMEOUT)
+            agent.wait(incoming, timeout=WAIT_TIMEOUT)
         return incomings, receive(self.link)
 
     def free(self, key: tuple[int, str], incomings: list) -> None:

@@ -58,7 +58,11 @@ __all__ = [
 
 INSTALL = "pip install --no-deps nixl nixl-cu12"  # NIXL without the CUDA PyTorch it would pull
 MESSAGE_TIMEOUT = 120.0  # seconds a process waits for the other's next message
-TRANSFER_TIMEOUT = 30.0  # seconds a request's blocks may take to arrive
+# A slow write must end at the sender (which cancels it and says "fail"), never at a receiver that
+# frees blocks still being written (docs/transfer.md): the receiver waits longer, and its wait
+# covers the prompt's prefill too.
+SEND_TIMEOUT = 30.0  # seconds the prefill side's writes of a request may take
+WAIT_TIMEOUT = 90.0  # seconds the decode side waits for a request's blocks
 
 LogitsKey = tuple[int, int, int]  # (request id, sample, tokens generated before this one)
 
@@ -275,7 +279,7 @@ def serve_prefill(config: DemoConfig, link: Connection) -> dict[str, Any]:
             _, rid, request = message
             admission = cache.admit(prompts[rid])
             logits = to_numpy(model.prefill(cache, [admission], [prompts[rid]]))[0]
-            stats = agent.send(admission.sid, request, timeout=TRANSFER_TIMEOUT)
+            stats = agent.send(admission.sid, request, timeout=SEND_TIMEOUT)
             cache.free(admission.sid)  # its blocks stay in the prefix cache, evictable
             link.send(("prefilled", rid, logits))
             transfers.append({"rid": rid} | transfer_numbers(stats))
@@ -306,7 +310,7 @@ def serve_decode(config: DemoConfig, link: Connection) -> dict[str, Any]:
         for request in demo.requests:
             incoming = agent.expect(request.prompt, peer=peer)
             link.send(("request", request.rid, incoming.request))
-            agent.wait(incoming, timeout=TRANSFER_TIMEOUT)
+            agent.wait(incoming, timeout=WAIT_TIMEOUT)
             _, rid, logits = receive(link)
             assert rid == request.rid, (rid, request.rid)
             blocks_cached[rid] = int(incoming.blocks_cached)
