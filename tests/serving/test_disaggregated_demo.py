@@ -19,7 +19,7 @@ from helpers import run_main, the_work
 import cupaged.demo.disaggregated as disaggregated
 from cupaged import CacheSpec
 from cupaged.demo import DemoConfig, ModelConfig, make_requests
-from cupaged.demo.disaggregated import INSTALL, compare, run_disaggregated
+from cupaged.demo.disaggregated import INSTALL, compare, run_disaggregated, run_processes
 from cupaged.transfer import nixl_available
 
 needs_nixl = pytest.mark.skipif(not nixl_available(), reason=f"needs NIXL: {INSTALL}")
@@ -144,6 +144,19 @@ def test_options_it_cannot_honour_are_refused_before_the_work(
     status, line = run_main(["demo", "--disaggregated", *option], capsys)
     assert status == 1
     assert message in line
+
+
+def test_a_process_that_fails_ends_the_run_in_one_line_and_leaves_no_process(tmp_path):
+    config = dataclasses.replace(CONFIG, weights=str(tmp_path / "missing.npz"))
+    with pytest.raises(RuntimeError, match=r"the (prefill|decode) process failed: WeightsError"):
+        run_processes(config, timeout=TIMEOUT)
+    assert not multiprocessing.active_children()
+
+
+def test_processes_that_overrun_the_timeout_are_killed():
+    with pytest.raises(TimeoutError, match="expected both processes done within 0.2 s"):
+        run_processes(CONFIG, timeout=0.2)  # (they take seconds to start)
+    assert not multiprocessing.active_children()
 
 
 def test_the_logits_comparison_fails_on_a_difference_or_a_missing_vector(rng):
