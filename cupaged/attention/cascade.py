@@ -205,6 +205,7 @@ def plan_cascade(
     tile: int,
     fill_blocks: int,
     force: bool,
+    nodes: list[Node] | None = None,
 ) -> CascadeWork | None:
     """The cascade of one step, or ``None`` when it does not pay (``force``: whenever a row
     shares a block; ``None`` then only when none does).
@@ -219,11 +220,13 @@ def plan_cascade(
         fill_blocks: thread blocks per KV head that fill the GPU: long shared nodes and long
             own ranges are cut into pieces until each level has about this many.
         force: take every node that shares a block (``cascade=True``), paying or not.
+        nodes: the step's :func:`shared_nodes`, when the caller has them already.
     """
     lens = np.asarray(lens, dtype=np.int64)
-    if not shares_a_first_block(tables, lens):
-        return None
-    nodes = shared_nodes(tables, lens, block_size, window_left)
+    if nodes is None:
+        if not shares_a_first_block(tables, lens):
+            return None
+        nodes = shared_nodes(tables, lens, block_size, window_left)
     if not force:
         nodes = [n for n in nodes if node_pays(n, group, head_dim, kv_bytes, rows_per_tile) > 0]
     if not nodes:
@@ -353,7 +356,7 @@ class SharedLevel:
     from its ``paged_decode`` record by name), each made when a step first needs it;
     :meth:`levels` lays a step's :class:`CascadeWork` onto the device."""
 
-    __slots__ = ("_args", "_decode_args", "_kernel", "_launch", "_shape", "required")
+    __slots__ = ("_args", "_decode_args", "_kernels", "_launches", "_shape", "required")
 
     def __init__(
         self,
@@ -368,40 +371,44 @@ class SharedLevel:
     ) -> None:
         self._shape = (device, dtype, q_dtype, layout, group, variants)
         self._decode_args = decode_args
-        self._launch: Any = None
-        self._kernel: Any = None
+        self._launches: dict[int | None, Any] = {}  # by a step's largest group (rows)
+        self._kernels: dict[int, Any] = {}  # by rows per tile
         self._args: Any = None
         self.required = required  # cascade=True: every shared block taken
 
-    def launch(self) -> Any:
-        """The kernel's launch (``CascadeLaunch``), or ``None`` for a shape it does not take.
+    def launch(self, rows: int | None = None) -> Any:
+        """The kernel's launch (``CascadeLaunch``) for a step whose largest group has ``rows``
+        query rows (members x G: a smaller tile where they fit one, the same bytes for less
+        work), or ``None`` for a shape the kernel does not take.
 
         Raises:
             ValueError: that shape, when the plan requires a cascade.
         """
-        if self._launch is None:
+        if rows not in self._launches:
             device, dtype, q_dtype, layout, group, variants = self._shape
             _, num_kv_heads, block_size, head_dim = layout
             try:
-                self._launch = cascade_launch(
+                self._launches[rows] = cascade_launch(
                     dtype, num_kv_heads, group, head_dim, block_size, target(device), variants,
-                    q_dtype=q_dtype,
+                    q_dtype=q_dtype, rows=rows,
                 )  # fmt: skip
             except ValueError as error:
                 if self.required:
                     raise ValueError(f"cascade=True: {error}") from None
-                self._launch = False  # never again
-        return self._launch or None
+                self._launches[rows] = None  # never again
+        return self._launches[rows]
 
     def levels(self, work: CascadeWork, decode_args: Any, merge_args: Any) -> CascadeLevels:
         """A step's cascade on the device: its own work list, slots and partial buffers, and
         the records of ``paged_decode`` and its merge (the plan's, with those in place)."""
         device, _, _, layout, group, _ = self._shape
         head_dim = layout[3]
-        if self._kernel is None:
+        launch = self.launch(work.rows_per_tile)  # (rows per tile: its own tile)
+        if launch.rows_per_tile not in self._kernels:
             grid = (layout[1], 2)  # the CPU backend's threads: a launch has many tiles
-            launch = self.launch()
-            self._kernel = attention_kernel(device, "cascade.cu", launch, group, head_dim, grid)
+            kernel = attention_kernel(device, "cascade.cu", launch, group, head_dim, grid)
+            self._kernels[launch.rows_per_tile] = kernel
+        if self._args is None:
             self._args = merge_record(
                 self._decode_args, CascadeSharedArgs, tiles=None, members=None
             )
@@ -417,11 +424,13 @@ class SharedLevel:
         merge = with_fields(merge_args, seq_items=xp.asarray(work.seq_items), **own)
         return CascadeLevels(self, work, shared, decode, merge)
 
-    def run(self, args: Any, num_kv_heads: int, num_tiles: int) -> None:
-        """``cascade_shared`` over ``num_tiles`` tiles of every KV head."""
-        launch = self._launch
+    def run(self, args: Any, rows_per_tile: int, num_kv_heads: int, num_tiles: int) -> None:
+        """``cascade_shared`` of ``rows_per_tile`` rows over ``num_tiles`` tiles of every KV
+        head."""
+        launch = self._launches[rows_per_tile]
         grid = (num_kv_heads, num_tiles)
-        self._kernel(grid, launch.block, tuple(args), shared_mem=launch.shared_mem)
+        kernel = self._kernels[rows_per_tile]
+        kernel(grid, launch.block, tuple(args), shared_mem=launch.shared_mem)
 
 
 @dataclass(frozen=True, slots=True)
@@ -468,7 +477,8 @@ class CascadeLevels:
             self._shared_args, q=q, k_cache=k_cache, v_cache=v_cache, **scale_fields
         )
         num_kv_heads = int(shared.num_kv_heads)
-        self._shared.run(shared, num_kv_heads, self.work.tiles.shape[0])
+        work = self.work
+        self._shared.run(shared, work.rows_per_tile, num_kv_heads, work.tiles.shape[0])
         decode = self._decode.filled(out, q, k_cache, v_cache, scales, sinks)
         grid = (geometry.grid_x, self.work.capacity)
         kernel(grid, geometry.block, decode, shared_mem=geometry.shared_mem)

@@ -79,6 +79,7 @@ from .cascade import (
     first_attended,
     plan_cascade,
     shared_level,
+    shared_nodes,
     shares_a_first_block,
 )
 from .layer import (
@@ -424,15 +425,20 @@ class DecodePlan:
         or too little (``cascade=None``), or a work list past CUDA's grid limit."""
         tables, lens = to_numpy(self._tables), to_numpy(self._lens)
         level = self._shared_level
-        if not shares_a_first_block(tables, lens) or (launch := level.launch()) is None:
+        if not shares_a_first_block(tables, lens):
             return None
         num_blocks, num_kv_heads, block_size, head_dim = self._layout
+        window, group = self._variants.window_left, int(self._num_q_heads) // num_kv_heads
+        nodes = shared_nodes(tables, lens, block_size, window)
+        # The largest group's query rows pick the tile (a smaller one where they fit).
+        if not nodes or (launch := level.launch(max(n.rows.size for n in nodes) * group)) is None:
+            return None
         work = plan_cascade(
             tables,
             lens,
             block_size=block_size,
-            window_left=self._variants.window_left,
-            group=int(self._num_q_heads) // num_kv_heads,
+            window_left=window,
+            group=group,
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
             kv_bytes=self._kv_bytes(),
@@ -440,6 +446,7 @@ class DecodePlan:
             tile=self._tile,
             fill_blocks=max(self._capacity - self.num_seqs, 1),
             force=level.required,
+            nodes=nodes,
         )
         if work is None or max(work.capacity, work.tiles.shape[0]) > MAX_GRID_YZ:
             return None
