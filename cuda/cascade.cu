@@ -40,13 +40,14 @@
 //      rounded to T, l sums the rounded values; P is written over the row's own scores in s_s
 //      (every lane of the warp has read them first: __syncwarp), alpha per row to alpha_s;
 //   4. wait for V of stage i, __syncthreads; P V: warp w owns the 16-column slices w, w + WARPS,
-//      ... of the output, every row block of each; per slice it loads the stage's V fragments
-//      once (B, from the stage), and per row block computes O = P V (A from P) into a fresh
-//      accumulator, stores it to the warp's o_s tile, and each lane folds the 8 elements it owns
-//      (row lane / 2, columns 8 * (lane % 2) ..) into its registers, acc = alpha acc + O.
-//      (WMMA's accumulator layout is opaque: the per-row rescale runs on the layout of o_s.)
-//   5. after the last stage, every row's l to l_s; each lane writes its elements of its rows as
-//      acc / l (times v_scale over fp8), one thread per row its log-sum-exp.
+//      ... of the output, every row block of each, as float32 accumulator fragments; per slice it
+//      loads the stage's V fragments once (B, from the stage), and per row block scales the
+//      fragment by alpha of each element's row and adds P V (A from P): acc = alpha acc + P V.
+//      WMMA does not specify which elements a lane holds, but all accumulators of a kernel hold
+//      them alike: a load of a tile of row numbers, once at the start, tells each lane its rows.
+//   5. after the last stage, every row's l to l_s; each output tile goes through the warp's o_s
+//      tile, and each lane writes 8 elements (row lane / 2, columns 8 * (lane % 2) ..) as
+//      acc / l (times v_scale over fp8); one thread per row writes its log-sum-exp.
 // Precision as paged_decode_mma (docs/kernels.md, "Tensor cores"): S and O accumulate in float32,
 // P is rounded to T before P V.
 #ifndef CUPAGED_CPU
@@ -118,9 +119,11 @@ struct CascadeLayout {
 // [begin, end)), keys [begin, end). members[m] = {seq, slot}: row r's query is q[seq, h], its
 // results go to partial_out[slot, h] and partial_lse[slot, h]. The tables are read from the row
 // of the tile's first member. Every slot a tile names is written (all rows, every element).
+// Launch bounds of one block per SM at least: with none, ptxas caps some instantiations at 128
+// or 168 registers and spills (shared memory allows 2 to 4 blocks per SM whatever they take).
 template <typename T, int HEAD_DIM, int BLOCK_SIZE, int ROWS, int WARPS, int STAGES,
           int VARIANT, typename KV>
-__global__ void __launch_bounds__(32 * WARPS)
+__global__ void __launch_bounds__(32 * WARPS, 1)
     cascade_shared(float* __restrict__ partial_out,       // [capacity, num_q_heads, HEAD_DIM]
                    float* __restrict__ partial_lse,       // [capacity, num_q_heads]
                    const T* __restrict__ q,               // [num_seqs, num_q_heads, HEAD_DIM]
@@ -195,11 +198,24 @@ __global__ void __launch_bounds__(32 * WARPS)
       kFp8 ? scale * head_scale(k_scale, k_scales, k_scale_stride, kv_head) : scale;
   const float out_scale = kFp8 ? head_scale(v_scale, v_scales, v_scale_stride, kv_head) : 1.0f;
   float m = neg_inf(), l = 0.0f;
-  float acc[L::kWarpTiles][8];
+  // The output's tiles of this warp, as float32 accumulators: tile j is column slice
+  // warp + (j / kRowBlocks) * WARPS, row block j % kRowBlocks.
+  using Acc = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
+  Acc acc[L::kWarpTiles];
 #pragma unroll
-  for (int j = 0; j < L::kWarpTiles; ++j) {
+  for (int j = 0; j < L::kWarpTiles; ++j) wmma::fill_fragment(acc[j], 0.0f);
+  // The row of each accumulator element this lane holds. WMMA does not specify the layout,
+  // but every float accumulator of the kernel has the same one, which a load of a tile of
+  // row numbers shows: so the per-row rescale by alpha runs on the fragments themselves.
+  int acc_row[Acc::num_elements];
+  {
+    for (int k = lane; k < 256; k += 32) o_s[k / 16 * L::kLdo + k % 16] = static_cast<float>(k / 16);
+    __syncwarp();  // the tile is complete
+    Acc rows;
+    wmma::load_matrix_sync(rows, o_s, L::kLdo, wmma::mem_row_major);
 #pragma unroll
-    for (int e = 0; e < 8; ++e) acc[j][e] = 0.0f;
+    for (int e = 0; e < Acc::num_elements; ++e) acc_row[e] = static_cast<int>(rows.x[e]);
+    __syncwarp();  // every lane has loaded it before o_s is written again
   }
 
   if (begin < end) {  // uniform over the block
@@ -338,24 +354,15 @@ __global__ void __launch_bounds__(32 * WARPS)
         }
 #pragma unroll
         for (int rb = 0; rb < L::kRowBlocks; ++rb) {
-          wmma::fragment<wmma::accumulator, 16, 16, 16, float> o;
-          wmma::fill_fragment(o, 0.0f);
+          Acc& o = acc[i * L::kRowBlocks + rb];
+#pragma unroll
+          for (int e = 0; e < Acc::num_elements; ++e) o.x[e] *= alpha_s[rb * 16 + acc_row[e]];
 #pragma unroll L::kUnroll
           for (int kt = 0; kt < TILE / 16; ++kt) {
             wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> pa;
             wmma::load_matrix_sync(pa, p_s + rb * 16 * L::kLdp + kt * 16, L::kLdp);
             wmma::mma_sync(o, pa, vb[kt], o);
           }
-          wmma::store_matrix_sync(o_s, o, L::kLdo, wmma::mem_row_major);
-          __syncwarp();  // every lane's part of the tile is in
-          const float alpha = alpha_s[rb * 16 + out_row];
-          float part[8];
-          load16_as_float(o_s + out_row * L::kLdo + out_col, part);
-          load16_as_float(o_s + out_row * L::kLdo + out_col + 4, part + 4);
-          float* a = acc[i * L::kRowBlocks + rb];
-#pragma unroll
-          for (int e = 0; e < 8; ++e) a[e] = a[e] * alpha + part[e];
-          __syncwarp();  // every lane has read the tile before the next tile's store
         }
       }
     }
@@ -365,24 +372,32 @@ __global__ void __launch_bounds__(32 * WARPS)
   // 5. the rows' results, to the slots of their members
   if (sub == 0) l_s[row] = l;
   __syncthreads();  // l of every row is in
+  // Each tile through the warp's o_s: lane takes row lane / 2, columns 8 * (lane % 2) ..
 #pragma unroll
   for (int j = 0; j < L::kWarpTiles; ++j) {
     const int slice = warp + j / L::kRowBlocks * WARPS;
-    if (slice >= L::kSteps) break;
+    if (slice >= L::kSteps) break;  // uniform over the warp
+    wmma::store_matrix_sync(o_s, acc[j], L::kLdo, wmma::mem_row_major);
+    __syncwarp();  // every lane's part of the tile is in
     const int r = j % L::kRowBlocks * 16 + out_row;
-    if (r >= num_rows) continue;
-    const int flat = first_row + r;
-    const long long out_row_index =
-        static_cast<long long>(members[flat / group_size].y) * num_q_heads +
-        kv_head * group_size + flat % group_size;
-    const float l_row = l_s[r];
-    const int col = slice * 16 + out_col;
+    if (r < num_rows) {
+      const int flat = first_row + r;
+      const long long out_row_index =
+          static_cast<long long>(members[flat / group_size].y) * num_q_heads +
+          kv_head * group_size + flat % group_size;
+      const float l_row = l_s[r];
+      const int col = slice * 16 + out_col;
+      float part[8];
+      load16_as_float(o_s + out_row * L::kLdo + out_col, part);
+      load16_as_float(o_s + out_row * L::kLdo + out_col + 4, part + 4);
 #pragma unroll
-    for (int e = 0; e < 8; ++e) {
-      const float value = kFp8 ? acc[j][e] * out_scale : acc[j][e];
-      // All -inf: weight 0 in the merge, and a zero row, not 0 / 0.
-      partial_out[out_row_index * HEAD_DIM + col + e] = l_row == 0.0f ? 0.0f : value / l_row;
+      for (int e = 0; e < 8; ++e) {
+        const float value = kFp8 ? part[e] * out_scale : part[e];
+        // All -inf: weight 0 in the merge, and a zero row, not 0 / 0.
+        partial_out[out_row_index * HEAD_DIM + col + e] = l_row == 0.0f ? 0.0f : value / l_row;
+      }
     }
+    __syncwarp();  // every lane has read the tile before the next tile's store
   }
   if (sub == 0 && row < num_rows) {
     const int flat = first_row + row;

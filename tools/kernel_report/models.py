@@ -94,7 +94,7 @@ def cascade_tile_model(launch: Launch, arch: str, gpu: str) -> dict[str, float]:
       the conversion pass), Q's and K's fragments for Q K^T (each 16 x 16 fragment 512 bytes, Q's
       once per warp and k-step, K's once per warp and k-step), the scores out and back and P
       over them, V's fragments once per warp and column slice, P's once per slice and row block,
-      and each warp's O tile out and back once per output tile;
+      and the rescale's alpha, 8 loads (a 128-byte wavefront each) per warp and output tile;
     - ``hmma``: the two products' multiply-adds (``2 x rows x tile x head_dim``) at the
       mma.sync rate (``HMMA_FMA_PER_CYCLE``);
     - ``mufu``: one exponential per score and one per row (16 lanes per cycle).
@@ -112,7 +112,7 @@ def cascade_tile_model(launch: Launch, arch: str, gpu: str) -> dict[str, float]:
     smem += warps * steps * (blocks + 1) * fragment  # Q K^T: Q's and K's fragments
     smem += rows * tile * (4 + 4 + 2)  # scores out and back, P over them
     smem += warps * slices * (tile // 16) * (1 + blocks) * fragment  # P V: V's and P's
-    smem += warps * slices * blocks * 2 * 16 * 16 * 4  # the O tiles out and back
+    smem += warps * slices * blocks * 8 * 128  # alpha of each accumulator element's row
     model = dict(
         rows=rows,
         tile=tile,
