@@ -242,6 +242,7 @@ CASES = [
     ("float16", "float8_e4m3", 128, 16, 4),
     ("bfloat16", "float8_e5m2", 64, 5, 8),
     ("float16", "float16", 256, 16, 2),  # 32 rows per tile
+    ("bfloat16", "bfloat16", 64, 256, 4),  # every range inside one block
 ]
 
 
