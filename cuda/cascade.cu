@@ -24,10 +24,10 @@
 // tokens, as in paged_decode_mma, whose scheme this follows with ROWS / 16 row blocks in place of
 // one. Each K/V byte of [begin, end) is read from global memory once per thread block and serves
 // all ROWS rows: the reason for the kernel.
-//   0. q rows of the tile into q_s (16-bit, as they are; zeros past num_rows): ROWS x HEAD_DIM
-//      would take 4 * ROWS * HEAD_DIM / (32 * WARPS) registers per lane as fragments, so the
-//      fragments are loaded from shared memory where used. K and V go through the ring
-//      (common.cuh, KvRing with SPLIT_KV), begin at any position.
+//   0. q rows of the tile into q_s (16-bit, as they are; zeros past num_rows): every warp uses
+//      all of them, whose fragments would take ROWS * HEAD_DIM / 32 registers per lane (256 at
+//      64 rows of 128), so they are loaded from shared memory where used. K and V go through the
+//      ring (common.cuh, KvRing with SPLIT_KV), begin at any position.
 //   Per stage:
 //   1. wait for K of stage i (over fp8: K and V, converted to T in shared memory), __syncthreads;
 //      refill the slot of stage i - 1, prefetch the block ids of stage i + STAGES;
