@@ -384,3 +384,17 @@ def test_nan_and_inf_like_the_oracle(rng, case):
     assert any(np.isfinite(rows).all() for rows, _ in expected.values())
     got = run_cascade(np, batch, dtype, dtype, group, scale)
     check(batch, got, expected, dtype)
+
+
+def test_a_query_not_16_byte_aligned_is_read_element_by_element(rng):
+    """The element-by-element path gives the oracle's rows (the 16-byte load it avoids would
+    fault on a GPU; x86 takes it, so here the test holds the path's indexing)."""
+    batch = build_batch(rng, GROUPS[:2], "bfloat16", "bfloat16", 64, 16, 4, 64)
+    q = batch.q
+    buffer = np.zeros(q.nbytes + 16, np.uint8)
+    shifted = buffer[q.itemsize : q.itemsize + q.nbytes].view(q.dtype).reshape(q.shape)
+    shifted[...] = q
+    assert shifted.ctypes.data % 16
+    batch.q = shifted
+    got = run_cascade(np, batch, "bfloat16", "bfloat16", 4, 0.125)
+    check(batch, got, oracle(batch, "bfloat16", 4, 0.125), "bfloat16")
