@@ -49,7 +49,7 @@ from .writes import source_blocks, write_blocks
 
 INSTALL = ".venv/bin/pip install --no-deps nixl nixl-cu12"  # (nixl-cu12's torch requirement: no)
 _RECEIVER_POLL_S = 2e-4  # between notification polls: a waiting receiver leaves the core to others
-_FLUSH_S = 0.25  # progress after a refusal's notification, so that it leaves (see _flush)
+_FLUSH_S = 0.25  # progress after a refusal's or a cancel's notification, so that it leaves
 
 
 def nixl_available() -> bool:
@@ -450,8 +450,9 @@ class KVTransferAgent:
             self.cache.free(incoming.sid)
         except KeyError:  # the application freed it already: nothing left to free
             pass
-        if incoming.peer in self._peers:
+        if incoming.peer in self._peers:  # (a sender that has not started yet refuses it)
             self._notify(incoming.peer, cancel_message(incoming.transfer_id))
+            self._flush()
         return (
             f"freed the {incoming.blocks_to_move} block(s) reserved for sequence {incoming.sid} "
             f"(nothing of it was committed or is visible)"
