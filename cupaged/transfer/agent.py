@@ -272,7 +272,7 @@ class KVTransferAgent:
                 f"cancelled)"
             )
         deadline = time.monotonic() + timeout
-        while tid not in self._inbox:
+        while True:
             self._poll()
             if tid in self._inbox:
                 break
