@@ -236,21 +236,23 @@ def plan_cascade(
     row_bytes = 2 * head_dim * kv_bytes * num_kv_heads
     bytes_plain = int((lens - first).sum()) * row_bytes
 
-    # Each row's pieces: its nodes, then its own ranges (the gaps between them).
+    # Each row's pieces: its nodes, then its own ranges (the gaps between them). A row's nodes
+    # are a chain (parents first: the nodes are in order of their first key).
+    lens_list, first_list = lens.tolist(), first.tolist()
     row_nodes: list[list[int]] = [[] for _ in range(num_rows)]
     for index, node in enumerate(nodes):
-        for row in node.rows:
+        for row in node.rows.tolist():
             row_nodes[row].append(index)
     own: list[list[tuple[int, int]]] = []
     for row in range(num_rows):
-        ranges, at = [], int(first[row])
+        ranges, at = [], first_list[row]
         for index in row_nodes[row]:
             node = nodes[index]
             if node.begin > at:
                 ranges.append((at, node.begin))
             at = max(at, node.end)
-        if at < lens[row]:
-            ranges.append((at, int(lens[row])))
+        if at < lens_list[row]:
+            ranges.append((at, lens_list[row]))
         own.append(ranges)
 
     shared_tokens = sum(cdiv(n.rows.size * group, rows_per_tile) * n.tokens for n in nodes)
@@ -263,47 +265,60 @@ def plan_cascade(
     tiles_per_layer = sum(cdiv(n.rows.size * group, rows_per_tile) for n in nodes)
     cuts = max(1, cdiv(fill_blocks, tiles_per_layer))
     node_pieces = [_cut(n.begin, n.end, cuts, MIN_SHARED_PIECE, tile) for n in nodes]
-    # Own ranges: the device planner's rule, chunks of the balanced size over the spare items.
+    # Own ranges: the device planner's rule, chunks of the balanced size over the spare items;
+    # a row with a node and no own key gets an empty item, so that its count is 2 or more and
+    # the merge writes it; a row with neither, its one (empty) item.
     own_chunk = _round_up(max(256, cdiv(max(own_tokens, 1), max(fill_blocks, 1))), tile)
-    own_items = [[p for b, e in ranges for p in _chunks(b, e, own_chunk)] for ranges in own]
+    own_items = [
+        [p for b, e in ranges for p in _chunks(b, e, own_chunk)]
+        or [(lens_list[row], lens_list[row])]
+        for row, ranges in enumerate(own)
+    ]
 
-    counts = np.array(
-        [sum(len(node_pieces[i]) for i in row_nodes[r]) + max(len(own_items[r]), 1)
-         for r in range(num_rows)],
-        dtype=np.int64,
-    )  # fmt: skip
-    starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
-    work = np.zeros((int(counts.sum()), 4), np.int32)
-    work[:, 0] = -1
-    slot_of: dict[tuple[int, int, int], int] = {}  # (node, piece, row) -> slot
-    for row in range(num_rows):
-        slot = int(starts[row])
-        for index in row_nodes[row]:
-            for piece in range(len(node_pieces[index])):
-                slot_of[index, piece, row] = slot
-                slot += 1
-        items = own_items[row] or [(int(lens[row]), int(lens[row]))]  # an empty item: count >= 2
-        if not row_nodes[row] and not own_items[row]:
-            items = [(int(first[row]), int(lens[row]))]
-        for begin, end in items:
-            work[slot] = (row, begin, end, counts[row])
-            slot += 1
+    # Slots: a row's node pieces (in chain order), then its own items.
+    pieces = [len(p) for p in node_pieces]
+    shared_slots = [sum(pieces[i] for i in row_nodes[row]) for row in range(num_rows)]
+    counts = np.array([s + len(i) for s, i in zip(shared_slots, own_items, strict=True)])
+    starts = np.concatenate(([0], np.cumsum(counts)[:-1])).astype(np.int64)
+    work = np.full((int(counts.sum()), 4), -1, np.int32)
+    work[:, 1:] = 0
+    items = [
+        (row, begin, end, count)
+        for row, (row_items, count) in enumerate(zip(own_items, counts.tolist(), strict=True))
+        for begin, end in row_items
+    ]
+    own_counts = counts - shared_slots  # a row's own slots follow its shared ones
+    own_before = np.cumsum(own_counts) - own_counts
+    own_slots = np.repeat(starts + shared_slots - own_before, own_counts) + np.arange(len(items))
+    work[own_slots] = np.array(items, np.int32).reshape(-1, 4)
     seq_items = np.stack([starts, counts], axis=1).astype(np.int32)
 
-    members, tiles = [], []
+    # Members: a node piece's rows and the slot each writes: its row's first slot, plus the
+    # pieces of the row's earlier nodes, plus the piece's index.
+    before: dict[tuple[int, int], int] = {}
+    for row in range(num_rows):
+        offset = int(starts[row])
+        for index in row_nodes[row]:
+            before[index, row] = offset
+            offset += pieces[index]
+    members, tiles, count = [], [], 0
     for index, node in enumerate(nodes):
-        for piece, (begin, end) in enumerate(node_pieces[index]):
-            first_row = len(members) * group
-            members += [(int(row), slot_of[index, piece, int(row)]) for row in node.rows]
-            rows = node.rows.size * group
-            for offset in range(0, rows, rows_per_tile):
-                count = min(rows_per_tile, rows - offset)
-                tiles.append((first_row + offset, count, begin, end))
+        rows = node.rows.tolist()
+        base = np.array([before[index, row] for row in rows], np.int64)
+        n = pieces[index]  # members of piece p: the node's rows, slots base + p
+        slots = (base[None, :] + np.arange(n)[:, None]).ravel()
+        members.append(np.stack([np.tile(node.rows, n), slots], axis=1))
+        total = len(rows) * group
+        for begin, end in node_pieces[index]:
+            for offset in range(0, total, rows_per_tile):
+                size = min(rows_per_tile, total - offset)
+                tiles.append((count * group + offset, size, begin, end))
+            count += len(rows)
     return CascadeWork(
         work=work,
         seq_items=seq_items,
         tiles=np.array(tiles, np.int32).reshape(-1, 4),
-        members=np.array(members, np.int32).reshape(-1, 2),
+        members=np.concatenate(members).astype(np.int32),
         bytes_read=bytes_read,
         bytes_plain=bytes_plain,
         nodes=tuple(nodes),
