@@ -1,5 +1,7 @@
 // cascade.cu: the shared level of cascade decode attention: many decode queries over one range of
-// K/V that their block tables share, each K/V tile read once for all of them, on tensor cores.
+// K/V that their block tables share, each K/V tile read once for all of them, on tensor cores
+// (cascade_shared: fp16/bf16 queries over fp16, bf16 or fp8 caches) or, for float32 queries over
+// a float32 cache, on CUDA cores (cascade_shared_cores, at the end of this file; one interface).
 //
 // A decode batch whose sequences share leading blocks (forks, beams, a common prompt) is planned
 // in levels (issue 40): this kernel for the shared ranges, paged_decode for each sequence's own
@@ -405,6 +407,284 @@ __global__ void __launch_bounds__(32 * WARPS, 1)
                                     num_q_heads + kv_head * group_size + flat % group_size;
     const float base = m == neg_inf() ? 0.0f : m;
     partial_lse[lse_index] = base + logf(l);  // l = 0 (no key, or all -inf): -inf
+  }
+}
+
+// ---- cascade_shared_cores: float32 queries over a float32 cache, on CUDA cores --------------
+// The same contract, arguments and grid as cascade_shared (one argument record serves both);
+// a second kernel, not a float case of the template, because nothing of the tensor-core scheme
+// carries over: no 16-bit operand type, so no WMMA, no P rounded to T, no fragment layouts.
+// Products and sums are float32 throughout (the oracle's tolerance for float32, 1e-5).
+//
+// One thread block per (KV head, tile) of WARPS warps; a tile is up to ROWS query rows, a stage
+// TILE = 32 tokens (one per lane). Warp w owns rows w, w + WARPS, ... (RPW = ROWS / WARPS of
+// them) in every phase, so the softmax's running max, sums and alpha never leave its registers;
+// only the K/V ring is shared by the block. Each K/V byte of [begin, end) is read from global
+// memory once per thread block and serves all ROWS rows (q rows from q_s, K and V from the ring,
+// common.cuh's KvRing with SPLIT_KV, rows padded by 4 floats):
+//   0. q rows of the tile into q_s (float, zeros past num_rows).
+//   Per stage:
+//   1. wait for K of stage i, __syncthreads; refill the slot of stage i - 1;
+//   2. scores: lane t computes s = q_r . k_t for its warp's RPW rows over its own token t (one
+//      LDS.128 of K per 4 elements, conflict-free: rows HEAD_DIM + 4 floats apart; the q rows'
+//      LDS.128 a broadcast over the warp);
+//   3. online softmax per row over the stage's 32 tokens: score scale, variants, masks (past end,
+//      before the row's window) as the header says; m_new by a max over the warp's lanes (fmaxf:
+//      a NaN score does not become the max, its exp makes the row NaN); p = exp(s - m_new) to
+//      the warp's row of p_s; each lane keeps its own part of l (l = alpha l + p), summed over
+//      the lanes once at the end;
+//   4. wait for V of stage i, __syncthreads; acc = alpha acc + P V: lane owns the 16-byte
+//      column vectors lane, lane + 32, ... of its warp's rows (idle where the row ends: head_dim
+//      80 leaves 12 lanes idle), reads P four tokens at a time (an LDS.128 broadcast) and V rows
+//      by LDS.128 (consecutive lanes, consecutive vectors).
+//   5. l summed over the lanes; each lane writes its vectors as acc / l (0 when l is 0: every
+//      key masked), lane 0 each row's log-sum-exp m + log l (-inf when l is 0).
+template <int HEAD_DIM, int ROWS, int WARPS, int STAGES>
+struct CascadeCoresLayout {
+  static constexpr int kThreads = 32 * WARPS;
+  static constexpr int kTile = 32;                  // tokens per stage: one per lane
+  static constexpr int kRowsPerWarp = ROWS / WARPS;
+  static constexpr int kRowVectors = HEAD_DIM / 4;  // 16-byte vectors per row
+  static constexpr int kLaneVectors = (kRowVectors + 31) / 32;  // output vectors per lane
+  static constexpr int kLdk = HEAD_DIM + 4;  // K/V/q row, floats: +16 bytes, no conflicts
+  // Byte offsets of the dynamic shared memory: k_s, v_s [STAGES, TILE, kLdk] float, q_s [ROWS,
+  // kLdk] float, p_s [ROWS, TILE] float.
+  static constexpr int kStageBytes = STAGES * kTile * kLdk * 4;
+  static constexpr int kQ = 2 * kStageBytes;
+  static constexpr int kP = kQ + ROWS * kLdk * 4;
+  static constexpr int kBytes = kP + ROWS * kTile * 4;  // the launch table's shared_mem
+  static_assert(ROWS % WARPS == 0, "every warp owns the same number of rows");
+  static_assert(HEAD_DIM % 16 == 0, "rows of whole 16-byte vectors, as the ring copies them");
+  static_assert(STAGES >= 2 && 2 * STAGES - 2 <= 8, "the waits count at most 8 batches");
+};
+
+// Grid: (num_kv_heads, num_tiles). Block: (32, WARPS, 1).
+// Dynamic shared memory: CascadeCoresLayout::kBytes (above), 16-byte aligned.
+// The parameters, tiles and members as cascade_shared's (above); KV is float (T's type).
+template <typename T, int HEAD_DIM, int BLOCK_SIZE, int ROWS, int WARPS, int STAGES,
+          int VARIANT, typename KV>
+__global__ void __launch_bounds__(32 * WARPS, 1)
+    cascade_shared_cores(float* __restrict__ partial_out,       // [capacity, num_q_heads, HEAD_DIM]
+                         float* __restrict__ partial_lse,       // [capacity, num_q_heads]
+                         const T* __restrict__ q,               // [num_seqs, num_q_heads, HEAD_DIM]
+                         const KV* __restrict__ k_cache,        // [num_blocks, num_kv_heads, BLOCK_SIZE, HEAD_DIM]
+                         const KV* __restrict__ v_cache,        // [num_blocks, num_kv_heads, BLOCK_SIZE, HEAD_DIM]
+                         const int* __restrict__ block_tables,  // [num_seqs, max_blocks]
+                         const int4* __restrict__ tiles,        // [num_tiles] {first_row, num_rows, begin, end}
+                         const int2* __restrict__ members,      // [num_members] {seq, slot}
+                         const int* __restrict__ context_lens,  // [num_seqs], under kAlibi or kWindow
+                         int num_kv_heads, int group_size, int max_blocks, float scale,
+                         float k_scale, float v_scale,
+                         const float* __restrict__ k_scales,    // never read: no fp8 here
+                         const float* __restrict__ v_scales,    // never read: no fp8 here
+                         int k_scale_stride, int v_scale_stride,
+                         int window_left,                       // under kWindow, < 0: none
+                         float soft_cap,
+                         const float* __restrict__ alibi_slopes,  // [num_q_heads], read under kAlibi
+                         const float* __restrict__ sinks) {       // never read: the merge's
+  using L = CascadeCoresLayout<HEAD_DIM, ROWS, WARPS, STAGES>;
+  static_assert(sizeof(T) == 4 && sizeof(KV) == 4, "float32 queries over a float32 cache");
+  constexpr int TILE = L::kTile;
+  constexpr int THREADS = L::kThreads;
+  constexpr int LDK = L::kLdk;
+  constexpr int RPW = L::kRowsPerWarp;
+  constexpr int NV = L::kLaneVectors;
+  using Ring = KvRing<KV, HEAD_DIM, BLOCK_SIZE, TILE, STAGES, THREADS, true, true, LDK>;
+
+  const int4 tile = tiles[blockIdx.y];
+  const int first_row = tile.x;
+  const int num_rows = tile.y;
+  const int begin = tile.z;
+  const int end = tile.w;
+  const int kv_head = blockIdx.x;
+  const int lane = threadIdx.x;
+  const int warp = threadIdx.y;
+  const int tid = warp * 32 + lane;
+  const int num_q_heads = num_kv_heads * group_size;
+
+  CUPAGED_DYNAMIC_SHARED(unsigned char, smem);
+  KV* k_s = reinterpret_cast<KV*>(smem);                     // [STAGES, TILE, LDK]
+  KV* v_s = reinterpret_cast<KV*>(smem + L::kStageBytes);    // [STAGES, TILE, LDK]
+  float* q_s = reinterpret_cast<float*>(smem + L::kQ);       // [ROWS, LDK]
+  float* p_s = reinterpret_cast<float*>(smem + L::kP);       // [ROWS, TILE]
+
+  // The warp's rows warp + i * WARPS: their query positions (ALiBi's i, the window's origin),
+  // slopes and first keys (keys before i - window_left are masked; no overflow: i >= -1).
+  constexpr bool kHasAlibi = (VARIANT & kAlibi) != 0;
+  constexpr bool kHasWindow = (VARIANT & kWindow) != 0;
+  int query_pos[RPW];
+  float slope[RPW];
+  int first_key[RPW];
+#pragma unroll
+  for (int i = 0; i < RPW; ++i) {
+    const int row = warp + i * WARPS;
+    query_pos[i] = 0;
+    slope[i] = 0.0f;
+    if ((kHasAlibi || kHasWindow) && row < num_rows) {
+      const int r = first_row + row;
+      query_pos[i] = context_lens[members[r / group_size].x] - 1;
+      if (kHasAlibi) slope[i] = alibi_slopes[kv_head * group_size + r % group_size];
+    }
+    first_key[i] = kHasWindow && window_left >= 0 ? query_pos[i] - window_left : begin;
+  }
+  float m[RPW], l[RPW];  // l: this lane's part of the row's sum
+  float acc[RPW][NV][4];
+#pragma unroll
+  for (int i = 0; i < RPW; ++i) {
+    m[i] = neg_inf();
+    l[i] = 0.0f;
+#pragma unroll
+    for (int v = 0; v < NV; ++v) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[i][v][e] = 0.0f;
+    }
+  }
+
+  if (begin < end) {  // uniform over the block
+    // 0. q rows of the tile into q_s; rows past num_rows are zeros.
+    const bool q_aligned = (reinterpret_cast<unsigned long long>(q) & 15u) == 0;
+    for (int j = tid; j < ROWS * L::kRowVectors; j += THREADS) {
+      const int g = j / L::kRowVectors;
+      const int col = j % L::kRowVectors * 4;
+      float4 value = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      if (g < num_rows) {
+        const int r = first_row + g;
+        const long long q_row = static_cast<long long>(members[r / group_size].x) * num_q_heads +
+                                kv_head * group_size + r % group_size;
+        const T* src = q + q_row * HEAD_DIM + col;
+        if (q_aligned) {
+          value = *reinterpret_cast<const float4*>(src);
+        } else {
+          value = make_float4(src[0], src[1], src[2], src[3]);
+        }
+      }
+      *reinterpret_cast<float4*>(q_s + g * LDK + col) = value;
+    }
+
+    // The shared blocks, read from the table of the tile's first member.
+    const int table_seq = members[first_row / group_size].x;
+    Ring ring(k_s, v_s, k_cache, v_cache,
+              block_tables + static_cast<long long>(table_seq) * max_blocks, num_kv_heads,
+              kv_head, begin, end, tid);
+    ring.start();
+
+    for (int stage = 0; stage < ring.num_stages; ++stage) {
+      Ring::wait_k();
+      __syncthreads();  // K of `stage` is in (and, the first time, q_s); stage - 1 is done
+      ring.refill(stage);
+
+      // 2. scores of the warp's rows against token `lane` of the stage
+      float s[RPW];
+#pragma unroll
+      for (int i = 0; i < RPW; ++i) s[i] = 0.0f;
+      const float* k_row = ring.k_row(stage, lane);
+#pragma unroll 4
+      for (int d = 0; d < HEAD_DIM; d += 4) {
+        const float4 k = *reinterpret_cast<const float4*>(k_row + d);
+#pragma unroll
+        for (int i = 0; i < RPW; ++i) {
+          const float4 qv = *reinterpret_cast<const float4*>(q_s + (warp + i * WARPS) * LDK + d);
+          s[i] += qv.x * k.x;
+          s[i] += qv.y * k.y;
+          s[i] += qv.z * k.z;
+          s[i] += qv.w * k.w;
+        }
+      }
+
+      // 3. online softmax of each row over the stage's tokens
+      const int key = begin + stage * TILE + lane;
+      float alpha[RPW];
+#pragma unroll
+      for (int i = 0; i < RPW; ++i) {
+        const float sc = key < end && key >= first_key[i]
+                             ? variant_score<VARIANT>(s[i] * scale, soft_cap, slope[i],
+                                                      key - query_pos[i])
+                             : neg_inf();
+        float m_new = fmaxf(m[i], sc);
+#pragma unroll
+        for (int width = 16; width > 0; width /= 2) {
+          m_new = fmaxf(m_new, __shfl_xor_sync(0xffffffffu, m_new, width));
+        }
+        const float base = m_new == neg_inf() ? 0.0f : m_new;
+        const float p = expf(sc - base);
+        alpha[i] = expf(m[i] - base);  // 0 while m = -inf
+        l[i] = l[i] * alpha[i] + p;
+        m[i] = m_new;
+        p_s[(warp + i * WARPS) * TILE + lane] = p;
+      }
+
+      Ring::wait_v();
+      __syncthreads();  // V of `stage` is in; so is P (the warp's own rows)
+
+      // 4. acc = alpha acc + P V over the lane's column vectors
+      const float* v_rows = ring.v_row(stage, 0);
+#pragma unroll
+      for (int i = 0; i < RPW; ++i) {
+#pragma unroll
+        for (int v = 0; v < NV; ++v) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[i][v][e] *= alpha[i];
+        }
+      }
+#pragma unroll 2
+      for (int t = 0; t < TILE; t += 4) {
+        float4 vv[4][NV];
+#pragma unroll
+        for (int x = 0; x < 4; ++x) {
+#pragma unroll
+          for (int v = 0; v < NV; ++v) {
+            const int col = (lane + 32 * v) * 4;
+            vv[x][v] = col < HEAD_DIM ? *reinterpret_cast<const float4*>(v_rows + (t + x) * LDK + col)
+                                      : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+          }
+        }
+#pragma unroll
+        for (int i = 0; i < RPW; ++i) {
+          const float4 p = *reinterpret_cast<const float4*>(p_s + (warp + i * WARPS) * TILE + t);
+          const float pw[4] = {p.x, p.y, p.z, p.w};
+#pragma unroll
+          for (int x = 0; x < 4; ++x) {
+#pragma unroll
+            for (int v = 0; v < NV; ++v) {
+              acc[i][v][0] += pw[x] * vv[x][v].x;
+              acc[i][v][1] += pw[x] * vv[x][v].y;
+              acc[i][v][2] += pw[x] * vv[x][v].z;
+              acc[i][v][3] += pw[x] * vv[x][v].w;
+            }
+          }
+        }
+      }
+    }
+    __pipeline_wait_prior(0);  // only empty batches are left
+  }
+
+  // 5. the rows' results, to the slots of their members
+#pragma unroll
+  for (int i = 0; i < RPW; ++i) {
+    float sum = l[i];
+#pragma unroll
+    for (int width = 16; width > 0; width /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, width);
+    const int row = warp + i * WARPS;
+    if (row >= num_rows) continue;
+    const int flat = first_row + row;
+    const long long index = static_cast<long long>(members[flat / group_size].y) * num_q_heads +
+                            kv_head * group_size + flat % group_size;
+#pragma unroll
+    for (int v = 0; v < NV; ++v) {
+      const int col = (lane + 32 * v) * 4;
+      if (col >= HEAD_DIM) continue;
+      // All -inf: weight 0 in the merge, and a zero row, not 0 / 0.
+      float4 out = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      if (sum != 0.0f) {
+        out = make_float4(acc[i][v][0] / sum, acc[i][v][1] / sum, acc[i][v][2] / sum,
+                          acc[i][v][3] / sum);
+      }
+      *reinterpret_cast<float4*>(partial_out + index * HEAD_DIM + col) = out;
+    }
+    if (lane == 0) {
+      const float base = m[i] == neg_inf() ? 0.0f : m[i];
+      partial_lse[index] = base + logf(sum);  // sum = 0 (no key, or all -inf): -inf
+    }
   }
 }
 

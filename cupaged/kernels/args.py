@@ -302,8 +302,9 @@ class DecodeMergeArgs(NamedTuple):
 
 
 class CascadeSharedArgs(NamedTuple):
-    """``cascade_shared`` (cuda/cascade.cu): the shared level of cascade decode attention, its
-    partial rows and log-sum-exps in the slots of ``members``, merged by ``paged_decode_merge``."""
+    """``cascade_shared`` and ``cascade_shared_cores`` (cuda/cascade.cu; one interface): the
+    shared level of cascade decode attention, its partial rows and log-sum-exps in the slots of
+    ``members``, merged by ``paged_decode_merge``."""
 
     partial_out: Array  # [capacity, num_q_heads, head_dim] float32
     partial_lse: Array  # [capacity, num_q_heads] float32
@@ -399,6 +400,7 @@ KERNEL_ARGS: dict[tuple[str, str], type] = {
     ("paged_attention.cu", "paged_decode_mma"): DecodeArgs,
     ("paged_attention.cu", "paged_decode_merge"): DecodeMergeArgs,
     ("cascade.cu", "cascade_shared"): CascadeSharedArgs,
+    ("cascade.cu", "cascade_shared_cores"): CascadeSharedArgs,
     ("paged_prefill.cu", "paged_prefill"): PrefillArgs,
     ("paged_prefill.cu", "paged_prefill_mma"): PrefillArgs,
     ("paged_prefill.cu", "paged_prefill_merge"): PrefillMergeArgs,

@@ -70,6 +70,9 @@ def run(xp, q, k_cache, v_cache, tables, lens, *, cascade, sinks=None, **options
         ("bfloat16", 16, 4, {"logits_soft_cap": 2.0, "alibi": True, "sinks": True}),
         ("float16", 1, 12, {"window_left": 70, "sinks": True}),
         ("float16", 32, 4, {"window_left": 0}),
+        ("float32", 16, 4, {}),  # CUDA cores (cascade_shared_cores)
+        ("float32", 7, 12, {"window_left": 40, "logits_soft_cap": 2.0, "alibi": True}),
+        ("float32", 16, 1, {"sinks": True}),
     ],
 )
 def test_cascade_matches_the_oracle_for_random_forests(rng, xp, dtype, block_size, group, variant):
@@ -171,13 +174,37 @@ def test_update_plans_the_cascade_of_the_new_tables(rng, xp):
 
 
 def test_cascade_refuses_what_it_cannot_run(rng):
+    # float32 queries over an fp8 cache: paged_decode takes them, no cascade kernel does (the
+    # tensor cores take 16-bit queries, the CUDA-core kernel a float32 cache).
     q, k, v, tables, lens = batch(rng, "float32")
-    with pytest.raises(ValueError, match="cascade"):
-        cupaged.DecodePlan(tables, lens, k, q.shape[1], cascade=True)
-    plan = cupaged.DecodePlan(tables, lens, k, q.shape[1])  # None: the plain plan
+    k8 = from_float(k, "float8_e4m3")
+    with pytest.raises(ValueError, match="cascade=True: expected float32 queries over a float32"):
+        cupaged.DecodePlan(tables, lens, k8, q.shape[1], cascade=True, q_dtype="float32")
+    plan = cupaged.DecodePlan(tables, lens, k8, q.shape[1], q_dtype="float32")  # the plain plan
     assert plan.cascade is None
     with pytest.raises(TypeError, match="cascade"):
         cupaged.DecodePlan(tables, lens, k, q.shape[1], cascade="yes")
+
+
+def test_a_float32_cache_cascades(rng, xp):
+    """float32 runs on CUDA cores (cascade_shared_cores): ``cascade=True`` takes it, and
+    ``cascade=None`` does where it saves enough bytes (a large group over one long prompt)."""
+    q, k, v, tables, lens = batch(rng, "float32")
+    plan, got = run(xp, q, k, v, tables, lens, cascade=True)
+    assert plan.cascade is not None and plan.cascade.rows_per_tile in (16, 32)
+    assert_close(got, oracle(q, k, v, tables, lens), "float32")
+    rows, blocks = 16, 64  # 16 rows forked from one prompt of 64 blocks of 16: 2 MiB per layer
+    tables = np.concatenate(
+        [np.tile(np.arange(blocks, dtype=np.int32), (rows, 1)), blocks + np.arange(rows)[:, None]],
+        axis=1,
+    ).astype(np.int32)
+    lens = np.full(rows, blocks * 16 + 1, np.int32)
+    shape = (blocks + rows, NUM_KV_HEADS, 16, 128)
+    k, v = random_array(rng, shape, "float32"), random_array(rng, shape, "float32")
+    q = random_array(rng, (rows, NUM_KV_HEADS * 8, 128), "float32")
+    plan, got = run(xp, q, k, v, tables, lens, cascade=None)
+    assert plan.cascade is not None, (plan.kv_bytes_read, plan.kv_bytes_plain)
+    assert_close(got, oracle(q, k, v, tables, lens), "float32")
 
 
 def test_the_plan_counts_what_plan_cascade_counts(rng):

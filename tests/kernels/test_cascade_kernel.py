@@ -1,4 +1,5 @@
-"""cascade_shared launched directly over hand-built tiles and members.
+"""cascade_shared (and, over float32, cascade_shared_cores) launched directly over hand-built
+tiles and members.
 
 The kernel's contract (cuda/cascade.cu): tiles[t] = {first_row, num_rows, begin, end} holds the
 flattened query rows first_row .. first_row + num_rows - 1 (row r: member r // G, query head
@@ -243,6 +244,12 @@ CASES = [
     ("bfloat16", "float8_e5m2", 64, 5, 8),
     ("float16", "float16", 256, 16, 2),  # 32 rows per tile
     ("bfloat16", "bfloat16", 64, 256, 4),  # every range inside one block
+    # float32 on CUDA cores (cascade_shared_cores)
+    ("float32", "float32", 128, 16, 4),
+    ("float32", "float32", 80, 1, 1),  # lanes idle past the row's 20 vectors
+    ("float32", "float32", 96, 32, 40),  # above rows_per_tile / 2: a member across two tiles
+    ("float32", "float32", 256, 256, 2),  # two output vectors per lane; one block per range
+    ("float32", "float32", 64, 7, 8),
 ]
 
 
@@ -259,17 +266,21 @@ def test_tiles_match_the_oracle(rng, q_dtype, dtype, head_dim, block_size, group
 
 
 @pytest.mark.parametrize(
-    "q_dtype, dtype, group, rows",
+    "q_dtype, dtype, group, rows, rows_per_tile",
     [
-        ("float16", "float16", 4, 16),
-        ("bfloat16", "float8_e4m3", 8, 32),
-        ("float16", "float16", 1, 256),  # more rows than any tile: the largest
+        ("float16", "float16", 4, 16, 16),
+        ("bfloat16", "float8_e4m3", 8, 32, 32),
+        ("float16", "float16", 1, 256, 64),  # more rows than any tile: the largest
+        ("float32", "float32", 4, 16, 16),
+        ("float32", "float32", 2, 24, 32),  # CUDA cores: at most 32 rows
     ],
 )
-def test_a_step_of_small_groups_takes_smaller_tiles(rng, q_dtype, dtype, group, rows):
-    """Groups of at most ``rows`` query rows run in tiles of 16 or 32 rows."""
+def test_a_step_of_small_groups_takes_smaller_tiles(
+    rng, q_dtype, dtype, group, rows, rows_per_tile
+):
+    """Groups of at most ``rows`` query rows run in the smallest tile that holds them."""
     launch = cascade_launch(dtype, NUM_KV_HEADS, group, 128, 16, q_dtype=q_dtype, rows=rows)
-    assert launch.rows_per_tile == {16: 16, 32: 32}.get(rows, 64)
+    assert launch.rows_per_tile == rows_per_tile
     most = rows // group
     groups = (
         Group(min(most, 3), 150, ((5, 150),), own=(0, 9, 40)),
@@ -283,16 +294,21 @@ def test_a_step_of_small_groups_takes_smaller_tiles(rng, q_dtype, dtype, group, 
 
 
 @pytest.mark.parametrize("order", SCHEDULES)
-def test_the_device_and_the_schedules_agree(rng, xp, order):
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_the_device_and_the_schedules_agree(rng, xp, order, dtype):
     """On the CPU backend under two scheduling orders, through the strict CuPy stand-in, and on
     a GPU where there is one."""
-    batch = build_batch(rng, GROUPS[:2], "float16", "float16", 64, 16, 4, 64)
+    rows = cascade_launch(dtype, NUM_KV_HEADS, 4, 64, 16).rows_per_tile
+    batch = build_batch(rng, GROUPS[:2], dtype, dtype, 64, 16, 4, rows)
     scale = 64**-0.5
-    got = run_cascade(xp, batch, "float16", "float16", 4, scale, order=order)
-    check(batch, got, oracle(batch, "float16", 4, scale), "float16")
+    got = run_cascade(xp, batch, dtype, dtype, 4, scale, order=order)
+    check(batch, got, oracle(batch, dtype, 4, scale), dtype)
 
 
-@pytest.mark.parametrize("q_dtype, dtype", [("float16", "float16"), ("bfloat16", "float8_e4m3")])
+@pytest.mark.parametrize(
+    "q_dtype, dtype",
+    [("float16", "float16"), ("bfloat16", "float8_e4m3"), ("float32", "float32")],
+)
 def test_window_soft_cap_and_alibi_per_row(rng, q_dtype, dtype):
     """Each row masks its own window (its position is its sequence's length - 1): rows whose
     own suffix is longer than the window see none of the shared keys (a zero row, -inf)."""
@@ -301,7 +317,8 @@ def test_window_soft_cap_and_alibi_per_row(rng, q_dtype, dtype):
         Group(4, 100, ((3, 100),), own=(0, 30, 95, 200)),  # the last two: every key masked
         Group(1, 50, ((0, 50),), own=(10,)),
     )
-    batch = build_batch(rng, groups, q_dtype, dtype, head_dim, 16, group, 64)
+    rows = cascade_launch(dtype, NUM_KV_HEADS, group, head_dim, 16, q_dtype=q_dtype).rows_per_tile
+    batch = build_batch(rng, groups, q_dtype, dtype, head_dim, 16, group, rows)
     slopes = rng.uniform(0.01, 0.2, NUM_KV_HEADS * group).astype(np.float32)
     variants = Variants(window_left=40, logits_soft_cap=3.0, alibi_slopes=slopes)
     scale = 2 * head_dim**-0.5
@@ -327,13 +344,23 @@ def test_the_launch_table():
     for head_dim in range(64, 257, 16):
         rows = cascade_launch("bfloat16", 1, 1, head_dim, 256).rows_per_tile
         assert rows % 16 == 0 and rows >= 32
+    cores = cascade_launch("float32", 8, 4, 128, 16, variants=window)
+    assert cores.name == "cupaged::cascade_shared_cores<float, 128, 16, 32, 4, 2, 3, float>"
+    assert (cores.rows_per_tile, cores.tile, cores.block) == (32, 32, (32, 4, 1))
+    assert 2 * (cores.shared_mem + 1024) <= 228 * 1024  # two blocks per H100 multiprocessor
+    # An A100 takes 16-row tiles at head_dim 256 (32 rows outgrow its shared memory).
+    assert cascade_launch("float32", 8, 4, 256, 1, Target.of_arch(80)).rows_per_tile == 16
+    assert cascade_launch("float32", 8, 4, 256, 1).rows_per_tile == 32
 
 
 @pytest.mark.parametrize(
     "dtype, q_dtype, head_dim, block_size, message",
     [
-        ("float32", "float32", 128, 16, r"expected queries of one of \('float16', 'bfloat16'\)"),
+        ("float32", "float16", 128, 16, "expected float32 queries over a float32 cache"),
+        ("float16", "float32", 128, 16, "got float32 queries over a float16 cache"),
         ("float8_e4m3", "float32", 128, 16, "tensor cores"),
+        ("float16", "int8", 128, 16, r"expected queries of one of \('float16', 'bfloat16'\)"),
+        ("float32", "float32", 72, 16, "expected head_dim in 64..256"),
         ("float16", "bfloat16", 128, 16, "expected queries of the cache's type float16"),
         ("float16", "float16", 72, 16, "expected head_dim in 64..256"),
         ("float16", "float16", 128, 257, "expected block_size in 1..256"),
@@ -353,18 +380,22 @@ def test_a_gpu_without_the_tensor_cores_or_the_shared_memory_is_refused():
         cascade_launch("bfloat16", 2, 4, 64, 16, Target.of_arch(75))
     with pytest.raises(ValueError, match="bytes of shared memory"):
         cascade_launch("float16", 2, 4, 256, 16, Target.of_arch(75))
+    with pytest.raises(ValueError, match="bytes of shared memory"):  # no tensor cores needed
+        cascade_launch("float32", 2, 4, 256, 16, Target.of_arch(75))
 
 
 NAN_CASES = ("nan_q", "nan_k", "pos_inf_k", "neg_inf_k", "inf_v")
 
 
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
 @pytest.mark.parametrize("case", NAN_CASES)
-def test_nan_and_inf_like_the_oracle(rng, case):
+def test_nan_and_inf_like_the_oracle(rng, case, dtype):
     """NaN and Inf reach exactly the rows the oracle's softmax gives them to: a NaN in q its
     row, a NaN in K or a score of +Inf the rows of that KV head whose range holds the key (as
     NaN), a score of -Inf weighs 0, an Inf in V makes its column Inf."""
-    dtype, group, head_dim = "float16", 4, 64
-    batch = build_batch(rng, GROUPS[:2], dtype, dtype, head_dim, 16, group, 64)
+    group, head_dim = 4, 64
+    rows = cascade_launch(dtype, NUM_KV_HEADS, group, head_dim, 16).rows_per_tile
+    batch = build_batch(rng, GROUPS[:2], dtype, dtype, head_dim, 16, group, rows)
     key = 20  # a key of the first group's range [5, 150), in its shared blocks
     block, offset = batch.tables[0, key // 16], key % 16
     one = np.array([1.0], np.float32)
@@ -386,15 +417,17 @@ def test_nan_and_inf_like_the_oracle(rng, case):
     check(batch, got, expected, dtype)
 
 
-def test_a_query_not_16_byte_aligned_is_read_element_by_element(rng):
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_a_query_not_16_byte_aligned_is_read_element_by_element(rng, dtype):
     """The element-by-element path gives the oracle's rows (the 16-byte load it avoids would
     fault on a GPU; x86 takes it, so here the test holds the path's indexing)."""
-    batch = build_batch(rng, GROUPS[:2], "bfloat16", "bfloat16", 64, 16, 4, 64)
+    rows = cascade_launch(dtype, NUM_KV_HEADS, 4, 64, 16).rows_per_tile
+    batch = build_batch(rng, GROUPS[:2], dtype, dtype, 64, 16, 4, rows)
     q = batch.q
     buffer = np.zeros(q.nbytes + 16, np.uint8)
     shifted = buffer[q.itemsize : q.itemsize + q.nbytes].view(q.dtype).reshape(q.shape)
     shifted[...] = q
     assert shifted.ctypes.data % 16
     batch.q = shifted
-    got = run_cascade(np, batch, "bfloat16", "bfloat16", 4, 0.125)
-    check(batch, got, oracle(batch, "bfloat16", 4, 0.125), "bfloat16")
+    got = run_cascade(np, batch, dtype, dtype, 4, 0.125)
+    check(batch, got, oracle(batch, dtype, 4, 0.125), dtype)

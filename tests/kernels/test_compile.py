@@ -100,9 +100,17 @@ def requested_names(arch: str = "sm_90") -> dict[str, list[str]]:
             except ValueError:
                 continue
             names["cascade.cu"].add(launch.name)
+    # float32 (CUDA cores): the decode shapes, and the small tile
+    for head_dim, block_size in DECODE_SHAPES:
+        with contextlib.suppress(ValueError):
+            names["cascade.cu"].add(
+                cascade_launch("float32", 1, 4, head_dim, block_size, target).name
+            )
     every = variants.Variants(window_left=3, logits_soft_cap=1.0, alibi_slopes=np.ones(1))
     with contextlib.suppress(ValueError):
         names["cascade.cu"].add(cascade_launch("float16", 1, 4, 128, 16, target, every).name)
+        names["cascade.cu"].add(cascade_launch("float32", 1, 4, 128, 16, target, every).name)
+        names["cascade.cu"].add(cascade_launch("float32", 1, 4, 128, 16, target, rows=16).name)
     for block_bytes, aligned in ((4096, True), (4096, False), (12, True), (6, True), (7, True)):
         name, *_ = copy_blocks_launch(block_bytes, aligned, 1, 1, element_bytes=1)
         names["copy_blocks.cu"].add(name)
