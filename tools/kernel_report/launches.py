@@ -95,14 +95,16 @@ def _cascade_launches(
 ) -> list[Launch]:
     """``cascade_shared`` at its largest tile and at 32 rows (a group of 8 sequences of GQA 4),
     where the launch table has it (fp16/bf16 queries, fp8 caches under float16; a GPU with the
-    tensor cores and the shared memory)."""
+    tensor cores and the shared memory); over float32, ``cascade_shared_cores`` at 32 and 16
+    rows (CUDA cores)."""
     out = []
-    for rows in (None, 32):
+    for rows in (None, 32) if dtype != "float32" else (None, 16):
         try:
             c = launch_cascade.cascade_launch(dtype, 1, 1, head_dim, block_size, target, rows=rows)
-        except ValueError:  # float32, or a GPU without what it needs
+        except ValueError:  # a GPU without what it needs
             return []
-        note = f"{c.rows_per_tile} query rows, tensor cores"
+        cores = "CUDA cores" if dtype == "float32" else "tensor cores"
+        note = f"{c.rows_per_tile} query rows, {cores}"
         launch = Launch(
             "cascade_shared",
             c.name,

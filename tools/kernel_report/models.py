@@ -99,9 +99,13 @@ def cascade_tile_model(launch: Launch, arch: str, gpu: str) -> dict[str, float]:
       mma.sync rate (``HMMA_FMA_PER_CYCLE``);
     - ``mufu``: one exponential per score and one per row (16 lanes per cycle).
     The bound is the largest; the CTAs of one SM share its DRAM share and its shared memory.
+    ``math`` is the products' pipe (``math_pipe`` names it): HMMA here, FFMA over float32
+    (:func:`_cascade_cores_model`).
     """
     rows, tile, hd = launch.chunk, launch.tile, launch.head_dim
     warps = launch.threads // WARP
+    if launch.dtype == "float32":
+        return _cascade_cores_model(launch, arch, gpu)
     steps, blocks = hd // 16, rows // 16
     slices = cdiv(steps, warps)
     kv = kv_tile_bytes(launch)
@@ -123,7 +127,42 @@ def cascade_tile_model(launch: Launch, arch: str, gpu: str) -> dict[str, float]:
         hmma=2 * rows * tile * hd / HMMA_FMA_PER_CYCLE[arch],
         mufu=(rows * tile + rows) / MUFU_LANES_PER_CYCLE,
     )
+    model.update(math=model["hmma"], math_pipe="HMMA")
     model["bound"] = max(model["smem"], model["hmma"], model["mufu"])
+    return model
+
+
+def _cascade_cores_model(launch: Launch, arch: str, gpu: str) -> dict[str, float]:
+    """MODEL: ``cascade_shared_cores`` (float32, CUDA cores), per stage of ``tile`` tokens:
+
+    - ``smem``: the ring's copies in; Q K^T: every warp reads the stage's K rows (one LDS.128
+      per lane and 4 elements) and its rows' q as broadcasts (one 128-byte wavefront per row
+      and 4 elements); P written once; P V: every warp reads the stage's V rows (its lanes'
+      16-byte vectors, whole wavefronts) and its rows' P as broadcasts (one per row and 4
+      tokens);
+    - ``math``: the two products' multiply-adds (``2 x rows x tile x head_dim``) at the FP32
+      FMA rate (``FP32_FMA_LANES_PER_CYCLE``);
+    - ``mufu``: two exponentials per score (p, and alpha per row and lane).
+    """
+    rows, tile, hd = launch.chunk, launch.tile, launch.head_dim
+    warps = launch.threads // WARP
+    kv = kv_tile_bytes(launch)
+    smem = kv  # the ring's copies in
+    smem += warps * tile * hd * 4 + rows * (hd // 4) * 128  # Q K^T: K rows, q broadcasts
+    smem += rows * tile * 4  # P out
+    smem += warps * tile * cdiv(hd, 128) * 512 + rows * (tile // 4) * 128  # P V: V rows, P
+    model = dict(
+        rows=rows,
+        tile=tile,
+        dram_bytes=kv,
+        dram=kv / dram_bytes_per_sm_cycle(gpu),
+        smem_bytes=smem,
+        smem=smem / 128,
+        math=2 * rows * tile * hd / FP32_FMA_LANES_PER_CYCLE[arch],
+        math_pipe="FFMA",
+        mufu=2 * rows * tile / MUFU_LANES_PER_CYCLE,
+    )
+    model["bound"] = max(model["smem"], model["math"], model["mufu"])
     return model
 
 

@@ -176,7 +176,7 @@ class Analysis:
             model_dram_bytes_per_tile=tile["dram_bytes"],
             model_dram_cycles_per_tile=round(tile["dram"]),
             model_smem_cycles_per_tile=round(tile["smem"]),
-            model_issue_cycles_per_tile=round(max(tile["hmma"], tile["mufu"])),
+            model_issue_cycles_per_tile=round(max(tile["math"], tile["mufu"])),
             model_cascade_tile=tile,
         )
 

@@ -103,7 +103,8 @@ def markdown(rows: list[Row]) -> str:
             "cascade_shared (the shared level of cascade decode), one CTA's stage of K/V read once "
             "for all its query rows (model, cycles on one SM; see cascade_tile_model): its "
             "smem/DRAM column is the shared-memory bytes of the stage at 128 B per cycle, its "
-            "issue/DRAM column the larger of the HMMA pipe (mma.sync rate) and the exponentials; "
+            "issue/DRAM column the larger of the HMMA pipe (mma.sync rate; over float32, CUDA "
+            "cores, the FFMA pipe) and the exponentials; "
             "B in flight/SM is its cp.async ring, one stage of K and V per CTA x CTAs per SM.",
             "",
         ]
@@ -112,8 +113,9 @@ def markdown(rows: list[Row]) -> str:
             lines.append(
                 f"- {r['gpu']} {r['dtype']} hd {r['head_dim']} bs {r['block_size']} "
                 f"({m['rows']} rows x {m['tile']} tokens): DRAM {m['dram']:.0f} "
-                f"({m['dram_bytes']} B), smem {m['smem']:.0f} ({m['smem_bytes']} B), HMMA "
-                f"{m['hmma']:.0f}, MUFU {m['mufu']:.0f}, x{r['ctas_per_sm']} CTAs/SM (model)"
+                f"({m['dram_bytes']} B), smem {m['smem']:.0f} ({m['smem_bytes']} B), "
+                f"{m['math_pipe']} {m['math']:.0f}, MUFU {m['mufu']:.0f}, "
+                f"x{r['ctas_per_sm']} CTAs/SM (model)"
             )
     prefill = [r for r in rows if r["kernel"] == "paged_prefill"]
     if prefill:
