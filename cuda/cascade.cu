@@ -634,7 +634,8 @@ __global__ void __launch_bounds__(32 * WARPS, 1)
 #pragma unroll
           for (int v = 0; v < NV; ++v) {
             const int col = (lane + 32 * v) * 4;
-            vv[x][v] = col < HEAD_DIM ? *reinterpret_cast<const float4*>(v_rows + (t + x) * LDK + col)
+            const float* src = v_rows + (t + x) * LDK + col;
+            vv[x][v] = col < HEAD_DIM ? *reinterpret_cast<const float4*>(src)
                                       : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
           }
         }
