@@ -225,6 +225,17 @@ def print_summary(console: Any, run: Any) -> None:
         f"{prefix['hits']} hits, {prefix['misses']} misses "
         f"({100 * prefix['hit_rate']:.0f} %), {prefix['evictions']} evictions",
     )
+    cascade = summary["cascade"]
+    if cascade["steps"]:
+        not_read = cascade["bytes_not_read"]
+        cascade_text = (
+            f"{cascade['steps']} decode steps read shared prefixes once: {not_read / 2**20:,.2f} "
+            f"MiB of K/V not read ({100 * not_read / cascade['bytes_plain']:.0f} % of those "
+            f"steps' {cascade['bytes_plain'] / 2**20:,.2f} MiB)"
+        )
+    else:
+        cascade_text = "no step had rows sharing a block"
+    table.add_row("cascade", cascade_text)
     checks = summary["checks"]
     verdict = "equal" if checks["passed"] else "[red]DIFFERENT[/red]"
     table.add_row(

@@ -215,17 +215,22 @@ class Demo:
         self.tokenizer = None
         if config.model:  # fetched (with a message) on the first run, then loaded
             self.model, self.tokenizer = load_model(
-                config.model, self.device, config.dtype, kv_dtype=config.kv_dtype
+                config.model, self.device, config.dtype, kv_dtype=config.kv_dtype, cascade=True
             )
             prompts, c = encode_prompts(self.tokenizer), config
             self.requests = make_real_requests(prompts, c.requests, c.new_tokens, c.max_len, c.seed)
         elif config.weights:
             self.model = TinyDecoder.load(
-                config.weights, xp, dtype=config.dtype, kv_dtype=config.kv_dtype
+                config.weights, xp, dtype=config.dtype, kv_dtype=config.kv_dtype, cascade=True
             )
         else:
             self.model = TinyDecoder(
-                ModelConfig(), xp, seed=config.seed, dtype=config.dtype, kv_dtype=config.kv_dtype
+                ModelConfig(),
+                xp,
+                seed=config.seed,
+                dtype=config.dtype,
+                kv_dtype=config.kv_dtype,
+                cascade=True,
             )
         self.cache: PagedCache = self.model.make_cache(
             config.num_blocks, config.block_size, kv_scales=config.kv_scales
@@ -278,6 +283,13 @@ class Demo:
             )
         summary, report = summarize(config, cache, self.device, self.requests, result, steps, check)
         summary["model"] = self.describe_model()
+        reads = self.model.cascade_reads
+        summary["cascade"] = {
+            "steps": reads.steps,
+            "bytes_read": reads.bytes_read,
+            "bytes_plain": reads.bytes_plain,
+            "bytes_not_read": reads.bytes_not_read,
+        }
         summary["temperature"] = self.temperature
         if self.tokenizer is not None:
             summary["texts"] = [

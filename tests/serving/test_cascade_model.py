@@ -9,6 +9,7 @@ from helpers import TOLERANCES
 from test_model_plans import CONFIG, random_weights
 
 from cupaged import to_numpy
+from cupaged.demo import DemoConfig, run_demo
 from cupaged.models import Llama
 
 
@@ -48,3 +49,14 @@ def test_forked_samples_decode_through_a_cascade():
     batch = cache.batch([admission.sid, cache.fork(admission.sid)])
     plain.decode(cache, batch, [1, 2])
     assert plain.cascade_reads.steps == 0 and plain.cascade_reads.bytes_not_read == 0
+
+
+def test_the_demo_reads_its_samples_shared_prompts_once():
+    # The seeded demo: a quarter of its requests ask for 2 or 3 samples (forks), half share a
+    # system prompt (prefix-cache hits); both are groups of its decode steps' cascades.
+    run = run_demo(DemoConfig(requests=8, new_tokens=8, device="cpu"))
+    cascade = run.summary["cascade"]
+    assert cascade["steps"] > 0
+    assert 0 < cascade["bytes_read"] < cascade["bytes_plain"]
+    assert cascade["bytes_not_read"] == cascade["bytes_plain"] - cascade["bytes_read"]
+    assert run.summary["checks"]["passed"]
