@@ -52,6 +52,7 @@ from .._util import cdiv
 from ..backend import array_module
 from ..kernels.args import CascadeSharedArgs, merge_record, with_fields
 from ..kernels.launch_cascade import cascade_launch
+from ..kernels.launch_decode import MAX_GRID_YZ
 from .layer import attention_kernel, target
 
 # A step takes cascade (cascade=None) when it saves at least this many bytes of K/V per layer: a
@@ -412,6 +413,46 @@ class SharedLevel:
                     raise ValueError(f"cascade=True: {error}") from None
                 self._launches[rows] = None  # never again
         return self._launches[rows]
+
+    def plan(
+        self,
+        tables: np.ndarray,
+        lens: np.ndarray,
+        records: tuple[Any, Any],
+        *,
+        kv_bytes: int,
+        tile: int,
+        fill_blocks: int,
+    ) -> CascadeLevels | None:
+        """A step's cascade from its host tables and lengths (:func:`plan_cascade`), laid onto
+        the device with the plan's ``paged_decode`` and merge ``records``; ``None`` when nothing
+        is shared, too little (``cascade=None``), or the work list passes CUDA's grid limit."""
+        if not shares_a_first_block(tables, lens):
+            return None
+        _, _, _, layout, group, variants = self._shape
+        _, num_kv_heads, block_size, head_dim = layout
+        nodes = shared_nodes(tables, lens, block_size, variants.window_left)
+        # The largest group's query rows pick the tile (a smaller one where they fit).
+        if not nodes or (launch := self.launch(max(n.rows.size for n in nodes) * group)) is None:
+            return None
+        work = plan_cascade(
+            tables,
+            lens,
+            block_size=block_size,
+            window_left=variants.window_left,
+            group=group,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            kv_bytes=kv_bytes,
+            rows_per_tile=launch.rows_per_tile,
+            tile=tile,
+            fill_blocks=fill_blocks,
+            force=self.required,
+            nodes=nodes,
+        )
+        if work is None or max(work.capacity, work.tiles.shape[0]) > MAX_GRID_YZ:
+            return None
+        return self.levels(work, *records)
 
     def levels(self, work: CascadeWork, decode_args: Any, merge_args: Any) -> CascadeLevels:
         """A step's cascade on the device: its own work list, slots and partial buffers, and

@@ -77,10 +77,7 @@ from .cascade import (
     CascadeWork,
     DecodeGeometry,
     first_attended,
-    plan_cascade,
     shared_level,
-    shared_nodes,
-    shares_a_first_block,
 )
 from .layer import (
     DECODE_Q_AXES,
@@ -113,14 +110,14 @@ class DecodePlan:
             experiments; a count above the pieces of whole tiles a context holds gives those
             pieces); ``None`` balances the work by tokens over the device (see
             ``cuda/decode_plan.cu``). Refused with ``batch_invariant=True``.
-        cascade: rows that share leading blocks (forks, prefix-cache hits) read them once for
-            all of them (docs/cascade.md): ``None`` (default) when that reads at least
-            ``MIN_SAVED_BYTES`` fewer K/V bytes per layer (cupaged/attention/cascade.py, the
-            arithmetic), ``True`` whenever two rows share a block, ``False`` never. The sharing
-            is read from the tables (one read-back of them on a GPU per plan and ``update``,
-            unless no two rows share a first block); a cascade step's buffers are its own, so
-            a CUDA graph of ``run`` needs ``cascade=False``. Off with ``batch_invariant=True``;
-            16-bit queries only (tensor cores): ``True`` over a float32 cache is refused.
+        cascade: rows sharing leading blocks (forks, prefix-cache hits) read them once
+            (docs/cascade.md): ``None`` when that saves ``MIN_SAVED_BYTES`` of K/V per layer
+            (cupaged/attention/cascade.py), ``True`` whenever two rows share a block, ``False``
+            never; off with ``batch_invariant=True``. Its buffers are per step: a CUDA graph of
+            ``run`` needs ``False``. On a GPU it reads ``host_tables`` (without them ``None``
+            plans no cascade, never synchronising for it, and ``True`` reads the tables back).
+        host_tables: ``(block_tables, context_lens)``: NumPy copies (any width holding every
+            length's blocks), *trusted* equal to them (``PagedCache.decode_plan``'s own).
         batch_invariant: ``True``: a sequence's output is bitwise the same in any batch, at any
             position in it (on one device and build; docs/batch-invariance.md). Every sequence
             is cut into pieces of a fixed size (``INVARIANT_SPLIT_TOKENS`` of
@@ -187,6 +184,7 @@ class DecodePlan:
         "_device",
         "_fill",
         "_grid",
+        "_host_tables",
         "_kernel",
         "_layout",
         "_lens",
@@ -229,6 +227,7 @@ class DecodePlan:
         num_splits: int | None = None,
         batch_invariant: bool = False,
         cascade: bool | None = None,
+        host_tables: tuple[Any, Any] | None = None,
         max_context_len: int | None = None,
         checked: bool = True,
         tables_checked: bool | None = None,
@@ -342,6 +341,7 @@ class DecodePlan:
         self._num_q_heads = np.int32(num_q_heads)
         self._sink_kernels = None
         self._cascade = self._shared_level = None
+        self._host_tables = host_tables
         if num_seqs == 0:
             return
         # Of the final launch: the CPU backend caps its helper threads by the launch's blocks.
@@ -423,34 +423,23 @@ class DecodePlan:
     def _plan_cascade(self) -> CascadeLevels | None:
         """The step's cascade from the plan's tables (on the host), or ``None``: nothing shared,
         or too little (``cascade=None``), or a work list past CUDA's grid limit."""
-        tables, lens = to_numpy(self._tables), to_numpy(self._lens)
         level = self._shared_level
-        if not shares_a_first_block(tables, lens):
+        if self._device == "cpu":
+            tables, lens = self._tables, self._lens
+        elif self._host_tables is not None:
+            tables, lens = self._host_tables
+        elif level.required:  # (cascade=True: one read-back)
+            tables, lens = to_numpy(self._tables), to_numpy(self._lens)
+        else:
             return None
-        num_blocks, num_kv_heads, block_size, head_dim = self._layout
-        window, group = self._variants.window_left, int(self._num_q_heads) // num_kv_heads
-        nodes = shared_nodes(tables, lens, block_size, window)
-        # The largest group's query rows pick the tile (a smaller one where they fit).
-        if not nodes or (launch := level.launch(max(n.rows.size for n in nodes) * group)) is None:
-            return None
-        work = plan_cascade(
+        return level.plan(
             tables,
             lens,
-            block_size=block_size,
-            window_left=window,
-            group=group,
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
+            self._cascade_args,
             kv_bytes=self._kv_bytes(),
-            rows_per_tile=launch.rows_per_tile,
             tile=self._tile,
             fill_blocks=max(self._capacity - self.num_seqs, 1),
-            force=level.required,
-            nodes=nodes,
         )
-        if work is None or max(work.capacity, work.tiles.shape[0]) > MAX_GRID_YZ:
-            return None
-        return level.levels(work, *self._cascade_args)
 
     def _kv_bytes(self) -> int:
         """Bytes of one cache element (an fp8 cache's one byte, a bfloat16's two)."""
@@ -502,7 +491,14 @@ class DecodePlan:
         return to_numpy(self._work)
 
     @takes_dlpack
-    def update(self, block_tables: Any, context_lens: Any, *, checked: bool = True) -> None:
+    def update(
+        self,
+        block_tables: Any,
+        context_lens: Any,
+        *,
+        checked: bool = True,
+        host_tables: tuple[Any, Any] | None = None,
+    ) -> None:
         """Re-plan for a new step of the same batch size into the same buffers (same launch
         geometry, same device pointers: a captured CUDA graph stays valid). The arrays are
         copied into the plan's own.
@@ -517,6 +513,8 @@ class DecodePlan:
                 too. ``checked=False`` *trusts* the caller: pass it only for tables and lengths
                 that cupaged built (``PagedCache.block_tables``) and scales checked already, as
                 a CUDA graph's replay loop does.
+            host_tables: the new tables' host copies, as the constructor takes them (the
+                cascade's; ``None`` on a GPU: no cascade this step unless ``cascade=True``).
 
         Raises:
             TypeError: arrays on another device, or of a dtype other than int32 / int64.
@@ -541,6 +539,7 @@ class DecodePlan:
             )
         self._tables[...] = block_tables
         self._lens[...] = context_lens
+        self._host_tables = host_tables
         self.checked = checked
         if self.num_seqs:
             self._plan(max_context)

@@ -135,9 +135,11 @@ class ManagerVerbs:
         return self._manager.batch(sids)
 
     @forwards
-    def block_tables(self, sids: Iterable[int] | SequenceBatch | StepPlan) -> tuple[Any, Any]:
+    def block_tables(
+        self, sids: Iterable[int] | SequenceBatch | StepPlan, *, host: bool = False
+    ) -> tuple[Any, Any]:
         """:meth:`BlockManager.block_tables`."""
-        return self._manager.block_tables(sids)
+        return self._manager.block_tables(sids, host=host)
 
     @forwards
     def lengths(self, sids: Iterable[int] | SequenceBatch) -> tuple[np.ndarray, np.ndarray]:

@@ -344,6 +344,8 @@ class PagedCache(ManagerVerbs):
         """
         tables, lens = self._manager.block_tables(sids)  # (a StepPlan: its step's)
         options = _variants(self.window_left, logits_soft_cap, alibi_slopes)
+        if self.device == "cuda" and cascade is not False:  # the planner reads host copies
+            options["host_tables"] = self._manager.block_tables(sids, host=True)
         options.update(scale=scale, num_splits=num_splits, cascade=cascade, **self._trusted())
         options.update(_fp8_plan_options(self.spec.dtype, q_dtype), batch_invariant=batch_invariant)
         return DecodePlan(tables, lens, self.k[0], num_q_heads, **options)

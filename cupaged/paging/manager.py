@@ -420,7 +420,9 @@ class BlockManager:
         )
 
     @atomic
-    def block_tables(self, sids: Iterable[int] | SequenceBatch | StepPlan) -> tuple[Any, Any]:
+    def block_tables(
+        self, sids: Iterable[int] | SequenceBatch | StepPlan, *, host: bool = False
+    ) -> tuple[Any, Any]:
         """Dense block tables and lengths of a batch, on the manager's device, for attention.
 
         Build them once per decode step and pass them to every layer's attention call.
@@ -431,6 +433,9 @@ class BlockManager:
                 tables=True)``: its step's tables, refused (``ValueError``) once a later call
                 changed its sequences (their lengths, residency, or the batch's order), which
                 would attend entries the window released since, or blocks that went to others.
+            host: the same tables and lengths as host (NumPy) copies, whatever the device (the
+                cascade planner reads them: docs/cascade.md), padded to the batch's longest
+                table; nothing is read back from a GPU.
 
         Returns:
             ``(block_tables, context_lens)``: ``[len(sids), width]`` int32, padded with 0 past
@@ -440,8 +445,12 @@ class BlockManager:
             that, and the array is the batch's own, refreshed in place by the next call.
         """
         if isinstance(sids, StepPlan):
+            if host:
+                self._step_tables(sids)  # (its checks: a stale plan is refused)
+                return self._host_tables(sids.stamp.rows)
             return self._step_tables(sids)
-        return self._tables(self._rows_of(sids), sids)
+        rows = self._rows_of(sids)
+        return self._host_tables(rows) if host else self._tables(rows, sids)
 
     # ----------------------------------------------------------------------------- swapping
 
@@ -627,6 +636,12 @@ class BlockManager:
         width = max(int(cdiv(lens.max(), self.block_size)) if lens.size else 0, 1)
         width = min(width, table.width)
         return self._xp.asarray(table.tables[rows, :width]), self._xp.asarray(lens)
+
+    def _host_tables(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        table = self._table
+        lens = table.lens[rows]
+        width = max(int(cdiv(lens.max(), self.block_size)) if lens.size else 0, 1)
+        return table.tables[rows, : min(width, table.width)], lens
 
     def _on_device(self, host: np.ndarray) -> Any:
         return host if self._xp is np else self._xp.asarray(host)

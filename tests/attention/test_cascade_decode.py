@@ -53,9 +53,14 @@ def batch(rng, dtype, *, num_rows=8, width=6, block_size=16, group=4, head_dim=6
 
 
 def run(xp, q, k_cache, v_cache, tables, lens, *, cascade, sinks=None, **options):
+    """A plan of the arrays on ``xp``'s device and its run; on a device, with the tables' host
+    copies (``host_tables``, as ``PagedCache`` hands them), which the cascade planner reads."""
+    host = None if xp is np else (np.asarray(tables), np.asarray(lens))
     q, k_cache, v_cache, tables, lens = (xp.asarray(x) for x in (q, k_cache, v_cache, tables, lens))
     options = {k: xp.asarray(v) if isinstance(v, np.ndarray) else v for k, v in options.items()}
-    plan = cupaged.DecodePlan(tables, lens, k_cache, q.shape[1], cascade=cascade, **options)
+    plan = cupaged.DecodePlan(
+        tables, lens, k_cache, q.shape[1], cascade=cascade, host_tables=host, **options
+    )
     out = xp.asarray(poison(q.shape, str(q.dtype) if q.dtype != np.uint16 else "bfloat16"))
     sinks = None if sinks is None else xp.asarray(sinks)
     return plan, plan.run(q, k_cache, v_cache, out=out, sinks=sinks)
@@ -236,3 +241,21 @@ def test_the_one_shot_function_takes_cascade(rng, xp):
     assert_close(got, expected, "bfloat16")
     with pytest.raises(ValueError, match="cascade=True"):
         cupaged.paged_attention(q, k, v, tables, lens, cascade=True, batch_invariant=True)
+
+
+def test_on_a_device_none_reads_no_table_back_and_true_does(rng, xp):
+    """Without host copies of the tables, a device plan with cascade=None plans none (it never
+    synchronises for it); True reads the tables back; update() takes new host copies."""
+    if xp is np:
+        pytest.skip("the NumPy plan reads its own tables on the host")
+    q, k, v, tables, lens = batch(rng, "float16")
+    assert shared_nodes(tables, lens, 16)  # (the forest shares)
+    dev = [xp.asarray(x) for x in (q, k, v, tables, lens)]
+    for cascade, taken in ((None, False), (True, True)):
+        plan = cupaged.DecodePlan(dev[3], dev[4], dev[1], q.shape[1], cascade=cascade)
+        assert (plan.cascade is not None) == taken
+        assert_close(plan.run(*dev[:3]), oracle(q, k, v, tables, lens), "float16")
+    plan = cupaged.DecodePlan(dev[3], dev[4], dev[1], q.shape[1], cascade=True)
+    plan.update(dev[3], dev[4], host_tables=(tables, lens))
+    assert plan.cascade is not None
+    assert_close(plan.run(*dev[:3]), oracle(q, k, v, tables, lens), "float16")

@@ -4,6 +4,7 @@ step's decode plan, found from the cache's own tables, with the plain plan's res
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from helpers import assert_close, random_array
 from test_cache import kv
 
@@ -44,3 +45,28 @@ def test_forked_samples_share_their_prompt_in_the_step_plan(rng):
     assert plan.kv_bytes_read < plan.kv_bytes_plain
     assert cache.decode_plan(batch, 8).cascade is None  # None: a few KB is not worth a launch
     cache.check_invariants()
+
+
+def test_host_block_tables_are_the_device_tables_on_the_host(rng):
+    """What PagedCache.decode_plan hands a GPU plan's cascade planner: the same ids and lengths,
+    for ids, a batch and a step plan (a stale step plan refused as for the device tables)."""
+    cache = PagedCache(
+        64, block_size=4, num_layers=1, num_kv_heads=1, head_dim=64, dtype="float16",
+        device="cpu",
+    )  # fmt: skip
+    sids = [cache.add_sequence() for _ in range(3)]
+    for sid, n in zip(sids, (5, 13, 1), strict=True):
+        cache.append(sid, *kv(cache, rng, n))
+    batch = cache.batch(sids)
+    step = cache.step(batch, tables=True)
+    for source in (sids, batch, step):
+        tables, lens = cache.block_tables(source)
+        host_tables, host_lens = cache.block_tables(source, host=True)
+        assert isinstance(host_tables, np.ndarray) and isinstance(host_lens, np.ndarray)
+        np.testing.assert_array_equal(host_lens, lens)
+        for row, n in enumerate(lens.tolist()):
+            used = -(-n // 4)
+            np.testing.assert_array_equal(host_tables[row, :used], tables[row, :used])
+    cache.step(batch)  # a later step: the first plan is stale
+    with pytest.raises(ValueError, match="stale"):
+        cache.block_tables(step, host=True)
