@@ -14,8 +14,8 @@ a step is a tree of block ids, found here from the tables alone, with no token c
     3      5  6                         own:  row 3 [0, len3)
 
 Each node's range is attended by every member's query at once (``cuda/cascade.cu``: the members'
-query heads are the rows of tensor-core products over each K/V tile, read once per tile of
-``rows_per_tile`` query rows), each row's own ranges by ``paged_decode`` as items of the work
+query heads are the rows of tensor-core products, or of CUDA-core ones over a float32 cache,
+over each K/V tile, read once per tile of ``rows_per_tile`` query rows), each row's own ranges by ``paged_decode`` as items of the work
 list, and the pieces of a row, its nodes and its own items, are merged by their log-sum-exp
 (``paged_decode_merge``): the softmax of a row over the union of disjoint key ranges is their
 partial softmaxes weighted by ``exp(lse - max lse)``. A row's pieces take consecutive slots of the
