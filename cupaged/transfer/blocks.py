@@ -61,6 +61,16 @@ def cache_layout(cache: Any, name: str) -> CacheLayout:
     )
 
 
+def register(agent: Any, cache: Any, layout: CacheLayout) -> Any:
+    """Register ``cache.k`` and ``cache.v`` with the NIXL ``agent``, one region each; the
+    registration (for ``deregister_memory``)."""
+    rows = [
+        (layout.k_addr, int(cache.k.nbytes), layout.device_id, ""),
+        (layout.v_addr, int(cache.v.nbytes), layout.device_id, ""),
+    ]
+    return agent.register_memory(rows, layout.memory)
+
+
 def cache_scales(cache: Any) -> tuple[Any, Any]:
     """An fp8 cache's ``(k_scales, v_scales)`` as ``[num_layers][num_kv_heads]`` float lists;
     ``(None, None)`` for a cache that is not fp8 or whose ``"auto"`` scales are still pending

@@ -5,9 +5,12 @@ socket, its RPC), NIXL the third:
 
 - **metadata** (:func:`encode_metadata`): a JSON header describing the cache (:class:`CacheLayout`:
   layout, dtype, geometry, base addresses, fp8 scales), then the NIXL agent's own metadata;
-- **request** (:func:`encode_request`): what the receiver reserved, for the sender to fill;
-- **notification** (:func:`done_message`, :func:`fail_message`, :func:`cancel_message`): a short
-  line naming the transfer, sent through NIXL once the sender's writes are complete.
+- **request** (:func:`encode_request`): what the receiver reserved, and whether it reads the
+  sender's blocks (``mode="read"``, pull) or the sender writes them (``"write"``, push);
+- **notification** (:func:`ready_message`, :func:`done_message`, :func:`fail_message`,
+  :func:`cancel_message`): a short line naming the transfer, sent through NIXL: pull, the
+  sender's offer of its block ids ("ready") and the receiver's "done" once its read completed;
+  push, the sender's "done" once its writes completed.
 
 Everything read from a peer is checked here before it is used; a bad field raises
 :class:`TransferError` naming what was expected and what arrived. Nothing here needs NIXL.
@@ -31,6 +34,7 @@ REQUEST_MAGIC = b"cupaged-kv-request/1\n"
 NOTIF_PREFIX = b"cupaged-kv/1 "
 LAYOUT = "[num_layers, num_blocks, num_kv_heads, block_size, head_dim]"  # HND, layers outermost
 _MAX_HEADER = 1 << 20  # a metadata header of more than this is not one of ours
+MODES = ("read", "write")  # pull: the receiver READs the sender's blocks; push: the sender WRITEs
 
 
 class TransferError(CupagedError):
@@ -221,8 +225,10 @@ class Request:
         sender: the agent that must fill the blocks.
         first_block: prompt blocks the receiver held already (prefix caching).
         num_tokens: the prompt's length.
-        blocks: the receiver's block ids to write, ``cdiv(num_tokens, block_size) - first_block``.
+        blocks: the receiver's block ids to fill, ``cdiv(num_tokens, block_size) - first_block``.
         k_scales, v_scales: the receiver's fp8 scales (``None``: not fp8).
+        mode: ``"read"``: the sender offers its blocks and the receiver reads them (pull);
+            ``"write"``: the sender writes them into ``blocks`` (push).
     """
 
     transfer_id: str
@@ -233,11 +239,12 @@ class Request:
     blocks: list[int]
     k_scales: list[list[float]] | None = None
     v_scales: list[list[float]] | None = None
+    mode: str = "read"
 
     def digest(self) -> str:
-        """A short hash of what is to be written where: the done notification carries it, so a
-        receiver never commits on a notification of another request under the same id."""
-        text = f"{self.transfer_id}:{self.first_block}:{self.num_tokens}:{self.blocks}"
+        """A short hash of what is to be moved where, and how: the notifications carry it, so
+        neither side acts on a notification of another request under the same id."""
+        text = f"{self.transfer_id}:{self.mode}:{self.first_block}:{self.num_tokens}:{self.blocks}"
         return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
 
 
@@ -266,6 +273,10 @@ def decode_request(data: Any, block_size: int, num_blocks: int) -> Request:
             raise TransferError(
                 f"bad request: expected {key} a non-empty str, got {fields.get(key)!r}"
             )
+    if fields.get("mode") not in MODES:
+        raise TransferError(
+            f"bad request: expected mode one of {MODES}, got {fields.get('mode')!r}"
+        )
     first, n = fields.get("first_block"), fields.get("num_tokens")
     if type(first) is not int or type(n) is not int or first < 0 or n < 1:
         raise TransferError(
@@ -293,6 +304,7 @@ def decode_request(data: Any, block_size: int, num_blocks: int) -> Request:
         blocks,
         fields.get("k_scales"),
         fields.get("v_scales"),
+        fields["mode"],
     )
 
 
@@ -309,9 +321,72 @@ def _json(data: bytes, what: str) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------- notifications
 
 
-def done_message(request: Request, blocks: int, nbytes: int, descriptors: int) -> bytes:
-    text = f"done {request.transfer_id} {request.digest()} {blocks} {nbytes} {descriptors}"
+def done_message(
+    transfer_id: str, digest: str, blocks: int, nbytes: int, descriptors: int
+) -> bytes:
+    """Push: the sender's writes are complete. Pull: the receiver's read is, the sender may let
+    its blocks go. ``digest`` is the request's :meth:`Request.digest`."""
+    text = f"done {transfer_id} {digest} {blocks} {nbytes} {descriptors}"
     return NOTIF_PREFIX + text.encode()
+
+
+def ready_message(request: Request, blocks: np.ndarray, hold: float) -> bytes:
+    """Pull: the sender offers ``blocks`` (its ids of the request's logical blocks, in order) and
+    keeps them unchanged for ``hold`` seconds from now, or until the receiver's "done"."""
+    text = f"ready {request.transfer_id} {request.digest()} {int(hold * 1000)} {encode_ids(blocks)}"
+    return NOTIF_PREFIX + text.encode()
+
+
+def parse_ready(rest: str, digest: str, count: int, num_blocks: int) -> tuple[np.ndarray, float]:
+    """``(the sender's block ids [count] int64, its hold in seconds)`` from the rest of a "ready"
+    line, checked: the request's digest, ``count`` distinct ids in ``0 .. num_blocks - 1`` (the
+    sender's pool).
+
+    Raises:
+        TransferError: anything else.
+    """
+    words = rest.split(" ")
+    ids = None
+    if len(words) == 3 and words[0] == digest and words[1].isdigit():
+        ids = decode_ids(words[2], count)
+    if (
+        ids is None
+        or ids.size != count
+        or (ids.size and (ids.min() < 0 or ids.max() >= num_blocks))
+        or np.unique(ids).size != ids.size
+    ):
+        raise TransferError(
+            f"bad offer: expected digest {digest} and {count} distinct block ids in 0 .. "
+            f"{num_blocks - 1}, got {rest[:80]!r}"
+        )
+    return ids, int(words[1]) / 1000
+
+
+def encode_ids(ids: np.ndarray) -> str:
+    """Block ids as runs: ``[4, 5, 6, 9]`` -> ``"4-6,9"`` (a fresh pool's ids are one run)."""
+    ids = np.asarray(ids, np.int64)
+    if ids.size == 0:
+        return "-"
+    breaks = np.flatnonzero(np.diff(ids) != 1) + 1
+    return ",".join(f"{r[0]}-{r[-1]}" if r.size > 1 else f"{r[0]}" for r in np.split(ids, breaks))
+
+
+def decode_ids(text: str, limit: int) -> np.ndarray | None:
+    """The ids of :func:`encode_ids`'s text; ``None`` for text that is not such, or of more
+    than ``limit`` ids (a peer's text never makes a large array)."""
+    if text == "-":
+        return np.zeros(0, np.int64)
+    parts, total = [], 0
+    for run in text.split(","):
+        first, _, last = run.partition("-")
+        if not first.isdigit() or not (last.isdigit() or last == ""):
+            return None
+        lo, hi = int(first), int(last or first)
+        total += hi - lo + 1
+        if hi < lo or total > limit:
+            return None
+        parts.append(np.arange(lo, hi + 1, dtype=np.int64))
+    return np.concatenate(parts)
 
 
 def fail_message(transfer_id: str, reason: str) -> bytes:
@@ -328,6 +403,6 @@ def parse_message(message: bytes) -> tuple[str, str, str] | None:
     if not isinstance(message, bytes) or not message.startswith(NOTIF_PREFIX):
         return None
     words = message[len(NOTIF_PREFIX) :].decode(errors="replace").split(" ", 2)
-    if len(words) < 2 or words[0] not in ("done", "fail", "cancel"):
+    if len(words) < 2 or words[0] not in ("ready", "done", "fail", "cancel"):
         return None
     return words[0], words[1], words[2] if len(words) > 2 else ""

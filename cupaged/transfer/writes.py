@@ -1,4 +1,5 @@
-"""The sender's half of a transfer: which blocks of its sequence, and the NIXL WRITE of them.
+"""The sender's half of a transfer: which blocks of its sequence, the NIXL WRITE of them
+(push), or their offer and hold while the receiver reads them (pull, :func:`offer`).
 
 One request is one NIXL transfer: the blocks pair up with the receiver's in order, runs that are
 consecutive on both sides merge (:func:`~cupaged.transfer.blocks.runs`), and each run is one
@@ -12,6 +13,7 @@ progress too, which is why a receiver polls while its sender sends.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -19,7 +21,44 @@ import numpy as np
 from .._util import cdiv
 from ..dtypes import is_fp8
 from .blocks import cache_scales, descriptor_rows, runs
-from .wire import CacheLayout, Request, TransferError, TransferStats, scales_mismatch
+from .mailbox import POLL_S, Mailbox
+from .wire import (
+    CacheLayout,
+    Request,
+    TransferError,
+    TransferStats,
+    decode_request,
+    ready_message,
+    scales_mismatch,
+)
+
+
+def check_request(
+    data: bytes, local: CacheLayout, peers: dict[str, CacheLayout], mail: Mailbox
+) -> Request:
+    """The request's bytes checked: ours, from a connected receiver (``peers``), for the agent
+    of ``local``, not cancelled (``mail`` polled just before).
+
+    Raises:
+        TransferError: any of these not so.
+    """
+    peek = decode_request(data, local.block_size, 2**31 - 1)  # (its receiver: the pool to check)
+    receiver = peers.get(peek.receiver)
+    if receiver is None:
+        raise TransferError(
+            f"expected a request from a connected peer, got one from {peek.receiver!r}; "
+            f"connected: {list(peers)}"
+        )
+    req = decode_request(data, local.block_size, receiver.num_blocks)
+    if req.sender != local.name:
+        raise TransferError(
+            f"bad request: expected one for sender {local.name!r}, got one for {req.sender!r}"
+        )
+    if mail.cancelled(req.transfer_id):
+        raise TransferError(
+            f"transfer {req.transfer_id} was cancelled by its receiver {req.receiver!r}"
+        )
+    return req
 
 
 def source_blocks(cache: Any, sid: int, req: Request) -> np.ndarray:
@@ -118,3 +157,44 @@ def _post(
                 agent.release_xfer_handle(handle)
             except Exception:  # noqa: BLE001  (an active transfer NIXL cannot cancel)
                 pass
+
+
+def offer(
+    mail: Mailbox, req: Request, src: np.ndarray, hold: float, stall: float, poll: Callable
+) -> TransferStats:
+    """Pull: offer blocks ``src`` to the receiver (a "ready" notification with their ids and
+    ``hold``) and keep them until its "done", its cancel, or ``hold`` seconds (``poll()``
+    progresses the agent meanwhile). The caller leaves the sequence untouched while this runs.
+
+    Raises:
+        TransferError: the receiver gave up, or did not read within ``hold``.
+    """
+    tid = req.transfer_id
+    start = time.perf_counter()  # (after the request came: after the receiver's expect())
+    mail.open(tid, req.receiver)
+    try:
+        time.sleep(stall)  # (tests: a late sender, progressing nothing)
+        mail.notify(req.receiver, ready_message(req, src, hold), required=True)
+        while True:
+            poll()
+            kind, rest = mail.take(tid) or ("", "")
+            words = rest.split(" ")
+            if kind == "done" and len(words) == 4 and words[0] == req.digest():
+                break
+            if kind or mail.cancelled(tid):
+                raise TransferError(
+                    f"transfer {tid}: the receiver {req.receiver!r} gave up on the offered "
+                    f"blocks ({kind or 'cancel'} {rest[:60]}); they are the sender's again"
+                )
+            if time.perf_counter() >= start + hold:
+                raise TransferError(
+                    f"transfer {tid}: the receiver {req.receiver!r} did not read the offered "
+                    f"blocks within the hold of {hold:g} s; they are the sender's again"
+                )
+            time.sleep(POLL_S)
+    finally:
+        mail.close(tid)
+    nbytes, descriptors = (int(w) if w.isdigit() else 0 for w in words[2:])
+    return TransferStats(
+        len(src), req.first_block, nbytes, time.perf_counter() - start, descriptors
+    )

@@ -13,11 +13,15 @@ from cupaged.transfer.agent import KVTransferAgent
 from cupaged.transfer.blocks import cache_layout, descriptor_rows, runs
 from cupaged.transfer.wire import (
     Request,
+    decode_ids,
     decode_metadata,
     decode_request,
+    encode_ids,
     encode_metadata,
     encode_request,
     parse_message,
+    parse_ready,
+    ready_message,
 )
 from cupaged.transfer.writes import source_blocks
 
@@ -106,9 +110,53 @@ def test_request_bytes_round_trip_and_are_checked_against_the_cache():
             decode_request(bad, 4, 32)
 
 
+def test_a_request_names_its_mode_and_the_digest_covers_it():
+    pull, push = (
+        Request("t.1", "d", "p", 1, 10, [7, 3]),
+        Request("t.1", "d", "p", 1, 10, [7, 3], mode="write"),
+    )
+    assert pull.mode == "read" and pull.digest() != push.digest()
+    assert decode_request(encode_request(push), 4, 32) == push
+    with pytest.raises(TransferError, match="expected mode one of .* got 'copy'"):
+        decode_request(encode_request(push).replace(b'"write"', b'"copy"'), 4, 32)
+
+
+@pytest.mark.parametrize(
+    "ids, text",
+    [([], "-"), ([5], "5"), ([4, 5, 6, 9], "4-6,9"), ([9, 4, 5, 0], "9,4-5,0"), ([2, 1], "2,1")],
+)
+def test_offered_block_ids_travel_as_runs(ids, text):
+    assert encode_ids(np.array(ids, np.int64)) == text
+    assert decode_ids(text, len(ids)).tolist() == ids
+    if ids:  # (never more ids than the caller expects)
+        assert decode_ids(text, len(ids) - 1) is None
+
+
+def test_an_offer_is_checked_against_the_request_and_the_senders_pool():
+    request = Request("t.1", "d", "p", 0, 10, [7, 3, 4])
+    message = ready_message(request, np.array([1, 2, 9]), hold=2.5)
+    kind, tid, rest = parse_message(message)
+    assert (kind, tid) == ("ready", "t.1")
+    ids, hold = parse_ready(rest, request.digest(), 3, 16)
+    assert ids.tolist() == [1, 2, 9] and hold == 2.5
+    digest = request.digest()
+    for bad in (
+        rest.replace(digest, "0" * 16),  # another request's
+        rest.replace("1-2,9", "1-2"),  # too few
+        rest.replace("1-2,9", "1-2,2"),  # not distinct
+        rest.replace("1-2,9", "1-2,16"),  # outside the sender's pool
+        rest.replace("1-2,9", "1-99999999"),  # (no large array made)
+        rest.replace("2500", "-1"),
+        "garbage",
+    ):
+        with pytest.raises(TransferError, match="bad offer: expected digest"):
+            parse_ready(bad, digest, 3, 16)
+
+
 def test_notifications_of_others_are_not_ours():
     assert parse_message(b"cupaged-kv/1 done t.1 abc 1 2 3") == ("done", "t.1", "abc 1 2 3")
     assert parse_message(b"cupaged-kv/1 cancel t.1") == ("cancel", "t.1", "")
+    assert parse_message(b"cupaged-kv/1 ready t.1 abc 5 1-3") == ("ready", "t.1", "abc 5 1-3")
     for other in (b"vllm done t.1", b"cupaged-kv/1 launch t.1", b"cupaged-kv/1 done", "text"):
         assert parse_message(other) is None
 
