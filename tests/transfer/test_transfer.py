@@ -1,15 +1,11 @@
 """KV blocks moved between two processes on NIXL over loopback (issue 41).
 
 The parent (this pytest process) is the receiver (decode side); a spawned process is the sender
-(prefill side, ``transfer_peer.serve``). UCX sees only ``lo``; every wait is bounded and every
-child is killed in ``finally``.
+(prefill side, ``transfer_peer.serve``; ``transfer_pair`` and ``conftest`` hold what the tests
+share). UCX sees only ``lo``; every wait is bounded and every child is killed in ``finally``.
 """
 
 from __future__ import annotations
-
-import multiprocessing
-import os
-import uuid
 
 import numpy as np
 import pytest
@@ -21,150 +17,19 @@ except ImportError as error:
         f"NIXL not usable ({error}): pip install --no-deps nixl nixl-cu12", allow_module_level=True
     )
 
-import transfer_peer  # noqa: E402
+from transfer_pair import FP8, K_SCALES, SPEC, WAIT_S, Peer, Sender, move, pair  # noqa: E402
 
-from cupaged import PagedCache  # noqa: E402
-from cupaged.transfer import KVTransferAgent, TransferError  # noqa: E402
+from cupaged.transfer import TransferError  # noqa: E402
 from cupaged.transfer.blocks import runs  # noqa: E402
 
-SPEC = dict(
-    num_blocks=48, block_size=16, num_layers=3, num_kv_heads=2, head_dim=64, dtype="float16"
-)
-WAIT_S = 60.0  # the most any step of a test waits for the other process (spawn included)
+MODES = ("read", "write")  # pull (the default), push
 
 
-K_SCALES = np.array([0.5, 0.25, 2.0], np.float32)  # per layer (3 layers)
-FP8 = {
-    **SPEC,
-    "dtype": "float8_e4m3",
-    "k_scales": K_SCALES,
-    "v_scales": np.array([1.5, 3.0, 0.125], np.float32),
-}
-# The sender's caches, one process for the module: a larger pool (it frees nothing).
-SENDER_SPECS = {"fp16": {**SPEC, "num_blocks": 96}, "fp8": {**FP8, "num_blocks": 96}}
-
-
-class Peer:
-    """A sender process and its pipe; every wait bounded by ``WAIT_S``."""
-
-    def __init__(self, specs: dict, seed: int) -> None:
-        context = multiprocessing.get_context("spawn")
-        self.conn, child = context.Pipe()
-        self.name = f"prefill-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self.process = context.Process(
-            target=transfer_peer.serve, args=(child, specs, self.name, seed), daemon=True
-        )
-        self.process.start()
-        child.close()
-        self.metadata = self.recv()
-
-    def recv(self):
-        if not self.conn.poll(WAIT_S):
-            raise TimeoutError(f"the sender process sent nothing in {WAIT_S} s")
-        return self.conn.recv()
-
-    def kill(self) -> None:
-        if self.process.is_alive():
-            self.process.kill()
-        self.process.join(WAIT_S)
-        self.conn.close()
-
-
-class Sender:
-    """One cache (``key``) of a sender process: its metadata, and commands to it."""
-
-    def __init__(self, peer: Peer, key: str) -> None:
-        self.peer, self.key, self.metadata = peer, key, peer.metadata[key]
-        while peer.conn.poll(0):  # a failed test's answers left unread: not this test's
-            peer.conn.recv()
-
-    def post(self, command: str, *args, **kwargs) -> None:
-        self.peer.conn.send((command, self.key, args, kwargs))
-
-    def recv(self):
-        return self.peer.recv()
-
-    def result(self):
-        status, value = self.recv()
-        assert status == "ok", value
-        return value
-
-    def call(self, command: str, *args, **kwargs):
-        self.post(command, *args, **kwargs)
-        return self.result()
-
-    def kill(self) -> None:
-        self.peer.kill()
-
-
-@pytest.fixture(scope="module")
-def sender_process():
-    """The module's sender process (spawned once: a fresh interpreter costs seconds)."""
-    peer = Peer(SENDER_SPECS, seed=41)
-    try:
-        yield peer
-    finally:
-        peer.kill()
-
-
-@pytest.fixture
-def sender(sender_process):
-    """``sender(key)``: a cache of the module's sender process; ``sender(key, own=True)``: of a
-    process of its own (one a test kills), killed at the end."""
-    started = []
-
-    def start(key="fp16", own=False):
-        if not own:
-            return Sender(sender_process, key)
-        peer = Peer(SENDER_SPECS, seed=len(started))
-        started.append(peer)
-        return Sender(peer, key)
-
-    try:
-        yield start
-    finally:
-        for peer in started:
-            peer.kill()
-
-
-@pytest.fixture
-def receiver(monkeypatch):
-    """A CPU cache with prefix caching and its agent (a unique name: xdist workers run side by
-    side)."""
-    monkeypatch.setenv("UCX_NET_DEVICES", "lo")
-
-    def make(spec=SPEC):
-        cache = PagedCache(**{"device": "cpu", **spec}, enable_prefix_caching=True)
-        agent = KVTransferAgent(cache, f"decode-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-        made.append(agent)
-        return cache, agent
-
-    made = []
-    yield make
-    for agent in made:
-        agent.close()
-
-
-def _pair(receiver, sender, key="fp16", own=False):
-    cache, agent = receiver(FP8 if key == "fp8" else SPEC)
-    peer = sender(key, own)
-    name = agent.connect(peer.metadata)
-    assert peer.call("connect", agent.metadata()) == agent.name
-    return cache, agent, peer, name
-
-
-def _move(agent, peer, name, prompt, sid, incoming=None):
-    """expect (unless given), send in the sender while this process waits; both stats."""
-    incoming = incoming or agent.expect(prompt, peer=name)
-    peer.post("send", sid, incoming.request, timeout=WAIT_S)
-    stats = agent.wait(incoming, timeout=WAIT_S)
-    return incoming, stats, peer.result()
-
-
+@pytest.mark.parametrize("mode", MODES)
 def test_scattered_blocks_of_every_layer_arrive_bit_for_bit_and_a_cached_prefix_stays(
-    receiver, sender, rng
+    receiver, sender, rng, mode
 ):
-    cache, agent, peer, name = _pair(receiver, sender)
+    cache, agent, peer, name = pair(receiver, sender)
     bs = SPEC["block_size"]
     held = peer.call("scatter", 6)  # both sides' free blocks scattered, so runs break
     filler = [cache.admit([5] * bs + [i]).sid for i in range(5)]
@@ -172,7 +37,7 @@ def test_scattered_blocks_of_every_layer_arrive_bit_for_bit_and_a_cached_prefix_
     prompt = rng.integers(0, 30000, 5 * bs + 9).tolist()  # 5 full blocks and a partial one
     sid, k, v, table = peer.call("prefill", prompt)
 
-    incoming, stats, sent = _move(agent, peer, name, prompt, sid)
+    incoming, stats, sent = move(agent, peer, name, prompt, sid, mode=mode)
     assert (incoming.blocks_cached, incoming.blocks_to_move) == (0, 6)
     got_k, got_v = cache.gather_kv(incoming.sid)
     np.testing.assert_array_equal(got_k.view(np.uint8), k)
@@ -188,7 +53,7 @@ def test_scattered_blocks_of_every_layer_arrive_bit_for_bit_and_a_cached_prefix_
     # A second request sharing 3 full blocks: the receiver holds them (committed), so they stay.
     second = prompt[: 3 * bs] + rng.integers(0, 30000, 2 * bs + 1).tolist()
     sid2, k2, v2, _ = peer.call("prefill", second)
-    incoming2, stats2, sent2 = _move(agent, peer, name, second, sid2)
+    incoming2, stats2, sent2 = move(agent, peer, name, second, sid2, mode=mode)
     assert (incoming2.blocks_cached, incoming2.blocks_to_move) == (3, 3)
     assert (stats2.blocks_moved, stats2.blocks_cached, sent2[0], sent2[1]) == (3, 3, 3, 3)
     assert cache.block_table(incoming2.sid)[:3] == cache.block_table(incoming.sid)[:3]
@@ -202,12 +67,12 @@ def test_scattered_blocks_of_every_layer_arrive_bit_for_bit_and_a_cached_prefix_
 
 
 def test_a_sender_killed_before_its_notification_leaves_nothing_visible(receiver, sender, rng):
-    cache, agent, peer, name = _pair(receiver, sender, own=True)
+    cache, agent, peer, name = pair(receiver, sender, own=True)
     bs = SPEC["block_size"]
     free_before = cache.num_free_blocks
     prompt = rng.integers(0, 30000, 4 * bs + 3).tolist()
     sid, *_ = peer.call("prefill", prompt)
-    incoming = agent.expect(prompt, peer=name)
+    incoming = agent.expect(prompt, peer=name, mode="write")
     assert cache.num_free_blocks == free_before - 5
     # The blocks are written but the sender dies before it says so.
     peer.post("send", sid, incoming.request, timeout=WAIT_S, notify=False)
@@ -264,7 +129,7 @@ def test_bad_metadata_is_refused(receiver, data, says):
 
 
 def test_bad_request_bytes_are_refused_and_the_receiver_is_freed(receiver, sender, rng):
-    cache, agent, peer, name = _pair(receiver, sender)
+    cache, agent, peer, name = pair(receiver, sender)
     prompt = rng.integers(0, 30000, 40).tolist()
     sid, *_ = peer.call("prefill", prompt)
     incoming = agent.expect(prompt, peer=name)
@@ -296,10 +161,10 @@ def test_bad_request_bytes_are_refused_and_the_receiver_is_freed(receiver, sende
 
 
 def test_fp8_blocks_arrive_bit_for_bit_between_caches_of_equal_scales(receiver, sender, rng):
-    cache, agent, peer, name = _pair(receiver, sender, "fp8")
+    cache, agent, peer, name = pair(receiver, sender, "fp8")
     prompt = rng.integers(0, 30000, 2 * SPEC["block_size"] + 5).tolist()
     sid, k, v, table = peer.call("prefill", prompt)
-    incoming, stats, sent = _move(agent, peer, name, prompt, sid)
+    incoming, stats, sent = move(agent, peer, name, prompt, sid)
     assert stats.blocks_moved == 3
     src_runs = runs(np.array(table), np.array(cache.block_table(incoming.sid)))[0].size
     assert src_runs == 1  # (both pools fresh: consecutive ids, merged into one run)
@@ -341,7 +206,7 @@ def test_gpu_caches_move_blocks_between_registered_device_memory(receiver, sende
         assert peer.call("connect", agent.metadata()) == agent.name
         prompt = rng.integers(0, 30000, 3 * SPEC["block_size"] + 1).tolist()
         sid, k, v, _ = peer.call("prefill", prompt)
-        incoming, stats, _ = _move(agent, peer, name, prompt, sid)
+        incoming, stats, _ = move(agent, peer, name, prompt, sid)
         assert stats.blocks_moved == 4
         got_k, got_v = cache.gather_kv(incoming.sid)
         np.testing.assert_array_equal(got_k.view(np.uint8).get(), k)

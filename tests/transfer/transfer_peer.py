@@ -16,7 +16,7 @@ import numpy as np
 def serve(conn: Any, specs: dict[str, dict[str, Any]], name: str, seed: int) -> None:
     """Make a CPU cache of each of ``specs`` and an agent over each (named ``{name}-{key}``),
     send ``{key: metadata}``, then serve ``(command, key, args, kwargs)``: ``connect``,
-    ``prefill``, ``send``, ``scatter`` on cache ``key``, until ``exit``."""
+    ``prefill``, ``send``, ``scatter``, ``check`` on cache ``key``, until ``exit``."""
     os.environ["UCX_NET_DEVICES"] = "lo"  # (before NIXL starts UCX: loopback only)
     from cupaged import PagedCache
     from cupaged.transfer import KVTransferAgent
@@ -57,6 +57,9 @@ def _run(command: str, cache: Any, agent: Any, rng: np.random.Generator, args, k
         )
     if command == "scatter":
         return scatter(cache, *args)
+    if command == "check":  # (the sender's pool is sound: every block free, cached or owned)
+        cache.check_invariants()
+        return cache.num_free_blocks
     raise ValueError(f"unknown command {command!r}")
 
 
