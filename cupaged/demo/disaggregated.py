@@ -15,7 +15,8 @@ reference, and holds every logits vector of the decode side against it::
                                                                per request, in order:
                               <--- (rid, incoming.request) --    expect(prompt): reserve blocks,
                               admit + prefill the prompt          prefix hits are not moved
-                              send(): WRITE the blocks ------>   wait(): committed on "done"
+                              send(): offer the blocks ------>   wait(): READ them, commit,
+                              hold them until "done" <--------     tell P "done"
                               ---- (rid, logits, stats) ---->    fork the request's samples
                                                                decode every sequence to its end
     compares D's logits <------------------------------------  logits, tokens, transfer counts
@@ -58,10 +59,10 @@ __all__ = [
 
 INSTALL = "pip install --no-deps nixl nixl-cu12"  # NIXL without the CUDA PyTorch it would pull
 MESSAGE_TIMEOUT = 120.0  # seconds a process waits for the other's next message
-# A slow write must end at the sender (which cancels it and says "fail"), never at a receiver that
-# frees blocks still being written (docs/transfer.md): the receiver waits longer, and its wait
-# covers the prompt's prefill too.
-SEND_TIMEOUT = 30.0  # seconds the prefill side's writes of a request may take
+# The default mode pulls (docs/transfer.md): the decode side reads, and commits only what it read
+# within the prefill side's hold, counted from its expect(); the hold covers the prompt's
+# prefill too. (Pushing, the receiver's wait would have to outlast the sender's writes.)
+SEND_TIMEOUT = 30.0  # seconds the prefill side holds a request's blocks for the decode side
 WAIT_TIMEOUT = 90.0  # seconds the decode side waits for a request's blocks
 
 LogitsKey = tuple[int, int, int]  # (request id, sample, tokens generated before this one)
@@ -230,7 +231,7 @@ def run_processes(config: DemoConfig, timeout: float) -> tuple[dict[str, Any], d
 
 
 def prefill_worker(config: DemoConfig, link: Connection, results: Connection) -> None:
-    """The prefill process: prefill each prompt the decode side asks for and write its blocks."""
+    """The prefill process: prefill each prompt the decode side asks for, offer its blocks."""
     send_outcome(results, lambda: serve_prefill(config, link))
 
 
