@@ -56,13 +56,13 @@ from cupaged._util import cdiv  # noqa: E402
 FACTORS: dict[str, tuple] = {
     "group": (1, 4, 8, 16, 64),
     "head_dim": (64, 80, 128, 256),
-    "op": ("decode", "decode_plan", "prefill"),
+    "op": ("decode", "decode_plan", "prefill", "cascade"),
     "dtype": ("float32", "float16", "bfloat16"),
     "block_size": (1, 16, 256),
     "split": ("auto", "forced"),
     "zero_len": (False, True),
 }
-FORCED_SPLITS = {"decode": 4, "decode_plan": 4, "prefill": 3}
+FORCED_SPLITS = {"decode": 4, "decode_plan": 4, "prefill": 3, "cascade": 4}
 LONG_CONTEXT = {"full": 1500, "short": 300, "tiny": 70}  # tokens of a batch's longest sequence
 PREFILL_CHUNK = 20  # query tokens of the chunk that follows a long cached prefix
 
@@ -96,6 +96,7 @@ SANITIZER_CASES = (
     Case("decode", "float32", 64, 64, 256, "forced", True),
     Case("prefill", "float16", 128, 4, 16, "forced", True),
     Case("prefill", "bfloat16", 256, 16, 1, "auto", False),
+    Case("cascade", "float16", 128, 4, 16, "auto", True),
 )
 
 # The CPU backend's few tiny cases (the test suite runs them): every op, dtype and split mode, a
@@ -105,6 +106,7 @@ CPU_CASES = (
     Case("decode_plan", "bfloat16", 80, 4, 1, "forced", False),
     Case("prefill", "float16", 64, 8, 16, "forced", True),
     Case("prefill", "bfloat16", 64, 16, 4, "auto", False),
+    Case("cascade", "float32", 64, 4, 16, "forced", True),
 )
 
 
@@ -231,7 +233,7 @@ def build(xp, case: Case, scale: str, carrier: str, rng: np.random.Generator) ->
     num_q_heads = hkv * case.group
     per_seq = [cdiv(n, bs) for n, _ in seqs]
     num_blocks = sum(per_seq) + 3
-    layers = 2 if case.op == "decode_plan" else 1
+    layers = 2 if case.op in ("decode_plan", "cascade") else 1
     shape = (layers, num_blocks, hkv, bs, d)
     k = to_device(xp, rng.standard_normal(shape, dtype=np.float32), case.dtype, carrier)
     v = to_device(xp, rng.standard_normal(shape, dtype=np.float32), case.dtype, carrier)
@@ -239,6 +241,11 @@ def build(xp, case: Case, scale: str, carrier: str, rng: np.random.Generator) ->
     tables = np.full((len(seqs), max(1, max(per_seq))), -1, np.int32)  # padding: -1
     for i, n in enumerate(per_seq):
         tables[i, :n] = [free.pop() for _ in range(n)]
+    if case.op == "cascade":  # rows fork the longest: each shares its leading half (cascade.md)
+        longest = int(np.argmax(per_seq))
+        for i, n in enumerate(per_seq):
+            shared = min(n, per_seq[longest]) // 2
+            tables[i, :shared] = tables[longest, :shared]
     lens = np.array([n for n, _ in seqs], np.int32)
     rows = len(seqs) if case.op != "prefill" else sum(q for _, q in seqs)
     q = to_device(
@@ -331,10 +338,17 @@ def run_case(xp, case: Case, scale: str, carrier: str, seed: int) -> tuple[Check
             )
             work = plan.work()
             detail = f"{int((work[:, 0] >= 0).sum())} work items"
+        elif case.op == "cascade":  # the shared level, paged_decode over the rest, the merge
+            plan = cupaged.DecodePlan(
+                tables, lens, a["k"][0], q.shape[1], num_splits=case.num_splits, cascade=True,
+                host_tables=(host["tables"], host["lens"]),
+            )  # fmt: skip
+            shared = plan.cascade
+            detail = "nothing shared" if shared is None else f"{len(shared.nodes)} shared ranges"
         for layer in range(a["layers"]):
             out = poisoned(xp, q.shape, case.dtype, carrier)
             k, v = a["k"][layer], a["v"][layer]
-            if case.op == "decode_plan":
+            if case.op in ("decode_plan", "cascade"):
                 result = plan.run(q, k, v, out=out)
             else:
                 result = cupaged.paged_attention(
