@@ -37,7 +37,7 @@ import numpy as np
 
 from ..dtypes import is_fp8
 from .blocks import cache_layout, cache_scales, register
-from .mailbox import FLUSH_S, POLL_S, Mailbox
+from .mailbox import FLUSH_S, POLL_S, Mailbox, pause
 from .reads import ENDED, QUARANTINED, Quarantine, post_read, release, settle
 from .wire import (
     MODES,
@@ -295,7 +295,8 @@ class KVTransferAgent:
                 f"expected a transfer waiting at agent {self.name!r}, got {tid!r} (done or "
                 f"cancelled)"
             )
-        deadline = time.perf_counter() + timeout
+        start = time.perf_counter()
+        deadline = start + timeout
         while (message := self._mail.take(tid)) is None:
             self._poll()
             if time.perf_counter() >= deadline:
@@ -303,7 +304,7 @@ class KVTransferAgent:
                 raise self._give_up(
                     incoming, f"timed out after {timeout:g} s with no {what} (sender gone?)"
                 )
-            time.sleep(POLL_S)
+            pause(start)
         kind, rest = message
         if kind == "fail":
             raise self._give_up(incoming, f"the sender failed: {rest}")

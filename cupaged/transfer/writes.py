@@ -21,7 +21,7 @@ import numpy as np
 from .._util import cdiv
 from ..dtypes import is_fp8
 from .blocks import cache_scales, descriptor_rows, runs
-from .mailbox import POLL_S, Mailbox
+from .mailbox import Mailbox, pause
 from .wire import (
     CacheLayout,
     Request,
@@ -191,7 +191,7 @@ def offer(
                     f"transfer {tid}: the receiver {req.receiver!r} did not read the offered "
                     f"blocks within the hold of {hold:g} s; they are the sender's again"
                 )
-            time.sleep(POLL_S)
+            pause(start)
     finally:
         mail.close(tid)
     nbytes, descriptors = (int(w) if w.isdigit() else 0 for w in words[2:])
