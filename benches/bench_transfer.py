@@ -3,8 +3,10 @@ against an in-process NumPy copy of as many blocks of the same size.
 
 A sender process holds sequences of ``TOKENS`` tokens; this process is the receiver. One timed
 round is what a decode worker pays for ``requests`` requests: ``expect`` each (reserve its
-blocks), ship the requests through the pipe, the sender writes every block of every layer and
-notifies, ``wait`` commits each. Every request moves ``TOKENS`` tokens: 64 blocks of 32 KiB at
+blocks), ship the requests through the pipe, then per request, in the ``mode`` of the transfer:
+``read`` (pull, the default) the sender offers its blocks, ``wait`` READs every block of every
+layer, commits and tells the sender it may let them go; ``write`` (push) the sender writes them
+and notifies, ``wait`` commits. Every request moves ``TOKENS`` tokens: 64 blocks of 32 KiB at
 block size 16, 4 of 512 KiB at 256 (the same 2 MiB); ``QUICK_TOKENS`` when untimed. The receiver's cache has no prefix caching,
 so every round moves every block; its free blocks are in order (``runs``: a request's blocks are
 one run) or shuffled (``scattered``: about one descriptor per block per layer per K/V). UCX on
@@ -15,8 +17,9 @@ layout in this process, one copy per request (a slice for ``runs``, fancy indexi
 block ids for ``scattered``): the floor a transfer compares with.
 
 ``extra_info``: the bytes moved (each block's K and V of every layer once: ``bandwidth.py``),
-decimal GB/s and blocks per second of the round, the shapes; for NIXL also the descriptors and
-the sender's own time (post to completion of its writes) and GB/s, of the last round. The blocks
+decimal GB/s and blocks per second of the round, the shapes; for NIXL also the mode, the
+descriptors and the sender's own time and GB/s, of the last round (push: post to completion of
+its writes; pull: its offer to the receiver's "done", the hold). The blocks
 that arrive are checked bit for bit, so ``pytest benches --benchmark-disable`` (one untimed round
 of each) tests the transfer too.
 """
@@ -41,14 +44,16 @@ if not nixl_available():
 BLOCK_SIZES = (16, 256)
 REQUESTS = (1, 8, 64)
 LAYOUTS = ("runs", "scattered")  # a request's blocks on the receiver: consecutive, or not
+IMPLS = [("nixl", "read"), ("nixl", "write"), ("numpy", "-")]  # NIXL pulling, pushing; the floor
 MAX_REQUESTS = max(REQUESTS)
 TOKENS = 1024  # per request: 64 blocks of 16 tokens, 4 of 256
 QUICK_TOKENS = 256  # per request when untimed (--benchmark-disable): 16 blocks, or 1
 SHAPE = dict(num_layers=4, num_kv_heads=2, head_dim=64, dtype="float16")  # 2 KiB a token
 ROUNDS = 10
 TIMEOUT = 60.0  # seconds a message, or a request's writes, may take
-# The receiver waits longer than the sender writes: a slow write ends at the sender, never at a
-# receiver freeing blocks still being written (docs/transfer.md).
+# Pushing, the receiver waits longer than the sender writes: a slow write ends at the sender,
+# never at a receiver freeing blocks still being written (docs/transfer.md). Pulling, any order
+# is safe (the sender's hold is TIMEOUT).
 WAIT_TIMEOUT = 2 * TIMEOUT
 
 
@@ -146,11 +151,11 @@ class Receiver:
         self.link.send({key: agent.metadata() for key, agent in self.agents.items()})
         self.prompt = list(range(tokens))  # no prefix caching here: the same prompt every time
 
-    def round(self, key: tuple[int, str], n: int) -> tuple[list, list]:
+    def round(self, key: tuple[int, str], n: int, mode: str) -> tuple[list, list]:
         """Move ``n`` requests of :attr:`tokens` tokens into the cache of ``key`` (block size,
-        layout); the incomings and the sender's ``(seconds, descriptors)`` of each."""
+        layout) in ``mode``; the incomings and the sender's ``(seconds, descriptors)`` of each."""
         agent = self.agents[key]
-        incomings = [agent.expect(self.prompt, peer=self.peers[key]) for _ in range(n)]
+        incomings = [agent.expect(self.prompt, peer=self.peers[key], mode=mode) for _ in range(n)]
         self.link.send(("send", key, [incoming.request for incoming in incomings]))
         for incoming in incomings:
             agent.wait(incoming, timeout=WAIT_TIMEOUT)
@@ -200,8 +205,8 @@ def assert_arrived(cache: PagedCache, sid: int, bs: int, i: int, tokens: int) ->
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("requests", REQUESTS)
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
-@pytest.mark.parametrize("impl", ["nixl", "numpy"])
-def test_transfer(benchmark, receiver, impl, block_size, requests, layout):
+@pytest.mark.parametrize("impl, mode", IMPLS, ids=[f"{i}-{m}" if m != "-" else i for i, m in IMPLS])
+def test_transfer(benchmark, receiver, impl, mode, block_size, requests, layout):
     tokens = receiver.tokens
     blocks = requests * tokens // block_size
     spec = CacheSpec(block_size=block_size, **SHAPE)
@@ -210,7 +215,7 @@ def test_transfer(benchmark, receiver, impl, block_size, requests, layout):
     assert nbytes == blocks * spec.bytes_per_block
     benchmark.group = f"transfer: block_size={block_size} requests={requests} layout={layout}"
     info = benchmark.extra_info
-    info.update(SHAPE, impl=impl, block_size=block_size, requests=requests, layout=layout,
+    info.update(SHAPE, impl=impl, mode=mode, block_size=block_size, requests=requests, layout=layout,
                 blocks=blocks, tokens_per_request=tokens, bytes=nbytes, device="cpu",
                 transport="NIXL over UCX, loopback" if impl == "nixl" else "in-process")  # fmt: skip
     if impl == "nixl":
@@ -221,7 +226,7 @@ def test_transfer(benchmark, receiver, impl, block_size, requests, layout):
             receiver.free(key, last["incomings"])
 
         def move():
-            last["incomings"], last["sender"] = receiver.round(key, requests)
+            last["incomings"], last["sender"] = receiver.round(key, requests, mode)
 
         benchmark.pedantic(
             move, setup=free_last, rounds=repeats(benchmark, ROUNDS), warmup_rounds=1
