@@ -213,15 +213,16 @@ class Demo:
         self.device = resolve_device(config.device)
         xp = device_module(self.device)
         self.tokenizer = None
+        cascade = forced_cascade(config.dtype, config.kv_dtype)
         if config.model:  # fetched (with a message) on the first run, then loaded
             self.model, self.tokenizer = load_model(
-                config.model, self.device, config.dtype, kv_dtype=config.kv_dtype, cascade=True
+                config.model, self.device, config.dtype, kv_dtype=config.kv_dtype, cascade=cascade
             )
             prompts, c = encode_prompts(self.tokenizer), config
             self.requests = make_real_requests(prompts, c.requests, c.new_tokens, c.max_len, c.seed)
         elif config.weights:
             self.model = TinyDecoder.load(
-                config.weights, xp, dtype=config.dtype, kv_dtype=config.kv_dtype, cascade=True
+                config.weights, xp, dtype=config.dtype, kv_dtype=config.kv_dtype, cascade=cascade
             )
         else:
             self.model = TinyDecoder(
@@ -230,7 +231,7 @@ class Demo:
                 seed=config.seed,
                 dtype=config.dtype,
                 kv_dtype=config.kv_dtype,
-                cascade=True,
+                cascade=cascade,
             )
         self.cache: PagedCache = self.model.make_cache(
             config.num_blocks, config.block_size, kv_scales=config.kv_scales
@@ -377,6 +378,15 @@ def summarize(
         "memory": asdict(report),
     }
     return summary, report
+
+
+def forced_cascade(dtype: str, kv_dtype: str | None) -> bool | None:
+    """The demo's decode plans' ``cascade``: ``True``, so that its short shared prompts, which
+    ``None``'s rule (a few MiB saved per layer) leaves to the plain plan, are read once and
+    reported; ``None``, the default, for float32 queries over an fp8 cache, which no cascade
+    kernel takes (docs/cascade.md: float32 only over float32, on CUDA cores)."""
+    fp8_under_float32 = dtype == "float32" and kv_dtype not in (None, dtype)
+    return None if fp8_under_float32 else True
 
 
 def backend_name(device: str) -> str:

@@ -60,3 +60,11 @@ def test_the_demo_reads_its_samples_shared_prompts_once():
     assert 0 < cascade["bytes_read"] < cascade["bytes_plain"]
     assert cascade["bytes_not_read"] == cascade["bytes_plain"] - cascade["bytes_read"]
     assert run.summary["checks"]["passed"]
+
+
+def test_a_float32_demo_over_an_fp8_cache_runs_without_a_cascade():
+    # No cascade kernel takes float32 queries over fp8: the demo's plans then keep the default
+    # (cascade=None, nothing forced), and the run goes through, its check passed.
+    run = run_demo(DemoConfig(requests=6, new_tokens=6, device="cpu", kv_dtype="float8_e4m3"))
+    assert run.summary["checks"]["passed"]
+    assert run.summary["cascade"]["steps"] == 0
