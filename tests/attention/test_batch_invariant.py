@@ -425,3 +425,46 @@ def test_the_device_paths_keep_the_bits(rng, xp):
         )  # fmt: skip
         prefill_rows.append(per_sequence(got, starts)[-1])
     assert np.array_equal(*decode_rows) and np.array_equal(*prefill_rows)
+
+
+def widened(tables: np.ndarray, rows: np.ndarray, width: int) -> np.ndarray:
+    """``tables[rows]`` cut or padded (with block 0, past every length) to ``width`` columns."""
+    wide = np.zeros((len(rows), width), np.int32)
+    used = min(width, tables.shape[1])
+    wide[:, :used] = tables[rows][:, :used]
+    return wide
+
+
+@pytest.mark.parametrize("dtype, group", [("float32", 2), ("float16", 8)])
+def test_rows_keep_their_bits_whatever_the_tables_width(rng, dtype, group):
+    """A step's tables are as wide as its longest sequence needs (``PagedCache.block_tables``
+    pads to the batch's most blocks), so the width changes with the batch: a batch-invariant
+    sequence's bits must not. The first sequence (decode: split into pieces and merged) alone
+    in tables of its own width and wider, and among the pool in tables wider still."""
+    q, k, v, tables, lens, _ = decode_pool(rng, dtype, group)
+    sinks = variant_arrays(rng, q.shape[1], VARIANTS["sinks"])["sinks"]
+    own = -(-int(lens[0]) // BLOCK_SIZE)
+    widths = ((np.array([0]), own), (np.array([0]), own + 3),
+              (np.arange(POOL), tables.shape[1] + 40))  # fmt: skip
+    rows_bits = []
+    for rows, width in widths:
+        out = poison((len(rows), *q.shape[1:]), dtype)
+        got = cupaged.paged_attention(q[rows], k, v, widened(tables, rows, width), lens[rows],
+                                      batch_invariant=True, sinks=sinks, out=out)  # fmt: skip
+        rows_bits.append(bits(got)[0])
+    queries, k, v, tables, lens, _ = prefill_pool(rng, dtype, group)
+    own = -(-int(lens[0]) // BLOCK_SIZE)
+    widths = ((np.array([0]), own), (np.array([0]), own + 3),
+              (np.arange(POOL), tables.shape[1] + 40))  # fmt: skip
+    prefill_bits = []
+    for rows, width in widths:
+        packed_q, starts = packed(queries, rows)
+        got = cupaged.paged_prefill(
+            packed_q, k, v, widened(tables, rows, width), lens[rows], starts,
+            batch_invariant=True, sinks=sinks, out=poison(packed_q.shape, dtype),
+        )  # fmt: skip
+        prefill_bits.append(per_sequence(got, starts)[0])
+    for got in rows_bits[1:]:
+        assert np.array_equal(rows_bits[0], got), "expected a decode row's bits at any width"
+    for got in prefill_bits[1:]:
+        assert np.array_equal(prefill_bits[0], got), "expected prefill rows' bits at any width"
