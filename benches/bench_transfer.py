@@ -205,7 +205,7 @@ def assert_arrived(cache: PagedCache, sid: int, bs: int, i: int, tokens: int) ->
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("requests", REQUESTS)
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
-@pytest.mark.parametrize("impl, mode", IMPLS, ids=[f"{i}-{m}" if m != "-" else i for i, m in IMPLS])
+@pytest.mark.parametrize("impl, mode", IMPLS)
 def test_transfer(benchmark, receiver, impl, mode, block_size, requests, layout):
     tokens = receiver.tokens
     blocks = requests * tokens // block_size
