@@ -7,6 +7,7 @@ Public names::
     PrefixCache, PrefixChain                                prefix caching over a BlockPool
     write_kv, copy_blocks, paged_attention                  fused kernels on raw cache arrays
     DecodePlan                                              decode attention planned once per step
+    DecodeGraph                                             a decode step captured as a CUDA graph
     PrefillPlan                                             prefill attention planned once per step
     paged_prefill                                           fused attention of many queries per sequence
     to_csr, from_csr                                        dense <-> CSR page tables
@@ -20,6 +21,7 @@ Public names::
 from __future__ import annotations
 
 from .attention.decode import DecodePlan
+from .attention.graph import DecodeGraph
 from .attention.ops import copy_blocks, paged_attention, paged_prefill, write_kv
 from .attention.page_table import from_csr, to_csr
 from .attention.prefill import PrefillPlan
@@ -47,6 +49,7 @@ __all__ = [
     "BlockPool",
     "CacheSpec",
     "CupagedError",
+    "DecodeGraph",
     "DecodePlan",
     "KernelError",
     "OutOfBlocksError",

@@ -25,8 +25,12 @@ The "device" reports the limits of the CPU backend's nominal GPU (``NOMINAL_TARG
 multiprocessors and shared memory), so that its launch plans pick the kernels the CPU backend
 runs, and its version is 14.2 (native bfloat16 arrays, as on the GPU run that found the bugs):
 like CuPy, it has no array of a dtype without a C type (fp8 crosses as ``uint8`` bytes).
-What it does not model: streams and asynchrony (every call completes at once), CUDA graphs,
-several devices, DLPack export.
+What it does not model: streams and asynchrony (every call completes at once), several
+devices, DLPack export. It models stream capture (``Stream.begin_capture`` / ``end_capture``,
+``Graph.launch``) as CUDA's rules have it: while a stream captures, a kernel launch is recorded,
+not run (it holds its arrays, as a graph holds their addresses), and what a capture may not do
+raises: an allocation (an array that owns new memory), a host read (``get``, ``asnumpy``,
+``int()`` / ``bool()`` / ``float()`` of an array), an upload of host data.
 """
 
 from __future__ import annotations
@@ -138,11 +142,15 @@ class ndarray(np.lib.mixins.NDArrayOperatorsMixin):  # noqa: N801  (CuPy's name)
     __array_priority__ = 100.0
 
     def __init__(self, shape: Any, dtype: Any = float, order: str = "C") -> None:
+        if _capture.graph is not None:
+            _refuse_in_capture("an allocation (new device memory)")
         self._a = np.empty(shape, dtype, order=order)
 
     @classmethod
     def _of(cls, array: np.ndarray) -> ndarray:
         _check_dtype(array.dtype)
+        if _capture.graph is not None and array.flags.owndata:
+            _refuse_in_capture("an allocation (new device memory)")
         x = object.__new__(cls)
         x._a = array
         return x
@@ -186,6 +194,7 @@ class ndarray(np.lib.mixins.NDArrayOperatorsMixin):  # noqa: N801  (CuPy's name)
 
     def get(self, stream: Any = None, order: str = "C", out: np.ndarray | None = None) -> Any:
         """A host copy (into ``out`` when given)."""
+        _no_host_read()
         if out is None:
             return np.array(self._a, order=order, copy=True)
         out[...] = self._a
@@ -225,6 +234,8 @@ class ndarray(np.lib.mixins.NDArrayOperatorsMixin):  # noqa: N801  (CuPy's name)
         return _wrap(self._a[_index(key)])
 
     def __setitem__(self, key: Any, value: Any) -> None:
+        if _capture.graph is not None and isinstance(value, (np.ndarray, list, tuple)):
+            _refuse_in_capture("an upload of host data")
         self._a[_index(key)] = value._a if isinstance(value, ndarray) else value
 
     def __len__(self) -> int:
@@ -236,12 +247,15 @@ class ndarray(np.lib.mixins.NDArrayOperatorsMixin):  # noqa: N801  (CuPy's name)
         return (ndarray._of(row) for row in self._a)
 
     def __bool__(self) -> bool:
+        _no_host_read()
         return bool(self._a)
 
     def __int__(self) -> int:
+        _no_host_read()
         return int(self._a)
 
     def __float__(self) -> float:
+        _no_host_read()
         return float(self._a)
 
     def __complex__(self) -> complex:
@@ -398,22 +412,91 @@ class _Stream:
     null: _Stream
 
     def __init__(self, non_blocking: bool = False) -> None:
-        pass
+        self.ptr = id(self)  # (the null stream's is 0)
 
     def synchronize(self) -> None:
-        pass
+        _no_host_read()
 
     def use(self) -> _Stream:
         return self
 
     def __enter__(self) -> _Stream:
+        _capture.current.append(self)
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        pass
+        _capture.current.pop()
+
+    def begin_capture(self, mode: Any = None) -> None:
+        """Record the launches on this stream into a graph, until :meth:`end_capture`."""
+        if self is _Stream.null:
+            raise RuntimeError(
+                "cudaErrorStreamCaptureUnsupported: the legacy stream cannot be captured"
+            )
+        if _capture.graph is not None:
+            raise RuntimeError("cudaErrorIllegalState: a capture is under way")
+        _capture.graph, _capture.stream = Graph(), self
+
+    def end_capture(self) -> Graph:
+        """The captured graph (``cudaErrorStreamCaptureInvalidated`` after a refused call)."""
+        if _capture.stream is not self:
+            raise RuntimeError("cudaErrorIllegalState: this stream is not capturing")
+        graph, invalid = _capture.graph, _capture.invalidated
+        _capture.graph = _capture.stream = None
+        _capture.invalidated = False
+        if invalid:
+            raise RuntimeError("cudaErrorStreamCaptureInvalidated: a call the capture refused")
+        return graph
 
 
 _Stream.null = _Stream()
+_Stream.null.ptr = 0
+
+
+class Graph:
+    """``cupy.cuda.graph.Graph``: the launches of a capture, replayed by :meth:`launch` on the
+    arrays they were captured with (their contents as they are at the replay)."""
+
+    def __init__(self) -> None:
+        self.launches: list[tuple[Any, ...]] = []
+
+    def launch(self, stream: Any = None) -> None:
+        if _capture.graph is not None:
+            _refuse_in_capture("a graph launch")
+        for kernel, grid, block, args, shared_mem in self.launches:
+            kernel._run(grid, block, args, shared_mem)
+
+
+class _Capture:
+    """The stand-in's one capture: the graph being recorded (``None``: none), its stream,
+    whether a refused call invalidated it, and the streams entered (``with stream:``)."""
+
+    graph: Graph | None = None
+    stream: _Stream | None = None
+    invalidated = False
+    current: list[_Stream] = [_Stream.null]  # the streams entered, innermost last
+
+
+_capture = _Capture()
+
+
+def _refuse_in_capture(what: str) -> None:
+    """Raise as CUDA does for ``what`` during a capture, and invalidate the capture."""
+    _capture.invalidated = True
+    raise RuntimeError(
+        f"cudaErrorStreamCaptureUnsupported: {what} is not permitted while a stream is "
+        f"capturing a CUDA graph"
+    )
+
+
+def _no_host_read() -> None:
+    if _capture.graph is not None:
+        _refuse_in_capture("a host read (a synchronisation)")
+
+
+def _is_capturing(stream: Any) -> int:
+    """``cudaStreamIsCapturing``: 1 (active) on the capturing stream, else 0."""
+    return int(_capture.stream is not None and stream == _capture.stream.ptr)
 
 
 class RawKernel:
@@ -453,14 +536,19 @@ class RawKernel:
                 f"CUDA_ERROR_INVALID_VALUE: {self.name} launched with {shared_mem} bytes of "
                 f"dynamic shared memory, opted into {self.max_dynamic_shared_size_bytes}"
             )
-        values = []
         for arg in args:
             if isinstance(arg, np.ndarray):
                 raise TypeError(f"Unsupported type {type(arg)}")
-            values.append(arg._a if isinstance(arg, ndarray) else arg)
         if self._cpu is None:
             self._cpu = _kernels.get_kernel("cpu", self._source, self.name)
-        self._cpu(grid, block, tuple(values), shared_mem=shared_mem)
+        if _capture.graph is not None:  # recorded with its arrays, run at each replay
+            _capture.graph.launches.append((self, grid, block, tuple(args), shared_mem))
+            return
+        self._run(grid, block, args, shared_mem)
+
+    def _run(self, grid: Any, block: Any, args: Any, shared_mem: int) -> None:
+        values = tuple(arg._a if isinstance(arg, ndarray) else arg for arg in args)
+        self._cpu(grid, block, values, shared_mem=shared_mem)
 
 
 class RawModule:
@@ -497,14 +585,15 @@ cuda = types.SimpleNamespace(
     Device=_Device,
     Stream=_Stream,
     is_available=lambda: True,
-    get_current_stream=lambda: _Stream.null,
+    get_current_stream=lambda: _capture.current[-1],
+    graph=types.SimpleNamespace(Graph=Graph),
     get_cuda_path=lambda: None,
     runtime=types.SimpleNamespace(
         getDevice=lambda: 0,
         getDeviceCount=lambda: 1,
         getDeviceProperties=lambda device: {"name": b"strict CuPy stand-in (CPU)"},
         memGetInfo=lambda: (16 * 2**30, 16 * 2**30),
-        streamIsCapturing=lambda stream: 0,
+        streamIsCapturing=_is_capturing,
     ),
     driver=types.SimpleNamespace(occupancyMaxActiveBlocksPerMultiprocessor=_occupancy),
 )
@@ -527,6 +616,8 @@ def installed(version: str = "14.2.0") -> Iterator[types.ModuleType]:
     try:
         yield this
     finally:
+        _capture.graph = _capture.stream = None
+        _capture.invalidated, _capture.current[:] = False, [_Stream.null]
         if saved is None:
             sys.modules.pop("cupy", None)
         else:

@@ -4,6 +4,7 @@
 ``layer``       what the plans share: the device planned for, a layer's array checks
 ``scales``      an fp8 cache's K/V scales, checked once for every function that takes them
 ``decode``      :class:`~cupaged.DecodePlan`: one query per sequence, planned once per step
+``graph``       :class:`~cupaged.DecodeGraph`: a decode step captured once as a CUDA graph
 ``prefill``     :class:`~cupaged.PrefillPlan`: many queries per sequence
 ``ops``         :func:`~cupaged.write_kv`, :func:`~cupaged.copy_blocks`,
                 :func:`~cupaged.paged_attention`, :func:`~cupaged.paged_prefill`
