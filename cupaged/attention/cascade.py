@@ -49,7 +49,7 @@ from typing import Any
 import numpy as np
 
 from .._util import cdiv
-from ..backend import array_module
+from ..backend import array_module, to_numpy
 from ..kernels.args import CascadeSharedArgs, merge_record, with_fields
 from ..kernels.launch_cascade import cascade_launch
 from ..kernels.launch_decode import MAX_GRID_YZ
@@ -147,6 +147,60 @@ def shares_a_first_block(tables: np.ndarray, lens: np.ndarray) -> bool:
     starts there, so a step where none do shares nothing (the common case, checked first)."""
     firsts = np.sort(np.asarray(tables)[:, 0][np.asarray(lens) > 0])
     return bool((firsts[1:] == firsts[:-1]).any())
+
+
+def checked_host_tables(
+    host_tables: Any, tables: Any, lens: Any, block_size: int, verify: bool
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """A plan's ``host_tables`` for the planner (:func:`shared_nodes`), checked, or ``None``.
+
+    The shared level reads the block ids of its ranges from the plan's ``tables`` over the rows
+    and ranges that the host copies give, so copies of other rows or longer lengths would
+    steer it past what the plan's checks covered. Their shapes are checked always (``[num_seqs,
+    any width]`` holding each length's blocks, ``[num_seqs]``); ``verify`` (a plan that checks
+    its tables) holds them equal to ``tables`` and ``lens`` too: the lengths, and the ids each
+    length reaches (on the tables' device, one synchronisation).
+
+    Raises:
+        TypeError: not a pair of integer host arrays.
+        ValueError: other shapes, lengths past the copies' width, or (verify) unequal copies.
+    """
+    if host_tables is None:
+        return None
+    try:
+        host, host_lens = (np.asarray(x) for x in host_tables)
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"expected host_tables as (block_tables, context_lens), NumPy arrays, got "
+            f"{type(host_tables).__name__}"
+        ) from None
+    num_seqs = lens.shape[0]
+    for name, array, ndim in (("block_tables", host, 2), ("context_lens", host_lens, 1)):
+        if array.dtype.kind not in "iu":
+            raise TypeError(f"expected host_tables' {name} of an integer dtype, got {array.dtype}")
+        if array.ndim != ndim or array.shape[0] != num_seqs:
+            raise ValueError(
+                f"expected host_tables' {name} of {ndim} axes, {num_seqs} rows (the plan's), "
+                f"got shape {array.shape}"
+            )
+    width = host.shape[1] * block_size
+    if num_seqs and (host_lens.min() < 0 or host_lens.max() > width):
+        raise ValueError(
+            f"expected host_tables' context_lens in [0, {width}] (their tables' width), got "
+            f"{int(host_lens.min())} .. {int(host_lens.max())}"
+        )
+    if verify and num_seqs:
+        xp = array_module(tables)
+        host_lens_dev = xp.asarray(host_lens)
+        columns = min(cdiv(int(host_lens.max()), block_size), tables.shape[1])
+        reached = xp.arange(columns)[None, :] < (host_lens_dev[:, None] + block_size - 1) // block_size
+        differ = (xp.asarray(host[:, :columns]) != tables[:, :columns]) & reached
+        if bool((host_lens_dev != lens).any() | differ.any()):
+            raise ValueError(
+                "expected host_tables equal to block_tables and context_lens (the lengths, and "
+                "the ids each length reaches), got copies that differ"
+            )
+    return host, host_lens
 
 
 def node_pays(node: Node, group: int, head_dim: int, kv_bytes: int, rows_per_tile: int) -> int:
@@ -416,17 +470,27 @@ class SharedLevel:
 
     def plan(
         self,
-        tables: np.ndarray,
-        lens: np.ndarray,
+        tables: tuple[Any, Any],
+        host_tables: tuple[np.ndarray, np.ndarray] | None,
         records: tuple[Any, Any],
         *,
         kv_bytes: int,
         tile: int,
         fill_blocks: int,
     ) -> CascadeLevels | None:
-        """A step's cascade from its host tables and lengths (:func:`plan_cascade`), laid onto
-        the device with the plan's ``paged_decode`` and merge ``records``; ``None`` when nothing
-        is shared, too little (``cascade=None``), or the work list passes CUDA's grid limit."""
+        """A step's cascade (:func:`plan_cascade`), laid onto the device with the plan's
+        ``paged_decode`` and merge ``records``; ``None`` when nothing is shared, too little
+        (``cascade=None``), or the work list passes CUDA's grid limit. ``tables``: the plan's
+        ``(block_tables, context_lens)``, read where they lie on the host (the CPU backend's);
+        on a GPU their host copies ``host_tables`` (:func:`checked_host_tables`), or, without
+        them, the tables read back for a required cascade only (else ``None``)."""
+        if array_module(tables[0]) is np:
+            host_tables = tables
+        elif host_tables is None and self.required:  # (cascade=True: one read-back)
+            host_tables = (to_numpy(tables[0]), to_numpy(tables[1]))
+        if host_tables is None:
+            return None
+        tables, lens = host_tables
         if not shares_a_first_block(tables, lens):
             return None
         _, _, _, layout, group, variants = self._shape

@@ -76,6 +76,7 @@ from .cascade import (
     CascadeLevels,
     CascadeWork,
     DecodeGeometry,
+    checked_host_tables,
     first_attended,
     shared_level,
 )
@@ -117,7 +118,8 @@ class DecodePlan:
             ``run`` needs ``False``. On a GPU it reads ``host_tables`` (without them ``None``
             plans no cascade, never synchronising for it, and ``True`` reads the tables back).
         host_tables: ``(block_tables, context_lens)``: NumPy copies (any width holding every
-            length's blocks), *trusted* equal to them (``PagedCache.decode_plan``'s own).
+            length's blocks), held equal to them by the tables' checks, else *trusted*
+            (``PagedCache.decode_plan``'s own); their shapes are checked always.
         batch_invariant: ``True``: a sequence's output is bitwise the same in any batch, at any
             position in it (on one device and build; docs/batch-invariance.md). Every sequence
             is cut into pieces of a fixed size (``INVARIANT_SPLIT_TOKENS`` of
@@ -341,7 +343,9 @@ class DecodePlan:
         self._num_q_heads = np.int32(num_q_heads)
         self._sink_kernels = None
         self._cascade = self._shared_level = None
-        self._host_tables = host_tables
+        self._host_tables = checked_host_tables(
+            host_tables, self._tables, self._lens, block_size, tables_checked
+        )
         if num_seqs == 0:
             return
         # Of the final launch: the CPU backend caps its helper threads by the launch's blocks.
@@ -423,18 +427,9 @@ class DecodePlan:
     def _plan_cascade(self) -> CascadeLevels | None:
         """The step's cascade from the plan's tables (on the host), or ``None``: nothing shared,
         or too little (``cascade=None``), or a work list past CUDA's grid limit."""
-        level = self._shared_level
-        if self._device == "cpu":
-            tables, lens = self._tables, self._lens
-        elif self._host_tables is not None:
-            tables, lens = self._host_tables
-        elif level.required:  # (cascade=True: one read-back)
-            tables, lens = to_numpy(self._tables), to_numpy(self._lens)
-        else:
-            return None
-        return level.plan(
-            tables,
-            lens,
+        return self._shared_level.plan(
+            (self._tables, self._lens),
+            self._host_tables,
             self._cascade_args,
             kv_bytes=self._kv_bytes(),
             tile=self._tile,
@@ -532,14 +527,15 @@ class DecodePlan:
         check_index_array("block_tables", block_tables)
         check_index_array("context_lens", context_lens)
         max_context = None
+        num_blocks, _, block_size, _ = self._layout
         if checked:
-            num_blocks, _, block_size, _ = self._layout
             max_context = check_decode_tables(
                 block_tables, context_lens, block_size, num_blocks, self._variants.window_left
             )
+        host = checked_host_tables(host_tables, block_tables, context_lens, block_size, checked)
         self._tables[...] = block_tables
         self._lens[...] = context_lens
-        self._host_tables = host_tables
+        self._host_tables = host
         self.checked = checked
         if self.num_seqs:
             self._plan(max_context)

@@ -259,3 +259,29 @@ def test_on_a_device_none_reads_no_table_back_and_true_does(rng, xp):
     plan.update(dev[3], dev[4], host_tables=(tables, lens))
     assert plan.cascade is not None
     assert_close(plan.run(*dev[:3]), oracle(q, k, v, tables, lens), "float16")
+
+
+def test_host_copies_unlike_the_tables_are_refused(rng, xp):
+    """The shared level reads the block ids of its ranges from the plan's tables over the rows
+    and ranges that the host copies give: copies of another row count are refused by every
+    plan, copies unequal to the tables by a checked one (its checks cover the tables only),
+    and a refused update leaves the plan as it was."""
+    q, k, v, tables, lens = batch(rng, "float16")
+    dev_tables, dev_lens, dev_k = (xp.asarray(x) for x in (tables, lens, k))
+    extra = (np.concatenate([tables, tables[:1]]), np.concatenate([lens, lens[:1]]))
+    other = lens.copy()
+    other[0] = lens[0] - 1 if lens[0] > 1 else 2
+    for host, checked in ((extra, True), (extra, False), ((tables, other), True)):
+        with pytest.raises(ValueError, match=r"expected host_tables"):
+            cupaged.DecodePlan(dev_tables, dev_lens, dev_k, q.shape[1], cascade=True,
+                               host_tables=host, checked=checked)  # fmt: skip
+    plan = cupaged.DecodePlan(
+        dev_tables, dev_lens, dev_k, q.shape[1], cascade=True, host_tables=(tables, lens)
+    )
+    before = plan.work().copy()
+    with pytest.raises(ValueError, match=r"expected host_tables"):
+        plan.update(xp.asarray(tables[::-1].copy()), xp.asarray(lens[::-1].copy()),
+                    host_tables=(tables, lens))  # fmt: skip
+    assert np.array_equal(plan.work(), before)
+    got = plan.run(xp.asarray(q), dev_k, xp.asarray(v))
+    assert_close(got, oracle(q, k, v, tables, lens), "float16")
