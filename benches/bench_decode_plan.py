@@ -9,13 +9,20 @@ the kernels themselves take a few microseconds on the CPU backend), each benchma
   kernels with the same arguments (``bench_launch.replayed_launches``; the floor: what the
   launches cost without any of cupaged's Python);
 - ``one_call``: ``paged_attention(..., checked=False)``, which plans and runs every time;
-- ``plan``: ``DecodePlan(..., checked=False)`` alone, once per step.
+- ``plan``: ``DecodePlan(..., checked=False)`` alone, once per step;
+- ``python``: ``run`` with the plan's two kernels replaced by no-ops (``python_only``): the
+  Python of the per-layer call alone, none of the launches. On the CPU backend a launch packs
+  its arguments for a foreign call and starts fibers, nothing like a GPU's, so this row, not
+  ``run``, is the host path a GPU pays besides CuPy's own launch calls (issue 37: at most 10 µs
+  per ``run`` there). Measured without a synchronisation.
 
 ``extra_info``: ``us_per_call`` of each, and ``run_overhead_us`` = run - launches (what the
 per-layer call adds to the launches). On a GPU each call is followed by a synchronisation.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import numpy as np
 import pytest
@@ -46,6 +53,20 @@ def make(xp, shape):
     return q, k, v, tables, lens
 
 
+@contextlib.contextmanager
+def python_only(plan):
+    """Inside, the plan's kernels, ``plan._kernel`` and ``plan._merge`` (the seam of
+    ``bench_launch.replayed_launches``), are no-ops: a ``run`` is its Python alone."""
+    kernels = {name: getattr(plan, name) for name in ("_kernel", "_merge")}
+    for name in kernels:
+        setattr(plan, name, lambda *args, **kwargs: None)
+    try:
+        yield
+    finally:
+        for name, kernel in kernels.items():
+            setattr(plan, name, kernel)
+
+
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 def test_decode_plan_host_cost(benchmark, xp, shape):
     q, k, v, tables, lens = make(xp, SHAPES[shape])
@@ -61,6 +82,8 @@ def test_decode_plan_host_cost(benchmark, xp, shape):
     calls = {"launches": launches, "run": run, "one_call": one_call, "plan": planning}
     count, rounds = repeats(benchmark, 200), repeats(benchmark, 7)
     times = {name: per_call_us(fn, calls=count, rounds=rounds) for name, fn in calls.items()}
+    with python_only(plan):
+        times["python"] = per_call_us(lambda: plan.run(q, k, v, out=out), count, rounds)
     benchmark.extra_info.update(
         {f"{name}_us": round(t, 2) for name, t in times.items()}
         | {"run_overhead_us": round(times["run"] - times["launches"], 2)}

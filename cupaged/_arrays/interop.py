@@ -98,14 +98,23 @@ def takes_dlpack(function: Callable[..., Any]) -> Callable[..., Any]:
     return boundary
 
 
+# The exact types found native so far (NumPy's, then CuPy's array type the first time one
+# arrives): a CuPy argument then costs one set lookup, not a module lookup and an isinstance.
+_NATIVE_TYPES = {np.ndarray, type(None)}
+
+
 def _any_foreign(values: Any) -> bool:
     """Whether one of ``values`` is a foreign array: it has ``__dlpack__`` (asked of the object,
     so that a proxy's counts) and is not a NumPy or CuPy array. An object whose attribute
     lookup raises counts as one: the general way then refuses it by name (:func:`_speaks_dlpack`)."""
     try:
         for x in values:
-            if type(x) is not np.ndarray and hasattr(x, "__dlpack__") and not is_native(x):
+            if type(x) in _NATIVE_TYPES or not hasattr(x, "__dlpack__"):
+                continue
+            if not is_native(x):
                 return True
+            if is_cupy_array(x):
+                _NATIVE_TYPES.add(type(x))
     except Exception:  # a __dlpack__ property that raises (hasattr passes on only AttributeError)
         return True
     return False

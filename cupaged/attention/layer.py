@@ -40,8 +40,9 @@ def device_of(xp: Any) -> str:
 
 
 def device_id(xp: Any) -> int:
-    """The current device's id on CUDA (kernels are kept per device), 0 on the CPU."""
-    return 0 if xp is np else int(xp.cuda.Device().id)
+    """The current device's id on CUDA (kernels are kept per device), 0 on the CPU: one runtime
+    call, no ``Device`` object (every ``run`` asks)."""
+    return 0 if xp is np else int(xp.cuda.runtime.getDevice())
 
 
 def target(device: str) -> Target:
@@ -245,7 +246,7 @@ class LayerArrays:
             and k_cache.strides == v_cache.strides == self._strides
             and (self._xp is not np or out.flags.writeable)
         ):
-            if given and out is not q and self._xp.may_share_memory(q, out):
+            if given and out is not q and self._overlap(q, out):
                 check_out_overlap(self._xp, q, out)  # the same memory, or refused
             q, out_storage = as_storage(q), as_storage(out)
         else:
@@ -260,6 +261,16 @@ class LayerArrays:
                 f"shared-memory opt-in are that device's; make a plan on each device"
             )
         return out, q, k_cache, v_cache, out_storage, q_name
+
+    def _overlap(self, q: Any, out: Any) -> bool:
+        """Whether ``q`` and ``out``, C-contiguous of the planned shape (the fast path checked
+        it), may share memory: NumPy's ``may_share_memory`` (cheaper than two addresses read
+        from Python), on CuPy the two byte ranges compared (CuPy's function is Python code
+        that costs a few microseconds per run)."""
+        if self._xp is np:
+            return self._xp.may_share_memory(q, out)
+        begin_q, begin_out = q.data.ptr, out.data.ptr
+        return begin_q < begin_out + out.nbytes and begin_out < begin_q + q.nbytes
 
     def check_kv_dtype(self, kv_dtype: Any) -> None:
         """A ``kv_dtype`` given to a run: it must name the plan's fp8 format (the format of
