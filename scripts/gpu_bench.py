@@ -14,6 +14,14 @@ Rows: every page size 1..256 at batch 64 x 4,096 tokens, G = 4; and every batch 
 issue (1 x 32k, 4 x 16k, 17 x 4k, 64 x 4k, 256 x 1k) at page size 16 for G = 1, 4, 8; float16
 and bfloat16. Then the cascade table, and the batch-invariance table (``batch_invariant`` off
 and on: items, time, and whether a sequence's row is bitwise the same alone and in the batch).
+
+Before them, the most important rows: cupaged against its peers (``scripts/gpu_peers.py``:
+PyTorch's SDPA over a contiguous copy, FlashInfer, vLLM's Triton kernel, each where it imports)
+at 64 x 4k G 4, 8 x 32k G 8 and 1 x 32k G 4, float16, fp8 e4m3 (float16 queries) and bfloat16,
+with cupaged / peer time; and the host cost per call (``time.perf_counter`` around calls that
+are not synchronised) of ``DecodePlan.run``, ``paged_attention`` checked and not, and each
+peer's call. ``--budget`` bounds all tables: no row starts after it (a table says where it
+stopped), and a peer's first call on a shape (its JIT compile) is cut at the budget's end.
 ``--device cpu --quick`` runs the same code on tiny shapes through the CPU backend
 (a smoke test of this script; its numbers mean nothing).
 """
@@ -22,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -31,11 +38,13 @@ ROOT = Path(__file__).resolve().parent.parent
 # The checkout's cupaged (as scripts/gpu-check and kernel-report run it), not an installed copy.
 sys.path[:0] = [str(ROOT), str(ROOT / "benches")]
 
+import gpu_peers  # noqa: E402
 from bandwidth import decode_attention_bytes  # noqa: E402
+from gpu_timing import Clock, copy_bandwidth, free, host_seconds, time_limit, timer  # noqa: E402
 
 import cupaged  # noqa: E402
 from cupaged._util import cdiv  # noqa: E402
-from cupaged.dtypes import C_TYPES  # noqa: E402
+from cupaged.dtypes import C_TYPES, is_fp8, itemsize  # noqa: E402
 from cupaged.kernels import target as _gpu_target  # noqa: E402
 from cupaged.kernels.loader import nvrtc_options, uses_wmma  # noqa: E402
 
@@ -58,40 +67,14 @@ def rows(quick: bool) -> list[tuple[str, int, int, int, int]]:
     return list(dict.fromkeys(out))
 
 
-def timer(xp, fn, repeats):
-    """Median seconds of ``fn()``; CUDA events around each call on the GPU."""
-    fn()  # compile and warm up
-    times = []
-    for _ in range(repeats):
-        if xp is np:
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        else:
-            begin, end = xp.cuda.Event(), xp.cuda.Event()
-            begin.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(xp.cuda.get_elapsed_time(begin, end) / 1e3)
-    return float(np.median(times))
-
-
-def copy_bandwidth(xp, nbytes):
-    """Device-to-device copy bandwidth in GB/s (reads + writes)."""
-    src = xp.ones(nbytes // 4, np.float32)
-    dst = xp.empty_like(src)
-    seconds = timer(xp, lambda: dst.__setitem__(Ellipsis, src), 10)
-    return 2 * src.nbytes / seconds / 1e9
-
-
 def normal(xp, shape, dtype):
-    """Standard-normal values in the cache's storage (bfloat16 as uint16 bits), on the device."""
+    """Standard-normal values in the cache's storage (bfloat16 as uint16 bits; fp8 as uint8 on
+    CuPy, ``ml_dtypes`` on NumPy), on the device."""
     if xp is np:
         x = np.random.default_rng(0).standard_normal(shape, dtype=np.float32)
     else:
         x = xp.random.standard_normal(shape, dtype=np.float32)
-    return x.astype(np.float16) if dtype == "float16" else cupaged.from_float(x, "bfloat16")
+    return x.astype(np.float16) if dtype == "float16" else cupaged.from_float(x, dtype)
 
 
 def build(xp, dtype, group, page, batch, context):
@@ -326,6 +309,188 @@ INVARIANT_HEADER = (
 )
 
 
+# Peers (scripts/gpu_peers.py), most important first: float16, fp8 and bfloat16 over the issue's
+# shapes at page 16, (G, batch, context): the common GQA group at 64 x 4k, 8 x 32k, one long
+# sequence. Few repeats: a peer's time is a median of PEER_REPEATS CUDA-event timings.
+PEER_SHAPES = ((4, 64, 4096), (8, 8, 32768), (4, 1, 32768))
+PEER_QUICK = ((4, 2, 300), (8, 1, 200))
+PEER_DTYPES = ("float16", "float8_e4m3", "bfloat16")  # fp8: an e4m3 cache, float16 queries
+PEER_PAGE = 16
+PEER_REPEATS = 10
+# A peer's set-up and first call on a shape (where FlashInfer and Triton compile) are cut here,
+# and at the end of the --budget: a JIT compile must not take the GPU check's bench stage.
+PEER_FIRST_CALL_S = 15.0
+# The host cost of one call, (G, batch, context): the issue's batch of one 1,024-token sequence.
+HOST_SHAPE, HOST_QUICK = (4, 1, 1024), (4, 1, 300)
+HOST_CALLS, HOST_QUICK_CALLS = 200, 3
+
+
+def peer_problem(xp, kv_dtype, group, batch, context, page=PEER_PAGE) -> gpu_peers.Problem:
+    """A decode step of ``batch`` sequences of ``context`` tokens over scattered blocks; fp8
+    caches get float16 queries."""
+    q_dtype = "float16" if is_fp8(kv_dtype) else kv_dtype
+    per_seq = cdiv(context, page)
+    num_blocks = batch * per_seq
+    shape = (num_blocks, NUM_KV_HEADS, page, HEAD_DIM)
+    tables = np.random.default_rng(1).permutation(num_blocks).astype(np.int32)
+    return gpu_peers.Problem(
+        q=normal(xp, (batch, NUM_KV_HEADS * group, HEAD_DIM), q_dtype),
+        k_cache=normal(xp, shape, kv_dtype),
+        v_cache=normal(xp, shape, kv_dtype),
+        tables=xp.asarray(tables.reshape(batch, per_seq)),
+        lens=xp.full(batch, context, dtype=np.int32),
+        kv_dtype=kv_dtype,
+        q_dtype=q_dtype,
+        context=context,
+    )
+
+
+def cupaged_plan(problem: gpu_peers.Problem):
+    """cupaged's plan of the problem, unchecked (as an engine runs it), and its run."""
+    fp8 = {"q_dtype": problem.q_dtype, "kv_dtype": problem.kv_dtype}
+    plan = cupaged.DecodePlan(
+        problem.tables,
+        problem.lens,
+        problem.k_cache,
+        problem.q.shape[1],
+        checked=False,
+        **(fp8 if is_fp8(problem.kv_dtype) else {}),
+    )
+    return plan, lambda out: plan.run(problem.q, problem.k_cache, problem.v_cache, out=out)
+
+
+def peer_bytes(problem: gpu_peers.Problem, kv_dtype: str) -> int:
+    """``bandwidth.decode_attention_bytes`` with K and V at the element size the kernel reads
+    (``kv_dtype``) and Q and the output at the query's."""
+    batch, num_q_heads, _ = problem.q.shape
+    kv = decode_attention_bytes(batch, problem.context, 0, NUM_KV_HEADS, HEAD_DIM, kv_dtype)
+    return kv + 2 * batch * num_q_heads * HEAD_DIM * itemsize(problem.q_dtype)
+
+
+def failure(error: BaseException) -> str:
+    """An error as one table cell."""
+    text = f"{type(error).__name__}: {error}".replace("|", "/").replace("\n", " ")
+    return f"FAILED: {text[:160]}"
+
+
+def prepare_peer(peer, problem, clock, dropped):
+    """``(prepared, None)``, or ``(None, the cell that says why not)``: set-up and first call
+    under the time limit; a peer that ran past it is dropped for the rest of the run."""
+    if peer.missing is not None:
+        return None, peer.missing
+    if peer.name in dropped:
+        return None, dropped[peer.name]
+    limit = min(PEER_FIRST_CALL_S, clock.left())
+    if limit <= 0:
+        return None, "skipped: the time budget ran out"
+    try:
+        with time_limit(limit, "its set-up and first call"):
+            prepared = peer.prepare(problem)
+            prepared.call()
+    except TimeoutError as error:
+        dropped[peer.name] = f"dropped: {error} (a JIT compile?)"
+        return None, dropped[peer.name]
+    except Exception as error:  # noqa: BLE001  (a peer's failure is its row's, not the run's)
+        return None, failure(error)
+    return prepared, None
+
+
+def measure_peers(xp, row, found, repeats, copy_gbs, clock, dropped, cupaged_times):
+    """The rows of one (dtype, shape): cupaged, then each peer, with cupaged / peer time and the
+    largest difference from cupaged's output."""
+    kv_dtype, group, batch, context = row
+    problem = peer_problem(xp, kv_dtype, group, batch, context)
+    _, run = cupaged_plan(problem)
+    out = xp.empty_like(problem.q)
+    mine = timer(xp, lambda: run(out), repeats)
+    cupaged_times[row] = mine
+    ours = cupaged.to_float(out).astype(np.float32)
+    key = f"| {kv_dtype} | {group} | {batch} x {context} |"
+
+    def cells(seconds, kv):
+        gbs = peer_bytes(problem, kv) / seconds / 1e9
+        return f"{seconds * 1e6:,.1f} | {gbs:,.0f} | {100 * gbs / copy_gbs:.0f} %"
+
+    rows = [f"{key} cupaged DecodePlan.run | {cells(mine, kv_dtype)} | - | - |"]
+    for peer in found:
+        prepared, why = prepare_peer(peer, problem, clock, dropped)
+        if prepared is None:
+            rows.append(f"{key} {peer.name} | {why} | - | - | - | - |")
+            continue
+        try:
+            seconds = timer(xp, prepared.call, repeats)
+            theirs = gpu_peers.to_float32(xp, prepared.call()).reshape(ours.shape)
+            err = float(xp.abs(theirs - ours).max())
+        except Exception as error:  # noqa: BLE001
+            rows.append(f"{key} {peer.name} | {failure(error)} | - | - | - | - |")
+            continue
+        rows.append(
+            f"{key} {peer.name} | {cells(seconds, prepared.kv_dtype)} | "
+            f"{mine / seconds:.2f} | {err:.1e} |"
+        )
+        del prepared
+    return rows
+
+
+PEER_HEADER = (
+    "| dtype | G | batch x context | kernel | µs | GB/s | % of copy | cupaged / kernel | "
+    "max abs diff from cupaged |"
+)
+
+
+def fp8_ratios(cupaged_times) -> str:
+    """cupaged's fp8 time over its float16 time, per shape measured in both."""
+    parts = []
+    for (dtype, group, batch, context), seconds in cupaged_times.items():
+        fp16 = cupaged_times.get(("float16", group, batch, context))
+        if is_fp8(dtype) and fp16:
+            parts.append(f"{batch} x {context} G {group}: {seconds / fp16:.2f}")
+    return "cupaged fp8 e4m3 / float16 time: " + ("; ".join(parts) or "not measured") + "."
+
+
+def measure_host(xp, shape, found, calls, clock, dropped):
+    """The host-cost rows: cupaged's calls, then each peer's."""
+    group, batch, context = shape
+    problem = peer_problem(xp, "float16", group, batch, context)
+    q, k, v = problem.q, problem.k_cache, problem.v_cache
+    tables, lens = problem.tables, problem.lens
+    plan, run = cupaged_plan(problem)
+    out = xp.empty_like(q)
+    calls_of = [
+        ("cupaged DecodePlan.run", lambda: run(out)),
+        (
+            "cupaged DecodePlan.update, checked=False",
+            lambda: plan.update(tables, lens, checked=False),
+        ),
+        (
+            "cupaged paged_attention, checked=False",
+            lambda: cupaged.paged_attention(q, k, v, tables, lens, out=out, checked=False),
+        ),
+        (
+            "cupaged paged_attention, checked",
+            lambda: cupaged.paged_attention(q, k, v, tables, lens, out=out),
+        ),
+    ]
+    rows = []
+    for peer in found:
+        prepared, why = prepare_peer(peer, problem, clock, dropped)
+        calls_of.append((f"{peer.name}: its call", why if prepared is None else prepared.call))
+    for name, fn in calls_of:
+        if isinstance(fn, str):
+            rows.append(f"| {name} | {fn} | - | - |")
+            continue
+        try:
+            host, wall = host_seconds(xp, fn, calls)
+        except Exception as error:  # noqa: BLE001
+            rows.append(f"| {name} | {failure(error)} | - | - |")
+            continue
+        rows.append(f"| {name} | {host * 1e6:,.1f} | {wall * 1e6:,.1f} | {calls} |")
+    return rows
+
+
+HOST_HEADER = "| call | host µs per call | wall µs per call | calls |"
+
+
 def device_name(xp):
     if xp is np:
         return "CPU backend (numbers are not GPU numbers)"
@@ -340,80 +505,120 @@ HEADER = (
 )
 
 
+def table(lines, caption, header):
+    """Start a table: a blank line, its caption, its header."""
+    new = [caption, "", header, "|" + "---:|" * (header.count("|") - 1)]
+    lines += ([""] if lines else []) + new
+    print("\n" + "\n".join(new), flush=True)
+
+
+def emit(xp, lines, rows):
+    """A measured item's rows, kept and printed at once (a stopped run keeps what it printed)."""
+    lines += rows
+    print("\n".join(rows), flush=True)
+    free(xp)
+
+
+def tables(xp, args, lines):
+    """Every table, most important first, each within the budget."""
+    clock = Clock(args.budget)
+    repeats = 2 if args.quick else 20
+    copy_gbs = copy_bandwidth(xp, 1 << 20 if args.quick else 1 << 30)
+    found = gpu_peers.peers(args.device)
+    dropped = {}  # peers whose first call ran past its limit: not tried again
+    peer_repeats = 2 if args.quick else PEER_REPEATS
+    table(
+        lines,
+        f"Decode against peers, head_dim {HEAD_DIM}, {NUM_KV_HEADS} KV heads, page {PEER_PAGE}, "
+        f"the same K/V for every kernel (scripts/gpu_peers.py). Device: {device_name(xp)}. Copy "
+        f"bandwidth: {copy_gbs:,.0f} GB/s (decimal; read + write). µs: median of "
+        f"{peer_repeats} timings (CUDA events on a GPU); GB/s: K and V read once at the element size the "
+        "kernel reads (PyTorch's SDPA: float16 over an fp8 cache), Q and the output once; "
+        "cupaged / kernel: cupaged's time over the kernel's (below 1: cupaged is faster).",
+        PEER_HEADER,
+    )
+    cupaged_times = {}
+    shapes = PEER_QUICK if args.quick else PEER_SHAPES
+    items = [(dtype, *shape) for dtype in PEER_DTYPES for shape in shapes]
+    for row in clock.within(items, lines, "shapes"):
+        emit(
+            xp,
+            lines,
+            measure_peers(xp, row, found, peer_repeats, copy_gbs, clock, dropped, cupaged_times),
+        )
+    lines += ["", fp8_ratios(cupaged_times)]
+    print(lines[-1], flush=True)
+
+    group, batch, context = HOST_QUICK if args.quick else HOST_SHAPE
+    calls = HOST_QUICK_CALLS if args.quick else HOST_CALLS
+    table(
+        lines,
+        f"Host cost per call: float16, G {group}, {batch} x {context}, page {PEER_PAGE}; host: "
+        "time.perf_counter around calls that are not synchronised (what the host spends per "
+        "call); wall: the same calls up to the device's synchronisation after the last.",
+        HOST_HEADER,
+    )
+    for shape in clock.within([(group, batch, context)], lines):
+        emit(xp, lines, measure_host(xp, shape, found, calls, clock, dropped))
+
+    table(
+        lines,
+        f"Decode attention, head_dim {HEAD_DIM}, {NUM_KV_HEADS} KV heads, G query heads per KV "
+        f"head. Device: {device_name(xp)}. Copy bandwidth: {copy_gbs:,.0f} GB/s (decimal; read "
+        "+ write). Times are medians of CUDA-event timings of one decode layer; items: the "
+        "planned work items per KV head; old: the kernel before issue 11.",
+        HEADER,
+    )
+    for row in clock.within(rows(args.quick), lines):
+        emit(xp, lines, [measure(xp, args.device, row, repeats, copy_gbs)])
+
+    table(
+        lines,
+        f"Cascade decode (docs/cascade.md): fp16, G 4, page 16, head_dim {HEAD_DIM}, "
+        f"{NUM_KV_HEADS} KV heads; bytes: K/V read per layer as the plan counts them.",
+        CASCADE_HEADER,
+    )
+    for shape in clock.within(CASCADE_QUICK if args.quick else CASCADE_SHAPES, lines):
+        emit(xp, lines, [measure_cascade(xp, shape, repeats)])
+
+    table(
+        lines,
+        f"Batch-invariant decode (docs/batch-invariance.md): fp16, G 4, page 16, head_dim "
+        f"{HEAD_DIM}, {NUM_KV_HEADS} KV heads; items: planned work items per KV head (the "
+        "invariant work list's capacity in brackets); row 0 alone: the first sequence planned "
+        "and run as a batch of one, its output compared bit for bit.",
+        INVARIANT_HEADER,
+    )
+    for shape in clock.within(INVARIANT_QUICK if args.quick else INVARIANT_SHAPES, lines):
+        emit(xp, lines, [measure_invariant(xp, shape, repeats)])
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--quick", action="store_true", help="tiny shapes (smoke test)")
-    parser.add_argument("--report", default="gpu-check.md", help="markdown table to write")
+    parser.add_argument("--report", default="gpu-check.md", help="markdown tables to write")
     parser.add_argument(
         "--budget",
         type=float,
         default=420.0,
-        help="stop adding rows after this many seconds (the table says so)",
+        help="stop adding rows after this many seconds (the tables say so)",
     )
     args = parser.parse_args(argv)
     if args.device == "cuda":
         import cupy as xp
     else:
         xp = np
-    start = time.perf_counter()
-    repeats = 2 if args.quick else 20
-    copy_gbs = copy_bandwidth(xp, 1 << 20 if args.quick else 1 << 30)
-    lines = [
-        f"Decode attention, head_dim {HEAD_DIM}, {NUM_KV_HEADS} KV heads, G query heads per KV "
-        f"head. Device: {device_name(xp)}. Copy bandwidth: {copy_gbs:,.0f} GB/s (decimal; read "
-        "+ write). Times are medians of CUDA-event timings of one decode layer; items: the "
-        "planned work items per KV head; old: the kernel before issue 11.",
-        "",
-        HEADER,
-        "|" + "---:|" * (HEADER.count("|") - 1),
-    ]
-    print("\n".join(lines), flush=True)
-    planned = rows(args.quick)
-    for i, row in enumerate(planned):
-        if time.perf_counter() - start > args.budget:
-            lines.append(
-                f"\n(stopped after {i} of {len(planned)} rows: the time budget of "
-                f"{args.budget:.0f} s ran out)"
-            )
-            break
-        lines.append(measure(xp, args.device, row, repeats, copy_gbs))
-        print(lines[-1], flush=True)
-        if xp is not np:
-            xp.get_default_memory_pool().free_all_blocks()
-    lines += [
-        "",
-        f"Cascade decode (docs/cascade.md): fp16, G 4, page 16, head_dim {HEAD_DIM}, "
-        f"{NUM_KV_HEADS} KV heads; bytes: K/V read per layer as the plan counts them.",
-        "",
-        CASCADE_HEADER,
-        "|" + "---:|" * (CASCADE_HEADER.count("|") - 1),
-    ]
-    print("\n".join(lines[-5:]), flush=True)
-    for shape in CASCADE_QUICK if args.quick else CASCADE_SHAPES:
-        lines.append(measure_cascade(xp, shape, repeats))
-        print(lines[-1], flush=True)
-        if xp is not np:
-            xp.get_default_memory_pool().free_all_blocks()
-    lines += [
-        "",
-        f"Batch-invariant decode (docs/batch-invariance.md): fp16, G 4, page 16, head_dim "
-        f"{HEAD_DIM}, {NUM_KV_HEADS} KV heads; items: planned work items per KV head (the "
-        "invariant work list's capacity in brackets); row 0 alone: the first sequence planned "
-        "and run as a batch of one, its output compared bit for bit.",
-        "",
-        INVARIANT_HEADER,
-        "|" + "---:|" * (INVARIANT_HEADER.count("|") - 1),
-    ]
-    print("\n".join(lines[-5:]), flush=True)
-    for shape in INVARIANT_QUICK if args.quick else INVARIANT_SHAPES:
-        lines.append(measure_invariant(xp, shape, repeats))
-        print(lines[-1], flush=True)
-        if xp is not np:
-            xp.get_default_memory_pool().free_all_blocks()
-    text = "\n".join(lines) + "\n"
-    Path(args.report).write_text(text)
-    return 0
+    lines = []
+    status = 0
+    try:
+        tables(xp, args, lines)
+    except KeyboardInterrupt:  # the GPU check's time limit: keep what was measured
+        lines.append("\n(interrupted: the rows above are all that were measured)")
+        status = 130
+    finally:
+        Path(args.report).write_text("\n".join(lines) + "\n")
+    return status
 
 
 if __name__ == "__main__":

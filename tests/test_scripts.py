@@ -4,6 +4,7 @@ results, and fail loudly where no GPU is visible."""
 from __future__ import annotations
 
 import importlib.machinery
+import importlib.util
 import os
 import re
 import subprocess
@@ -25,7 +26,22 @@ SCRIPTS = ROOT / "scripts"
 NO_GPU = dict(os.environ, CUDA_VISIBLE_DEVICES="")  # hides any GPU from CuPy
 
 sys.path.insert(0, str(SCRIPTS))
+import gpu_peers  # noqa: E402
 import gpu_smoke  # noqa: E402
+import gpu_timing  # noqa: E402
+
+GPU_BENCH_TABLES = (
+    "Decode against peers",
+    "Host cost per call",
+    "Decode attention,",
+    "Cascade decode",
+    "Batch-invariant decode",
+)
+PEERS = (
+    "PyTorch SDPA, contiguous copy",
+    "FlashInfer BatchDecodeWithPagedKVCacheWrapper",
+    "vLLM Triton unified_attention",
+)
 
 
 def test_gpu_bench_smoke_on_the_cpu_backend(tmp_path):
@@ -37,11 +53,12 @@ def test_gpu_bench_smoke_on_the_cpu_backend(tmp_path):
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     text = report.read_text()
-    decode, rest = text.split("Cascade decode")
-    cascade, invariant = rest.split("Batch-invariant decode")
+    peers, host, decode, cascade, invariant = report_tables(text)
+    assert "CPU backend (numbers are not GPU numbers)" in text
+    check_peer_table(peers)
+    check_host_table(host)
     rows = [line for line in decode.splitlines() if line.startswith("| ")]
     assert len(rows) == 1 + 3  # header + the quick rows
-    assert "CPU backend (numbers are not GPU numbers)" in text
     # Old and new kernels agree on every row: each is within the tolerance of the exact result
     # (outputs are averages of standard-normal V, |out| < 1 here), so the two within twice it.
     for row in rows[1:]:
@@ -61,6 +78,130 @@ def test_gpu_bench_smoke_on_the_cpu_backend(tmp_path):
     assert len(rows) == 2
     for row in rows:
         assert row[7] == "yes" and float(row[-1]) <= 2 * (tol["atol"] + tol["rtol"]), row
+
+
+def report_tables(text: str) -> list[str]:
+    """gpu_bench's report cut into its tables, each from its caption on, in their order."""
+    starts = [text.find(title) for title in GPU_BENCH_TABLES]
+    assert -1 not in starts and starts == sorted(starts), starts
+    return [text[a:b] for a, b in zip(starts, [*starts[1:], len(text)], strict=True)]
+
+
+def body_rows(text: str) -> list[list[str]]:
+    """The cells of every markdown table row below a header's separator (``|---:|``)."""
+    rows, inside = [], False
+    for line in text.splitlines():
+        if line.startswith("|---"):
+            inside = True
+        elif inside and line.startswith("| "):
+            rows.append([cell.strip() for cell in line.strip("|").split("|")])
+        else:
+            inside = False
+    return rows
+
+
+def missing_peer(module: str) -> str:
+    """What a peer that is not run on the CPU backend says in its row."""
+    return "not installed" if importlib.util.find_spec(module) is None else "needs a CUDA GPU"
+
+
+def check_peer_table(text: str) -> None:
+    """Each (dtype, shape) of the quick run: cupaged, then PyTorch's SDPA (installed in the dev
+    environment: it runs on CPU tensors and agrees with cupaged), FlashInfer and vLLM (no CPU
+    path: their rows say why); and cupaged's fp8 / float16 ratio per shape."""
+    rows = body_rows(text)
+    groups = [rows[i : i + 4] for i in range(0, len(rows), 4)]
+    assert [(g[0][0], g[0][1], g[0][2]) for g in groups] == [
+        (dtype, group, shape)
+        for dtype in ("float16", "float8_e4m3", "bfloat16")
+        for group, shape in (("4", "2 x 300"), ("8", "1 x 200"))
+    ]
+    for cupaged_row, sdpa, flashinfer, vllm in groups:
+        assert [row[3] for row in (cupaged_row, sdpa, flashinfer, vllm)] == [
+            "cupaged DecodePlan.run",
+            *PEERS,
+        ]
+        assert float(cupaged_row[4].replace(",", "")) > 0 and cupaged_row[-2:] == ["-", "-"]
+        assert float(sdpa[4].replace(",", "")) > 0 and float(sdpa[7]) > 0, sdpa
+        tol = TOLERANCES["bfloat16" if sdpa[0] == "bfloat16" else "float16"]  # fp8: fp16 q
+        assert float(sdpa[8]) <= 2 * (tol["atol"] + tol["rtol"]), sdpa
+        assert flashinfer[4] == missing_peer("flashinfer"), flashinfer
+        assert vllm[4] == missing_peer("vllm"), vllm
+    assert re.search(r"fp8 e4m3 / float16 time: 2 x 300 G 4: [0-9.]+; 1 x 200 G 8: [0-9.]+\.", text)
+
+
+def check_host_table(text: str) -> None:
+    """Host microseconds per call of cupaged's four calls and SDPA's; the other peers say why
+    they did not run."""
+    rows = {row[0]: row[1:] for row in body_rows(text)}
+    timed = [
+        "cupaged DecodePlan.run",
+        "cupaged DecodePlan.update, checked=False",
+        "cupaged paged_attention, checked=False",
+        "cupaged paged_attention, checked",
+        f"{PEERS[0]}: its call",
+    ]
+    assert list(rows) == [*timed, f"{PEERS[1]}: its call", f"{PEERS[2]}: its call"]
+    for name in timed:
+        host, wall, calls = rows[name]
+        assert 0 < float(host.replace(",", "")) <= float(wall.replace(",", "")), (name, host, wall)
+        assert calls == "3"
+    assert rows[f"{PEERS[1]}: its call"][0] == missing_peer("flashinfer")
+    assert rows[f"{PEERS[2]}: its call"][0] == missing_peer("vllm")
+
+
+def test_gpu_bench_without_pytorch_times_cupaged_and_says_sdpa_is_not_installed(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch", None)  # `import torch` raises ImportError
+    import gpu_bench
+
+    found = gpu_peers.peers("cpu")
+    assert [(peer.name, peer.missing) for peer in found][0] == (PEERS[0], "not installed")
+    clock = gpu_timing.Clock(600)
+    rows = gpu_bench.measure_peers(np, ("float16", 4, 1, 40), found, 1, 1.0, clock, {}, {})
+    cells = [[c.strip() for c in row.strip("|").split("|")] for row in rows]
+    assert float(cells[0][4].replace(",", "")) > 0
+    assert cells[1][3:5] == [PEERS[0], "not installed"]
+    host = gpu_bench.measure_host(np, (4, 1, 40), found, 1, clock, {})
+    assert f"| {PEERS[0]}: its call | not installed | - | - |" in host
+    assert float(host[0].split("|")[2].replace(",", "")) > 0  # DecodePlan.run still timed
+
+
+def test_gpu_bench_drops_a_peer_whose_first_call_runs_past_its_limit(monkeypatch):
+    import gpu_bench
+
+    monkeypatch.setattr(gpu_bench, "PEER_FIRST_CALL_S", 0.2)
+    calls = []
+
+    def compiling(problem):  # a JIT compile that would take the bench stage's whole budget
+        calls.append(problem)
+        time.sleep(30)
+
+    peer = gpu_peers.Peer("slow", None, compiling)
+    dropped = {}
+    start = time.perf_counter()
+    prepared, why = gpu_bench.prepare_peer(peer, "problem", gpu_timing.Clock(600), dropped)
+    assert time.perf_counter() - start < 5 and prepared is None
+    assert why.startswith("dropped: its set-up and first call ran past"), why
+    assert gpu_bench.prepare_peer(peer, "next", gpu_timing.Clock(600), dropped) == (None, why)
+    assert calls == ["problem"]  # not tried again
+    # Past the budget, a peer is not started at all.
+    fresh = gpu_peers.Peer("fresh", None, compiling)
+    assert gpu_bench.prepare_peer(fresh, "p", gpu_timing.Clock(-1), {}) == (
+        None,
+        "skipped: the time budget ran out",
+    )
+    assert calls == ["problem"]
+
+
+def test_gpu_bench_out_of_budget_writes_every_table_and_where_it_stopped(tmp_path):
+    import gpu_bench
+
+    report = tmp_path / "table.md"
+    argv = ["--device", "cpu", "--quick", "--budget", "0", "--report", str(report)]
+    assert gpu_bench.main(argv) == 0
+    tables = report_tables(report.read_text())
+    for text in tables:
+        assert "(stopped after 0 of " in text and not body_rows(text), text
 
 
 def table_rows(text: str) -> list[list[str]]:
