@@ -317,6 +317,28 @@ def test_gpu_check_without_a_gpu_fails_quickly_and_still_writes_its_summary(tmp_
     assert len(list(out.iterdir())) <= 8  # what the device tool brings back
 
 
+def test_gpu_check_header_gives_its_budgets_and_they_fit_the_call():
+    """The header's budget column says what the variables hold, and with each timeout's grace
+    the stages fit the device call's 8 minutes."""
+    text = (SCRIPTS / "gpu-check").read_text()
+    said = dict(re.findall(r"^#   (\w+) +(\d+) s  ", text, re.M))
+    default = {k: int(v) for k, v in re.findall(r"^(\w+)=\$\{\w+:-(\d+)\}", text, re.M)}
+    serial = default["SANITIZER_SERIAL"] == 1
+    budgets = {
+        "device": default["T_DEVICE"],
+        "smoke": default["T_SMOKE"],
+        "sanitizers": default["T_SANITIZER"] * (3 if serial else 1),
+        "tests": default["T_TESTS"],
+        "bench": default["T_BENCH"],
+    }
+    assert {k: int(v) for k, v in said.items()} == {**budgets, "total": sum(budgets.values())}
+    assert f"gpu_bench.py --budget {default['BENCH_ROWS_S']}," in text
+    assert default["BENCH_ROWS_S"] < default["T_BENCH"]
+    timeouts = 4 + (3 if serial else 1)  # each may run 10 s past its SIGINT
+    version_queries = 3 * 5  # nvidia-smi, nvcc and compute-sanitizer, 5 s each
+    assert sum(budgets.values()) + 10 * timeouts + version_queries <= 480 - 10
+
+
 def test_gpu_check_tests_summary_names_the_slowest_tests_and_kernel_loads(tmp_path):
     """The tests stage's summary (the Python the check runs on pytest's JUnit XML and the
     workers' kernel logs), run here on files of that shape."""
