@@ -17,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from helpers import assert_close, poison, random_array, random_paged_batch
+from test_variants_decode import variant_arrays
 
 import cupaged
 from cupaged.backend import to_numpy
@@ -74,27 +75,11 @@ def pool_lengths(rng: np.random.Generator) -> list[int]:
 
 def decode_pool(rng, dtype, group):
     """A pool of sequences over one cache: ``(q, k, v, tables, lens, scales)`` (NumPy), fp8 K/V
-    written as a write does (``x / scale``)."""
-    lengths = pool_lengths(rng)
-    store = "float32" if dtype.startswith("float8") else dtype
-    q, k, v, tables, lens, _ = random_paged_batch(
-        rng, lengths, NUM_KV_HEADS, HEAD_DIM, group, BLOCK_SIZE, store
-    )
-    scales = {}
+    written as a write does (``x / scale``) under float16 queries."""
+    q, k, v, tables, lens, scales = decode_pool_of(rng, pool_lengths(rng), dtype, group)
     if dtype.startswith("float8"):
-        k, v = from_float(k / K_SCALE, dtype), from_float(v / V_SCALE, dtype)
         q = random_array(rng, q.shape, "float16")
-        scales = dict(k_scale=K_SCALE, v_scale=V_SCALE)
     return q, k, v, tables, lens, scales
-
-
-def variant_arrays(rng, num_q_heads: int, spec: dict) -> dict:
-    kwargs = {k: v for k, v in spec.items() if k in ("window_left", "logits_soft_cap")}
-    if spec.get("alibi"):
-        kwargs["alibi_slopes"] = rng.uniform(0.01, 0.3, num_q_heads).astype(np.float32)
-    if spec.get("sinks"):
-        kwargs["sinks"] = rng.uniform(0.5, 4.0, num_q_heads).astype(np.float32)
-    return kwargs
 
 
 def batches(rng, target: int) -> list[np.ndarray]:
