@@ -170,10 +170,10 @@ def offer(
         TransferError: the receiver gave up, or did not read within ``hold``.
     """
     tid = req.transfer_id
-    start = time.perf_counter()  # (after the request came: after the receiver's expect())
     mail.open(tid, req.receiver)
     try:
         time.sleep(stall)  # (tests: a late sender, progressing nothing)
+        start = time.perf_counter()  # (after the request came: after the receiver's expect())
         mail.notify(req.receiver, ready_message(req, src, hold), required=True)
         while True:
             poll()
