@@ -213,3 +213,26 @@ def test_a_sender_holds_its_blocks_for_its_hold_and_no_read_commits_after_it(rec
     assert cache.num_free_blocks == free_before
     assert cache.admit(prompt).num_cached_tokens == 0
     assert peer.call("check") > 0
+
+
+def test_an_offer_that_may_come_after_its_hold_ended_is_never_read(receiver, sender, rng):
+    # The receiver counts the sender's hold from its own expect(), the earliest the offer can
+    # have left: an offer whose hold may have ended by the time it arrives reads nothing.
+    cache, agent, peer, name = pair(receiver, sender)
+    bs = SPEC["block_size"]
+    first = rng.integers(0, 30000, bs + 1).tolist()  # (a wired connection: the offer arrives)
+    sid, *_ = peer.call("prefill", first)
+    cache.free(move(agent, peer, name, first, sid)[0].sid)
+    prompt = rng.integers(0, 30000, 2 * bs + 1).tolist()
+    sid, *_ = peer.call("prefill", prompt)
+    free_before = cache.num_free_blocks
+    incoming = agent.expect(prompt, peer=name)
+    peer.post("send", sid, incoming.request, timeout=0.5, stall=1.0)  # offers 1 s late
+    with pytest.raises(TransferError, match="the offer came after the sender's hold: nothing"):
+        agent.wait(incoming, timeout=WAIT_S)
+    status, message = peer.recv()  # (the receiver's cancel, or the end of the hold)
+    assert status == "error" and ("gave up" in message or "hold of 0.5 s" in message), message
+    assert agent.quarantined == []
+    cache.check_invariants()
+    assert cache.num_free_blocks == free_before
+    assert cache.admit(prompt).num_cached_tokens == 0
