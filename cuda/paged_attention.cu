@@ -76,7 +76,8 @@
 //   exp(sink - M)), M = max(m, sink), f = exp(m - M)); otherwise the item writes its partial
 //   row acc / l and its log-sum-exp m + log(l) (-inf when all its scores are -inf; its partial row
 //   is 0 then, so that the merge's weight 0 does not meet 0 / 0).
-// paged_decode_merge: one thread block per (query head, sequence) combines a sequence's items:
+// paged_decode_merge combines a sequence's items, in parallel over query heads, slices of the
+// head's row and the items (its threads' partial sums added by a tree in shared memory):
 //   out = sum_i exp(lse_i - M) * partial_i / (sum_i exp(lse_i - M) [+ exp(sink - M)]),
 //   M = max(max_i lse_i [, sink]).
 #ifndef CUPAGED_CPU
@@ -801,42 +802,111 @@ __global__ void __launch_bounds__(32 * WARPS)
   }
 }
 
-// Grid: (num_q_heads, num_seqs). Block: any number of threads (the launch table's merge_block).
+// Grid: (num_q_heads * slices, num_seqs), x = slice * num_q_heads + head. Block: (lanes, rows),
+// at most kMergeMaxThreads threads (the launch table's decode_merge_launch picks them from the
+// work list's pieces per sequence). Thread (lane, row) of slice c owns the 4-float vectors
+// c * lanes + lane, + slices * lanes, ... of the head's row (those past HEAD_DIM idle) and the
+// items first + row, + rows, ... of the sequence; any grid and block of this form covers every
+// element once ((num_q_heads, num_seqs) and (128,) included):
+//
+//   head_dim 128, 64 pieces, block (4, 32), 8 slices:   slice c = dims 16c .. 16c + 15
+//     row 0:  items 0, 32    lane 0: dims 16c .. 16c + 3, lane 1: + 4 .. + 7, ...
+//     row 1:  items 1, 33
+//     ...     each row's partial sums; a tree over the rows in shared memory adds them
+//
 // seq_items[s] = {first, count}: sequence s's items. count <= 1: paged_decode wrote the row.
+// 1. M = max(max_i lse_i [, sink]): each row's fmaxf over its items, then over the rows
+//    (fmaxf is order-free: NaN skipped, -inf where every item is -inf or NaN);
+// 2. each thread sums w_i = exp(lse_i - M) and w_i * partial_i over its items, its 4 elements;
+// 3. the rows' sums added by a tree in shared memory; row 0 writes num / (den [+ exp(sink - M)]).
 // An item's log-sum-exp is -inf when all its scores are -inf (weight 0); NaN when a NaN reached
 // it (fmaxf skips it, its weight exp(NaN) makes the row NaN). Every item -inf is 0 / 0: NaN, as in
 // the reference (an empty context has one item and never comes here); with a finite sink, 0.
+// The terms are added in another order than one item after the other: only the rounding differs
+// (a NaN or an Inf reaches the row in any order).
 // VARIANT: only kSinks matters here (the sink's one place in a split sequence's softmax); the
 // trailing arguments are the decode kernel's.
+constexpr int kMergeMaxThreads = 256;  // the launch table (launch_decode.py) uses at most this
+
 template <typename T, int HEAD_DIM, int VARIANT = 0>
-__global__ void paged_decode_merge(T* __restrict__ out,                // [num_seqs, num_q_heads, HEAD_DIM]
-                                   const float* __restrict__ partial_out,  // [capacity, num_q_heads, HEAD_DIM]
-                                   const float* __restrict__ partial_lse,  // [capacity, num_q_heads]
-                                   const int2* __restrict__ seq_items,     // [num_seqs] {first, count}
-                                   int num_q_heads, int window_left, float soft_cap,
-                                   const float* __restrict__ alibi_slopes,  // unused
-                                   const float* __restrict__ sinks) {  // [num_q_heads], kSinks
+__global__ void __launch_bounds__(kMergeMaxThreads)
+    paged_decode_merge(T* __restrict__ out,                    // [num_seqs, num_q_heads, HEAD_DIM]
+                       const float* __restrict__ partial_out,  // [capacity, num_q_heads, HEAD_DIM]
+                       const float* __restrict__ partial_lse,  // [capacity, num_q_heads]
+                       const int2* __restrict__ seq_items,     // [num_seqs] {first, count}
+                       int num_q_heads, int window_left, float soft_cap,
+                       const float* __restrict__ alibi_slopes,  // unused
+                       const float* __restrict__ sinks) {       // [num_q_heads], kSinks
   constexpr bool kHasSinks = (VARIANT & kSinks) != 0;
+  constexpr int kVectors = HEAD_DIM / 4;  // a row's 4-float vectors (HEAD_DIM: a multiple of 16)
+  __shared__ float4 num_s[kMergeMaxThreads];
+  __shared__ float den_s[kMergeMaxThreads];  // per row: [rows]; rows <= threads
   const int2 items = seq_items[blockIdx.y];
-  if (items.y <= 1) return;
-  const int head = blockIdx.x;
+  if (items.y <= 1) return;  // uniform over the block
+  const int head = blockIdx.x % num_q_heads;
+  const int slice = blockIdx.x / num_q_heads;
+  const int slices = gridDim.x / num_q_heads;
+  const int lane = threadIdx.x, lanes = blockDim.x;
+  const int row = threadIdx.y, rows = blockDim.y;
+  const int last = items.x + items.y;
+
+  // 1. the largest log-sum-exp: the rows' own, then over the rows (den_s holds them a while).
   float lse_max = neg_inf();
-  for (int i = items.x; i < items.x + items.y; ++i) {
+  for (int i = items.x + row; i < last; i += rows) {
     lse_max = fmaxf(lse_max, partial_lse[static_cast<long long>(i) * num_q_heads + head]);
   }
+  if (lane == 0) den_s[row] = lse_max;
+  __syncthreads();
+  for (int r = 0; r < rows; ++r) lse_max = fmaxf(lse_max, den_s[r]);
   const float sink = kHasSinks ? sinks[head] : 0.0f;
   if constexpr (kHasSinks) lse_max = fmaxf(lse_max, sink);  // a NaN sink: skipped here, NaN below
-  const long long row = static_cast<long long>(blockIdx.y) * num_q_heads + head;
-  for (int d = threadIdx.x; d < HEAD_DIM; d += blockDim.x) {
-    float numerator = 0.0f;
-    float denominator = kHasSinks ? expf(sink - lse_max) : 0.0f;
-    for (int i = items.x; i < items.x + items.y; ++i) {
+
+  const long long out_row = static_cast<long long>(blockIdx.y) * num_q_heads + head;
+  const int thread = row * lanes + lane;
+  // Every thread runs every pass (the barriers), its vector past HEAD_DIM idle.
+  for (int base = slice * lanes; base < kVectors; base += slices * lanes) {
+    const int v = base + lane;
+    float4 num = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    float den = 0.0f;
+    for (int i = items.x + row; i < last; i += rows) {
       const long long part = static_cast<long long>(i) * num_q_heads + head;
       const float w = expf(partial_lse[part] - lse_max);
-      numerator += w * partial_out[part * HEAD_DIM + d];
-      denominator += w;
+      den += w;
+      if (v < kVectors) {
+        const float4 p = *reinterpret_cast<const float4*>(partial_out + part * HEAD_DIM + 4 * v);
+        num.x += w * p.x;
+        num.y += w * p.y;
+        num.z += w * p.z;
+        num.w += w * p.w;
+      }
     }
-    out[row * HEAD_DIM + d] = from_float<T>(numerator / denominator);
+    __syncthreads();  // den_s: every thread has read the maxima (or the last pass's sums)
+    num_s[thread] = num;
+    if (lane == 0) den_s[row] = den;
+    __syncthreads();
+    // 3. a tree over the rows (rows need not be a power of two: the upper half folds down).
+    for (int span = rows; span > 1;) {
+      const int half = (span + 1) / 2;
+      if (row < span - half) {
+        const float4 other = num_s[thread + half * lanes];
+        num_s[thread].x += other.x;
+        num_s[thread].y += other.y;
+        num_s[thread].z += other.z;
+        num_s[thread].w += other.w;
+        if (lane == 0) den_s[row] += den_s[row + half];
+      }
+      span = half;
+      __syncthreads();
+    }
+    if (row == 0 && v < kVectors) {
+      const float denominator = den_s[0] + (kHasSinks ? expf(sink - lse_max) : 0.0f);
+      const float4 total = num_s[lane];
+      T* dst = out + out_row * HEAD_DIM + 4 * v;
+      dst[0] = from_float<T>(total.x / denominator);
+      dst[1] = from_float<T>(total.y / denominator);
+      dst[2] = from_float<T>(total.z / denominator);
+      dst[3] = from_float<T>(total.w / denominator);
+    }
   }
 }
 

@@ -52,7 +52,7 @@ from .._util import cdiv
 from ..backend import array_module, to_numpy
 from ..kernels.args import CascadeSharedArgs, merge_record, with_fields
 from ..kernels.launch_cascade import cascade_launch
-from ..kernels.launch_decode import MAX_GRID_YZ
+from ..kernels.launch_decode import MAX_GRID_YZ, decode_merge_launch
 from .layer import attention_kernel, target
 
 # A step takes cascade (cascade=None) when it saves at least this many bytes of K/V per layer: a
@@ -542,7 +542,9 @@ class SharedLevel:
         )
         decode = with_fields(decode_args, work=xp.asarray(work.work), **own)
         merge = with_fields(merge_args, seq_items=xp.asarray(work.seq_items), **own)
-        return CascadeLevels(self, work, shared, decode, merge)
+        rows = work.seq_items.shape[0]
+        merge_launch = decode_merge_launch(head_dim, num_q_heads, rows, capacity)
+        return CascadeLevels(self, work, shared, decode, (merge, *merge_launch))
 
     def run(self, args: Any, rows_per_tile: int, num_kv_heads: int, num_tiles: int) -> None:
         """``cascade_shared`` of ``rows_per_tile`` rows over ``num_tiles`` tiles of every KV
@@ -560,22 +562,35 @@ class DecodeGeometry:
     grid_x: int
     block: tuple[int, ...]
     shared_mem: int
-    merge_block: tuple[int, ...]
 
 
 class CascadeLevels:
     """One step's cascade, launched per layer: the shared level, then ``paged_decode`` over
     each row's own items (the shared slots idle), then the merge of every row's pieces."""
 
-    __slots__ = ("_decode", "_merge", "_shared", "_shared_args", "work")
+    __slots__ = (
+        "_decode",
+        "_merge",
+        "_merge_block",
+        "_merge_grid",
+        "_shared",
+        "_shared_args",
+        "work",
+    )
 
     def __init__(
-        self, shared: SharedLevel, work: CascadeWork, shared_args: Any, decode: Any, merge: Any
+        self,
+        shared: SharedLevel,
+        work: CascadeWork,
+        shared_args: Any,
+        decode: Any,
+        merge: tuple[Any, tuple[int, int], tuple[int, int]],
     ) -> None:
         self._shared = shared
         self._shared_args = shared_args
         self._decode = decode
-        self._merge = merge
+        # The merge's record, grid and block (decode_merge_launch: once per step).
+        self._merge, self._merge_grid, self._merge_block = merge
         self.work = work
 
     def run(
@@ -602,5 +617,4 @@ class CascadeLevels:
         decode = self._decode.filled(out, q, k_cache, v_cache, scales, sinks)
         grid = (geometry.grid_x, self.work.capacity)
         kernel(grid, geometry.block, decode, shared_mem=geometry.shared_mem)
-        merge_grid = (int(self._merge.num_q_heads), self.work.seq_items.shape[0])
-        merge(merge_grid, geometry.merge_block, self._merge.filled(out, sinks))
+        merge(self._merge_grid, self._merge_block, self._merge.filled(out, sinks))

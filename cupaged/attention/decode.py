@@ -66,6 +66,7 @@ from ..kernels.launch_decode import (
     decode_ctas_per_sm,
     decode_launch,
     decode_may_split,
+    decode_merge_launch,
     invariant_work,
     plan_threads,
     query_dtype,
@@ -353,8 +354,9 @@ class DecodePlan:
         self._grid, self._block, self._shared_mem = launch.grid, launch.block, launch.shared_mem
         self._launch = launch
         self._merge = get_kernel(device, "paged_attention.cu", launch.merge_name)
-        self._merge_grid = (num_q_heads, num_seqs)
-        self._merge_block = launch.merge_block
+        self._merge_grid, self._merge_block = decode_merge_launch(
+            head_dim, num_q_heads, num_seqs, capacity
+        )
         self._planner = get_kernel(device, "decode_plan.cu", PLAN_NAME)
         self._planner_block = (plan_threads(num_seqs),)
         self._work = xp.empty((capacity, 4), np.int32)
@@ -600,9 +602,7 @@ class DecodePlan:
         spare = self._capacity > self.num_seqs  # none: never split, whatever the lengths
         split = self._split or (self._device == "cuda" and spare and _capturing(self._xp))
         if self._cascade is not None:
-            geometry = DecodeGeometry(
-                self._grid[0], self._block, self._shared_mem, self._merge_block
-            )
+            geometry = DecodeGeometry(self._grid[0], self._block, self._shared_mem)
             layer = (out_storage, q, k_cache, v_cache)
             self._cascade.run((kernel, merge), geometry, layer, scales, sinks)
             return out

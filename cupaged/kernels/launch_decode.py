@@ -46,7 +46,10 @@ DECODE_STAGE_BYTES = 4096
 DECODE_TARGET_THREADS = 128
 DECODE_MAX_TOKENS_PER_THREAD = 8  # TPZ: scores a thread keeps in registers per head and stage
 DECODE_WIDE_LANE_GROUP = 4  # from this GQA group on, a lane owns 16 elements of a row, not 8
-MERGE_THREADS = 128  # paged_decode_merge: any block size works (it strides by blockDim.x)
+# paged_decode_merge: blocks of MERGE_THREADS threads (at most kMergeMaxThreads, its launch
+# bounds: tests/kernels/test_decode_merge.py reads it), laid out by decode_merge_launch.
+MERGE_THREADS = 128
+MERGE_MAX_ROWS = 32  # items of a sequence one merge block adds at once (its rows)
 # Query heads of one decode thread block: a larger GQA group is cut into chunks of at most this
 # many (DecodeChunk in cuda/common.cuh), so that a thread's q rows and accumulators stay in
 # registers (a group of 48 in one block took 255 registers and spilled 596 bytes; of 128, 25 KB).
@@ -204,7 +207,9 @@ class DecodeLaunch:
         block: ``(bdx, bdy, bdz)``.
         shared_mem: dynamic shared memory in bytes.
         tile: tokens per pipeline stage (work items are whole stages but a sequence's last).
-        merge_block: threads of ``paged_decode_merge``; its grid is ``(num_q_heads, num_seqs)``.
+        merge_block: ``(MERGE_THREADS,)``, the threads of a ``paged_decode_merge`` block; its
+            layout over a work list, grid and block: :func:`decode_merge_launch` (the kernel
+            also takes this block over the grid ``(num_q_heads, num_seqs)``, one block a row).
         geometry: the layout behind ``name`` and ``block``.
         sinks_name: ``name`` for a run with attention sinks (the sinks bit added to its
             ``VARIANT``: a single-item sequence's sink joins at its normalisation).
@@ -372,6 +377,36 @@ def decode_launch(
         sinks_name=_decode_instantiation(stem, variant | SINKS, kv),
         sinks_merge_name=instantiation(merge, SINKS),
     )
+
+
+def decode_merge_launch(
+    head_dim: int, num_q_heads: int, num_rows: int, capacity: int
+) -> tuple[tuple[int, int], tuple[int, int]]:
+    """``(grid, block)`` of ``paged_decode_merge`` over ``num_rows`` output rows (sequences, or
+    a cascade's rows) whose pieces fill a work list of ``capacity`` items.
+
+    A block of ``MERGE_THREADS`` threads is ``rows`` items at once (the pieces a row has on
+    average, ``capacity / num_rows``, rounded up to a power of two, at most
+    ``MERGE_MAX_ROWS``) by ``lanes`` 4-float vectors of a head's row; the head's row is cut
+    into ``slices`` of ``lanes`` vectors, each a block: a lone long sequence's merge is then
+    as many blocks as its heads x slices, each thread adding a few items, not one block per
+    head looping over every item. The pieces come from the device's planner, so the layout
+    holds for any count: a row of more pieces than ``rows`` loops over them.
+
+    >>> decode_merge_launch(128, 32, 1, 67)  # 1 x 32k: 256 blocks, 2 items per thread
+    ((256, 1), (4, 32))
+    >>> decode_merge_launch(128, 32, 64, 130)  # 64 sequences of ~2 pieces: 1 slice
+    ((32, 64), (32, 4))
+    >>> decode_merge_launch(64, 8, 4, 4)  # 1 piece each: a row is 16 lanes, 8 rows
+    ((8, 4), (16, 8))
+    """
+    vectors = head_dim // 4
+    pieces = cdiv(max(capacity, 1), max(num_rows, 1))
+    rows = min(MERGE_MAX_ROWS, _next_power_of_two(pieces))
+    lanes = min(MERGE_THREADS // rows, _next_power_of_two(vectors))
+    rows = MERGE_THREADS // lanes
+    slices = cdiv(vectors, lanes)
+    return (num_q_heads * slices, num_rows), (lanes, rows)
 
 
 def _decode_instantiation(stem: str, variant: int, kv_c_type: str | None) -> str:
