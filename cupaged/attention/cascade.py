@@ -96,7 +96,9 @@ def shared_nodes(
     while every member holds the same id and the block lies within every member's length (the
     shortest member ends the node, mid-block if its length does: a partial block is shared up to
     there); the members that go on are grouped again by their next id. A group of one row shares
-    nothing. Ids below 0 (a window's released entries) are never shared. With a window, a node
+    nothing. Ids below 0 (a window's released entries) are never shared, but rows that hold one
+    at the same position before all of their windows go on to the next block together (forks
+    of a sliding-window cache release alike). With a window, a node
     starts at the first key any member attends (the kernel masks the others' earlier keys), and
     a node no member attends is dropped.
 
@@ -125,6 +127,15 @@ def shared_nodes(
         starts = np.flatnonzero(np.concatenate(([True], ids[1:] != ids[:-1])))
         sizes = np.diff(np.append(starts, ids.size))
         shared = (sizes >= 2) & (ids[starts] >= 0)
+        # A run of released entries (a window's -1) lies before its rows' windows: those whose
+        # window starts past the block go on to the next one, which they may still share.
+        released = (sizes >= 2) & (ids[starts] < 0)
+        after = (column + 1) * block_size
+        for start, size in zip(starts[released].tolist(), sizes[released].tolist(), strict=True):
+            part = rows[start : start + size]
+            part = part[(first[part] >= after) & (lens[part] > after)]
+            if part.size >= 2:
+                pending.append((part, after))
         for start, size in zip(starts[shared].tolist(), sizes[shared].tolist(), strict=True):
             part = rows[start : start + size]
             shortest = int(lens[part].min())

@@ -285,3 +285,17 @@ def test_host_copies_unlike_the_tables_are_refused(rng, xp):
     assert np.array_equal(plan.work(), before)
     got = plan.run(xp.asarray(q), dev_k, xp.asarray(v))
     assert_close(got, oracle(q, k, v, tables, lens), "float16")
+
+
+def test_a_sliding_window_cache_shares_the_blocks_after_its_released_ones(rng, xp):
+    # Four forks in lockstep of a sliding-window cache: the blocks before every window are
+    # released (-1), the rest of the prompt is shared, and each row has its own last block.
+    q, k, v, _, _ = batch(rng, "float16", num_rows=4, width=8, group=4)
+    prompt = rng.permutation(28)[:5]
+    tables = np.array([[-1, -1, *prompt, 28 + r] for r in range(4)], np.int32)
+    lens = np.full(4, 7 * 16 + 5, np.int32)  # 117: window 80 attends from key 36, in block 2
+    expected = oracle(q, k, v, tables, lens, window_left=80)
+    plan, got = run(xp, q, k, v, tables, lens, cascade=True, window_left=80)
+    assert_close(got, expected, "float16")
+    nodes = [(n.rows.tolist(), n.begin, n.end) for n in plan.cascade.nodes]
+    assert nodes == [([0, 1, 2, 3], 36, 112)]

@@ -67,6 +67,19 @@ def test_released_entries_are_never_shared():
     assert shared_nodes(tables, np.array([12, 12]), BLOCK) == []
 
 
+def test_blocks_after_released_entries_are_shared():
+    # A sliding-window cache releases the blocks before every window (-1): forks that decode in
+    # lockstep release the same ones and still share the blocks after them.
+    tables = table([-1, -1, 5, 6, 7], [-1, -1, 5, 6, 8], [-1, -1, 5, 9])
+    lens = np.array([20, 19, 16])
+    first = first_attended(lens, 7)  # 12, 11, 8: blocks 0 and 1 (tokens 0..7) before them all
+    assert first.tolist() == [12, 11, 8]
+    nodes = as_tuples(shared_nodes(tables, lens, BLOCK, 7))
+    assert nodes == [([0, 1, 2], 8, 12), ([0, 1], 12, 16)]
+    # A released entry that a row's window reaches is a bad table, never skipped over.
+    assert shared_nodes(tables, lens, BLOCK, 12) == []
+
+
 def test_a_window_starts_a_node_at_the_first_key_a_member_attends():
     tables = table([1, 2, 3, 4], [1, 2, 3, 4])
     lens = np.array([16, 14])
