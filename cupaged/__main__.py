@@ -234,7 +234,7 @@ def print_summary(console: Any, run: Any) -> None:
             f"steps' {cascade['bytes_plain'] / 2**20:,.2f} MiB)"
         )
     else:
-        cascade_text = "no step had rows sharing a block"
+        cascade_text = "no decode step read a shared prefix once (none planned a cascade)"
     table.add_row("cascade", cascade_text)
     checks = summary["checks"]
     verdict = "equal" if checks["passed"] else "[red]DIFFERENT[/red]"
