@@ -331,14 +331,13 @@ class KVTransferAgent:
 
     @property
     def quarantined(self) -> list[int]:
-        """Sequences of this cache whose READ had not ended when :meth:`wait` gave up: their
-        blocks stay reserved (never free, never visible) until a later poll (any call of this
-        agent, :meth:`progress`) sees the READ end and frees them."""
+        """Sequences whose READ had not ended when :meth:`wait` gave up: reserved, invisible,
+        until a later poll (any call of this agent, :meth:`progress`) sees it end."""
         return self._quarantine.sids
 
     def progress(self) -> None:
-        """Progress NIXL once: take notifications, free quarantined blocks whose READ ended. An
-        idle receiver calls it now and then; every other call of the agent does it too."""
+        """Progress NIXL once: take notifications, free quarantined blocks whose READ ended (an
+        idle receiver calls it now and then)."""
         self._check_open()
         self._poll()
 
@@ -447,7 +446,9 @@ class KVTransferAgent:
     def _read(self, incoming: Incoming, offer: str, deadline: float) -> TransferStats:
         """Pull: READ the offered blocks into the reservation, commit once the READ ended in
         time, tell the sender "done". Its READ ended or quarantined before any raise."""
-        tid, layout = incoming.transfer_id, self._peers[incoming.peer]
+        tid, layout = incoming.transfer_id, self._peers.get(incoming.peer)
+        if layout is None:
+            raise self._give_up(incoming, "the sender was disconnected: nothing read")
         try:
             src, hold = parse_ready(
                 offer, incoming.digest, incoming.blocks_to_move, layout.num_blocks

@@ -17,6 +17,7 @@ from .wire import TransferError, parse_message
 
 POLL_S = 2e-4  # between polls: a waiting side leaves the core to others
 SPIN_S = 2e-3  # except this long after it started waiting: an answer due soon comes sooner
+FLUSH_S = 0.25  # progress after a refusal's or a cancel's notification, so that it leaves
 
 
 def pause(since: float) -> None:
@@ -24,7 +25,6 @@ def pause(since: float) -> None:
     core at once for ``SPIN_S``, then sleep ``POLL_S`` (a sleep takes longer than asked: each
     one a notification waits for adds to a transfer's round trip)."""
     time.sleep(0 if time.perf_counter() - since < SPIN_S else POLL_S)
-FLUSH_S = 0.25  # progress after a refusal's or a cancel's notification, so that it leaves
 
 
 class Mailbox:
