@@ -45,6 +45,7 @@ from .. import (
 )
 from ..dtypes import dtype_name, is_fp8
 from .gguf import GGUFFile
+from .graphs import GraphedAttention
 
 # Layer i's attention: (i, q, k, v) -> [n, num_q_heads, head_dim], Q/K/V in the cache's dtype.
 Attend = Callable[[int, Any, Any, Any], Any]
@@ -316,6 +317,7 @@ class Llama:
         self.cascade_reads = CascadeReads()
         self.device = "cpu" if xp is np else "cuda"
         self.seconds = {"attention": 0.0, "other": 0.0}
+        self.graphs: GraphedAttention | None = None  # use_cuda_graphs()
 
         def put(a: np.ndarray) -> Any:
             return xp.asarray(np.ascontiguousarray(a, dtype=np.float32))
@@ -415,11 +417,45 @@ class Llama:
         # Once per step: slots (copy-on-write applied by the cache), then the attention plan over
         # the batch's tables (the cache's own: unchecked, planned on the device).
         slots = cache.step(batch, tokens=np.asarray(tokens)).slots
-        plan = cache.decode_plan(batch, self.config.num_q_heads, **self._decode_options(cache))
-        self.cascade_reads.add(plan, self.config.num_layers)
+        attend = self._decode_attention(cache, batch, slots)
         tokens = xp.asarray(np.asarray(tokens, np.int64))
-        h = self._layers(tokens, xp.asarray(positions), self._writing(cache, slots, plan))
+        h = self._layers(tokens, xp.asarray(positions), attend)
         return self._logits(h)
+
+    def use_cuda_graphs(self, enabled: bool = True) -> None:
+        """Replay each decode step's attention as CUDA graphs (docs/cuda-graphs.md): every
+        layer's ``write_kv`` and ``DecodePlan.run`` captured once per batch size on static
+        buffers and replayed after ``DecodePlan.update`` (:mod:`cupaged.models.graphs`). Its
+        decode plans never cascade (:attr:`cascade` is not used). ``False``: plans per step.
+
+        Raises:
+            ValueError: on the CPU backend (nothing to capture), for a batch-invariant model
+                (its decode steps run prefill plans) or over an fp8 cache (its scales are
+                calibrated on the host at the first write).
+        """
+        if not enabled:
+            self.graphs = None
+            return
+        if self.device != "cuda":
+            why = "runs on the CPU backend, which cannot capture CUDA graphs; use a GPU"
+        elif self.batch_invariant:
+            why = "is batch-invariant (its decode steps run prefill plans)"
+        elif is_fp8(self.kv_dtype):
+            why = f"has a {self.kv_dtype} cache (its scales are calibrated on the host)"
+        else:
+            self.graphs = GraphedAttention(self.config.num_layers, self.config.num_q_heads)
+            return
+        raise ValueError(f"expected a model on a GPU for CUDA graphs, got a model that {why}")
+        self.graphs = GraphedAttention(self.config.num_layers, self.config.num_q_heads)
+
+    def _decode_attention(self, cache: PagedCache, sids: Any, slots: Any) -> Attend:
+        """A decode step's attention: the replayed graphs of :meth:`use_cuda_graphs`, or the
+        step's plan (the cache's, over its own tables: unchecked) run after ``write_kv``."""
+        if self.graphs is not None:
+            return self.graphs.step(cache, sids, slots)
+        plan = cache.decode_plan(sids, self.config.num_q_heads, **self._decode_options(cache))
+        self.cascade_reads.add(plan, self.config.num_layers)
+        return self._writing(cache, slots, plan)
 
     def forward(
         self, cache: PagedCache, plan: StepPlan, tokens: Any, positions: Any, rows: Any
@@ -450,14 +486,13 @@ class Llama:
         options = self._plan_options(cache)
         # Batch-invariant: every row through one kernel, whatever else the step holds.
         if (plan.num_tokens == 1).all() and not self.batch_invariant:
-            options = self._decode_options(cache)
-            attention = cache.decode_plan(plan, self.config.num_q_heads, **options)
-            self.cascade_reads.add(attention, self.config.num_layers)
+            attend = self._decode_attention(cache, plan, plan.slots)
         else:
             attention = cache.prefill_plan(plan, self.config.num_q_heads, **options)
+            attend = self._writing(cache, plan.slots, attention)
         tokens = xp.asarray(np.asarray(tokens, np.int64))
         positions = xp.asarray(np.asarray(positions, np.int64))
-        h = self._layers(tokens, positions, self._writing(cache, plan.slots, attention))
+        h = self._layers(tokens, positions, attend)
         return self._logits(h[xp.asarray(np.asarray(rows, np.int64))])
 
     def forward_full(self, tokens: list[int], cache: PagedCache | None = None) -> Any:
