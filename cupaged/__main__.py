@@ -212,6 +212,13 @@ def print_summary(console: Any, run: Any) -> None:
             f"{summary['config']['prefill_chunk']} tokens, in mixed steps with decode",
         )
     table.add_row("tokens/s", f"{summary['tokens_per_second']:,.1f} ({summary['seconds']:.1f} s)")
+    if "cuda_graphs" in summary:
+        graphs = summary["cuda_graphs"]
+        table.add_row(
+            "CUDA graphs",
+            f"{graphs['captures']} captured, {graphs['replays']:,} replays; without them "
+            f"{graphs['tokens_per_second_without']:,.1f} tokens/s (the same workload again)",
+        )
     if summary["preemptions"]:
         swapping = (
             f"{summary['preemptions']} swap-outs to host memory, {summary['swap_ins']} swap-ins"
@@ -398,6 +405,13 @@ def build_parser() -> tuple[
         metavar="N",
         help="chunked prefill: prompts are computed N tokens a step, in mixed steps with the "
         "other sequences' decode tokens (default: none, each prompt whole at admission)",
+    )
+    add(
+        "--cuda-graphs",
+        action="store_true",
+        help="replay each decode step's attention as CUDA graphs (docs/cuda-graphs.md), then "
+        "serve the workload again without them and report both tokens/s; a GPU only "
+        "(default: off)",
     )
     add(
         "--plot",

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -86,6 +86,7 @@ class DemoConfig:
     weights: str | None = None
     model: str | None = None  # a real model of cupaged.models.MODELS, instead of the seeded one
     prefill_chunk: int | None = None  # chunked prefill: at most this many prompt tokens a step
+    cuda_graphs: bool = False  # decode attention replayed as CUDA graphs (a GPU's only)
 
     def __post_init__(self) -> None:
         if self.requests is None:  # frozen: the one write, while the config is made
@@ -211,6 +212,11 @@ class Demo:
     def __init__(self, config: DemoConfig) -> None:
         self.config = config
         self.device = resolve_device(config.device)
+        if config.cuda_graphs and self.device != "cuda":
+            raise ValueError(
+                "--cuda-graphs: expected a GPU (--device cuda), got the CPU backend, which "
+                "cannot capture CUDA graphs"
+            )
         xp = device_module(self.device)
         self.tokenizer = None
         cascade = forced_cascade(config.dtype, config.kv_dtype)
@@ -233,6 +239,11 @@ class Demo:
                 kv_dtype=config.kv_dtype,
                 cascade=cascade,
             )
+        if config.cuda_graphs:
+            try:
+                self.model.use_cuda_graphs()
+            except ValueError as error:
+                raise ValueError(f"--cuda-graphs: {error}") from error
         self.cache: PagedCache = self.model.make_cache(
             config.num_blocks, config.block_size, kv_scales=config.kv_scales
         )
@@ -292,6 +303,14 @@ class Demo:
             "bytes_not_read": reads.bytes_not_read,
         }
         summary["temperature"] = self.temperature
+        graphs = self.model.graphs
+        if graphs is not None:  # and the same workload without them, for the comparison
+            eager = Demo(replace(config, cuda_graphs=False)).run()
+            summary["cuda_graphs"] = {
+                "captures": graphs.captures,
+                "replays": graphs.replays,
+                "tokens_per_second_without": eager.summary["tokens_per_second"],
+            }
         if self.tokenizer is not None:
             summary["texts"] = [
                 {
