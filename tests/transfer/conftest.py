@@ -1,4 +1,4 @@
-"""Fixtures of the transfer tests: the shared sender process, a sender of one's own (killed at
+"""Fixtures of the transfer tests: the module's sender process, a sender of one's own (killed at
 the end), and receivers (a CPU cache with prefix caching and its agent, closed at the end)."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from cupaged import PagedCache
 from cupaged.transfer import KVTransferAgent
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def sender_process():
-    """The sender process of every test that does not kill its own (spawned once per pytest
-    process: a fresh interpreter costs seconds)."""
+    """The module's sender process (spawned once: a fresh interpreter costs seconds; not once
+    per session: other tests assert that no child process is left)."""
     peer = Peer(SENDER_SPECS, seed=41)
     try:
         yield peer
@@ -26,7 +26,7 @@ def sender_process():
 
 @pytest.fixture
 def sender(sender_process):
-    """``sender(key)``: a cache of the shared sender process; ``sender(key, own=True)``: of a
+    """``sender(key)``: a cache of the module's sender process; ``sender(key, own=True)``: of a
     process of its own (one a test kills), killed at the end."""
     started = []
 

@@ -26,7 +26,7 @@ FP8 = {
     "k_scales": K_SCALES,
     "v_scales": np.array([1.5, 3.0, 0.125], np.float32),
 }
-# The sender's caches, one process for the session: a larger pool (it frees nothing).
+# The sender's caches, one process for a module: a larger pool (it frees nothing).
 SENDER_SPECS = {"fp16": {**SPEC, "num_blocks": 192}, "fp8": {**FP8, "num_blocks": 192}}
 
 
