@@ -30,9 +30,32 @@
 // blocks per multiprocessor x multiprocessors / KV heads), so a long sequence among short ones is
 // cut into as many pieces as it needs, whatever the others' lengths: the split is balanced by
 // tokens, not by sequences, and capacity does not depend on the lengths' values. With
-// capacity == num_seqs no sequence is split. A length below 0 counts as 0 (the checked path of
-// the Python API refuses them first). Item counts and bounds are computed in 64 bits: an unchecked
-// length near 2^31 plus chunk - 1 would wrap in int and cut the attention short.
+// capacity == num_seqs no sequence is split.
+//
+// Whole waves (wave_items > 0, the default split's; 0 for a fixed chunk: batch-invariant plans,
+// num_splits): a wave is the items the GPU runs at once, wave_items = ctas x SMs / blocks per
+// item (grid_x), from the occupancy CUDA reports for the loaded kernel (an H100's on the CPU
+// backend). The chunk above leaves up to num_seqs items past the balance, one short last piece
+// per sequence, and those can start a wave that is nearly empty: the step then costs one more
+// round of chunk-long items for a few blocks. With N(c) = sum_s ceil(att_s / c) items and
+// k = floor(N(chunk) / wave_items) >= 1 whole waves, c1 is the smallest multiple of the tile
+// with N(c1) <= k x wave_items (a binary search, each probe one pass over the sequences); a wave
+// costs its longest item, so c1 is taken when k x c1 < (k + 1) x chunk:
+//   8 x 32768 tokens, wave_items 66 (H100/H200, 4 blocks per SM, 8 KV heads):
+//     chunk = round_up(262144 / 66, 16) = 3984: 8 x 9 = 72 items, 2 waves, cost 2 x 3984 = 7968;
+//     k = 1: c1 = 4096 (8 x 8 = 64 items), cost 4096: taken (one wave, 64 of 66 slots).
+//   64 x 4096: chunk 3984 gives 128 items (3984 + 112 per sequence), 2 waves; c1 = 4096: 64
+//     items, one wave, no piece to merge.
+//   1 x 32768: chunk 512, 64 items <= 66: one wave already, kept.
+//   5000 + 12 x 40, wave_items 20: 32 items at 256; one wave needs pieces of 640 (8 + 12 items),
+//     1 x 640 > 2 x 256: kept.
+// c1 >= chunk, so the items never outnumber the list. The model is a wave's longest piece: the
+// short last pieces of a part wave may finish early, but where they run before long ones (the
+// list's order is by sequence) a late long piece opens a round of its own.
+//
+// A length below 0 counts as 0 (the checked path of the Python API refuses them first). Item
+// counts and bounds are computed in 64 bits: an unchecked length near 2^31 plus chunk - 1 would
+// wrap in int and cut the attention short.
 //
 // One thread block; thread t owns the sequences [t * per, (t + 1) * per), per = ceil(num_seqs /
 // blockDim.x): it sums their lengths and item counts, thread 0 adds the per-thread sums up (an
@@ -59,12 +82,60 @@ __device__ __forceinline__ int first_attended(int len, int window_left) {
   return first > 0 ? static_cast<int>(first) : 0;
 }
 
+// The items of this thread's sequences at a chunk of c tokens, summed over the block (every
+// thread gets the sum; sums[] is free on entry and on return).
+__device__ long long block_items(long long* sums, const int* __restrict__ context_lens,
+                                 int first_seq, int last_seq, int window_left, int c) {
+  long long items = 0;
+  for (int s = first_seq; s < last_seq; ++s) {
+    const int len = max(context_lens[s], 0);
+    items += item_count(len - first_attended(len, window_left), c);
+  }
+  sums[threadIdx.x] = items;
+  __syncthreads();
+  long long total = 0;
+  for (int t = 0; t < static_cast<int>(blockDim.x); ++t) total += sums[t];
+  __syncthreads();  // every thread has read sums[] before the next use
+  return total;
+}
+
+// Whole waves (the header): *chunk_s grows to c1 when k x c1 < (k + 1) x chunk. Every thread
+// runs every probe (the barriers) and reads the same sums, so all take the same branches.
+__device__ void round_to_waves(long long* sums, const int* longest_s, int* chunk_s,
+                               const int* __restrict__ context_lens, int num_seqs, int first_seq,
+                               int last_seq, int window_left, int tile, int wave_items) {
+  const int chunk = *chunk_s;
+  int longest = 0;
+  for (int t = 0; t < static_cast<int>(blockDim.x); ++t) longest = max(longest, longest_s[t]);
+  const long long items = block_items(sums, context_lens, first_seq, last_seq, window_left, chunk);
+  const long long waves = items / wave_items;  // k: the whole waves
+  const long long allowed = waves * wave_items;
+  // At a chunk of the longest length every sequence is one item: N = num_seqs, the fewest.
+  if (waves < 1 || items == allowed || longest <= chunk || num_seqs > allowed) return;
+  long long lo = chunk / tile;  // N(lo x tile) > allowed >= N(hi x tile)
+  long long hi = ceil_div(static_cast<long long>(longest), static_cast<long long>(tile));
+  while (lo + 1 < hi) {
+    const long long mid = (lo + hi) / 2;
+    const int c = static_cast<int>(min(mid * tile, kWholeSequence));
+    if (block_items(sums, context_lens, first_seq, last_seq, window_left, c) <= allowed) {
+      hi = mid;
+    } else {
+      lo = mid;
+    }
+  }
+  const long long c1 = min(hi * tile, kWholeSequence);
+  if (threadIdx.x == 0 && waves * c1 < (waves + 1) * chunk) *chunk_s = static_cast<int>(c1);
+  __syncthreads();
+}
+
 __global__ void __launch_bounds__(kPlanMaxThreads)
     plan_decode(int4* __restrict__ work,               // [capacity]
                 int2* __restrict__ seq_items,          // [num_seqs]
                 const int* __restrict__ context_lens,  // [num_seqs]
-                int num_seqs, int capacity, int min_chunk, int tile, int window_left) {
+                int num_seqs, int capacity, int min_chunk, int tile, int window_left,
+                int wave_items) {  // 0: the chunk as computed; else whole waves of these items
   __shared__ long long sums[kPlanMaxThreads];  // tokens, then items, of each thread's sequences
+  __shared__ int longest_s[kPlanMaxThreads];   // each thread's longest attended length
   __shared__ int chunk_s;
   const int tid = threadIdx.x;
   const int threads = blockDim.x;
@@ -73,11 +144,15 @@ __global__ void __launch_bounds__(kPlanMaxThreads)
   const int last_seq = min(num_seqs, first_seq + per);
 
   long long tokens = 0;
+  int longest = 0;
   for (int s = first_seq; s < last_seq; ++s) {
     const int len = max(context_lens[s], 0);
-    tokens += len - first_attended(len, window_left);
+    const int att = len - first_attended(len, window_left);
+    tokens += att;
+    longest = max(longest, att);
   }
   sums[tid] = tokens;
+  longest_s[tid] = longest;
   __syncthreads();
   if (tid == 0) {
     long long total = 0;
@@ -92,6 +167,10 @@ __global__ void __launch_bounds__(kPlanMaxThreads)
     chunk_s = static_cast<int>(min(chunk, kWholeSequence));
   }
   __syncthreads();
+  if (wave_items > 0) {
+    round_to_waves(sums, longest_s, &chunk_s, context_lens, num_seqs, first_seq, last_seq,
+                   window_left, tile, wave_items);
+  }
   const int chunk = chunk_s;
 
   long long items = 0;

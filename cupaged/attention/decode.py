@@ -294,7 +294,7 @@ class DecodePlan:
         kernel = None
         if num_seqs and device == "cuda":  # its occupancy sizes the work list
             kernel = attention_kernel(device, "paged_attention.cu", launch, group, head_dim)
-        fill = 0  # items that fill the device, for the default split
+        fill = wave = 0  # items that fill the device, for the default split; items per wave
         if splits is None and not batch_invariant:
             # Thread blocks per multiprocessor x multiprocessors, over the thread blocks of one
             # item (KV heads x head chunks).
@@ -303,6 +303,7 @@ class DecodePlan:
             else:
                 ctas = ctas_per_sm(kernel, launch)
             fill = cdiv(ctas * gpu.sm_count, launch.grid[0])
+            wave = ctas * gpu.sm_count // launch.grid[0]  # whole items (decode_plan.cu)
         longest = None  # the longest context, read for a count of splits
         if splits is not None and splits > 1:
             longest = max_context
@@ -400,6 +401,7 @@ class DecodePlan:
             min_chunk=np.int32(min_chunk),
             tile=np.int32(tile),
             window_left=np.int32(window),
+            wave_items=np.int32(wave),
         )
         self._plan_args = tuple(plan_args)  # a plain tuple, as every launch passes one
         self._plan(max_context if tables_checked else None)  # (else maybe a caller's hint)

@@ -167,6 +167,9 @@ class PlanDecodeArgs(NamedTuple):
     min_chunk: Int32
     tile: Int32
     window_left: Int32
+    # Items per wave of paged_decode on the device (decode_plan.cu's "Whole waves"); 0 keeps
+    # the chunk as computed (batch-invariant plans, num_splits, the planner tests).
+    wave_items: Int32 = np.int32(0)
 
 
 # The layer's methods of the attention records (``filled`` and ``filler`` of DecodeArgs and

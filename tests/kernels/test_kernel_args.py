@@ -210,10 +210,10 @@ def test_a_renamed_retyped_or_added_parameter_fails_its_record():
     reason = mismatch(kernel_args.CopyBlocksArgs, retyped["copy_blocks"]["params"])
     assert "expected ('words_per_block', 'int')" in reason
     added = _edited(
-        "decode_plan.cu", "int tile, int window_left)", "int tile, int window_left, int n)"
+        "decode_plan.cu", "int wave_items) {  // 0:", "int wave_items, int n) {  // 0:"
     )
     reason = mismatch(kernel_args.PlanDecodeArgs, added["plan_decode"]["params"])
-    assert reason == "expected 9 parameters (the .cu), got 8 (PlanDecodeArgs)"
+    assert reason == "expected 10 parameters (the .cu), got 9 (PlanDecodeArgs)"
 
 
 def test_a_records_filled_tuple_puts_each_value_at_its_field():
