@@ -344,7 +344,8 @@ class PagedCache(ManagerVerbs):
         """
         tables, lens = self._manager.block_tables(sids)  # (a StepPlan: its step's)
         options = _variants(self.window_left, logits_soft_cap, alibi_slopes)
-        if self.device == "cuda" and cascade is not False:  # the planner reads host copies
+        if self.device == "cuda" and cascade is not False and not batch_invariant:
+            # the cascade planner reads host copies (none runs with batch_invariant=True)
             options["host_tables"] = self._manager.block_tables(sids, host=True)
         options.update(scale=scale, num_splits=num_splits, cascade=cascade, **self._trusted())
         options.update(_fp8_plan_options(self.spec.dtype, q_dtype), batch_invariant=batch_invariant)
