@@ -54,14 +54,24 @@ MERGE_MAX_ROWS = 32  # items of a sequence one merge block adds at once (its row
 # many (DecodeChunk in cuda/common.cuh), so that a thread's q rows and accumulators stay in
 # registers (a group of 48 in one block took 255 registers and spilled 596 bytes; of 128, 25 KB).
 DECODE_MAX_CHUNK = 16
-# The tensor-core path (paged_decode_mma): fp16/bf16 chunks of DECODE_MMA_MIN_GROUP to 16 query
-# heads, the rows of WMMA m16n16k16 products, where the CUDA-core loop is issue-bound (the issue
-# model of scripts/kernel-report: docs/kernels.md, "Tensor cores"). DECODE_MMA_WARPS warps per
-# block, a stage of 16 tokens per warp, DECODE_MMA_STAGES stages (a 64-token stage is 4x the
-# CUDA-core path's). Up to head_dim 128: above it a warp's accumulators and q fragments outgrow
+# The tensor-core path (paged_decode_mma): fp16/bf16 chunks of decode_mma_min_group(target) to
+# 16 query heads, the rows of WMMA m16n16k16 products, where the CUDA-core loop is issue-bound
+# (the issue model of scripts/kernel-report: docs/kernels.md, "Tensor cores"). DECODE_MMA_WARPS
+# warps per block, a stage of 16 tokens per warp, DECODE_MMA_STAGES stages (a 64-token stage is
+# 4x the CUDA-core path's). Up to head_dim 128: above it a warp's accumulators and q fragments outgrow
 # the registers (with 2 warps: 168-255 registers and spills at 192 and 256; with 4, stages of
 # 150 KB at 256, one block per SM), so those head_dims keep the CUDA-core kernel.
-DECODE_MMA_MIN_GROUP = 8
+#
+# DECODE_MMA_MIN_GROUP: the smallest group on tensor cores, by compute capability (the nearest
+# listed at or below the target's). On an H200 (18 bytes of DRAM per SM cycle) the CUDA-core
+# loop's modelled issue time at head_dim 128 is 0.7x (G = 2) and 1.0x (G = 4) its DRAM time, and
+# the MMA kernel forced there measured 92 % of copy bandwidth at G = 2 and 4 against 81 % and
+# 73 % on CUDA cores (docs/kernels.md, "Tensor cores"); a single head (15 of the 16 MMA rows
+# wasted) is faster on CUDA cores (94-97 % against 85-90 %). The A100 (10-13 bytes per SM cycle)
+# fits two blocks of the MMA ring per SM, as an H100 does. V100, T4 and the 8.6/8.9 GPUs (A10, L4, L40,
+# RTX: 2-7 bytes per SM cycle) leave the CUDA-core loop further under its DRAM time and grant the
+# MMA ring one block per SM at head_dim 128: nothing measured there, they keep G >= 8.
+DECODE_MMA_MIN_GROUP = {70: 8, 80: 2, 86: 8, 90: 2}
 DECODE_MMA_MAX_HEAD_DIM = 128
 DECODE_MMA_WARPS = 4
 DECODE_MMA_STAGES = 2
@@ -128,7 +138,7 @@ def uses_decode_mma(
     """Whether decode runs on tensor cores (``paged_decode_mma``) for this shape and GPU.
 
     fp16/bf16 queries (of a cache of their type, or of an fp8 cache: ``q_dtype``), groups of
-    ``DECODE_MMA_MIN_GROUP`` heads or more up to head_dim 128, where the target has WMMA for the
+    :func:`decode_mma_min_group` heads or more up to head_dim 128, where the target has WMMA for the
     query's type (bf16 from sm_80) and grants the kernel's shared memory (a T4's 64 KB do not
     hold head_dim 128's stages); elsewhere the CUDA-core kernel, which fits all. Over fp8 the
     same rule: the kernel converts each staged fp8 stage to the query's type in shared memory
@@ -138,7 +148,7 @@ def uses_decode_mma(
     q_dtype = query_dtype(dtype, q_dtype)
     if not (
         q_dtype in DECODE_MMA_DTYPES
-        and group >= DECODE_MMA_MIN_GROUP
+        and group >= decode_mma_min_group(target)
         and head_dim <= DECODE_MMA_MAX_HEAD_DIM
         and target.has_wmma(q_dtype)
     ):
@@ -146,9 +156,20 @@ def uses_decode_mma(
     return target.fits(decode_shared_memory(dtype, head_dim, _decode_mma_geometry(group)))
 
 
+def decode_mma_min_group(target: Target = NOMINAL_TARGET) -> int:
+    """The smallest GQA group that decodes on tensor cores on ``target`` (where its dtype,
+    head_dim and shared memory allow: :func:`uses_decode_mma`): ``DECODE_MMA_MIN_GROUP`` of the
+    nearest compute capability listed at or below the target's.
+
+    >>> [decode_mma_min_group(Target.of_arch(a)) for a in (75, 80, 86, 89, 90)]
+    [8, 2, 8, 8, 2]
+    """
+    return DECODE_MMA_MIN_GROUP[max(a for a in DECODE_MMA_MIN_GROUP if a <= target.arch)]
+
+
 def _decode_mma_geometry(group: int) -> DecodeGeometry:
     """``paged_decode_mma``'s layout: every chunk is the 16 rows of the MMA (padded), so one
-    instantiation, ``CHUNK = 16``, serves every group of 8 heads or more."""
+    instantiation, ``CHUNK = 16``, serves every group that takes the tensor cores."""
     chunks = cdiv(group, DECODE_MAX_CHUNK)
     return DecodeGeometry(
         32, DECODE_MMA_WARPS, 1, 16, DECODE_MMA_STAGES, 16, True, DECODE_MAX_CHUNK, chunks
@@ -266,8 +287,9 @@ def decode_geometry(
     - tokens per thread: a stage of about ``DECODE_STAGE_BYTES`` of K, at most
       ``DECODE_MAX_TOKENS_PER_THREAD`` per thread.
 
-    fp16/bf16 queries in groups of 8 or more up to head_dim 128 where the target has the tensor
-    cores and the shared memory for them (``uses_decode_mma``; ``q_dtype``: the queries' type
+    fp16/bf16 queries in groups of :func:`decode_mma_min_group` or more (2 on sm_80/sm_90, 8
+    elsewhere) up to head_dim 128 where the target has the tensor cores and the shared memory
+    for them (``uses_decode_mma``; ``q_dtype``: the queries' type
     over an fp8 cache) take the tensor-core kernel's layout instead: ``DECODE_MMA_WARPS``
     warps, 16 tokens per warp and stage.
     """

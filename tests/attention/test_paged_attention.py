@@ -24,6 +24,7 @@ import cupaged
 from cupaged.dtypes import from_float, to_float
 from cupaged.kernels.launch_decode import HEAD_DIMS as SUPPORTED_HEAD_DIMS
 from cupaged.kernels.launch_decode import decode_ctas_per_sm, decode_geometry, decode_launch
+from cupaged.kernels.target import Target
 
 HEAD_DIMS = (64, 80, 128, 256)
 BLOCK_SIZES = (1, 7, 16, 32, 256)
@@ -175,17 +176,21 @@ def test_layout_errors(rng):
 
 
 def test_the_decode_launch_table():
-    launch = decode_launch("float16", 8, 4, 128, 16, 40)
+    launch = decode_launch("float16", 8, 4, 128, 16, 40, Target.of_arch(75))  # CUDA cores
     assert launch.name == "cupaged::paged_decode<__half, 128, 16, 4, 8, 2, 8, 2, 3>"
     assert (launch.grid, launch.block, launch.tile) == ((8, 40), (8, 2, 8), 16)
     assert launch.shared_mem == 24_576 and launch.merge_block == (128,)
+    launch = decode_launch("float16", 8, 4, 128, 16, 40)  # tensor cores from G = 2 on sm_90
+    assert launch.name == "cupaged::paged_decode_mma<__half, 128, 16, 16, 4, 2>"
+    assert (launch.grid, launch.block, launch.tile) == ((8, 40), (32, 4, 1), 64)
+    assert launch.shared_mem == 81_536 and launch.merge_block == (128,)
     for dtype in DTYPES:
         for head_dim in SUPPORTED_HEAD_DIMS:
             for group in (*range(1, 18), 24, 48, 71, 128):
                 geo = decode_geometry(dtype, head_dim, group)
                 hpt = geo.heads_per_thread
                 if geo.mma:  # paged_decode_mma: the chunk's heads are the 16 rows of the MMA
-                    assert dtype != "float32" and 8 <= group and 16 == hpt and head_dim <= 128
+                    assert dtype != "float32" and 2 <= group and 16 == hpt and head_dim <= 128
                     assert (geo.bdx, geo.bdz, geo.tile) == (32, 1, 16 * geo.bdy)
                 else:  # no idle thread row
                     assert geo.bdy * hpt >= geo.chunk > geo.bdy * (hpt - 1)

@@ -54,10 +54,10 @@ VARIANTS = {  # the combinations of today's models
 CASES = [
     ("float32", 64, 16, 1, "window", None, "forward"),
     ("float16", 64, 16, 8, "window+sinks", 3, "warp_ahead"),  # tensor cores
-    ("bfloat16", 256, 32, 2, "window+soft_cap", 4, "forward"),
+    ("bfloat16", 256, 32, 2, "window+soft_cap", 4, "forward"),  # CUDA cores above 128
     ("float32", 80, 1, 4, "alibi", None, "warp_ahead"),
     ("bfloat16", 128, 256, 16, "all", 3, "forward"),  # tensor cores
-    ("float16", 96, 16, 4, "sinks", 1, "forward"),  # single items: the sink at normalisation
+    ("float16", 96, 16, 4, "sinks", 1, "forward"),  # tensor cores; the sink at normalisation
     ("float32", 128, 32, 12, "all", None, "warp_ahead"),
     ("float16", 112, 1, 12, "alibi", 2, "forward"),  # tensor cores, 12 of the 16 rows
     ("bfloat16", 64, 16, 1, "soft_cap", 2, "warp_ahead"),
@@ -407,9 +407,12 @@ def test_the_launch_table_names_the_variant_instantiations():
     """The VARIANT template argument is written only when a kernel bit is on: the plain kernels
     keep their names, a window alone runs them (the work list holds it), the sinks bit goes to
     ``sinks_name`` and the merge's ``sinks_merge_name``."""
+    core = decode_launch("float16", 8, 4, 128, 16, 40, Target.of_arch(75))
+    assert core.name == "cupaged::paged_decode<__half, 128, 16, 4, 8, 2, 8, 2, 3>"
+    assert core.sinks_name == "cupaged::paged_decode<__half, 128, 16, 4, 8, 2, 8, 2, 3, 8>"
     plain = decode_launch("float16", 8, 4, 128, 16, 40)
-    assert plain.name == "cupaged::paged_decode<__half, 128, 16, 4, 8, 2, 8, 2, 3>"
-    assert plain.sinks_name == "cupaged::paged_decode<__half, 128, 16, 4, 8, 2, 8, 2, 3, 8>"
+    assert plain.name == "cupaged::paged_decode_mma<__half, 128, 16, 16, 4, 2>"
+    assert plain.sinks_name == "cupaged::paged_decode_mma<__half, 128, 16, 16, 4, 2, 8>"
     assert plain.merge_name == "cupaged::paged_decode_merge<__half, 128>"
     assert plain.sinks_merge_name == "cupaged::paged_decode_merge<__half, 128, 8>"
     window = decode_launch("float16", 8, 4, 128, 16, 40, variants=Variants(window_left=5))

@@ -20,7 +20,7 @@ from cupaged.dtypes import from_float, to_float
 from cupaged.kernels.args import DecodeArgs, DecodeMergeArgs
 from cupaged.kernels.launch_decode import decode_launch, uses_decode_mma
 from cupaged.kernels.loader import get_kernel
-from cupaged.kernels.target import DEFAULT_SHARED_MEMORY
+from cupaged.kernels.target import DEFAULT_SHARED_MEMORY, NOMINAL_TARGET, Target
 
 SCHEDULES = ("forward", "warp_ahead")
 NUM_KV_HEADS = 2
@@ -43,8 +43,12 @@ def host_work(lengths, chunk, unused=()):
     return np.array(work, np.int32), np.array(seq_items, np.int32)
 
 
-def run_decode(xp, q, k_cache, v_cache, tables, lengths, chunk, scale=None, unused=(), out=None):
-    """Launch paged_decode (and the merge) over a host work list; returns ``out``."""
+def run_decode(
+    xp, q, k_cache, v_cache, tables, lengths, chunk, scale=None, unused=(), out=None,
+    target=NOMINAL_TARGET,
+):  # fmt: skip
+    """Launch paged_decode (and the merge) over a host work list, planned for ``target``;
+    returns ``out``."""
     device = "cpu" if xp is np else "cuda"
     num_seqs, num_q_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
@@ -53,7 +57,7 @@ def run_decode(xp, q, k_cache, v_cache, tables, lengths, chunk, scale=None, unus
         np.dtype(q.dtype), "bfloat16"
     )
     work, seq_items = host_work(lengths, chunk, unused)
-    launch = decode_launch(dtype, num_kv_heads, group, head_dim, block_size, len(work))
+    launch = decode_launch(dtype, num_kv_heads, group, head_dim, block_size, len(work), target)
     assert chunk % launch.tile == 0 or chunk >= max(lengths, default=0)
     capacity = len(work)
     partial_out = xp.asarray(np.full((capacity, num_q_heads, head_dim), np.nan, np.float32))
@@ -122,7 +126,8 @@ CASES = [
     ("bfloat16", 96, 16, 6),
     ("float32", 64, 16, 24),  # past 16: two chunks of 12 heads, one thread block each
     ("float16", 256, 16, 16),  # one token lane (BDZ = 1): no merge of lanes
-    # The tensor-core path (paged_decode_mma): fp16/bf16, groups 8 to 16, head_dim up to 128.
+    # The tensor-core path (paged_decode_mma) on sm_80/sm_90: fp16/bf16, groups 2 to 16 (the
+    # 16-bit rows above with G > 1 too), head_dim up to 128.
     ("float16", 128, 16, 8),
     ("float16", 80, 7, 12),  # 12 of the 16 rows; 5 output slices over 4 warps
     ("bfloat16", 112, 1, 9),  # 7 output slices over 4 warps
@@ -131,20 +136,30 @@ CASES = [
     ("bfloat16", 64, 3, 17),  # two chunks, 9 and 8 heads: the last chunk's padded rows
 ]
 MMA_CASES = [c for c in CASES if uses_decode_mma(c[0], c[3], c[1])]
+# A T4 (sm_75) and the 8.6/8.9 GPUs keep the CUDA-core kernel for 16-bit groups under 8: the
+# small groups that the nominal H100 runs on tensor cores, planned for a T4.
+T4 = Target.of_arch(75)
+T4_CASES = [("float16", 128, 16, 4), ("float16", 80, 7, 3), ("float16", 96, 16, 6)]
 
 
 @pytest.mark.parametrize("order", SCHEDULES)
-@pytest.mark.parametrize("dtype, head_dim, block_size, group", CASES)
-def test_work_items_match_the_reference(rng, xp, dtype, head_dim, block_size, group, order):
+@pytest.mark.parametrize(
+    "dtype, head_dim, block_size, group, target",
+    [(*c, NOMINAL_TARGET) for c in CASES] + [(*c, T4) for c in T4_CASES],
+    ids=str,
+)
+def test_work_items_match_the_reference(rng, xp, dtype, head_dim, block_size, group, target, order):
     lengths = [0, 1, block_size + 1, 97, 300]
     q, k_cache, v_cache, tables, _, _ = random_paged_batch(
         rng, lengths, NUM_KV_HEADS, head_dim, group, block_size, dtype
     )
-    tile = decode_launch(dtype, NUM_KV_HEADS, group, head_dim, block_size, 1).tile
+    tile = decode_launch(dtype, NUM_KV_HEADS, group, head_dim, block_size, 1, target).tile
     chunk = tile * max(1, 64 // tile)  # several items for the long sequences
     expected = reference(q, k_cache, v_cache, tables, lengths)
     with scheduled(xp, order):
-        out = run_decode(xp, q, k_cache, v_cache, tables, lengths, chunk, unused=(0, 3))
+        out = run_decode(
+            xp, q, k_cache, v_cache, tables, lengths, chunk, unused=(0, 3), target=target
+        )
     assert_close(out, expected, dtype)
     got = np.asarray(out if xp is np else out.get())
     assert not got[0].any()  # context length 0: a zero row
@@ -164,13 +179,18 @@ def test_any_chunk_of_whole_stages_gives_the_same_result(rng, chunk_tiles):
 NAN_CASES = ("nan_q", "nan_k", "pos_inf_k", "neg_inf_k", "all_neg_inf_k", "inf_v", "nan_scale")
 
 
-def test_the_launch_table_takes_tensor_cores_for_16_bit_groups_of_8_or_more_to_head_dim_128():
-    assert len(MMA_CASES) == 8
+def test_the_launch_table_takes_tensor_cores_for_16_bit_groups_of_2_or_more_to_head_dim_128():
+    """From G = 2 on sm_80/sm_90 (the nominal target), from G = 8 on a T4; a single head and
+    float32 on CUDA cores everywhere, head_dim above 128 too."""
+    assert len(MMA_CASES) == 11
+    assert not any(uses_decode_mma(c[0], c[3], c[1], T4) for c in T4_CASES)
     for dtype in DTYPES:
-        for group in (1, 4, 7, 8, 12, 16, 17, 24, 48, 71, 128):
+        for group in (1, 2, 4, 7, 8, 12, 16, 17, 24, 48, 71, 128):
             for head_dim in (64, 128, 144, 256):
                 launch = decode_launch(dtype, NUM_KV_HEADS, group, head_dim, 16, 1)
-                mma = dtype != "float32" and 8 <= group and head_dim <= 128
+                mma = dtype != "float32" and 2 <= group and head_dim <= 128
+                t4 = dtype == "float16" and 8 <= group and head_dim <= 96  # 64 KiB per block
+                assert uses_decode_mma(dtype, group, head_dim, T4) == t4, (dtype, group, head_dim)
                 prefix = "cupaged::paged_decode_mma<" if mma else "cupaged::paged_decode<"
                 assert launch.name.startswith(prefix), launch.name
                 # The group in chunks of at most 16 heads, a thread block each, as even as

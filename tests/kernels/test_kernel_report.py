@@ -179,15 +179,16 @@ def test_decode_shared_reads_are_128_bit(quick):
         assert reads == {"LDS.128"}, (row["name"], row["memory_ops_in_loops"])
 
 
-def test_the_tensor_core_path_for_fp16_bf16_groups_of_8_and_more(quick):
-    """G = 8 at fp16/bf16 runs paged_decode_mma: HMMA in the stage loop, no FFMA dot products;
-    fp16 fragments by ldmatrix x4 (128 bits a lane), bf16's by generic 32-bit loads (NVVM keeps
-    their address space generic); the scores, weights and O tiles read back 128 bits at a time;
-    the one 32-bit shared load is a row's alpha."""
+def test_the_tensor_core_path_for_fp16_bf16_groups_of_2_and_more(quick):
+    """G = 4 and 8 at fp16/bf16 run paged_decode_mma on sm_80/sm_90 (from G = 2; G = 1 keeps
+    the CUDA cores): HMMA in the stage loop, no FFMA dot products; fp16 fragments by ldmatrix x4
+    (128 bits a lane), bf16's by generic 32-bit loads (NVVM keeps their address space generic);
+    the scores, weights and O tiles read back 128 bits at a time; the one 32-bit shared load is a
+    row's alpha."""
     _, rows = quick
-    mma = [r for r in decode_rows(rows) if r["group"] == 8]
-    assert len(mma) == 6 and all(r["note"] == "tensor cores" for r in mma)
-    assert all(r["note"] == "" for r in decode_rows(rows) if r["group"] < 8)
+    mma = [r for r in decode_rows(rows) if r["group"] > 1]
+    assert len(mma) == 12 and all(r["note"] == "tensor cores" for r in mma)
+    assert all(r["note"] == "" for r in decode_rows(rows) if r["group"] == 1)
     assert all(r["note"] == "" for r in decode_rows(rows, dtypes=("float32",)))
     for row in mma:
         assert "paged_decode_mma" in row["name"]
