@@ -356,7 +356,7 @@ class DecodePlan:
         self._launch = launch
         self._merge = get_kernel(device, "paged_attention.cu", launch.merge_name)
         self._merge_grid, self._merge_block = decode_merge_launch(
-            head_dim, num_q_heads, num_seqs, capacity
+            head_dim, num_q_heads, num_seqs, capacity, fixed=batch_invariant
         )
         self._planner = get_kernel(device, "decode_plan.cu", PLAN_NAME)
         self._planner_block = (plan_threads(num_seqs),)

@@ -402,7 +402,7 @@ def decode_launch(
 
 
 def decode_merge_launch(
-    head_dim: int, num_q_heads: int, num_rows: int, capacity: int
+    head_dim: int, num_q_heads: int, num_rows: int, capacity: int, *, fixed: bool = False
 ) -> tuple[tuple[int, int], tuple[int, int]]:
     """``(grid, block)`` of ``paged_decode_merge`` over ``num_rows`` output rows (sequences, or
     a cascade's rows) whose pieces fill a work list of ``capacity`` items.
@@ -415,6 +415,10 @@ def decode_merge_launch(
     head looping over every item. The pieces come from the device's planner, so the layout
     holds for any count: a row of more pieces than ``rows`` loops over them.
 
+    A row's sums run in an order the block's ``rows`` fix (each row's items in turn, then the
+    tree). ``fixed`` (batch-invariant plans): ``MERGE_MAX_ROWS`` rows whatever the work list,
+    so that a sequence's bits depend on its own pieces alone.
+
     >>> decode_merge_launch(128, 32, 1, 67)  # 1 x 32k: 256 blocks, 2 items per thread
     ((256, 1), (4, 32))
     >>> decode_merge_launch(128, 32, 64, 130)  # 64 sequences of ~2 pieces: 1 slice
@@ -424,7 +428,7 @@ def decode_merge_launch(
     """
     vectors = head_dim // 4
     pieces = cdiv(max(capacity, 1), max(num_rows, 1))
-    rows = min(MERGE_MAX_ROWS, _next_power_of_two(pieces))
+    rows = MERGE_MAX_ROWS if fixed else min(MERGE_MAX_ROWS, _next_power_of_two(pieces))
     lanes = min(MERGE_THREADS // rows, _next_power_of_two(vectors))
     rows = MERGE_THREADS // lanes
     slices = cdiv(vectors, lanes)

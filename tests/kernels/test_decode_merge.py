@@ -173,3 +173,21 @@ def test_the_merge_layout_fills_the_gpu_for_a_lone_long_sequence():
             assert grid_x % 8 == 0 and grid_x // 8 * lanes * 4 >= head_dim  # every element
             assert (grid_x // 8 - 1) * lanes * 4 < head_dim  # no idle slice
             assert rows <= max(MERGE_MAX_ROWS, MERGE_THREADS // 64)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_a_fixed_layout_keeps_a_rows_bits_in_any_work_list(rng, head_dim):
+    """Batch-invariant plans launch the merge with ``fixed=True``: 32 rows of pieces whatever
+    the work list, so that a sequence of 50 pieces (more than the rows: each row adds several)
+    sums in one order alone or in a batch of any capacity."""
+    seq_items, capacity = items_of((50,), rng)
+    partial_out, partial_lse = random_partials(rng, capacity, head_dim, seq_items)
+    alone = run_merge(np, "float32", partial_out, partial_lse, seq_items, layout=None)
+    for num_rows, list_capacity in ((1, capacity), (7, 7), (3, 3 * 400)):
+        (grid_x, _), block = decode_merge_launch(
+            head_dim, NUM_Q_HEADS, num_rows, list_capacity, fixed=True
+        )
+        assert block == (4, MERGE_MAX_ROWS)
+        layout = ((grid_x, 1), block)
+        got = run_merge(np, "float32", partial_out, partial_lse, seq_items, layout=layout)
+        assert np.array_equal(got.view(np.uint32), alone.view(np.uint32))
