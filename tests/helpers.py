@@ -249,6 +249,7 @@ def forget_cuda_state() -> None:
     _kernels._cuda_functions.clear()
     ops._write_plan.cache_clear()  # their plans hold kernels, keyed ("cuda", device id, ...)
     ops._copy_plan.cache_clear()
+    ops._PLANS.clear()  # the one-shot decode's reused plans: kernels and device arrays
 
 
 @contextlib.contextmanager

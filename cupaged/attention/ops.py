@@ -52,6 +52,7 @@ from .layer import (
     fp8_query_dtype,
 )
 from .prefill import PrefillPlan, check_batch_arrays
+from .reuse import PlanReuse, reuse_key
 from .scales import kv_scale_args
 
 
@@ -397,7 +398,10 @@ def paged_attention(
 
     The one-shot form of :class:`DecodePlan`: it plans (and, checked, checks) and runs once. A
     model that attends every layer over the same tables plans once per step
-    (``cache.decode_plan(batch, num_q_heads)``) and calls ``plan.run`` per layer.
+    (``cache.decode_plan(batch, num_q_heads)``) and calls ``plan.run`` per layer. A call of
+    the shapes and options of one of the last few, on the same thread and CUDA stream, updates
+    that call's plan (``DecodePlan.update``) instead of making one (cupaged/attention/reuse.py);
+    with ``alibi_slopes`` or ``num_splits`` every call makes its own.
 
     Args:
         q: ``[num_seqs, num_q_heads, head_dim]`` float32, float16 or bfloat16 (``uint16``).
@@ -467,24 +471,31 @@ def paged_attention(
         # values of a device array (checked) before it launches.
         elem = element_type(k_cache, kv_dtype)
         kv_scale_args(xp, elem, k_cache.shape[1], k_scale, v_scale, checked=False)
-    plan = DecodePlan(
-        block_tables,
-        context_lens,
-        k_cache,
-        q.shape[1],
-        scale=scale,
-        num_splits=num_splits,
-        batch_invariant=batch_invariant,
-        cascade=cascade,
-        max_context_len=max_context_len,
-        checked=checked,
-        window_left=window_left,
-        logits_soft_cap=logits_soft_cap,
-        alibi_slopes=alibi_slopes,
-        q_dtype=q_dtype,
-        kv_dtype=kv_dtype,
-    )
+    options = {
+        "scale": scale,
+        "num_splits": num_splits,
+        "batch_invariant": batch_invariant,
+        "cascade": cascade,
+        "max_context_len": max_context_len,
+        "window_left": window_left,
+        "logits_soft_cap": logits_soft_cap,
+        "alibi_slopes": alibi_slopes,
+        "q_dtype": q_dtype,
+        "kv_dtype": kv_dtype,
+    }
+    key = reuse_key(xp, q, k_cache, block_tables, **options)
+
+    def make() -> DecodePlan:
+        return DecodePlan(
+            block_tables, context_lens, k_cache, q.shape[1], checked=checked, **options
+        )
+
+    plan = _PLANS.plan(key, block_tables, context_lens, checked, make)
     return plan.run(q, k_cache, v_cache, sinks=sinks, out=out, k_scale=k_scale, v_scale=v_scale)
+
+
+# The one-shot decode's last plans, reused by shape on the same thread and stream (reuse.py).
+_PLANS = PlanReuse()
 
 
 @takes_dlpack
