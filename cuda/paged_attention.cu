@@ -32,8 +32,9 @@
 // scale of paged_decode_mma), and each output row, direct or partial, is multiplied by
 // v_scale(h) once, so the merge is the same for every cache. paged_decode reads 8 fp8 bytes per
 // lane unit (LDS.64) and converts them in registers, so that a lane owns the elements it owns
-// over fp16; paged_decode_mma converts each staged stage to T in shared memory (exact: every fp8
-// value is an fp16 and a bf16 value) and runs the same products on the converted tiles.
+// over fp16; paged_decode_mma loads its WMMA fragments straight from the staged fp8 rows, two fp8
+// values per 16-bit element, and converts them in registers (exact: every fp8 value is an fp16
+// and a bf16 value; its section says how, with the element layout left opaque).
 //
 // The work list (cuda/decode_plan.cu) cuts the step into items, work[i] = {seq, begin, end,
 // count}: tokens [begin, end) of sequence seq, which has count items in all (begin any position,
@@ -452,8 +453,9 @@ __global__ void __launch_bounds__(BDX* BDY* BDZ)
 }
 
 // ---- The tensor-core path: paged_decode_mma ------------------------------------------------
-// For 16-bit caches and groups of 8 query heads or more (the launch table's choice, where the
-// CUDA-core loop above is bound by instruction issue): a chunk's query heads (the group up to 16,
+// For 16-bit queries (over a cache of their type or an fp8 one) and groups from 2 query heads on
+// sm_80/sm_90, from 8 elsewhere (the launch table's choice, where the CUDA-core loop above is
+// bound by instruction issue): a chunk's query heads (the group up to 16,
 // chunks of 16 or fewer above) are the 16 rows of WMMA m16n16k16 products with float32
 // accumulators (rows past the chunk are zero queries whose results are never written), so that
 // the dot products and P V run on tensor cores, with no conversions and no reduction shuffles.
@@ -480,36 +482,55 @@ __global__ void __launch_bounds__(BDX* BDY* BDZ)
 // Precision: S and O accumulate in float32 with exact products of T values, as on the CUDA
 // cores; P is rounded to T (relative 2^-11 for fp16, 2^-8 for bf16) before P V, which the float32
 // path does not do: docs/kernels.md, "Tensor cores".
+//
+// Over fp8 no conversion pass: a WMMA load of T from the staged fp8 rows gives a fragment whose
+// every 16-bit element holds two fp8 values of consecutive head dims 2c, 2c + 1 (the lower
+// address first) of the 32 dims of a "pair" (a 16 x 16 tile of T is 16 x 32 of fp8). Converting
+// each element to two T values (split_fp8_pairs) gives two fragments of the same layout, of the
+// even and of the odd dims: elementwise code, the same for every element, so the layout stays
+// opaque (WMMA loads no fp8, and reading which element is where would not be portable).
+//   Q K^T = sum over pairs of Q_even K_even^T + Q_odd K_odd^T: q_s holds each pair's 32 dims
+//     de-interleaved (its even dims, then its odd ones), so q's fragments 2p and 2p + 1 match;
+//   P V: a warp's output slice pair p, half h (h = 0 even, 1 odd dims) is P V_h: both halves from
+//     one load of V, the accumulator's column c is dim 32 p + 2 c + h (the output loop's).
+// head_dim 80 and 112 end in half a pair: the ring rows' padding past head_dim and q_s's columns
+// past it are zeros (written once), so the products there add 0 and those columns are not written.
+// The ring rows are padded to an odd number of 16-byte units (no bank conflicts in the loads).
 template <typename T, int HEAD_DIM, int CHUNK, int WARPS, int STAGES, typename KV = T>
 struct DecodeMmaLayout {
   static constexpr bool kFp8 = IsFp8<KV>::value;
   static constexpr int kThreads = 32 * WARPS;
   static constexpr int kTile = 16 * WARPS;                   // tokens per stage
   static constexpr int kSteps = HEAD_DIM / 16;               // k-steps of Q K^T, slices of O
-  static constexpr int kSlices = (kSteps + WARPS - 1) / WARPS;  // output slices per warp
+  static constexpr int kPairs = (HEAD_DIM + 31) / 32;        // over fp8: 32-dim pairs of a row
+  static constexpr int kPairSlots = (kPairs + WARPS - 1) / WARPS;  // over fp8: pairs per warp
+  static constexpr int kQSteps = kFp8 ? 2 * kPairs : kSteps;  // q's fragments
+  // Output slices (16 accumulator columns) per warp: over fp8 both halves of each pair.
+  static constexpr int kSlices = kFp8 ? 2 * kPairSlots : (kSteps + WARPS - 1) / WARPS;
   static constexpr int kRowThreads = kThreads / 16;          // softmax threads per row
   static constexpr int kRowTokens = kTile / kRowThreads;     // tokens per softmax thread: 8
   static constexpr int kLdk = HEAD_DIM + 8;    // K/V/Q row, elements: +16 bytes, no conflicts
+  static constexpr int kLdq = kQSteps * 16 + 8;  // q_s row, elements (kLdk but over fp8)
   static constexpr int kLds = kTile + 4;       // scores row, floats
   static constexpr int kLdp = kTile + 8;       // P row, elements
   static constexpr int kLdo = 16 + 4;          // a warp's O tile row, floats
   static constexpr int kRowVectors = HEAD_DIM * 2 / 16;      // 16-byte vectors per T row (q)
   static constexpr int kStageVectors =  // 16-byte copies per K stage
       kTile * HEAD_DIM * static_cast<int>(sizeof(KV)) / 16;
-  // The ring's rows: padded T rows that the WMMA loads read; over fp8 unpadded fp8 rows (the
-  // conversion pass reads them 8 bytes per thread, consecutive threads consecutive bytes).
-  static constexpr int kRingLd = kFp8 ? HEAD_DIM : kLdk;
+  // The ring's rows, elements of KV: padded T rows that the WMMA loads read; over fp8 fp8 rows
+  // padded to an odd number of 16-byte units, at least past the last pair (the loads read them
+  // as T rows of kLdr elements).
+  static constexpr int kFp8Pad = HEAD_DIM / 16 % 2 == 1 ? 32 : 16;
+  static constexpr int kRingLd = kFp8 ? HEAD_DIM + kFp8Pad : kLdk;
+  static constexpr int kLdr = kRingLd * static_cast<int>(sizeof(KV)) / 2;  // as T elements
   // Byte offsets of the dynamic shared memory (each a multiple of 32: WMMA tiles are 256-bit
-  // aligned): k_s, v_s [STAGES, TILE, kRingLd] KV; over fp8 kc_s, vc_s [TILE, kLdk] T (the
-  // converted stage); q_s [16, kLdk] T; s_s [16, kLds] float, whose bytes o_s [WARPS, 16, kLdo]
-  // float shares (the scores are read before the barrier that precedes P V, the O tiles before
-  // the next stage's first barrier); p_s [16, kLdp] T; alpha_s, l_s [16] float.
+  // aligned): k_s, v_s [STAGES, TILE, kRingLd] KV; q_s [16, kLdq] T; s_s [16, kLds] float, whose
+  // bytes o_s [WARPS, 16, kLdo] float shares (the scores are read before the barrier that
+  // precedes P V, the O tiles before the next stage's first barrier); p_s [16, kLdp] T;
+  // alpha_s, l_s [16] float.
   static constexpr int kStageBytes = STAGES * kTile * kRingLd * static_cast<int>(sizeof(KV));
-  static constexpr int kTileBytes = kFp8 ? kTile * kLdk * 2 : 0;  // one converted K (V) stage
-  static constexpr int kKc = 2 * kStageBytes;
-  static constexpr int kVc = kKc + kTileBytes;
-  static constexpr int kQ = kVc + kTileBytes;
-  static constexpr int kS = kQ + 16 * kLdk * 2;
+  static constexpr int kQ = 2 * kStageBytes;
+  static constexpr int kS = kQ + 16 * kLdq * 2;
   static constexpr int kO = kS;
   static constexpr int kScoresBytes = 16 * kLds * 4 > WARPS * 16 * kLdo * 4 ? 16 * kLds * 4
                                                                             : WARPS * 16 * kLdo * 4;
@@ -525,11 +546,32 @@ struct DecodeMmaLayout {
   static_assert((kFp8 || kStageVectors % kThreads == 0) && kRowTokens == 8,
                 "the stage splits evenly (the ring's copies, the softmax threads)");
   static_assert(kStageBytes % 32 == 0 && kS % 32 == 0 && kP % 32 == 0 && kO % 32 == 0 &&
-                    kKc % 32 == 0 && kVc % 32 == 0 && kQ % 32 == 0,
-                "WMMA tiles are 32-byte aligned");
-  static_assert(kTile * HEAD_DIM / 8 % kThreads == 0, "the conversion pass splits evenly");
+                    kQ % 32 == 0 && kRingLd * sizeof(KV) % 16 == 0,
+                "WMMA tiles are 32-byte aligned, their rows whole 16-byte units");
+  static_assert(!kFp8 || 32 * kPairs <= kRingLd, "the last pair's loads stay in the row");
   static_assert(STAGES >= 2 && 2 * STAGES - 2 <= 8, "the waits below count at most 8 batches");
 };
+
+// Over fp8 (the layout's comment): the two fragments of T that a fragment `raw`, loaded as T from
+// fp8 rows, holds: each element's two fp8 values (the lower address first) converted, the first
+// to `lo`, the second to `hi`. The same for every element, whatever lane holds which.
+template <typename KV, typename T, typename Frag>
+__device__ __forceinline__ void split_fp8_pairs(const Frag& raw, Frag& lo, Frag& hi) {
+#pragma unroll
+  for (int e = 0; e < Frag::num_elements; ++e) {
+    const unsigned short bits = *reinterpret_cast<const unsigned short*>(&raw.x[e]);
+    const unsigned pair = fp8x2_as_pair<KV>(bits, static_cast<const T*>(nullptr));
+    const unsigned short lo_bits = static_cast<unsigned short>(pair & 0xffffu);
+    const unsigned short hi_bits = static_cast<unsigned short>(pair >> 16);
+    lo.x[e] = *reinterpret_cast<const T*>(&lo_bits);
+    hi.x[e] = *reinterpret_cast<const T*>(&hi_bits);
+  }
+}
+
+// Over fp8, the head dim of column `col` of q_s (pair col / 32: its even dims, then its odd).
+__device__ __forceinline__ int fp8_q_dim(int col) {
+  return col / 32 * 32 + col % 16 * 2 + col % 32 / 16;
+}
 
 // Grid: as paged_decode's, chunks of CHUNK <= 16 heads. Block: (32, WARPS, 1).
 // Dynamic shared memory: DecodeMmaLayout::kBytes (the layout above), 32-byte aligned.
@@ -577,13 +619,13 @@ __global__ void __launch_bounds__(32 * WARPS)
   const int tid = warp * 32 + lane;
   const int num_q_heads = num_kv_heads * group_size;
   const long long head_row = static_cast<long long>(seq) * num_q_heads + chunk.first_head;
+  constexpr int LDR = L::kLdr;  // the ring's rows as T elements (LDK but over fp8)
+  constexpr int LDQ = L::kLdq;
 
   CUPAGED_DYNAMIC_SHARED_ALIGNED(unsigned char, smem, 32);  // WMMA tiles: 256-bit aligned
   KV* k_s = reinterpret_cast<KV*>(smem);                     // [STAGES, TILE, kRingLd]
   KV* v_s = reinterpret_cast<KV*>(smem + L::kStageBytes);    // [STAGES, TILE, kRingLd]
-  T* kc_s = reinterpret_cast<T*>(smem + L::kKc);             // [TILE, LDK], over fp8
-  T* vc_s = reinterpret_cast<T*>(smem + L::kVc);             // [TILE, LDK], over fp8
-  T* q_s = reinterpret_cast<T*>(smem + L::kQ);               // [16, LDK]
+  T* q_s = reinterpret_cast<T*>(smem + L::kQ);               // [16, kLdq]
   float* s_s = reinterpret_cast<float*>(smem + L::kS);       // [16, kLds]
   T* p_s = reinterpret_cast<T*>(smem + L::kP);               // [16, kLdp]
   float* o_s = reinterpret_cast<float*>(smem + L::kO) + warp * 16 * L::kLdo;  // [16, kLdo]
@@ -614,6 +656,33 @@ __global__ void __launch_bounds__(32 * WARPS)
   }
 
   if (begin < end) {
+    if constexpr (kFp8 && HEAD_DIM % 32 != 0) {
+      // The ring rows' bytes from head_dim to the last pair's end: zeros, never copied over.
+      constexpr int kPadUnits = (32 * L::kPairs - HEAD_DIM) / 16;
+#pragma unroll
+      for (int k = 0; k < (2 * STAGES * TILE * kPadUnits + THREADS - 1) / THREADS; ++k) {
+        const int j = tid + k * THREADS;
+        if (j >= 2 * STAGES * TILE * kPadUnits) break;
+        *reinterpret_cast<uint4*>(k_s + (j / kPadUnits) * L::kRingLd + HEAD_DIM +
+                                  j % kPadUnits * 16) = make_uint4(0u, 0u, 0u, 0u);
+      }  // k_s and v_s are adjacent: rows 2 * STAGES * TILE in all
+    }
+  }
+  if (begin < end && kFp8) {
+    // q rows of the chunk into q_s, each pair's dims de-interleaved (fp8_q_dim); zeros past
+    // head_dim and the chunk. Unrolled: the stage loop stays the only loop that loads from
+    // global memory.
+#pragma unroll
+    for (int k = 0; k < (16 * L::kQSteps * 16 + THREADS - 1) / THREADS; ++k) {
+      const int j = tid + k * THREADS;
+      if (j >= 16 * L::kQSteps * 16) break;
+      const int g = j / (L::kQSteps * 16);
+      const int col = j % (L::kQSteps * 16);
+      const int dim = fp8_q_dim(col);
+      const bool real = g < chunk.heads && dim < HEAD_DIM;
+      q_s[g * LDQ + col] = real ? q[(head_row + g) * HEAD_DIM + dim] : from_float<T>(0.0f);
+    }
+  } else if (begin < end) {
     // q rows of the chunk into q_s as they are (16-bit); rows past the chunk are zeros.
     const bool q_aligned = (reinterpret_cast<unsigned long long>(q) & 15u) == 0;
     // Unrolled: the stage loop stays the only loop that loads from global memory.
@@ -635,8 +704,10 @@ __global__ void __launch_bounds__(32 * WARPS)
           value = *reinterpret_cast<const uint4*>(parts);
         }
       }
-      *reinterpret_cast<uint4*>(q_s + g * LDK + col) = value;
+      *reinterpret_cast<uint4*>(q_s + g * LDQ + col) = value;
     }
+  }
+  if (begin < end) {
 
     // K stages [STAGES, TILE, LDK], then V stages the same (common.cuh, KvRing).
     Ring ring(k_s, v_s, k_cache, v_cache, block_tables + static_cast<long long>(seq) * max_blocks,
@@ -644,38 +715,38 @@ __global__ void __launch_bounds__(32 * WARPS)
     ring.start();
 
     __syncthreads();  // q_s is complete
-    wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> qa[L::kSteps];
+    wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> qa[L::kQSteps];
 #pragma unroll
-    for (int kk = 0; kk < L::kSteps; ++kk) wmma::load_matrix_sync(qa[kk], q_s + kk * 16, LDK);
+    for (int kk = 0; kk < L::kQSteps; ++kk) wmma::load_matrix_sync(qa[kk], q_s + kk * 16, LDQ);
 
     for (int stage = 0; stage < ring.num_stages; ++stage) {
-      const T* k_tile;  // the warp's 16 K rows, T, rows of LDK elements
-      const T* v_tile;  // the stage's V rows, the same
-      if constexpr (kFp8) {
-        Ring::wait_kv();
-        __syncthreads();  // K and V of `stage` are in; every thread is done with stage - 1
-        ring.refill(stage);
-        convert_stage<T, HEAD_DIM, TILE, LDK, THREADS>(ring.k_row(stage, 0), ring.v_row(stage, 0),
-                                                        kc_s, vc_s, tid);
-        __syncthreads();  // the converted tiles are complete
-        k_tile = kc_s + warp * 16 * LDK;
-        v_tile = vc_s;
-      } else {
-        Ring::wait_k();
-        __syncthreads();  // all of K of `stage` is in; every thread is done with stage - 1
-        ring.refill(stage);
-        k_tile = ring.k_row(stage, warp * 16);
-        v_tile = ring.v_row(stage, 0);
-      }
+      Ring::wait_k();
+      __syncthreads();  // all of K of `stage` is in; every thread is done with stage - 1
+      ring.refill(stage);
+      // The warp's 16 K rows and the stage's V rows, read as T rows of LDR elements (over fp8
+      // two fp8 values per element: the layout's comment).
+      const T* k_tile = reinterpret_cast<const T*>(ring.k_row(stage, warp * 16));
+      const T* v_tile = reinterpret_cast<const T*>(ring.v_row(stage, 0));
 
       {  // 2. scores of the warp's 16 tokens
         wmma::fragment<wmma::accumulator, 16, 16, 16, float> s;
         wmma::fill_fragment(s, 0.0f);
+        if constexpr (kFp8) {
 #pragma unroll
-        for (int kk = 0; kk < L::kSteps; ++kk) {
-          wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> kb;
-          wmma::load_matrix_sync(kb, k_tile + kk * 16, LDK);
-          wmma::mma_sync(s, qa[kk], kb, s);
+          for (int pair = 0; pair < L::kPairs; ++pair) {
+            wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> raw, even, odd;
+            wmma::load_matrix_sync(raw, k_tile + pair * 16, LDR);
+            split_fp8_pairs<KV, T>(raw, even, odd);
+            wmma::mma_sync(s, qa[2 * pair], even, s);
+            wmma::mma_sync(s, qa[2 * pair + 1], odd, s);
+          }
+        } else {
+#pragma unroll
+          for (int kk = 0; kk < L::kSteps; ++kk) {
+            wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> kb;
+            wmma::load_matrix_sync(kb, k_tile + kk * 16, LDK);
+            wmma::mma_sync(s, qa[kk], kb, s);
+          }
         }
         wmma::store_matrix_sync(s_s + warp * 16, s, L::kLds, wmma::mem_row_major);
       }
@@ -719,7 +790,7 @@ __global__ void __launch_bounds__(32 * WARPS)
         if (sub == 0) alpha_s[row] = alpha;
       }
 
-      if constexpr (!kFp8) Ring::wait_v();  // over fp8 V landed with K
+      Ring::wait_v();
       __syncthreads();  // all of V of `stage`, P and alpha are in
 
       {  // 4. O = alpha O + P V over the warp's output slices
@@ -729,8 +800,39 @@ __global__ void __launch_bounds__(32 * WARPS)
           wmma::load_matrix_sync(pa[kt], p_s + kt * 16, L::kLdp);
         }
         const float alpha = alpha_s[out_row];
+        if constexpr (kFp8) {
+          // Pairs warp, warp + WARPS, ...: P V_even and P V_odd from one load of V per k-tile,
+          // into the warp's slices 2 jp (even dims) and 2 jp + 1 (odd).
 #pragma unroll
-        for (int j = 0; j < L::kSlices; ++j) {
+          for (int jp = 0; jp < L::kPairSlots; ++jp) {
+            const int pair = warp + jp * WARPS;
+            if (L::kPairs % WARPS != 0 && pair >= L::kPairs) break;  // uniform over the warp
+            wmma::fragment<wmma::accumulator, 16, 16, 16, float> o[2];
+            wmma::fill_fragment(o[0], 0.0f);
+            wmma::fill_fragment(o[1], 0.0f);
+#pragma unroll
+            for (int kt = 0; kt < TILE / 16; ++kt) {
+              wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> raw, even, odd;
+              wmma::load_matrix_sync(raw, v_tile + kt * 16 * LDR + pair * 16, LDR);
+              split_fp8_pairs<KV, T>(raw, even, odd);
+              wmma::mma_sync(o[0], pa[kt], even, o[0]);
+              wmma::mma_sync(o[1], pa[kt], odd, o[1]);
+            }
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              wmma::store_matrix_sync(o_s, o[h], L::kLdo, wmma::mem_row_major);
+              __syncwarp();  // every lane's part of the tile is in
+              float part[8];
+              load16_as_float(o_s + out_row * L::kLdo + out_col, part);
+              load16_as_float(o_s + out_row * L::kLdo + out_col + 4, part + 4);
+#pragma unroll
+              for (int e = 0; e < 8; ++e) acc[2 * jp + h][e] = acc[2 * jp + h][e] * alpha + part[e];
+              __syncwarp();  // every lane has read the tile before the next store
+            }
+          }
+        }
+#pragma unroll
+        for (int j = 0; j < (kFp8 ? 0 : L::kSlices); ++j) {
           const int slice = warp + j * WARPS;
           if (L::kSteps % WARPS != 0 && slice >= L::kSteps) break;  // uniform over the warp
           wmma::fragment<wmma::accumulator, 16, 16, 16, float> o;
@@ -780,11 +882,17 @@ __global__ void __launch_bounds__(32 * WARPS)
                                              chunk.first_head + out_row;
 #pragma unroll
     for (int j = 0; j < L::kSlices; ++j) {
-      const int slice = warp + j * WARPS;
-      if (slice >= L::kSteps) break;
+      // Slice j's first column's dim and the dims between its columns (over fp8 the warp's pair
+      // j / 2, its even or odd dims: the layout's comment).
+      const int slice = kFp8 ? warp + j / 2 * WARPS : warp + j * WARPS;
+      if (slice >= (kFp8 ? L::kPairs : L::kSteps)) break;
+      const int first_dim = kFp8 ? 32 * slice + j % 2 : 16 * slice;
+      constexpr int kStride = kFp8 ? 2 : 1;
 #pragma unroll
       for (int e = 0; e < 8; ++e) {
-        const long long index = row_index * HEAD_DIM + slice * 16 + out_col + e;
+        const int dim = first_dim + (out_col + e) * kStride;
+        if (kFp8 && HEAD_DIM % 32 != 0 && dim >= HEAD_DIM) break;  // half a pair past the row
+        const long long index = row_index * HEAD_DIM + dim;
         const float row_value = kFp8 ? acc[j][e] * out_scale : acc[j][e];
         const float value = empty ? 0.0f : row_value / l_row;
         if (direct) {

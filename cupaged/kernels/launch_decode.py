@@ -141,9 +141,8 @@ def uses_decode_mma(
     :func:`decode_mma_min_group` heads or more up to head_dim 128, where the target has WMMA for the
     query's type (bf16 from sm_80) and grants the kernel's shared memory (a T4's 64 KB do not
     hold head_dim 128's stages); elsewhere the CUDA-core kernel, which fits all. Over fp8 the
-    same rule: the kernel converts each staged fp8 stage to the query's type in shared memory
-    (its ring of fp8 stages and the two converted tiles take about the shared memory of the
-    16-bit ring), with registers and spills as the 16-bit kernel's (docs/kernels.md).
+    same rule: the kernel loads its fragments from the staged fp8 rows and converts them in
+    registers (a ring of half the 16-bit one's bytes; docs/kernels.md).
     """
     q_dtype = query_dtype(dtype, q_dtype)
     if not (
@@ -322,12 +321,13 @@ def decode_shared_memory(dtype: str, head_dim: int, geometry: DecodeGeometry) ->
     if geometry.mma:  # DecodeMmaLayout::kBytes in cuda/paged_attention.cu
         tile, ldk = geometry.tile, head_dim + 8
         scores = max(16 * (tile + 4) * 4, geometry.bdy * 16 * 20 * 4)  # the O tiles share it
-        # Over fp8: a ring of unpadded fp8 rows, and K and V of one stage converted to q's type.
-        ring_row, converted = (head_dim, 2 * tile * ldk * 2) if is_fp8(dtype) else (ldk, 0)
+        ring_row, q_row = ldk, ldk
+        if is_fp8(dtype):  # fp8 rows padded to an odd number of 16 bytes; q_s in whole pairs
+            ring_row = head_dim + (32 if head_dim // 16 % 2 else 16)
+            q_row = 32 * cdiv(head_dim, 32) + 8
         return (
             2 * geometry.stages * tile * ring_row * itemsize(dtype)
-            + converted
-            + 16 * ldk * 2
+            + 16 * q_row * 2
             + scores
             + 16 * (tile + 8) * 2
             + 2 * 16 * 4

@@ -93,6 +93,8 @@ CASES = [
     ("float8_e4m3", "float32", 4, 64, 256, "per-head", False),
     ("float8_e4m3", "bfloat16", 4, 80, 7, "number", True),
     ("float8_e5m2", "float16", 2, 128, 16, "per-head", True),
+    ("float8_e5m2", "bfloat16", 3, 112, 16, "number", True),  # half a 32-dim pair at the end
+    ("float8_e4m3", "float16", 6, 96, 32, "per-head", True),
     ("float8_e5m2", "bfloat16", 8, 128, 16, "per-head", True),
     ("float8_e4m3", "float16", 8, 64, 16, "0-d", True),
     ("float8_e4m3", "float32", 8, 128, 32, "per-head", False),

@@ -604,12 +604,30 @@ def test_fp8_kv_arrives_by_16_byte_async_copies(fp8):
     for row in [r for r in fp8 if r["dtype"] in FP8_DTYPES and r["kernel"] != "write_kv"]:
         copies = {k: n for k, n in row["memory_ops_whole_kernel"].items() if "LDGSTS" in k}
         assert set(copies) == {"LDGSTS.128"}, (row["name"], copies)
-    # The CUDA-core kernel's stage loop copies K and V; the tensor-core kernel's fp8 fill has no
-    # loop of its own in the SASS (its copies are counted over the whole kernel, above).
+    # Both decode kernels' stage loops copy K and V.
     decode = [r for r in fp8 if r["dtype"] in FP8_DTYPES and r["kernel"] == "paged_decode"]
-    for row in [r for r in decode if "tensor cores" not in r["note"]]:
+    for row in decode:
         (fill,) = row["tile_fill_loops"]
         assert fill.get("LDGSTS.128", 0) >= 2, (row["name"], fill)  # K and V
+
+
+def test_fp8_tensor_core_decode_converts_in_registers(fp8):
+    """No conversion pass over fp8 (issue 37): the tensor-core decode's stage loop is the one
+    loop that fills a tile (its K/V copies), loads its fragments from the staged fp8 rows (half
+    of float16's LDSM for K: a 16 x 16 tile of T is 16 x 32 fp8) and stores no converted tile
+    (the pass read fp8 by LDS.64 and wrote T by STS.128 in a loop of its own)."""
+    mma = {
+        r["dtype"]: r for r in fp8 if r["kernel"] == "paged_decode" and "tensor cores" in r["note"]
+    }
+    assert set(mma) == {"float16", *FP8_DTYPES}
+    half_loop = mma["float16"]["tile_fill_loops"][0]
+    for fmt in FP8_DTYPES:
+        row = mma[fmt]
+        assert "LDS.64" not in row["memory_ops_whole_kernel"], row["name"]
+        (loop,) = row["tile_fill_loops"]
+        assert loop.get("LDGSTS.128", 0) >= 2, (row["name"], loop)  # K and V, in the stage loop
+        assert loop.get("STS.128", 0) <= half_loop.get("STS.128", 0), (row["name"], loop)
+        assert 0 < loop["LDSM.128"] < half_loop["LDSM.128"], (row["name"], loop, half_loop)
 
 
 def test_fp8_halves_the_bytes_per_token(fp8):
