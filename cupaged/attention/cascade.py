@@ -204,7 +204,9 @@ def checked_host_tables(
         xp = array_module(tables)
         host_lens_dev = xp.asarray(host_lens)
         columns = min(cdiv(int(host_lens.max()), block_size), tables.shape[1])
-        reached = xp.arange(columns)[None, :] < (host_lens_dev[:, None] + block_size - 1) // block_size
+        reached = (
+            xp.arange(columns)[None, :] < (host_lens_dev[:, None] + block_size - 1) // block_size
+        )
         differ = (xp.asarray(host[:, :columns]) != tables[:, :columns]) & reached
         if bool((host_lens_dev != lens).any() | differ.any()):
             raise ValueError(

@@ -41,10 +41,11 @@ class Step:
         self.out = xp.zeros_like(self.q)
         self.slots = xp.zeros(self.batch, np.int32)
         self.fill(STEPS[0])
+        # Checked: the plan knows that step 0 splits nothing, and skips the merge.
+        lens = xp.asarray(np.array(STEPS[0], np.int32))
         self.plan = cupaged.DecodePlan(
-            xp.asarray(self.tables), xp.asarray(np.array(STEPS[0], np.int32)), self.k_cache[0],
-            heads, cascade=cascade,
-        )  # fmt: skip  (checked: it knows that step 0 splits nothing, and skips the merge)
+            xp.asarray(self.tables), lens, self.k_cache[0], heads, cascade=cascade
+        )
 
     def fill(self, lens):
         """The step's new tokens and queries, in place; the slots of each row's last token."""

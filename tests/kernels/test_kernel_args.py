@@ -209,9 +209,7 @@ def test_a_renamed_retyped_or_added_parameter_fails_its_record():
     retyped = _edited("copy_blocks.cu", "long long words_per_block", "int words_per_block")
     reason = mismatch(kernel_args.CopyBlocksArgs, retyped["copy_blocks"]["params"])
     assert "expected ('words_per_block', 'int')" in reason
-    added = _edited(
-        "decode_plan.cu", "int wave_items) {  // 0:", "int wave_items, int n) {  // 0:"
-    )
+    added = _edited("decode_plan.cu", "int wave_items) {  // 0:", "int wave_items, int n) {  // 0:")
     reason = mismatch(kernel_args.PlanDecodeArgs, added["plan_decode"]["params"])
     assert reason == "expected 10 parameters (the .cu), got 9 (PlanDecodeArgs)"
 
