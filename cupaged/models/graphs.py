@@ -11,6 +11,8 @@ size runs, and replayed at every later step of that size (docs/cuda-graphs.md)::
     per step:  tables, slots copied in; plan.update(tables, lens, checked=False)
     per layer: q, k, v copied in; graph.replay(); the attention is out[layer]
 
+A graph holds the cache it was captured on (its K/V arrays, its layout, its window): the
+graphs serve one cache at a time, and a step on another cache drops them and captures anew.
 Only on a GPU: the CPU backend has nothing to capture.
 """
 
@@ -59,18 +61,22 @@ class GraphedAttention:
 
     Attributes:
         captures: graphs captured so far (one per layer and batch size, again after a table
-            widening); ``replays``: graph replays.
+            widening or a change of cache); ``replays``: graph replays.
     """
 
     def __init__(self, num_layers: int, num_q_heads: int, **plan_options: Any) -> None:
         self.num_layers, self.num_q_heads = num_layers, num_q_heads
         self._options = plan_options
         self._buffers: dict[int, _Buffers] = {}
+        self._cache: Any = None  # the cache every graph of _buffers writes and reads
         self.captures = self.replays = 0
 
     def step(self, cache: Any, sids: Any, slots: Any) -> Attend:
         """The attention of one decode step of ``sids`` (a ``SequenceBatch`` or ``StepPlan`` of
         ``cache``) writing its new K/V to ``slots``: ``attend(layer, q, k, v)``."""
+        if cache is not self._cache:  # the graphs hold another cache's arrays: never replay them
+            self._buffers.clear()
+            self._cache = cache
         tables, lens = cache.block_tables(sids)
         rows, width = tables.shape
         b = self._buffers.get(rows)

@@ -446,7 +446,6 @@ class Llama:
             self.graphs = GraphedAttention(self.config.num_layers, self.config.num_q_heads)
             return
         raise ValueError(f"expected a model on a GPU for CUDA graphs, got a model that {why}")
-        self.graphs = GraphedAttention(self.config.num_layers, self.config.num_q_heads)
 
     def _decode_attention(self, cache: PagedCache, sids: Any, slots: Any) -> Attend:
         """A decode step's attention: the replayed graphs of :meth:`use_cuda_graphs`, or the

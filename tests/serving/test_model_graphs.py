@@ -59,6 +59,30 @@ def test_graphs_decode_as_plans_do(xp, weights):
     cache.check_invariants()
 
 
+def test_graphs_follow_the_cache_they_decode(xp, weights):
+    """A second cache with a batch of the same size: its steps must not replay the graphs
+    captured on the first (they would write and read the first cache's K/V)."""
+    if xp is np:
+        pytest.skip("the CPU backend refuses CUDA graphs (test_cpu_backend_refuses_graphs)")
+    model = Llama(CONFIG, weights, xp, dtype="float32")
+    model.use_cuda_graphs()
+    rng = np.random.default_rng(8)
+    for _ in range(2):  # a fresh cache each round, the same batch size
+        cache = model.make_cache(num_blocks=64, block_size=4)
+        prompts = [rng.integers(0, CONFIG.vocab_size, n).tolist() for n in (5, 11, 7)]
+        admissions = [cache.admit(prompt) for prompt in prompts]
+        logits = to_numpy(model.prefill(cache, admissions, prompts))
+        seqs = [[*p, int(np.argmax(row))] for p, row in zip(prompts, logits, strict=True)]
+        batch = cache.batch([a.sid for a in admissions])
+        for _ in range(2):
+            logits = to_numpy(model.decode(cache, batch, [seq[-1] for seq in seqs]))
+            for seq, row in zip(seqs, logits, strict=True):
+                assert_logits_close(row, seq, weights)
+                seq.append(int(np.argmax(row)))
+        cache.check_invariants()
+    assert model.graphs.captures == 2 * CONFIG.num_layers  # captured again for the new cache
+
+
 def test_cpu_backend_refuses_graphs(weights):
     model = Llama(CONFIG, weights, np, dtype="float32")
     with pytest.raises(ValueError, match="CPU backend, which cannot capture CUDA graphs"):
