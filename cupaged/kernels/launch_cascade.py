@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from ..dtypes import C_TYPES, is_fp8, itemsize
 from ..variants import NO_VARIANTS, SINKS, Variants
-from .launch_decode import HEAD_DIMS, MAX_BLOCK_SIZE, query_dtype
+from .launch_decode import check_block_elements, check_decode_shape, query_dtype
 from .target import NOMINAL_TARGET, Target
 
 # The tensor-core layout: CASCADE_WARPS warps of 32 threads, a stage of 16 tokens per warp,
@@ -99,13 +99,7 @@ def check_cascade_shape(dtype: str, q_dtype: str, head_dim: int, block_size: int
         raise ValueError(f"expected a cache of one of {CASCADE_CACHE_DTYPES}, got {dtype}")
     if not is_fp8(dtype) and dtype != q_dtype:
         raise ValueError(f"expected queries of the cache's type {dtype}, got {q_dtype}")
-    if head_dim not in HEAD_DIMS:
-        raise ValueError(
-            f"expected head_dim in 64..256, a multiple of 16 ({', '.join(map(str, HEAD_DIMS))}), "
-            f"got {head_dim}"
-        )
-    if not 1 <= block_size <= MAX_BLOCK_SIZE:
-        raise ValueError(f"expected block_size in 1..{MAX_BLOCK_SIZE}, got {block_size}")
+    check_decode_shape(dtype, head_dim, block_size)  # head_dim and block_size: decode's
 
 
 def cascade_rows(head_dim: int, rows: int | None = None, *, cores: bool = False) -> int:
@@ -190,11 +184,7 @@ def cascade_launch(
             f"expected at least one KV head and one query head per KV head, got "
             f"{num_kv_heads} and {group}"
         )
-    if num_kv_heads * block_size * head_dim >= 2**32:  # the ring's 32-bit block stride
-        raise ValueError(
-            f"expected num_kv_heads * block_size * head_dim < 2**32 (the elements of one block), "
-            f"got {num_kv_heads} * {block_size} * {head_dim}"
-        )
+    check_block_elements(num_kv_heads, block_size, head_dim)
     variant = variants.flags() & ~SINKS
     if dtype == "float32":
         return _cores_launch(head_dim, block_size, gpu, variant, rows)

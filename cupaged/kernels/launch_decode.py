@@ -261,6 +261,16 @@ def check_decode_shape(dtype: str, head_dim: int, block_size: int) -> None:
         raise ValueError(f"expected block_size in 1..{MAX_BLOCK_SIZE}, got {block_size}")
 
 
+def check_block_elements(num_kv_heads: int, block_size: int, head_dim: int) -> None:
+    """Raise ``ValueError`` when one block of a layer holds 2^32 elements or more: the K/V
+    rings compute a block's offset as a 32 x 32 -> 64-bit product of a 32-bit stride."""
+    if num_kv_heads * block_size * head_dim >= 2**32:
+        raise ValueError(
+            f"expected num_kv_heads * block_size * head_dim < 2**32 (the elements of one block), "
+            f"got {num_kv_heads} * {block_size} * {head_dim}"
+        )
+
+
 def _next_power_of_two(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
@@ -366,11 +376,7 @@ def decode_launch(
     q_dtype = query_dtype(dtype, q_dtype)
     if not 1 <= capacity <= MAX_GRID_YZ:
         raise ValueError(f"expected a work list of 1..{MAX_GRID_YZ} items, got {capacity}")
-    if num_kv_heads * block_size * head_dim >= 2**32:  # the kernel's 32-bit block stride
-        raise ValueError(
-            f"expected num_kv_heads * block_size * head_dim < 2**32 (the elements of one block), "
-            f"got {num_kv_heads} * {block_size} * {head_dim}"
-        )
+    check_block_elements(num_kv_heads, block_size, head_dim)
     geo = decode_geometry(dtype, head_dim, group, target, q_dtype=q_dtype)
     if num_kv_heads * geo.head_chunks > MAX_GRID_X:
         raise ValueError(
