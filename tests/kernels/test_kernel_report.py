@@ -29,7 +29,7 @@ from cupaged.kernels.launch_decode import HEAD_DIMS, decode_ctas_per_sm
 
 nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
 
-from tools.kernel_report import bank, cli, launches, models, registers, tables  # noqa: E402
+from tools.kernel_report import bank, cli, launches, mix, models, registers, tables  # noqa: E402
 from tools.kernel_report.sass import Sass  # noqa: E402
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "kernel-report"
@@ -651,3 +651,113 @@ def test_fp8_write_kv_loads_and_stores_16_bytes_where_aligned(fp8):
     for row in aligned:
         ops = row["memory_ops_whole_kernel"]
         assert ops.get("LDG.128", 0) >= 2 and ops.get("STG.128", 0) >= 2, (row["name"], ops)
+
+
+# ---- the instruction mix (issue 38) -------------------------------------------------------------
+
+# A tile loop (.L_x_0) around two inner loops: one of two HMMA (the Q K^T step), one of shared
+# stores with none; a third loop outside, longer, without HMMA. Never-executed placeholders
+# (@!PT) do not count; a cp.async and its twin count two.
+MIX_SASS = """\
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+.L_x_0:
+        /*0010*/              @!P1 LDGSTS.E.BYPASS.128 [R4], desc[UR4][R2.64], !PT ;
+        /*0020*/               @P1 LDGSTS.E.BYPASS.128 [R4], desc[UR4][R2.64] ;
+        /*0030*/                   LDGDEPBAR ;
+        /*0040*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;
+.L_x_1:
+        /*0050*/                   LDSM.16.M88.4 R8, [R9] ;
+        /*0060*/                   HMMA.16816.F32 R12, R8, R10, R12 ;
+        /*0070*/              @!PT LDS RZ, [RZ] ;
+        /*0080*/                   HMMA.16816.F32 R16, R8, R11, R16 ;
+        /*0090*/              @P0  BRA `(.L_x_1) ;
+        /*00a0*/                   MUFU.EX2 R20, R20 ;
+        /*00b0*/                   FFMA R21, R20, R22, R21 ;
+.L_x_2:
+        /*00c0*/                   STS.128 [R9], R4 ;
+        /*00d0*/              @P2  BRA `(.L_x_2) ;
+        /*00e0*/                   HMMA.16816.F32.BF16 R24, R8, R10, R24 ;
+        /*00f0*/              @!P1 BRA `(.L_x_0) ;
+.L_x_3:
+        /*0100*/                   FFMA R1, R2, R3, R1 ;
+        /*0110*/                   FFMA R1, R2, R3, R1 ;
+        /*0120*/                   FFMA R1, R2, R3, R1 ;
+        /*0130*/                   FFMA R1, R2, R3, R1 ;
+        /*0140*/                   FFMA R1, R2, R3, R1 ;
+        /*0150*/                   FFMA R1, R2, R3, R1 ;
+        /*0160*/              @P3  BRA `(.L_x_3) ;
+        /*0170*/                   EXIT ;
+.L_x_4:
+        /*0180*/                   BRA `(.L_x_4);
+"""
+
+
+def test_the_main_loop_is_the_innermost_with_hmma_counted_per_iteration():
+    found = mix.instruction_mix(Sass.parse(MIX_SASS.splitlines()))
+    assert found["main_loop"] == dict(
+        span=[5, 9],
+        nested=0,
+        mix={"HMMA.16816": 2, "LDSM": 1, "instructions": 4},  # the @!PT LDS left out
+    )
+    assert found["main_loop_is"] == "the innermost loop with tensor-core instructions"
+    enclosing = found["enclosing_loop"]
+    assert enclosing["span"] == [1, 15] and enclosing["nested"] == 2
+    assert enclosing["mix"] == {
+        "HMMA.16816": 3,
+        "LDSM": 1,
+        "LDGSTS": 2,
+        "LDGDEPBAR": 1,
+        "MUFU.EX2": 1,
+        "BAR": 1,
+        "STS": 1,
+        "FFMA": 1,
+        "instructions": 14,
+    }
+    assert found["whole_kernel"]["FFMA"] == 7 and found["whole_kernel"]["instructions"] == 24
+
+
+def test_without_hmma_the_main_loop_is_the_largest_innermost_loop():
+    lines = [line for line in MIX_SASS.splitlines() if "HMMA" not in line]
+    found = mix.instruction_mix(Sass.parse(lines))
+    assert found["main_loop_is"] == "no tensor-core loop: the largest innermost loop"
+    assert found["main_loop"]["mix"] == {"FFMA": 6, "instructions": 7}
+    assert found["enclosing_loop"] is None
+    assert mix.instruction_mix(Sass.parse(lines[-3:]))["main_loop"] is None  # no loop at all
+
+
+@pytest.fixture(scope="module")
+def prefill_mix(tmp_path_factory):
+    """``(markdown, rows)`` of one sm_90 compile of prefill over an fp8 e4m3 cache (float16
+    queries: ``paged_prefill_mma``, WMMA, whichever kernel 16-bit caches get), head_dim 128,
+    G = 4."""
+    path = tmp_path_factory.mktemp("mix") / "report.json"
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--kernel", "paged_prefill", "--dtype", "float8_e4m3",
+         "--head-dim", "128", "--block-size", "16", "--group", "4", "--arch", "sm_90",
+         "--gpu", "H100", "--json", str(path)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout, json.loads(path.read_text())["rows"]
+
+
+def test_the_tensor_core_prefill_mix_has_its_main_loop_in_the_tile_loop(prefill_mix):
+    markdown, rows = prefill_mix
+    (row,) = rows
+    assert "paged_prefill_mma" in row["name"], row["name"]
+    found = row["instruction_mix"]
+    main, tile_loop, whole = found["main_loop"], found["enclosing_loop"], found["whole_kernel"]
+    # WMMA's m16n8k16 on sm_90: the Q K^T step loop issues HMMA.16816 from ldmatrix fragments.
+    assert main["mix"].get("HMMA.16816", 0) > 0 and main["mix"].get("LDSM", 0) > 0, main
+    assert main["nested"] == 0
+    # The KV tile loop around it holds every HMMA of the kernel, its cp.async copies and
+    # barriers, and the softmax's exp2.
+    a, b = tile_loop["span"]
+    assert a <= main["span"][0] and main["span"][1] <= b and tile_loop["nested"] >= 1
+    assert tile_loop["mix"]["HMMA.16816"] == whole["HMMA.16816"] > main["mix"]["HMMA.16816"]
+    for op in ("LDGSTS", "BAR", "MUFU.EX2", "LDS", "STS", "FFMA"):
+        assert tile_loop["mix"].get(op, 0) > 0, (op, tile_loop["mix"])
+    assert "Instruction mix" in markdown
+    assert f"`{row['name']}`; {row['registers']} registers, spills 0/0 B" in markdown
+    loop = f"main loop (the innermost loop with tensor-core instructions) [{main['span'][0]}, "
+    assert loop in markdown

@@ -11,6 +11,9 @@ into chunks), compiled by NVRTC for it (real cubins, no driver needed):
 - the widths of global and shared loads and stores in the SASS (``nvdisasm``), counted in the
   innermost loops (a loop is a backward branch; an innermost loop contains no other) and over
   the whole kernel;
+- the instruction mix (HMMA.16816, LDSM, LDGSTS, MUFU.EX2, BAR, shared loads and stores, FFMA,
+  ...) of the main loop per iteration (the innermost loop with tensor-core instructions, else
+  the largest innermost loop), of the loop around it, and of the whole kernel (``mix``);
 - MODEL: bytes in flight per SM = global loads in flight per warp x width x 32 lanes x resident
   warps, where the loads in flight per warp are the global loads of the innermost loop that loads
   the most bytes, assumed all issued before the first is used;
@@ -40,6 +43,7 @@ The modules, in the order of a run:
 ``launches``   the instantiations the launch tables pick per architecture, one ``Launch`` each
 ``compile``    NVRTC: cubins and ptxas's resource lines
 ``sass``       nvdisasm: memory instructions by width, innermost loops
+``mix``        the instruction mix: the main loop, the loop around it, the whole kernel
 ``bank``       MODEL: shared-memory bank cycles of the kernels' access patterns
 ``models``     MODEL: issue, pipe and DRAM cycles per tile
 ``report``     the rows: one per launch and GPU

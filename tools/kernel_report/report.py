@@ -19,6 +19,7 @@ from .bank import (
 )
 from .compile import compile_source
 from .launches import DTYPES, SOURCES, Launch, arch_of, kv_tile_bytes, launches, sm_limits
+from .mix import instruction_mix
 from .models import (
     cascade_tile_model,
     decode_issue_model,
@@ -142,6 +143,7 @@ class Analysis:
             memory_ops_whole_kernel=self.whole,
             model_bytes_in_flight_per_warp=self.lane_bits // 8 * WARP,
             model_bytes_in_flight_per_sm=self.lane_bits // 8 * WARP * occ.warps,
+            instruction_mix=instruction_mix(code),
         )
         if launch.kernel == "paged_decode":
             dram = kv_tile_bytes(launch)

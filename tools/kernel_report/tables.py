@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from .mix import format_loop, format_mix
+
 Row = dict[str, object]
 
 
@@ -162,4 +164,38 @@ def markdown(rows: list[Row]) -> str:
                 f"{m['shfl_pipe']:.0f}, smem {m['smem']}; bound {m['bound']:.0f}, per 16 rows "
                 f"{m['per_16_rows']:.0f}; DRAM {m['dram']} (model)"
             )
+    lines += _mix_lines(rows)
     return "\n".join(lines) + "\n"
+
+
+def _mix_lines(rows: list[Row]) -> list[str]:
+    """The instruction mix of each architecture's instantiations (one per name: the GPUs of an
+    architecture run one cubin), see ``tools/kernel_report/mix.py``."""
+    seen, lines = set(), []
+    for r in rows:
+        mix = r.get("instruction_mix")
+        if mix is None or (r["arch"], r["name"]) in seen:
+            continue
+        seen.add((r["arch"], r["name"]))
+        lines += [
+            f"- {r['arch']} {r['kernel']} {r['dtype'] or '-'} hd {r['head_dim'] or '-'} "
+            f"bs {r['block_size'] or '-'} G {r['group'] or '-'}: `{r['name']}`; "
+            f"{r['registers']} registers, spills {r['spill_stores']}/{r['spill_loads']} B, "
+            f"{r['ctas_per_sm']} CTAs/SM ({r['warps_per_sm']} warps)",
+            "  - " + format_loop(f"main loop ({mix['main_loop_is']})", mix["main_loop"]),
+            "  - " + format_loop("enclosing loop", mix["enclosing_loop"]),
+            "  - whole kernel: " + format_mix(mix["whole_kernel"]),
+        ]
+    if not lines:
+        return []
+    intro = (
+        "Instruction mix (static SASS counts, not measurements): the main loop is the innermost "
+        "loop (a backward branch) holding tensor-core instructions (HMMA, HGMMA), else the "
+        "largest innermost loop; its counts are one pass through its body (one iteration; a "
+        "loop nested in it counted once). The enclosing loop is the outermost loop around it "
+        "(its nested loops, the main loop among them, counted once). Instructions as issued: "
+        "never-executed ones (@!PT) left out, a cp.async (LDGSTS) and its zero-filling twin "
+        "both counted. HMMA.16816: mma.sync m16n8k16; LDSM: ldmatrix; LDGSTS: cp.async; "
+        "LDGDEPBAR/DEPBAR: its commit/wait; LD/ST: generic-address loads/stores."
+    )
+    return ["", intro, "", *lines]
