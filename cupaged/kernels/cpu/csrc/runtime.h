@@ -352,6 +352,8 @@ static const char* op_name(Op op) {
     case kOpWmmaLoad: return "wmma::load_matrix_sync";
     case kOpWmmaStore: return "wmma::store_matrix_sync";
     case kOpWmmaMma: return "wmma::mma_sync";
+    case kOpLdmatrix: return "ldmatrix.sync.aligned.m8n8";
+    case kOpMmaSync: return "mma.sync.aligned.m16n8k16";
     default: return "(nothing)";
   }
 }
@@ -464,6 +466,8 @@ static bool in_shared(const Worker* w, const void* p, size_t n) {
   return in_range(p, n, w->dynamic_shared, w->dynamic_shared_bytes) ||
          in_range(p, n, w->static_shared, w->static_shared_bytes);
 }
+
+bool in_shared_memory(const void* p, size_t bytes) { return in_shared(tls_worker, p, bytes); }
 
 static Pipeline* fiber_pipeline(Worker* w, const char* call, const char* file, int line) {
   Fiber* f = w->current;
@@ -753,7 +757,8 @@ static bool complete_collective(Worker* w, Fiber* caller) {
   }
   const Op op = caller->op;
   if (op >= kOpWmmaLoad) {
-    // A WMMA operation (shim.h section 12): the last lane in runs it for the whole warp.
+    // A WMMA, ldmatrix or mma.sync operation (shim.h sections 12 and 13): the last lane in runs
+    // it for the whole warp.
     WmmaRequest* requests[32];
     for (unsigned l = 0; l < 32; ++l) {
       requests[l] = reinterpret_cast<WmmaRequest*>(static_cast<uintptr_t>(lanes[l].value));

@@ -27,7 +27,10 @@
 //     layout is deliberately not the GPU's (code must treat it as opaque): a load and an mma run
 //     once every lane of the warp has arrived, a store poisons its whole tile when the last lane
 //     arrives and each lane then writes its own elements, so that reading another lane's part
-//     before a __syncwarp sees NaN.
+//     before a __syncwarp sees NaN;
+//   - ldmatrix and mma.sync m16n8k16 (the CPU branch of cuda/mma_sync.cuh; section 13) as
+//     whole-warp collectives with the register layouts of the PTX ISA, reading shared memory
+//     when the last lane arrives.
 //
 // Every synchronising call takes its call site through default arguments (__builtin_FILE() and
 // __builtin_LINE() are evaluated where the call is written), so that a divergent barrier or a
@@ -127,7 +130,9 @@ enum Op : unsigned char {
   kOpAll,
   kOpWmmaLoad,  // nvcuda::wmma (section 12): whole-warp collectives whose value is a request
   kOpWmmaStore,
-  kOpWmmaMma
+  kOpWmmaMma,
+  kOpLdmatrix,  // cuda/mma_sync.cuh (section 13): whole-warp collectives, requests as for wmma
+  kOpMmaSync
 };
 
 // Barrier flavours: the result a thread gets back from block_barrier().
@@ -375,6 +380,19 @@ inline int __clzll(long long x) {
 }
 inline int __ffs(int x) { return __builtin_ffs(x); }
 inline int __ffsll(long long x) { return __builtin_ffsll(x); }
+// prmt.b32 in its default mode: byte n of the result is byte (s >> 4n) & 7 of {y, x} (x bytes
+// 0-3, y bytes 4-7), or, when bit 3 of that nibble is set, the sign of that byte replicated.
+inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
+  const unsigned long long bytes = static_cast<unsigned long long>(y) << 32 | x;
+  unsigned r = 0;
+  for (int n = 0; n < 4; ++n) {
+    const unsigned nibble = s >> (4 * n) & 15;
+    unsigned byte = static_cast<unsigned>(bytes >> (8 * (nibble & 7))) & 0xff;
+    if (nibble & 8) byte = byte & 0x80 ? 0xff : 0;
+    r |= byte << (8 * n);
+  }
+  return r;
+}
 inline unsigned __brev(unsigned x) {
   x = ((x >> 1) & 0x55555555u) | ((x & 0x55555555u) << 1);
   x = ((x >> 2) & 0x33333333u) | ((x & 0x33333333u) << 2);
@@ -796,3 +814,139 @@ inline void mma_sync(fragment<accumulator, 16, 16, 16, float>& d,
 
 }  // namespace wmma
 }  // namespace nvcuda
+
+// ---- 13. ldmatrix and mma.sync: cuda/mma_sync.cuh ----------------------------------------------
+// The inline PTX of cuda/mma_sync.cuh (ldmatrix.sync.aligned.m8n8.{x2,x4}{,.trans}.shared.b16 and
+// mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}.f32) has a CPU branch that calls the two
+// functions below. Unlike WMMA's, these registers have the layout the PTX ISA documents (section
+// 9.7.14.5, written out in mma_sync.cuh), and kernels rely on it; the emulation follows it exactly,
+// so a wrong fragment index is a wrong result here too. Both are whole-warp collectives
+// (mask 0xffffffff, a missing lane deadlocks) run by the last lane in, through WmmaRequest:
+//   - ldmatrix: reads the 8 x 8 matrices (16-bit elements) from the row addresses of lanes 0-7
+//     (matrix 0), 8-15 (1), 16-23 (2) and 24-31 (3) (.x2: lanes 0-15; the other lanes' addresses
+//     are ignored, as on the GPU) when the last lane arrives, so that shared memory not yet
+//     written, or an async copy not yet waited for, reads as the poison (NaN). Lane l receives in
+//     register i row l / 4, elements 2 (l % 4) and 2 (l % 4) + 1 of matrix i (lower half first);
+//     .trans: elements (2 (l % 4), l / 4) and (2 (l % 4) + 1, l / 4). A row address that is not
+//     16-byte aligned, or whose 16 bytes are not in the block's shared memory (static or
+//     dynamic), is a KernelError naming the call site and the lane;
+//   - mma_16816<T>: D = A B + C for the 16 x 8 tile in float (products exact, sums in k order,
+//     as for wmma::mma_sync) from the 32 lanes' registers; each lane's d[4] is C and then D.
+namespace cupaged_cpu {
+
+// True when [p, p + bytes) lies in the block's shared memory (runtime.h).
+bool in_shared_memory(const void* p, size_t bytes);
+
+inline unsigned short mma_bits(unsigned r, int half) {
+  return static_cast<unsigned short>(r >> (16 * half));
+}
+inline float mma_element(unsigned short bits, const __half*) {
+  __half_raw raw;
+  raw.x = bits;
+  return __half2float(__half(raw));
+}
+inline float mma_element(unsigned short bits, const __nv_bfloat16*) {
+  return __uint_as_float(static_cast<unsigned>(bits) << 16);
+}
+
+// The error of a collective, formatted into a buffer of the OS thread (one collective completes
+// at a time on it, and the runtime copies the text before anything else runs).
+inline char* mma_message() {
+  static thread_local char text[200];
+  return text;
+}
+
+// request->fragment: the lane's registers; pointer: its row address; ldm: how many matrices
+// (2 or 4); layout: 1 for .trans.
+inline const char* complete_ldmatrix(WmmaRequest* const* lanes) {
+  const unsigned count = lanes[0]->ldm;
+  const int trans = lanes[0]->layout;
+  for (int l = 1; l < 32; ++l) {
+    if (lanes[l]->ldm != count || lanes[l]->layout != trans) {
+      return "the lanes of the warp call different ldmatrix shapes (.x2 / .x4, .trans)";
+    }
+  }
+  unsigned short m[4][8][8];  // [matrix][row][column]
+  for (unsigned l = 0; l < 8 * count; ++l) {
+    const void* row = lanes[l]->pointer;
+    const char* problem = reinterpret_cast<uintptr_t>(row) % 16 != 0 ? "is not 16-byte aligned"
+                          : !in_shared_memory(row, 16) ? "is not in the block's shared memory"
+                                                       : nullptr;
+    if (problem != nullptr) {
+      snprintf(mma_message(), 200, ".x%u%s: lane %u's row address %p %s", count,
+               trans ? ".trans" : "", l, row, problem);
+      return mma_message();
+    }
+    memcpy(m[l / 8][l % 8], row, 16);
+  }
+  for (int l = 0; l < 32; ++l) {
+    const int g = l / 4, c = l % 4;
+    unsigned* r = static_cast<unsigned*>(lanes[l]->fragment);
+    for (unsigned i = 0; i < count; ++i) {
+      const unsigned lo = trans ? m[i][2 * c][g] : m[i][g][2 * c];
+      const unsigned hi = trans ? m[i][2 * c + 1][g] : m[i][g][2 * c + 1];
+      r[i] = lo | hi << 16;
+    }
+  }
+  return nullptr;
+}
+
+// request->fragment: the lane's float d[4]; a, b: its unsigned a[4] and b[2].
+template <typename T>
+const char* complete_mma_16816(WmmaRequest* const* lanes) {
+  for (int l = 1; l < 32; ++l) {
+    if (lanes[l]->complete != lanes[0]->complete) {
+      return "the lanes of the warp call mma.sync with different operand types";
+    }
+  }
+  const T* type = nullptr;
+  float a[16][16], b[16][8], d[16][8];  // A: M x K, B: K x N, C then D: M x N
+  for (int l = 0; l < 32; ++l) {
+    const int g = l / 4, c = l % 4;
+    const unsigned* ra = static_cast<const unsigned*>(lanes[l]->a);
+    const unsigned* rb = static_cast<const unsigned*>(lanes[l]->b);
+    const float* rd = static_cast<const float*>(lanes[l]->fragment);
+    for (int h = 0; h < 2; ++h) {
+      a[g][2 * c + h] = mma_element(mma_bits(ra[0], h), type);
+      a[g + 8][2 * c + h] = mma_element(mma_bits(ra[1], h), type);
+      a[g][2 * c + 8 + h] = mma_element(mma_bits(ra[2], h), type);
+      a[g + 8][2 * c + 8 + h] = mma_element(mma_bits(ra[3], h), type);
+      b[2 * c + h][g] = mma_element(mma_bits(rb[0], h), type);
+      b[2 * c + 8 + h][g] = mma_element(mma_bits(rb[1], h), type);
+      d[g][2 * c + h] = rd[h];
+      d[g + 8][2 * c + h] = rd[2 + h];
+    }
+  }
+  for (int row = 0; row < 16; ++row) {
+    for (int col = 0; col < 8; ++col) {
+      for (int k = 0; k < 16; ++k) d[row][col] += a[row][k] * b[k][col];
+    }
+  }
+  for (int l = 0; l < 32; ++l) {  // every lane's C was read above
+    const int g = l / 4, c = l % 4;
+    float* rd = static_cast<float*>(lanes[l]->fragment);
+    for (int h = 0; h < 2; ++h) {
+      rd[h] = d[g][2 * c + h];
+      rd[2 + h] = d[g + 8][2 * c + h];
+    }
+  }
+  return nullptr;
+}
+
+inline void ldmatrix(unsigned* r, int count, bool trans, const void* row, const char* file,
+                     int line) {
+  WmmaRequest request{&complete_ldmatrix, r, nullptr, nullptr, nullptr, const_cast<void*>(row),
+                      static_cast<unsigned>(count), trans ? 1 : 0};
+  wmma_collective(kOpLdmatrix, &request, file, line);
+}
+
+template <typename T>
+inline void mma_16816(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2],
+                      const char* file, int line) {
+  static_assert(std::is_same<T, __half>::value || std::is_same<T, __nv_bfloat16>::value,
+                "mma_16816<T>: T is __half or __nv_bfloat16");
+  WmmaRequest request{&complete_mma_16816<T>, d, a, b, nullptr, nullptr, 0, 0};
+  wmma_collective(kOpMmaSync, &request, file, line);
+}
+
+}  // namespace cupaged_cpu

@@ -1,0 +1,121 @@
+// mma_sync.cuh: the warp-level tensor-core instructions of the FlashAttention-2 kind of kernel
+// (paged_prefill_flash in paged_prefill.cu), as four small device functions:
+//
+//   ldmatrix_x4 / ldmatrix_x4_trans   ldmatrix.sync.aligned.m8n8.x4{.trans}.shared.b16
+//   ldmatrix_x2 / ldmatrix_x2_trans   ldmatrix.sync.aligned.m8n8.x2{.trans}.shared.b16
+//   mma_16816<T>                      mma.sync.aligned.m16n8k16.row.col.f32.T.T.f32 (T: __half
+//                                     or __nv_bfloat16), D += A B in place
+//
+// They are the only inline PTX in cuda/ (DESIGN.md's source rules, as docs/cpu_backend.md amends
+// them): each is one instruction whose register layout the PTX ISA documents (section 9.7.14.5,
+// "Matrix fragments for mma.m16n8k16"), so that a kernel may rely on it (the softmax works on
+// the score accumulators in registers and hands them to P V as the A operand), and the CPU
+// backend's shim (cupaged/kernels/cpu/csrc/shim.h, section 13) emulates each as a collective of
+// the whole warp with exactly that layout: a wrong fragment index is a wrong result there too.
+//
+// Layouts (lane l, g = l / 4, c = l % 4; a register holds two 16-bit elements, the lower half
+// the first):
+//   ldmatrix: a matrix is 8 rows of 8 16-bit elements (16 bytes a row, 16-byte aligned, in
+//     shared memory). Lane l passes the address of row l % 8 of matrix l / 8 (x4: matrices 0-3;
+//     x2: 0-1, and only lanes 0-15's addresses are read, every lane still passes one). Register
+//     i receives row g, elements 2c and 2c + 1 of matrix i; with .trans, elements (2c, g) and
+//     (2c + 1, g) (row, column): the matrix transposed.
+//   mma_16816: A is 16 x 16 (row-major, M x K), B 16 x 8 (K x N), C = D 16 x 8 in float:
+//     a[0] = A[g][2c, 2c+1]       a[1] = A[g+8][2c, 2c+1]
+//     a[2] = A[g][2c+8, 2c+9]     a[3] = A[g+8][2c+8, 2c+9]
+//     b[0] = B[2c, 2c+1][g]       b[1] = B[2c+8, 2c+9][g]
+//     d[0], d[1] = D[g][2c, 2c+1]  d[2], d[3] = D[g+8][2c, 2c+1]
+//   So ldmatrix_x4 of a 16 x 16 block of a row-major matrix (lane l: row l % 16, columns
+//   8 (l / 16) ..) is A's four registers, and of K rows (keys as the N of B = K^T) two B
+//   fragments; ldmatrix_x4_trans of V rows (tokens as the K of B = V) two B fragments.
+// Every lane of the warp calls each one (mask 0xffffffff), as on the GPU, where anything else
+// is undefined.
+#pragma once
+
+namespace cupaged {
+namespace mma {
+
+#ifdef CUPAGED_CPU
+
+// The shim's collectives (shim.h, section 13); the call site names the kernel's line in errors.
+__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const void* row,
+                                            const char* file = __builtin_FILE(),
+                                            int line = __builtin_LINE()) {
+  cupaged_cpu::ldmatrix(r, 4, false, row, file, line);
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], const void* row,
+                                                  const char* file = __builtin_FILE(),
+                                                  int line = __builtin_LINE()) {
+  cupaged_cpu::ldmatrix(r, 4, true, row, file, line);
+}
+__device__ __forceinline__ void ldmatrix_x2(unsigned (&r)[2], const void* row,
+                                            const char* file = __builtin_FILE(),
+                                            int line = __builtin_LINE()) {
+  cupaged_cpu::ldmatrix(r, 2, false, row, file, line);
+}
+__device__ __forceinline__ void ldmatrix_x2_trans(unsigned (&r)[2], const void* row,
+                                                  const char* file = __builtin_FILE(),
+                                                  int line = __builtin_LINE()) {
+  cupaged_cpu::ldmatrix(r, 2, true, row, file, line);
+}
+template <typename T>
+__device__ __forceinline__ void mma_16816(float (&d)[4], const unsigned (&a)[4],
+                                          const unsigned (&b)[2],
+                                          const char* file = __builtin_FILE(),
+                                          int line = __builtin_LINE()) {
+  cupaged_cpu::mma_16816<T>(d, a, b, file, line);
+}
+
+#else
+
+__device__ __forceinline__ unsigned shared_address(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const void* row) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(shared_address(row)));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], const void* row) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(shared_address(row)));
+}
+__device__ __forceinline__ void ldmatrix_x2(unsigned (&r)[2], const void* row) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\n"
+               : "=r"(r[0]), "=r"(r[1])
+               : "r"(shared_address(row)));
+}
+__device__ __forceinline__ void ldmatrix_x2_trans(unsigned (&r)[2], const void* row) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];\n"
+               : "=r"(r[0]), "=r"(r[1])
+               : "r"(shared_address(row)));
+}
+
+// The instruction per operand type: mma_16816<__half> or mma_16816<__nv_bfloat16> (no other).
+__device__ __forceinline__ void mma_16816_of(float (&d)[4], const unsigned (&a)[4],
+                                             const unsigned (&b)[2], const __half*) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
+      "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+__device__ __forceinline__ void mma_16816_of(float (&d)[4], const unsigned (&a)[4],
+                                             const unsigned (&b)[2], const __nv_bfloat16*) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+      "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+template <typename T>
+__device__ __forceinline__ void mma_16816(float (&d)[4], const unsigned (&a)[4],
+                                          const unsigned (&b)[2]) {
+  mma_16816_of(d, a, b, static_cast<const T*>(nullptr));
+}
+
+#endif
+
+}  // namespace mma
+}  // namespace cupaged
