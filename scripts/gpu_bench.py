@@ -1,4 +1,4 @@
-"""Decode attention on the GPU: achieved bandwidth against the device's copy bandwidth.
+"""Prefill against PyTorch's SDPA, and decode's bandwidth against the device's copy bandwidth.
 
 For each row (head_dim 128, 8 KV heads, group G = query heads per KV head):
 - the new kernel through :class:`cupaged.DecodePlan` (planned once, ``run`` timed, as an engine
@@ -15,8 +15,12 @@ issue (1 x 32k, 4 x 16k, 17 x 4k, 64 x 4k, 256 x 1k) at page size 16 for G = 1, 
 and bfloat16. Then the cascade table, and the batch-invariance table (``batch_invariant`` off
 and on: items, time, and whether a sequence's row is bitwise the same alone and in the batch).
 
-Before them, the most important rows: cupaged against its peers (``scripts/gpu_peers.py``:
-PyTorch's SDPA over a contiguous copy, FlashInfer, vLLM's Triton kernel, each where it imports)
+First, prefill against PyTorch's SDPA (``scripts/gpu_prefill.py``, issue 38): TFLOP/s of
+``PrefillPlan.run`` and of SDPA over contiguous copies, causal 8 x 2,048 at head_dim 64, 128 and
+256, fp16 and bf16, page sizes 1, 16 and 256, and 512 new tokens over 8,192 cached, with the
+kernel the launch table picked. Then the most important decode rows: cupaged against its peers
+(``scripts/gpu_peers.py``: PyTorch's SDPA over a contiguous copy, FlashInfer, vLLM's Triton
+kernel, each where it imports)
 at 64 x 4k G 4, 8 x 32k G 8 and 1 x 32k G 4, float16, fp8 e4m3 (float16 queries) and bfloat16,
 with cupaged / peer time; and the host cost per call (``time.perf_counter`` around calls that
 are not synchronised) of ``DecodePlan.run``, ``paged_attention`` checked and not, and each
@@ -39,6 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "benches")]
 
 import gpu_peers  # noqa: E402
+import gpu_prefill  # noqa: E402
 from bandwidth import decode_attention_bytes  # noqa: E402
 from gpu_timing import Clock, copy_bandwidth, free, host_seconds, time_limit, timer  # noqa: E402
 
@@ -527,6 +532,15 @@ def tables(xp, args, lines):
     found = gpu_peers.peers(args.device)
     dropped = {}  # peers whose first call ran past its limit: not tried again
     peer_repeats = 2 if args.quick else PEER_REPEATS
+    # Prefill against SDPA first: issue 38's question for the next GPU run.
+    prefill_repeats = gpu_prefill.QUICK_REPEATS if args.quick else gpu_prefill.REPEATS
+    table(lines, gpu_prefill.caption(device_name(xp), prefill_repeats), gpu_prefill.HEADER)
+    torch, why_no_torch = gpu_peers.load_torch(args.device)
+    page16 = {}  # cupaged's TFLOP/s at page 16, the page-size rows' goal
+    for row in clock.within(gpu_prefill.rows(args.quick), lines):
+        line = gpu_prefill.measure(xp, torch, why_no_torch, row, prefill_repeats, page16)
+        emit(xp, lines, [line])
+
     table(
         lines,
         f"Decode against peers, head_dim {HEAD_DIM}, {NUM_KV_HEADS} KV heads, page {PEER_PAGE}, "

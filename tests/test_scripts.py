@@ -31,6 +31,7 @@ import gpu_smoke  # noqa: E402
 import gpu_timing  # noqa: E402
 
 GPU_BENCH_TABLES = (
+    "Prefill against PyTorch SDPA",
     "Decode against peers",
     "Host cost per call",
     "Decode attention,",
@@ -53,8 +54,9 @@ def test_gpu_bench_smoke_on_the_cpu_backend(tmp_path):
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     text = report.read_text()
-    peers, host, decode, cascade, invariant = report_tables(text)
+    prefill, peers, host, decode, cascade, invariant = report_tables(text)
     assert "CPU backend (numbers are not GPU numbers)" in text
+    check_prefill_table(prefill)
     check_peer_table(peers)
     check_host_table(host)
     rows = [line for line in decode.splitlines() if line.startswith("| ")]
@@ -128,6 +130,60 @@ def check_peer_table(text: str) -> None:
         assert flashinfer[4] == missing_peer("flashinfer"), flashinfer
         assert vllm[4] == missing_peer("vllm"), vllm
     assert re.search(r"fp8 e4m3 / float16 time: 2 x 300 G 4: [0-9.]+; 1 x 200 G 8: [0-9.]+\.", text)
+
+
+def check_prefill_table(text: str) -> None:
+    """Issue 38's rows, tiny: cupaged's kernel named and timed, PyTorch's SDPA (on CPU tensors)
+    timed on the same values and agreeing with it (the chunked row through a bottom-right causal
+    mask), each goal judged; the FLOP formula stated."""
+    assert "q * p + q * (q + 1) / 2" in text and "4 x sum over sequences" in text
+    rows = body_rows(text)
+    assert [(r[0], r[1], r[2], r[3], r[4]) for r in rows] == [
+        ("causal", "float16", "128", "16", "2 x (40 + 0)"),
+        ("causal", "bfloat16", "128", "16", "2 x (40 + 0)"),
+        ("page size", "float16", "128", "1", "2 x (40 + 0)"),
+        ("page size", "float16", "128", "256", "2 x (40 + 0)"),
+        ("chunked", "float16", "128", "16", "2 x (24 + 70)"),
+        ("head_dim", "float16", "64", "16", "2 x (40 + 0)"),
+        ("head_dim", "float16", "256", "16", "2 x (40 + 0)"),
+    ]
+    for row in rows:
+        case, dtype, head_dim, page = row[:4]
+        kernel, ms, sdpa, sdpa_ms, ratio, goal, diff = (row[i] for i in (5, 6, 8, 9, 11, 12, 13))
+        name = rf"cupaged::paged_prefill\w*<\w+, {head_dim}, {page}, .*> \(\d+\)"
+        assert re.fullmatch(name, kernel), row
+        assert float(ms.replace(",", "")) > 0 and float(sdpa_ms.replace(",", "")) > 0, row
+        mask = "causal_lower_right" if case == "chunked" else "is_causal=True"
+        assert sdpa == f"enable_gqa=True, {mask}", row
+        tol = TOLERANCES[dtype]
+        assert float(diff) <= 2 * (tol["atol"] + tol["rtol"]), row
+        if case == "page size":
+            assert re.fullmatch(r"[0-9.]+ of page 16's TFLOP/s, within 5 %: (yes|no)", goal), row
+        else:
+            bar = "0.4" if case == "head_dim" else "0.5"
+            met = "yes" if float(ratio) >= float(bar) else "no"
+            assert goal == f">= {bar}: {met}", row
+
+
+def test_gpu_prefill_without_pytorch_times_cupaged_and_says_why():
+    import gpu_prefill
+
+    row = gpu_prefill.Row("causal", "float16", 64, 16, 1, 20, 5, 0.5)
+    line = gpu_prefill.measure(np, None, "not installed", row, 1, {})
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert float(cells[6].replace(",", "")) > 0 and cells[8:12] == ["not installed", "-", "-", "-"]
+    assert cells[12] == ">= 0.5: not measured"
+
+
+def test_gpu_prefill_counts_causal_flops_with_the_cached_prefix():
+    import gpu_prefill
+
+    # Query i of q new tokens after p cached sees p + i + 1 keys: q * p + q * (q + 1) / 2.
+    for new, cached in ((1, 0), (3, 0), (4, 10), (512, 8192)):
+        mask = np.arange(cached + new)[None, :] <= cached + np.arange(new)[:, None]
+        assert gpu_prefill.causal_pairs(new, cached) == int(mask.sum())
+    row = gpu_prefill.Row("chunked", "float16", 128, 16, 8, 512, 8192, 0.5)
+    assert gpu_prefill.attention_flops(row) == 4 * 8 * (512 * 8192 + 512 * 513 // 2) * 128 * 32
 
 
 def check_host_table(text: str) -> None:

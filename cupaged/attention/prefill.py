@@ -323,6 +323,13 @@ class PrefillPlan:
         return 1 if self._launch is None else self._launch.num_splits
 
     @property
+    def kernel_name(self) -> str | None:
+        """The instantiation the launch table picked (a RawModule name expression, e.g.
+        ``cupaged::paged_prefill_mma<__half, 128, 16, 32, 64, 2, 128>``); ``None`` when nothing
+        runs (no query tokens). What benchmarks print beside their times."""
+        return None if self._launch is None else self._launch.name
+
+    @property
     def window_left(self) -> int:
         """The sliding window: a query at position ``i`` sees keys from ``i - window_left`` on
         (``-1``: no window)."""
