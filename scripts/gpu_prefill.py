@@ -87,7 +87,7 @@ def normal(xp: Any, shape: tuple[int, ...], dtype: str, seed: int) -> Any:
     if xp is np:
         x = np.random.default_rng(seed).standard_normal(shape, dtype=np.float32)
     else:
-        x = xp.random.default_rng(seed).standard_normal(shape, dtype=np.float32)
+        x = xp.random.RandomState(seed).standard_normal(shape, dtype=np.float32)
     return x.astype(np.float16) if dtype == "float16" else cupaged.from_float(x, dtype)
 
 
@@ -106,6 +106,7 @@ class Problem:
 
 
 def problem(xp: Any, row: Row) -> Problem:
+    """The row's arrays, standard-normal values; block ids shuffled over the batch."""
     length = row.cached + row.new
     per_seq = cdiv(length, row.page)
     num_blocks = row.batch * per_seq
