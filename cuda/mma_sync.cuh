@@ -117,5 +117,18 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], const unsigned (&a)[4],
 
 #endif
 
+// 2^x as the softmax's exponential: ex2.approx.ftz.f32 (one MUFU.EX2; relative error about
+// 2^-22, a result below 2^-126 flushed to 0, 2^-inf = 0, NaN stays NaN), where exp2f adds a
+// range fix-up of three instructions around it. The CPU backend: exp2f.
+__device__ __forceinline__ float exp2_approx(float x) {
+#ifdef CUPAGED_CPU
+  return exp2f(x);
+#else
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+#endif
+}
+
 }  // namespace mma
 }  // namespace cupaged

@@ -94,6 +94,7 @@
 #endif
 
 #include "common.cuh"
+#include "mma_sync.cuh"
 
 namespace cupaged {
 
@@ -1083,6 +1084,649 @@ __global__ void __launch_bounds__(THREADS, kPrefillMmaBlocks)
                       : make_float4(value[c] / l, value[c + 1] / l, value[c + 2] / l,
                                     value[c + 3] / l);
       }
+    }
+  }
+}
+
+// ---- FlashAttention-2 kind: paged_prefill_flash (fp16 / bf16 queries) --------------------------
+// The same attention, query tiles, ring, split-K outputs and NaN/Inf rules as paged_prefill, on
+// mma.sync m16n8k16 with every intermediate in registers (cuda/mma_sync.cuh: the fragment
+// layouts this code relies on). ROWS = 16 x WARPS rows: warp w owns rows 16 w .. 16 w + 15 of
+// the tile (token-major, as paged_prefill); lane l (g = l / 4, c = l % 4) owns rows g and g + 8
+// of them. Per KV tile of TILE tokens (ring with SPLIT_KV: K lands before V):
+//   1. wait for K, __syncthreads, issue the tile STAGES - 1 ahead (common.cuh, KvRing);
+//   2. S = Q K^T: per 16 dims, the warp's Q block by ldmatrix_x4 (q_s, unscaled T) and two key
+//      blocks of 8 by one ldmatrix_x4 of K rows; S is TILE / 8 accumulators of 4 floats per
+//      lane: row g (and g + 8), keys 8 n + 2 c, + 1;
+//   3. the online softmax in those registers, in base 2 (the scale folded into log2 e: one FFMA
+//      and one EX2 per score): the row max and, at the end, the row sum over the 4 lanes of a
+//      row by two shuffles each; only a tile that some row does not wholly see (the causal
+//      diagonal, a window's edge, the range's last partial tile) tests keys against rows;
+//   4. O = alpha O + P V: alpha scales O in registers (its layout is known: row g, g + 8), P's
+//      accumulators become the A operand of P V as they are (16 keys = two S accumulators:
+//      no shared-memory round trip), V's B fragments come from ldmatrix_x4_trans of V rows;
+//      O is HEAD_DIM / 8 accumulators of 4 floats per lane for the whole KV range.
+// A masked weight is 0, and 0 x Inf would be NaN in an MMA that multiplies every row by every key
+// of the tile. In a tile that hides keys from some rows (the causal diagonal, a window's edge),
+// the block checks those keys' V rows for an Inf or NaN first (a block-uniform branch, rare): if
+// one holds any, each lane adds p x v for its own O elements of the non-finite elements of the
+// keys its rows see (p from the lane of the row that holds it, by a shuffle), the elements are
+// zeroed in the stage, and the MMA adds the rest: a key still never reaches a row that does not
+// see it, and reaches those that do as in paged_prefill.
+// At the end each warp writes its O rows, divided by l and rounded to T, to its own rows of q_s,
+// and copies them out 16 bytes a lane (a split writes float pairs straight from registers).
+//
+// Grid and arguments: as paged_prefill. Block: THREADS (ROWS / 16 warps). Dynamic shared memory,
+// in this order: q_s [ROWS, HEAD_DIM + 8] T, kv_s [STAGES, 2 (K, V), TILE, HEAD_DIM + 8] T. Rows
+// are padded by 16 bytes, so the 8 rows of each ldmatrix phase start 4 banks apart
+// (conflict-free), and q_s rows as well.
+// __launch_bounds__(THREADS, 2): two blocks of 4 warps per SM at up to 255 registers (the launch
+// table picks the largest tile whose shared memory lets two blocks fit: 64 keys up to head_dim
+// 128 on sm_90, scripts/kernel-report).
+namespace prefill {
+
+// Two floats rounded to T, as one register (first in the low half): an MMA operand pair.
+__device__ __forceinline__ unsigned pack2(float a, float b, const __half*) {
+  const __half2 h = __floats2half2_rn(a, b);
+  return *reinterpret_cast<const unsigned*>(&h);
+}
+__device__ __forceinline__ unsigned pack2(float a, float b, const __nv_bfloat16*) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+  return *reinterpret_cast<const unsigned*>(&h);
+}
+
+// fp8 caches, converted in registers on the way into the MMA (no shared-memory pass). An
+// ldmatrix matrix of fp8 rows is 8 rows of 16 bytes: 16 elements, not 8, so the lanes receive
+// the elements in another order than a 16-bit stage gives them, and the kernel permutes what it
+// may:
+//   K (S = Q K^T): lane (g, c) gets key g's dims 4c .. 4c + 3 of a 16-dim block, as the two T
+//     pairs B's b[0] and b[1] take for the k slots 2c, 2c + 1 and 2c + 8, 2c + 9. A sum over
+//     the dims may run in any order, so Q is staged with the same permutation (q_s holds Q's
+//     dims 4c, 4c + 1 at slots 2c, 2c + 1 and 4c + 2, 4c + 3 at 2c + 8, 2c + 9): one
+//     ldmatrix_x4 of q_s is then A in that order.
+//   V (O += P V): ldmatrix_x4_trans of 16-bit pairs gives lane (g, c) keys 2c and 2c + 1 of
+//     dims 2g and 2g + 1; two byte permutes make them b[0] of two accumulators, one of the
+//     block's even dims and one of its odd dims. So O's accumulators 2m and 2m + 1 hold block
+//     m's even and odd dims: lane (g, c) holds dims 16m + 4c .. 16m + 4c + 3 of rows g, g + 8
+//     (flash_dim below).
+template <typename T, typename KV, int KEYS, int KV_STRIDE>
+__device__ __forceinline__ void fp8_scores(float (&s)[KEYS][4], const unsigned (&a)[4],
+                                           const KV* k_block, int lane) {
+  const T* tag = nullptr;
+#pragma unroll
+  for (int n = 0; n < KEYS; n += 4) {
+    unsigned r[4];
+    if (n + 4 <= KEYS) {  // keys 8n .. 8n + 31, a lane each
+      mma::ldmatrix_x4(r, k_block + (8 * n + lane) * KV_STRIDE);
+    } else {  // KEYS % 4 == 2: keys 8n .. 8n + 15
+      unsigned two[2];
+      mma::ldmatrix_x2(two, k_block + (8 * n + lane % 16) * KV_STRIDE);
+      r[0] = two[0];
+      r[1] = two[1];
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      if (n + i >= KEYS) break;
+      const unsigned b[2] = {fp8x2_as_pair<KV>(r[i] & 0xffffu, tag),
+                             fp8x2_as_pair<KV>(r[i] >> 16, tag)};
+      mma::mma_16816<T>(s[n + i], a, b);
+    }
+  }
+}
+
+// O += P V for the 16 keys of `keys` (a stage row) and A = P's operand: each 16-dim block of
+// fp8 V rows as its even and odd dims (see above).
+template <typename T, typename KV, int DIMS, int KV_STRIDE>
+__device__ __forceinline__ void fp8_values(float (&o)[DIMS][4], const unsigned (&a)[4],
+                                           const KV* keys, int lane) {
+  constexpr int BLOCKS = DIMS / 2;
+  const T* tag = nullptr;
+  const KV* row = keys + (lane / 8 % 2 * 8 + lane % 8) * KV_STRIDE;
+#pragma unroll
+  for (int m = 0; m < BLOCKS; m += 2) {
+    unsigned r[4];
+    if (m + 2 <= BLOCKS) {  // blocks m and m + 1
+      mma::ldmatrix_x4_trans(r, row + 16 * (m + lane / 16));
+    } else {  // an odd block count: the last one alone
+      unsigned two[2];
+      mma::ldmatrix_x2_trans(two, row + 16 * m);
+      r[0] = two[0];
+      r[1] = two[1];
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      if (m + h >= BLOCKS) break;
+      const unsigned low = r[2 * h];  // keys 0 .. 7 (2c, 2c + 1) of dims 2g, 2g + 1
+      const unsigned high = r[2 * h + 1];  // keys 8 .. 15
+      const unsigned even[2] = {fp8x2_as_pair<KV>(__byte_perm(low, 0u, 0x0020u), tag),
+                                fp8x2_as_pair<KV>(__byte_perm(high, 0u, 0x0020u), tag)};
+      const unsigned odd[2] = {fp8x2_as_pair<KV>(__byte_perm(low, 0u, 0x0031u), tag),
+                               fp8x2_as_pair<KV>(__byte_perm(high, 0u, 0x0031u), tag)};
+      mma::mma_16816<T>(o[2 * (m + h)], a, even);
+      mma::mma_16816<T>(o[2 * (m + h) + 1], a, odd);
+    }
+  }
+}
+
+// The dim of lane c's O element (accumulator f, column 2c + e of its 8).
+template <bool FP8>
+__device__ __forceinline__ int flash_dim(int f, int c, int e) {
+  return FP8 ? 16 * (f / 2) + 4 * c + 2 * e + f % 2 : 8 * f + 2 * c + e;
+}
+
+// Step 3 of paged_prefill_flash: the online softmax of rows g and g + 8 of lane (g, c) over
+// the tile's scores s (KEYS accumulators: keys 8 n + 2 c, + 1), in base 2: the scores become
+// the weights, the running max m (base-2 logits) and this lane's part of the sums l move on, and
+// alpha is each row's rescale factor. Without soft-cap or ALiBi (unit = scale x log2 e) the max
+// is taken over the raw scores and the scale joins in the exponent's one FFMA; with them
+// (unit = 1) each score is transformed first. MASK: test each key against the row (its range,
+// its causal position and window); a tile that hides no key from any row skips it.
+template <bool MASK, int VARIANT, int KEYS>
+__device__ __forceinline__ void flash_softmax(float (&s)[KEYS][4], float (&m)[2], float (&l)[2],
+                                              float (&alpha)[2], const int (&position)[2],
+                                              const float (&slope)[2], int first, int count,
+                                              int causal, int window_left, float soft_cap,
+                                              float scale, float unit, int c) {
+  constexpr bool WINDOW = (VARIANT & kWindow) != 0;
+  constexpr bool RESCORE = (VARIANT & (kSoftCap | kAlibi)) != 0;
+  constexpr float kLog2e = 1.4426950408889634f;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    // Keys [unseen, seen) of the tile are the row's (a padding row has none).
+    const int seen = position[i] < 0 ? 0 : min(count, causal ? position[i] - first + 1 : count);
+    const int unseen = WINDOW ? max(0, position[i] - window_left) - first : 0;
+    float tile_max = neg_inf();
+#pragma unroll
+    for (int n = 0; n < KEYS; ++n) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int key = 8 * n + 2 * c + e;
+        float x = s[n][2 * i + e];
+        if (RESCORE) {
+          x = variant_score<VARIANT>(x * scale, soft_cap, slope[i], first + key - position[i]) *
+              kLog2e;
+        }
+        if (MASK && !(key < seen && (!WINDOW || key >= unseen))) x = neg_inf();
+        tile_max = fmaxf(tile_max, x);
+        s[n][2 * i + e] = x;
+      }
+    }
+    tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
+    tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
+    const float m_new = fmaxf(m[i], tile_max * unit);
+    const float base = m_new == neg_inf() ? 0.0f : m_new;  // as in paged_prefill
+    float sum = 0.0f;
+#pragma unroll
+    for (int n = 0; n < KEYS; ++n) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float x = s[n][2 * i + e];
+        float p = mma::exp2_approx(fmaf(x, unit, -base));  // a NaN score stays NaN
+        if (MASK && x == neg_inf()) p = 0.0f;  // masked (-inf x a zero scale is NaN)
+        s[n][2 * i + e] = p;
+        sum += p;
+      }
+    }
+    alpha[i] = mma::exp2_approx(m[i] - base);  // 0 while m = -inf
+    l[i] = l[i] * alpha[i] + sum;
+    m[i] = m_new;
+  }
+}
+
+// Whether any of the 16 fp8 elements of a 16-byte part is a NaN (e4m3: S.1111.111) or an Inf
+// or NaN (e5m2: exponent bits all ones).
+template <typename KV>
+__device__ __forceinline__ int any_nonfinite_fp8(uint4 v) {
+  const unsigned mask = IsFp8<KV>::kFormat == __NV_E4M3 ? 0x7f7f7f7fu : 0x7c7c7c7cu;
+  const unsigned words[4] = {v.x, v.y, v.z, v.w};
+  int found = 0;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const unsigned x = words[i] & mask;
+#pragma unroll
+    for (int b = 0; b < 4; ++b) found |= (x >> (8 * b) & 0xffu) == (mask & 0xffu);
+  }
+  return found;
+}
+
+}  // namespace prefill
+
+template <typename T, int HEAD_DIM, int BLOCK_SIZE, int TILE, int ROWS, int STAGES, int THREADS,
+          int VARIANT = 0, typename KV = T>
+__global__ void __launch_bounds__(THREADS, 2)
+    paged_prefill_flash(T* __restrict__ out,                     // [total_query_tokens, num_q_heads, HEAD_DIM]
+                        float* __restrict__ partial_out,         // [total_query_tokens, num_q_heads, num_splits, HEAD_DIM]
+                        float* __restrict__ partial_lse,         // [total_query_tokens, num_q_heads, num_splits]
+                        const T* __restrict__ q,                 // [total_query_tokens, num_q_heads, HEAD_DIM]
+                        const KV* __restrict__ k_cache,          // [num_blocks, num_kv_heads, BLOCK_SIZE, HEAD_DIM]
+                        const KV* __restrict__ v_cache,          // [num_blocks, num_kv_heads, BLOCK_SIZE, HEAD_DIM]
+                        const int* __restrict__ block_tables,    // [num_seqs, max_blocks]
+                        const int* __restrict__ context_lens,    // [num_seqs]
+                        const int* __restrict__ query_start_loc,  // [num_seqs + 1]
+                        int num_kv_heads, int group_size, int heads_per_block, int max_blocks,
+                        int num_seqs, int query_rows, int causal, int partition_tokens,
+                        int num_splits, float scale, float k_scale, float v_scale,
+                        const float* __restrict__ k_scales,      // [num_kv_heads] or [1], for fp8
+                        const float* __restrict__ v_scales,      // [num_kv_heads] or [1], for fp8
+                        int k_scale_stride, int v_scale_stride, int window_left, float soft_cap,
+                        const float* __restrict__ alibi_slopes,  // [num_q_heads], with kAlibi
+                        const float* __restrict__ sinks) {       // [num_q_heads], with kSinks
+  constexpr bool WINDOW = (VARIANT & kWindow) != 0;
+  constexpr bool ALIBI = (VARIANT & kAlibi) != 0;
+  constexpr bool SINKS = (VARIANT & kSinks) != 0;  // only without split-K (the merge's otherwise)
+  constexpr bool RESCORE = (VARIANT & (kSoftCap | kAlibi)) != 0;
+  constexpr int STRIDE = HEAD_DIM + 8;  // q_s and stage rows (T), padded by 16 bytes
+  constexpr int WARPS = THREADS / 32;
+  constexpr int KEYS = TILE / 8;    // S accumulators per lane (8 keys each)
+  constexpr int DIMS = HEAD_DIM / 8;  // O accumulators per lane (8 dims each)
+  constexpr float kLog2e = 1.4426950408889634f;
+  constexpr float kLn2 = 0.6931471805599453f;
+  constexpr bool FP8 = IsFp8<KV>::value;
+  constexpr int KV_STRIDE = HEAD_DIM + 16 / sizeof(KV);  // stage rows (KV), padded by 16 bytes
+  using Ring = KvRing<KV, HEAD_DIM, BLOCK_SIZE, TILE, STAGES, THREADS, true, false, KV_STRIDE,
+                      2 * TILE * KV_STRIDE>;
+  static_assert(sizeof(T) == 2 && (FP8 || sizeof(KV) == sizeof(T)),
+                "16-bit queries over their own cache or fp8");
+  static_assert(ROWS == 16 * WARPS && THREADS % 32 == 0, "one 16-row MMA tile per warp");
+  static_assert(TILE % 16 == 0 && HEAD_DIM % 16 == 0, "whole 16 x 16 operand blocks");
+  static_assert(STAGES >= 2, "a ring of at least two stages");
+
+  const int split = blockIdx.x % num_splits;
+  const int head_chunks = ceil_div(group_size, heads_per_block);
+  const int chunk = blockIdx.x / num_splits % head_chunks;
+  const int unit = blockIdx.x / num_splits / head_chunks;
+  const int kv_head = blockIdx.y;
+  if (unit >= ceil_div(query_start_loc[num_seqs], query_rows) + num_seqs) return;
+  const prefill::QueryTile tile = prefill::query_tile(query_start_loc, num_seqs, query_rows, unit);
+  const int seq = tile.seq;
+  const int tile_begin = tile.begin;
+  const int tile_end = tile.end;
+  if (tile_begin >= tile_end) return;  // uniform
+  const int q_begin = query_start_loc[seq];
+  const int num_queries = query_start_loc[seq + 1] - q_begin;
+  const int first_query = tile_begin - q_begin;
+  const int rows_here = tile_end - tile_begin;
+  const int heads = heads_per_block;
+  const int heads_here = min(heads, group_size - chunk * heads);
+  const int first_head = kv_head * group_size + chunk * heads;
+  const int num_q_heads = num_kv_heads * group_size;
+  const int context = context_lens[seq];
+  const int past = context - num_queries;
+  const int first_position = past + first_query;
+  const int last_position = first_position + rows_here - 1;
+  const int end = causal ? last_position + 1 : context;
+  const int range_begin = WINDOW ? max(0, first_position - window_left) : 0;  // as paged_prefill
+  const int kv_begin = range_begin + split * partition_tokens;
+  const int kv_end = split == num_splits - 1 ? end : min(end, kv_begin + partition_tokens);
+  if (kv_begin >= kv_end) return;  // uniform
+
+  const int tid = threadIdx.x;
+  const int warp = tid / 32;
+  const int lane = tid % 32;
+  const int g = lane / 4;
+  const int c = lane % 4;
+
+#ifdef CUPAGED_CPU
+  CUPAGED_DYNAMIC_SHARED(unsigned char, smem);  // the CPU backend's buffer is 128-byte aligned
+#else
+  extern __shared__ __align__(128) unsigned char smem[];
+#endif
+  T* q_s = reinterpret_cast<T*>(smem);
+  KV* kv_s = reinterpret_cast<KV*>(q_s + ROWS * STRIDE);
+
+  Ring ring(kv_s, kv_s + TILE * KV_STRIDE, k_cache, v_cache,
+            block_tables + static_cast<long long>(seq) * max_blocks, num_kv_heads, kv_head,
+            kv_begin, kv_end, tid);
+  ring.start();
+  const int num_tiles = ceil_div(kv_end - kv_begin, TILE);
+  // fp8: K's scale joins the softmax scale (applied to each float32 score once).
+  if constexpr (FP8) scale *= head_scale(k_scale, k_scales, k_scale_stride, kv_head);
+
+  // Queries as T, unscaled (negated for a negative scale, which is exact: the scores' max is
+  // then the scaled scores' max), 16 bytes a thread; padding rows zero (never used).
+  const unsigned sign = scale < 0.0f ? 0x80008000u : 0u;
+  scale = fabsf(scale);
+  constexpr int PARTS = HEAD_DIM / 8;
+  const long long first_row = static_cast<long long>(q_begin) + first_query;
+  const bool vector_q = (reinterpret_cast<unsigned long long>(q) & 15u) == 0;
+  for (int i = tid; i < ROWS * PARTS; i += THREADS) {
+    const int r = i / PARTS;
+    const int token = r / heads;
+    const int h = r % heads;
+    T* dst = q_s + r * STRIDE + i % PARTS * 8;
+    if (token >= rows_here || h >= heads_here) {
+      *reinterpret_cast<uint4*>(dst) = make_uint4(0u, 0u, 0u, 0u);
+      continue;
+    }
+    const T* src = q + ((first_row + token) * num_q_heads + first_head + h) * HEAD_DIM + i % PARTS * 8;
+    unsigned pairs[4];  // the part's 8 elements, two a word
+    if (vector_q) {
+      const uint4 v = *reinterpret_cast<const uint4*>(src);
+      pairs[0] = v.x;
+      pairs[1] = v.y;
+      pairs[2] = v.z;
+      pairs[3] = v.w;
+    } else {
+#pragma unroll
+      for (int p = 0; p < 4; ++p) {
+        pairs[p] = static_cast<unsigned>(reinterpret_cast<const unsigned short*>(src)[2 * p]) |
+                   static_cast<unsigned>(reinterpret_cast<const unsigned short*>(src)[2 * p + 1])
+                       << 16;
+      }
+    }
+    if (FP8) {  // pair p of a 16-dim block to pair slot p / 2 (p even) or 4 + p / 2 (see below)
+      const int pair0 = i % PARTS % 2 * 4;  // this part's first pair in its block
+      unsigned* block = reinterpret_cast<unsigned*>(q_s + r * STRIDE + i % PARTS / 2 * 16);
+#pragma unroll
+      for (int p = 0; p < 4; ++p) block[(pair0 + p) % 2 * 4 + (pair0 + p) / 2] = pairs[p] ^ sign;
+    } else {
+      *reinterpret_cast<uint4*>(dst) =
+          make_uint4(pairs[0] ^ sign, pairs[1] ^ sign, pairs[2] ^ sign, pairs[3] ^ sign);
+    }
+  }
+
+  // Rows of the tile: row r is query token r / heads, head r % heads; its position, or -1.
+  auto row_position = [&](int r) {
+    return r / heads < rows_here && r % heads < heads_here ? first_position + r / heads : -1;
+  };
+  const int live_rows = (rows_here - 1) * heads + heads_here;
+  const bool warp_live = 16 * warp < live_rows;  // the same for the whole warp
+  const T* q_w = q_s + 16 * warp * STRIDE;
+  int position[2];
+  float slope[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int r = 16 * warp + g + 8 * i;
+    position[i] = row_position(r);
+    slope[i] = ALIBI && position[i] >= 0 ? alibi_slopes[first_head + r % heads] : 0.0f;
+  }
+  // Running max (base 2, scaled) and this lane's part of the row sums, of rows g and g + 8.
+  float m[2] = {neg_inf(), neg_inf()};
+  float l[2] = {0.0f, 0.0f};
+  float o[DIMS][4];
+#pragma unroll
+  for (int f = 0; f < DIMS; ++f) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) o[f][e] = 0.0f;
+  }
+  const float scale_log2 = scale * kLog2e;
+
+  for (int t = 0; t < num_tiles; ++t) {
+    const int first = kv_begin + t * TILE;
+    const int count = min(TILE, kv_end - first);
+    Ring::wait_k();
+    __syncthreads();
+    ring.refill(t);
+    const KV* k_tile = ring.k_row(t, 0);
+    KV* v_tile = ring.v_row(t, 0);
+
+    // Keys [0, opened) and [after, count) of the tile are hidden from some row: before the last
+    // row's window, past the first row's position (causal). A tile without such keys, and whole,
+    // is seen by every row alike: no key is tested against a row.
+    const int hidden = causal ? max(0, min(count, first_position + 1 - first)) : count;
+    const int opened = WINDOW ? max(0, min(count, last_position - window_left - first)) : 0;
+    const int after = max(opened, hidden);
+    const int masked = opened + count - after;
+    const bool plain = masked == 0 && count == TILE;
+
+    float s[KEYS][4];
+    if (warp_live) {
+      // Step 2: S = Q K^T.
+#pragma unroll
+      for (int n = 0; n < KEYS; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[n][e] = 0.0f;
+      }
+#pragma unroll
+      for (int k = 0; k < HEAD_DIM / 16; ++k) {
+        unsigned a[4];
+        mma::ldmatrix_x4(a, q_w + lane % 16 * STRIDE + 16 * k + lane / 16 * 8);
+        if constexpr (FP8) {
+          prefill::fp8_scores<T, KV, KEYS, KV_STRIDE>(s, a, k_tile + 16 * k, lane);
+          continue;
+        }
+#pragma unroll
+        for (int n = 0; n < KEYS; n += 2) {
+          unsigned b[4];
+          mma::ldmatrix_x4(b, k_tile + (8 * n + lane / 16 * 8 + lane % 8) * KV_STRIDE + 16 * k +
+                                  lane / 8 % 2 * 8);
+          const unsigned b0[2] = {b[0], b[1]};
+          const unsigned b1[2] = {b[2], b[3]};
+          mma::mma_16816<T>(s[n], a, b0);
+          mma::mma_16816<T>(s[n + 1], a, b1);
+        }
+      }
+
+      // Step 3: the online softmax of rows g and g + 8, in base 2 (prefill::flash_softmax; the
+      // scale is positive: a negative one negated q), keys tested against the rows only in a
+      // tile that hides some key from some row.
+      const float unit = RESCORE ? 1.0f : scale_log2;  // base-2 logits per stored score
+      float alpha[2];
+      if (plain) {
+        prefill::flash_softmax<false, VARIANT>(s, m, l, alpha, position, slope, first, count,
+                                               causal, window_left, soft_cap, scale, unit, c);
+      } else {
+        prefill::flash_softmax<true, VARIANT>(s, m, l, alpha, position, slope, first, count,
+                                              causal, window_left, soft_cap, scale, unit, c);
+      }
+      // O's rows rescaled, unless no row of the warp has a new max (alpha 1: most tiles of a
+      // long range; a NaN alpha is not 1).
+      if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
+#pragma unroll
+        for (int f = 0; f < DIMS; ++f) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) o[f][e] *= alpha[e / 2];
+        }
+      }
+    }
+
+    Ring::wait_v();
+    __syncthreads();  // V of the tile is whole
+
+    // The rare path (see the header): non-finite V elements of keys hidden from some row.
+    bool special = false;
+    if (masked > 0) {  // uniform
+      constexpr int VPARTS = HEAD_DIM * sizeof(KV) / 16;  // 16-byte parts of a V row
+      int found = 0;
+      for (int i = tid; i < masked * VPARTS; i += THREADS) {
+        const int j = i / VPARTS < opened ? i / VPARTS : after + i / VPARTS - opened;
+        const uint4 v = *reinterpret_cast<const uint4*>(v_tile + j * KV_STRIDE +
+                                                        i % VPARTS * (16 / sizeof(KV)));
+        if constexpr (FP8) {
+          found |= prefill::any_nonfinite_fp8<KV>(v);
+        } else {
+          found |= prefill::any_nonfinite(v, static_cast<const T*>(nullptr));
+        }
+      }
+      special = __syncthreads_or(found) != 0;
+    }
+    if (special) {  // block-uniform
+      // p x v for this lane's O elements of key j's non-finite V elements, for the rows (of
+      // g, g + 8) that see the key; p[r] is the row's weight of the key.
+      auto add_key = [&](int j, const float (&p)[2]) {
+        const int key = first + j;
+        bool sees[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          sees[r] = position[r] >= 0 && (!causal || key <= position[r]) &&
+                    (!WINDOW || key >= position[r] - window_left);
+        }
+#pragma unroll
+        for (int f = 0; f < DIMS; ++f) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float v = to_float(v_tile[j * KV_STRIDE + prefill::flash_dim<FP8>(f, c, e)]);
+            if (v - v == 0.0f) continue;  // finite: the MMA's
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+              if (sees[r]) o[f][2 * r + e] += p[r] * v;
+            }
+          }
+        }
+      };
+      // Key j = 8 n + jj is held, in S accumulator n, by the lane of column jj / 2 of each row's
+      // quad. Up to head_dim 128, n is static (an unrolled loop): a run-time index would move S
+      // to local memory. Above it, where O takes 128 registers and that loop's code spills, S
+      // is indexed at run time in this rare path alone (a 64-byte stack frame, no spill).
+      if (warp_live) {
+        if constexpr (HEAD_DIM <= 128) {
+#pragma unroll
+          for (int n = 0; n < KEYS; ++n) {
+            if (8 * n >= opened && 8 * n + 8 <= after) continue;  // no key hidden from any row
+#pragma unroll 1
+            for (int jj = 0; jj < 8; ++jj) {
+              const int j = 8 * n + jj;
+              if ((j >= opened && j < after) || j >= count) continue;
+              float p[2];
+#pragma unroll
+              for (int r = 0; r < 2; ++r) {
+                p[r] = __shfl_sync(0xffffffffu, jj % 2 ? s[n][2 * r + 1] : s[n][2 * r],
+                                   (lane & ~3) | jj / 2);
+              }
+              add_key(j, p);
+            }
+          }
+        } else {
+#pragma unroll 1
+          for (int i = 0; i < masked; ++i) {
+            const int j = i < opened ? i : after + i - opened;
+            float mine[2] = {0.0f, 0.0f};  // this lane's weights of key j, if it holds them
+#pragma unroll
+            for (int n = 0; n < KEYS; ++n) {
+              if (n == j / 8) {
+                mine[0] = j % 2 ? s[n][1] : s[n][0];
+                mine[1] = j % 2 ? s[n][3] : s[n][2];
+              }
+            }
+            float p[2];
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+              p[r] = __shfl_sync(0xffffffffu, mine[r], (lane & ~3) | (j % 8 / 2));
+            }
+            add_key(j, p);
+          }
+        }
+      }
+      __syncthreads();  // every lane has read the stage's V
+      for (int i = tid; i < masked * HEAD_DIM; i += THREADS) {
+        const int j = i / HEAD_DIM < opened ? i / HEAD_DIM : after + i / HEAD_DIM - opened;
+        KV* x = v_tile + j * KV_STRIDE + i % HEAD_DIM;
+        const float v = to_float(*x);
+        if (v - v != 0.0f) *x = from_float<KV>(0.0f);
+      }
+      __syncthreads();
+    }
+
+    if (warp_live) {
+      // Step 4: O += P V (O was rescaled in step 3), 16 keys at a time.
+#pragma unroll
+      for (int kk = 0; kk < TILE / 16; ++kk) {
+        const unsigned a[4] = {prefill::pack2(s[2 * kk][0], s[2 * kk][1], q_w),
+                               prefill::pack2(s[2 * kk][2], s[2 * kk][3], q_w),
+                               prefill::pack2(s[2 * kk + 1][0], s[2 * kk + 1][1], q_w),
+                               prefill::pack2(s[2 * kk + 1][2], s[2 * kk + 1][3], q_w)};
+        if constexpr (FP8) {
+          prefill::fp8_values<T, KV, DIMS, KV_STRIDE>(o, a, v_tile + 16 * kk * KV_STRIDE, lane);
+          continue;
+        }
+#pragma unroll
+        for (int f = 0; f < DIMS; f += 2) {
+          unsigned b[4];
+          mma::ldmatrix_x4_trans(b, v_tile + (16 * kk + lane / 8 % 2 * 8 + lane % 8) * KV_STRIDE +
+                                        8 * f + lane / 16 * 8);
+          const unsigned b0[2] = {b[0], b[1]};
+          const unsigned b1[2] = {b[2], b[3]};
+          mma::mma_16816<T>(o[f], a, b0);
+          mma::mma_16816<T>(o[f + 1], a, b1);
+        }
+      }
+    }
+  }
+  __pipeline_wait_prior(0);
+  if (!warp_live) return;  // no barrier follows
+
+  // The rows' sums over their 4 lanes; the log-sum-exp and the sink in natural units.
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
+    l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
+    const float m_nat = m[i] == neg_inf() ? neg_inf() : m[i] * kLn2;
+    if (num_splits > 1 && c == 0 && position[i] >= 0) {
+      const long long row = (first_row + (16 * warp + g + 8 * i) / heads) * num_q_heads +
+                            first_head + (16 * warp + g + 8 * i) % heads;
+      const float base = m_nat == neg_inf() ? 0.0f : m_nat;
+      partial_lse[row * num_splits + split] = base + logf(l[i]);  // -inf when l = 0
+    }
+    if (SINKS && num_splits == 1 && position[i] >= 0) {
+      l[i] = sink_denominator(m_nat, l[i], sinks[first_head + (16 * warp + g + 8 * i) % heads]);
+    }
+    // fp8: V's scale joins the row's denominator, once per row, before any merge.
+    if constexpr (FP8) l[i] /= head_scale(v_scale, v_scales, v_scale_stride, kv_head);
+  }
+
+  if (num_splits > 1) {
+    // l = 0: the row saw no token of this split; its merge weight is 0 (see paged_prefill).
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      if (position[i] < 0) continue;
+      const int r = 16 * warp + g + 8 * i;
+      const long long row = (first_row + r / heads) * num_q_heads + first_head + r % heads;
+      float* dst = partial_out + (row * num_splits + split) * HEAD_DIM;
+      const float inverse = l[i] == 0.0f ? 0.0f : 1.0f / l[i];
+#pragma unroll
+      for (int f = 0; f < DIMS; f += 2) {
+        const float* x = o[f] + 2 * i;
+        const float* y = o[f + 1] + 2 * i;
+        if (FP8) {  // dims 16 (f / 2) + 4c .. + 3: even, odd, even, odd
+          *reinterpret_cast<float4*>(dst + 8 * f + 4 * c) =
+              make_float4(x[0] * inverse, y[0] * inverse, x[1] * inverse, y[1] * inverse);
+        } else {
+          *reinterpret_cast<float2*>(dst + 8 * f + 2 * c) =
+              make_float2(x[0] * inverse, x[1] * inverse);
+          *reinterpret_cast<float2*>(dst + 8 * f + 8 + 2 * c) =
+              make_float2(y[0] * inverse, y[1] * inverse);
+        }
+      }
+    }
+    return;
+  }
+  // acc / l (NaN when a NaN reached l, or l = 0: every score -inf), as T, through the warp's own
+  // rows of q_s (only this warp reads them), then 16 bytes a lane.
+  // (x / l as x * (1 / l): l = 0 makes 0 * Inf = NaN and a nonzero x Inf, as the division.)
+  T* o_w = q_s + 16 * warp * STRIDE;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const float inverse = 1.0f / l[i];
+    T* o_row = o_w + (g + 8 * i) * STRIDE;
+#pragma unroll
+    for (int f = 0; f < DIMS; f += 2) {
+      const float* x = o[f] + 2 * i;
+      const float* y = o[f + 1] + 2 * i;
+      if (FP8) {  // dims 16 (f / 2) + 4c .. + 3: even, odd, even, odd
+        *reinterpret_cast<uint2*>(o_row + 8 * f + 4 * c) =
+            make_uint2(prefill::pack2(x[0] * inverse, y[0] * inverse, o_w),
+                       prefill::pack2(x[1] * inverse, y[1] * inverse, o_w));
+      } else {
+        *reinterpret_cast<unsigned*>(o_row + 8 * f + 2 * c) =
+            prefill::pack2(x[0] * inverse, x[1] * inverse, o_w);
+        *reinterpret_cast<unsigned*>(o_row + 8 * f + 8 + 2 * c) =
+            prefill::pack2(y[0] * inverse, y[1] * inverse, o_w);
+      }
+    }
+  }
+  __syncwarp();
+  const bool vector_out = (reinterpret_cast<unsigned long long>(out) & 15u) == 0;
+  for (int i = lane; i < 16 * PARTS; i += 32) {
+    const int r = 16 * warp + i / PARTS;
+    if (row_position(r) < 0) continue;
+    const long long row = (first_row + r / heads) * num_q_heads + first_head + r % heads;
+    const T* src = o_w + i / PARTS * STRIDE + i % PARTS * 8;
+    T* dst = out + row * HEAD_DIM + i % PARTS * 8;
+    if (vector_out) {
+      *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+    } else {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) dst[e] = src[e];
     }
   }
 }

@@ -335,7 +335,8 @@ class CascadeSharedArgs(NamedTuple):
 
 
 class PrefillArgs(NamedTuple):
-    """``paged_prefill`` and ``paged_prefill_mma`` (cuda/paged_prefill.cu; one interface)."""
+    """``paged_prefill``, ``paged_prefill_mma`` and ``paged_prefill_flash`` (cuda/paged_prefill.cu;
+    one interface)."""
 
     out: Array  # [total_query_tokens, num_q_heads, head_dim]: per layer
     partial_out: Array  # [total_query_tokens, num_q_heads, num_splits, head_dim] float32
@@ -406,6 +407,7 @@ KERNEL_ARGS: dict[tuple[str, str], type] = {
     ("cascade.cu", "cascade_shared_cores"): CascadeSharedArgs,
     ("paged_prefill.cu", "paged_prefill"): PrefillArgs,
     ("paged_prefill.cu", "paged_prefill_mma"): PrefillArgs,
+    ("paged_prefill.cu", "paged_prefill_flash"): PrefillArgs,
     ("paged_prefill.cu", "paged_prefill_merge"): PrefillMergeArgs,
 }
 

@@ -1,5 +1,6 @@
 """Prefill's launches: the tile, rows, shared memory, split-K plan and instantiation names of
-``paged_prefill`` / ``paged_prefill_mma`` and their merge (cuda/paged_prefill.cu).
+``paged_prefill_flash`` / ``paged_prefill_mma`` / ``paged_prefill`` and their merge
+(cuda/paged_prefill.cu).
 
 The shape check, the queries' element type, CUDA's grid limits and the name-expression rule are
 decode's module's (``launch_decode``), which every attention launch starts from; what the table
@@ -20,6 +21,7 @@ from .launch_decode import (
     MAX_GRID_X,
     MAX_GRID_YZ,
     MIN_SPLIT_TOKENS,
+    check_block_elements,
     check_decode_shape,
     instantiation,
     query_dtype,
@@ -48,6 +50,19 @@ PREFILL_MERGE_THREADS = 128
 PREFILL_MMA_DTYPES = ("float16", "bfloat16")
 PREFILL_MMA_MAX_HEAD_DIM = 128
 PREFILL_MMA_ROWS = 64
+# The FlashAttention-2 kind of kernel (paged_prefill_flash: mma.sync m16n8k16 and ldmatrix, the
+# softmax in registers) for 16-bit queries over their own cache from sm_80 (where m16n8k16 exists
+# for fp16 and bf16; fp8 caches converted in registers), every head_dim: PREFILL_FLASH_ROWS rows per thread block (16 per warp), and
+# the largest of PREFILL_FLASH_TILES keys per tile whose shared memory (queries and a ring of two
+# K/V stages) lets PREFILL_FLASH_BLOCKS blocks share a multiprocessor (its __launch_bounds__).
+PREFILL_FLASH_DTYPES = ("float16", "bfloat16")
+PREFILL_FLASH_MIN_ARCH = 80
+PREFILL_FLASH_ROWS = 64
+PREFILL_FLASH_TILES = (64, 32, 16)
+PREFILL_FLASH_BLOCKS = 2
+# A forced split-K count (tests) cuts paged_prefill_flash's ranges into multiples of this many
+# keys, not of its tile (prefill_partition).
+FLASH_SPLIT_GRANULE = 16
 # Split-K aims for this many thread blocks per multiprocessor: as many as fit one (4, the launch
 # bounds of cuda/paged_prefill.cu up to head_dim 192, kPrefillBlocks; tests/kernels/test_kernel_args.py
 # reads it there), since a block of 4 warps alone leaves an SM's issue slots idle while its loads
@@ -61,8 +76,9 @@ class PrefillLaunch:
     """How :func:`cupaged.paged_prefill` runs for one batch shape.
 
     Attributes:
-        name: ``paged_prefill`` or ``paged_prefill_mma`` (tensor cores: fp16/bf16 up to
-            head_dim 128) instantiation (a RawModule name expression).
+        name: ``paged_prefill_flash`` (mma.sync: fp16/bf16 from sm_80), ``paged_prefill_mma``
+            (WMMA: fp8 caches under 16-bit queries, sm_75) or ``paged_prefill`` (CUDA cores)
+            instantiation (a RawModule name expression).
         merge_name: ``paged_prefill_merge`` instantiation, used when ``num_splits > 1``.
         grid: ``(units * head_chunks * num_splits, num_kv_heads, 1)``, ``units`` the runs of
             ``query_rows`` packed rows plus one per sequence (each sequence's tiles start at its
@@ -107,14 +123,49 @@ def prefill_tile(dtype: str, head_dim: int) -> int:
     return tile
 
 
+def flash_tile(head_dim: int, target: Target = NOMINAL_TARGET, dtype: str = "float16") -> int:
+    """Keys per tile of ``paged_prefill_flash``: the largest of ``PREFILL_FLASH_TILES`` whose
+    shared memory lets ``PREFILL_FLASH_BLOCKS`` blocks share a multiprocessor (whose shared
+    memory is what one block may opt into plus the 1 KiB the system reserves per block), or the
+    smallest."""
+    for tile in PREFILL_FLASH_TILES:
+        need = PREFILL_FLASH_BLOCKS * (_flash_shared_memory(dtype, head_dim, tile) + 1024)
+        if need <= target.shared_memory + 1024:
+            return tile
+    return PREFILL_FLASH_TILES[-1]
+
+
+def _flash_shared_memory(dtype: str, head_dim: int, tile: int) -> int:
+    """q_s (16-bit) and the ring (the cache's type) of ``paged_prefill_flash``, rows padded by 16
+    bytes."""
+    stage_row = head_dim * itemsize(dtype) + 16
+    return PREFILL_FLASH_ROWS * 2 * (head_dim + 8) + PREFILL_STAGES * 2 * tile * stage_row
+
+
+def uses_prefill_flash(
+    dtype: str, head_dim: int, target: Target = NOMINAL_TARGET, *, q_dtype: str | None = None
+) -> bool:
+    """Whether ``paged_prefill`` runs on ``paged_prefill_flash`` for this shape and GPU: fp16 or
+    bf16 queries over a cache of their own type or fp8 (converted in registers), from sm_80,
+    where its shared memory fits."""
+    q = query_dtype(dtype, q_dtype)
+    own_or_fp8 = dtype == q or is_fp8(dtype)
+    if q not in PREFILL_FLASH_DTYPES or not own_or_fp8 or target.arch < PREFILL_FLASH_MIN_ARCH:
+        return False
+    tile = flash_tile(head_dim, target, dtype)
+    return target.fits(_flash_shared_memory(dtype, head_dim, tile))
+
+
 def uses_prefill_mma(
     dtype: str, head_dim: int, target: Target = NOMINAL_TARGET, *, q_dtype: str | None = None
 ) -> bool:
-    """Whether ``paged_prefill`` runs on tensor cores (``paged_prefill_mma``) for this shape and
-    GPU: fp16/bf16 queries (over their own cache or fp8, converted to theirs in shared memory)
-    up to head_dim 128 where the target has WMMA for the queries' dtype (bf16 from sm_80) and
-    grants the kernel's shared memory (a T4's 64 KB hold it up to head_dim 96); elsewhere the
-    CUDA-core kernel (float32 queries over fp8 too)."""
+    """Whether ``paged_prefill`` runs on WMMA (``paged_prefill_mma``) for this shape and GPU:
+    fp16/bf16 queries (over their own cache or fp8, converted to theirs in shared memory) up to
+    head_dim 128 where ``paged_prefill_flash`` does not run, the target has WMMA for the queries'
+    dtype (bf16 from sm_80) and grants the kernel's shared memory (a T4's 64 KB hold it up to
+    head_dim 96); elsewhere the CUDA-core kernel (float32 queries over fp8 too)."""
+    if uses_prefill_flash(dtype, head_dim, target, q_dtype=q_dtype):
+        return False
     q = query_dtype(dtype, q_dtype)
     if not (
         q in PREFILL_MMA_DTYPES and head_dim <= PREFILL_MMA_MAX_HEAD_DIM and target.has_wmma(q)
@@ -128,6 +179,8 @@ def prefill_rows(
     dtype: str, head_dim: int, target: Target = NOMINAL_TARGET, *, q_dtype: str | None = None
 ) -> int:
     """Rows (query tokens x query heads) of one prefill thread block."""
+    if uses_prefill_flash(dtype, head_dim, target, q_dtype=q_dtype):
+        return PREFILL_FLASH_ROWS
     mma = uses_prefill_mma(dtype, head_dim, target, q_dtype=q_dtype)
     return PREFILL_MMA_ROWS if mma else PREFILL_ROWS
 
@@ -141,6 +194,8 @@ def prefill_shared_memory(
     q_dtype: str | None = None,
 ) -> int:
     """Bytes of dynamic shared memory of ``paged_prefill`` (layout: see cuda/paged_prefill.cu)."""
+    if uses_prefill_flash(dtype, head_dim, target, q_dtype=q_dtype):
+        return _flash_shared_memory(dtype, head_dim, tile)
     mma = uses_prefill_mma(dtype, head_dim, target, q_dtype=q_dtype)
     return _prefill_shared_memory(mma, dtype, head_dim, tile)
 
@@ -165,7 +220,13 @@ def _prefill_shared_memory(mma: bool, dtype: str, head_dim: int, tile: int) -> i
 
 
 def prefill_partition(
-    units: int, kv_tokens: int, max_end: int, tile: int, sm_count: int, splits: int | None
+    units: int,
+    kv_tokens: int,
+    max_end: int,
+    tile: int,
+    sm_count: int,
+    splits: int | None,
+    forced_granule: int | None = None,
 ) -> int:
     """Tokens per split of one query tile's KV range; ``max_end`` or more means no split.
 
@@ -174,13 +235,17 @@ def prefill_partition(
     KV tokens spread over ``PREFILL_SPLIT_BLOCKS_PER_SM`` blocks per multiprocessor, and no split
     is shorter than ``MIN_SPLIT_TOKENS`` (a split's fixed cost: its queries, its partial rows and
     their merge).
-    ``splits`` forces a count (tests): the longest range is cut into about that many pieces.
+    ``splits`` forces a count (tests): the longest range is cut into about that many pieces,
+    each a multiple of ``forced_granule`` tokens (the tile when ``None``): paged_prefill_flash
+    takes any multiple of 16 (a split may end inside one of its 64-key tiles, as a range's last
+    tile does), so that a forced split cuts short ranges too.
     """
     longest = max(max_end, 1)
     if splits is not None:
         if splits < 1:
             raise ValueError(f"expected num_splits >= 1, got {splits}")
-        per_split = cdiv(longest, splits)
+        granule = forced_granule or tile
+        return cdiv(cdiv(longest, splits), granule) * granule
     elif units >= sm_count or longest <= MIN_SPLIT_TOKENS:
         return cdiv(longest, tile) * tile
     else:
@@ -240,9 +305,21 @@ def prefill_launch(
     for what, value in (("num_kv_heads", num_kv_heads), ("num_q_heads", num_q_heads)):
         if not 1 <= value <= MAX_GRID_YZ:
             raise ValueError(f"expected {what} in 1..{MAX_GRID_YZ} (one launch), got {value}")
-    tile = prefill_tile(dtype, head_dim)
+    flash = uses_prefill_flash(dtype, head_dim, target, q_dtype=q_dtype)
     mma = uses_prefill_mma(dtype, head_dim, target, q_dtype=q_dtype)
-    rows_per_block = PREFILL_MMA_ROWS if mma else PREFILL_ROWS
+    if flash:  # its ring's cache offsets are 32-bit per block (common.cuh, KvRing SPLIT_KV)
+        check_block_elements(num_kv_heads, block_size, head_dim)
+        tile, rows_per_block, kind = (
+            flash_tile(head_dim, target, dtype),
+            PREFILL_FLASH_ROWS,
+            "flash",
+        )
+        shared_mem = _flash_shared_memory(dtype, head_dim, tile)
+    else:
+        tile = prefill_tile(dtype, head_dim)
+        rows_per_block = PREFILL_MMA_ROWS if mma else PREFILL_ROWS
+        kind = "mma" if mma else ""
+        shared_mem = _prefill_shared_memory(mma, dtype, head_dim, tile)
     heads = min(group, PREFILL_ROWS)
     chunks = cdiv(group, heads)
     query_rows = max(1, rows_per_block // heads)
@@ -255,7 +332,13 @@ def prefill_launch(
         work = prefill_work(query_start_loc, context_lens, query_rows, causal, window_left)
         units = work.query_tiles * num_kv_heads * chunks
         partition = prefill_partition(
-            units, work.kv_tokens * num_kv_heads * chunks, work.max_end, tile, sm_count, splits
+            units,
+            work.kv_tokens * num_kv_heads * chunks,
+            work.max_end,
+            tile,
+            sm_count,
+            splits,
+            FLASH_SPLIT_GRANULE if flash else None,
         )
         num_splits = max(1, cdiv(work.max_end, partition))
         if num_splits == 1:
@@ -267,7 +350,7 @@ def prefill_launch(
         )
     c_type = C_TYPES[q_dtype]
     kernel = (
-        f"cupaged::{'paged_prefill_mma' if mma else 'paged_prefill'}<{c_type}, {head_dim}, "
+        f"cupaged::paged_prefill{'_' + kind if kind else ''}<{c_type}, {head_dim}, "
         f"{block_size}, {tile}, {rows_per_block}, {PREFILL_STAGES}, {PREFILL_THREADS}"
     )
     merge = f"cupaged::paged_prefill_merge<{c_type}, {head_dim}, {PREFILL_MERGE_THREADS}"
@@ -281,7 +364,7 @@ def prefill_launch(
         merge_name=instantiation(merge, variant & WINDOW),
         grid=(tiles * chunks * num_splits, num_kv_heads, 1),
         block=(PREFILL_THREADS,),
-        shared_mem=_prefill_shared_memory(mma, dtype, head_dim, tile),
+        shared_mem=shared_mem,
         query_rows=query_rows,
         heads_per_block=heads,
         tile=tile,

@@ -40,7 +40,7 @@ from cupaged.kernels.launch_prefill import (
     prefill_tile,
 )
 from cupaged.kernels.prefill_work import prefill_work
-from cupaged.kernels.target import NOMINAL_SM_COUNT
+from cupaged.kernels.target import NOMINAL_SM_COUNT, Target
 
 HEAD_DIMS = (64, 128, 256)
 BLOCK_SIZES = (1, 16, 256)
@@ -129,7 +129,7 @@ def test_prefill_matches_float64_reference(rng, xp, case):
     assert_close(got, expected, dtype)
 
 
-# ---- the tensor-core kernel (fp16/bf16 up to head_dim 128) -------------------------------------
+# ---- the tensor-core kernel (fp16/bf16: paged_prefill_flash) ---------------------------------
 
 # Full 64-row query tiles (G = 1: 64 tokens), many crossing tiles, a chunk after a long prefix and
 # a decode row; q scaled so that the softmax is sharp (P's rounding to the storage type matters
@@ -150,7 +150,7 @@ def test_tensor_core_path_on_full_tiles_and_a_sharp_softmax(rng, xp, dtype, head
     if xp is not np and order != SCHEDULES[0]:
         pytest.skip("scheduling orders belong to the CPU backend; the GPU runs once")
     launch = prefill_launch(dtype, 1, NUM_KV_HEADS, ratio, head_dim, 16, 1)
-    assert "paged_prefill_mma" in launch.name and launch.query_rows == 64 // ratio
+    assert "paged_prefill_flash" in launch.name and launch.query_rows == 64 // ratio
     q, k_cache, v_cache, tables, lens, starts, _ = prefill_batch(
         rng, MMA_BATCH, head_dim, ratio, 16, dtype
     )
@@ -554,8 +554,10 @@ def assert_same_specials(out, expected: np.ndarray, dtype: str) -> None:
 def test_nan_and_inf_reach_exactly_the_rows_that_see_them(rng, xp, dtype, case, causal, splits):
     """A NaN or Inf in token 35 of sequence 0 (whose queries sit at 32..39, one KV tile) reaches
     the rows at positions >= 35 only when causal, every row when not; as in the reference. Split
-    (tokens 32..39 in the second of two splits of 32), the merge keeps the same rules: the rows at
-    32..34 see a split holding the special value, and stay finite."""
+    (tokens 32..39 in the last split: of 32 tokens for the 32-key tiles of the CUDA-core kernel,
+    of 16 for paged_prefill_flash, whose forced splits need not be whole 64-key tiles), the merge
+    keeps the same rules: the rows at 32..34 see a split holding the special value, and stay
+    finite."""
     q, k_cache, v_cache, tables, lens, starts, _ = prefill_batch(
         rng, ((40, 8), (20, 20)), 64, 4, 16, dtype
     )
@@ -575,7 +577,8 @@ def test_nan_and_inf_reach_exactly_the_rows_that_see_them(rng, xp, dtype, case, 
         )  # rows at 32..34 see token 35 iff not causal
     if splits > 1:
         plan = split_plan(((40, 8), (20, 20)), dtype, 64, 4, 16, causal, splits)
-        assert (plan.num_splits, plan.partition_tokens) == (2, 32)
+        # a split starts at token 32: tokens 32 .. 39 lie in the last split
+        assert plan.num_splits > 1 and 32 % plan.partition_tokens == 0
     out = xp.asarray(poison(q.shape, dtype))
     cupaged.paged_prefill(
         *(xp.asarray(x) for x in (q, k_cache, v_cache, tables, lens, starts)),
@@ -605,14 +608,22 @@ def test_launch_plan():
     exact = prefill_launch("float32", 3, 2, 4, 128, 16, 37, total_query_tokens=50)
     assert exact.grid == (13 + 3, 2, 1) and exact.merge_grid == (50, 8)
     for dtype, c_type in (("float16", "__half"), ("bfloat16", "__nv_bfloat16")):
-        mma = prefill_launch(dtype, 3, 2, 4, 128, 16, 37, total_query_tokens=50)
-        assert mma.name == f"cupaged::paged_prefill_mma<{c_type}, 128, 16, 32, 64, 2, 128>"
-        assert (mma.query_rows, mma.heads_per_block, mma.tile) == (16, 4, 32)
-        assert mma.grid == (4 + 3, 2, 1) and mma.block == (128,) and mma.merge_grid == (50, 8)
-    # head_dim 256 stays on the FMA kernel (the tensor-core kernel's O would take 128 registers)
+        flash = prefill_launch(dtype, 3, 2, 4, 128, 16, 37, total_query_tokens=50)
+        assert flash.name == f"cupaged::paged_prefill_flash<{c_type}, 128, 16, 64, 64, 2, 128>"
+        assert (flash.query_rows, flash.heads_per_block, flash.tile) == (16, 4, 64)
+        assert flash.grid == (4 + 3, 2, 1) and flash.block == (128,) and flash.merge_grid == (50, 8)
+    # head_dim 256 too, in tiles of 32 keys (two blocks per H100 multiprocessor)
     wide_head = prefill_launch("float16", 3, 2, 4, 256, 16, 37)
-    assert wide_head.name.startswith("cupaged::paged_prefill<__half, 256, 16, 16, 16,")
-    assert wide_head.query_rows == 4
+    assert wide_head.name.startswith("cupaged::paged_prefill_flash<__half, 256, 16, 32, 64,")
+    assert wide_head.query_rows == 16
+    # paged_prefill_flash: q_s and the ring of two stages, rows padded by 16 bytes
+    assert prefill_shared_memory("float16", 128, 64) == 64 * 272 + 4 * 64 * 272 == 87040
+    # a T4 keeps the WMMA kernel (paged_prefill_mma) for fp16: q_s, the ring, s_s, p_s, special_s
+    t4 = Target.of_arch(75)
+    wmma = prefill_launch("float16", 3, 2, 4, 96, 16, 37, target=t4)
+    assert wmma.name == "cupaged::paged_prefill_mma<__half, 96, 16, 32, 64, 2, 128>"
+    mma_bytes = 64 * 208 + 4 * 32 * 208 + 64 * 36 * 4 + 64 * 40 * 2 + 64 * 96
+    assert prefill_shared_memory("float16", 96, 32, t4) == mma_bytes == 60416
     wide = prefill_launch("float32", 1, 1, 40, 64, 1, 3)
     assert (wide.query_rows, wide.heads_per_block, wide.grid) == (1, 16, (12, 1, 1))
     tiles = {(d, hd): prefill_tile(d, hd) for d in ("float32", "float16") for hd in (64, 256)}
@@ -623,9 +634,6 @@ def test_launch_plan():
         ("float16", 256): 16,
     }
     assert prefill_shared_memory("float32", 128, 16) == 4 * (2048 + 320 + 32) + 4 * 16 * 528
-    # paged_prefill_mma: q_s, the ring, s_s, p_s, special_s
-    mma_bytes = 64 * 272 + 4 * 32 * 272 + 64 * 36 * 4 + 64 * 40 * 2 + 64 * 128
-    assert prefill_shared_memory("float16", 128, 32) == mma_bytes == 74752
     with pytest.raises(ValueError, match=r"expected num_q_heads in 1..65535"):
         prefill_launch("float16", 1, 2, 32768, 128, 16, 1)
 

@@ -418,54 +418,59 @@ def prefill_rows(rows, gpu=None, dtypes=HALF_DTYPES):
 
 
 def test_prefill_kv_arrives_by_16_byte_async_copies_and_is_read_128_bit(quick):
-    """No 128-bit global load is left for K/V (cp.async copies only). The FMA kernel (float32)
-    reads shared memory 128 bits at a time only in its innermost loops (scores, P V); the
-    tensor-core kernel (fp16/bf16), in its tile loop's regular path: fragments by ldmatrix x4
-    (fp16) or generic 32-bit loads (bf16: NVRTC's mma.h keeps their address space generic),
-    scores 128 bits at a time, and the alpha accumulator's 64-bit reads; the rare path's narrow
-    accesses apart. No spills."""
+    """No 128-bit global load is left for K/V (cp.async copies only). The FMA kernel (float32,
+    and the 16-bit types on a T4 at head_dim 128) reads shared memory 128 bits at a time only in
+    its innermost loops (scores, P V); paged_prefill_flash (fp16/bf16 from sm_80) reads it in
+    its tile loop by ldmatrix x4 alone, one per 16 x 16 block of Q, K and V: head_dim / 16 for
+    Q, and tile / 16 x head_dim / 16 each for K and V (the rare path's narrow reads apart, and
+    the scalar reads of the Inf/NaN check's branch). No spills, no stack."""
     _, rows = quick
     prefill = prefill_rows(rows, dtypes=launches.DTYPES)
     assert len(prefill) == 27  # 3 GPUs x 3 dtypes x 3 groups
     for row in prefill:
         whole = row["memory_ops_whole_kernel"]
-        assert whole.get("LDGSTS.128", 0) >= 2 and "LDG.128" not in whole, (row["name"], whole)
-        assert not row["spill_stores"] and not row["spill_loads"], row["name"]
         loops = row["memory_ops_in_loops"]
+        # (paged_prefill_flash stages the queries 16 bytes a thread, before its tile loop)
+        no_wide = "LDG.128" not in (loops if "paged_prefill_flash<" in row["name"] else whole)
+        assert whole.get("LDGSTS.128", 0) >= 2 and no_wide, (row["name"], whole)
+        assert not row["spill_stores"] and not row["spill_loads"], row["name"]
         reads = {k: n for k, n in loops.items() if k.startswith("LD") and k[:3] != "LDG"}
-        if row["dtype"] == "float32":
-            assert "paged_prefill<" in row["name"], row["name"]
+        if "paged_prefill<" in row["name"]:
+            assert row["dtype"] == "float32" or row["gpu"] == "T4", row["name"]
             assert set(reads) == {"LDS.128"}, (row["name"], loops)
             continue
-        assert "paged_prefill_mma<" in row["name"], row["name"]
-        fragments = "LDSM.128" if row["dtype"] == "float16" else "LD.32"
-        assert set(reads) == {fragments, "LDS.128", "LDS.64"}, (row["name"], loops)
+        assert "paged_prefill_flash<" in row["name"] and row["stack"] == 0, row["name"]
+        blocks = row["head_dim"] // 16
+        assert reads["LDSM.128"] == blocks + 2 * row["tile"] // 16 * blocks, (row["name"], loops)
+        assert "LD.32" not in reads, (row["name"], loops)  # no generic-address fragment loads
         assert loops.get("LDGSTS.128", 0) >= 2, (row["name"], loops)  # the ring, in the tile loop
-        assert any(k.startswith("LDS") for k in row["memory_ops_rare_path"]), row["name"]
 
 
 def test_prefill_tile_model_before_and_after_the_tensor_cores(quick):
     """H100, head_dim 128, fp16/bf16 (model): the FMA kernel's tile (16 rows x 32 tokens) issued
-    about 1,800 (fp16) and 1,992 (bf16) cycles from its SASS (docs/prefill.md); the tensor-core
-    kernel's (64 rows x 32 tokens) costs less than a fifth of that per 16 rows, and its HMMAs are
-    the two products' exact count. float32 keeps the FMA kernel and its model."""
+    about 1,800 (fp16) and 1,992 (bf16) cycles from its SASS (docs/prefill.md); the FlashAttention
+    kind of kernel's (64 rows x 64 tokens) costs less than a fifth of that per 16 rows and 32
+    tokens, and its HMMAs are the two products' exact count. float32 keeps the FMA kernel and its
+    model."""
     _, rows = quick
     for row in prefill_rows(rows, "H100"):
         m = row["model_prefill_tile"]
-        assert m is not None, row["name"]
-        assert (m["rows"], m["tile"]) == (64, 32) and m["flops"] == 4 * 64 * 32 * 128
-        assert m["hmma"] == 2 * 2 * 8 * 2  # per warp: 2 products x 8 x 2 mma_sync x 2 HMMA
-        assert m["hmma_pipe"] == 64 * 2048 * 4 / 1024
+        assert m is not None and "paged_prefill_flash" in row["name"], row["name"]
+        assert (m["rows"], m["tile"]) == (64, 64) and m["flops"] == 4 * 64 * 64 * 128
+        assert m["hmma"] == 2 * (64 // 8) * (128 // 16)  # per warp: 2 products of 64 HMMA
+        assert m["hmma_pipe"] == 128 * 2048 * 4 / 1024
         assert m["issue"] == m["instructions"] * 4 / 4
         assert m["bound"] == max(
             m["issue"], m["hmma_pipe"], m["mufu_pipe"], m["shfl_pipe"], m["smem"]
         )
-        assert m["per_16_rows"] * 5 < (1800 if row["dtype"] == "float16" else 1992), m
-        assert m["smem"] == row["model_smem_cycles_per_tile"] > 0
-        assert m["dram"] == row["model_dram_cycles_per_tile"] == 1278
-        # the ring: one tile of K and V in flight per CTA (16 KiB at 32 tokens of head_dim 128)
-        assert row["model_bytes_in_flight_per_sm"] == 16384 * row["ctas_per_sm"] > 0
-        assert row["ctas_per_sm"] == 3
+        per_32_tokens = m["per_16_rows"] * 32 / m["tile"]
+        assert per_32_tokens * 5 < (1800 if row["dtype"] == "float16" else 1992), m
+        # only ldmatrix reads shared memory: K and V by every warp, Q by its own (no conflict)
+        assert m["smem"] == row["model_smem_cycles_per_tile"] == (4 * 32768 + 16384 + 32768) // 128
+        assert m["dram"] == row["model_dram_cycles_per_tile"] == 2 * 1278
+        # the ring: one tile of K and V in flight per CTA (32 KiB at 64 tokens of head_dim 128)
+        assert row["model_bytes_in_flight_per_sm"] == 32768 * row["ctas_per_sm"] > 0
+        assert row["ctas_per_sm"] == 2
     for row in prefill_rows(rows, dtypes=("float32",)):
         assert row["model_prefill_tile"]["mma"] is None
 
@@ -728,8 +733,7 @@ def test_without_hmma_the_main_loop_is_the_largest_innermost_loop():
 @pytest.fixture(scope="module")
 def prefill_mix(tmp_path_factory):
     """``(markdown, rows)`` of one sm_90 compile of prefill over an fp8 e4m3 cache (float16
-    queries: ``paged_prefill_mma``, WMMA, whichever kernel 16-bit caches get), head_dim 128,
-    G = 4."""
+    queries: ``paged_prefill_flash``, K and V converted in registers), head_dim 128, G = 4."""
     path = tmp_path_factory.mktemp("mix") / "report.json"
     result = subprocess.run(
         [sys.executable, str(SCRIPT), "--kernel", "paged_prefill", "--dtype", "float8_e4m3",
@@ -744,19 +748,17 @@ def prefill_mix(tmp_path_factory):
 def test_the_tensor_core_prefill_mix_has_its_main_loop_in_the_tile_loop(prefill_mix):
     markdown, rows = prefill_mix
     (row,) = rows
-    assert "paged_prefill_mma" in row["name"], row["name"]
+    assert "paged_prefill_flash" in row["name"], row["name"]
     found = row["instruction_mix"]
     main, tile_loop, whole = found["main_loop"], found["enclosing_loop"], found["whole_kernel"]
-    # WMMA's m16n8k16 on sm_90: the Q K^T step loop issues HMMA.16816 from ldmatrix fragments.
-    assert main["mix"].get("HMMA.16816", 0) > 0 and main["mix"].get("LDSM", 0) > 0, main
-    assert main["nested"] == 0
-    # The KV tile loop around it holds every HMMA of the kernel, its cp.async copies and
-    # barriers, and the softmax's exp2.
-    a, b = tile_loop["span"]
-    assert a <= main["span"][0] and main["span"][1] <= b and tile_loop["nested"] >= 1
-    assert tile_loop["mix"]["HMMA.16816"] == whole["HMMA.16816"] > main["mix"]["HMMA.16816"]
-    for op in ("LDGSTS", "BAR", "MUFU.EX2", "LDS", "STS", "FFMA"):
-        assert tile_loop["mix"].get(op, 0) > 0, (op, tile_loop["mix"])
+    # mma.sync m16n8k16 straight from ldmatrix fragments, unrolled: the KV tile loop itself is
+    # the innermost loop with HMMAs (the rare path's loops nested in it have none), and holds
+    # every one: 2 products x 64 per 64-key tile at head_dim 128.
+    assert main["mix"]["HMMA.16816"] == whole["HMMA.16816"] == 128, main
+    assert main["mix"]["LDSM"] == 8 + 2 * 4 * 8 // 2, main  # fp8 K: 32 keys per x4
+    assert main["nested"] >= 1 and tile_loop is None
+    for op in ("LDGSTS", "BAR", "MUFU.EX2", "FFMA", "F2FP"):
+        assert main["mix"].get(op, 0) > 0, (op, main["mix"])
     assert "Instruction mix" in markdown
     assert f"`{row['name']}`; {row['registers']} registers, spills 0/0 B" in markdown
     loop = f"main loop (the innermost loop with tensor-core instructions) [{main['span'][0]}, "

@@ -370,3 +370,52 @@ def prefill_mma_bank_model(dtype: str, head_dim: int, tile: int) -> dict[str, in
                 )
     cycles["total"] = sum(cycles.values())
     return cycles
+
+
+@functools.cache
+def prefill_flash_bank_model(dtype: str, head_dim: int, tile: int) -> dict[str, int]:
+    """MODEL: shared-memory cycles of one full KV tile of ``paged_prefill_flash`` (one CTA).
+
+    Addresses as cuda/paged_prefill.cu lays them out (q_s rows of ``head_dim + 8`` 16-bit
+    elements, stage rows of the cache's ``head_dim`` elements plus 16 bytes), 128 threads, warp
+    w on rows 16 w .. 16 w + 15; only ldmatrix reads shared memory in the tile (the softmax and
+    P stay in registers):
+
+    1. cp.async stores of K and V, as ``prefill_bank_model``;
+    2. scores: per 16 dims, Q's 16 x 16 block (ldmatrix x4, ``_fragment_cycles``) and K's rows,
+       16 keys x 16 dims per x4 (fp8: 8 keys x 16 dims, 16 bytes a row, per matrix);
+    3. P V: V's rows by ldmatrix x4.trans, 16 keys x 16 dims per x4 (fp8: two matrices of 8
+       keys x 16 bytes).
+    """
+    size = itemsize(dtype)
+    rows = launch_prefill.PREFILL_FLASH_ROWS
+    warps = launch_prefill.PREFILL_THREADS // WARP
+    q_row = (head_dim + 8) * 2
+    kv_row = head_dim * size + 16
+    k_base = rows * q_row
+    v_base = k_base + tile * kv_row
+    cycles = dict(kv_store=0, scores=0, pv=0)
+    parts = head_dim * size // 16
+    copies = tile * parts
+    for first in range(0, copies, WARP):
+        lanes = range(first, min(first + WARP, copies))
+        for base in (k_base, v_base):
+            cycles["kv_store"] += bank_cycles(
+                [base + (i // parts) * kv_row + (i % parts) * 16 for i in lanes], 16
+            )
+
+    def matrices(base: int, keys: int, dims: int) -> int:  # 8 rows of 16 bytes each
+        per_row = 16 // size  # dims of one matrix row
+        return sum(
+            bank_cycles([base + (k0 + r) * kv_row + d0 * size for r in range(8)], 16)
+            for k0 in range(0, keys, 8)
+            for d0 in range(0, dims, per_row)
+        )
+
+    for warp in range(warps):
+        for k in range(head_dim // 16):
+            cycles["scores"] += _fragment_cycles(16 * warp * q_row + 32 * k, q_row, 2)
+            cycles["scores"] += matrices(k_base + 16 * k * size, tile, 16)
+        cycles["pv"] += matrices(v_base, tile, head_dim)
+    cycles["total"] = sum(cycles.values())
+    return cycles

@@ -15,6 +15,7 @@ from .bank import (
     decode_mma_bank_model,
     decode_widths,
     prefill_bank_model,
+    prefill_flash_bank_model,
     prefill_mma_bank_model,
 )
 from .compile import compile_source
@@ -100,7 +101,9 @@ class Analysis:
             )
             issue = decode_issue_model(code, launch.threads, arch)
         bank = None
-        if "paged_prefill_mma" in launch.name and modelled:
+        if "paged_prefill_flash" in launch.name:  # fp8 too: its stage rows are modelled
+            bank = prefill_flash_bank_model(launch.dtype, launch.head_dim, launch.tile)
+        elif "paged_prefill_mma" in launch.name and modelled:
             bank = prefill_mma_bank_model(launch.dtype, launch.head_dim, launch.tile)
         elif launch.kernel == "paged_prefill" and modelled:
             bank = prefill_bank_model(launch.dtype, launch.head_dim, launch.tile)
@@ -160,7 +163,7 @@ class Analysis:
             )
         if launch.kernel == "cascade_shared":
             self._cascade_columns(row, gpu, occ.ctas)
-        if "paged_prefill_mma" in launch.name:
+        if "paged_prefill_mma" in launch.name or "paged_prefill_flash" in launch.name:
             self._prefill_mma_columns(row, gpu, occ.ctas)
         elif launch.kernel == "paged_prefill":
             self._prefill_columns(row, gpu, occ.ctas)

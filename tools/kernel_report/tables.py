@@ -130,7 +130,7 @@ def markdown(rows: list[Row]) -> str:
             "tensor cores (MMA) / softmax (MUFU, SHFL) / K+V from DRAM with no L2 reuse.",
             "",
         ]
-        for r in (r for r in prefill if "paged_prefill_mma" not in r["name"]):
+        for r in (r for r in prefill if not _tensor_core_prefill(r)):
             m = r["model_prefill_tile"]
             mma = "-" if m["mma"] is None else f"{m['mma']:.0f}"
             lines.append(
@@ -139,12 +139,13 @@ def markdown(rows: list[Row]) -> str:
                 f"{m['fp32_issue']}, smem {m['smem']}, MMA {mma}, softmax "
                 f"{m['softmax']:.0f}, DRAM {m['dram']} (model)"
             )
-    mma_rows = [r for r in prefill if "paged_prefill_mma" in r["name"]]
+    mma_rows = [r for r in prefill if _tensor_core_prefill(r)]
     if mma_rows:
         lines += [
             "",
-            "paged_prefill (tensor cores): paged_prefill_mma, fp16/bf16 up to head_dim 128, 64 "
-            "rows. Its loads columns count the tile loop's regular path (straight-line code and "
+            "paged_prefill (tensor cores): paged_prefill_flash (mma.sync, the softmax in "
+            "registers; fp16/bf16 queries over their cache or fp8, from sm_80) and "
+            "paged_prefill_mma (WMMA: sm_75), 64 rows. Its loads columns count the tile loop's regular path (straight-line code and "
             "the Q K^T step loop; the crossing tiles' Inf/NaN check and rare path apart, in the "
             "JSON's memory_ops_rare_path). One CTA's KV tile (model, cycles on one SM; see "
             "prefill_mma_tile_model): issue / HMMA pipe (mma.sync rate) / MUFU / SHFL / shared "
@@ -159,6 +160,7 @@ def markdown(rows: list[Row]) -> str:
                 continue
             lines.append(
                 f"- {r['gpu']} {r['dtype']} hd {r['head_dim']} bs {r['block_size']} G {r['group']}"
+                f" {r['name'].split('<')[0].split('::')[-1]}"
                 f" ({m['rows']} rows x {m['tile']} tokens, {m['hmma']} HMMA per warp): issue "
                 f"{m['issue']:.0f}, HMMA {m['hmma_pipe']:.0f}, MUFU {m['mufu_pipe']:.0f}, SHFL "
                 f"{m['shfl_pipe']:.0f}, smem {m['smem']}; bound {m['bound']:.0f}, per 16 rows "
@@ -166,6 +168,10 @@ def markdown(rows: list[Row]) -> str:
             )
     lines += _mix_lines(rows)
     return "\n".join(lines) + "\n"
+
+
+def _tensor_core_prefill(row: Row) -> bool:
+    return "paged_prefill_mma" in row["name"] or "paged_prefill_flash" in row["name"]
 
 
 def _mix_lines(rows: list[Row]) -> list[str]:
