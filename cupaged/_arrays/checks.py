@@ -374,35 +374,47 @@ def check_decode_tables(
         return 0
     xp = array_module(block_tables)
     limit = min(max_blocks * block_size, MAX_CONTEXT_LEN)
+    # Few array operations, each a kernel launch on a GPU. Entry j holds keys j * block_size
+    # .. + block_size - 1: a row reads it when its first key is before the row's length, and
+    # (a window) when its last key reaches the window's first, len - 1 - window_left; viewed
+    # unsigned, a negative id or length is huge, so one comparison or maximum finds it too.
+    starts = xp.arange(0, max_blocks * block_size, block_size)[None, :]
+    used = starts < context_lens[:, None]
+    if first_keys is not None:
+        used &= starts >= (xp.asarray(first_keys) // block_size * block_size)[:, None]
+    elif window_left >= 0:
+        used &= starts + (block_size + window_left) >= context_lens[:, None]
+    bad_id = (_unsigned(block_tables) >= num_blocks) & used
+    # One read-back: the longest length, or past the limit when a length or an id is bad.
+    summary = int(_host(xp.where(bad_id.any(), limit + 1, _unsigned(context_lens).max())))
+    if summary <= limit:
+        return summary
     lens = context_lens.astype(np.int64, copy=False)
     bad_len = (lens < 0) | (lens > limit)
-    needed = (xp.clip(lens, 0, limit) + (block_size - 1)) // block_size  # entries each row reads
-    used = xp.arange(max_blocks)[None, :] < needed[:, None]
-    if first_keys is not None or window_left >= 0:  # entries before a window are never read
-        if first_keys is None:
-            first = xp.clip(lens - 1 - window_left, 0, limit) // block_size
-        else:
-            first = xp.asarray(first_keys) // block_size
-        used &= xp.arange(max_blocks)[None, :] >= first[:, None]
-    bad_id = used & ((block_tables < 0) | (block_tables >= num_blocks))
-    summary = _host(
-        xp.stack([bad_len.any().astype(np.int64), bad_id.any().astype(np.int64), lens.max()])
-    )
-    if summary[0]:
+    if bool(_host(bad_len.any())):
         row = int(_host(xp.argmax(bad_len)))
         raise ValueError(
             f"expected context_lens in [0, {limit}] (max_blocks * block_size = "
             f"{max_blocks * block_size}, at most {MAX_CONTEXT_LEN}), got {int(_host(lens[row]))} "
             f"in row {row}"
         )
-    if summary[1]:
-        row = int(_host(xp.argmax(bad_id.any(axis=1))))
-        reached = _host(block_tables[row][used[row]])
-        raise ValueError(
-            f"expected block ids in [0, {num_blocks}) in row {row} of block_tables (the "
-            f"entries its {int(_host(lens[row]))} tokens reach), got {_shown(reached)}"
-        )
-    return int(summary[2])
+    row = int(_host(xp.argmax(bad_id.any(axis=1))))
+    reached = _host(block_tables[row][used[row]])
+    raise ValueError(
+        f"expected block ids in [0, {num_blocks}) in row {row} of block_tables (the "
+        f"entries its {int(_host(lens[row]))} tokens reach), got {_shown(reached)}"
+    )
+
+
+def _unsigned(x: Any) -> Any:
+    """``x`` (int32 or int64) viewed as the unsigned type of its size: no copy, and a negative
+    value becomes one above every signed one."""
+    if x.dtype not in _UNSIGNED:  # (the callers check index dtypes; any other is widened)
+        x = x.astype(np.int64)
+    return x.view(_UNSIGNED[x.dtype])
+
+
+_UNSIGNED = {np.dtype(np.int32): np.dtype(np.uint32), np.dtype(np.int64): np.dtype(np.uint64)}
 
 
 def check_prefill_tables(
