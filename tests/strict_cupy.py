@@ -36,6 +36,7 @@ raises: an allocation (an array that owns new memory), a host read (``get``, ``a
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import sys
 import types
 from collections.abc import Iterator
@@ -125,6 +126,14 @@ class _Memory:
 
     def __init__(self, ptr: int) -> None:
         self.ptr = ptr
+
+    def copy_from_device_async(self, src: _Memory, size: int, stream: Any = None) -> None:
+        """CuPy's device-to-device copy of ``size`` bytes from ``src`` (here at once)."""
+        if not isinstance(src, _Memory):
+            raise TypeError(
+                f"Argument 'src' has incorrect type (expected MemoryPointer, got {src})"
+            )
+        ctypes.memmove(self.ptr, src.ptr, size)
 
 
 # The methods of CuPy's ndarray that this stand-in forwards to NumPy's (results wrapped).

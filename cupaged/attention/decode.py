@@ -86,6 +86,7 @@ from .layer import (
     LayerArrays,
     attention_kernel,
     check_layer_and_heads,
+    copy_into,
     ctas_per_sm,
     device_of,
     owned_int32,
@@ -196,6 +197,7 @@ class DecodePlan:
         "_merge_block",
         "_merge_fill",
         "_merge_grid",
+        "_merge_if_capturing",
         "_min_chunk",
         "_num_q_heads",
         "_plan_args",
@@ -336,6 +338,8 @@ class DecodePlan:
         self._min_chunk = min_chunk
         self._tile = tile
         self.num_seqs = num_seqs
+        # A captured run holds the merge, split or not: a later update may split (_capturing).
+        self._merge_if_capturing = device == "cuda" and capacity > num_seqs
         self.batch_invariant = batch_invariant
         self.checked = checked  # of each run's arguments
         self._trusted = trusted_memory(trusted_scales)
@@ -537,8 +541,8 @@ class DecodePlan:
                 block_tables, context_lens, block_size, num_blocks, self._variants.window_left
             )
         host = checked_host_tables(host_tables, block_tables, context_lens, block_size, checked)
-        self._tables[...] = block_tables
-        self._lens[...] = context_lens
+        copy_into(self._tables, block_tables)
+        copy_into(self._lens, context_lens)
         self._host_tables = host
         self.checked = checked
         if self.num_seqs:
@@ -601,8 +605,6 @@ class DecodePlan:
                 heads = (int(self._num_q_heads), *self._layout[1:])
                 self._sink_kernels = _sink_kernels(self._device, self._launch, *heads)
             kernel, merge = self._sink_kernels
-        spare = self._capacity > self.num_seqs  # none: never split, whatever the lengths
-        split = self._split or (self._device == "cuda" and spare and _capturing(self._xp))
         if self._cascade is not None:
             geometry = DecodeGeometry(self._grid[0], self._block, self._shared_mem)
             layer = (out_storage, q, k_cache, v_cache)
@@ -610,7 +612,7 @@ class DecodePlan:
             return out
         args = self._fill(out_storage, q, k_cache, v_cache, scales, sinks)
         kernel(self._grid, self._block, args, shared_mem=self._shared_mem)
-        if split:
+        if self._split or (self._merge_if_capturing and _capturing(self._xp)):
             merge(self._merge_grid, self._merge_block, self._merge_fill(out_storage, sinks))
         return out
 

@@ -132,6 +132,21 @@ def owned_int32(xp: Any, x: Any) -> Any:
     return x.astype(np.int32, order="C")  # astype copies
 
 
+def copy_into(dst: Any, src: Any) -> None:
+    """Copy ``src`` (int32 or int64, ``dst``'s shape and array type) into ``dst``, a plan's own
+    C-contiguous int32 array, narrowing an int64 ``src``.
+
+    On CuPy a C-contiguous int32 ``src`` is one ``cudaMemcpyAsync`` on the current stream
+    (``MemoryPointer.copy_from_device_async``), ordered as a kernel there is; the assignment it
+    replaces launches CuPy's elementwise copy, whose dispatch costs the host several times as
+    much (docs/benchmarks.md, the host path of a decode step).
+    """
+    if type(dst) is np.ndarray or src.dtype != dst.dtype or not src.flags.c_contiguous:
+        dst[...] = src
+    else:
+        dst.data.copy_from_device_async(src.data, dst.nbytes)
+
+
 def attention_kernel(
     device: str, source: str, launch: Any, group: int, head_dim: int, grid: Any = None
 ) -> Any:
@@ -184,6 +199,7 @@ class LayerArrays:
         "_layout",
         "_q_axes",
         "_q_names",
+        "_q_nbytes",
         "_q_shape",
         "_q_strides",
         "_shapes",
@@ -216,6 +232,7 @@ class LayerArrays:
         q_names = (q_dtype,) if is_fp8(dtype) else (dtype,)
         self._q_names = {c: name for name in q_names for c in carriers(name)}
         self._q_strides = {q.itemsize: _c_strides(self._q_shape, q.itemsize) for q in self._q_names}
+        self._q_nbytes = {size: math.prod(self._q_shape) * size for size in self._q_strides}
         cache = np.dtype(cache_dtype(dtype, xp))
         bytes_ = (np.dtype(np.uint8),) if is_fp8(dtype) else ()
         self._cache_dtypes = frozenset((cache, *carriers(dtype), *bytes_))
@@ -248,12 +265,17 @@ class LayerArrays:
         ):
             if given and out is not q and self._overlap(q, out):
                 check_out_overlap(self._xp, q, out)  # the same memory, or refused
-            q, out_storage = as_storage(q), as_storage(out)
+            # out has q's dtype, v_cache k_cache's: one view each decides the other's.
+            storage = as_storage(q)
+            q, out_storage = storage, (out if storage is q else as_storage(out))
+            storage = as_storage(k_cache)
+            k_cache, v_cache = storage, (v_cache if storage is k_cache else as_storage(v_cache))
         else:
             q, k_cache, v_cache, out_storage, q_name = self._checked(q, k_cache, v_cache, out)
+            k_cache, v_cache = as_storage(k_cache), as_storage(v_cache)
         # Storage views first: an ml_dtypes array exports no buffer, the cheap way to an address.
-        k_cache, v_cache = as_storage(k_cache), as_storage(v_cache)
-        check_aligned(k_cache=k_cache, v_cache=v_cache)
+        if (address(k_cache) | address(v_cache)) % 16:
+            check_aligned(k_cache=k_cache, v_cache=v_cache)  # refused, by name
         if self._device_id != device_id(self._xp):
             raise ValueError(
                 f"expected the device this plan was made on (CUDA device {self._device_id}) to "
@@ -270,7 +292,8 @@ class LayerArrays:
         if self._xp is np:
             return self._xp.may_share_memory(q, out)
         begin_q, begin_out = q.data.ptr, out.data.ptr
-        return begin_q < begin_out + out.nbytes and begin_out < begin_q + q.nbytes
+        size = self._q_nbytes[q.dtype.itemsize]  # both of the planned shape and q's dtype
+        return begin_q < begin_out + size and begin_out < begin_q + size
 
     def check_kv_dtype(self, kv_dtype: Any) -> None:
         """A ``kv_dtype`` given to a run: it must name the plan's fp8 format (the format of

@@ -83,24 +83,29 @@ class PlanReuse:
 
 def reuse_key(xp: Any, q: Any, k_cache: Any, block_tables: Any, **options: Any) -> Hashable:
     """What a plan of ``paged_attention`` fixes when made, with the thread, device and stream it
-    may be reused on; ``None`` when a value of an option's array (or ``num_splits``) shapes it."""
+    may be reused on; ``None`` when a value of an option's array (or ``num_splits``) shapes it.
+    The dtypes are keyed as the objects they are (equal dtypes hash alike; their names cost
+    more to make than the rest of the key)."""
     if options.get("alibi_slopes") is not None or options.get("num_splits") is not None:
         return None
     if xp is np:
         where: tuple = ("cpu",)
     else:
         where = ("cuda", xp.cuda.runtime.getDevice(), xp.cuda.get_current_stream().ptr)
-    options.pop("alibi_slopes", None)
-    options.pop("num_splits", None)
-    options.pop("max_context_len", None)  # used only with num_splits
-    kv_dtype = options.pop("kv_dtype", None)
+    kv_dtype = options.get("kv_dtype")
+    kept = sorted(item for item in options.items() if item[0] not in _NOT_KEYED)
     return (
         threading.get_ident(),
         *where,
         tuple(block_tables.shape),
         tuple(k_cache.shape),
-        str(k_cache.dtype),
+        k_cache.dtype,
         None if kv_dtype is None else str(kv_dtype),
         q.shape[1],
-        tuple(sorted(options.items())),
+        tuple(kept),
     )
+
+
+# Options that never key a plan: the arrays' (a call with one is never kept), num_splits
+# likewise, max_context_len (read only with num_splits), kv_dtype (keyed by its name).
+_NOT_KEYED = frozenset(("alibi_slopes", "num_splits", "max_context_len", "kv_dtype"))
