@@ -1135,6 +1135,15 @@ __device__ __forceinline__ unsigned pack2(float a, float b, const __nv_bfloat16*
   return *reinterpret_cast<const unsigned*>(&h);
 }
 
+// The low (high = 0) or high half of a pair that pack2 made, as a float.
+__device__ __forceinline__ float unpack_half(unsigned pair, int high, const __half*) {
+  const unsigned short bits = static_cast<unsigned short>(high ? pair >> 16 : pair & 0xffffu);
+  return __half2float(__ushort_as_half(bits));
+}
+__device__ __forceinline__ float unpack_half(unsigned pair, int high, const __nv_bfloat16*) {
+  return __uint_as_float(high ? pair & 0xffff0000u : pair << 16);
+}
+
 // fp8 caches, converted in registers on the way into the MMA (no shared-memory pass). An
 // ldmatrix matrix of fp8 rows is 8 rows of 16 bytes: 16 elements, not 8, so the lanes receive
 // the elements in another order than a 16-bit stage gives them, and the kernel permutes what it
@@ -1149,8 +1158,8 @@ __device__ __forceinline__ unsigned pack2(float a, float b, const __nv_bfloat16*
 //     block's even dims and one of its odd dims. So O's accumulators 2m and 2m + 1 hold block
 //     m's even and odd dims: lane (g, c) holds dims 16m + 4c .. 16m + 4c + 3 of rows g, g + 8
 //     (flash_dim below).
-template <typename T, typename KV, int KEYS, int KV_STRIDE>
-__device__ __forceinline__ void fp8_scores(float (&s)[KEYS][4], const unsigned (&a)[4],
+template <typename T, typename KV, int MT, int KEYS, int KV_STRIDE>
+__device__ __forceinline__ void fp8_scores(float (&s)[MT][KEYS][4], const unsigned (&a)[MT][4],
                                            const KV* k_block, int lane) {
   const T* tag = nullptr;
 #pragma unroll
@@ -1169,15 +1178,16 @@ __device__ __forceinline__ void fp8_scores(float (&s)[KEYS][4], const unsigned (
       if (n + i >= KEYS) break;
       const unsigned b[2] = {fp8x2_as_pair<KV>(r[i] & 0xffffu, tag),
                              fp8x2_as_pair<KV>(r[i] >> 16, tag)};
-      mma::mma_16816<T>(s[n + i], a, b);
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) mma::mma_16816<T>(s[mt][n + i], a[mt], b);
     }
   }
 }
 
-// O += P V for the 16 keys of `keys` (a stage row) and A = P's operand: each 16-dim block of
-// fp8 V rows as its even and odd dims (see above).
-template <typename T, typename KV, int DIMS, int KV_STRIDE>
-__device__ __forceinline__ void fp8_values(float (&o)[DIMS][4], const unsigned (&a)[4],
+// O += P V for the 16 keys of `keys` (a stage row) and A = P's operand of each 16-row tile: each
+// 16-dim block of fp8 V rows as its even and odd dims (see above).
+template <typename T, typename KV, int MT, int DIMS, int KV_STRIDE>
+__device__ __forceinline__ void fp8_values(float (&o)[MT][DIMS][4], const unsigned (&a)[MT][4],
                                            const KV* keys, int lane) {
   constexpr int BLOCKS = DIMS / 2;
   const T* tag = nullptr;
@@ -1202,8 +1212,11 @@ __device__ __forceinline__ void fp8_values(float (&o)[DIMS][4], const unsigned (
                                 fp8x2_as_pair<KV>(__byte_perm(high, 0u, 0x0020u), tag)};
       const unsigned odd[2] = {fp8x2_as_pair<KV>(__byte_perm(low, 0u, 0x0031u), tag),
                                fp8x2_as_pair<KV>(__byte_perm(high, 0u, 0x0031u), tag)};
-      mma::mma_16816<T>(o[2 * (m + h)], a, even);
-      mma::mma_16816<T>(o[2 * (m + h) + 1], a, odd);
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        mma::mma_16816<T>(o[mt][2 * (m + h)], a[mt], even);
+        mma::mma_16816<T>(o[mt][2 * (m + h) + 1], a[mt], odd);
+      }
     }
   }
 }
@@ -1327,7 +1340,9 @@ __global__ void __launch_bounds__(THREADS, 2)
                       2 * TILE * KV_STRIDE>;
   static_assert(sizeof(T) == 2 && (FP8 || sizeof(KV) == sizeof(T)),
                 "16-bit queries over their own cache or fp8");
-  static_assert(ROWS == 16 * WARPS && THREADS % 32 == 0, "one 16-row MMA tile per warp");
+  constexpr int MT = ROWS / (16 * WARPS);  // 16-row MMA tiles per warp
+  static_assert(ROWS == 16 * WARPS * MT && (MT == 1 || MT == 2) && THREADS % 32 == 0,
+                "one or two 16-row MMA tiles per warp");
   static_assert(TILE % 16 == 0 && HEAD_DIM % 16 == 0, "whole 16 x 16 operand blocks");
   static_assert(STAGES >= 2, "a ring of at least two stages");
 
@@ -1430,24 +1445,32 @@ __global__ void __launch_bounds__(THREADS, 2)
     return r / heads < rows_here && r % heads < heads_here ? first_position + r / heads : -1;
   };
   const int live_rows = (rows_here - 1) * heads + heads_here;
-  const bool warp_live = 16 * warp < live_rows;  // the same for the whole warp
-  const T* q_w = q_s + 16 * warp * STRIDE;
-  int position[2];
-  float slope[2];
+  const int warp_row = 16 * MT * warp;  // the warp's first row; row tile mt from + 16 mt
+  const bool warp_live = warp_row < live_rows;  // the same for the whole warp
+  const T* q_w = q_s + warp_row * STRIDE;
+  // Per row tile mt, rows g and g + 8 of it (i = 0, 1): position (or -1), ALiBi slope, running
+  // max (base 2, scaled) and this lane's part of the row sum, and O.
+  int position[MT][2];
+  float slope[MT][2];
+  float m[MT][2];
+  float l[MT][2];
+  float o[MT][DIMS][4];
 #pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const int r = 16 * warp + g + 8 * i;
-    position[i] = row_position(r);
-    slope[i] = ALIBI && position[i] >= 0 ? alibi_slopes[first_head + r % heads] : 0.0f;
-  }
-  // Running max (base 2, scaled) and this lane's part of the row sums, of rows g and g + 8.
-  float m[2] = {neg_inf(), neg_inf()};
-  float l[2] = {0.0f, 0.0f};
-  float o[DIMS][4];
+  for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-  for (int f = 0; f < DIMS; ++f) {
+    for (int i = 0; i < 2; ++i) {
+      const int r = warp_row + 16 * mt + g + 8 * i;
+      position[mt][i] = row_position(r);
+      slope[mt][i] =
+          ALIBI && position[mt][i] >= 0 ? alibi_slopes[first_head + r % heads] : 0.0f;
+      m[mt][i] = neg_inf();
+      l[mt][i] = 0.0f;
+    }
 #pragma unroll
-    for (int e = 0; e < 4; ++e) o[f][e] = 0.0f;
+    for (int f = 0; f < DIMS; ++f) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[mt][f][e] = 0.0f;
+    }
   }
   const float scale_log2 = scale * kLog2e;
 
@@ -1469,20 +1492,29 @@ __global__ void __launch_bounds__(THREADS, 2)
     const int masked = opened + count - after;
     const bool plain = masked == 0 && count == TILE;
 
-    float s[KEYS][4];
+    // P as the A operands of P V, rounded to T (S's accumulators 2 kk, 2 kk + 1 as they lie),
+    // packed once the softmax is done: S's floats die there.
+    unsigned pa[MT][TILE / 16][4];
     if (warp_live) {
-      // Step 2: S = Q K^T.
+      float s[MT][KEYS][4];
+      // Step 2: S = Q K^T; each K fragment serves the warp's MT row tiles.
 #pragma unroll
-      for (int n = 0; n < KEYS; ++n) {
+      for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) s[n][e] = 0.0f;
+        for (int n = 0; n < KEYS; ++n) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) s[mt][n][e] = 0.0f;
+        }
       }
 #pragma unroll
       for (int k = 0; k < HEAD_DIM / 16; ++k) {
-        unsigned a[4];
-        mma::ldmatrix_x4(a, q_w + lane % 16 * STRIDE + 16 * k + lane / 16 * 8);
+        unsigned a[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          mma::ldmatrix_x4(a[mt], q_w + (16 * mt + lane % 16) * STRIDE + 16 * k + lane / 16 * 8);
+        }
         if constexpr (FP8) {
-          prefill::fp8_scores<T, KV, KEYS, KV_STRIDE>(s, a, k_tile + 16 * k, lane);
+          prefill::fp8_scores<T, KV, MT, KEYS, KV_STRIDE>(s, a, k_tile + 16 * k, lane);
           continue;
         }
 #pragma unroll
@@ -1492,8 +1524,11 @@ __global__ void __launch_bounds__(THREADS, 2)
                                   lane / 8 % 2 * 8);
           const unsigned b0[2] = {b[0], b[1]};
           const unsigned b1[2] = {b[2], b[3]};
-          mma::mma_16816<T>(s[n], a, b0);
-          mma::mma_16816<T>(s[n + 1], a, b1);
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) {
+            mma::mma_16816<T>(s[mt][n], a[mt], b0);
+            mma::mma_16816<T>(s[mt][n + 1], a[mt], b1);
+          }
         }
       }
 
@@ -1501,21 +1536,41 @@ __global__ void __launch_bounds__(THREADS, 2)
       // scale is positive: a negative one negated q), keys tested against the rows only in a
       // tile that hides some key from some row.
       const float unit = RESCORE ? 1.0f : scale_log2;  // base-2 logits per stored score
-      float alpha[2];
-      if (plain) {
-        prefill::flash_softmax<false, VARIANT>(s, m, l, alpha, position, slope, first, count,
-                                               causal, window_left, soft_cap, scale, unit, c);
-      } else {
-        prefill::flash_softmax<true, VARIANT>(s, m, l, alpha, position, slope, first, count,
-                                              causal, window_left, soft_cap, scale, unit, c);
+      float alpha[MT][2];
+      bool moved = false;  // some row's max moved: alpha is not 1 (a NaN alpha is not 1)
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        if (plain) {
+          prefill::flash_softmax<false, VARIANT>(s[mt], m[mt], l[mt], alpha[mt], position[mt],
+                                                 slope[mt], first, count, causal, window_left,
+                                                 soft_cap, scale, unit, c);
+        } else {
+          prefill::flash_softmax<true, VARIANT>(s[mt], m[mt], l[mt], alpha[mt], position[mt],
+                                                slope[mt], first, count, causal, window_left,
+                                                soft_cap, scale, unit, c);
+        }
+        moved |= alpha[mt][0] != 1.0f || alpha[mt][1] != 1.0f;
       }
-      // O's rows rescaled, unless no row of the warp has a new max (alpha 1: most tiles of a
-      // long range; a NaN alpha is not 1).
-      if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
+      // O's rows rescaled, unless no row of the warp has a new max (most tiles of a long range).
+      if (__any_sync(0xffffffffu, moved)) {
 #pragma unroll
-        for (int f = 0; f < DIMS; ++f) {
+        for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-          for (int e = 0; e < 4; ++e) o[f][e] *= alpha[e / 2];
+          for (int f = 0; f < DIMS; ++f) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) o[mt][f][e] *= alpha[mt][e / 2];
+          }
+        }
+      }
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int kk = 0; kk < TILE / 16; ++kk) {
+          const float(&x)[KEYS][4] = s[mt];
+          pa[mt][kk][0] = prefill::pack2(x[2 * kk][0], x[2 * kk][1], q_w);
+          pa[mt][kk][1] = prefill::pack2(x[2 * kk][2], x[2 * kk][3], q_w);
+          pa[mt][kk][2] = prefill::pack2(x[2 * kk + 1][0], x[2 * kk + 1][1], q_w);
+          pa[mt][kk][3] = prefill::pack2(x[2 * kk + 1][2], x[2 * kk + 1][3], q_w);
         }
       }
     }
@@ -1541,15 +1596,15 @@ __global__ void __launch_bounds__(THREADS, 2)
       special = __syncthreads_or(found) != 0;
     }
     if (special) {  // block-uniform
-      // p x v for this lane's O elements of key j's non-finite V elements, for the rows (of
-      // g, g + 8) that see the key; p[r] is the row's weight of the key.
-      auto add_key = [&](int j, const float (&p)[2]) {
+      // p x v for this lane's O elements (row tile mt) of key j's non-finite V elements, for
+      // the rows (g, g + 8) that see the key; p[r] is the row's weight of the key.
+      auto add_key = [&](int j, int mt, const float (&p)[2]) {
         const int key = first + j;
         bool sees[2];
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-          sees[r] = position[r] >= 0 && (!causal || key <= position[r]) &&
-                    (!WINDOW || key >= position[r] - window_left);
+          const int at = position[mt][r];
+          sees[r] = at >= 0 && (!causal || key <= at) && (!WINDOW || key >= at - window_left);
         }
 #pragma unroll
         for (int f = 0; f < DIMS; ++f) {
@@ -1559,7 +1614,7 @@ __global__ void __launch_bounds__(THREADS, 2)
             if (v - v == 0.0f) continue;  // finite: the MMA's
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
-              if (sees[r]) o[f][2 * r + e] += p[r] * v;
+              if (sees[r]) o[mt][f][2 * r + e] += p[r] * v;
             }
           }
         }
@@ -1569,41 +1624,46 @@ __global__ void __launch_bounds__(THREADS, 2)
       // to local memory. Above it, where O takes 128 registers and that loop's code spills, S
       // is indexed at run time in this rare path alone (a 64-byte stack frame, no spill).
       if (warp_live) {
-        if constexpr (HEAD_DIM <= 128) {
 #pragma unroll
-          for (int n = 0; n < KEYS; ++n) {
-            if (8 * n >= opened && 8 * n + 8 <= after) continue;  // no key hidden from any row
+        for (int mt = 0; mt < MT; ++mt) {
+          if constexpr (HEAD_DIM <= 128) {
+#pragma unroll
+            for (int n = 0; n < KEYS; ++n) {
+              if (8 * n >= opened && 8 * n + 8 <= after) continue;  // no key hidden from any row
 #pragma unroll 1
-            for (int jj = 0; jj < 8; ++jj) {
-              const int j = 8 * n + jj;
-              if ((j >= opened && j < after) || j >= count) continue;
+              for (int jj = 0; jj < 8; ++jj) {
+                const int j = 8 * n + jj;
+                if ((j >= opened && j < after) || j >= count) continue;
+                float p[2];
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                  const unsigned pair = __shfl_sync(0xffffffffu, pa[mt][n / 2][n % 2 * 2 + r],
+                                                    (lane & ~3) | jj / 2);
+                  p[r] = prefill::unpack_half(pair, jj % 2, q_w);
+                }
+                add_key(j, mt, p);
+              }
+            }
+          } else {
+#pragma unroll 1
+            for (int i = 0; i < masked; ++i) {
+              const int j = i < opened ? i : after + i - opened;
+              unsigned mine[2] = {0u, 0u};  // this lane's weights of key j, if it holds them
+#pragma unroll
+              for (int n = 0; n < KEYS; ++n) {
+                if (n == j / 8) {
+                  mine[0] = pa[mt][n / 2][n % 2 * 2];
+                  mine[1] = pa[mt][n / 2][n % 2 * 2 + 1];
+                }
+              }
               float p[2];
 #pragma unroll
               for (int r = 0; r < 2; ++r) {
-                p[r] = __shfl_sync(0xffffffffu, jj % 2 ? s[n][2 * r + 1] : s[n][2 * r],
-                                   (lane & ~3) | jj / 2);
+                const unsigned pair = __shfl_sync(0xffffffffu, mine[r], (lane & ~3) | (j % 8 / 2));
+                p[r] = prefill::unpack_half(pair, j % 2, q_w);
               }
-              add_key(j, p);
+              add_key(j, mt, p);
             }
-          }
-        } else {
-#pragma unroll 1
-          for (int i = 0; i < masked; ++i) {
-            const int j = i < opened ? i : after + i - opened;
-            float mine[2] = {0.0f, 0.0f};  // this lane's weights of key j, if it holds them
-#pragma unroll
-            for (int n = 0; n < KEYS; ++n) {
-              if (n == j / 8) {
-                mine[0] = j % 2 ? s[n][1] : s[n][0];
-                mine[1] = j % 2 ? s[n][3] : s[n][2];
-              }
-            }
-            float p[2];
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-              p[r] = __shfl_sync(0xffffffffu, mine[r], (lane & ~3) | (j % 8 / 2));
-            }
-            add_key(j, p);
           }
         }
       }
@@ -1621,12 +1681,15 @@ __global__ void __launch_bounds__(THREADS, 2)
       // Step 4: O += P V (O was rescaled in step 3), 16 keys at a time.
 #pragma unroll
       for (int kk = 0; kk < TILE / 16; ++kk) {
-        const unsigned a[4] = {prefill::pack2(s[2 * kk][0], s[2 * kk][1], q_w),
-                               prefill::pack2(s[2 * kk][2], s[2 * kk][3], q_w),
-                               prefill::pack2(s[2 * kk + 1][0], s[2 * kk + 1][1], q_w),
-                               prefill::pack2(s[2 * kk + 1][2], s[2 * kk + 1][3], q_w)};
+        unsigned a[MT][4];  // keys 16 kk .. + 15 of P
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+          for (int x = 0; x < 4; ++x) a[mt][x] = pa[mt][kk][x];
+        }
         if constexpr (FP8) {
-          prefill::fp8_values<T, KV, DIMS, KV_STRIDE>(o, a, v_tile + 16 * kk * KV_STRIDE, lane);
+          prefill::fp8_values<T, KV, MT, DIMS, KV_STRIDE>(o, a, v_tile + 16 * kk * KV_STRIDE,
+                                                          lane);
           continue;
         }
 #pragma unroll
@@ -1636,8 +1699,11 @@ __global__ void __launch_bounds__(THREADS, 2)
                                         8 * f + lane / 16 * 8);
           const unsigned b0[2] = {b[0], b[1]};
           const unsigned b1[2] = {b[2], b[3]};
-          mma::mma_16816<T>(o[f], a, b0);
-          mma::mma_16816<T>(o[f + 1], a, b1);
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) {
+            mma::mma_16816<T>(o[mt][f], a[mt], b0);
+            mma::mma_16816<T>(o[mt][f + 1], a[mt], b1);
+          }
         }
       }
     }
@@ -1647,44 +1713,51 @@ __global__ void __launch_bounds__(THREADS, 2)
 
   // The rows' sums over their 4 lanes; the log-sum-exp and the sink in natural units.
 #pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
-    l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
-    const float m_nat = m[i] == neg_inf() ? neg_inf() : m[i] * kLn2;
-    if (num_splits > 1 && c == 0 && position[i] >= 0) {
-      const long long row = (first_row + (16 * warp + g + 8 * i) / heads) * num_q_heads +
-                            first_head + (16 * warp + g + 8 * i) % heads;
-      const float base = m_nat == neg_inf() ? 0.0f : m_nat;
-      partial_lse[row * num_splits + split] = base + logf(l[i]);  // -inf when l = 0
+  for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      float& sum = l[mt][i];
+      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+      const float m_nat = m[mt][i] == neg_inf() ? neg_inf() : m[mt][i] * kLn2;
+      const int r = warp_row + 16 * mt + g + 8 * i;
+      if (num_splits > 1 && c == 0 && position[mt][i] >= 0) {
+        const long long row = (first_row + r / heads) * num_q_heads + first_head + r % heads;
+        const float base = m_nat == neg_inf() ? 0.0f : m_nat;
+        partial_lse[row * num_splits + split] = base + logf(sum);  // -inf when l = 0
+      }
+      if (SINKS && num_splits == 1 && position[mt][i] >= 0) {
+        sum = sink_denominator(m_nat, sum, sinks[first_head + r % heads]);
+      }
+      // fp8: V's scale joins the row's denominator, once per row, before any merge.
+      if constexpr (FP8) sum /= head_scale(v_scale, v_scales, v_scale_stride, kv_head);
     }
-    if (SINKS && num_splits == 1 && position[i] >= 0) {
-      l[i] = sink_denominator(m_nat, l[i], sinks[first_head + (16 * warp + g + 8 * i) % heads]);
-    }
-    // fp8: V's scale joins the row's denominator, once per row, before any merge.
-    if constexpr (FP8) l[i] /= head_scale(v_scale, v_scales, v_scale_stride, kv_head);
   }
 
   if (num_splits > 1) {
     // l = 0: the row saw no token of this split; its merge weight is 0 (see paged_prefill).
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      if (position[i] < 0) continue;
-      const int r = 16 * warp + g + 8 * i;
-      const long long row = (first_row + r / heads) * num_q_heads + first_head + r % heads;
-      float* dst = partial_out + (row * num_splits + split) * HEAD_DIM;
-      const float inverse = l[i] == 0.0f ? 0.0f : 1.0f / l[i];
+    for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-      for (int f = 0; f < DIMS; f += 2) {
-        const float* x = o[f] + 2 * i;
-        const float* y = o[f + 1] + 2 * i;
-        if (FP8) {  // dims 16 (f / 2) + 4c .. + 3: even, odd, even, odd
-          *reinterpret_cast<float4*>(dst + 8 * f + 4 * c) =
-              make_float4(x[0] * inverse, y[0] * inverse, x[1] * inverse, y[1] * inverse);
-        } else {
-          *reinterpret_cast<float2*>(dst + 8 * f + 2 * c) =
-              make_float2(x[0] * inverse, x[1] * inverse);
-          *reinterpret_cast<float2*>(dst + 8 * f + 8 + 2 * c) =
-              make_float2(y[0] * inverse, y[1] * inverse);
+      for (int i = 0; i < 2; ++i) {
+        if (position[mt][i] < 0) continue;
+        const int r = warp_row + 16 * mt + g + 8 * i;
+        const long long row = (first_row + r / heads) * num_q_heads + first_head + r % heads;
+        float* dst = partial_out + (row * num_splits + split) * HEAD_DIM;
+        const float inverse = l[mt][i] == 0.0f ? 0.0f : 1.0f / l[mt][i];
+#pragma unroll
+        for (int f = 0; f < DIMS; f += 2) {
+          const float* x = o[mt][f] + 2 * i;
+          const float* y = o[mt][f + 1] + 2 * i;
+          if (FP8) {  // dims 16 (f / 2) + 4c .. + 3: even, odd, even, odd
+            *reinterpret_cast<float4*>(dst + 8 * f + 4 * c) =
+                make_float4(x[0] * inverse, y[0] * inverse, x[1] * inverse, y[1] * inverse);
+          } else {
+            *reinterpret_cast<float2*>(dst + 8 * f + 2 * c) =
+                make_float2(x[0] * inverse, x[1] * inverse);
+            *reinterpret_cast<float2*>(dst + 8 * f + 8 + 2 * c) =
+                make_float2(y[0] * inverse, y[1] * inverse);
+          }
         }
       }
     }
@@ -1693,31 +1766,34 @@ __global__ void __launch_bounds__(THREADS, 2)
   // acc / l (NaN when a NaN reached l, or l = 0: every score -inf), as T, through the warp's own
   // rows of q_s (only this warp reads them), then 16 bytes a lane.
   // (x / l as x * (1 / l): l = 0 makes 0 * Inf = NaN and a nonzero x Inf, as the division.)
-  T* o_w = q_s + 16 * warp * STRIDE;
+  T* o_w = q_s + warp_row * STRIDE;
 #pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const float inverse = 1.0f / l[i];
-    T* o_row = o_w + (g + 8 * i) * STRIDE;
+  for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-    for (int f = 0; f < DIMS; f += 2) {
-      const float* x = o[f] + 2 * i;
-      const float* y = o[f + 1] + 2 * i;
-      if (FP8) {  // dims 16 (f / 2) + 4c .. + 3: even, odd, even, odd
-        *reinterpret_cast<uint2*>(o_row + 8 * f + 4 * c) =
-            make_uint2(prefill::pack2(x[0] * inverse, y[0] * inverse, o_w),
-                       prefill::pack2(x[1] * inverse, y[1] * inverse, o_w));
-      } else {
-        *reinterpret_cast<unsigned*>(o_row + 8 * f + 2 * c) =
-            prefill::pack2(x[0] * inverse, x[1] * inverse, o_w);
-        *reinterpret_cast<unsigned*>(o_row + 8 * f + 8 + 2 * c) =
-            prefill::pack2(y[0] * inverse, y[1] * inverse, o_w);
+    for (int i = 0; i < 2; ++i) {
+      const float inverse = 1.0f / l[mt][i];
+      T* o_row = o_w + (16 * mt + g + 8 * i) * STRIDE;
+#pragma unroll
+      for (int f = 0; f < DIMS; f += 2) {
+        const float* x = o[mt][f] + 2 * i;
+        const float* y = o[mt][f + 1] + 2 * i;
+        if (FP8) {  // dims 16 (f / 2) + 4c .. + 3: even, odd, even, odd
+          *reinterpret_cast<uint2*>(o_row + 8 * f + 4 * c) =
+              make_uint2(prefill::pack2(x[0] * inverse, y[0] * inverse, o_w),
+                         prefill::pack2(x[1] * inverse, y[1] * inverse, o_w));
+        } else {
+          *reinterpret_cast<unsigned*>(o_row + 8 * f + 2 * c) =
+              prefill::pack2(x[0] * inverse, x[1] * inverse, o_w);
+          *reinterpret_cast<unsigned*>(o_row + 8 * f + 8 + 2 * c) =
+              prefill::pack2(y[0] * inverse, y[1] * inverse, o_w);
+        }
       }
     }
   }
   __syncwarp();
   const bool vector_out = (reinterpret_cast<unsigned long long>(out) & 15u) == 0;
-  for (int i = lane; i < 16 * PARTS; i += 32) {
-    const int r = 16 * warp + i / PARTS;
+  for (int i = lane; i < 16 * MT * PARTS; i += 32) {
+    const int r = warp_row + i / PARTS;
     if (row_position(r) < 0) continue;
     const long long row = (first_row + r / heads) * num_q_heads + first_head + r % heads;
     const T* src = o_w + i / PARTS * STRIDE + i % PARTS * 8;

@@ -51,14 +51,17 @@ PREFILL_MMA_DTYPES = ("float16", "bfloat16")
 PREFILL_MMA_MAX_HEAD_DIM = 128
 PREFILL_MMA_ROWS = 64
 # The FlashAttention-2 kind of kernel (paged_prefill_flash: mma.sync m16n8k16 and ldmatrix, the
-# softmax in registers) for 16-bit queries over their own cache from sm_80 (where m16n8k16 exists
-# for fp16 and bf16; fp8 caches converted in registers), every head_dim: PREFILL_FLASH_ROWS rows per thread block (16 per warp), and
-# the largest of PREFILL_FLASH_TILES keys per tile whose shared memory (queries and a ring of two
-# K/V stages) lets PREFILL_FLASH_BLOCKS blocks share a multiprocessor (its __launch_bounds__).
+# softmax in registers) for 16-bit queries over their own cache or fp8 (converted in registers)
+# from sm_80, where m16n8k16 exists for fp16 and bf16, every head_dim. Its warps own two 16-row
+# MMA tiles each up to PREFILL_FLASH_WIDE_HEAD_DIM (128 rows per thread block: each K and V
+# fragment a warp loads serves 32 rows, halving the shared-memory reads per FLOP), one above it
+# (64 rows: O alone takes head_dim / 4 registers per row tile); keys per tile: the largest of
+# flash_tiles(rows) whose shared memory (queries and a ring of two K/V stages) lets
+# PREFILL_FLASH_BLOCKS blocks share a multiprocessor (its __launch_bounds__); two row tiles stop
+# at 32 keys, whose scores take as many registers as 64 keys of one.
 PREFILL_FLASH_DTYPES = ("float16", "bfloat16")
 PREFILL_FLASH_MIN_ARCH = 80
-PREFILL_FLASH_ROWS = 64
-PREFILL_FLASH_TILES = (64, 32, 16)
+PREFILL_FLASH_WIDE_HEAD_DIM = 128
 PREFILL_FLASH_BLOCKS = 2
 # A forced split-K count (tests) cuts paged_prefill_flash's ranges into multiples of this many
 # keys, not of its tile (prefill_partition).
@@ -123,23 +126,51 @@ def prefill_tile(dtype: str, head_dim: int) -> int:
     return tile
 
 
+def flash_rows(head_dim: int, target: Target = NOMINAL_TARGET, dtype: str = "float16") -> int:
+    """Rows (query tokens x query heads) of a ``paged_prefill_flash`` thread block: 128 (two
+    16-row MMA tiles per warp) up to ``PREFILL_FLASH_WIDE_HEAD_DIM`` where two such blocks share
+    a multiprocessor (not on the 99 KB of sm_86/sm_89 at head_dim 128), else 64."""
+    if head_dim <= PREFILL_FLASH_WIDE_HEAD_DIM:
+        smallest = flash_tiles(head_dim, 128)[-1]
+        if _two_fit(_flash_shared_memory(dtype, head_dim, smallest, 128), target):
+            return 128
+    return 64
+
+
+def flash_tiles(head_dim: int, rows: int) -> tuple[int, ...]:
+    """The tiles ``paged_prefill_flash`` may take at ``head_dim`` and ``rows``, largest first,
+    so that no instantiation spills (scripts/kernel-report; NVRTC 12.9, sm_80 and sm_90, every
+    dtype and variant): with two row tiles per warp, 32 keys up to head_dim 96 and 16 above it
+    (the scores of 32 keys and O of two row tiles outgrow 255 registers at head_dim 112-128);
+    with one, 32 up to head_dim 192 and 16 above (O alone takes 128 registers at 256)."""
+    if rows == 128:
+        return (32, 16) if head_dim <= 96 else (16,)
+    return (32, 16) if head_dim <= 192 else (16,)
+
+
 def flash_tile(head_dim: int, target: Target = NOMINAL_TARGET, dtype: str = "float16") -> int:
-    """Keys per tile of ``paged_prefill_flash``: the largest of ``PREFILL_FLASH_TILES`` whose
-    shared memory lets ``PREFILL_FLASH_BLOCKS`` blocks share a multiprocessor (whose shared
-    memory is what one block may opt into plus the 1 KiB the system reserves per block), or the
-    smallest."""
-    for tile in PREFILL_FLASH_TILES:
-        need = PREFILL_FLASH_BLOCKS * (_flash_shared_memory(dtype, head_dim, tile) + 1024)
-        if need <= target.shared_memory + 1024:
+    """Keys per tile of ``paged_prefill_flash``: the largest of ``flash_tiles`` whose shared
+    memory lets ``PREFILL_FLASH_BLOCKS`` blocks share a multiprocessor, or the smallest."""
+    rows = flash_rows(head_dim, target, dtype)
+    tiles = flash_tiles(head_dim, rows)
+    for tile in tiles:
+        if _two_fit(_flash_shared_memory(dtype, head_dim, tile, rows), target):
             return tile
-    return PREFILL_FLASH_TILES[-1]
+    return tiles[-1]
 
 
-def _flash_shared_memory(dtype: str, head_dim: int, tile: int) -> int:
+def _two_fit(shared_mem: int, target: Target) -> bool:
+    """Whether ``PREFILL_FLASH_BLOCKS`` blocks of ``shared_mem`` bytes share a multiprocessor,
+    whose shared memory is what one block may opt into plus the 1 KiB the system reserves per
+    block."""
+    return PREFILL_FLASH_BLOCKS * (shared_mem + 1024) <= target.shared_memory + 1024
+
+
+def _flash_shared_memory(dtype: str, head_dim: int, tile: int, rows: int) -> int:
     """q_s (16-bit) and the ring (the cache's type) of ``paged_prefill_flash``, rows padded by 16
     bytes."""
     stage_row = head_dim * itemsize(dtype) + 16
-    return PREFILL_FLASH_ROWS * 2 * (head_dim + 8) + PREFILL_STAGES * 2 * tile * stage_row
+    return rows * 2 * (head_dim + 8) + PREFILL_STAGES * 2 * tile * stage_row
 
 
 def uses_prefill_flash(
@@ -152,8 +183,8 @@ def uses_prefill_flash(
     own_or_fp8 = dtype == q or is_fp8(dtype)
     if q not in PREFILL_FLASH_DTYPES or not own_or_fp8 or target.arch < PREFILL_FLASH_MIN_ARCH:
         return False
-    tile = flash_tile(head_dim, target, dtype)
-    return target.fits(_flash_shared_memory(dtype, head_dim, tile))
+    tile, rows = flash_tile(head_dim, target, dtype), flash_rows(head_dim, target, dtype)
+    return target.fits(_flash_shared_memory(dtype, head_dim, tile, rows))
 
 
 def uses_prefill_mma(
@@ -180,7 +211,7 @@ def prefill_rows(
 ) -> int:
     """Rows (query tokens x query heads) of one prefill thread block."""
     if uses_prefill_flash(dtype, head_dim, target, q_dtype=q_dtype):
-        return PREFILL_FLASH_ROWS
+        return flash_rows(head_dim, target, dtype)
     mma = uses_prefill_mma(dtype, head_dim, target, q_dtype=q_dtype)
     return PREFILL_MMA_ROWS if mma else PREFILL_ROWS
 
@@ -195,7 +226,7 @@ def prefill_shared_memory(
 ) -> int:
     """Bytes of dynamic shared memory of ``paged_prefill`` (layout: see cuda/paged_prefill.cu)."""
     if uses_prefill_flash(dtype, head_dim, target, q_dtype=q_dtype):
-        return _flash_shared_memory(dtype, head_dim, tile)
+        return _flash_shared_memory(dtype, head_dim, tile, flash_rows(head_dim, target, dtype))
     mma = uses_prefill_mma(dtype, head_dim, target, q_dtype=q_dtype)
     return _prefill_shared_memory(mma, dtype, head_dim, tile)
 
@@ -309,12 +340,9 @@ def prefill_launch(
     mma = uses_prefill_mma(dtype, head_dim, target, q_dtype=q_dtype)
     if flash:  # its ring's cache offsets are 32-bit per block (common.cuh, KvRing SPLIT_KV)
         check_block_elements(num_kv_heads, block_size, head_dim)
-        tile, rows_per_block, kind = (
-            flash_tile(head_dim, target, dtype),
-            PREFILL_FLASH_ROWS,
-            "flash",
-        )
-        shared_mem = _flash_shared_memory(dtype, head_dim, tile)
+        tile, kind = flash_tile(head_dim, target, dtype), "flash"
+        rows_per_block = flash_rows(head_dim, target, dtype)
+        shared_mem = _flash_shared_memory(dtype, head_dim, tile, rows_per_block)
     else:
         tile = prefill_tile(dtype, head_dim)
         rows_per_block = PREFILL_MMA_ROWS if mma else PREFILL_ROWS

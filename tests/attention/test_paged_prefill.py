@@ -131,7 +131,7 @@ def test_prefill_matches_float64_reference(rng, xp, case):
 
 # ---- the tensor-core kernel (fp16/bf16: paged_prefill_flash) ---------------------------------
 
-# Full 64-row query tiles (G = 1: 64 tokens), many crossing tiles, a chunk after a long prefix and
+# Full 128-row query tiles (G = 1: 128 tokens), many crossing tiles, a chunk after a long prefix and
 # a decode row; q scaled so that the softmax is sharp (P's rounding to the storage type matters
 # most where a few weights dominate).
 MMA_BATCH = ((200, 200), (530, 33), (40, 1))
@@ -150,7 +150,7 @@ def test_tensor_core_path_on_full_tiles_and_a_sharp_softmax(rng, xp, dtype, head
     if xp is not np and order != SCHEDULES[0]:
         pytest.skip("scheduling orders belong to the CPU backend; the GPU runs once")
     launch = prefill_launch(dtype, 1, NUM_KV_HEADS, ratio, head_dim, 16, 1)
-    assert "paged_prefill_flash" in launch.name and launch.query_rows == 64 // ratio
+    assert "paged_prefill_flash" in launch.name and launch.query_rows == 128 // ratio
     q, k_cache, v_cache, tables, lens, starts, _ = prefill_batch(
         rng, MMA_BATCH, head_dim, ratio, 16, dtype
     )
@@ -252,14 +252,14 @@ def test_split_heuristic_fills_the_gpu_balanced_by_tokens():
     work = prefill_work(np.array([0, 64]), np.array([32768 + 64]), one.query_rows, True)
     assert one.num_splits > 1 and one.partition_tokens % one.tile == 0
     tiles = one.grid[0] // one.num_splits
-    assert one.query_rows == 16  # 64 rows of the tensor-core kernel over G = 4
-    assert tiles == 64 // 16 + 1 and one.grid[1:] == (NUM_KV_HEADS, 1)  # and an empty head tile
+    assert one.query_rows == 32  # 128 rows of the tensor-core kernel over G = 4
+    assert tiles == 64 // 32 + 1 and one.grid[1:] == (NUM_KV_HEADS, 1)  # and an empty head tile
     blocks = NOMINAL_SM_COUNT * PREFILL_SPLIT_BLOCKS_PER_SM
     per_block = -(-work.kv_tokens * NUM_KV_HEADS // blocks)
     assert per_block <= one.partition_tokens < per_block + one.tile
     assert one.num_splits == -(-work.max_end // one.partition_tokens)
-    big = split_plan([(1024 + 256, 256)] * 8, "float16", 128, 4, 16, True, None)
-    assert big.num_splits == 1 and big.grid == (8 * 256 // 16 + 8, NUM_KV_HEADS, 1)
+    big = split_plan([(1024 + 256, 256)] * 16, "float16", 128, 4, 16, True, None)
+    assert big.num_splits == 1 and big.grid == (16 * 256 // 32 + 16, NUM_KV_HEADS, 1)
     short = split_plan([(200, 8)], "float16", 128, 4, 16, True, None)
     assert short.num_splits == 1  # no split shorter than MIN_SPLIT_TOKENS
 
@@ -609,15 +609,16 @@ def test_launch_plan():
     assert exact.grid == (13 + 3, 2, 1) and exact.merge_grid == (50, 8)
     for dtype, c_type in (("float16", "__half"), ("bfloat16", "__nv_bfloat16")):
         flash = prefill_launch(dtype, 3, 2, 4, 128, 16, 37, total_query_tokens=50)
-        assert flash.name == f"cupaged::paged_prefill_flash<{c_type}, 128, 16, 64, 64, 2, 128>"
-        assert (flash.query_rows, flash.heads_per_block, flash.tile) == (16, 4, 64)
-        assert flash.grid == (4 + 3, 2, 1) and flash.block == (128,) and flash.merge_grid == (50, 8)
-    # head_dim 256 too, in tiles of 32 keys (two blocks per H100 multiprocessor)
+        assert flash.name == f"cupaged::paged_prefill_flash<{c_type}, 128, 16, 16, 128, 2, 128>"
+        assert (flash.query_rows, flash.heads_per_block, flash.tile) == (32, 4, 16)
+        assert flash.grid == (2 + 3, 2, 1) and flash.block == (128,) and flash.merge_grid == (50, 8)
+    # head_dim 256 too, 64 rows (one 16-row tile per warp), in tiles of 16 keys
     wide_head = prefill_launch("float16", 3, 2, 4, 256, 16, 37)
-    assert wide_head.name.startswith("cupaged::paged_prefill_flash<__half, 256, 16, 32, 64,")
+    assert wide_head.name.startswith("cupaged::paged_prefill_flash<__half, 256, 16, 16, 64,")
     assert wide_head.query_rows == 16
     # paged_prefill_flash: q_s and the ring of two stages, rows padded by 16 bytes
-    assert prefill_shared_memory("float16", 128, 64) == 64 * 272 + 4 * 64 * 272 == 87040
+    assert prefill_shared_memory("float16", 128, 16) == 128 * 272 + 4 * 16 * 272 == 52224
+    assert prefill_shared_memory("float16", 256, 16) == 64 * 528 + 4 * 16 * 528 == 67584
     # a T4 keeps the WMMA kernel (paged_prefill_mma) for fp16: q_s, the ring, s_s, p_s, special_s
     t4 = Target.of_arch(75)
     wmma = prefill_launch("float16", 3, 2, 4, 96, 16, 37, target=t4)

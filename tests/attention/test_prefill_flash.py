@@ -21,8 +21,9 @@ import cupaged
 import cupaged.attention.prefill as prefill_module
 from cupaged.dtypes import from_float, to_float
 from cupaged.kernels.launch_prefill import (
-    PREFILL_FLASH_ROWS,
+    flash_rows,
     flash_tile,
+    flash_tiles,
     prefill_launch,
     uses_prefill_flash,
 )
@@ -56,22 +57,26 @@ def run(xp, q, k_cache, v_cache, tables, lens, starts, **kwargs):
 
 @pytest.mark.parametrize("head_dim", [64, 80, 128, 192, 256])
 def test_the_launch_table_picks_flash_for_16_bit_queries_from_sm_80(head_dim):
-    """fp16/bf16 over their own cache from sm_80: paged_prefill_flash, 64 rows, the largest tile
-    with two blocks per multiprocessor (the tile's shared memory doubled fits the SM); fp8 caches
+    """fp16/bf16 over their own cache from sm_80: paged_prefill_flash, 128 rows (two 16-row MMA
+    tiles per warp) up to head_dim 128 and 64 above, the largest tile with no spill that lets
+    two blocks share a multiprocessor (the tile's shared memory doubled fits the SM); fp8 caches
     under 16-bit queries too; float32 keeps its kernel, a T4 WMMA for fp16 (no m16n8k16 before
     sm_80)."""
-    expected_tiles = {
-        90: 64 if head_dim <= 128 else 32,
-        80: 64 if head_dim < 128 else 32 if head_dim <= 192 else 16,
-    }
-    for arch, tile in expected_tiles.items():
+    rows = 128 if head_dim <= 128 else 64
+    tile = 32 if head_dim <= 96 or 128 < head_dim <= 192 else 16
+    for arch in (80, 86, 90):
         target = Target.of_arch(arch)
-        assert flash_tile(head_dim, target) == tile
+        if arch != 86:  # an A100 or an H100: these tiles; sm_86's 99 KB may take fewer rows
+            assert (flash_rows(head_dim, target), flash_tile(head_dim, target)) == (rows, tile)
         for dtype in HALF:
             launch = prefill_launch(dtype, 2, 8, 4, head_dim, 16, 100, target=target)
             assert launch.name.startswith(f"cupaged::paged_prefill_flash<{_c(dtype)}, {head_dim},")
-            assert (launch.tile, launch.query_rows) == (tile, PREFILL_FLASH_ROWS // 4)
-            assert 2 * (launch.shared_mem + 1024) <= target.shared_memory + 1024
+            got_rows = flash_rows(head_dim, target, dtype)
+            assert launch.name.endswith(f", {launch.tile}, {got_rows}, 2, 128>")
+            assert launch.tile in flash_tiles(head_dim, got_rows)
+            assert launch.query_rows == got_rows // 4
+            two = 2 * (launch.shared_mem + 1024) <= target.shared_memory + 1024
+            assert two or launch.tile == 16  # sm_86 from head_dim 192: one block of 16 keys
     h100 = Target.of_arch(90)
     fp8 = prefill_launch("float8_e4m3", 2, 8, 4, head_dim, 16, 100, target=h100, q_dtype="float16")
     assert fp8.name.startswith(f"cupaged::paged_prefill_flash<__half, {head_dim},")
@@ -93,14 +98,18 @@ def _c(dtype: str) -> str:
 # ---- the causal diagonal, pages and long contexts ----------------------------------------------
 
 
-@pytest.mark.parametrize("dtype, ratio", [("float16", 1), ("bfloat16", 4)])
-def test_the_causal_diagonal_at_every_offset_in_a_key_tile(rng, xp, dtype, ratio):
-    """Sequences whose first query sits at every position 0 .. 63 of a 64-key tile (the cached
-    prefix's length mod 64), with 64 // G + 3 queries each: a full query tile, then a short one,
-    so that the diagonal crosses a tile at each offset, and a tile at the range's end is short."""
-    rows = PREFILL_FLASH_ROWS // ratio
-    batch = tuple((past + rows + 3, rows + 3) for past in range(64))
-    q, k_cache, v_cache, tables, lens, starts, _ = prefill_batch(rng, batch, 64, ratio, 16, dtype)
+@pytest.mark.parametrize("dtype, ratio, head_dim", [("float16", 1, 64), ("bfloat16", 4, 160)])
+def test_the_causal_diagonal_at_every_offset_in_a_key_tile(rng, xp, dtype, ratio, head_dim):
+    """Sequences whose first query sits at every position 0 .. 31 of a 32-key tile (the cached
+    prefix's length mod 32), with rows // G + 3 queries each: a full query tile, then a short
+    one, so that the diagonal crosses a tile at each offset, and a tile at the range's end is
+    short; with two row tiles per warp (head_dim 64: 128 rows) and one (160: 64 rows)."""
+    rows = flash_rows(head_dim) // ratio
+    assert flash_tile(head_dim) == 32
+    batch = tuple((past + rows + 3, rows + 3) for past in range(32))
+    q, k_cache, v_cache, tables, lens, starts, _ = prefill_batch(
+        rng, batch, head_dim, ratio, 16, dtype
+    )
     expected = oracle(q, k_cache, v_cache, tables, lens, starts)
     got = run(xp, q, k_cache, v_cache, tables, lens, starts, dtype=dtype, num_splits=1)
     assert_close(got, expected, dtype)
@@ -108,8 +117,9 @@ def test_the_causal_diagonal_at_every_offset_in_a_key_tile(rng, xp, dtype, ratio
 
 @pytest.mark.parametrize("block_size", [1, 3, 16, 100, 256])
 def test_key_tiles_that_span_pages_of_any_size(rng, xp, block_size):
-    """A 64-key tile gathers 64 pages of one token, 21 and a third of three, four of 16, parts of
-    one or two of 100 and 256: every token through the block table, whatever the page size."""
+    """A 16-key tile (head_dim 128) gathers 16 pages of one token, five and a third of three, one
+    of 16, part of one or two of 100 and 256: every token through the block table, whatever the
+    page size."""
     batch = ((300, 300), (130, 7), (65, 1))
     dtype = "bfloat16" if block_size % 2 else "float16"
     q, k_cache, v_cache, tables, lens, starts, _ = prefill_batch(
@@ -168,9 +178,9 @@ def test_an_inf_in_v_reaches_exactly_the_rows_that_see_it(rng, xp, dtype, where)
 @pytest.mark.parametrize(
     "arch, dtype, head_dim, ratio",
     [
-        (80, "float16", 128, 4),  # 32-key tiles
-        (80, "bfloat16", 256, 1),  # 16-key tiles
-        (86, "float16", 64, 8),  # 99 KB of shared memory per block
+        (80, "float16", 80, 4),  # 32-key tiles, 128 rows
+        (80, "bfloat16", 256, 1),  # 16-key tiles, 64 rows
+        (86, "float16", 192, 8),  # 99 KB of shared memory per block: 64 rows, 32 keys
         (75, "float16", 96, 2),  # WMMA (paged_prefill_mma): a T4 has no m16n8k16
     ],
 )
@@ -200,7 +210,7 @@ def test_the_tiles_of_other_gpus(rng, xp, planned_for, arch, dtype, head_dim, ra
     [
         (90, "float8_e4m3", "float16", 80, 2, "flash"),  # 5 dim blocks: an x2 ldmatrix of V
         (80, "float8_e5m2", "bfloat16", 256, 1, "flash"),  # 16-key tiles: an x2 ldmatrix of K
-        (80, "float8_e4m3", "bfloat16", 128, 4, "flash"),  # 32-key tiles
+        (80, "float8_e4m3", "bfloat16", 64, 4, "flash"),  # 32-key tiles: x4 of K, 128 rows
         (75, "float8_e5m2", "float16", 64, 4, "mma"),  # WMMA over the converted stage
         (75, "float8_e4m3", "bfloat16", 96, 2, ""),  # CUDA cores: no bf16 WMMA on a T4
     ],

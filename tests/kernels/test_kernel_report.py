@@ -422,8 +422,8 @@ def test_prefill_kv_arrives_by_16_byte_async_copies_and_is_read_128_bit(quick):
     and the 16-bit types on a T4 at head_dim 128) reads shared memory 128 bits at a time only in
     its innermost loops (scores, P V); paged_prefill_flash (fp16/bf16 from sm_80) reads it in
     its tile loop by ldmatrix x4 alone, one per 16 x 16 block of Q, K and V: head_dim / 16 for
-    Q, and tile / 16 x head_dim / 16 each for K and V (the rare path's narrow reads apart, and
-    the scalar reads of the Inf/NaN check's branch). No spills, no stack."""
+    Q per 16-row tile of a warp, and tile / 16 x head_dim / 16 each for K and V, which serve
+    both row tiles (the rare path's narrow reads apart). No spills, no stack."""
     _, rows = quick
     prefill = prefill_rows(rows, dtypes=launches.DTYPES)
     assert len(prefill) == 27  # 3 GPUs x 3 dtypes x 3 groups
@@ -440,8 +440,9 @@ def test_prefill_kv_arrives_by_16_byte_async_copies_and_is_read_128_bit(quick):
             assert set(reads) == {"LDS.128"}, (row["name"], loops)
             continue
         assert "paged_prefill_flash<" in row["name"] and row["stack"] == 0, row["name"]
-        blocks = row["head_dim"] // 16
-        assert reads["LDSM.128"] == blocks + 2 * row["tile"] // 16 * blocks, (row["name"], loops)
+        blocks, row_tiles = row["head_dim"] // 16, int(row["name"].split(",")[4]) // 64
+        ldsm = row_tiles * blocks + 2 * row["tile"] // 16 * blocks  # Q of each row tile, K, V
+        assert reads["LDSM.128"] == ldsm, (row["name"], loops)
         assert "LD.32" not in reads, (row["name"], loops)  # no generic-address fragment loads
         assert loops.get("LDGSTS.128", 0) >= 2, (row["name"], loops)  # the ring, in the tile loop
 
@@ -449,27 +450,29 @@ def test_prefill_kv_arrives_by_16_byte_async_copies_and_is_read_128_bit(quick):
 def test_prefill_tile_model_before_and_after_the_tensor_cores(quick):
     """H100, head_dim 128, fp16/bf16 (model): the FMA kernel's tile (16 rows x 32 tokens) issued
     about 1,800 (fp16) and 1,992 (bf16) cycles from its SASS (docs/prefill.md); the FlashAttention
-    kind of kernel's (64 rows x 64 tokens) costs less than a fifth of that per 16 rows and 32
+    kind of kernel's (128 rows x 16 tokens) costs less than a fifth of that per 16 rows and 32
     tokens, and its HMMAs are the two products' exact count. float32 keeps the FMA kernel and its
     model."""
     _, rows = quick
     for row in prefill_rows(rows, "H100"):
         m = row["model_prefill_tile"]
         assert m is not None and "paged_prefill_flash" in row["name"], row["name"]
-        assert (m["rows"], m["tile"]) == (64, 64) and m["flops"] == 4 * 64 * 64 * 128
-        assert m["hmma"] == 2 * (64 // 8) * (128 // 16)  # per warp: 2 products of 64 HMMA
-        assert m["hmma_pipe"] == 128 * 2048 * 4 / 1024
+        assert (m["rows"], m["tile"]) == (128, 16) and m["flops"] == 4 * 128 * 16 * 128
+        # per warp, 2 row tiles: S 2 x 2 key blocks x 8 dim blocks, P V 2 x 16 dim blocks
+        assert m["hmma"] == 2 * 2 * 8 + 2 * 16
+        assert m["hmma_pipe"] == 64 * 2048 * 4 / 1024
         assert m["issue"] == m["instructions"] * 4 / 4
         assert m["bound"] == max(
             m["issue"], m["hmma_pipe"], m["mufu_pipe"], m["shfl_pipe"], m["smem"]
         )
         per_32_tokens = m["per_16_rows"] * 32 / m["tile"]
         assert per_32_tokens * 5 < (1800 if row["dtype"] == "float16" else 1992), m
-        # only ldmatrix reads shared memory: K and V by every warp, Q by its own (no conflict)
-        assert m["smem"] == row["model_smem_cycles_per_tile"] == (4 * 32768 + 16384 + 32768) // 128
-        assert m["dram"] == row["model_dram_cycles_per_tile"] == 2 * 1278
-        # the ring: one tile of K and V in flight per CTA (32 KiB at 64 tokens of head_dim 128)
-        assert row["model_bytes_in_flight_per_sm"] == 32768 * row["ctas_per_sm"] > 0
+        # only ldmatrix reads shared memory: Q, K and V by every warp (no conflict), plus the
+        # ring's stores: 4 x (8 + 4 + 4) KiB + 8 KiB at 128 bytes a cycle
+        assert m["smem"] == row["model_smem_cycles_per_tile"] == (4 * 16384 + 8192) // 128
+        assert m["dram"] == row["model_dram_cycles_per_tile"] == 1278 // 2
+        # the ring: one tile of K and V in flight per CTA (8 KiB at 16 tokens of head_dim 128)
+        assert row["model_bytes_in_flight_per_sm"] == 8192 * row["ctas_per_sm"] > 0
         assert row["ctas_per_sm"] == 2
     for row in prefill_rows(rows, dtypes=("float32",)):
         assert row["model_prefill_tile"]["mma"] is None
@@ -753,9 +756,11 @@ def test_the_tensor_core_prefill_mix_has_its_main_loop_in_the_tile_loop(prefill_
     main, tile_loop, whole = found["main_loop"], found["enclosing_loop"], found["whole_kernel"]
     # mma.sync m16n8k16 straight from ldmatrix fragments, unrolled: the KV tile loop itself is
     # the innermost loop with HMMAs (the rare path's loops nested in it have none), and holds
-    # every one: 2 products x 64 per 64-key tile at head_dim 128.
-    assert main["mix"]["HMMA.16816"] == whole["HMMA.16816"] == 128, main
-    assert main["mix"]["LDSM"] == 8 + 2 * 4 * 8 // 2, main  # fp8 K: 32 keys per x4
+    # every one: 2 products x 2 row tiles x 16 per 16-key tile at head_dim 128.
+    assert main["mix"]["HMMA.16816"] == whole["HMMA.16816"] == 64, main
+    # Q: 2 row tiles x 8 dim blocks; fp8 K: 16 keys x 16 dims per x2, 8 of them; fp8 V: 16
+    # keys x 32 dims per x4.trans, 4 of them
+    assert main["mix"]["LDSM"] == 2 * 8 + 8 + 4, main
     assert main["nested"] >= 1 and tile_loop is None
     for op in ("LDGSTS", "BAR", "MUFU.EX2", "FFMA", "F2FP"):
         assert main["mix"].get(op, 0) > 0, (op, main["mix"])

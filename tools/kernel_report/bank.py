@@ -373,23 +373,24 @@ def prefill_mma_bank_model(dtype: str, head_dim: int, tile: int) -> dict[str, in
 
 
 @functools.cache
-def prefill_flash_bank_model(dtype: str, head_dim: int, tile: int) -> dict[str, int]:
+def prefill_flash_bank_model(dtype: str, head_dim: int, tile: int, rows: int) -> dict[str, int]:
     """MODEL: shared-memory cycles of one full KV tile of ``paged_prefill_flash`` (one CTA).
 
     Addresses as cuda/paged_prefill.cu lays them out (q_s rows of ``head_dim + 8`` 16-bit
     elements, stage rows of the cache's ``head_dim`` elements plus 16 bytes), 128 threads, warp
-    w on rows 16 w .. 16 w + 15; only ldmatrix reads shared memory in the tile (the softmax and
-    P stay in registers):
+    w on its one or two 16-row MMA tiles (``rows``: 64 or 128); only ldmatrix reads shared memory in
+    the tile (the softmax and P stay in registers), each K and V fragment once per warp for all
+    its row tiles:
 
     1. cp.async stores of K and V, as ``prefill_bank_model``;
-    2. scores: per 16 dims, Q's 16 x 16 block (ldmatrix x4, ``_fragment_cycles``) and K's rows,
+    2. scores: per 16 dims, Q's 16 x 16 blocks (ldmatrix x4, ``_fragment_cycles``) and K's rows,
        16 keys x 16 dims per x4 (fp8: 8 keys x 16 dims, 16 bytes a row, per matrix);
     3. P V: V's rows by ldmatrix x4.trans, 16 keys x 16 dims per x4 (fp8: two matrices of 8
        keys x 16 bytes).
     """
     size = itemsize(dtype)
-    rows = launch_prefill.PREFILL_FLASH_ROWS
     warps = launch_prefill.PREFILL_THREADS // WARP
+    row_tiles = rows // (16 * warps)  # 16-row MMA tiles per warp
     q_row = (head_dim + 8) * 2
     kv_row = head_dim * size + 16
     k_base = rows * q_row
@@ -414,7 +415,9 @@ def prefill_flash_bank_model(dtype: str, head_dim: int, tile: int) -> dict[str, 
 
     for warp in range(warps):
         for k in range(head_dim // 16):
-            cycles["scores"] += _fragment_cycles(16 * warp * q_row + 32 * k, q_row, 2)
+            for mt in range(row_tiles):
+                first = 16 * (row_tiles * warp + mt)
+                cycles["scores"] += _fragment_cycles(first * q_row + 32 * k, q_row, 2)
             cycles["scores"] += matrices(k_base + 16 * k * size, tile, 16)
         cycles["pv"] += matrices(v_base, tile, head_dim)
     cycles["total"] = sum(cycles.values())

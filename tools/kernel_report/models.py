@@ -240,6 +240,11 @@ def prefill_tile_model(
     return model
 
 
+def flash_rows_of(name: str) -> int:
+    """ROWS of a ``paged_prefill_flash<T, HEAD_DIM, BLOCK_SIZE, TILE, ROWS, ...>`` name."""
+    return int(name.split("<", 1)[1].split(",")[4])
+
+
 def prefill_mma_tile_model(
     launch: Launch, sass: Sass, arch: str, gpu: str, bank: dict[str, int]
 ) -> dict[str, object] | None:
@@ -249,7 +254,8 @@ def prefill_mma_tile_model(
     The tile loop is the loop that holds every HMMA; a regular tile (one that crosses no row's
     position) runs its straight-line instructions (the crossing tiles' branches included, an
     overcount) and the nested loops that hold HMMAs, each as many times as makes the tile's
-    multiply-adds ``2 x 16 x tile x head_dim`` per warp (two products over its 16 rows; an
+    multiply-adds ``2 x rows / 4 x tile x head_dim`` per warp (two products over its 16 or 32
+    rows: ``paged_prefill_flash`` gives a warp two 16-row tiles up to head_dim 128; an
     HMMA.16816 does 2,048 of them, sm_75's HMMA.1688 1,024); its other nested loops (the
     crossing tiles' Inf/NaN check, the rare path that keeps a masked token's Inf out of a row)
     do not run, and their memory operations are reported apart. Per warp, times 4 warps:
@@ -279,7 +285,9 @@ def prefill_mma_tile_model(
     fma_of = {s: sum(fma_at(i) for i in range(s[0], s[1] + 1)) for s in top}
     straight = [i for i in range(a, b + 1) if not any(s[0] <= i <= s[1] for s in top)]
     straight_fma = sum(fma_at(i) for i in straight)
-    expected = 2 * 16 * launch.tile * launch.head_dim
+    flash = "paged_prefill_flash" in launch.name
+    rows = flash_rows_of(launch.name) if flash else launch_prefill.PREFILL_MMA_ROWS
+    expected = 2 * rows // (launch.threads // WARP) * launch.tile * launch.head_dim
     looped = [s for s in top if hmma_of[s]]
     per_trip = sum(fma_of[s] for s in looped)
     trips = (expected - straight_fma) // per_trip if per_trip else 0
@@ -293,7 +301,6 @@ def prefill_mma_tile_model(
     warps = launch.threads // WARP
     hmma = sum(1 for i in run if op[i].startswith("HMMA"))
     hmma_fma = sum(fma_at(i) for i in run)
-    rows = launch_prefill.PREFILL_MMA_ROWS
     fma = rows * launch.tile * launch.head_dim  # per product
     dram = kv_tile_bytes(launch)
     regular: dict[str, int] = {}

@@ -25,6 +25,7 @@ from .models import (
     cascade_tile_model,
     decode_issue_model,
     dram_bytes_per_sm_cycle,
+    flash_rows_of,
     prefill_mma_tile_model,
     prefill_tile_model,
 )
@@ -102,7 +103,8 @@ class Analysis:
             issue = decode_issue_model(code, launch.threads, arch)
         bank = None
         if "paged_prefill_flash" in launch.name:  # fp8 too: its stage rows are modelled
-            bank = prefill_flash_bank_model(launch.dtype, launch.head_dim, launch.tile)
+            rows = flash_rows_of(launch.name)
+            bank = prefill_flash_bank_model(launch.dtype, launch.head_dim, launch.tile, rows)
         elif "paged_prefill_mma" in launch.name and modelled:
             bank = prefill_mma_bank_model(launch.dtype, launch.head_dim, launch.tile)
         elif launch.kernel == "paged_prefill" and modelled:
