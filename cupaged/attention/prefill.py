@@ -325,7 +325,7 @@ class PrefillPlan:
     @property
     def kernel_name(self) -> str | None:
         """The instantiation the launch table picked (a RawModule name expression, e.g.
-        ``cupaged::paged_prefill_mma<__half, 128, 16, 32, 64, 2, 128>``); ``None`` when nothing
+        ``cupaged::paged_prefill_flash<__half, 128, 16, 16, 128, 2, 128>``); ``None`` when nothing
         runs (no query tokens). What benchmarks print beside their times."""
         return None if self._launch is None else self._launch.name
 
