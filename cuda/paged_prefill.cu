@@ -1091,38 +1091,41 @@ __global__ void __launch_bounds__(THREADS, kPrefillMmaBlocks)
 // ---- FlashAttention-2 kind: paged_prefill_flash (fp16 / bf16 queries) --------------------------
 // The same attention, query tiles, ring, split-K outputs and NaN/Inf rules as paged_prefill, on
 // mma.sync m16n8k16 with every intermediate in registers (cuda/mma_sync.cuh: the fragment
-// layouts this code relies on). ROWS = 16 x WARPS rows: warp w owns rows 16 w .. 16 w + 15 of
-// the tile (token-major, as paged_prefill); lane l (g = l / 4, c = l % 4) owns rows g and g + 8
-// of them. Per KV tile of TILE tokens (ring with SPLIT_KV: K lands before V):
+// layouts this code relies on). ROWS = 16 x MT x WARPS rows (token-major, as paged_prefill):
+// warp w owns MT (1 or 2) row tiles of 16, rows 16 MT w .. 16 MT w + 16 MT - 1; lane l (g = l / 4,
+// c = l % 4) owns rows g and g + 8 of each. Per KV tile of TILE tokens (ring with SPLIT_KV: K
+// lands before V):
 //   1. wait for K, __syncthreads, issue the tile STAGES - 1 ahead (common.cuh, KvRing);
-//   2. S = Q K^T: per 16 dims, the warp's Q block by ldmatrix_x4 (q_s, unscaled T) and two key
-//      blocks of 8 by one ldmatrix_x4 of K rows; S is TILE / 8 accumulators of 4 floats per
-//      lane: row g (and g + 8), keys 8 n + 2 c, + 1;
+//   2. S = Q K^T: per 16 dims, each row tile's Q block by ldmatrix_x4 (q_s, unscaled T) and two
+//      key blocks of 8 by one ldmatrix_x4 of K rows, which serves every row tile of the warp; S
+//      is TILE / 8 accumulators of 4 floats per lane and row tile: row g (and g + 8), keys
+//      8 n + 2 c, + 1;
 //   3. the online softmax in those registers, in base 2 (the scale folded into log2 e: one FFMA
 //      and one EX2 per score): the row max and, at the end, the row sum over the 4 lanes of a
 //      row by two shuffles each; only a tile that some row does not wholly see (the causal
 //      diagonal, a window's edge, the range's last partial tile) tests keys against rows;
 //   4. O = alpha O + P V: alpha scales O in registers (its layout is known: row g, g + 8), P's
-//      accumulators become the A operand of P V as they are (16 keys = two S accumulators:
-//      no shared-memory round trip), V's B fragments come from ldmatrix_x4_trans of V rows;
-//      O is HEAD_DIM / 8 accumulators of 4 floats per lane for the whole KV range.
+//      accumulators become the A operand of P V as they lie (16 keys = two S accumulators,
+//      packed to T pairs: no shared-memory round trip), V's B fragments come from
+//      ldmatrix_x4_trans of V rows; O is HEAD_DIM / 8 accumulators of 4 floats per lane and row
+//      tile for the whole KV range.
 // A masked weight is 0, and 0 x Inf would be NaN in an MMA that multiplies every row by every key
 // of the tile. In a tile that hides keys from some rows (the causal diagonal, a window's edge),
 // the block checks those keys' V rows for an Inf or NaN first (a block-uniform branch, rare): if
 // one holds any, each lane adds p x v for its own O elements of the non-finite elements of the
-// keys its rows see (p from the lane of the row that holds it, by a shuffle), the elements are
-// zeroed in the stage, and the MMA adds the rest: a key still never reaches a row that does not
-// see it, and reaches those that do as in paged_prefill.
+// keys its rows see (p, as rounded to T for the MMA, from the lane of the row that holds it, by
+// a shuffle), the elements are zeroed in the stage, and the MMA adds the rest: a key still never
+// reaches a row that does not see it, and reaches those that do as in paged_prefill.
 // At the end each warp writes its O rows, divided by l and rounded to T, to its own rows of q_s,
 // and copies them out 16 bytes a lane (a split writes float pairs straight from registers).
 //
-// Grid and arguments: as paged_prefill. Block: THREADS (ROWS / 16 warps). Dynamic shared memory,
-// in this order: q_s [ROWS, HEAD_DIM + 8] T, kv_s [STAGES, 2 (K, V), TILE, HEAD_DIM + 8] T. Rows
-// are padded by 16 bytes, so the 8 rows of each ldmatrix phase start 4 banks apart
+// Grid and arguments: as paged_prefill. Block: THREADS (4 warps). Dynamic shared memory, in this
+// order: q_s [ROWS, HEAD_DIM + 8] T, kv_s [STAGES, 2 (K, V), TILE, HEAD_DIM + 16 / sizeof(KV)]
+// KV. Rows are padded by 16 bytes, so the 8 rows of each ldmatrix phase start 4 banks apart
 // (conflict-free), and q_s rows as well.
 // __launch_bounds__(THREADS, 2): two blocks of 4 warps per SM at up to 255 registers (the launch
-// table picks the largest tile whose shared memory lets two blocks fit: 64 keys up to head_dim
-// 128 on sm_90, scripts/kernel-report).
+// table, cupaged/kernels/launch_prefill.py: flash_rows and flash_tiles, picks the largest tile
+// with no spill whose shared memory lets two blocks fit; scripts/kernel-report).
 namespace prefill {
 
 // Two floats rounded to T, as one register (first in the low half): an MMA operand pair.
@@ -1142,6 +1145,47 @@ __device__ __forceinline__ float unpack_half(unsigned pair, int high, const __ha
 }
 __device__ __forceinline__ float unpack_half(unsigned pair, int high, const __nv_bfloat16*) {
   return __uint_as_float(high ? pair & 0xffff0000u : pair << 16);
+}
+
+// S += Q K^T over one 16-dim block of a 16-bit cache (k_block: its dims in the stage's first
+// key row), for the warp's MT row tiles: each ldmatrix_x4 of K rows (keys 8n .. 8n + 15, dims
+// 16k .. 16k + 15) is the B operand of two 8-key accumulators, for every row tile.
+template <typename T, int MT, int KEYS, int KV_STRIDE>
+__device__ __forceinline__ void half_scores(float (&s)[MT][KEYS][4], const unsigned (&a)[MT][4],
+                                            const T* k_block, int lane) {
+#pragma unroll
+  for (int n = 0; n < KEYS; n += 2) {
+    unsigned b[4];
+    mma::ldmatrix_x4(b, k_block + (8 * n + lane / 16 * 8 + lane % 8) * KV_STRIDE + lane / 8 % 2 * 8);
+    const unsigned b0[2] = {b[0], b[1]};
+    const unsigned b1[2] = {b[2], b[3]};
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      mma::mma_16816<T>(s[mt][n], a[mt], b0);
+      mma::mma_16816<T>(s[mt][n + 1], a[mt], b1);
+    }
+  }
+}
+
+// O += P V for the 16 keys of `keys` (a stage row of a 16-bit cache) and A = P's operand of
+// each row tile: an ldmatrix_x4_trans of V rows (dims 8f .. 8f + 15) is the B operand of two
+// 8-dim accumulators.
+template <typename T, int MT, int DIMS, int KV_STRIDE>
+__device__ __forceinline__ void half_values(float (&o)[MT][DIMS][4], const unsigned (&a)[MT][4],
+                                            const T* keys, int lane) {
+#pragma unroll
+  for (int f = 0; f < DIMS; f += 2) {
+    unsigned b[4];
+    mma::ldmatrix_x4_trans(b, keys + (lane / 8 % 2 * 8 + lane % 8) * KV_STRIDE + 8 * f +
+                                  lane / 16 * 8);
+    const unsigned b0[2] = {b[0], b[1]};
+    const unsigned b1[2] = {b[2], b[3]};
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      mma::mma_16816<T>(o[mt][f], a[mt], b0);
+      mma::mma_16816<T>(o[mt][f + 1], a[mt], b1);
+    }
+  }
 }
 
 // fp8 caches, converted in registers on the way into the MMA (no shared-memory pass). An
@@ -1515,20 +1559,8 @@ __global__ void __launch_bounds__(THREADS, 2)
         }
         if constexpr (FP8) {
           prefill::fp8_scores<T, KV, MT, KEYS, KV_STRIDE>(s, a, k_tile + 16 * k, lane);
-          continue;
-        }
-#pragma unroll
-        for (int n = 0; n < KEYS; n += 2) {
-          unsigned b[4];
-          mma::ldmatrix_x4(b, k_tile + (8 * n + lane / 16 * 8 + lane % 8) * KV_STRIDE + 16 * k +
-                                  lane / 8 % 2 * 8);
-          const unsigned b0[2] = {b[0], b[1]};
-          const unsigned b1[2] = {b[2], b[3]};
-#pragma unroll
-          for (int mt = 0; mt < MT; ++mt) {
-            mma::mma_16816<T>(s[mt][n], a[mt], b0);
-            mma::mma_16816<T>(s[mt][n + 1], a[mt], b1);
-          }
+        } else {
+          prefill::half_scores<T, MT, KEYS, KV_STRIDE>(s, a, k_tile + 16 * k, lane);
         }
       }
 
@@ -1687,23 +1719,11 @@ __global__ void __launch_bounds__(THREADS, 2)
 #pragma unroll
           for (int x = 0; x < 4; ++x) a[mt][x] = pa[mt][kk][x];
         }
+        const KV* keys = v_tile + 16 * kk * KV_STRIDE;
         if constexpr (FP8) {
-          prefill::fp8_values<T, KV, MT, DIMS, KV_STRIDE>(o, a, v_tile + 16 * kk * KV_STRIDE,
-                                                          lane);
-          continue;
-        }
-#pragma unroll
-        for (int f = 0; f < DIMS; f += 2) {
-          unsigned b[4];
-          mma::ldmatrix_x4_trans(b, v_tile + (16 * kk + lane / 8 % 2 * 8 + lane % 8) * KV_STRIDE +
-                                        8 * f + lane / 16 * 8);
-          const unsigned b0[2] = {b[0], b[1]};
-          const unsigned b1[2] = {b[2], b[3]};
-#pragma unroll
-          for (int mt = 0; mt < MT; ++mt) {
-            mma::mma_16816<T>(o[mt][f], a[mt], b0);
-            mma::mma_16816<T>(o[mt][f + 1], a[mt], b1);
-          }
+          prefill::fp8_values<T, KV, MT, DIMS, KV_STRIDE>(o, a, keys, lane);
+        } else {
+          prefill::half_values<T, MT, DIMS, KV_STRIDE>(o, a, keys, lane);
         }
       }
     }

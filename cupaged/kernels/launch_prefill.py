@@ -55,7 +55,7 @@ PREFILL_MMA_ROWS = 64
 # from sm_80, where m16n8k16 exists for fp16 and bf16, every head_dim. Its warps own two 16-row
 # MMA tiles each up to PREFILL_FLASH_WIDE_HEAD_DIM (128 rows per thread block: each K and V
 # fragment a warp loads serves 32 rows, halving the shared-memory reads per FLOP), one above it
-# (64 rows: O alone takes head_dim / 4 registers per row tile); keys per tile: the largest of
+# (64 rows: O alone takes head_dim / 2 registers per row tile); keys per tile: the largest of
 # flash_tiles(rows) whose shared memory (queries and a ring of two K/V stages) lets
 # PREFILL_FLASH_BLOCKS blocks share a multiprocessor (its __launch_bounds__); two row tiles stop
 # at 32 keys, whose scores take as many registers as 64 keys of one.
@@ -268,7 +268,7 @@ def prefill_partition(
     their merge).
     ``splits`` forces a count (tests): the longest range is cut into about that many pieces,
     each a multiple of ``forced_granule`` tokens (the tile when ``None``): paged_prefill_flash
-    takes any multiple of 16 (a split may end inside one of its 64-key tiles, as a range's last
+    takes any multiple of 16 (a split may end inside one of its key tiles, as a range's last
     tile does), so that a forced split cuts short ranges too.
     """
     longest = max(max_end, 1)

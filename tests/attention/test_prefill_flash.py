@@ -2,12 +2,13 @@
 the softmax in registers; cuda/paged_prefill.cu), against the float64 reference: the launch
 table's choice per GPU, the causal diagonal at every offset inside a key tile, tiles that span
 pages of any size, chunked prefill over a long cached context (whole and split), an Inf in V
-hidden from some rows by the causal mask or by a window, and the smaller tiles an A100 gets.
+hidden from some rows by the causal mask or by a window, and the tiles other GPUs get.
 
-The CPU backend plans for an H100 (``NOMINAL_TARGET``: 64-key tiles up to head_dim 128); the
-tests that plan for another GPU replace the plan's target (``planned_for``), so that the same
-kernel runs here with the tiles that GPU gets, and the WMMA kernel, which fp16 keeps on a T4, stays
-tested too. Outputs are poisoned with NaN, inputs fresh per test, tables scattered.
+The CPU backend plans for an H100 (``NOMINAL_TARGET``: 128 rows and 16- or 32-key tiles up to
+head_dim 128, 64 rows above); the tests that plan for another GPU replace the plan's target
+(``planned_for``), so that the same kernel runs here with the tiles that GPU gets, and the WMMA
+kernel, which fp16 keeps on a T4, stays tested too. Outputs are poisoned with NaN, inputs fresh
+per test, tables scattered.
 """
 
 from __future__ import annotations
