@@ -143,11 +143,41 @@ __device__ __forceinline__ float head_scale(float value, const float* __restrict
   return value * __ldg(scales + head * stride);
 }
 
+// Two fp8 bytes of KV (the low one first) as two halves, exactly: every fp8 value is an fp16
+// value (e4m3's subnormals are fp16 normals; e5m2's infinities stay infinities); NaN stays NaN,
+// its bits aside. From sm_89 one cvt.f16x2 does it (cuda_fp8.h). Below sm_89 cuda_fp8.h's
+// conversion normalizes each subnormal in a loop (on sm_80, e4m3: 12 bytes of spills in
+// paged_decode_mma at head_dim 112 and 128, 5-6x the instructions in its stage loop), so sm_80
+// and the CPU backend (which compiles without __CUDA_ARCH__; tests/attention/
+// test_fp8_conversion.py checks this path on every code) take bit operations and one exact
+// multiply instead:
+//   e5m2 is an fp16's high byte: byte << 8.
+//   e4m3: sign | (byte & 0x7f) << 7 reads the exponent (bias 7) as fp16's (bias 15) and the
+//   mantissa as fp16's top 3 bits: the value times 2^-8, subnormals too (the same bits, 8
+//   binades down), so one HMUL2 by 2^8 restores it. The NaN code 0x7f (0x3f80 after the shift,
+//   480 after the multiply) first gets the exponent's top bit: 0x7f80, an fp16 NaN.
+template <typename KV>
+__device__ __forceinline__ __half2 fp8x2_to_half2(unsigned short pair) {
+  static_assert(IsFp8<KV>::value, "fp8 bytes only");
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  return __half2(__nv_cvt_fp8x2_to_halfraw2(pair, IsFp8<KV>::kFormat));
+#else
+  const unsigned high_bytes = __byte_perm(pair, 0u, 0x1404u);  // byte 0 << 8 | byte 1 << 24
+  if (IsFp8<KV>::kFormat == __NV_E5M2) return *reinterpret_cast<const __half2*>(&high_bytes);
+  const unsigned magnitude = high_bytes >> 1 & 0x3f803f80u;
+  const unsigned nan = (magnitude + 0x00800080u) & 0x40004000u;  // 0x4000 only from 0x3f80
+  const unsigned scaled = (high_bytes & 0x80008000u) | magnitude | nan;
+  const unsigned two_to_8 = 0x5c005c00u;  // 256.0 in both halves
+  return __hmul2(*reinterpret_cast<const __half2*>(&scaled),
+                 *reinterpret_cast<const __half2*>(&two_to_8));
+#endif
+}
+
 __device__ __forceinline__ float to_float(__nv_fp8_e4m3 x) {
-  return __half2float(__half(__nv_cvt_fp8_to_halfraw(x.__x, __NV_E4M3)));
+  return __low2float(fp8x2_to_half2<__nv_fp8_e4m3>(x.__x));
 }
 __device__ __forceinline__ float to_float(__nv_fp8_e5m2 x) {
-  return __half2float(__half(__nv_cvt_fp8_to_halfraw(x.__x, __NV_E5M2)));
+  return __low2float(fp8x2_to_half2<__nv_fp8_e5m2>(x.__x));
 }
 // float -> fp8: nearest, ties to even, saturated to +-max (infinities too); NaN stays NaN (the
 // byte 0x7F). The CPU backend runs the header's host conversion, the same function bit for bit;
@@ -168,7 +198,7 @@ __device__ __forceinline__ __nv_fp8_e5m2 from_float<__nv_fp8_e5m2>(float x) {
 // Two fp8 bytes (the low one first) as two floats, through one fp8x2 -> half2 conversion.
 template <typename T>
 __device__ __forceinline__ float2 fp8x2_to_float2(unsigned short pair) {
-  return __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(pair, IsFp8<T>::kFormat)));
+  return __half22float2(fp8x2_to_half2<T>(pair));
 }
 
 // The 4N fp8 bytes of `words` as 4N floats, two per conversion.
@@ -189,9 +219,8 @@ __device__ __forceinline__ void fp8_words_as_float(const unsigned (&words)[N], f
 // packed as they lie in memory. Exact: every value of both fp8 formats is an fp16 and a bf16 value.
 template <typename KV>
 __device__ __forceinline__ unsigned fp8x2_as_pair(unsigned pair, const __half*) {
-  const __half2_raw h =
-      __nv_cvt_fp8x2_to_halfraw2(static_cast<unsigned short>(pair), IsFp8<KV>::kFormat);
-  return static_cast<unsigned>(h.x) | static_cast<unsigned>(h.y) << 16;
+  const __half2 h = fp8x2_to_half2<KV>(static_cast<unsigned short>(pair));
+  return *reinterpret_cast<const unsigned*>(&h);
 }
 template <typename KV>
 __device__ __forceinline__ unsigned fp8x2_as_pair(unsigned pair, const __nv_bfloat16*) {
