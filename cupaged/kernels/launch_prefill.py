@@ -63,6 +63,9 @@ PREFILL_FLASH_DTYPES = ("float16", "bfloat16")
 PREFILL_FLASH_MIN_ARCH = 80
 PREFILL_FLASH_WIDE_HEAD_DIM = 128
 PREFILL_FLASH_BLOCKS = 2
+# Its ring's stages, deepest first: three (two tiles in flight while one computes: its tiles of 16
+# or 32 keys compute in less time than an L2 read takes to land) where two blocks still fit.
+PREFILL_FLASH_STAGES = (3, 2)
 # A forced split-K count (tests) cuts paged_prefill_flash's ranges into multiples of this many
 # keys, not of its tile (prefill_partition).
 FLASH_SPLIT_GRANULE = 16
@@ -132,7 +135,7 @@ def flash_rows(head_dim: int, target: Target = NOMINAL_TARGET, dtype: str = "flo
     a multiprocessor (not on the 99 KB of sm_86/sm_89 at head_dim 128), else 64."""
     if head_dim <= PREFILL_FLASH_WIDE_HEAD_DIM:
         smallest = flash_tiles(head_dim, 128)[-1]
-        if _two_fit(_flash_shared_memory(dtype, head_dim, smallest, 128), target):
+        if _two_fit(_flash_shared_memory(dtype, head_dim, smallest, 128, 2), target):
             return 128
     return 64
 
@@ -148,15 +151,25 @@ def flash_tiles(head_dim: int, rows: int) -> tuple[int, ...]:
     return (32, 16) if head_dim <= 192 else (16,)
 
 
-def flash_tile(head_dim: int, target: Target = NOMINAL_TARGET, dtype: str = "float16") -> int:
-    """Keys per tile of ``paged_prefill_flash``: the largest of ``flash_tiles`` whose shared
-    memory lets ``PREFILL_FLASH_BLOCKS`` blocks share a multiprocessor, or the smallest."""
+def flash_geometry(
+    head_dim: int, target: Target = NOMINAL_TARGET, dtype: str = "float16"
+) -> tuple[int, int, int]:
+    """``(rows, tile, stages)`` of ``paged_prefill_flash``: the largest of ``flash_tiles``, then
+    the deepest ring (``PREFILL_FLASH_STAGES``: two tiles in flight while one computes, or one),
+    whose shared memory lets ``PREFILL_FLASH_BLOCKS`` blocks share a multiprocessor; else the
+    smallest tile and two stages (one block)."""
     rows = flash_rows(head_dim, target, dtype)
     tiles = flash_tiles(head_dim, rows)
     for tile in tiles:
-        if _two_fit(_flash_shared_memory(dtype, head_dim, tile, rows), target):
-            return tile
-    return tiles[-1]
+        for stages in PREFILL_FLASH_STAGES:
+            if _two_fit(_flash_shared_memory(dtype, head_dim, tile, rows, stages), target):
+                return rows, tile, stages
+    return rows, tiles[-1], PREFILL_FLASH_STAGES[-1]
+
+
+def flash_tile(head_dim: int, target: Target = NOMINAL_TARGET, dtype: str = "float16") -> int:
+    """Keys per tile of ``paged_prefill_flash`` (``flash_geometry``)."""
+    return flash_geometry(head_dim, target, dtype)[1]
 
 
 def _two_fit(shared_mem: int, target: Target) -> bool:
@@ -166,11 +179,11 @@ def _two_fit(shared_mem: int, target: Target) -> bool:
     return PREFILL_FLASH_BLOCKS * (shared_mem + 1024) <= target.shared_memory + 1024
 
 
-def _flash_shared_memory(dtype: str, head_dim: int, tile: int, rows: int) -> int:
+def _flash_shared_memory(dtype: str, head_dim: int, tile: int, rows: int, stages: int) -> int:
     """q_s (16-bit) and the ring (the cache's type) of ``paged_prefill_flash``, rows padded by 16
     bytes."""
     stage_row = head_dim * itemsize(dtype) + 16
-    return rows * 2 * (head_dim + 8) + PREFILL_STAGES * 2 * tile * stage_row
+    return rows * 2 * (head_dim + 8) + stages * 2 * tile * stage_row
 
 
 def uses_prefill_flash(
@@ -183,8 +196,8 @@ def uses_prefill_flash(
     own_or_fp8 = dtype == q or is_fp8(dtype)
     if q not in PREFILL_FLASH_DTYPES or not own_or_fp8 or target.arch < PREFILL_FLASH_MIN_ARCH:
         return False
-    tile, rows = flash_tile(head_dim, target, dtype), flash_rows(head_dim, target, dtype)
-    return target.fits(_flash_shared_memory(dtype, head_dim, tile, rows))
+    rows, tile, stages = flash_geometry(head_dim, target, dtype)
+    return target.fits(_flash_shared_memory(dtype, head_dim, tile, rows, stages))
 
 
 def uses_prefill_mma(
@@ -226,7 +239,8 @@ def prefill_shared_memory(
 ) -> int:
     """Bytes of dynamic shared memory of ``paged_prefill`` (layout: see cuda/paged_prefill.cu)."""
     if uses_prefill_flash(dtype, head_dim, target, q_dtype=q_dtype):
-        return _flash_shared_memory(dtype, head_dim, tile, flash_rows(head_dim, target, dtype))
+        rows, _, stages = flash_geometry(head_dim, target, dtype)
+        return _flash_shared_memory(dtype, head_dim, tile, rows, stages)
     mma = uses_prefill_mma(dtype, head_dim, target, q_dtype=q_dtype)
     return _prefill_shared_memory(mma, dtype, head_dim, tile)
 
@@ -340,11 +354,11 @@ def prefill_launch(
     mma = uses_prefill_mma(dtype, head_dim, target, q_dtype=q_dtype)
     if flash:  # its ring's cache offsets are 32-bit per block (common.cuh, KvRing SPLIT_KV)
         check_block_elements(num_kv_heads, block_size, head_dim)
-        tile, kind = flash_tile(head_dim, target, dtype), "flash"
-        rows_per_block = flash_rows(head_dim, target, dtype)
-        shared_mem = _flash_shared_memory(dtype, head_dim, tile, rows_per_block)
+        rows_per_block, tile, stages = flash_geometry(head_dim, target, dtype)
+        kind = "flash"
+        shared_mem = _flash_shared_memory(dtype, head_dim, tile, rows_per_block, stages)
     else:
-        tile = prefill_tile(dtype, head_dim)
+        tile, stages = prefill_tile(dtype, head_dim), PREFILL_STAGES
         rows_per_block = PREFILL_MMA_ROWS if mma else PREFILL_ROWS
         kind = "mma" if mma else ""
         shared_mem = _prefill_shared_memory(mma, dtype, head_dim, tile)
@@ -379,7 +393,7 @@ def prefill_launch(
     c_type = C_TYPES[q_dtype]
     kernel = (
         f"cupaged::paged_prefill{'_' + kind if kind else ''}<{c_type}, {head_dim}, "
-        f"{block_size}, {tile}, {rows_per_block}, {PREFILL_STAGES}, {PREFILL_THREADS}"
+        f"{block_size}, {tile}, {rows_per_block}, {stages}, {PREFILL_THREADS}"
     )
     merge = f"cupaged::paged_prefill_merge<{c_type}, {head_dim}, {PREFILL_MERGE_THREADS}"
     variant = variants.flags()  # the sinks bit off: a run's

@@ -609,16 +609,16 @@ def test_launch_plan():
     assert exact.grid == (13 + 3, 2, 1) and exact.merge_grid == (50, 8)
     for dtype, c_type in (("float16", "__half"), ("bfloat16", "__nv_bfloat16")):
         flash = prefill_launch(dtype, 3, 2, 4, 128, 16, 37, total_query_tokens=50)
-        assert flash.name == f"cupaged::paged_prefill_flash<{c_type}, 128, 16, 16, 128, 2, 128>"
+        assert flash.name == f"cupaged::paged_prefill_flash<{c_type}, 128, 16, 16, 128, 3, 128>"
         assert (flash.query_rows, flash.heads_per_block, flash.tile) == (32, 4, 16)
         assert flash.grid == (2 + 3, 2, 1) and flash.block == (128,) and flash.merge_grid == (50, 8)
     # head_dim 256 too, 64 rows (one 16-row tile per warp), in tiles of 16 keys
     wide_head = prefill_launch("float16", 3, 2, 4, 256, 16, 37)
     assert wide_head.name.startswith("cupaged::paged_prefill_flash<__half, 256, 16, 16, 64,")
     assert wide_head.query_rows == 16
-    # paged_prefill_flash: q_s and the ring of two stages, rows padded by 16 bytes
-    assert prefill_shared_memory("float16", 128, 16) == 128 * 272 + 4 * 16 * 272 == 52224
-    assert prefill_shared_memory("float16", 256, 16) == 64 * 528 + 4 * 16 * 528 == 67584
+    # paged_prefill_flash: q_s and the ring of three stages, rows padded by 16 bytes
+    assert prefill_shared_memory("float16", 128, 16) == 128 * 272 + 6 * 16 * 272 == 60928
+    assert prefill_shared_memory("float16", 256, 16) == 64 * 528 + 6 * 16 * 528 == 84480
     # a T4 keeps the WMMA kernel (paged_prefill_mma) for fp16: q_s, the ring, s_s, p_s, special_s
     t4 = Target.of_arch(75)
     wmma = prefill_launch("float16", 3, 2, 4, 96, 16, 37, target=t4)

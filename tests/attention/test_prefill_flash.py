@@ -22,6 +22,7 @@ import cupaged
 import cupaged.attention.prefill as prefill_module
 from cupaged.dtypes import from_float, to_float
 from cupaged.kernels.launch_prefill import (
+    flash_geometry,
     flash_rows,
     flash_tile,
     flash_tiles,
@@ -59,8 +60,8 @@ def run(xp, q, k_cache, v_cache, tables, lens, starts, **kwargs):
 @pytest.mark.parametrize("head_dim", [64, 80, 128, 192, 256])
 def test_the_launch_table_picks_flash_for_16_bit_queries_from_sm_80(head_dim):
     """fp16/bf16 over their own cache from sm_80: paged_prefill_flash, 128 rows (two 16-row MMA
-    tiles per warp) up to head_dim 128 and 64 above, the largest tile with no spill that lets
-    two blocks share a multiprocessor (the tile's shared memory doubled fits the SM); fp8 caches
+    tiles per warp) up to head_dim 128 and 64 above, the largest tile with no spill, then three
+    stages where they fit, that lets two blocks share a multiprocessor; fp8 caches
     under 16-bit queries too; float32 keeps its kernel, a T4 WMMA for fp16 (no m16n8k16 before
     sm_80)."""
     rows = 128 if head_dim <= 128 else 64
@@ -72,8 +73,9 @@ def test_the_launch_table_picks_flash_for_16_bit_queries_from_sm_80(head_dim):
         for dtype in HALF:
             launch = prefill_launch(dtype, 2, 8, 4, head_dim, 16, 100, target=target)
             assert launch.name.startswith(f"cupaged::paged_prefill_flash<{_c(dtype)}, {head_dim},")
-            got_rows = flash_rows(head_dim, target, dtype)
-            assert launch.name.endswith(f", {launch.tile}, {got_rows}, 2, 128>")
+            got_rows, _, stages = flash_geometry(head_dim, target, dtype)
+            assert launch.name.endswith(f", {launch.tile}, {got_rows}, {stages}, 128>")
+            assert stages == 3 or arch != 90  # an H100 holds two blocks of three stages
             assert launch.tile in flash_tiles(head_dim, got_rows)
             assert launch.query_rows == got_rows // 4
             two = 2 * (launch.shared_mem + 1024) <= target.shared_memory + 1024
@@ -252,3 +254,89 @@ def test_a_non_finite_fp8_v_reaches_exactly_the_rows_that_see_it(rng, xp, fmt):
     assert not np.isfinite(expected[70:100, 1, 5]).any() and np.isfinite(expected[:70]).all()
     got = run_prefill(xp, fmt, arrays, "per_head", q_dtype="float16", causal=True, num_splits=1)
     assert_same_specials(got, expected, "float16")
+
+
+# ---- the rare path above head_dim 128 and the window's edge ------------------------------------
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("causal, window", [(True, -1), (True, 20), (False, 20), (False, -1)])
+@pytest.mark.parametrize("head_dim", [192, 256])
+def test_non_finite_v_with_wide_heads(rng, xp, head_dim, causal, window, splits):
+    """Above head_dim 128 the rare path finds a key's weight by a run-time index into S (one row
+    tile a warp): Inf, -Inf and NaN in V at keys that some rows of the same tile do not see
+    (causally or before their window), in two sequences, reach exactly the rows that see them."""
+    dtype = "float16"
+    batch = ((100, 100), (40, 9), (70, 1))
+    q, k_cache, v_cache, tables, lens, starts, _ = prefill_batch(rng, batch, head_dim, 2, 16, dtype)
+    assert "paged_prefill_flash" in prefill_launch(dtype, 3, 2, 2, head_dim, 16, 100).name
+    special = from_float(np.array([np.inf, -np.inf, np.nan], np.float32), dtype)
+    for key, d in ((70, 5), (73, 150), (37, 3)):
+        v_cache[tables[0, key // 16], 1, key % 16, d] = special[key % 3]
+    v_cache[tables[2, 60 // 16], 0, 60 % 16, 7] = special[0]
+    expected = cupaged.reference_prefill(
+        q, k_cache, v_cache, tables, lens, starts, causal=causal, window_left=window,
+        compute_dtype="float64", out_dtype="float64",
+    )  # fmt: skip
+    assert not np.isfinite(expected).all()
+    got = run(
+        xp, q, k_cache, v_cache, tables, lens, starts, dtype=dtype, causal=causal,
+        window_left=window, num_splits=splits,
+    )  # fmt: skip
+    assert_same_specials(got, expected, dtype)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("causal, window", [(False, 20), (True, 100)])
+def test_the_window_edge_at_every_offset_in_a_key_tile(rng, xp, causal, window, splits):
+    """Query tiles of 1 .. 40 rows after 150 cached tokens (G = 1): the last row's first key
+    falls at every offset of a 32-key tile, so that a tile whose first keys only the last rows
+    cannot see must test its keys (it is not a plain tile)."""
+    dtype = "float16"
+    batch = tuple((150 + n, n) for n in range(1, 41))
+    q, k_cache, v_cache, tables, lens, starts, _ = prefill_batch(rng, batch, 64, 1, 16, dtype)
+    expected = cupaged.reference_prefill(
+        q, k_cache, v_cache, tables, lens, starts, causal=causal, window_left=window,
+        compute_dtype="float64", out_dtype="float64",
+    )  # fmt: skip
+    got = run(
+        xp, q, k_cache, v_cache, tables, lens, starts, dtype=dtype, causal=causal,
+        window_left=window, num_splits=splits,
+    )  # fmt: skip
+    assert_close(got, expected, dtype)
+
+
+# ---- the kernels a T4 keeps: WMMA (fp16) and CUDA cores, with every variant ------------------
+
+
+@pytest.mark.parametrize(
+    "dtype, head_dim, kernel",
+    [("float16", 64, "paged_prefill_mma"), ("bfloat16", 128, "paged_prefill<")],
+)
+@pytest.mark.parametrize("splits", [1, 3])
+def test_the_t4_kernels_with_every_variant_and_an_inf(
+    rng, xp, planned_for, dtype, head_dim, kernel, splits
+):
+    """Planned for a T4 (sm_75): fp16 on WMMA, bf16 on CUDA cores, each with a window, soft-cap,
+    ALiBi and sinks at once, and an Inf in V hidden from some rows by the window."""
+    target = planned_for(75)
+    assert kernel in prefill_launch(dtype, 2, 2, 4, head_dim, 16, 90, target=target).name
+    batch = ((90, 90), (200, 13))
+    q, k_cache, v_cache, tables, lens, starts, _ = prefill_batch(rng, batch, head_dim, 4, 16, dtype)
+    v_cache[tables[0, 40 // 16], 1, 40 % 16, 2] = from_float(np.array([np.inf]), dtype)[0]
+    heads = q.shape[1]
+    variants = dict(
+        window_left=24,
+        logits_soft_cap=30.0,
+        alibi_slopes=rng.uniform(0.01, 0.2, heads).astype(np.float32),
+        sinks=rng.standard_normal(heads).astype(np.float32),
+    )
+    expected = cupaged.reference_prefill(
+        q, k_cache, v_cache, tables, lens, starts, **variants, compute_dtype="float64",
+        out_dtype="float64",
+    )  # fmt: skip
+    assert not np.isfinite(expected).all() and np.isfinite(expected[65:90]).all()
+    arrays = {k: xp.asarray(v) if isinstance(v, np.ndarray) else v for k, v in variants.items()}
+    got = run(xp, q, k_cache, v_cache, tables, lens, starts, dtype=dtype, num_splits=splits,
+              **arrays)  # fmt: skip
+    assert_same_specials(got, expected, dtype)

@@ -471,8 +471,8 @@ def test_prefill_tile_model_before_and_after_the_tensor_cores(quick):
         # ring's stores: 4 x (8 + 4 + 4) KiB + 8 KiB at 128 bytes a cycle
         assert m["smem"] == row["model_smem_cycles_per_tile"] == (4 * 16384 + 8192) // 128
         assert m["dram"] == row["model_dram_cycles_per_tile"] == 1278 // 2
-        # the ring: one tile of K and V in flight per CTA (8 KiB at 16 tokens of head_dim 128)
-        assert row["model_bytes_in_flight_per_sm"] == 8192 * row["ctas_per_sm"] > 0
+        # the ring: two tiles of K and V in flight per CTA (8 KiB at 16 tokens of head_dim 128)
+        assert row["model_bytes_in_flight_per_sm"] == 2 * 8192 * row["ctas_per_sm"] > 0
         assert row["ctas_per_sm"] == 2
     for row in prefill_rows(rows, dtypes=("float32",)):
         assert row["model_prefill_tile"]["mma"] is None

@@ -190,7 +190,8 @@ class Analysis:
     def _prefill_mma_columns(self, row: Row, gpu: str, ctas: int) -> None:
         launch, bank = self.launch, self.bank
         tile = prefill_mma_tile_model(launch, self.code, self.arch, gpu, bank) if bank else None
-        ring = (launch_prefill.PREFILL_STAGES - 1) * kv_tile_bytes(launch)
+        stages = int(launch.name.split("<", 1)[1].split(",")[5])  # STAGES of either kernel
+        ring = (stages - 1) * kv_tile_bytes(launch)
         row.update(
             model_bytes_in_flight_per_warp=ring // (launch.threads // WARP),
             model_bytes_in_flight_per_sm=ring * ctas,
