@@ -18,21 +18,28 @@ def test_forked_samples_decode_through_a_cascade():
     rng = np.random.default_rng(5)
     prompt = rng.integers(0, CONFIG.vocab_size, 70).tolist()  # four full blocks and 6 tokens
     model = Llama(CONFIG, weights, np, dtype="float16", cascade=True)
-    cache = model.make_cache(num_blocks=48, block_size=16)
-    admission = cache.admit(prompt)
+    twin = Llama(CONFIG, weights, np, dtype="float16", cascade=False)  # the plain plan
+    cache, twin_cache = (m.make_cache(num_blocks=48, block_size=16) for m in (model, twin))
+    admission, twin_admission = cache.admit(prompt), twin_cache.admit(prompt)
     first = to_numpy(model.prefill(cache, [admission], [prompt]))[0]
+    twin.prefill(twin_cache, [twin_admission], [prompt])
     samples = [admission.sid] + [cache.fork(admission.sid) for _ in range(3)]
-    batch = cache.batch(samples)
+    twin_samples = [twin_admission.sid] + [twin_cache.fork(twin_admission.sid) for _ in range(3)]
+    batch, twin_batch = cache.batch(samples), twin_cache.batch(twin_samples)
     seqs = [[*prompt, int(np.argmax(first)) + i] for i in range(4)]  # each its own token
     for _ in range(3):
-        logits = to_numpy(model.decode(cache, batch, [seq[-1] for seq in seqs]))
-        for seq, row in zip(seqs, logits, strict=True):
-            # As the demo checks the paged paths (LogitsCheck): against the model's own
-            # recomputation, the relative tolerance taken of the largest logit.
-            expected = to_numpy(model.forward_full(seq))
+        tokens = [seq[-1] for seq in seqs]
+        logits = to_numpy(model.decode(cache, batch, tokens))
+        plain = to_numpy(twin.decode(twin_cache, twin_batch, tokens))
+        for seq, row, expected in zip(seqs, logits, plain, strict=True):
+            # The same step through the plain plan, the relative tolerance taken of the
+            # largest logit; and both near the model's own recomputation (three float16
+            # layers: three times that).
             tol = TOLERANCES["float16"]
             bound = tol["atol"] + tol["rtol"] * np.abs(expected).max()
             assert np.abs(row - expected).max() <= bound
+            full = to_numpy(model.forward_full(seq))
+            assert np.abs(row - full).max() <= CONFIG.num_layers * bound
             seq.append(int(np.argmax(row)))
     cache.check_invariants()
     # Every step shares the prompt's four full blocks among the four samples: one tile of

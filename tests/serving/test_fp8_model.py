@@ -85,7 +85,12 @@ def test_fp8_logits_stay_near_the_float16_caches(loaded, float16_run, name, scal
     # The prefill's step sees the same tokens in both: its distribution is compared directly.
     p16, p8 = (np.exp(x - x.max()) / np.exp(x - x.max()).sum() for x in (logits16[0], logits8[0]))
     tv = 0.5 * float(np.abs(p16 - p8).sum())
-    assert tv < 0.1, f"expected total variation < 0.1 from the float16 cache's, got {tv:.3f}"
+    # e5m2 keeps 2 mantissa bits (e4m3 3): over 30 layers its distance is chaotic in the last
+    # bits of each layer's attention. The WMMA prefill and paged_prefill_flash, whose outputs on
+    # the same inputs differ by a few ulps at most (mean 2e-9), gave e5m2 with auto scales 0.037
+    # and 0.129, e4m3 0.024-0.053 and 0.021-0.043.
+    limit = 0.2 if name == "float8_e5m2" else 0.1
+    assert tv < limit, f"expected total variation < {limit} from the float16 cache's, got {tv:.3f}"
     assert tokens8[0] == tokens16[0], f"expected first token {tokens16[0]}, got {tokens8[0]}"
     assert not np.array_equal(logits8[0], logits16[0]), "the fp8 cache changed nothing"
 
