@@ -515,3 +515,15 @@ def undo_calls() -> list[tuple[object, str]]:
         *_named(Swapper, "_forget"),
         *_named(DeferredCopies, "_restore"),
     ]
+
+
+def aligned(shape, dtype, fill) -> np.ndarray:
+    """An array filled with ``fill`` whose data starts on a 64-byte boundary (what the CPU
+    backend's WMMA tiles, 32 bytes, and ldmatrix rows, 16, need of a kernel's global buffers)."""
+    dtype = np.dtype(dtype)
+    count = int(np.prod(shape))
+    raw = np.empty(count * dtype.itemsize + 64, np.uint8)
+    start = -raw.ctypes.data % 64
+    out = raw[start : start + count * dtype.itemsize].view(dtype).reshape(shape)
+    out[...] = fill
+    return out

@@ -15,7 +15,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import cpu_toolchain_missing, kernel_error
+from helpers import aligned, cpu_toolchain_missing, kernel_error
 
 from cupaged.errors import KernelError
 from cupaged.kernels.cpu import SCHEDULES, CpuModule, launch_options
@@ -48,22 +48,11 @@ def wmma() -> CpuModule:
     return CpuModule(SOURCE, NAMES)
 
 
-def _aligned(shape, dtype, fill) -> np.ndarray:
-    """An array whose data starts on a 64-byte boundary (WMMA tiles need 32)."""
-    dtype = np.dtype(dtype)
-    count = int(np.prod(shape))
-    raw = np.empty(count * dtype.itemsize + 64, np.uint8)
-    start = -raw.ctypes.data % 64
-    out = raw[start : start + count * dtype.itemsize].view(dtype).reshape(shape)
-    out[...] = fill
-    return out
-
-
 def _operand(rng, dtype, layout, ld):
     """``(float64 16 x 16 matrix, its storage [16, ld] in the layout)``; padding is NaN."""
     storage = np.float16 if dtype == "float16" else ml_dtypes.bfloat16
     matrix = rng.standard_normal((16, 16)).astype(storage)
-    out = _aligned((16, ld), storage, np.nan)
+    out = aligned((16, ld), storage, np.nan)
     out[:, :16] = matrix if layout == "row" else matrix.T
     return matrix.astype(np.float64), out
 
@@ -73,8 +62,8 @@ def _gemm(wmma, rng, dtype, la, lb, bug, order, scale=1.5):
     a, a_mem = _operand(rng, dtype, la, 24)
     b, b_mem = _operand(rng, dtype, lb, 40)
     c = rng.standard_normal((16, 16)).astype(np.float32)
-    c_mem = _aligned((16, 16), np.float32, c)
-    out = _aligned((16, 16), np.float32, np.nan)
+    c_mem = aligned((16, 16), np.float32, c)
+    out = aligned((16, 16), np.float32, np.nan)
     kernel = wmma.get_function(gemm_name(dtype, la, lb, bug))
     with launch_options(schedule=order, strict=True):
         kernel(1, 32, (out, a_mem, b_mem, c_mem, np.int32(24), np.int32(40), np.float32(scale)))
@@ -100,15 +89,15 @@ def test_a_wrong_leading_dimension_gives_a_wrong_result(wmma, rng):
 
 
 def test_the_element_layout_is_a_permutation_and_not_row_major(wmma):
-    out = _aligned((16, 16), np.float32, np.nan)
+    out = aligned((16, 16), np.float32, np.nan)
     wmma.get_function("cpu_test::wmma_layout")(1, 32, (out,))
     assert sorted(out.ravel().astype(int)) == list(range(256))  # every element stored once
     assert not np.array_equal(out.ravel(), np.arange(256))  # code must not assume a layout
 
 
 def _misuse(wmma, what):
-    a = _aligned((32, 16), np.float16, 1.0)
-    out = _aligned((32,), np.float32, np.nan)
+    a = aligned((32, 16), np.float16, 1.0)
+    out = aligned((32,), np.float32, np.nan)
     return kernel_error(wmma.get_function("cpu_test::wmma_misuse"), 1, 32, (out, a, np.int32(what)))
 
 
@@ -144,7 +133,7 @@ def test_a_lane_missing_from_a_load_is_a_deadlock(wmma):
 def test_a_correct_launch_after_a_failed_one_runs(wmma, rng):
     with pytest.raises(KernelError):
         wmma.get_function("cpu_test::wmma_misuse")(
-            1, 32, (_aligned((32,), np.float32, 0), _aligned((32, 16), np.float16, 1), np.int32(2))
+            1, 32, (aligned((32,), np.float32, 0), aligned((32, 16), np.float16, 1), np.int32(2))
         )
     out, expected = _gemm(wmma, rng, "float16", "row", "col", 0, "forward")
     np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)

@@ -17,7 +17,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import assert_close, cpu_toolchain_missing, kernel_error
+from helpers import aligned, assert_close, cpu_toolchain_missing, kernel_error
 
 from cupaged.kernels.cpu import SCHEDULES, CpuModule, launch_options
 
@@ -51,17 +51,6 @@ def module() -> CpuModule:
     return CpuModule(SOURCE, NAMES)
 
 
-def _aligned(shape, dtype, fill) -> np.ndarray:
-    """An array whose data starts on a 64-byte boundary."""
-    dtype = np.dtype(dtype)
-    count = int(np.prod(shape))
-    raw = np.empty(count * dtype.itemsize + 64, np.uint8)
-    start = -raw.ctypes.data % 64
-    out = raw[start : start + count * dtype.itemsize].view(dtype).reshape(shape)
-    out[...] = fill
-    return out
-
-
 def _lanes():
     lane = np.arange(32)
     return lane // 4, lane % 4
@@ -81,7 +70,7 @@ def _ldmatrix_expected(matrices: np.ndarray, trans: bool) -> np.ndarray:
 
 
 def _ldmatrix(module, count, trans, matrices, written=1, order="forward"):
-    out = _aligned((32, count), np.uint32, 0)
+    out = aligned((32, count), np.uint32, 0)
     with launch_options(schedule=order, strict=True):
         module.get_function(ldmatrix_name(count, trans))(
             1, 32, (out, matrices, np.int32(written)), shared_mem=32 * TILE_LD * 2
@@ -114,7 +103,7 @@ def test_mma_is_a_b_plus_c_with_the_documented_fragments(module, rng, dtype):
     c = rng.standard_normal((16, 8)).astype(np.float32)
     expected = a.astype(np.float64) @ bt.astype(np.float64).T + c
     for order in SCHEDULES:
-        d = _aligned((16, 8), np.float32, np.nan)
+        d = aligned((16, 8), np.float32, np.nan)
         with launch_options(schedule=order, strict=True):
             module.get_function(f"cpu_test::mma_gemm<{C_TYPES[dtype]}>")(1, 32, (d, a, bt, c))
         assert_close(d, expected, "float32")  # exact products, float32 sums
@@ -128,7 +117,7 @@ def test_score_accumulators_are_the_a_operand_of_p_v(module, rng, dtype):
     v = _operand(rng, dtype, (16, 16))
     scale = 0.125
     p = (scale * (q @ k.T)).astype(STORAGE[dtype]).astype(np.float64)
-    o = _aligned((16, 16), np.float32, np.nan)
+    o = aligned((16, 16), np.float32, np.nan)
     kernel = module.get_function(f"cpu_test::attention_pair<{C_TYPES[dtype]}>")
     storage = STORAGE[dtype]
     kernel(1, 32, (o, q.astype(storage), k.astype(storage), v, np.float32(scale)))
@@ -146,8 +135,8 @@ def _line(marker: str) -> int:
 
 
 def _misuse(module, what: int) -> str:
-    a = _aligned((64,), np.uint16, 0x3C00)  # 1.0 halves
-    out = _aligned((32,), np.float32, np.nan)
+    a = aligned((64,), np.uint16, 0x3C00)  # 1.0 halves
+    out = aligned((32,), np.float32, np.nan)
     return kernel_error(
         module.get_function("cpu_test::mma_misuse"), 1, 32, (out, a, np.int32(what))
     )
@@ -214,7 +203,7 @@ def _byte_perm(x: int, y: int, s: int) -> int:
 def test_byte_perm_selects_bytes_and_replicates_signs(module, rng):
     x, y, s = (rng.integers(0, 1 << 32, 64, dtype=np.uint32) for _ in range(3))
     s[0], x[0], y[0] = 0x5410, 0x1234ABCD, 0x5678EF01  # the pack of two halves
-    out = _aligned((64,), np.uint32, 0)
+    out = aligned((64,), np.uint32, 0)
     module.get_function("cpu_test::byte_perm")(1, 64, (out, x, y, s))
     expected = [_byte_perm(int(a), int(b), int(c)) for a, b, c in zip(x, y, s, strict=True)]
     assert out[0] == 0xEF01ABCD

@@ -296,6 +296,20 @@ def prefill_bank_model(dtype: str, head_dim: int, tile: int) -> dict[str, int]:
     return cycles
 
 
+def _ring_store_cycles(bases: tuple[int, ...], tile: int, parts: int, row_bytes: int) -> int:
+    """MODEL: the cp.async stores of one stage (``tile`` rows of ``parts`` 16-byte vectors each,
+    ``row_bytes`` apart) into each of ``bases`` (K, V), a warp's 32 consecutive vectors at a
+    time, as the ring issues them."""
+    copies, cycles = tile * parts, 0
+    for first in range(0, copies, WARP):
+        lanes = range(first, min(first + WARP, copies))
+        for base in bases:
+            cycles += bank_cycles(
+                [base + (i // parts) * row_bytes + (i % parts) * 16 for i in lanes], 16
+            )
+    return cycles
+
+
 @functools.cache
 def prefill_mma_bank_model(dtype: str, head_dim: int, tile: int) -> dict[str, int]:
     """MODEL: shared-memory cycles of one full KV tile of ``paged_prefill_mma`` (one CTA).
@@ -324,13 +338,7 @@ def prefill_mma_bank_model(dtype: str, head_dim: int, tile: int) -> dict[str, in
     s_base = k_base + launch_prefill.PREFILL_STAGES * 2 * tile * row_bytes
     p_base = s_base + rows * s_stride * 4
     cycles = dict(kv_store=0, scores=0, softmax=0, pv=0)
-    copies = tile * parts
-    for first in range(0, copies, WARP):
-        lanes = range(first, min(first + WARP, copies))
-        for base in (k_base, v_base):
-            cycles["kv_store"] += bank_cycles(
-                [base + (i // parts) * row_bytes + (i % parts) * 16 for i in lanes], 16
-            )
+    cycles["kv_store"] = _ring_store_cycles((k_base, v_base), tile, parts, row_bytes)
     for warp in range(warps):
         r0 = 16 * warp
         for k in range(head_dim // 16):
@@ -396,14 +404,7 @@ def prefill_flash_bank_model(dtype: str, head_dim: int, tile: int, rows: int) ->
     k_base = rows * q_row
     v_base = k_base + tile * kv_row
     cycles = dict(kv_store=0, scores=0, pv=0)
-    parts = head_dim * size // 16
-    copies = tile * parts
-    for first in range(0, copies, WARP):
-        lanes = range(first, min(first + WARP, copies))
-        for base in (k_base, v_base):
-            cycles["kv_store"] += bank_cycles(
-                [base + (i // parts) * kv_row + (i % parts) * 16 for i in lanes], 16
-            )
+    cycles["kv_store"] = _ring_store_cycles((k_base, v_base), tile, head_dim * size // 16, kv_row)
 
     def matrices(base: int, keys: int, dims: int) -> int:  # 8 rows of 16 bytes each
         per_row = 16 // size  # dims of one matrix row
