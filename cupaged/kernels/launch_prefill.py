@@ -10,6 +10,7 @@ and says what is supported.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -151,6 +152,7 @@ def flash_tiles(head_dim: int, rows: int) -> tuple[int, ...]:
     return (32, 16) if head_dim <= 192 else (16,)
 
 
+@functools.cache  # pure, and asked several times per plan (uses_prefill_flash, the launch)
 def flash_geometry(
     head_dim: int, target: Target = NOMINAL_TARGET, dtype: str = "float16"
 ) -> tuple[int, int, int]:
