@@ -45,6 +45,11 @@ DECODE_STAGES = 3
 DECODE_STAGE_BYTES = 4096
 DECODE_TARGET_THREADS = 128
 DECODE_MAX_TOKENS_PER_THREAD = 8  # TPZ: scores a thread keeps in registers per head and stage
+# Above head_dim 128 and below 256, a lane of a wide group (16 elements, two heads) keeps at most
+# this many tokens: ptxas holds the 8-token kernels at 128 registers on sm_90 and spills 8 bytes
+# from head_dim 144 to 240 (fp16, G 16); 6 tokens fit in 127-128 with no spill on sm_80 and
+# sm_90. head_dim 256 keeps 8 (128 registers, no spill; 6 would take 138 on sm_90).
+DECODE_WIDE_HEAD_TOKENS = 6
 DECODE_WIDE_LANE_GROUP = 4  # from this GQA group on, a lane owns 16 elements of a row, not 8
 # paged_decode_merge: blocks of MERGE_THREADS threads (at most kMergeMaxThreads, its launch
 # bounds: tests/kernels/test_decode_merge.py reads it), laid out by decode_merge_launch.
@@ -294,7 +299,8 @@ def decode_geometry(
       read from shared memory once serve two heads' dot products.
     - ``bdz``: a power of two that brings the block to ``DECODE_TARGET_THREADS`` in whole warps.
     - tokens per thread: a stage of about ``DECODE_STAGE_BYTES`` of K, at most
-      ``DECODE_MAX_TOKENS_PER_THREAD`` per thread.
+      ``DECODE_MAX_TOKENS_PER_THREAD`` per thread (``DECODE_WIDE_HEAD_TOKENS`` for wide lanes
+      at head_dim 144-240, where 8 spill on sm_90).
 
     fp16/bf16 queries in groups of :func:`decode_mma_min_group` or more (2 on sm_80/sm_90, 8
     elsewhere) up to head_dim 128 where the target has the tensor cores and the shared memory
@@ -318,7 +324,10 @@ def decode_geometry(
     # fp8 stages hold the tokens of a 16-bit one (half the bytes): the scores a thread keeps stay
     # as many as over fp16 (twice the tokens spilled on sm_80 from G = 8).
     tile_target = max(1, DECODE_STAGE_BYTES // (head_dim * max(size, 2)))
-    tokens = min(DECODE_MAX_TOKENS_PER_THREAD, max(1, tile_target // bdz))
+    most = DECODE_MAX_TOKENS_PER_THREAD
+    if 128 < head_dim < 256 and chunk >= DECODE_WIDE_LANE_GROUP:
+        most = DECODE_WIDE_HEAD_TOKENS
+    tokens = min(most, max(1, tile_target // bdz))
     return DecodeGeometry(
         bdx, bdy, bdz, tokens, DECODE_STAGES, heads_per_thread, False, chunk, chunks
     )
