@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -12,6 +12,9 @@ from .._util import cdiv
 from ..backend import array_module
 from ..dtypes import ITEMSIZES as ITEMSIZES
 from ..dtypes import Q_DTYPE_NAMES, array_dtype_name
+from ..kernels.args import CheckTablesArgs
+from ..kernels.launch_checks import check_tables_launch
+from ..kernels.loader import get_kernel
 
 
 def require(condition: bool, message: str) -> None:
@@ -352,9 +355,10 @@ def check_decode_tables(
     Sequence ``i`` reads entries ``0 .. ceil(context_lens[i] / block_size) - 1`` of row ``i``
     (with a window, from the block of position ``context_lens[i] - 1 - window_left`` on: the
     entries before it may be released, ``-1``); those must name blocks of the cache, whatever
-    the entries beyond hold (padding). Runs on the arrays' device with vectorised reductions, on
-    their own dtypes (an int64 ``2**32 + 1`` is out of range, not block 1), and reads back one
-    small summary (one synchronisation on a GPU).
+    the entries beyond hold (padding). Runs on the arrays' device, on their own dtypes (an int64
+    ``2**32 + 1`` is out of range, not block 1), as one launch of ``check_tables``
+    (cuda/check_tables.cu; the CPU backend's for NumPy arrays) and one read-back of a few ints
+    (one synchronisation on a GPU); only a failing call runs array operations, to name the row.
 
     Args:
         block_tables: ``[num_seqs, max_blocks]`` int32 or int64.
@@ -373,23 +377,72 @@ def check_decode_tables(
     num_seqs, max_blocks = block_tables.shape
     if num_seqs == 0:
         return 0
-    xp = array_module(block_tables)
     limit = min(max_blocks * block_size, MAX_CONTEXT_LEN)
-    # Few array operations, each a kernel launch on a GPU. Entry j holds keys j * block_size
-    # .. + block_size - 1: a row reads it when its first key is before the row's length, and
-    # (a window) when its last key reaches the window's first, len - 1 - window_left; viewed
-    # unsigned, a negative id or length is huge, so one comparison or maximum finds it too.
-    starts = xp.arange(0, max_blocks * block_size, block_size)[None, :]
-    used = starts < context_lens[:, None]
-    if first_keys is not None:
-        used &= starts >= (xp.asarray(first_keys) // block_size * block_size)[:, None]
-    elif window_left >= 0:
-        used &= starts + (block_size + window_left) >= context_lens[:, None]
-    bad_id = (_unsigned(block_tables) >= num_blocks) & used
-    # One read-back: the longest length, or past the limit when a length or an id is bad.
-    summary = int(_host(xp.where(bad_id.any(), limit + 1, _unsigned(context_lens).max())))
-    if summary <= limit:
-        return summary
+    verdict = _table_verdict(
+        block_tables, context_lens, block_size, num_blocks, window_left, first_keys, limit
+    )
+    if verdict <= limit:
+        return verdict
+    _raise_table_error(
+        block_tables, context_lens, block_size, num_blocks, window_left, first_keys, limit
+    )
+
+
+def _table_verdict(
+    block_tables: Any,
+    context_lens: Any,
+    block_size: int,
+    num_blocks: int,
+    window_left: int,
+    first_keys: Any,
+    limit: int,
+) -> int:
+    """The longest length, or ``limit + 1`` when a length or an id read is bad: one launch of
+    ``check_tables`` (cuda/check_tables.cu) and one read-back of its verdicts, on any backend."""
+    xp = array_module(block_tables)
+    tables, lens = _index_operand(xp, block_tables), _index_operand(xp, context_lens)
+    device = "cpu" if xp is np else "cuda"
+    name, grid, block = check_tables_launch(tables.dtype, lens.dtype, tables.shape[0], device)
+    verdicts = xp.empty(grid, np.int32)
+    keys = lens if first_keys is None else xp.asarray(first_keys, dtype=np.int64)
+    args = CheckTablesArgs(
+        verdicts=verdicts,
+        block_tables=tables,
+        context_lens=lens,
+        first_keys=keys,
+        num_seqs=np.int32(tables.shape[0]),
+        max_blocks=np.int32(tables.shape[1]),
+        block_size=np.int32(block_size),
+        num_blocks=np.int64(num_blocks),
+        limit=np.int32(limit),
+        window_left=np.int32(min(max(window_left, -1), INT32_MAX)),
+        has_first_keys=np.int32(first_keys is not None),
+    )
+    get_kernel(device, "check_tables.cu", name)(grid, block, tuple(args))
+    return int(_host(verdicts).max())
+
+
+def _index_operand(xp: Any, x: Any) -> Any:
+    """``x`` as ``check_tables`` reads it: C-contiguous int32 or int64 (the callers check the
+    dtype; any other is widened), a copy only where it is not already."""
+    if x.dtype not in _UNSIGNED:
+        x = x.astype(np.int64)
+    return x if x.flags.c_contiguous else xp.ascontiguousarray(x)
+
+
+def _raise_table_error(
+    block_tables: Any,
+    context_lens: Any,
+    block_size: int,
+    num_blocks: int,
+    window_left: int,
+    first_keys: Any,
+    limit: int,
+) -> NoReturn:
+    """Raise the error that names the first bad row of a batch ``check_tables`` found bad: a
+    length first, else a block id (array operations: they run only on failure)."""
+    _, max_blocks = block_tables.shape
+    xp = array_module(block_tables)
     lens = context_lens.astype(np.int64, copy=False)
     bad_len = (lens < 0) | (lens > limit)
     if bool(_host(bad_len.any())):
@@ -399,7 +452,18 @@ def check_decode_tables(
             f"{max_blocks * block_size}, at most {MAX_CONTEXT_LEN}), got {int(_host(lens[row]))} "
             f"in row {row}"
         )
-    row = int(_host(xp.argmax(bad_id.any(axis=1))))
+    # Entry j holds keys j * block_size .. + block_size - 1: a row reads it when its first key
+    # is before the row's length, and (a window) when its last key reaches the window's first,
+    # len - 1 - window_left; viewed unsigned, a negative id is huge, so one comparison finds it.
+    starts = xp.arange(0, max_blocks * block_size, block_size)[None, :]
+    used = starts < context_lens[:, None]
+    if first_keys is not None:
+        used &= starts >= (xp.asarray(first_keys) // block_size * block_size)[:, None]
+    elif window_left >= 0:
+        used &= starts + (block_size + window_left) >= context_lens[:, None]
+    bad_rows = ((_unsigned(block_tables) >= num_blocks) & used).any(axis=1)
+    row = int(_host(xp.argmax(bad_rows)))
+    require(bool(_host(bad_rows[row])), "check_tables found a bad row, the array operations none")
     reached = _host(block_tables[row][used[row]])
     raise ValueError(
         f"expected block ids in [0, {num_blocks}) in row {row} of block_tables (the "

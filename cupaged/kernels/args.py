@@ -172,6 +172,23 @@ class PlanDecodeArgs(NamedTuple):
     wave_items: Int32 = np.int32(0)
 
 
+class CheckTablesArgs(NamedTuple):
+    """``check_tables`` (cuda/check_tables.cu): the checked path's verdict on a batch's tables
+    and lengths, one per thread block. Every argument is the call's own."""
+
+    verdicts: Array  # [grid] int32: the longest length, or limit + 1 (bad)
+    block_tables: Array  # [num_seqs, max_blocks] int32 or int64
+    context_lens: Array  # [num_seqs] int32 or int64
+    first_keys: Array  # [num_seqs] int64, read if has_first_keys (else any array)
+    num_seqs: Int32
+    max_blocks: Int32
+    block_size: Int32
+    num_blocks: Int64
+    limit: Int32
+    window_left: Int32
+    has_first_keys: Int32
+
+
 # The layer's methods of the attention records (``filled`` and ``filler`` of DecodeArgs and
 # PrefillArgs, of their merges), written once: each finds its record's field positions by the
 # record's type in _LAYER_AT or _MERGE_AT (at the end, read from the names); a filler, once, at
@@ -400,6 +417,7 @@ KERNEL_ARGS: dict[tuple[str, str], type] = {
     ("write_kv.cu", "write_kv_fp8"): WriteKvFp8Args,
     ("copy_blocks.cu", "copy_blocks"): CopyBlocksArgs,
     ("decode_plan.cu", "plan_decode"): PlanDecodeArgs,
+    ("check_tables.cu", "check_tables"): CheckTablesArgs,
     ("paged_attention.cu", "paged_decode"): DecodeArgs,
     ("paged_attention.cu", "paged_decode_mma"): DecodeArgs,
     ("paged_attention.cu", "paged_decode_merge"): DecodeMergeArgs,
