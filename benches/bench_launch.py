@@ -30,7 +30,8 @@ from bandwidth import block_copy_bytes, gb_per_s, kv_write_bytes, synchronized
 from timing import median_seconds, repeats
 
 import cupaged
-from cupaged._arrays.checks import check_copy_pairs, check_decode_tables, check_slots
+from cupaged._arrays.checks import check_copy_pairs, check_slots
+from cupaged.attention.table_checks import check_decode_tables
 from cupaged.dtypes import from_float
 
 # (num_layers, num_blocks, num_kv_heads, block_size, head_dim): the block manager benchmark's cache

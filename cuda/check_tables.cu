@@ -22,7 +22,8 @@
 // and the host reads the gridDim.x verdicts back (one copy, one synchronisation) and takes their
 // maximum: the longest length of a good batch, limit + 1 (past every good length) of a bad one.
 // On a bad verdict the host finds the offending row with array operations, to name it
-// (cupaged/_arrays/checks.py, check_decode_tables). limit is at most 2^30, so a verdict is an int.
+// (raise_table_error, cupaged/_arrays/checks.py); the launch: cupaged/attention/table_checks.py.
+// limit is at most 2^30, so a verdict is an int.
 //
 // Reference: tests/attention/test_table_checks.py walks every entry of every row on the host.
 #include "common.cuh"

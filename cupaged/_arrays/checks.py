@@ -12,9 +12,6 @@ from .._util import cdiv
 from ..backend import array_module
 from ..dtypes import ITEMSIZES as ITEMSIZES
 from ..dtypes import Q_DTYPE_NAMES, array_dtype_name
-from ..kernels.args import CheckTablesArgs
-from ..kernels.launch_checks import check_tables_launch
-from ..kernels.loader import get_kernel
 
 
 def require(condition: bool, message: str) -> None:
@@ -342,106 +339,26 @@ def _shown(x: Any) -> str:
     return f"{values}{' ...' if x.size > 8 else ''}"
 
 
-def check_decode_tables(
+def raise_table_error(
     block_tables: Any,
     context_lens: Any,
     block_size: int,
     num_blocks: int,
     window_left: int = -1,
     first_keys: Any = None,
-) -> int:
-    """Check a decode batch's lengths and the block ids they reach; return the longest context.
+) -> NoReturn:
+    """Raise the error that names the first bad row of a batch whose tables the checked path
+    (``cupaged.attention.table_checks``, one kernel) found bad: a length first, else a block id.
 
-    Sequence ``i`` reads entries ``0 .. ceil(context_lens[i] / block_size) - 1`` of row ``i``
-    (with a window, from the block of position ``context_lens[i] - 1 - window_left`` on: the
-    entries before it may be released, ``-1``); those must name blocks of the cache, whatever
-    the entries beyond hold (padding). Runs on the arrays' device, on their own dtypes (an int64
-    ``2**32 + 1`` is out of range, not block 1), as one launch of ``check_tables``
-    (cuda/check_tables.cu; the CPU backend's for NumPy arrays) and one read-back of a few ints
-    (one synchronisation on a GPU); only a failing call runs array operations, to name the row.
-
-    Args:
-        block_tables: ``[num_seqs, max_blocks]`` int32 or int64.
-        context_lens: ``[num_seqs]`` int32 or int64.
-        window_left: the decode query sees positions ``len - 1 - window_left ..``; -1: all.
-        first_keys: instead of ``window_left``, the first position each row's queries reach
-            (host int64 ``[num_seqs]``; a prefill's window, :func:`check_prefill_tables`).
-
-    Returns:
-        ``max(context_lens)`` (0 for an empty batch), as a Python int.
+    Array operations on the arrays' device, on their own dtypes: they run only on failure.
 
     Raises:
         ValueError: a length negative, past the table (``max_blocks * block_size``) or past
             ``MAX_CONTEXT_LEN``; or a block id out of range (the message names the row).
+        AssertionError: no row is bad (the kernel and these operations disagree).
     """
-    num_seqs, max_blocks = block_tables.shape
-    if num_seqs == 0:
-        return 0
-    limit = min(max_blocks * block_size, MAX_CONTEXT_LEN)
-    verdict = _table_verdict(
-        block_tables, context_lens, block_size, num_blocks, window_left, first_keys, limit
-    )
-    if verdict <= limit:
-        return verdict
-    _raise_table_error(
-        block_tables, context_lens, block_size, num_blocks, window_left, first_keys, limit
-    )
-
-
-def _table_verdict(
-    block_tables: Any,
-    context_lens: Any,
-    block_size: int,
-    num_blocks: int,
-    window_left: int,
-    first_keys: Any,
-    limit: int,
-) -> int:
-    """The longest length, or ``limit + 1`` when a length or an id read is bad: one launch of
-    ``check_tables`` (cuda/check_tables.cu) and one read-back of its verdicts, on any backend."""
-    xp = array_module(block_tables)
-    tables, lens = _index_operand(xp, block_tables), _index_operand(xp, context_lens)
-    device = "cpu" if xp is np else "cuda"
-    name, grid, block = check_tables_launch(tables.dtype, lens.dtype, tables.shape[0], device)
-    verdicts = xp.empty(grid, np.int32)
-    keys = lens if first_keys is None else xp.asarray(first_keys, dtype=np.int64)
-    args = CheckTablesArgs(
-        verdicts=verdicts,
-        block_tables=tables,
-        context_lens=lens,
-        first_keys=keys,
-        num_seqs=np.int32(tables.shape[0]),
-        max_blocks=np.int32(tables.shape[1]),
-        block_size=np.int32(block_size),
-        num_blocks=np.int64(num_blocks),
-        limit=np.int32(limit),
-        window_left=np.int32(min(max(window_left, -1), INT32_MAX)),
-        has_first_keys=np.int32(first_keys is not None),
-    )
-    get_kernel(device, "check_tables.cu", name)(grid, block, tuple(args))
-    return int(_host(verdicts).max())
-
-
-def _index_operand(xp: Any, x: Any) -> Any:
-    """``x`` as ``check_tables`` reads it: C-contiguous int32 or int64 (the callers check the
-    dtype; any other is widened), a copy only where it is not already."""
-    if x.dtype not in _UNSIGNED:
-        x = x.astype(np.int64)
-    return x if x.flags.c_contiguous else xp.ascontiguousarray(x)
-
-
-def _raise_table_error(
-    block_tables: Any,
-    context_lens: Any,
-    block_size: int,
-    num_blocks: int,
-    window_left: int,
-    first_keys: Any,
-    limit: int,
-) -> NoReturn:
-    """Raise the error that names the first bad row of a batch ``check_tables`` found bad: a
-    length first, else a block id (array operations: they run only on failure)."""
     _, max_blocks = block_tables.shape
+    limit = table_limit(max_blocks, block_size)
     xp = array_module(block_tables)
     lens = context_lens.astype(np.int64, copy=False)
     bad_len = (lens < 0) | (lens > limit)
@@ -471,6 +388,12 @@ def _raise_table_error(
     )
 
 
+def table_limit(max_blocks: int, block_size: int) -> int:
+    """The longest context a table of ``max_blocks`` entries may claim: its capacity, at most
+    ``MAX_CONTEXT_LEN``."""
+    return min(max_blocks * block_size, MAX_CONTEXT_LEN)
+
+
 def _unsigned(x: Any) -> Any:
     """``x`` (int32 or int64) viewed as the unsigned type of its size: no copy, and a negative
     value becomes one above every signed one."""
@@ -480,23 +403,6 @@ def _unsigned(x: Any) -> Any:
 
 
 _UNSIGNED = {np.dtype(np.int32): np.dtype(np.uint32), np.dtype(np.int64): np.dtype(np.uint64)}
-
-
-def check_prefill_tables(
-    block_tables: Any,
-    context_lens: Any,
-    block_size: int,
-    num_blocks: int,
-    first_keys: np.ndarray | None = None,
-) -> int:
-    """:func:`check_decode_tables` for a prefill batch whose queries reach keys from
-    ``first_keys[i]`` on (a window: ``max(0, L - n - window_left)``, host int64 ``[num_seqs]``;
-    ``None``: from 0). The entries before a row's first key are never read (they may be
-    released, ``-1``), so they are not checked.
-    """
-    return check_decode_tables(
-        block_tables, context_lens, block_size, num_blocks, first_keys=first_keys
-    )
 
 
 def check_prefill_args(

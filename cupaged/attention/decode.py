@@ -47,7 +47,6 @@ from .._arrays.checks import (
     MAX_CONTEXT_LEN,
     as_bool,
     as_int,
-    check_decode_tables,
     check_index_array,
     check_num_blocks,
     check_shape,
@@ -94,6 +93,7 @@ from .layer import (
     target,
 )
 from .scales import kv_scale_args, own_scales, trusted_memory
+from .table_checks import check_decode_tables
 
 Q_AXES = DECODE_Q_AXES
 

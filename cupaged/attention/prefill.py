@@ -34,7 +34,6 @@ from .._arrays.checks import (
     as_int,
     check_index_array,
     check_num_blocks,
-    check_prefill_tables,
     check_query_start_loc,
     check_shape,
     element_type,
@@ -57,6 +56,7 @@ from .layer import (
     target,
 )
 from .scales import kv_scale_args, own_scales, trusted_memory
+from .table_checks import check_prefill_tables
 
 Q_AXES = ("total_query_tokens", "num_q_heads", "head_dim")
 

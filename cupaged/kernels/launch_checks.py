@@ -5,9 +5,6 @@ One warp per row, up to ``CHECK_THREADS`` per block and ``CHECK_MAX_BLOCKS`` blo
 batch's warps take several rows each): each block writes one verdict, which the host reads back
 in one copy, so the blocks are few. On the CPU backend one thread walks every row: a launch there
 costs a fiber per CUDA thread, and the walk is a few loads per row.
-
-It imports nothing of the other launch tables: ``cupaged._arrays.checks`` launches it, and the
-variants that ``launch_decode`` imports import those checks.
 """
 
 from __future__ import annotations
@@ -15,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from .._util import cdiv
+from .launch_decode import whole_warps
 
 CHECK_C_TYPES = {np.dtype(np.int32): "int", np.dtype(np.int64): "long long"}
 CHECK_THREADS = 256  # kCheckMaxThreads, the kernel's launch bounds
@@ -32,5 +30,5 @@ def check_tables_launch(
     )
     if device == "cpu":
         return name, (1,), (1,)
-    threads = 32 * min(num_seqs, CHECK_THREADS // 32)  # a warp per row
+    threads = whole_warps(32 * num_seqs, CHECK_THREADS)  # a warp per row
     return name, (min(cdiv(num_seqs, threads // 32), CHECK_MAX_BLOCKS),), (threads,)

@@ -17,7 +17,8 @@ import pytest
 import strict_cupy
 from helpers import recorded_launches
 
-from cupaged._arrays.checks import MAX_CONTEXT_LEN, check_decode_tables, check_prefill_tables
+from cupaged._arrays.checks import MAX_CONTEXT_LEN
+from cupaged.attention.table_checks import check_decode_tables, check_prefill_tables
 from cupaged.backend import cuda_available
 from cupaged.kernels.launch_checks import CHECK_MAX_BLOCKS, CHECK_THREADS, check_tables_launch
 
