@@ -57,6 +57,7 @@
 #endif
 
 #include "common.cuh"
+#include "mma_sync.cuh"
 
 namespace cupaged {
 
@@ -282,11 +283,11 @@ __global__ void __launch_bounds__(32 * WARPS, 1)
 #pragma unroll L::kUnroll
         for (int kk = 0; kk < L::kSteps; ++kk) {
           wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> kb;
-          wmma::load_matrix_sync(kb, k_tile + kk * 16, LDK);
+          mma::wmma_load(kb, k_tile + kk * 16, LDK);
 #pragma unroll
           for (int rb = 0; rb < L::kRowBlocks; ++rb) {
             wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> qa;
-            wmma::load_matrix_sync(qa, q_s + rb * 16 * LDK + kk * 16, LDK);
+            mma::wmma_load(qa, q_s + rb * 16 * LDK + kk * 16, LDK);
             wmma::mma_sync(s[rb], qa, kb, s[rb]);
           }
         }
@@ -352,7 +353,7 @@ __global__ void __launch_bounds__(32 * WARPS, 1)
         wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> vb[TILE / 16];
 #pragma unroll
         for (int kt = 0; kt < TILE / 16; ++kt) {
-          wmma::load_matrix_sync(vb[kt], v_tile + kt * 16 * LDK + slice * 16, LDK);
+          mma::wmma_load(vb[kt], v_tile + kt * 16 * LDK + slice * 16, LDK);
         }
 #pragma unroll
         for (int rb = 0; rb < L::kRowBlocks; ++rb) {
@@ -362,7 +363,7 @@ __global__ void __launch_bounds__(32 * WARPS, 1)
 #pragma unroll L::kUnroll
           for (int kt = 0; kt < TILE / 16; ++kt) {
             wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> pa;
-            wmma::load_matrix_sync(pa, p_s + rb * 16 * L::kLdp + kt * 16, L::kLdp);
+            mma::wmma_load(pa, p_s + rb * 16 * L::kLdp + kt * 16, L::kLdp);
             wmma::mma_sync(o, pa, vb[kt], o);
           }
         }

@@ -1,10 +1,21 @@
 // mma_sync.cuh: the warp-level tensor-core instructions of the FlashAttention-2 kind of kernel
-// (paged_prefill_flash in paged_prefill.cu), as four small device functions:
+// (paged_prefill_flash in paged_prefill.cu), and a WMMA load, as small device functions:
 //
 //   ldmatrix_x4 / ldmatrix_x4_trans   ldmatrix.sync.aligned.m8n8.x4{.trans}.shared.b16
 //   ldmatrix_x2 / ldmatrix_x2_trans   ldmatrix.sync.aligned.m8n8.x2{.trans}.shared.b16
 //   mma_16816<T>                      mma.sync.aligned.m16n8k16.row.col.f32.T.T.f32 (T: __half
 //                                     or __nv_bfloat16), D += A B in place
+//   wmma_load                         nvcuda::wmma::load_matrix_sync of an A or B fragment from
+//                                     shared memory; for __nv_bfloat16 as
+//                                     wmma.load.{a,b}.sync.aligned.{row,col}.m16n16k16.shared.bf16
+//
+// wmma_load exists because CUDA's mma.h loads a bf16 WMMA fragment with the generic form of
+// wmma.load, and ptxas lowers that to four generic 32-bit loads (LD.E) per fragment even from a
+// __shared__ array, where the same load of __half fragments becomes one LDSM.16.M88.4 (seen in
+// the SASS of both, sm_80 and sm_90). The .shared form gives LDSM for bf16 too. It is the same
+// WMMA instruction, so the fragment's layout stays the opaque one wmma::mma_sync expects: the
+// kernels rely on nothing of it. __half fragments keep mma.h's load; the CPU backend's shim
+// runs its own load_matrix_sync for both.
 //
 // They are the only inline PTX in cuda/ (DESIGN.md's source rules, as docs/cpu_backend.md amends
 // them): each is one instruction whose register layout the PTX ISA documents (section 9.7.14.5,
@@ -31,6 +42,10 @@
 // Every lane of the warp calls each one (mask 0xffffffff), as on the GPU, where anything else
 // is undefined.
 #pragma once
+
+#ifndef CUPAGED_CPU
+#include <mma.h>  // wmma_load's fragments; the CPU backend's shim provides nvcuda::wmma itself
+#endif
 
 namespace cupaged {
 namespace mma {
@@ -64,6 +79,14 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], const unsigned (&a)[4],
                                           const char* file = __builtin_FILE(),
                                           int line = __builtin_LINE()) {
   cupaged_cpu::mma_16816<T>(d, a, b, file, line);
+}
+
+template <typename Use, typename T, typename Layout>
+__device__ __forceinline__ void wmma_load(nvcuda::wmma::fragment<Use, 16, 16, 16, T, Layout>& f,
+                                          const T* p, unsigned ldm,
+                                          const char* file = __builtin_FILE(),
+                                          int line = __builtin_LINE()) {
+  nvcuda::wmma::load_matrix_sync(f, p, ldm, file, line);
 }
 
 #else
@@ -113,6 +136,55 @@ template <typename T>
 __device__ __forceinline__ void mma_16816(float (&d)[4], const unsigned (&a)[4],
                                           const unsigned (&b)[2]) {
   mma_16816_of(d, a, b, static_cast<const T*>(nullptr));
+}
+
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800  // mma.h's condition for bf16 fragments
+// A bf16 fragment holds 8 elements in 4 registers (A row-major, B column- or row-major); the
+// registers go to the fragment's elements in order, as mma.h's own load writes them.
+template <typename Use, typename Layout>
+__device__ __forceinline__ void wmma_load_bf16(
+    nvcuda::wmma::fragment<Use, 16, 16, 16, __nv_bfloat16, Layout>& f, unsigned r0, unsigned r1,
+    unsigned r2, unsigned r3) {
+  static_assert(sizeof(f.x) == 16, "a bf16 m16n16k16 A or B fragment is 4 registers");
+  const unsigned r[4] = {r0, r1, r2, r3};
+  memcpy(&f.x[0], r, sizeof(r));
+}
+__device__ __forceinline__ void wmma_load(
+    nvcuda::wmma::fragment<nvcuda::wmma::matrix_a, 16, 16, 16, __nv_bfloat16,
+                           nvcuda::wmma::row_major>& f,
+    const __nv_bfloat16* p, unsigned ldm) {
+  unsigned r0, r1, r2, r3;
+  asm volatile("wmma.load.a.sync.aligned.row.m16n16k16.shared.bf16 {%0, %1, %2, %3}, [%4], %5;\n"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+               : "r"(shared_address(p)), "r"(ldm));
+  wmma_load_bf16(f, r0, r1, r2, r3);
+}
+__device__ __forceinline__ void wmma_load(
+    nvcuda::wmma::fragment<nvcuda::wmma::matrix_b, 16, 16, 16, __nv_bfloat16,
+                           nvcuda::wmma::col_major>& f,
+    const __nv_bfloat16* p, unsigned ldm) {
+  unsigned r0, r1, r2, r3;
+  asm volatile("wmma.load.b.sync.aligned.col.m16n16k16.shared.bf16 {%0, %1, %2, %3}, [%4], %5;\n"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+               : "r"(shared_address(p)), "r"(ldm));
+  wmma_load_bf16(f, r0, r1, r2, r3);
+}
+__device__ __forceinline__ void wmma_load(
+    nvcuda::wmma::fragment<nvcuda::wmma::matrix_b, 16, 16, 16, __nv_bfloat16,
+                           nvcuda::wmma::row_major>& f,
+    const __nv_bfloat16* p, unsigned ldm) {
+  unsigned r0, r1, r2, r3;
+  asm volatile("wmma.load.b.sync.aligned.row.m16n16k16.shared.bf16 {%0, %1, %2, %3}, [%4], %5;\n"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+               : "r"(shared_address(p)), "r"(ldm));
+  wmma_load_bf16(f, r0, r1, r2, r3);
+}
+#endif
+// __half: mma.h's load (one LDSM per fragment already).
+template <typename Use, typename Layout>
+__device__ __forceinline__ void wmma_load(nvcuda::wmma::fragment<Use, 16, 16, 16, __half, Layout>& f,
+                                          const __half* p, unsigned ldm) {
+  nvcuda::wmma::load_matrix_sync(f, p, ldm);
 }
 
 #endif
