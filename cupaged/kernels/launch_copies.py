@@ -20,7 +20,8 @@ COPY_THREADS = 256
 # items it planned there, not the capacity). The CPU backend runs a block's threads one after
 # another, each started by a call that costs many words of a copy loop, so copy_blocks and
 # write_kv, whose threads only stride over the words they move, run one thread per block there
-# whatever the size; every other kernel launches as on the GPU (the numbers: docs/benchmarks.md,
+# whatever the size (check_tables too, launch_checks.py: one thread walks every row); every
+# other kernel launches as on the GPU (the numbers: docs/benchmarks.md,
 # "One launch geometry and the helper threads of the CPU backend"). tests/attention/test_ops.py runs both
 # on the CPU backend with several threads too, as the GPU splits the words.
 CPU_STRIDE_THREADS = 1
