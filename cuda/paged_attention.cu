@@ -86,6 +86,7 @@
 #endif
 
 #include "common.cuh"
+#include "mma_sync.cuh"
 
 namespace cupaged {
 
@@ -737,7 +738,7 @@ __global__ void __launch_bounds__(32 * WARPS)
     __syncthreads();  // q_s is complete
     wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> qa[L::kQSteps];
 #pragma unroll
-    for (int kk = 0; kk < L::kQSteps; ++kk) wmma::load_matrix_sync(qa[kk], q_s + kk * 16, LDQ);
+    for (int kk = 0; kk < L::kQSteps; ++kk) mma::wmma_load(qa[kk], q_s + kk * 16, LDQ);
 
     for (int stage = 0; stage < ring.num_stages; ++stage) {
       Ring::wait_k();
@@ -755,7 +756,7 @@ __global__ void __launch_bounds__(32 * WARPS)
 #pragma unroll
           for (int pair = 0; pair < L::kPairs; ++pair) {
             wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> raw, even, odd;
-            wmma::load_matrix_sync(raw, k_tile + pair * 16, LDR);
+            mma::wmma_load(raw, k_tile + pair * 16, LDR);
             split_fp8_pairs<KV, T>(raw, even, odd);
             wmma::mma_sync(s, qa[2 * pair], even, s);
             wmma::mma_sync(s, qa[2 * pair + 1], odd, s);
@@ -764,7 +765,7 @@ __global__ void __launch_bounds__(32 * WARPS)
 #pragma unroll
           for (int kk = 0; kk < L::kSteps; ++kk) {
             wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> kb;
-            wmma::load_matrix_sync(kb, k_tile + kk * 16, LDK);
+            mma::wmma_load(kb, k_tile + kk * 16, LDK);
             wmma::mma_sync(s, qa[kk], kb, s);
           }
         }
@@ -817,7 +818,7 @@ __global__ void __launch_bounds__(32 * WARPS)
         wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> pa[TILE / 16];
 #pragma unroll
         for (int kt = 0; kt < TILE / 16; ++kt) {
-          wmma::load_matrix_sync(pa[kt], p_s + kt * 16, L::kLdp);
+          mma::wmma_load(pa[kt], p_s + kt * 16, L::kLdp);
         }
         const float alpha = alpha_s[out_row];
         if constexpr (kFp8) {
@@ -833,7 +834,7 @@ __global__ void __launch_bounds__(32 * WARPS)
 #pragma unroll
             for (int kt = 0; kt < TILE / 16; ++kt) {
               wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> raw, even, odd;
-              wmma::load_matrix_sync(raw, v_tile + kt * 16 * LDR + pair * 16, LDR);
+              mma::wmma_load(raw, v_tile + kt * 16 * LDR + pair * 16, LDR);
               split_fp8_pairs<KV, T>(raw, even, odd);
               wmma::mma_sync(o[0], pa[kt], even, o[0]);
               wmma::mma_sync(o[1], pa[kt], odd, o[1]);
@@ -860,7 +861,7 @@ __global__ void __launch_bounds__(32 * WARPS)
 #pragma unroll
           for (int kt = 0; kt < TILE / 16; ++kt) {
             wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> vb;
-            wmma::load_matrix_sync(vb, v_tile + kt * 16 * LDK + slice * 16, LDK);
+            mma::wmma_load(vb, v_tile + kt * 16 * LDK + slice * 16, LDK);
             wmma::mma_sync(o, pa[kt], vb, o);
           }
           wmma::store_matrix_sync(o_s, o, L::kLdo, wmma::mem_row_major);
