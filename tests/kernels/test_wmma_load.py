@@ -65,8 +65,7 @@ def probe_sass(arch: str) -> dict[str, list[str]]:
     nvrtc.destroyProgram(program)
     op = re.compile(r"/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)")
     return {
-        t: [m.group(1) for line in functions[lowered[t]] if (m := op.search(line))]
-        for t in TYPES
+        t: [m.group(1) for line in functions[lowered[t]] if (m := op.search(line))] for t in TYPES
     }
 
 
