@@ -5,16 +5,20 @@ Without a GPU driver, CuPy's ``RawModule.compile()`` fails (it asks the device f
 architecture), but CuPy's NVRTC binding compiles to real cubins, so register and shared-memory
 limits are checked too. The instantiation names come from the launch table itself, planned for
 each architecture (bf16 takes the CUDA-core kernels below sm_80, and what does not fit a T4's
-64 KiB of shared memory too), GQA groups up to 128 (chunks of at most 16 heads) included.
+64 KiB of shared memory too), GQA groups up to 128 (chunks of at most 16 heads) included. The
+paged_attention.cu programs for sm_80 and sm_90 also compile test_decode_spills.py's decode
+instantiations, under ptxas -v, and hold them to no spills.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
+import re
 
 import numpy as np
 import pytest
+import test_decode_spills as decode_spills
 
 from cupaged import variants
 from cupaged.backend import kernel_dir
@@ -25,6 +29,7 @@ from cupaged.kernels.launch_copies import copy_blocks_launch, write_kv_launch
 from cupaged.kernels.launch_decode import HEAD_DIMS, decode_launch
 from cupaged.kernels.launch_prefill import prefill_launch
 from cupaged.kernels.loader import nvrtc_options
+from tools.kernel_report.compile import parse_ptxas_log
 
 # Decode shapes: every head_dim at one block size, and a spread of block sizes (the extremes, odd
 # ones) at two head_dims; every dtype for each. About 0.6 s of NVRTC per instantiation and arch.
@@ -117,6 +122,9 @@ def requested_names(arch: str = "sm_90") -> dict[str, list[str]]:
     return {source: sorted(found) for source, found in names.items()}
 
 
+# ptxas -v's resource lines ("ptxas info    : Used 96 registers, ..." and the indented
+# "ptxas         .     0 bytes stack frame, ..."); its warnings stay warnings.
+PTXAS_VERBOSE = re.compile(r"ptxas(\s+info\s+:|\s+\.\s)")
 VOLTA_DEPRECATED = (
     "nvrtc: warning: Architectures prior to '<compute/sm>_75' are deprecated and may be removed "
     "in a future release"
@@ -155,20 +163,29 @@ def test_nvrtc_compiles_every_requested_instantiation(source, arch):
         pytest.skip(f"the launch table plans no {source} kernel for {arch}")
     if arch != "sm_90":
         names = names_to_compile(source, arch, names)
+    # test_decode_spills.py's decode instantiations (sm_80, sm_90) join this program, under
+    # ptxas -v: one compile per arch of what both tests need
+    spills = decode_spills.spill_cases(arch) if source == "paged_attention.cu" else {}
+    names = sorted(set(names) | set(spills))
+    options = [f"-arch={arch}", *nvrtc_options(), *(["--ptxas-options=-v"] if spills else [])]
     program = nvrtc.createProgram((kernel_dir() / source).read_text(), source, [], [])
     for name in names:
         nvrtc.addNameExpression(program, name)
     try:
-        nvrtc.compileProgram(program, [f"-arch={arch}", *nvrtc_options()])
+        nvrtc.compileProgram(program, options)
     except Exception:
         pytest.fail(f"NVRTC failed on {source} for {arch}:\n{nvrtc.getProgramLog(program)}")
-    warnings = nvrtc.getProgramLog(program).strip()
+    log = nvrtc.getProgramLog(program).strip("\0 \n")
+    warnings = "\n".join(line for line in log.splitlines() if not PTXAS_VERBOSE.match(line))
     if arch == "sm_70":  # NVRTC 12.8 on says so of every Volta build; nothing of the kernels
-        warnings = warnings.replace(VOLTA_DEPRECATED, "").strip()
-    assert not warnings, warnings
+        warnings = warnings.replace(VOLTA_DEPRECATED, "")
+    assert not warnings.strip(), warnings
+    lowered = {name: nvrtc.getLoweredName(program, name) for name in names}
     for name in names:
-        assert nvrtc.getLoweredName(program, name).startswith("_ZN7cupaged")
+        assert lowered[name].startswith("_ZN7cupaged")
     assert len(nvrtc.getCUBIN(program)) > 1000
+    if spills:
+        decode_spills.check_spills(arch, spills, lowered, parse_ptxas_log(log))
 
 
 @pytest.mark.parametrize("source", SOURCES)
