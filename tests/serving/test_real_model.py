@@ -134,7 +134,14 @@ class Reference:
 
 
 @pytest.fixture(scope="session")
-def reference_run(weights, prompts, model):
+def block_16_run(model, prompts):
+    """``_paged_run`` with blocks of 16 in an ample pool: the run ``reference_run`` follows and
+    ``test_paged_matches_float64_forward_block_16`` checks (the same run: it is deterministic)."""
+    return _paged_run(model, prompts, block_size=16, num_blocks=64)
+
+
+@pytest.fixture(scope="session")
+def reference_run(weights, prompts, block_16_run):
     """The float64 reference's greedy token and logits at each of ``STEPS`` steps per prompt.
 
     Causal attention makes one forward over a prompt and a continuation give the logits of every
@@ -145,7 +152,7 @@ def reference_run(weights, prompts, model):
     fails exactly where stepping the reference token by token would have made it fail.
     """
     reference = Reference(*weights)
-    continuations, _, _, _ = _paged_run(model, prompts, block_size=16, num_blocks=64)
+    continuations = block_16_run[0]
     tokens, logits = [], []
     for prompt, continuation in zip(prompts, continuations, strict=True):
         rows = reference.logits([*prompt, *continuation[:-1]])[len(prompt) - 1 :]
@@ -247,8 +254,8 @@ def test_unpermuted_rows_rotating_halves_match_adjacent_pairs(rng):
     assert not np.allclose(wrong, adjacent), "expected the permutation to matter"
 
 
-def test_paged_matches_float64_forward_block_16(model, prompts, reference_run):
-    tokens, logits, stats, cache = _paged_run(model, prompts, block_size=16, num_blocks=64)
+def test_paged_matches_float64_forward_block_16(prompts, block_16_run, reference_run):
+    tokens, logits, stats, cache = block_16_run
     _check_against_reference(tokens, logits, reference_run)
     expected = _expected_cached_tokens(prompts, 16)
     assert expected >= SHARED // 16 * 16, expected
