@@ -300,6 +300,85 @@ def prefill_partition(
     return cdiv(per_split, tile) * tile
 
 
+@dataclass(frozen=True, slots=True)
+class PrefillGeometry:
+    """What a prefill launch takes from its shapes, dtypes, GPU and variants alone, never from
+    the batch's lengths: the kernel, its tile and shared memory, the query tiles' rows (see
+    :class:`PrefillLaunch` for the fields they share). ``sinks_name``: the kernel of a run with
+    sinks when the launch does not split (with split-K the sink joins in the merge, and the
+    kernel is ``name``)."""
+
+    name: str
+    merge_name: str
+    sinks_name: str
+    sinks_merge_name: str
+    shared_mem: int
+    query_rows: int
+    heads_per_block: int
+    head_chunks: int
+    tile: int
+    flash: bool
+
+
+@functools.lru_cache(maxsize=256)  # pure, and asked by every plan (the one-shot's per call)
+def prefill_geometry(
+    dtype: str,
+    num_kv_heads: int,
+    group: int,
+    head_dim: int,
+    block_size: int,
+    target: Target = NOMINAL_TARGET,
+    variant: int = 0,
+    q_dtype: str | None = None,
+) -> PrefillGeometry:
+    """The part of :func:`prefill_launch` that the lengths do not change; ``variant``: the
+    plan's ``Variants.flags()`` (the sinks bit off).
+
+    Raises:
+        ValueError: an unsupported shape (the message lists the supported ones), or head
+            counts past one launch's grid.
+    """
+    check_decode_shape(dtype, head_dim, block_size)
+    q_dtype = query_dtype(dtype, q_dtype)
+    num_q_heads = num_kv_heads * group
+    for what, value in (("num_kv_heads", num_kv_heads), ("num_q_heads", num_q_heads)):
+        if not 1 <= value <= MAX_GRID_YZ:
+            raise ValueError(f"expected {what} in 1..{MAX_GRID_YZ} (one launch), got {value}")
+    flash = uses_prefill_flash(dtype, head_dim, target, q_dtype=q_dtype)
+    mma = uses_prefill_mma(dtype, head_dim, target, q_dtype=q_dtype)
+    if flash:  # its ring's cache offsets are 32-bit per block (common.cuh, KvRing SPLIT_KV)
+        check_block_elements(num_kv_heads, block_size, head_dim)
+        rows_per_block, tile, stages = flash_geometry(head_dim, target, dtype)
+        kind = "flash"
+        shared_mem = _flash_shared_memory(dtype, head_dim, tile, rows_per_block, stages)
+    else:
+        tile, stages = prefill_tile(dtype, head_dim), PREFILL_STAGES
+        rows_per_block = PREFILL_MMA_ROWS if mma else PREFILL_ROWS
+        kind = "mma" if mma else ""
+        shared_mem = _prefill_shared_memory(mma, dtype, head_dim, tile)
+    heads = min(group, PREFILL_ROWS)
+    c_type = C_TYPES[q_dtype]
+    kernel = (
+        f"cupaged::paged_prefill{'_' + kind if kind else ''}<{c_type}, {head_dim}, "
+        f"{block_size}, {tile}, {rows_per_block}, {stages}, {PREFILL_THREADS}"
+    )
+    merge = f"cupaged::paged_prefill_merge<{c_type}, {head_dim}, {PREFILL_MERGE_THREADS}"
+    kv_type = C_TYPES[dtype] if is_fp8(dtype) else None
+    # The merge reads only the window (which splits a row takes) and the sinks.
+    return PrefillGeometry(
+        name=_prefill_instantiation(kernel, variant, kv_type),
+        merge_name=instantiation(merge, variant & WINDOW),
+        sinks_name=_prefill_instantiation(kernel, variant | SINKS, kv_type),
+        sinks_merge_name=instantiation(merge, variant & WINDOW | SINKS),
+        shared_mem=shared_mem,
+        query_rows=max(1, rows_per_block // heads),
+        heads_per_block=heads,
+        head_chunks=cdiv(group, heads),
+        tile=tile,
+        flash=flash,
+    )
+
+
 def prefill_launch(
     dtype: str,
     num_seqs: int,
@@ -324,6 +403,7 @@ def prefill_launch(
     ``dtype`` is the cache's element type; ``q_dtype`` the queries' and the output's
     (``query_dtype``: over fp8 float32, float16 or bfloat16, float16 when ``None``). An fp8
     instantiation spells both types (``VARIANT`` written even when 0, then the cache's).
+    What the lengths do not change comes from :func:`prefill_geometry` (kept per shape).
 
     Args:
         max_query_len: most query tokens of one sequence in the batch; with ``num_seqs``, sizes
@@ -344,29 +424,12 @@ def prefill_launch(
     """
     if sm_count is None:
         sm_count = target.sm_count
-    check_decode_shape(dtype, head_dim, block_size)
-    q_dtype = query_dtype(dtype, q_dtype)
-    num_q_heads = num_kv_heads * group
+    geometry = prefill_geometry(
+        dtype, num_kv_heads, group, head_dim, block_size, target, variants.flags(), q_dtype
+    )
     if num_seqs < 1:
         raise ValueError(f"expected num_seqs >= 1, got {num_seqs}")
-    for what, value in (("num_kv_heads", num_kv_heads), ("num_q_heads", num_q_heads)):
-        if not 1 <= value <= MAX_GRID_YZ:
-            raise ValueError(f"expected {what} in 1..{MAX_GRID_YZ} (one launch), got {value}")
-    flash = uses_prefill_flash(dtype, head_dim, target, q_dtype=q_dtype)
-    mma = uses_prefill_mma(dtype, head_dim, target, q_dtype=q_dtype)
-    if flash:  # its ring's cache offsets are 32-bit per block (common.cuh, KvRing SPLIT_KV)
-        check_block_elements(num_kv_heads, block_size, head_dim)
-        rows_per_block, tile, stages = flash_geometry(head_dim, target, dtype)
-        kind = "flash"
-        shared_mem = _flash_shared_memory(dtype, head_dim, tile, rows_per_block, stages)
-    else:
-        tile, stages = prefill_tile(dtype, head_dim), PREFILL_STAGES
-        rows_per_block = PREFILL_MMA_ROWS if mma else PREFILL_ROWS
-        kind = "mma" if mma else ""
-        shared_mem = _prefill_shared_memory(mma, dtype, head_dim, tile)
-    heads = min(group, PREFILL_ROWS)
-    chunks = cdiv(group, heads)
-    query_rows = max(1, rows_per_block // heads)
+    chunks, query_rows = geometry.head_chunks, geometry.query_rows
     # Runs of query_rows packed rows, then one unit per sequence (cuda/paged_prefill.cu).
     rows = total_query_tokens if total_query_tokens else max_query_len * num_seqs
     tiles = max(1, cdiv(rows, query_rows) + num_seqs)
@@ -379,10 +442,10 @@ def prefill_launch(
             units,
             work.kv_tokens * num_kv_heads * chunks,
             work.max_end,
-            tile,
+            geometry.tile,
             sm_count,
             splits,
-            FLASH_SPLIT_GRANULE if flash else None,
+            FLASH_SPLIT_GRANULE if geometry.flash else None,
         )
         num_splits = max(1, cdiv(work.max_end, partition))
         if num_splits == 1:
@@ -392,32 +455,22 @@ def prefill_launch(
             f"expected at most {MAX_GRID_X} thread blocks per KV head, got "
             f"{tiles * chunks * num_splits}"
         )
-    c_type = C_TYPES[q_dtype]
-    kernel = (
-        f"cupaged::paged_prefill{'_' + kind if kind else ''}<{c_type}, {head_dim}, "
-        f"{block_size}, {tile}, {rows_per_block}, {stages}, {PREFILL_THREADS}"
-    )
-    merge = f"cupaged::paged_prefill_merge<{c_type}, {head_dim}, {PREFILL_MERGE_THREADS}"
-    variant = variants.flags()  # the sinks bit off: a run's
-    # With split-K a sink joins in the merge, once per row; the merge reads only the window
-    # (which splits a row takes) and the sinks.
-    sinks_variant = variant | SINKS if num_splits == 1 else variant
-    kv_type = C_TYPES[dtype] if is_fp8(dtype) else None
     return PrefillLaunch(
-        name=_prefill_instantiation(kernel, variant, kv_type),
-        merge_name=instantiation(merge, variant & WINDOW),
+        name=geometry.name,
+        merge_name=geometry.merge_name,
         grid=(tiles * chunks * num_splits, num_kv_heads, 1),
         block=(PREFILL_THREADS,),
-        shared_mem=shared_mem,
+        shared_mem=geometry.shared_mem,
         query_rows=query_rows,
-        heads_per_block=heads,
-        tile=tile,
+        heads_per_block=geometry.heads_per_block,
+        tile=geometry.tile,
         num_splits=num_splits,
         partition_tokens=partition,
-        merge_grid=(max(total_query_tokens, 1), num_q_heads),
+        merge_grid=(max(total_query_tokens, 1), num_kv_heads * group),
         merge_block=(PREFILL_MERGE_THREADS,),
-        sinks_name=_prefill_instantiation(kernel, sinks_variant, kv_type),
-        sinks_merge_name=instantiation(merge, variant & WINDOW | SINKS),
+        # With split-K a sink joins in the merge, once per row.
+        sinks_name=geometry.sinks_name if num_splits == 1 else geometry.name,
+        sinks_merge_name=geometry.sinks_merge_name,
     )
 
 
