@@ -21,6 +21,7 @@ import numpy as np
 
 from .._arrays.checks import (
     ITEMSIZES,
+    as_bool,
     check_attention_args,
     check_copy_pairs,
     check_dtype,
@@ -51,7 +52,7 @@ from .layer import (
     device_of,
     fp8_query_dtype,
 )
-from .prefill import PrefillPlan, check_batch_arrays
+from .prefill import PrefillPlan, check_batch_arrays, check_metadata_devices, replan
 from .reuse import PlanReuse, reuse_key
 from .scales import kv_scale_args
 
@@ -552,7 +553,12 @@ def paged_prefill(
 
     The one-shot form of :class:`PrefillPlan`: it reads the lengths on the host, checks, plans
     and runs once. A model that attends every layer over the same rows plans once per step and
-    calls ``plan.run`` per layer.
+    calls ``plan.run`` per layer. A call of the shapes and options of one of the last few (same
+    thread, device and stream) re-plans that call's plan in its own buffers instead of making
+    one (``cupaged/attention/reuse.py``). ``context_lens`` and ``query_start_loc`` may be host
+    (NumPy) arrays beside device ones: the synchronisation-free form (as FlashInfer's ``plan``
+    takes host ``indptr`` arrays); device arrays are read back to the host (the grid needs the
+    longest query run), one synchronisation.
 
     Args:
         q: ``[total_query_tokens, num_q_heads, head_dim]`` float32, float16 or bfloat16
@@ -562,10 +568,12 @@ def paged_prefill(
             C-contiguous and 16-byte aligned (``cache.k[layer]``).
         v_cache: same shape and dtype as ``k_cache``.
         block_tables: ``[num_seqs, max_blocks]`` int32 (int64 is converted after the checks).
-        context_lens: ``[num_seqs]`` int32 (int64 is converted after the checks).
+        context_lens: ``[num_seqs]`` int32 (int64 is converted after the checks), on the
+            inputs' device or a host (NumPy) array.
         query_start_loc: ``[num_seqs + 1]`` int32 or int64: 0, non-decreasing, ending at
-            ``total_query_tokens`` (``StepPlan.query_start_loc``). Always checked (it is read
-            on the host to size the grid), with ``n_i <= context_lens[i]``.
+            ``total_query_tokens`` (``StepPlan.query_start_loc``, a host array), on the inputs'
+            device or a host array. Always checked (on the host, where it sizes the grid), with
+            ``n_i <= context_lens[i]``.
         scale: softmax scale; ``head_dim ** -0.5`` when ``None``.
         causal: mask the tokens after each query's position (``True``, prefill), or attend to
             the whole context (``False``). A bool (``TypeError`` otherwise).
@@ -615,35 +623,46 @@ def paged_prefill(
             when checked), of another shape, or given for a cache that is not fp8, or
             ``num_splits`` with ``batch_invariant=True``.
     """
-    xp = array_module(q, k_cache, v_cache, block_tables, context_lens, query_start_loc)
+    xp = array_module(q, k_cache, v_cache, block_tables)
+    check_metadata_devices(xp, context_lens, query_start_loc)  # host arrays: never read back
     q_dtype = fp8_query_dtype(q, k_cache, kv_dtype)  # None: not an fp8 cache
     if q_dtype is None:
         check_prefill_args(q, k_cache, v_cache, block_tables, context_lens, query_start_loc)
     else:  # over fp8 the plan and its run check the caches; the lengths are read below
         check_batch_arrays(block_tables, context_lens, query_start_loc)
     sinks = check_sinks(xp, q.shape[1], sinks)  # before the plan compiles anything
-    # Host copies of the lengths (none on the CPU), checked against q's rows; the plan then
-    # reads nothing back.
+    # Host copies of the lengths (none for host arrays); the plan checks them, against q's
+    # rows here first (the same message as its own check's).
     host_starts, host_lens = to_numpy(query_start_loc), to_numpy(context_lens)
-    check_query_start_loc(host_starts, host_lens, q.shape[0])
-    plan = PrefillPlan(
-        block_tables,
-        host_lens,
-        host_starts,
-        k_cache,
-        q.shape[1],
-        scale=scale,
-        causal=causal,
-        num_splits=num_splits,
-        batch_invariant=batch_invariant,
-        checked=checked,
-        window_left=window_left,
-        logits_soft_cap=logits_soft_cap,
-        alibi_slopes=alibi_slopes,
-        q_dtype=q_dtype,
-        kv_dtype=kv_dtype,
-    )
+    if host_starts[0] != 0 or host_starts[-1] != q.shape[0]:
+        check_query_start_loc(host_starts, host_lens, q.shape[0])
+    options = {
+        "scale": scale,
+        "causal": as_bool(causal, "causal"),  # keyed: checked first
+        "num_splits": num_splits,
+        "batch_invariant": batch_invariant,
+        "window_left": window_left,
+        "logits_soft_cap": logits_soft_cap,
+        "alibi_slopes": alibi_slopes,
+        "q_dtype": q_dtype,
+        "kv_dtype": kv_dtype,
+    }
+    key = reuse_key(xp, q, k_cache, block_tables, rows=q.shape[0], checked=bool(checked), **options)
+
+    def make() -> PrefillPlan:
+        return PrefillPlan(
+            block_tables, host_lens, host_starts, k_cache, q.shape[1], checked=checked, **options
+        )
+
+    def update(plan: PrefillPlan) -> None:
+        replan(plan, block_tables, host_lens, host_starts, tables_checked=bool(checked))
+
+    plan = _PREFILL_PLANS.reuse(key, make, update)
     return plan.run(q, k_cache, v_cache, k_scale=k_scale, v_scale=v_scale, sinks=sinks, out=out)
+
+
+# The one-shot prefill's last plans, reused by shape alike, re-planned for each call's lengths.
+_PREFILL_PLANS = PlanReuse()
 
 
 def _check_target_caches(k_cache: Any, v_cache: Any, num_blocks: int) -> None:

@@ -37,19 +37,21 @@ from .._arrays.checks import (
     check_query_start_loc,
     check_shape,
     element_type,
+    table_limit,
 )
 from .._arrays.interop import takes_dlpack
 from ..backend import array_module, to_numpy
 from ..dtypes import dtype_name
-from ..kernels.args import PrefillArgs, PrefillMergeArgs, merge_record
+from ..kernels.args import PrefillArgs, PrefillMergeArgs, merge_record, with_fields
 from ..kernels.launch_decode import check_decode_shape, query_dtype
-from ..kernels.launch_prefill import PREFILL_MERGE_THREADS, prefill_launch
+from ..kernels.launch_prefill import PREFILL_MERGE_THREADS, PrefillLaunch, prefill_launch
 from ..kernels.loader import get_kernel
 from ..variants import Variants, check_sinks, check_variants
 from .layer import (
     LayerArrays,
     attention_kernel,
     check_layer_and_heads,
+    copy_into,
     device_of,
     owned_int32,
     planned_tail,
@@ -158,17 +160,18 @@ class PrefillPlan:
 
     __slots__ = (
         "_arrays",
-        "_device",
+        "_buffers",
         "_fill",
-        "_head_dim",
+        "_fits",
         "_kernel",
         "_launch",
         "_merge",
         "_merge_fill",
-        "_num_kv_heads",
-        "_num_q_heads",
+        "_record",
+        "_shape",
         "_sinks_kernels",
         "_trusted",
+        "_values",
         "_variants",
         "_xp",
         "batch_invariant",
@@ -205,12 +208,7 @@ class PrefillPlan:
             tables_checked = checked
         else:
             tables_checked = as_bool(tables_checked, "tables_checked")
-        for name, x in (("context_lens", context_lens), ("query_start_loc", query_start_loc)):
-            if array_module(x) not in (xp, np):
-                raise TypeError(
-                    f"expected {name} on the cache's device or in host memory, got "
-                    f"{type(x).__name__}"
-                )
+        check_metadata_devices(xp, context_lens, query_start_loc)
         num_blocks, num_kv_heads, block_size, head_dim, num_q_heads = check_layer_and_heads(
             k_cache, num_q_heads
         )
@@ -232,90 +230,116 @@ class PrefillPlan:
         check_decode_shape(dtype, head_dim, block_size)
         num_seqs, max_blocks = check_batch_arrays(block_tables, context_lens, query_start_loc)
         check_num_blocks(num_blocks)
-
-        # Host copies of two [num_seqs]-sized arrays (none made for host arrays): the grid
-        # needs the longest query run, and the split-K plan the tiles' KV ranges.
-        host_starts, host_lens = to_numpy(query_start_loc), to_numpy(context_lens)
-        total = int(host_starts[-1])
-        if total > INT32_MAX:
-            raise ValueError(f"expected at most {INT32_MAX} query tokens, got {total}")
-        max_query_len = check_query_start_loc(host_starts, host_lens, total)
-        lens = xp.asarray(context_lens)  # the device's copy of host lengths, on their own dtype
-        if tables_checked:  # on the caller's arrays, before they are narrowed to int32
-            first_keys = _first_keys(variants, host_starts, host_lens)
-            check_prefill_tables(block_tables, lens, block_size, num_blocks, first_keys)
-        self.num_seqs, self.total_query_tokens = num_seqs, total
+        self.num_seqs = num_seqs
         self.causal, self.checked = causal, checked  # (checked: of each run's arguments)
         self.batch_invariant = batch_invariant
         self._trusted = trusted_memory(trusted_scales)
         self._xp, self._variants = xp, variants
-        self._num_q_heads, self._head_dim = num_q_heads, head_dim
-        self._num_kv_heads = num_kv_heads
-        self._sinks_kernels = None
-        q_shape = (total, num_q_heads, head_dim)
-        self._arrays = LayerArrays(
-            xp, dtype, tuple(k_cache.shape), Q_AXES, q_shape, kv_dtype=kv_dtype, q_dtype=q_dtype
-        )
-        if total == 0:  # nothing to attend: run only checks its arguments
-            self._launch = None
-            return
-
-        device = device_of(xp)
-        group = num_q_heads // num_kv_heads
-        launch = prefill_launch(
+        self._shape = PrefillShape(
+            device_of(xp),
             dtype,
+            q_dtype,
             num_seqs,
+            max_blocks,
+            num_blocks,
             num_kv_heads,
-            group,
+            num_q_heads,
             head_dim,
             block_size,
-            max_query_len,
-            query_start_loc=host_starts,
-            context_lens=np.minimum(host_lens.astype(np.int64), MAX_CONTEXT_LEN),
-            causal=causal,
-            splits=splits,
-            total_query_tokens=total,
-            target=target(device),
-            variants=variants,
+            causal,
+            splits,
+            variants,
+        )
+        self._sinks_kernels = self._launch = self._record = self._kernel = self._values = None
+        self._buffers = _Buffers()
+        self._plan_batch(block_tables, context_lens, query_start_loc, tables_checked, scale)
+        self._arrays = LayerArrays(
+            xp,
+            dtype,
+            tuple(k_cache.shape),
+            Q_AXES,
+            (self.total_query_tokens, num_q_heads, head_dim),
+            kv_dtype=kv_dtype,
             q_dtype=q_dtype,
         )
-        self._launch, self._device = launch, device
-        self._kernel = attention_kernel(device, "paged_prefill.cu", launch, group, head_dim)
-        tables = owned_int32(xp, block_tables)
-        lens, starts = owned_int32(xp, lens), owned_int32(xp, query_start_loc)
-        if launch.num_splits > 1:
-            split_shape = (total, num_q_heads, launch.num_splits)
-            partial_out = xp.empty((*split_shape, head_dim), np.float32)
-            partial_lse = xp.empty(split_shape, np.float32)
-        else:  # unused by the kernel; real arrays so that no argument is a null pointer
-            partial_out = partial_lse = xp.empty(1, np.float32)
-        # The layer's arrays (None here), a run's scales and sinks go in at each run.
-        args = PrefillArgs(
-            out=None,
+
+    def _plan_batch(
+        self,
+        block_tables: Any,
+        context_lens: Any,
+        query_start_loc: Any,
+        tables_checked: bool,
+        scale: float | None = None,
+    ) -> None:
+        """Plan the batch of these tables and lengths (the shapes the plan was made for): check
+        them, read the lengths on the host (nothing to read for host arrays), decide the launch,
+        and lay the plan's own int32 copies (one upload of the lengths and ``query_start_loc``,
+        packed; the tables copied on the device) into buffers kept from an earlier batch of
+        these shapes, the split-K scratch too when large enough. ``scale``: the first batch's
+        (the records keep it).
+
+        Lengths and starts equal to the last batch's (a model's next layer) keep what was
+        decided and uploaded from them: the same values pass the same host checks to the same
+        launch. The tables are copied (and, checked, checked) every time.
+
+        The host checks and the launch come before anything of the plan is written; on a GPU the
+        checked mode's table check reads the plan's own copy of the lengths (equal to the
+        caller's: they were checked in range on the host before narrowing), so a failing
+        check leaves the copies written: a plan whose re-planning raised is thrown away
+        (``paged_prefill``'s reuse never keeps one).
+        """
+        xp, buffers, shape = self._xp, self._buffers, self._shape
+        host_starts, host_lens = to_numpy(query_start_loc), to_numpy(context_lens)
+        values = (host_starts.dtype, host_starts.tobytes(), host_lens.dtype, host_lens.tobytes())
+        same = values == self._values
+        self._values = None  # until this batch is planned whole
+        if not same:
+            launch, fits = host_plan(shape, host_starts, host_lens)
+            total = int(host_starts[-1])
+            partial = buffers.partial(xp, total, shape.num_q_heads, launch, shape.head_dim)
+            # From here on the plan's own buffers are written (for a new plan: made).
+            buffers.upload_metadata(xp, host_lens, host_starts)
+        buffers.copy_tables(xp, block_tables)
+        if tables_checked:  # on the caller's tables, before they are narrowed to int32
+            first_keys = _first_keys(self._variants, host_starts, host_lens)
+            # the plan's int32 lengths where they equal the caller's (all within the table)
+            lens = buffers.lens if (fits if not same else self._fits) else xp.asarray(context_lens)
+            check_prefill_tables(block_tables, lens, shape.block_size, shape.num_blocks, first_keys)
+        if not same:
+            self.total_query_tokens, self._launch, self._fits = total, launch, fits
+            self._sinks_kernels = None
+            if launch is not None:
+                self._lay_out(launch, partial, scale)
+        self._values = values
+
+    def _lay_out(self, launch: PrefillLaunch, partial: tuple[Any, Any], scale: Any) -> None:
+        """The kernels and argument records of a batch's launch, over the plan's buffers."""
+        shape, (partial_out, partial_lse) = self._shape, partial
+        if self._kernel is None or shape.device == "cpu":  # the CPU's workers follow the grid
+            self._kernel = attention_kernel(
+                shape.device, "paged_prefill.cu", launch, shape.group, shape.head_dim
+            )
+        record = self._record
+        if record is None:
+            record = new_record(self._xp, shape, launch, self._buffers, partial_lse, scale)
+        elif (
+            record.partial_out is partial_out
+            and record.num_splits == launch.num_splits
+            and record.partition_tokens == launch.partition_tokens
+        ):
+            return  # the records of the last batch hold
+        self._record = record = with_fields(  # the split-K scratch may have grown
+            record,
             partial_out=partial_out,
             partial_lse=partial_lse,
-            q=None,
-            k_cache=None,
-            v_cache=None,
-            block_tables=tables,
-            context_lens=lens,
-            query_start_loc=starts,
-            num_kv_heads=np.int32(num_kv_heads),
-            group_size=np.int32(group),
-            heads_per_block=np.int32(launch.heads_per_block),
-            max_blocks=np.int32(max_blocks),
-            num_seqs=np.int32(num_seqs),
-            query_rows=np.int32(launch.query_rows),
-            causal=np.int32(causal),
             partition_tokens=np.int32(launch.partition_tokens),
             num_splits=np.int32(launch.num_splits),
-            **planned_tail(xp, dtype, head_dim, num_kv_heads, scale, variants, partial_lse),
         )
-        self._fill = args.filler()
+        self._fill = record.filler()
         self._merge = None
         if launch.num_splits > 1:
-            self._merge = get_kernel(device, "paged_prefill.cu", launch.merge_name)
-            self._merge_fill = merge_record(args, PrefillMergeArgs).filler()
+            self._merge = get_kernel(shape.device, "paged_prefill.cu", launch.merge_name)
+            self._merge_fill = merge_record(record, PrefillMergeArgs).filler()
 
     @property
     def num_splits(self) -> int:
@@ -388,10 +412,10 @@ class PrefillPlan:
         if kv_dtype is not None:
             self._arrays.check_kv_dtype(kv_dtype)
         if sinks is not None:
-            sinks = check_sinks(self._xp, self._num_q_heads, sinks)
+            sinks = check_sinks(self._xp, self._shape.num_q_heads, sinks)
         scales = None  # the plan's record holds those of 1.0
         if k_scale is not None or v_scale is not None:
-            elem, heads = self._arrays.dtype, self._num_kv_heads
+            elem, heads = self._arrays.dtype, self._shape.num_kv_heads
             checked = self.checked and not own_scales(self._trusted, k_scale, v_scale)
             scales = kv_scale_args(self._xp, elem, heads, k_scale, v_scale, checked=checked)
         out, q, k_cache, v_cache, out_storage, _ = self._arrays.views(q, k_cache, v_cache, out)
@@ -412,17 +436,211 @@ class PrefillPlan:
     def _load_sinks_kernels(self) -> tuple[Any, Any]:
         """The kernel and merge of a run with sinks, loaded on the first one (most plans never
         run with sinks: their kernels are not compiled)."""
-        launch = self._launch
-        group = self._num_q_heads // launch.grid[1]  # grid: (.., num_kv_heads, 1)
+        launch, shape = self._launch, self._shape
         sinks_launch = dataclasses.replace(launch, name=launch.sinks_name)
         kernel = attention_kernel(
-            self._device, "paged_prefill.cu", sinks_launch, group, self._head_dim
+            shape.device, "paged_prefill.cu", sinks_launch, shape.group, shape.head_dim
         )
         merge = None
         if self._merge is not None:
-            merge = get_kernel(self._device, "paged_prefill.cu", launch.sinks_merge_name)
+            merge = get_kernel(shape.device, "paged_prefill.cu", launch.sinks_merge_name)
         self._sinks_kernels = (kernel, merge)
         return self._sinks_kernels
+
+
+def replan(
+    plan: PrefillPlan,
+    block_tables: Any,
+    context_lens: Any,
+    query_start_loc: Any,
+    *,
+    tables_checked: bool,
+) -> None:
+    """Re-plan ``plan`` for another batch of the shapes it was made for (the one-shot
+    :func:`cupaged.paged_prefill`'s reuse, ``cupaged/attention/reuse.py``): what a new plan of
+    these arrays would check and decide, in the plan's own buffers. The caller has checked the
+    arrays' shapes, dtypes and devices against the plan's (its reuse key).
+
+    Raises:
+        ValueError: what :class:`PrefillPlan` raises for these arrays, or another count of
+            query tokens than planned; the plan may then hold this batch's copies and must be
+            thrown away.
+    """
+    total = int(to_numpy(query_start_loc)[-1])
+    if total != plan.total_query_tokens:
+        raise ValueError(
+            f"expected query_start_loc to end at the plan's {plan.total_query_tokens} query "
+            f"tokens, got {total}"
+        )
+    batch = (block_tables, context_lens, query_start_loc, tables_checked)
+    plan._plan_batch(*batch)  # private: the plan's own module re-plans it
+
+
+def check_metadata_devices(xp: Any, context_lens: Any, query_start_loc: Any) -> None:
+    """The lengths and ``query_start_loc`` of a prefill on the tables' device (``xp``) or in
+    host memory (NumPy: the form that is never read back from a GPU).
+
+    Raises:
+        TypeError: an array of another kind, naming it.
+    """
+    for name, x in (("context_lens", context_lens), ("query_start_loc", query_start_loc)):
+        if type(x) is not np.ndarray and array_module(x) is not xp:
+            raise TypeError(
+                f"expected {name} on the cache's device or in host memory, got {type(x).__name__}"
+            )
+
+
+class _Buffers:
+    """A plan's own device arrays, kept from batch to batch of one shape: the int32 tables, the
+    int32 lengths and ``query_start_loc`` packed in one array (one upload), and the split-K
+    scratch (grown, never shrunk: a launch of fewer splits uses its first rows)."""
+
+    __slots__ = ("lens", "meta", "partial_lse", "partial_out", "splits", "starts", "tables")
+
+    def __init__(self) -> None:
+        self.tables = self.meta = self.lens = self.starts = None
+        self.partial_out = self.partial_lse = None
+        self.splits = 0
+
+    def partial(self, xp: Any, total: int, heads: int, launch: Any, head_dim: int) -> tuple:
+        """``(partial_out, partial_lse)`` for ``launch``: ``[total, heads, splits(, head_dim)]``
+        float32 with split-K, else one float32 each (never read; no null pointers)."""
+        splits = 1 if launch is None else launch.num_splits
+        if self.partial_out is None or splits > self.splits:
+            if splits > 1:
+                split_shape = (total, heads, splits)
+                partial_out = xp.empty((*split_shape, head_dim), np.float32)
+                partial_lse = xp.empty(split_shape, np.float32)
+            else:
+                partial_out = partial_lse = xp.empty(1, np.float32)
+            self.partial_out, self.partial_lse, self.splits = partial_out, partial_lse, splits
+        return self.partial_out, self.partial_lse
+
+    def upload_metadata(self, xp: Any, host_lens: np.ndarray, host_starts: np.ndarray) -> None:
+        """The lengths and starts, narrowed to int32 on the host (checked first), into the
+        packed buffer (made at the first batch): one asynchronous copy on the current stream
+        (CuPy's ``ndarray.set`` with the stream: ``cudaMemcpyAsync``, no allocation)."""
+        num_seqs = len(host_lens)
+        if xp is np and self.meta is not None:
+            self.lens[...], self.starts[...] = host_lens, host_starts
+            return
+        packed = np.empty(2 * num_seqs + 1, np.int32)
+        packed[:num_seqs], packed[num_seqs:] = host_lens, host_starts
+        if self.meta is None:
+            self.meta = packed if xp is np else xp.asarray(packed)
+            self.lens, self.starts = self.meta[:num_seqs], self.meta[num_seqs:]
+        else:
+            self.meta.set(packed, stream=xp.cuda.get_current_stream())
+
+    def copy_tables(self, xp: Any, block_tables: Any) -> None:
+        """The tables into the plan's int32 copy (made at the first batch), narrowed on the
+        device: one ``cudaMemcpyAsync`` for int32 C-contiguous tables."""
+        if self.tables is None:
+            self.tables = owned_int32(xp, block_tables)
+        else:
+            copy_into(self.tables, block_tables)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PrefillShape:
+    """What a :class:`PrefillPlan` fixes when made, for every batch it plans: the device, the
+    cache's and the queries' element types, the tables' and the cache's shapes, the heads, and
+    the options that shape a launch (``splits``: a forced count, 1 batch-invariant, ``None``
+    the heuristic's)."""
+
+    device: str
+    dtype: str
+    q_dtype: str
+    num_seqs: int
+    max_blocks: int
+    num_blocks: int
+    num_kv_heads: int
+    num_q_heads: int
+    head_dim: int
+    block_size: int
+    causal: bool
+    splits: int | None
+    variants: Variants
+
+    @property
+    def group(self) -> int:
+        """Query heads per KV head."""
+        return self.num_q_heads // self.num_kv_heads
+
+
+def host_plan(
+    shape: PrefillShape, host_starts: np.ndarray, host_lens: np.ndarray
+) -> tuple[PrefillLaunch | None, bool]:
+    """What a batch's host metadata decides for a plan of ``shape``: its launch (``None``: no
+    query tokens), after the host checks, and whether every length is within the table (then
+    the plan's int32 copy is what the checked mode's table check reads).
+
+    Raises:
+        ValueError: a bad ``query_start_loc``, ``n_i > context_lens[i]``, too many query tokens,
+            or a launch past the grid's limits.
+    """
+    total = int(host_starts[-1])
+    if total > INT32_MAX:
+        raise ValueError(f"expected at most {INT32_MAX} query tokens, got {total}")
+    max_query_len = check_query_start_loc(host_starts, host_lens, total)
+    lens64 = host_lens.astype(np.int64)
+    fits = int(lens64.max(initial=0)) <= table_limit(shape.max_blocks, shape.block_size)
+    if not total:
+        return None, fits
+    launch = prefill_launch(
+        shape.dtype,
+        shape.num_seqs,
+        shape.num_kv_heads,
+        shape.group,
+        shape.head_dim,
+        shape.block_size,
+        max_query_len,
+        query_start_loc=host_starts,
+        context_lens=np.minimum(lens64, MAX_CONTEXT_LEN),
+        causal=shape.causal,
+        splits=shape.splits,
+        total_query_tokens=total,
+        target=target(shape.device),
+        variants=shape.variants,
+        q_dtype=shape.q_dtype,
+    )
+    return launch, fits
+
+
+def new_record(
+    xp: Any,
+    shape: PrefillShape,
+    launch: PrefillLaunch,
+    buffers: _Buffers,
+    spare: Any,
+    scale: float | None,
+) -> PrefillArgs:
+    """The kernel's record of a plan's first launch over its ``buffers``: the layer's arrays
+    (``None`` here), a run's scales and sinks go in at each run; ``spare``, a real float32
+    array, where a variant's pointer is unused."""
+    return PrefillArgs(
+        out=None,
+        partial_out=spare,
+        partial_lse=spare,
+        q=None,
+        k_cache=None,
+        v_cache=None,
+        block_tables=buffers.tables,
+        context_lens=buffers.lens,
+        query_start_loc=buffers.starts,
+        num_kv_heads=np.int32(shape.num_kv_heads),
+        group_size=np.int32(shape.group),
+        heads_per_block=np.int32(launch.heads_per_block),
+        max_blocks=np.int32(shape.max_blocks),
+        num_seqs=np.int32(shape.num_seqs),
+        query_rows=np.int32(launch.query_rows),
+        causal=np.int32(shape.causal),
+        partition_tokens=np.int32(launch.partition_tokens),
+        num_splits=np.int32(launch.num_splits),
+        **planned_tail(
+            xp, shape.dtype, shape.head_dim, shape.num_kv_heads, scale, shape.variants, spare
+        ),
+    )
 
 
 def check_batch_arrays(block_tables: Any, context_lens: Any, query_start_loc: Any) -> tuple:

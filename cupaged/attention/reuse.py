@@ -1,4 +1,4 @@
-"""The one-shot decode's plans, reused by shape: :class:`PlanReuse`.
+"""The one-shot attention's plans, reused by shape: :class:`PlanReuse`.
 
 :func:`~cupaged.paged_attention` plans and runs at every call. Making a
 :class:`~cupaged.DecodePlan` allocates its buffers, looks up its kernels and asks the occupancy
@@ -13,6 +13,10 @@ When that is safe, and what the key therefore holds besides the shapes, dtypes a
   on the stream that ran them (another stream could overwrite tables a kernel is reading);
 - never the values of an array: a call with ``alibi_slopes`` (copied into the plan) or with
   ``num_splits`` (its pieces cut from the lengths it sees first) makes its own plan every time.
+
+:func:`~cupaged.paged_prefill` keeps its plans alike (a key of its own: the query rows too);
+a kept :class:`~cupaged.PrefillPlan` is re-planned (``prefill.replan``: its launch, from the
+new lengths, into its own buffers), and one whose re-planning raised is dropped.
 """
 
 from __future__ import annotations
@@ -66,7 +70,29 @@ class PlanReuse:
         self._keep(key, plan)
         return plan
 
-    def _keep(self, key: Hashable, plan: DecodePlan) -> None:
+    def reuse(
+        self, key: Hashable | None, make: Callable[[], Any], update: Callable[[Any], None]
+    ) -> Any:
+        """The plan of ``key`` after ``update(plan)``, or a new one from ``make()``, kept under
+        ``key`` (``None``: never kept). For plans whose update may raise after writing (a
+        :class:`~cupaged.PrefillPlan` re-planned, ``prefill.replan``): a plan whose update
+        raised is dropped, so that nothing half-updated is kept.
+
+        Raises:
+            what ``update`` or ``make`` raise.
+        """
+        if key is None:
+            return make()
+        with self._lock:
+            plan = self._plans.pop(key, None)
+        if plan is None:
+            plan = make()
+        else:
+            update(plan)  # on failure the plan is not put back
+        self._keep(key, plan)
+        return plan
+
+    def _keep(self, key: Hashable, plan: Any) -> None:
         with self._lock:
             self._plans[key] = plan
             while len(self._plans) > self._size:

@@ -11,6 +11,10 @@ import numpy as np
 
 from .._util import cdiv
 
+# Batches of up to this many sequences are counted on Python ints: a one-shot prefill plans at
+# every call, and NumPy's fixed cost per operation (about twenty of them) outweighs a short loop.
+SCALAR_SEQS = 64
+
 
 @dataclass(frozen=True, slots=True)
 class PrefillWork:
@@ -47,6 +51,8 @@ def prefill_work(
     """
     if window_left >= 0:
         return prefill_window_work(query_start_loc, context_lens, query_rows, causal, window_left)
+    if len(context_lens) <= SCALAR_SEQS:
+        return _scalar_work(query_start_loc, context_lens, query_rows, causal)
     lens, n, tiles, past = _tiles(query_start_loc, context_lens, query_rows)
     if causal:
         tokens = tiles * past + query_rows * tiles * (tiles + 1) // 2 - (tiles * query_rows - n)
@@ -54,6 +60,29 @@ def prefill_work(
         tokens = tiles * lens
     max_end = int(lens[n > 0].max()) if (n > 0).any() else 0
     return PrefillWork(int(tiles.sum()), int(tokens.sum()), max_end)
+
+
+def _scalar_work(
+    query_start_loc: np.ndarray, context_lens: np.ndarray, query_rows: int, causal: bool
+) -> PrefillWork:
+    """``prefill_work`` without a window, sequence by sequence on Python ints (the same
+    formula)."""
+    starts, lens = np.asarray(query_start_loc).tolist(), np.asarray(context_lens).tolist()
+    query_tiles = kv_tokens = max_end = 0
+    for i, length in enumerate(lens):
+        n = starts[i + 1] - starts[i]
+        tiles = cdiv(n, query_rows)
+        query_tiles += tiles
+        if causal:
+            past = length - n
+            kv_tokens += (
+                tiles * past + query_rows * tiles * (tiles + 1) // 2 - (tiles * query_rows - n)
+            )
+        else:
+            kv_tokens += tiles * length
+        if n > 0:
+            max_end = max(max_end, length)
+    return PrefillWork(query_tiles, kv_tokens, max_end)
 
 
 def prefill_window_work(
