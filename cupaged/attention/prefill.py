@@ -46,6 +46,7 @@ from ..kernels.args import PrefillArgs, PrefillMergeArgs, merge_record, with_fie
 from ..kernels.launch_decode import check_decode_shape, query_dtype
 from ..kernels.launch_prefill import PREFILL_MERGE_THREADS, PrefillLaunch, prefill_launch
 from ..kernels.loader import get_kernel
+from ..kernels.target import Target
 from ..variants import Variants, check_sinks, check_variants
 from .layer import (
     LayerArrays,
@@ -249,6 +250,7 @@ class PrefillPlan:
             causal,
             splits,
             variants,
+            target(device_of(xp)),
         )
         self._sinks_kernels = self._launch = self._record = self._kernel = self._values = None
         self._buffers = _Buffers()
@@ -546,7 +548,7 @@ class PrefillShape:
     """What a :class:`PrefillPlan` fixes when made, for every batch it plans: the device, the
     cache's and the queries' element types, the tables' and the cache's shapes, the heads, and
     the options that shape a launch (``splits``: a forced count, 1 batch-invariant, ``None``
-    the heuristic's)."""
+    the heuristic's), and the GPU launches are planned for (the current device's then)."""
 
     device: str
     dtype: str
@@ -561,6 +563,7 @@ class PrefillShape:
     causal: bool
     splits: int | None
     variants: Variants
+    target: Target
 
     @property
     def group(self) -> int:
@@ -583,10 +586,12 @@ def host_plan(
     if total > INT32_MAX:
         raise ValueError(f"expected at most {INT32_MAX} query tokens, got {total}")
     max_query_len = check_query_start_loc(host_starts, host_lens, total)
-    lens64 = host_lens.astype(np.int64)
-    fits = int(lens64.max(initial=0)) <= table_limit(shape.max_blocks, shape.block_size)
+    longest = int(host_lens.max(initial=0))  # lengths are >= 0 (checked)
+    fits = longest <= table_limit(shape.max_blocks, shape.block_size)
     if not total:
         return None, fits
+    if longest > MAX_CONTEXT_LEN:  # the launch's arithmetic is on capped lengths
+        host_lens = np.minimum(host_lens.astype(np.int64), MAX_CONTEXT_LEN)
     launch = prefill_launch(
         shape.dtype,
         shape.num_seqs,
@@ -596,11 +601,11 @@ def host_plan(
         shape.block_size,
         max_query_len,
         query_start_loc=host_starts,
-        context_lens=np.minimum(lens64, MAX_CONTEXT_LEN),
+        context_lens=host_lens,
         causal=shape.causal,
         splits=shape.splits,
         total_query_tokens=total,
-        target=target(shape.device),
+        target=shape.target,
         variants=shape.variants,
         q_dtype=shape.q_dtype,
     )
