@@ -187,3 +187,35 @@ def test_the_scalar_count_of_small_batches_is_the_vectorised_one(monkeypatch):
         monkeypatch.setattr(work_module, "SCALAR_SEQS", 0)
         assert scalar == prefill_work(starts, lens, rows, causal)
         monkeypatch.undo()
+
+
+def test_a_replan_that_fails_on_new_lengths_leaves_no_stale_plan(xp, made):
+    # The failing call uploads new lengths before its table check refuses them: the next call
+    # of the first lengths must not find them.
+    first = batch(60, BATCHES[0])
+    check(xp, *first)
+    q, k, v, tables, lens, starts = batch(61, BATCHES[1])
+    tables[0, 0] = BLOCKS
+    with pytest.raises(ValueError, match="block"):
+        cupaged.paged_prefill(*(xp.asarray(a) for a in (q, k, v, tables)), lens, starts)
+    check(xp, *batch(62, BATCHES[0]))
+
+
+def test_the_same_starts_with_other_lengths_replan(xp, made):
+    check(xp, *batch(70, BATCHES[0]))
+    check(xp, *batch(71, [(300, 8), (30, 8), (9, 8)]))
+
+
+def test_sinks_follow_the_split_count_of_each_replan(xp, made):
+    # The sinks kernels' names depend on num_splits: 0 -> 1 -> 0 splits must not run a stale one.
+    sinks = np.random.default_rng(5).standard_normal(HKV * RATIO).astype(np.float32)
+    for seed, pairs in enumerate((BATCHES[0], BATCHES[1], BATCHES[0])):
+        q, k, v, tables, lens, starts = batch(80 + seed, pairs)
+        got = cupaged.paged_prefill(
+            *(xp.asarray(a) for a in (q, k, v, tables)), lens, starts, sinks=xp.asarray(sinks)
+        )
+        want = cupaged.reference_prefill(
+            q, k, v, tables, lens, starts, sinks=sinks, compute_dtype="float64", out_dtype="float64"
+        )
+        assert_close(got, want, "float16")
+    assert made[0] == 1
