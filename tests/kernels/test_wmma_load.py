@@ -72,6 +72,12 @@ def probe_sass(arch: str) -> dict[str, list[str]]:
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_bf16_fragments_load_by_ldsm_as_half_ones_do(arch):
     sass = probe_sass(arch)
+    # The same ldmatrix forms in the same order: a B fragment loaded with the other layout
+    # (.row for .col) gives MT88 where __half has M88, which counting alone would not see.
+    forms = {t: [o for o in ops if o.startswith("LDSM")] for t, ops in sass.items()}
+    assert forms["__nv_bfloat16"] == forms["__half"], (
+        f"expected bf16's ldmatrix forms to be __half's on {arch}, got {forms}"
+    )
     for type_name, ops in sass.items():
         ldsm = [o for o in ops if o.startswith("LDSM")]
         generic = [o for o in ops if o == "LD" or o.startswith("LD.")]
