@@ -22,8 +22,13 @@ from helpers import (
 
 import cupaged
 from cupaged.dtypes import from_float, to_float
+from cupaged.kernels.launch_decode import (
+    DECODE_WIDE_HEAD_TOKENS,
+    decode_ctas_per_sm,
+    decode_geometry,
+    decode_launch,
+)
 from cupaged.kernels.launch_decode import HEAD_DIMS as SUPPORTED_HEAD_DIMS
-from cupaged.kernels.launch_decode import decode_ctas_per_sm, decode_geometry, decode_launch
 from cupaged.kernels.target import Target
 
 HEAD_DIMS = (64, 80, 128, 256)
@@ -67,6 +72,22 @@ def test_decode_matches_float64_reference(rng, xp, dtype, head_dim, block_size, 
     with scheduled(xp, order):
         got = cupaged.paged_attention(q, k_cache, v_cache, tables, lens, out=out, checked=True)
     assert got is out
+    assert_close(got, expected, dtype)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "head_dim", "ratio"), [("float16", 192, 16), ("bfloat16", 144, 8)]
+)
+def test_wide_lanes_past_head_dim_128_keep_six_tokens(rng, xp, dtype, head_dim, ratio):
+    # 16-element lanes (G >= 4) at head_dim 144-240 keep DECODE_WIDE_HEAD_TOKENS tokens a
+    # thread (8 spilled on sm_90): the kernels of that cap, against the float64 oracle.
+    geometry = decode_geometry(dtype, head_dim, ratio)
+    assert not geometry.mma and geometry.tokens_per_thread == DECODE_WIDE_HEAD_TOKENS
+    (q, k_cache, v_cache, tables, lens), expected = make_batch(
+        rng, xp, dtype, head_dim, 16, ratio, [1, 6, 17, 97, 300]
+    )
+    out = xp.asarray(poison(q.shape, dtype))
+    got = cupaged.paged_attention(q, k_cache, v_cache, tables, lens, out=out)
     assert_close(got, expected, dtype)
 
 
