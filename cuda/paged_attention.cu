@@ -77,10 +77,39 @@
 //   exp(sink - M)), M = max(m, sink), f = exp(m - M)); otherwise the item writes its partial
 //   row acc / l and its log-sum-exp m + log(l) (-inf when all its scores are -inf; its partial row
 //   is 0 then, so that the merge's weight 0 does not meet 0 / 0).
-// paged_decode_merge combines a sequence's items, in parallel over query heads, slices of the
-// head's row and the items (its threads' partial sums added by a tree in shared memory):
+// The pieces of a split sequence are combined by their log-sum-exps:
 //   out = sum_i exp(lse_i - M) * partial_i / (sum_i exp(lse_i - M) [+ exp(sink - M)]),
-//   M = max(max_i lse_i [, sink]).
+//   M = max(max_i lse_i [, sink]),
+// in the decode launch itself when it is given merge_counters (a plan's: one launch per step),
+// else by paged_decode_merge, a second launch (the cascade, whose shared level adds pieces that
+// no decode block counts), in parallel over query heads, slices of the head's row and the items
+// (its threads' partial sums added by a tree in shared memory).
+//
+// Split sequences: the last block merges (CUDA's threadFenceReduction sample; CUTLASS's serial
+// split-K semaphore). merge_counters[seq, blockIdx.x], int32 [num_seqs, gridDim.x], one per
+// sequence and (KV head, head chunk), all 0 when the launch starts. Every block of a split
+// sequence's item (count > 1, uniform over the block; merge_split):
+//   1. writes its partial rows and log-sum-exps (every thread its own elements), __syncthreads;
+//   2. thread 0: __threadfence (the block's writes, which the barrier ordered before it, are
+//      visible device-wide before the ticket: the fence is cumulative), then
+//      ticket = atomicAdd(counter, 1); the block whose ticket is count - 1 arrived last: every
+//      other piece of the sequence for these heads is written and fenced. It sets the counter
+//      back to 0 (no other block of this launch touches it again: all count arrived; the next
+//      launch on the stream starts after this one ends, so it finds 0, and a CUDA graph's
+//      replay needs no memset) and fences again (acquire: its reads below come after the
+//      others' writes);
+//   3. __syncthreads_or(last) tells the block; the others return. The last block merges its
+//      chunk's query heads (the rows it computed) over all count pieces, first .. first +
+//      count - 1 = seq_items[seq], reading them with __ldcg (L2, the point of coherence: never
+//      a stale L1 line), and writes out, with the sink as paged_decode_merge adds it: each
+//      head's M by rows of threads over the pieces (fmaxf, order-free) through the shared
+//      memory the stages no longer use, then each thread 4 floats of one head's row.
+// Each thread adds the pieces one after the other, in index order: the sum does not depend on
+// which block came last nor on the launch's timing (the same bits run to run), and a sequence's
+// bits depend on its own pieces alone (batch-invariant plans rely on it). It is
+// paged_decode_merge's order in a block of one row (rows > 1 add in a tree): NaN, Inf and -inf
+// as its header says. With merge_counters == nullptr, steps 2 and 3 are skipped: the partial
+// rows wait for paged_decode_merge.
 #ifndef CUPAGED_CPU
 #include <mma.h>  // WMMA; the CPU backend's shim provides nvcuda::wmma itself
 #endif
@@ -100,6 +129,94 @@ __device__ __forceinline__ float fold_sink(float m, float& l, float sink) {
   const float f = m == neg_inf() ? 0.0f : expf(m - top);
   l = l * f + expf(sink - top);
   return f;
+}
+
+// A split sequence's item after it wrote its partial rows (the header's "the last block
+// merges", steps 1-3): the block that arrives last on its counter merges the sequence's pieces for
+// the chunk's query heads first_head .. first_head + heads - 1 into out. Every thread of the
+// block calls it (its barriers), with count > 1 and merge_counters != nullptr. Not inlined:
+// inlined (an earlier form, NVRTC 12.9), ptxas spilled 4 bytes in the fp8 tensor-core kernel
+// with sinks on sm_80 and gave the fp16 CUDA-core kernel at head_dim 192 168 registers, not 128.
+// Its arguments are the kernel's own, which a kernel keeps in constant memory, and the shared
+// memory the stages no longer use (scratch: THREADS + 16 floats); the item and the chunk are
+// read again here, so that nothing the merge needs stays live in a register through the stage
+// loop. THREADS, CHUNK: the block's threads and head chunk.
+template <typename T, int HEAD_DIM, int VARIANT, int THREADS, int CHUNK>
+__device__ __noinline__ void merge_split(T* __restrict__ out, const float* __restrict__ partial_out,
+                                         const float* __restrict__ partial_lse,
+                                         const int4* __restrict__ work,
+                                         const int2* __restrict__ seq_items,
+                                         int* __restrict__ merge_counters, int num_kv_heads,
+                                         int group_size, const float* __restrict__ sinks,
+                                         float* scratch) {
+  const int tid = (threadIdx.z * blockDim.y + threadIdx.y) * blockDim.x + threadIdx.x;
+  const int4 item = work[blockIdx.y];
+  const int seq = item.x, count = item.w;
+  const DecodeChunk chunk(blockIdx.x, group_size, CHUNK);
+  const int first_head = chunk.first_head, heads = chunk.heads;
+  const int num_q_heads = num_kv_heads * group_size;
+  __syncthreads();  // 1. every thread's partial rows and log-sum-exps are written
+  int last = 0;
+  if (tid == 0) {  // 2.
+    int* counter = merge_counters + static_cast<long long>(seq) * gridDim.x + blockIdx.x;
+    __threadfence();  // release: the block's pieces before its ticket
+    last = atomicAdd(counter, 1) == count - 1;
+    if (last) {
+      *counter = 0;     // every piece has arrived: zero again for the next launch
+      __threadfence();  // acquire: the others' pieces before the reads below
+    }
+  }
+  if (!__syncthreads_or(last)) return;  // 3. (uniform over the block)
+  constexpr bool kHasSinks = (VARIANT & kSinks) != 0;
+  constexpr int kVectors = HEAD_DIM / 4;  // a row's 4-float vectors (HEAD_DIM: a multiple of 16)
+  const int first = seq_items[seq].x;
+  // Each head's largest log-sum-exp, M (fmaxf: NaN skipped, -inf where every piece is -inf or
+  // NaN; order-free): rows of threads over the pieces (one round of loads from L2, not count),
+  // then thread h over the rows.
+  const int rows = THREADS / heads;  // heads <= 16 < THREADS
+  if (tid < rows * heads) {
+    float m = neg_inf();
+    for (int i = first + tid / heads; i < first + count; i += rows) {
+      m = fmaxf(m, __ldcg(partial_lse + static_cast<long long>(i) * num_q_heads + first_head +
+                          tid % heads));
+    }
+    scratch[tid] = m;
+  }
+  __syncthreads();
+  if (tid < heads) {
+    float m = neg_inf();
+    for (int r = 0; r < rows; ++r) m = fmaxf(m, scratch[r * heads + tid]);
+    scratch[THREADS + tid] = m;
+  }
+  __syncthreads();
+  for (int j = tid; j < heads * kVectors; j += THREADS) {
+    const int head = first_head + j / kVectors;
+    const int v = j % kVectors;
+    float lse_max = scratch[THREADS + j / kVectors];
+    const float sink = kHasSinks ? sinks[head] : 0.0f;
+    if constexpr (kHasSinks) lse_max = fmaxf(lse_max, sink);  // a NaN sink: NaN below
+    float4 num = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    float den = 0.0f;
+    // Unrolled: eight pieces' loads from L2 in flight per thread, not one; the sums keep the
+    // pieces' order.
+#pragma unroll 8
+    for (int i = first; i < first + count; ++i) {  // in index order: the header
+      const long long part = static_cast<long long>(i) * num_q_heads + head;
+      const float w = expf(__ldcg(partial_lse + part) - lse_max);
+      const float4 p = __ldcg(reinterpret_cast<const float4*>(partial_out + part * HEAD_DIM) + v);
+      den += w;
+      num.x += w * p.x;
+      num.y += w * p.y;
+      num.z += w * p.z;
+      num.w += w * p.w;
+    }
+    if constexpr (kHasSinks) den += expf(sink - lse_max);
+    T* dst = out + (static_cast<long long>(seq) * num_q_heads + head) * HEAD_DIM + 4 * v;
+    dst[0] = from_float<T>(num.x / den);
+    dst[1] = from_float<T>(num.y / den);
+    dst[2] = from_float<T>(num.z / den);
+    dst[3] = from_float<T>(num.w / den);
+  }
 }
 
 // A lane's unit of a K/V row in paged_decode: the elements it converts per shared-memory read.
@@ -164,6 +281,8 @@ __global__ void __launch_bounds__(BDX* BDY* BDZ)
                  const KV* __restrict__ v_cache,       // [num_blocks, num_kv_heads, BLOCK_SIZE, HEAD_DIM]
                  const int* __restrict__ block_tables,  // [num_seqs, max_blocks]
                  const int4* __restrict__ work,         // [capacity] {seq, begin, end, count}
+                 const int2* __restrict__ seq_items,    // [num_seqs] {first, count}
+                 int* __restrict__ merge_counters,      // [num_seqs, gridDim.x] or nullptr
                  const int* __restrict__ context_lens,  // [num_seqs], read under kAlibi only
                  int num_kv_heads, int group_size, int max_blocks, float scale,
                  float k_scale, float v_scale,
@@ -256,6 +375,8 @@ __global__ void __launch_bounds__(BDX* BDY* BDZ)
 
   CUPAGED_DYNAMIC_SHARED(KV, smem);
   using Ring = KvRing<KV, HEAD_DIM, BLOCK_SIZE, TILE, STAGES, THREADS, true>;
+  static_assert(2 * STAGES * TILE * HEAD_DIM * sizeof(KV) >= (THREADS + 16) * sizeof(float),
+                "merge_split's scratch fits in the ring's bytes");
 
   if (begin < end) {
     // K stages [STAGES, TILE, HEAD_DIM], then V stages the same (common.cuh, KvRing).
@@ -377,7 +498,6 @@ __global__ void __launch_bounds__(BDX* BDY* BDZ)
       }
     }
     __syncthreads();
-    if (tz != 0) return;  // no barrier below
 #pragma unroll
     for (int h = 0; h < HPT; ++h) {
       const int head = ty * HPT + h;
@@ -419,7 +539,9 @@ __global__ void __launch_bounds__(BDX* BDY* BDZ)
 #pragma unroll
   for (int h = 0; h < HPT; ++h) {
     const int g = ty * HPT + h;
-    if (g >= chunk.heads) continue;
+    // Past the chunk, or tz > 0: every tz merged the lanes above, tz = 0 writes (the threads
+    // stay for merge_split's barriers).
+    if (g >= chunk.heads || tz != 0) continue;
     if constexpr ((VARIANT & kSinks) != 0) {
       if (direct) {
         const float f = fold_sink(m[h], l[h], sinks[chunk.first_head + g]);
@@ -450,6 +572,11 @@ __global__ void __launch_bounds__(BDX* BDY* BDZ)
       const float base = m[h] == neg_inf() ? 0.0f : m[h];  // the exponents' reference, step 4
       partial_lse[out_row] = empty ? neg_inf() : base + logf(l[h]);
     }
+  }
+  if (!direct && merge_counters != nullptr) {
+    merge_split<T, HEAD_DIM, VARIANT, THREADS, CHUNK>(
+        out, partial_out, partial_lse, work, seq_items, merge_counters, num_kv_heads,
+        group_size, sinks, reinterpret_cast<float*>(smem));
   }
 }
 
@@ -608,6 +735,8 @@ __global__ void __launch_bounds__(32 * WARPS)
                      const KV* __restrict__ v_cache,       // [num_blocks, num_kv_heads, BLOCK_SIZE, HEAD_DIM]
                      const int* __restrict__ block_tables,  // [num_seqs, max_blocks]
                      const int4* __restrict__ work,         // [capacity] {seq, begin, end, count}
+                     const int2* __restrict__ seq_items,    // [num_seqs] {first, count}
+                     int* __restrict__ merge_counters,      // [num_seqs, gridDim.x] or nullptr
                      const int* __restrict__ context_lens,  // [num_seqs], read under kAlibi only
                      int num_kv_heads, int group_size, int max_blocks, float scale,
                      float k_scale, float v_scale,
@@ -928,6 +1057,11 @@ __global__ void __launch_bounds__(32 * WARPS)
     const float base = m == neg_inf() ? 0.0f : m;
     partial_lse[static_cast<long long>(blockIdx.y) * num_q_heads + chunk.first_head + row] =
         empty ? neg_inf() : base + logf(l);
+  }
+  if (!direct && merge_counters != nullptr) {
+    merge_split<T, HEAD_DIM, VARIANT, THREADS, CHUNK>(
+        out, partial_out, partial_lse, work, seq_items, merge_counters, num_kv_heads,
+        group_size, sinks, reinterpret_cast<float*>(smem));
   }
 }
 

@@ -450,6 +450,13 @@ class Internals:
         plan = self.plan
         return plan._tables, plan._lens, plan._work
 
+    @property
+    def merge_counters(self):
+        """A decode plan's ``[num_seqs, grid_x]`` int32 counters of the fused merge (zero
+        between runs; ``None`` for a plan that never splits), on the host."""
+        counters = self.plan._merge_counters
+        return None if counters is None else to_numpy(counters)
+
 
 def internals(owner) -> Internals:
     """The :class:`Internals` of a BlockManager or PagedCache, a BlockPool, a PrefixCache or a

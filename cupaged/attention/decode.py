@@ -5,7 +5,7 @@ depends on them alone is done once: the checks, the plan's own int32 copies of t
 lengths (a later write to the caller's arrays cannot reach a kernel), the split of the work into
 items balanced by tokens (planned on the device by ``cuda/decode_plan.cu``, no read-back), the
 scratch buffers of split-K, and the resolved kernels and launch geometry. ``run`` is then the
-decode launch and its merge, nothing else::
+decode launch (which merges the split sequences' pieces too), nothing else::
 
     plan = cupaged.DecodePlan(tables, lens, cache.k[0], num_q_heads)     # once per step
     for layer in range(num_layers):
@@ -56,7 +56,7 @@ from .._arrays.interop import takes_dlpack
 from .._util import cdiv
 from ..backend import array_module, to_numpy
 from ..dtypes import dtype_name, is_fp8, itemsize
-from ..kernels.args import DecodeArgs, DecodeMergeArgs, PlanDecodeArgs, merge_record
+from ..kernels.args import DecodeArgs, DecodeMergeArgs, PlanDecodeArgs, merge_record, with_fields
 from ..kernels.launch_decode import (
     MAX_GRID_YZ,
     MIN_SPLIT_TOKENS,
@@ -64,8 +64,6 @@ from ..kernels.launch_decode import (
     check_decode_shape,
     decode_ctas_per_sm,
     decode_launch,
-    decode_may_split,
-    decode_merge_launch,
     invariant_work,
     plan_threads,
     query_dtype,
@@ -194,11 +192,7 @@ class DecodePlan:
         "_lens",
         "_launch",
         "_merge",
-        "_merge_block",
-        "_merge_fill",
-        "_merge_grid",
-        "_merge_if_capturing",
-        "_min_chunk",
+        "_merge_counters",
         "_num_q_heads",
         "_plan_args",
         "_planner",
@@ -208,7 +202,6 @@ class DecodePlan:
         "_shared_level",
         "_shared_mem",
         "_sink_kernels",
-        "_split",
         "_tables",
         "_tile",
         "_trusted",
@@ -335,11 +328,8 @@ class DecodePlan:
         )
         self._fp8 = is_fp8(dtype)  # then each run passes its scales, checked there
         self._capacity = capacity
-        self._min_chunk = min_chunk
         self._tile = tile
         self.num_seqs = num_seqs
-        # A captured run holds the merge, split or not: a later update may split (_capturing).
-        self._merge_if_capturing = device == "cuda" and capacity > num_seqs
         self.batch_invariant = batch_invariant
         self.checked = checked  # of each run's arguments
         self._trusted = trusted_memory(trusted_scales)
@@ -358,10 +348,7 @@ class DecodePlan:
         self._kernel = attention_kernel(device, "paged_attention.cu", launch, group, head_dim)
         self._grid, self._block, self._shared_mem = launch.grid, launch.block, launch.shared_mem
         self._launch = launch
-        self._merge = get_kernel(device, "paged_attention.cu", launch.merge_name)
-        self._merge_grid, self._merge_block = decode_merge_launch(
-            head_dim, num_q_heads, num_seqs, capacity, fixed=batch_invariant
-        )
+        self._merge = get_kernel(device, "paged_attention.cu", launch.merge_name)  # a cascade's
         self._planner = get_kernel(device, "decode_plan.cu", PLAN_NAME)
         self._planner_block = (plan_threads(num_seqs),)
         self._work = xp.empty((capacity, 4), np.int32)
@@ -371,6 +358,12 @@ class DecodePlan:
             partial_lse = xp.empty((capacity, num_q_heads), np.float32)
         else:  # never split: unused by the kernel; real arrays, so that no pointer is null
             partial_out = partial_lse = xp.empty(1, np.float32)
+        # A split sequence's last thread block merges its pieces (paged_attention.cu, "the last
+        # block merges"): one counter per sequence and thread block of an item, zeroed once here
+        # and by that block after each use, so that a run (or a graph's replay) is one launch.
+        self._merge_counters = None
+        if capacity > num_seqs:
+            self._merge_counters = xp.zeros((num_seqs, launch.grid[0]), np.int32)
         # The layer's arrays (None here) and an fp8 run's scales go in at each run.
         args = DecodeArgs(
             out=None,
@@ -381,6 +374,8 @@ class DecodePlan:
             v_cache=None,
             block_tables=self._tables,
             work=self._work,
+            seq_items=self._seq_items,
+            merge_counters=None,  # the cascade's record: paged_decode_merge follows
             context_lens=self._lens,
             num_kv_heads=np.int32(num_kv_heads),
             group_size=np.int32(group),
@@ -390,7 +385,7 @@ class DecodePlan:
         merge_args = merge_record(
             args, DecodeMergeArgs, seq_items=self._seq_items, num_q_heads=self._num_q_heads
         )
-        self._fill, self._merge_fill = args.filler(), merge_args.filler()
+        self._fill = with_fields(args, merge_counters=self._merge_counters).filler()
         self._cascade_args = (args, merge_args)
         if cascade is not False and not batch_invariant and num_seqs > 1:
             self._shared_level = shared_level(
@@ -408,11 +403,10 @@ class DecodePlan:
             wave_items=np.int32(wave),
         )
         self._plan_args = tuple(plan_args)  # a plain tuple, as every launch passes one
-        self._plan(max_context if tables_checked else None)  # (else maybe a caller's hint)
+        self._plan()
 
-    def _plan(self, max_context: int | None) -> None:
-        """Plan the work list on the device; ``max_context``, the longest length when the
-        checks read it on the host, lets a GPU skip the merge of a step that splits nothing."""
+    def _plan(self) -> None:
+        """Plan the work list on the device."""
         self._planner((1,), self._planner_block, self._plan_args)
         if self._device == "cpu":
             # The CPU backend has run the planner already and the list is in host memory: launch
@@ -420,15 +414,7 @@ class DecodePlan:
             # fibers there; on a GPU it costs next to nothing, and the fixed grid is what a CUDA
             # graph needs).
             first, count = self._seq_items[-1]
-            items = int(first) + int(count)
-            self._grid = (self._grid[0], items)
-            self._split = items > self.num_seqs
-        else:
-            if max_context is not None:
-                max_context = _attended(max_context, self._variants.window_left)
-            self._split = decode_may_split(
-                self._capacity, self.num_seqs, self._min_chunk, self._tile, max_context
-            )
+            self._grid = (self._grid[0], int(first) + int(count))
         if self._shared_level is not None:
             self._cascade = self._plan_cascade()
 
@@ -534,10 +520,9 @@ class DecodePlan:
         check_shape("context_lens", context_lens, [("num_seqs", self.num_seqs)])
         check_index_array("block_tables", block_tables)
         check_index_array("context_lens", context_lens)
-        max_context = None
         num_blocks, _, block_size, _ = self._layout
         if checked:
-            max_context = check_decode_tables(
+            check_decode_tables(
                 block_tables, context_lens, block_size, num_blocks, self._variants.window_left
             )
         host = checked_host_tables(host_tables, block_tables, context_lens, block_size, checked)
@@ -546,7 +531,7 @@ class DecodePlan:
         self._host_tables = host
         self.checked = checked
         if self.num_seqs:
-            self._plan(max_context)
+            self._plan()
 
     @takes_dlpack
     def run(
@@ -610,10 +595,9 @@ class DecodePlan:
             layer = (out_storage, q, k_cache, v_cache)
             self._cascade.run((kernel, merge), geometry, layer, scales, sinks)
             return out
+        # One launch: a split sequence's last thread block merges its pieces.
         args = self._fill(out_storage, q, k_cache, v_cache, scales, sinks)
         kernel(self._grid, self._block, args, shared_mem=self._shared_mem)
-        if self._split or (self._merge_if_capturing and _capturing(self._xp)):
-            merge(self._merge_grid, self._merge_block, self._merge_fill(out_storage, sinks))
         return out
 
 
@@ -684,13 +668,6 @@ def _sink_kernels(
         attention_kernel(device, "paged_attention.cu", sinks_launch, group, head_dim),
         get_kernel(device, "paged_attention.cu", launch.sinks_merge_name),
     )
-
-
-def _capturing(cupy: Any) -> bool:
-    """Whether a CUDA graph is being captured on the current stream (on a GPU, while the host
-    knows that no sequence is split, a plan with spare items): the graph must hold the merge,
-    for later ``update`` calls may split."""
-    return bool(cupy.cuda.runtime.streamIsCapturing(cupy.cuda.get_current_stream().ptr))
 
 
 def _attended(max_context: int, window_left: int) -> int:

@@ -284,6 +284,10 @@ class DecodeArgs(NamedTuple):
     v_cache: Array  # per layer
     block_tables: Array  # [num_seqs, max_blocks] int32
     work: Array  # [capacity, 4] int32
+    seq_items: Array  # [num_seqs, 2] int32: {first, count}, read with merge_counters
+    # [num_seqs, grid_x] int32, zero between launches: a split sequence's last block merges its
+    # pieces (paged_attention.cu, "the last block merges"); None: paged_decode_merge will
+    merge_counters: Array
     context_lens: Array  # [num_seqs] int32
     num_kv_heads: Int32
     group_size: Int32

@@ -464,24 +464,6 @@ def instantiation(stem: str, variant: int) -> str:
     return f"{stem}, {variant}>" if variant else f"{stem}>"
 
 
-def decode_may_split(
-    capacity: int, num_seqs: int, min_chunk: int, tile: int, max_context: int | None
-) -> bool:
-    """Whether the decode planner (cuda/decode_plan.cu) can cut any sequence into several items.
-
-    Its items hold ``chunk >= round_up(min_chunk, tile)`` tokens, so a step whose longest
-    context (known on the host: ``max_context``) is at most that splits nothing, and one with no
-    spare items (``capacity == num_seqs``) never does. ``max_context=None`` (unknown without a
-    read-back): it may.
-
-    >>> decode_may_split(40, 8, 256, 64, 256), decode_may_split(40, 8, 256, 64, 257)
-    (False, True)
-    """
-    if capacity <= num_seqs:
-        return False
-    return max_context is None or max_context > cdiv(min_chunk, tile) * tile
-
-
 def invariant_work(num_seqs: int, longest: int, tile: int) -> tuple[int, int]:
     """The work list of a batch-invariant decode plan: ``(capacity, chunk)``.
 

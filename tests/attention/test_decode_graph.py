@@ -18,7 +18,7 @@ LAYERS, HKV, GROUP, HEAD_DIM, BLOCK = 2, 2, 2, 64, 16
 MAX_BLOCKS = 40  # 640 tokens per row: long enough for a step that splits
 DTYPE = "float16"
 # Each step's lengths: the first short (nothing splits when it is captured), later ones long, so
-# that the replay needs the merge the capture had to include.
+# that the replay merges pieces that the captured step had none of.
 STEPS = ([1, 17, 5], [2, 300, 6], [3, 601, 16], [4, 602, 17])
 
 
@@ -41,7 +41,7 @@ class Step:
         self.out = xp.zeros_like(self.q)
         self.slots = xp.zeros(self.batch, np.int32)
         self.fill(STEPS[0])
-        # Checked: the plan knows that step 0 splits nothing, and skips the merge.
+        # Checked: step 0 splits nothing.
         lens = xp.asarray(np.array(STEPS[0], np.int32))
         self.plan = cupaged.DecodePlan(
             xp.asarray(self.tables), lens, self.k_cache[0], heads, cascade=cascade

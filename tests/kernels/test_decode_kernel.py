@@ -83,6 +83,8 @@ def run_decode(
         v_cache=xp.asarray(v_cache),
         block_tables=xp.asarray(tables),
         work=xp.asarray(work),
+        seq_items=xp.asarray(seq_items),
+        merge_counters=None,  # the merge below: this test's subject too
         context_lens=xp.asarray(np.asarray(lengths, np.int32)),
         num_kv_heads=np.int32(num_kv_heads),
         group_size=np.int32(group),

@@ -198,7 +198,7 @@ def test_a_reordered_parameter_fails_its_record():
     )
     reason = mismatch(kernel_args.DecodeArgs, edited["paged_decode"]["params"])
     assert reason == (
-        "parameter 9: expected ('group_size', 'int') (the .cu), got ('num_kv_heads', 'int') "
+        "parameter 11: expected ('group_size', 'int') (the .cu), got ('num_kv_heads', 'int') "
         "(DecodeArgs)"
     )
 

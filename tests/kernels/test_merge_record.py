@@ -38,5 +38,5 @@ def test_merge_record_takes_each_shared_field_from_its_kernel(kernel, merge, own
 
 
 def test_merge_record_refuses_a_field_it_cannot_fill():
-    with pytest.raises(AttributeError, match="seq_items"):
-        merge_record(_distinct(DecodeArgs), DecodeMergeArgs, num_q_heads=np.int32(4))
+    with pytest.raises(AttributeError, match="num_q_heads"):
+        merge_record(_distinct(DecodeArgs), DecodeMergeArgs, seq_items=np.zeros((1, 2), np.int32))

@@ -56,6 +56,9 @@ def disassemble(cubin: bytes) -> dict[str, list[str]]:
 
 _INSTRUCTION = re.compile(r"^\s*/\*[0-9a-f]+\*/\s+(.*?)\s*;")
 _LABEL = re.compile(r"^(\.L_x_\d+):")
+# A __noinline__ device function that the kernel calls follows the kernel's own code in its
+# section, from a label of its mangled name (``$_ZN...:``).
+_CALLEE = re.compile(r"^\$\S+:")
 _BRANCH = re.compile(r"\bBRA\b.*?(\.L_x_\d+)")
 # LD is a generic-address load: WMMA's bf16 fragments are loaded through it from shared memory
 # (NVVM keeps their address space generic), so it counts among the loop's shared loads.
@@ -88,7 +91,11 @@ def memory_kind(op: str) -> tuple[str, int] | None:
 
 @dataclass(slots=True)
 class Sass:
-    """One function's SASS: its instructions and innermost loops (index ranges, inclusive)."""
+    """One function's SASS: its instructions and innermost loops (index ranges, inclusive).
+
+    The kernel's own code only: a ``__noinline__`` device function it calls (the decode
+    kernels' merge in the last thread block of a split sequence) is not one of its loops.
+    """
 
     instructions: list[str]
     loops: list[tuple[int, int]]
@@ -99,6 +106,8 @@ class Sass:
         labels: dict[str, int] = {}
         instructions: list[str] = []
         for line in lines:
+            if _CALLEE.match(line):
+                break
             if m := _LABEL.match(line):
                 labels[m.group(1)] = len(instructions)
             elif m := _INSTRUCTION.match(line):

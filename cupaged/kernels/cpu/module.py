@@ -6,10 +6,11 @@ The calling code is the same for both backends::
     kernel = module.get_function("cupaged::f<float, 128>")
     kernel(grid, block, (out, x, np.int32(n)), shared_mem=nbytes)
 
-Arguments are NumPy arrays (passed as a pointer to their data, like CuPy passes device pointers) and
-NumPy scalars of the exact C type of the parameter. Unlike CuPy, every argument is checked against
-the kernel's parameter list (count, pointer or value, byte size, integer or floating point) before
-the launch, and a Python ``int``/``float`` is refused: its C type would be a guess.
+Arguments are NumPy arrays (passed as a pointer to their data, like CuPy passes device pointers) or
+``None`` (a null pointer, as in CuPy) and NumPy scalars of the exact C type of the parameter.
+Unlike CuPy, every argument is checked against the kernel's parameter list (count, pointer or
+value, byte size, integer or floating point) before the launch, and a Python ``int``/``float`` is
+refused: its C type would be a guess.
 """
 
 from __future__ import annotations
@@ -433,8 +434,8 @@ class CpuKernel:
         Args:
             grid: blocks, an int or a tuple of 1 to 3 ints.
             block: threads per block (at most 1024), an int or a tuple of 1 to 3 ints.
-            args: one value per kernel parameter: NumPy arrays for pointers, NumPy scalars of
-                the exact C type for values.
+            args: one value per kernel parameter: NumPy arrays (or ``None``, null) for
+                pointers, NumPy scalars of the exact C type for values.
             shared_mem: bytes of dynamic shared memory per block (filled with NaN bytes).
             workers: at most this many OS threads for this launch (and at most one per CPU),
                 when the launch options leave them open. ``None``: the kernel's own cap (see
@@ -503,6 +504,9 @@ class CpuKernel:
         for i, arg in enumerate(args):
             kind = self.param_kinds[i]
             if kind == "p":
+                if arg is None:  # a null pointer, as CuPy passes None
+                    values.append(0)
+                    continue
                 if not isinstance(arg, np.ndarray):
                     raise TypeError(
                         f"{self.name}: parameter {i} is a pointer, expected a NumPy array, got "
