@@ -597,7 +597,14 @@ class DecodePlan:
             return out
         # One launch: a split sequence's last thread block merges its pieces.
         args = self._fill(out_storage, q, k_cache, v_cache, scales, sinks)
-        kernel(self._grid, self._block, args, shared_mem=self._shared_mem)
+        try:
+            kernel(self._grid, self._block, args, shared_mem=self._shared_mem)
+        except BaseException:
+            # A launch stopped part way (the CPU backend's KernelError, an interrupt) may leave
+            # tickets taken: the next run must find every counter 0 again.
+            if self._merge_counters is not None:
+                self._merge_counters.fill(0)
+            raise
         return out
 
 

@@ -254,3 +254,25 @@ def test_a_batch_invariant_plan_gives_a_sequence_the_same_bits_in_two_batches(rn
         assert not internals(plan).merge_counters.any()
     np.testing.assert_array_equal(bits(outs[0]), bits(outs[1]))
     assert_close(outs[0], batch.oracle()[2], dtype)
+
+
+def test_a_launch_stopped_part_way_leaves_the_counters_zero_for_the_next_run(rng):
+    """A launch that raises after some blocks took their tickets (the CPU backend's KernelError,
+    an interrupt): the plan zeroes its counters, and its next run is right."""
+    case = CASES[1]
+    batch = Batch(rng, case)
+    dtype = case[0]
+    plan = cupaged.DecodePlan(batch.tables, batch.lens, batch.k, batch.q.shape[1], num_splits=6)
+    kernel = plan._kernel  # private: the seam bench_decode_plan.python_only uses too
+
+    def stops_part_way(grid, block, args, shared_mem=0):
+        internals(plan).merge_counters[0, 0] = 1  # a ticket taken, its sequence never finished
+        raise KeyboardInterrupt
+
+    plan._kernel = stops_part_way
+    with pytest.raises(KeyboardInterrupt):
+        plan.run(batch.q, batch.k, batch.v, out=poison(batch.q.shape, dtype))
+    assert not internals(plan).merge_counters.any()
+    plan._kernel = kernel
+    got = plan.run(batch.q, batch.k, batch.v, out=poison(batch.q.shape, dtype))
+    assert_close(got, batch.oracle(), dtype)
