@@ -250,6 +250,7 @@ def forget_cuda_state() -> None:
     ops._write_plan.cache_clear()  # their plans hold kernels, keyed ("cuda", device id, ...)
     ops._copy_plan.cache_clear()
     ops._PLANS.clear()  # the one-shot decode's reused plans: kernels and device arrays
+    ops._PREFILL_PLANS.clear()  # and the one-shot prefill's
 
 
 @contextlib.contextmanager
