@@ -181,9 +181,9 @@ def test_decode_shared_reads_are_128_bit(quick):
 
 def test_the_tensor_core_path_for_fp16_bf16_groups_of_2_and_more(quick):
     """G = 4 and 8 at fp16/bf16 run paged_decode_mma on sm_80/sm_90 (from G = 2; G = 1 keeps
-    the CUDA cores): HMMA in the stage loop, no FFMA dot products; fp16 fragments by ldmatrix x4
-    (128 bits a lane), bf16's by generic 32-bit loads (NVVM keeps their address space generic);
-    the scores, weights and O tiles read back 128 bits at a time; the one 32-bit shared load is a
+    the CUDA cores): HMMA in the stage loop, no FFMA dot products; fp16 and bf16 fragments by
+    ldmatrix x4 (128 bits a lane; bf16's through mma::wmma_load, where mma.h's load gave generic
+    32-bit loads); the scores, weights and O tiles read back 128 bits at a time; the one 32-bit shared load is a
     row's alpha."""
     _, rows = quick
     mma = [r for r in decode_rows(rows) if r["group"] > 1]
@@ -198,8 +198,8 @@ def test_the_tensor_core_path_for_fp16_bf16_groups_of_2_and_more(quick):
         ]  # per warp: 8 score + 8 P V mma_sync, 2 HMMA each
         loops = row["memory_ops_in_loops"]
         reads = {k: n for k, n in loops.items() if k.startswith("LD") and k[:3] != "LDG"}
-        fragments = reads.pop("LDSM.128" if row["dtype"] == "float16" else "LD.32")
-        assert fragments == (20 if row["dtype"] == "float16" else 80), (row["name"], loops)
+        fragments = reads.pop("LDSM.128", 0)  # fp16 and bf16 alike (mma::wmma_load)
+        assert fragments == 20 and "LD.32" not in reads, (row["name"], loops)
         assert reads == {"LDS.128": 6, "LDS.32": 1}, (row["name"], loops)
 
 

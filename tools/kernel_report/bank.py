@@ -152,8 +152,8 @@ def decode_mma_bank_model(dtype: str, head_dim: int, group: int, arch: str) -> d
        fragments, the slice's tile stored (over the scores' bytes) and read back (2 x 128-bit
        per lane), alpha (32-bit).
 
-    bf16 fragments are loaded with generic 32-bit loads rather than ldmatrix (NVVM keeps their
-    address space generic): the same bytes at the same addresses, counted the same way. Barriers
+    bf16 fragments load by ldmatrix too (``mma::wmma_load``; CUDA's ``mma.h`` alone gave generic
+    32-bit loads): the same bytes at the same addresses either way, counted the same way. Barriers
     and the merge of items are left out.
     """
     geo = launch_decode.decode_geometry(dtype, head_dim, group, target_of(arch))

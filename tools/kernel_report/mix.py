@@ -26,7 +26,7 @@ from .sass import Sass, op_of
 # keyed by its shape (``HMMA.16816``: m16n8k16; ``HMMA.1688`` on sm_75) and MUFU by its function
 # (``MUFU.EX2``: the softmax's exp2), the others by the opcode alone: LDSM (ldmatrix), LDGSTS
 # (cp.async), LDGDEPBAR / DEPBAR (cp.async commit and wait), BAR (__syncthreads and kin), LDS /
-# STS (shared), LD / ST (generic: WMMA's bf16 fragments), LDG / STG (global), F2FP (fp32 to a
+# STS (shared), LD / ST (generic; mma.h's bf16 WMMA loads were), LDG / STG (global), F2FP (fp32 to a
 # 16-bit pair), HGMMA (wgmma, sm_90).
 MIX_OPS = (
     "HMMA",

@@ -60,8 +60,9 @@ _LABEL = re.compile(r"^(\.L_x_\d+):")
 # section, from a label of its mangled name (``$_ZN...:``).
 _CALLEE = re.compile(r"^\$\S+:")
 _BRANCH = re.compile(r"\bBRA\b.*?(\.L_x_\d+)")
-# LD is a generic-address load: WMMA's bf16 fragments are loaded through it from shared memory
-# (NVVM keeps their address space generic), so it counts among the loop's shared loads.
+# LD is a generic-address load: mma.h loads WMMA's bf16 fragments through it from shared memory
+# (the kernels use mma::wmma_load instead, which gives LDSM), so it counts among the loop's
+# shared loads.
 MEMORY_OPS = ("LDGSTS", "LDG", "STG", "LDS", "STS", "LDSM", "LDL", "STL", "LD")
 
 

@@ -60,7 +60,7 @@ def markdown(rows: list[Row]) -> str:
         "Each architecture's rows are what the launch table picks there. "
         "(tensor cores): paged_decode_mma, the WMMA path for fp16/bf16 chunks of 8-16 query "
         "heads (bf16 from sm_80; where its stages fit the GPU's shared memory), with its own bank "
-        "model; LD is a generic load (its bf16 fragments), LDSM.128 an ldmatrix x4. "
+        "model; LDSM.128 is an ldmatrix x4 (fp16 and bf16 fragments alike), LD a generic load. "
         "(C-head chunks x N): a group of more than 16 heads runs as N CTAs per KV head of C heads "
         "each, all reading every K/V tile; the cycle figures are one CTA's, and 'xN CTAs' gives "
         "the N together against one DRAM read of the tile (L2 serving the others).",
