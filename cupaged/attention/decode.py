@@ -64,6 +64,8 @@ from ..kernels.launch_decode import (
     check_decode_shape,
     decode_ctas_per_sm,
     decode_launch,
+    decode_merge_launch,
+    fuses_merge,
     invariant_work,
     plan_threads,
     query_dtype,
@@ -193,6 +195,7 @@ class DecodePlan:
         "_launch",
         "_merge",
         "_merge_counters",
+        "_merge_launch",
         "_num_q_heads",
         "_plan_args",
         "_planner",
@@ -360,10 +363,16 @@ class DecodePlan:
             partial_out = partial_lse = xp.empty(1, np.float32)
         # A split sequence's last thread block merges its pieces (paged_attention.cu, "the last
         # block merges"): one counter per sequence and thread block of an item, zeroed once here
-        # and by that block after each use, so that a run (or a graph's replay) is one launch.
-        self._merge_counters = None
-        if capacity > num_seqs:
+        # and by that block after each use, so that a run (or a graph's replay) is one launch;
+        # unless a sequence's pieces are too many for one block (fuses_merge): then a merge launch.
+        self._merge_counters = self._merge_launch = None
+        pieces = min(capacity - num_seqs + 1, cdiv(max_blocks * block_size, min_chunk) + 1)
+        if capacity > num_seqs and fuses_merge(pieces, launch.geometry.chunk, head_dim):
             self._merge_counters = xp.zeros((num_seqs, launch.grid[0]), np.int32)
+        elif capacity > num_seqs:  # (grid, block), then its filler below
+            self._merge_launch = decode_merge_launch(
+                head_dim, num_q_heads, num_seqs, capacity, fixed=batch_invariant
+            )
         # The layer's arrays (None here) and an fp8 run's scales go in at each run.
         args = DecodeArgs(
             out=None,
@@ -386,6 +395,8 @@ class DecodePlan:
             args, DecodeMergeArgs, seq_items=self._seq_items, num_q_heads=self._num_q_heads
         )
         self._fill = with_fields(args, merge_counters=self._merge_counters).filler()
+        if self._merge_launch is not None:
+            self._merge_launch = (*self._merge_launch, merge_args.filler())
         self._cascade_args = (args, merge_args)
         if cascade is not False and not batch_invariant and num_seqs > 1:
             self._shared_level = shared_level(
@@ -599,6 +610,9 @@ class DecodePlan:
         args = self._fill(out_storage, q, k_cache, v_cache, scales, sinks)
         try:
             kernel(self._grid, self._block, args, shared_mem=self._shared_mem)
+            if self._merge_launch is not None:  # too many pieces for the last block
+                grid, block, fill = self._merge_launch
+                merge(grid, block, fill(out_storage, sinks))
         except BaseException:
             # A launch stopped part way (the CPU backend's KernelError, an interrupt) may leave
             # tickets taken: the next run must find every counter 0 again.

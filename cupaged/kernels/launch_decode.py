@@ -55,6 +55,13 @@ DECODE_WIDE_LANE_GROUP = 4  # from this GQA group on, a lane owns 16 elements of
 # bounds: tests/kernels/test_decode_merge.py reads it), laid out by decode_merge_launch.
 MERGE_THREADS = 128
 MERGE_MAX_ROWS = 32  # items of a sequence one merge block adds at once (its rows)
+# A split sequence's pieces are merged by the decode launch's last thread block (one launch a
+# step) unless that block could read more than this many bytes of partial rows: it reads them
+# from L2 alone, at one SM's share of L2's bandwidth (about 64-128 bytes a cycle: 1 MiB in 5-9
+# us), where paged_decode_merge spreads them over many blocks. 1 x 32k at G 4, head_dim 128
+# (67 pieces at most, 137 KB) fuses; one KV head of G 16 cut into 128 pieces (1 MiB) does not.
+# Not measured: the next GPU run times both (issue 37).
+FUSED_MERGE_MAX_BYTES = 256 * 1024
 # Query heads of one decode thread block: a larger GQA group is cut into chunks of at most this
 # many (DecodeChunk in cuda/common.cuh), so that a thread's q rows and accumulators stay in
 # registers (a group of 48 in one block took 255 registers and spilled 596 bytes; of 128, 25 KB).
@@ -414,6 +421,17 @@ def decode_launch(
         sinks_name=_decode_instantiation(stem, variant | SINKS, kv),
         sinks_merge_name=instantiation(merge, SINKS),
     )
+
+
+def fuses_merge(pieces: int, chunk: int, head_dim: int) -> bool:
+    """Whether a plan whose sequences are cut into at most ``pieces`` items each merges them
+    in the decode launch (its last block, over the ``chunk`` query heads it computed) rather
+    than in ``paged_decode_merge``: ``FUSED_MERGE_MAX_BYTES`` of float32 partial rows at most.
+
+    >>> fuses_merge(67, 4, 128), fuses_merge(128, 16, 128)
+    (True, False)
+    """
+    return pieces * chunk * head_dim * 4 <= FUSED_MERGE_MAX_BYTES
 
 
 def decode_merge_launch(

@@ -36,10 +36,11 @@ from test_decode_kernel import host_work
 
 import cupaged
 from cupaged.attention.scales import kv_scale_args
+from cupaged.backend import to_numpy
 from cupaged.dtypes import from_float, to_float
 from cupaged.kernels.args import DecodeArgs, DecodeMergeArgs
 from cupaged.kernels.cpu import launch_options
-from cupaged.kernels.launch_decode import decode_launch, uses_decode_mma
+from cupaged.kernels.launch_decode import FUSED_MERGE_MAX_BYTES, decode_launch, uses_decode_mma
 from cupaged.kernels.loader import get_kernel
 
 NUM_KV_HEADS = 2
@@ -276,3 +277,45 @@ def test_a_launch_stopped_part_way_leaves_the_counters_zero_for_the_next_run(rng
     plan._kernel = kernel
     got = plan.run(batch.q, batch.k, batch.v, out=poison(batch.q.shape, dtype))
     assert_close(got, batch.oracle(), dtype)
+
+
+@pytest.mark.parametrize("sinks", [False, True])
+def test_too_many_pieces_for_one_block_keep_the_merge_launch(rng, sinks):
+    """fuses_merge: a plan whose sequences may be cut into more pieces than one block should
+    read (FUSED_MERGE_MAX_BYTES of partial rows) keeps paged_decode_merge as a second launch,
+    and no counters; the results are the oracle's."""
+    case = ("float16", "float16", 256, 16, 16)  # G 16: 16 rows of 1 KiB a piece
+    batch = Batch(rng, case, lengths=[1000, 3, 700])
+    heads = batch.q.shape[1]
+    plan = cupaged.DecodePlan(batch.tables, batch.lens, batch.k, heads, num_splits=40)
+    pieces = int(plan.work()[:, 3].max())  # 1000 tokens in pieces of 32 (CUDA cores' tile 8)
+    assert pieces * 16 * 1024 > FUSED_MERGE_MAX_BYTES and internals(plan).merge_counters is None
+    extra = dict(sinks=batch.sinks) if sinks else {}
+    with recorded_cpu_launches() as launches:
+        got = plan.run(batch.q, batch.k, batch.v, out=poison(batch.q.shape, "float16"), **extra)
+    names = [name for name, _ in launches]
+    assert len(names) == 2 and "paged_decode_merge" in names[1], names
+    assert_close(got, batch.oracle(sinks=sinks), "float16")
+    fused = cupaged.DecodePlan(batch.tables, batch.lens, batch.k, heads, num_splits=3)
+    assert internals(fused).merge_counters is not None  # 4 pieces: fused, one launch
+
+
+@pytest.mark.parametrize("case", [CASES[1], CASES[3]], ids=["tensor-cores", "cuda-cores"])
+def test_repeated_runs_give_the_same_bits_and_leave_the_counters_zero(rng, xp, case):
+    """On a GPU, 200 runs of a split plan on one stream race their blocks for the last ticket
+    each time (what the CPU backend's threads cannot show of the fences): every run's bits are
+    the first's, the counters are 0 after, and the first run is the oracle's. 3 runs elsewhere."""
+    batch = Batch(rng, case)
+    dtype = case[0]
+    q, k, v, tables, lens = (
+        xp.asarray(a) for a in (batch.q, batch.k, batch.v, batch.tables, batch.lens)
+    )
+    plan = cupaged.DecodePlan(tables, lens, k, batch.q.shape[1], num_splits=6)
+    assert internals(plan).merge_counters is not None
+    out = xp.asarray(poison(batch.q.shape, dtype))
+    first = bits(to_numpy(plan.run(q, k, v, out=out)))
+    for _ in range(200 if xp.__name__ == "cupy" else 3):  # the stand-in: strict_cupy
+        out[...] = xp.asarray(poison(batch.q.shape, dtype))
+        np.testing.assert_array_equal(bits(to_numpy(plan.run(q, k, v, out=out))), first)
+    assert not internals(plan).merge_counters.any()
+    assert_close(plan.run(q, k, v, out=out), batch.oracle(), dtype)
