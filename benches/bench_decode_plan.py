@@ -5,12 +5,12 @@ launch and nothing else. On a tiny shape (one sequence of 16 tokens, one KV head
 the kernels themselves take a few microseconds on the CPU backend), each benchmark times:
 
 - ``run``: ``plan.run(q, k, v, out=out)``, the per-layer call;
-- ``launches``: the decode and merge launches of one ``run``, recorded and replayed on the same
+- ``launches``: the launches of one ``run`` (one; two where the merge is its own), recorded and replayed on the same
   kernels with the same arguments (``bench_launch.replayed_launches``; the floor: what the
   launches cost without any of cupaged's Python);
 - ``one_call``: ``paged_attention(..., checked=False)``, which plans and runs every time;
 - ``plan``: ``DecodePlan(..., checked=False)`` alone, once per step;
-- ``python``: ``run`` with the plan's two kernels replaced by no-ops (``python_only``): the
+- ``python``: ``run`` with the plan's kernels replaced by no-ops (``python_only``): the
   Python of the per-layer call alone, none of the launches. On the CPU backend a launch packs
   its arguments for a foreign call and starts fibers, nothing like a GPU's, so this row, not
   ``run``, is the host path a GPU pays besides CuPy's own launch calls (issue 37: at most 10 µs

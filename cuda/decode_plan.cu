@@ -5,7 +5,8 @@
 // block per KV head attends over:
 //   work[i] = {seq, begin, end, count}: tokens [begin, end) of sequence seq, which has count items
 //             in all (count == 1: the item writes the output row itself; otherwise a partial row
-//             and its log-sum-exp, merged by paged_decode_merge). seq = -1: nothing to do.
+//             and its log-sum-exp, merged by the sequence's last block or paged_decode_merge).
+//             seq = -1: nothing to do.
 //   seq_items[s] = {first, count}: sequence s's items are first .. first + count - 1.
 // Every sequence gets at least one item (a context of length 0 gets {s, 0, 0, 1}: a zero row).
 //

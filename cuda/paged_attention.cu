@@ -20,7 +20,7 @@
 //                       (for i: an item does not know its sequence's length);
 //   sinks (kSinks):     the softmax denominator gains exp(sinks[h] - m), m = max(max_j s_j,
 //                       sinks[h]), once: at the final normalisation of a single-item sequence,
-//                       else in paged_decode_merge (never in an item's partial row). A context of
+//                       else in the merge (never in an item's partial row). A context of
 //                       length 0 still gets a zero row.
 // NaN and Inf through them as through the formula: tanh takes +-Inf to +-soft_cap, a NaN sink
 // makes the row NaN, a sink of -Inf weighs 0 (all scores -Inf too: NaN, 0 / 0), +Inf is NaN.
@@ -149,6 +149,7 @@ __device__ __noinline__ void merge_split(T* __restrict__ out, const float* __res
                                          int* __restrict__ merge_counters, int num_kv_heads,
                                          int group_size, const float* __restrict__ sinks,
                                          float* scratch) {
+  static_assert(CHUNK <= 16 && CHUNK < THREADS, "scratch holds THREADS + 16 floats");
   const int tid = (threadIdx.z * blockDim.y + threadIdx.y) * blockDim.x + threadIdx.x;
   const int4 item = work[blockIdx.y];
   const int seq = item.x, count = item.w;
