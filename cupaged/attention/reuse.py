@@ -55,20 +55,15 @@ class PlanReuse:
         Raises:
             what :meth:`DecodePlan.update` or ``make`` raise; a kept plan stays unchanged.
         """
-        if key is None:
-            return make()
-        with self._lock:
-            plan = self._plans.pop(key, None)
-        if plan is None:
-            plan = make()
-        else:
+
+        def update(plan: DecodePlan) -> None:
             try:
                 plan.update(block_tables, context_lens, checked=checked)
             except BaseException:
                 self._keep(key, plan)  # unchanged: update refuses before it writes
                 raise
-        self._keep(key, plan)
-        return plan
+
+        return self.reuse(key, make, update)
 
     def reuse(
         self, key: Hashable | None, make: Callable[[], Any], update: Callable[[Any], None]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import cpu_toolchain_missing, kernel_error
+from helpers import aligned, cpu_toolchain_missing, kernel_error
 
 from cupaged.backend import kernel_dir
 from cupaged.errors import KernelError
@@ -62,26 +62,15 @@ def _line(marker: str) -> int:
     raise AssertionError(f"no line ends with // {marker}")
 
 
-def _aligned(shape, dtype, fill) -> np.ndarray:
-    """An array whose data starts on a 64-byte boundary (16-byte copies need 16)."""
-    dtype = np.dtype(dtype)
-    count = int(np.prod(shape))
-    raw = np.empty(count * dtype.itemsize + 64, np.uint8)
-    start = -raw.ctypes.data % 64
-    out = raw[start : start + count * dtype.itemsize].view(dtype).reshape(shape)
-    out[...] = fill
-    return out
-
-
 # ---- The double-buffered staging loop and its planted bugs ---------------------------------------
 
 
 def _double_buffer(pipeline, rng, bug: int, drain: bool, order: str, num_tiles: int = 5) -> str:
     """Runs double_buffer<bug, drain> over 3 blocks: 'exact', 'nan', 'wrong' or 'error'."""
-    x = _aligned(
+    x = aligned(
         (3, num_tiles, THREADS, 4), np.float32, rng.standard_normal((3, num_tiles, THREADS, 4))
     )
-    out = _aligned(x.shape, np.float32, np.nan)
+    out = aligned(x.shape, np.float32, np.nan)
     kernel = pipeline.get_function(f"cpu_test::double_buffer<{bug}, {str(drain).lower()}>")
     try:
         with launch_options(schedule=order, strict=True):
@@ -121,8 +110,8 @@ def test_each_planted_bug_fails_under_every_order(pipeline, rng, bug, drain, exp
 
 
 def test_pending_copies_at_thread_exit_name_kernel_line_and_thread(pipeline, rng):
-    x = _aligned((1, 3, THREADS, 4), np.float32, rng.standard_normal((1, 3, THREADS, 4)))
-    out = _aligned(x.shape, np.float32, np.nan)
+    x = aligned((1, 3, THREADS, 4), np.float32, rng.standard_normal((1, 3, THREADS, 4)))
+    out = aligned(x.shape, np.float32, np.nan)
     message = kernel_error(
         pipeline.get_function("cpu_test::double_buffer<1, false>"),
         1,
@@ -140,7 +129,7 @@ def test_a_failed_launch_leaves_no_copies_behind(pipeline, rng):
     """The queues start empty in every block: a launch that failed with copies queued does not
     leak them into the next launch on the same worker."""
     with launch_options(workers=1):
-        x = _aligned((4,), np.float32, 1.0)
+        x = aligned((4,), np.float32, 1.0)
         kernel_error(pipeline.get_function("cpu_test::never_waits"), 1, 4, (x, np.int32(3)))
         assert _double_buffer(pipeline, rng, 0, False, "forward") == "exact"
 
@@ -154,8 +143,8 @@ def test_a_failed_launch_leaves_no_copies_behind(pipeline, rng):
 def test_copies_of_4_8_16_bytes_with_zfill(pipeline, rng, size, zfill_part, where):
     zfill = {"half": size // 2, "all": size}.get(zfill_part, zfill_part)
     n = 64
-    x = _aligned((n * size + 16,), np.uint8, rng.integers(1, 256, n * size + 16))
-    out = _aligned((n * size,), np.uint8, 0xAA)
+    x = aligned((n * size + 16,), np.uint8, rng.integers(1, 256, n * size + 16))
+    out = aligned((n * size,), np.uint8, 0xAA)
     kernel = pipeline.get_function("cpu_test::copy_chunks")
     args = (out, x, np.int32(size), np.int32(zfill), np.int32(where), np.int32(0), np.int32(0))
     kernel(1, n, args, shared_mem=64 * 16 + 16)
@@ -169,8 +158,8 @@ def test_wait_prior_completes_all_but_the_n_latest_batches(pipeline, rng, prior)
     """Batches complete oldest first; copies after the last commit belong to no batch and stay
     pending; N above 8 counts as 8, as in cuda_pipeline_primitives.h."""
     num_batches, n = 10, 32
-    x = _aligned((num_batches + 1, n), np.float32, rng.standard_normal((num_batches + 1, n)))
-    out = _aligned(x.shape, np.float32, 0.0)
+    x = aligned((num_batches + 1, n), np.float32, rng.standard_normal((num_batches + 1, n)))
+    out = aligned(x.shape, np.float32, 0.0)
     kernel = pipeline.get_function("cpu_test::batches")
     kernel(1, n, (out, x, np.int32(num_batches), np.int32(prior)))
     done = num_batches - min(prior, 8)
@@ -182,8 +171,8 @@ def test_wait_prior_completes_all_but_the_n_latest_batches(pipeline, rng, prior)
 
 
 def _copy_chunks_error(pipeline, size, zfill=0, where=0, dst_offset=0, src_offset=0) -> str:
-    x = _aligned((64 * 16 + 16,), np.uint8, 1)
-    out = _aligned((64 * 16,), np.uint8, 0)
+    x = aligned((64 * 16 + 16,), np.uint8, 1)
+    out = aligned((64 * 16,), np.uint8, 0)
     args = (out, x, *(np.int32(v) for v in (size, zfill, where, dst_offset, src_offset)))
     message = kernel_error(pipeline.get_function("cpu_test::copy_chunks"), 1, 8, args)
     prefix = (
@@ -223,7 +212,7 @@ def test_a_source_in_shared_memory_is_akernel_error(pipeline):
 
 
 def test_a_queue_that_never_drains_is_a_kernel_error_at_its_bound(pipeline):
-    x = _aligned((4,), np.float32, 1.0)
+    x = aligned((4,), np.float32, 1.0)
     message = kernel_error(
         pipeline.get_function("cpu_test::never_waits"), 1, 4, (x, np.int32(5000))
     )
